@@ -1,0 +1,31 @@
+"""Diffulex: a serving engine for diffusion language models.
+
+    from diffulex import Diffulex, SamplingParams
+    llm = Diffulex(model="/path/to/checkpoint")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=64))
+    print(out.trajectories[0].text)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor reads like a class)
+    """Build an engine for the checkpoint folder ``model``.
+
+    Keywords that are engine fields configure it (validated and normalized by `diffulex.config.Config`); other
+    keywords are ignored with one warning naming them.
+    """
+    from diffulex.config import Config
+    from diffulex.engine.engine import DiffulexEngine
+
+    return DiffulexEngine(Config.from_kwargs(model, **kwargs))
+
+
+__all__ = ["Diffulex", "GenerationOutputs", "SamplingParams", "Trajectory", "__version__"]

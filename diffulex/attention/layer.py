@@ -1,0 +1,39 @@
+"""The attention module every model layer owns: stores new K/V into its cache slice, then attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffulex.attention.metadata import AttentionMetadata, DenseAttentionMetadata
+from diffulex.attention.torch_paged import dense_attention, paged_attention, store_kv
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer.
+
+    The model runner binds ``k_cache``/``v_cache`` (``[num_pages, page_size, kv_heads, head_dim]``) after it sizes
+    the page pool; the module owns no other state. Inputs are flat over the batch: q ``[T, heads, head_dim]``,
+    k/v ``[T, kv_heads, head_dim]``; the output is ``[T, heads * head_dim]``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if isinstance(meta, DenseAttentionMetadata):
+            out = dense_attention(q, k, v, meta, self.scale)
+        else:
+            if self.k_cache is None or self.v_cache is None:
+                raise RuntimeError("the KV cache is not bound to this attention layer")
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

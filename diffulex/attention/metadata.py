@@ -1,0 +1,54 @@
+"""What one forward needs to know to run attention: who owns each query row, what each row may see.
+
+Two kinds of metadata exist:
+
+* `PagedAttentionMetadata` is built by the model runner once per engine step. The batch is a flat stream of
+  query rows from several requests; each request contributes one contiguous chunk of new tokens at absolute
+  positions ``[context_len, context_len + query_len)``, whose first ``context_len`` positions already have K/V in
+  the paged cache.
+* `DenseAttentionMetadata` carries an explicit boolean mask over one whole sequence with no cache. Only the
+  naive reference decoder uses it; it is the oracle the paged path is tested against.
+
+The visibility rule itself lives in `diffulex.attention.mask` so that both paths share one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step attention inputs for a ragged batch of requests over the paged KV cache.
+
+    All tensors live on the model's device. ``R`` is the number of requests, ``T`` the number of query rows.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [R + 1] int32, query row offsets per request
+    context_lens: torch.Tensor  # [R] int32, tokens of each request already in the KV cache
+    prefix_lens: torch.Tensor  # [R] int32, prompt length of each request (used by prefix-full masks)
+    page_tables: torch.Tensor  # [R, max_pages] int32, physical page of each logical page, -1 if none
+    slot_mapping: torch.Tensor  # [T] int64, cache slot to store each row's K/V into, -1 = do not store
+    block_size: int  # diffusion block size: the mask granularity
+    page_size: int
+    prefix_full: bool  # d2f: prompt tokens attend bidirectionally to the whole prompt
+    # Host copies of the ragged layout, so the PyTorch path can loop without device syncs.
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+@dataclass
+class DenseAttentionMetadata:
+    """One sequence, no cache: ``allowed[i, j]`` says whether query row ``i`` may attend to key row ``j``."""
+
+    allowed: torch.Tensor  # [T, T] bool
+
+
+AttentionMetadata = PagedAttentionMetadata | DenseAttentionMetadata

@@ -1,0 +1,178 @@
+"""Command line: ``diffulex generate [--model DIR] [--config FILE.yml] [--<engine field> VALUE ...] PROMPT...``.
+
+Every engine field of `diffulex.config.Config` is a flag (underscores become dashes), generated from the
+dataclass so the CLI, YAML files and Python accept the same names, types and validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+# Fields the CLI sets itself (positional / dedicated flags) or that are not plain values.
+_SPECIAL_FIELDS = {"model"}
+
+
+def _base_type(annotation: Any) -> Any:
+    """``int | None`` -> int; ``list[int]`` -> list; other annotations unchanged."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return origin or annotation
+
+
+def _parse_value(kind: Any, text: str) -> Any:
+    if text.lower() in ("none", "null"):
+        return None
+    if kind is int:
+        return int(text)
+    if kind is float:
+        return float(text)
+    if kind in (dict, list):
+        return json.loads(text)
+    return text
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine field; booleans get ``--x/--no-x``. Unset flags stay out of the overrides."""
+    from diffulex.config import Config, engine_fields
+
+    hints = typing.get_type_hints(Config)
+    group = parser.add_argument_group("engine fields (see docs/configuration.md)")
+    for f in engine_fields():
+        if f.name in _SPECIAL_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        kind = _base_type(hints.get(f.name, str))
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=lambda s, k=kind: _parse_value(k, s),
+                default=None,
+                choices=choices,
+                metavar=f.name.upper(),
+                help=help_text,
+            )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from diffulex.config import engine_fields
+
+    names = {f.name for f in engine_fields()} - _SPECIAL_FIELDS
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def load_yaml_engine_fields(path: str) -> dict[str, Any]:
+    """Engine fields from a YAML file: either an ``engine:`` section (benchmark layout) or a flat mapping."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"config={path!r} could not be read: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config={path!r} is invalid: must be a mapping of engine fields")
+    fields = data.get("engine", data)
+    if not isinstance(fields, dict):
+        raise ValueError(f"config={path!r}: 'engine' must be a mapping of engine fields")
+    fields = dict(fields)
+    if "model_path" in fields:
+        fields["model"] = fields.pop("model_path")
+    return fields
+
+
+def default_model_dir() -> Path:
+    """The model used when none is given: a tiny random checkpoint the package writes once (a demo only)."""
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    cache = Path.home() / ".cache" / "diffulex" / "tiny-sdar-demo"
+    if not (cache / "config.json").exists():
+        write_tiny_checkpoint(cache, family="sdar", seed=0)
+    return cache
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from diffulex import Diffulex, SamplingParams
+
+    fields: dict[str, Any] = load_yaml_engine_fields(args.config) if args.config else {}
+    fields.update(engine_overrides(args))
+    model = args.model or fields.pop("model", None)
+    fields.pop("model", None)
+    if model is None:
+        model = str(default_model_dir())
+        print(f"no --model given: using the built-in demo checkpoint at {model} (random weights)", file=sys.stderr)
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        max_nfe=args.max_nfe,
+        ignore_eos=args.ignore_eos,
+        max_repetition_run=args.max_repetition_run,
+    )
+    prompts = args.prompts or ["The quick brown fox"]
+    with Diffulex(model, **fields) as llm:
+        outputs = llm.generate(prompts, sp, use_tqdm=not args.quiet)
+    if args.json:
+        rows = [
+            {"prompt": p, "text": t.text, "token_ids": t.token_ids, "completion_reason": t.completion_reason,
+             "nfe": t.nfe, "tpf": t.tpf, "error": t.error}
+            for p, t in zip(prompts, outputs.trajectories, strict=True)
+        ]
+        print(json.dumps({"outputs": rows, "tps": outputs.tps, "tpf": outputs.tpf, "nfe": outputs.nfe}, indent=2))
+    else:
+        for prompt, traj in zip(prompts, outputs.trajectories, strict=True):
+            print(f"### prompt: {prompt!r}")
+            print(traj.text if traj.error is None else f"[rejected] {traj.error}")
+            print(f"--- {traj.completion_reason}, {traj.num_generated_tokens} tokens, NFE {traj.nfe}\n")
+        print(outputs.summary(), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffulex", description="Diffusion language model serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="*", help="prompts (default: a short demo prompt)")
+    gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
+    gen.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--max-nfe", type=int, default=None)
+    sampling.add_argument("--max-repetition-run", type=int, default=None)
+    sampling.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

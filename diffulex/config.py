@@ -1,0 +1,771 @@
+"""Engine configuration.
+
+Everything the engine needs to know is checked here, before any weight is loaded or any process is spawned,
+so that a wrong setting fails in a second with a message that names the field, the value and what is allowed.
+Each field carries ``help`` (and, where the set is closed, ``choices``) metadata so that the CLI, the YAML
+loader and the HTTP server can all be generated from this one dataclass instead of repeating it.
+
+``__post_init__`` order (later steps rely on earlier ones):
+
+1. model directory, ``config.json`` (read once into ``model_config_dict``), tokenizer directory;
+2. ``model_name`` (given or inferred), ``decoding_strategy`` (aliases, family default, model-driven rules),
+   ``sampling_mode``;
+3. defaults taken from the checkpoint (``mask_token_id``, ``block_size``), then the checks of single fields;
+4. the strategy normalizer (``diffulex/strategy/<name>/config.py``), which may rewrite sizes and prefix flags;
+5. checks that span several fields (``block_size <= page_size``, ``max_model_len`` clamp, batch budget, ...);
+6. profiler, decoding thresholds, environment overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffulex.registry import StrategyConfigRegistry
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAMES = (
+    "dream",
+    "diffucoder",
+    "dream_reasoner",
+    "llada",
+    "llada2",
+    "llada2_moe",
+    "llada2_mini",
+    "llada2dot1_mini",
+    "llada2_mini_dmax",
+    "sdar",
+    "sdar_moe",
+    "fast_dllm_v2",
+    "stable_diffcoder",
+    "diffusion_gemma",
+)
+# Families whose sampler implements token-to-token edits (sampling_mode="edit", strategy dmax).
+EDIT_MODEL_NAMES = ("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax")
+
+DECODING_STRATEGIES = ("d2f", "multi_bd", "fast_dllm_v2", "dmax", "diffusion_gemma")
+# Old names of multi_bd still found in benchmark configs.
+STRATEGY_ALIASES = dict.fromkeys(("multi_block_diffusion", "block_diffusion", "fast_dllm"), "multi_bd")
+DEFAULT_STRATEGY = {
+    **dict.fromkeys(
+        (
+            "sdar",
+            "sdar_moe",
+            "dream_reasoner",
+            "stable_diffcoder",
+            "llada2",
+            "llada2_moe",
+            "llada2_mini",
+            "llada2dot1_mini",
+            "llada2_mini_dmax",
+        ),
+        "multi_bd",
+    ),
+    **dict.fromkeys(("dream", "diffucoder", "llada"), "d2f"),
+    "fast_dllm_v2": "fast_dllm_v2",
+    "diffusion_gemma": "diffusion_gemma",
+}
+
+BLOCK_SIZES = (4, 8, 16, 32)
+DIFFUSION_GEMMA_CANVAS = 256  # DiffusionGemma denoises whole 256-token canvases.
+DEFAULT_BLOCK_SIZE = 32
+
+SAMPLING_MODES = ("naive", "edit")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_LAYOUTS = ("unified", "distinct")
+ATTN_IMPLS = ("triton_grouped", "triton", "naive")
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
+MOE_GEMM_IMPLS = ("triton", "vllm", "vllm_modular", "naive")
+MOE_DISPATCHER_BACKENDS = ("standard", "naive", "deepep")
+DEEPEP_MODES = ("normal", "low_latency", "auto")
+DISTRIBUTED_BACKENDS = ("nccl", "gloo")
+PROFILERS = (None, "torch")
+
+FDV2_BLOCK_CACHE_ENV = "DIFFULEX_FDV2_USE_BLOCK_CACHE"
+_FALSE_STRINGS = ("0", "false", "no", "off")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation helpers, shared with SamplingParams and the strategy normalizers so every error reads the same.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def invalid_value(name: str, value: Any, requirement: str) -> ValueError:
+    """The one error format for a rejected setting, e.g. ``block_size=12 is invalid: must be one of 4, 8``."""
+    return ValueError(f"{name}={value!r} is invalid: {requirement}")
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Report a setting we changed: as a Python warning (tests, notebooks) and in the log (servers)."""
+    warnings.warn(message, category, stacklevel=3)
+    logger.warning(message)
+
+
+def _format_choices(choices: Sequence[Any]) -> str:
+    return ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """Return ``value`` if it is one of ``choices``; bools never match numeric choices."""
+    ok = any(value == c and type(value) is type(c) for c in choices)
+    if not ok:
+        raise invalid_value(name, value, f"must be one of {_format_choices(choices)}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    """Return ``value`` if it is an int (not a bool) within ``[low, high]``."""
+    if low is not None and high is not None:
+        requirement = f"must be an integer in [{low}, {high}]"
+    elif low == 1:
+        requirement = "must be an integer > 0"
+    elif low is not None:
+        requirement = f"must be an integer >= {low}"
+    else:
+        requirement = "must be an integer"
+    if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise invalid_value(name, value, requirement)
+    return value
+
+
+def check_number(
+    name: str, value: Any, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> float:
+    """Return ``value`` as a float if it is a real number within the bounds (NaN never is)."""
+    if low is not None and high is not None:
+        requirement = f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+    elif low is not None:
+        requirement = f"must be a number {'>' if low_open else '>='} {low:g}"
+    else:
+        requirement = "must be a number"
+    ok = _is_number(value) and value == value  # value == value rules out NaN
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        raise invalid_value(name, value, requirement)
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a real bool: a YAML/HTTP string like "false" must not silently mean True."""
+    if not isinstance(value, bool):
+        raise invalid_value(name, value, "must be True or False")
+    return value
+
+
+def _check_nonempty_str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid_value(name, value, "must be a non-empty string")
+    return value
+
+
+def _check_dir(name: str, value: Any) -> str:
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise invalid_value(name, value, "must be a path to a directory") from None
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise ValueError(f"{name}={path!r} is not an existing directory")
+    return path
+
+
+def force_setting(config: Config, name: str, value: Any, reason: str) -> None:
+    """Set a field a strategy cannot work without; warn only when that overrides a value the user chose.
+
+    A value equal to the field's declared default counts as "not chosen", because the dataclass cannot tell
+    ``page_size=32`` given explicitly from the default 32.
+    """
+    current = getattr(config, name)
+    default = Config.__dataclass_fields__[name].default
+    if current is not None and current != default and current != value:
+        warn(f"{name}={current!r} is overridden to {value!r}: {reason}")
+    setattr(config, name, value)
+
+
+def reject_unknown_keys(name: str, values: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    """A misspelled key in a YAML/HTTP dict is an error, not a silently ignored setting."""
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{name} has unknown keys {', '.join(map(repr, unknown))}; allowed keys: {', '.join(allowed)}"
+        )
+
+
+def _field(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field with the metadata the CLI/YAML/HTTP front ends are generated from."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = list(choices)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nested settings
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodingThresholds:
+    """The confidence/progress thresholds of the block decoders, grouped so they travel as one object."""
+
+    add_block_threshold: float = _field(0.1, "Progress of the newest running block that opens the next one.")
+    semi_complete_threshold: float = _field(
+        0.9, "Progress of the previous block needed before a block may force-accept its best token."
+    )
+    accept_threshold: float = _field(0.9, "Confidence above which a masked position takes its sampled token.")
+    edit_threshold: float = _field(0.0, "Confidence above which a decoded token may be replaced (edit).")
+    remask_threshold: float = _field(0.4, "Confidence below which a decoded token is masked again.")
+    token_stability_threshold: float = _field(0.0, "Share of stable tokens a DMax edit block needs.")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, check_number(f.name, getattr(self, f.name), 0.0, 1.0))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DecodingThresholds:
+        """Build from a YAML/HTTP dict; missing keys keep their defaults, unknown keys are an error."""
+        reject_unknown_keys("decoding_thresholds", values, cls.names())
+        return cls(**values)
+
+
+@dataclass
+class ProfilerConfig:
+    """Torch profiler settings; disabled (``profiler=None``) unless asked for."""
+
+    profiler: str | None = _field(None, "Profiler to run: None (off) or 'torch'.", PROFILERS)
+    torch_profiler_dir: str | None = _field(None, "Directory for traces; required with profiler='torch'.")
+    record_shapes: bool = _field(False, "Record operator input shapes.")
+    profile_memory: bool = _field(False, "Track tensor memory allocation.")
+    with_stack: bool = _field(False, "Record Python stacks for operators.")
+    with_modules: bool = _field(False, "Record the module hierarchy of operators.")
+    use_cuda: bool = _field(True, "Profile CUDA activity as well as CPU activity.")
+    delay_iterations: int = _field(0, "Engine steps to skip before the profiler starts.")
+    max_iterations: int = _field(0, "Profiled steps before stopping automatically; 0 = until stopped.")
+    run_id: str | None = _field(None, "Prefix of the exported files; None = a timestamp.")
+
+    def __post_init__(self) -> None:
+        check_choice("profiler_config.profiler", self.profiler, PROFILERS)
+        if self.torch_profiler_dir is not None:
+            self.torch_profiler_dir = os.path.abspath(os.fspath(self.torch_profiler_dir))
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise ValueError("profiler_config.profiler='torch' requires profiler_config.torch_profiler_dir")
+        for name in ("record_shapes", "profile_memory", "with_stack", "with_modules", "use_cuda"):
+            check_bool(f"profiler_config.{name}", getattr(self, name))
+        check_int("profiler_config.delay_iterations", self.delay_iterations, low=0)
+        check_int("profiler_config.max_iterations", self.max_iterations, low=0)
+        if self.run_id is not None:
+            _check_nonempty_str("profiler_config.run_id", self.run_id)
+
+    @property
+    def enabled(self) -> bool:
+        return self.profiler is not None
+
+    @classmethod
+    def from_value(cls, value: ProfilerConfig | Mapping[str, Any] | None) -> ProfilerConfig:
+        """Accept the object, a dict (unknown keys are an error) or None (profiling off)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            reject_unknown_keys("profiler_config", value, [f.name for f in dataclasses.fields(cls)])
+            return cls(**value)
+        raise invalid_value("profiler_config", value, "must be a ProfilerConfig, a dict or None")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _import_strategy_configs() -> None:
+    """Register every strategy normalizer, whatever the caller happened to import before."""
+    import diffulex.strategy.d2f.config  # noqa: F401
+    import diffulex.strategy.diffusion_gemma.config  # noqa: F401
+    import diffulex.strategy.dmax.config  # noqa: F401
+    import diffulex.strategy.fast_dllm_v2.config  # noqa: F401
+    import diffulex.strategy.multi_bd.config  # noqa: F401
+
+
+@dataclass
+class Config:
+    """Validated engine settings: ``Config(model, **fields)``. ``docs/configuration.md`` lists every field."""
+
+    model: str = field(metadata={"help": "Local checkpoint directory (must contain config.json)."})
+    tokenizer_path: str | None = _field(None, "Tokenizer directory; None = the model directory.")
+    model_name: str | None = _field(
+        None, "Model family (adapter and sampler); None = inferred from config.json.", MODEL_NAMES
+    )
+    decoding_strategy: str | None = _field(
+        None, "Decoding strategy; None = the default of the model family.", DECODING_STRATEGIES
+    )
+    sampling_mode: str = _field(
+        "naive", "Sampler behaviour; 'edit' allows token-to-token edits.", SAMPLING_MODES
+    )
+    mask_token_id: int | None = _field(
+        None, "Id of the mask token; None = config.json, else resolved from the tokenizer by the engine."
+    )
+    dtype: str = _field("auto", "Compute dtype; auto = float32 on CPU, checkpoint dtype on GPU.", DTYPES)
+    seed: int = _field(0, "Base random seed for requests that set no seed of their own.")
+
+    # Parallelism and memory
+    tensor_parallel_size: int = _field(1, "GPUs one model replica is split across (1..8).")
+    data_parallel_size: int = _field(1, "Independent model replicas (1..1024).")
+    expert_parallel_size: int = _field(1, "Expert-parallel groups for MoE models.")
+    gpu_memory_utilization: float = _field(0.9, "Share of GPU memory the engine may plan to use, in (0, 1].")
+    max_model_len: int = _field(2048, "Longest prompt + output; clamped to the checkpoint's position limit.")
+    max_num_batched_tokens: int = _field(4096, "Token budget for the prefill requests admitted in one step.")
+    max_num_reqs: int = _field(128, "Most requests running at once (and scheduled in one step).")
+    num_pages: int = _field(-1, "KV cache pages; <= 0 = sized from free GPU memory.")
+
+    # Blocks and KV cache
+    block_size: int | None = _field(
+        None,
+        "Tokens per diffusion block; None = config.json block_size if supported, else 32.",
+        (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS),
+    )
+    buffer_size: int = _field(4, "Most blocks of one request decoded at the same time.")
+    page_size: int = _field(
+        32, "Tokens per KV cache page; must be >= block_size.", (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS)
+    )
+    multi_block_prefix_full: bool | None = _field(
+        None, "Prompt attends bidirectionally (d2f); set by the strategy normalizer."
+    )
+    kv_cache_layout: str = _field("unified", "Physical layout of the KV cache.", KV_CACHE_LAYOUTS)
+    attn_impl: str = _field("triton_grouped", "Attention backend.", ATTN_IMPLS)
+    k_cache_hdim_split_factor_x: int = _field(8, "Head-dim split of the 'distinct' K layout (power of two).")
+    enable_prefix_caching: bool | None = _field(
+        None, "Share KV pages of identical prefixes; None = the strategy decides (off for d2f)."
+    )
+
+    # Runtime optimizations
+    enforce_eager: bool = _field(False, "Disable CUDA graphs and compiled paths (debugging).")
+    enable_full_static_runner: bool = _field(True, "Replay decode steps from captured CUDA graphs.")
+    enable_torch_compile: bool = _field(True, "Allow torch.compile where the runner supports it.")
+    enable_cudagraph_torch_compile: bool = _field(False, "Compile the model forward before graph capture.")
+    torch_compile_mode: str = _field("reduce-overhead", "Mode passed to torch.compile.", TORCH_COMPILE_MODES)
+    enable_vllm_layers: bool = _field(True, "Use vLLM-backed common layers when vLLM is installed.")
+    enable_prefill_cudagraph: bool = _field(False, "Capture CUDA graphs for prefill steps too.")
+    prefill_cudagraph_max_len: int = _field(0, "Longest prefill captured in a CUDA graph (>= 0).")
+    skip_warmup: bool = _field(False, "Skip the warmup forward at startup.")
+    auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
+    auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")
+
+    # Token merge (DMax)
+    token_merge_mode: str = _field("dmax_topk", "How token-merge candidates are built.", TOKEN_MERGE_MODES)
+    token_merge_top_k: int = _field(1, "Candidate tokens kept per position for token merge (> 0).")
+    token_merge_renormalize: bool = _field(True, "Renormalize candidate probabilities after filtering.")
+    token_merge_weight: float = _field(1.0, "Interpolation weight of token merge (>= 0).")
+
+    # MoE
+    moe_gemm_impl: str = _field("triton", "MoE expert GEMM implementation.", MOE_GEMM_IMPLS)
+    moe_dispatcher_backend: str = _field("standard", "MoE token dispatcher.", MOE_DISPATCHER_BACKENDS)
+    deepep_mode: str = _field("auto", "DeepEP dispatch mode.", DEEPEP_MODES)
+    deepep_num_max_dispatch_tokens_per_rank: int = _field(256, "Tokens per rank in DeepEP dispatch (> 0).")
+
+    # DMax / edit sampling
+    max_post_edit_steps: int = _field(16, "Edit steps allowed per block after it is filled (>= 0).")
+    penalty_lambda: float = _field(0.0, "Penalty weight of token-to-token edits (>= 0).")
+    dmax_sampler_fast_path: bool = _field(True, "Fast argmax path for DMax confidences.")
+    dmax_force_prefill_active: bool = _field(False, "Keep DMax active blocks on the prefill path.")
+    enable_vectorized_sampler: bool = _field(False, "Vectorized greedy sampler for batched mask filling.")
+    enable_vectorized_sampler_compile: bool = _field(False, "torch.compile the vectorized sampler step.")
+
+    # Fast-dLLM v2
+    fdv2_use_block_cache: bool = _field(
+        True, f"Reuse KV of refined sub-blocks; env {FDV2_BLOCK_CACHE_ENV}=0 forces False."
+    )
+
+    # DiffusionGemma
+    diffusion_gemma_max_denoising_steps: int = _field(48, "Denoising steps per canvas at most (> 0).")
+    diffusion_gemma_stability_threshold: int = _field(2, "Equal argmaxes in a row that mean converged (> 0).")
+    diffusion_gemma_confidence_threshold: float = _field(0.1, "Mean-entropy bound for convergence (>= 0).")
+    diffusion_gemma_t_min: float = _field(0.0, "Lowest temperature of the denoising schedule.")
+    diffusion_gemma_t_max: float = _field(1.0, "Highest (first) temperature of the denoising schedule.")
+    diffusion_gemma_entropy_bound: float = _field(1.0, "Entropy bound for stochastic re-masking (>= 0).")
+
+    # Distributed
+    master_addr: str = _field("localhost", "torch.distributed master address.")
+    master_port: int = _field(2333, "torch.distributed master port (1..65535).")
+    distributed_backend: str = _field("nccl", "torch.distributed backend.", DISTRIBUTED_BACKENDS)
+    distributed_timeout_seconds: int = _field(600, "Timeout of collective operations, in seconds (> 0).")
+    device_start: int = _field(0, "First CUDA device index used when device_ids is empty.")
+    device_ids: list[int] = _field([], "Logical CUDA device ids, one per rank; empty = from device_start.")
+    shm_name: str = _field("diffulex_shm", "Shared-memory segment for rank-0 to worker calls.")
+
+    # LoRA
+    use_lora: bool = _field(False, "Load a LoRA adapter.")
+    lora_path: str = _field("", "LoRA adapter directory; required with use_lora.")
+    pre_merge_lora: bool = _field(False, "Merge the adapter into the base weights before serving.")
+
+    # Profiling and thresholds
+    profiler_config: ProfilerConfig | dict | None = _field(
+        None, "Profiler settings (ProfilerConfig or dict); None = off."
+    )
+    decoding_thresholds: DecodingThresholds | dict | None = _field(
+        None, "Decoding thresholds (object or dict); flat *_threshold fields override it."
+    )
+    add_block_threshold: float | None = _field(None, "Overrides decoding_thresholds.add_block_threshold.")
+    semi_complete_threshold: float | None = _field(
+        None, "Overrides decoding_thresholds.semi_complete_threshold."
+    )
+    accept_threshold: float | None = _field(None, "Overrides decoding_thresholds.accept_threshold.")
+    edit_threshold: float | None = _field(None, "Overrides decoding_thresholds.edit_threshold.")
+    remask_threshold: float | None = _field(None, "Overrides decoding_thresholds.remask_threshold.")
+    token_stability_threshold: float | None = _field(
+        None, "Overrides decoding_thresholds.token_stability_threshold."
+    )
+
+    # Derived, not user-settable.
+    model_config_dict: dict[str, Any] = field(
+        init=False,
+        repr=False,
+        default_factory=dict,
+        metadata={"help": "Raw config.json of the checkpoint.", "internal": True},
+    )
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        _import_strategy_configs()
+        self._load_model_dir()
+        self._resolve_model_name()
+        self._resolve_strategy()
+        self._check_sampling_mode()
+        self._resolve_checkpoint_defaults()
+        self._check_fields()
+        StrategyConfigRegistry.get(self.decoding_strategy)(self)
+        self._check_after_strategy()
+        self._clamp_lengths()
+        self.profiler_config = ProfilerConfig.from_value(self.profiler_config)
+        self._build_thresholds()
+        self._apply_env_overrides()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> Config:
+        """Build from a loose kwargs dict (Python API, YAML, lm-eval model_args).
+
+        Unknown keys are dropped, but never silently: one warning names all of them, so a typo such as
+        ``acept_threshold`` is visible. ``num_kvcache_blocks`` is accepted as the old name of ``num_pages``.
+        """
+        if "num_kvcache_blocks" in kwargs:
+            alias = kwargs.pop("num_kvcache_blocks")
+            if "num_pages" in kwargs and kwargs["num_pages"] != alias:
+                raise ValueError(
+                    f"num_kvcache_blocks={alias!r} conflicts with num_pages={kwargs['num_pages']!r}: "
+                    "num_kvcache_blocks is the old name of num_pages, pass only one"
+                )
+            kwargs["num_pages"] = alias
+        known = {f.name for f in engine_fields()} - {"model"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            warn(f"ignoring unknown engine arguments: {', '.join(unknown)}")
+        return cls(model, **{k: v for k, v in kwargs.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user-settable fields as plain JSON-able values; ``Config(**to_dict())`` rebuilds the config."""
+        out: dict[str, Any] = {}
+        for f in engine_fields():
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, list):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    # --- step 1: model directory ---------------------------------------------------------------------------
+
+    def _load_model_dir(self) -> None:
+        self.model = _check_dir("model", self.model)
+        config_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model={self.model!r} has no config.json")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model={self.model!r} has an unreadable config.json: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"model={self.model!r} has a config.json that is not a JSON object")
+        self.model_config_dict = data
+        self.tokenizer_path = (
+            self.model if self.tokenizer_path is None else _check_dir("tokenizer_path", self.tokenizer_path)
+        )
+
+    def _checkpoint_value(self, key: str) -> Any:
+        """A config.json value, from the top level or else from ``text_config`` (multimodal wrappers)."""
+        if key in self.model_config_dict:
+            return self.model_config_dict[key]
+        text_config = self.model_config_dict.get("text_config")
+        if isinstance(text_config, dict):
+            return text_config.get(key)
+        return None
+
+    # --- step 2: model family and strategy -----------------------------------------------------------------
+
+    def _resolve_model_name(self) -> None:
+        if self.model_name is None:
+            from diffulex.models.hf_config import model_type_to_model_name
+
+            model_type = self.model_config_dict.get("model_type")
+            architectures = self.model_config_dict.get("architectures") or []
+            name = model_type_to_model_name(
+                model_type if isinstance(model_type, str) else None,
+                [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else [],
+            )
+            if name is None:
+                raise ValueError(
+                    f"model_name could not be inferred from model_type={model_type!r} "
+                    f"(architectures={architectures!r}); "
+                    f"pass model_name, one of {_format_choices(MODEL_NAMES)}"
+                )
+            self.model_name = name
+        check_choice("model_name", self.model_name, MODEL_NAMES)
+
+    def _resolve_strategy(self) -> None:
+        requested = self.decoding_strategy
+        strategy = requested
+        if isinstance(strategy, str) and strategy in STRATEGY_ALIASES:
+            warn(
+                f"decoding_strategy={strategy!r} is deprecated; use {STRATEGY_ALIASES[strategy]!r}",
+                DeprecationWarning,
+            )
+            strategy = STRATEGY_ALIASES[strategy]
+        if strategy is None:
+            strategy = DEFAULT_STRATEGY[self.model_name]
+        check_choice("decoding_strategy", strategy, DECODING_STRATEGIES)
+        if self.model_name == "diffusion_gemma" and strategy != "diffusion_gemma":
+            warn(
+                f"decoding_strategy={requested!r} is replaced by 'diffusion_gemma': "
+                "model_name='diffusion_gemma' runs only with its own strategy"
+            )
+            strategy = "diffusion_gemma"
+        elif self.model_name == "fast_dllm_v2" and strategy not in ("fast_dllm_v2", "multi_bd"):
+            warn(
+                f"decoding_strategy={requested!r} is replaced by 'fast_dllm_v2': "
+                "model_name='fast_dllm_v2' runs with 'fast_dllm_v2' or 'multi_bd'"
+            )
+            strategy = "fast_dllm_v2"
+        elif strategy == "diffusion_gemma" and self.model_name != "diffusion_gemma":
+            raise invalid_value(
+                "decoding_strategy",
+                strategy,
+                f"requires model_name='diffusion_gemma', got model_name={self.model_name!r}",
+            )
+        self.decoding_strategy = strategy
+
+    def _check_sampling_mode(self) -> None:
+        check_choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
+        if self.sampling_mode == "edit" and self.model_name not in EDIT_MODEL_NAMES:
+            raise invalid_value(
+                "sampling_mode",
+                "edit",
+                f"requires an edit-capable model_name ({_format_choices(EDIT_MODEL_NAMES)}), "
+                f"got {self.model_name!r}",
+            )
+        if self.model_name == "llada2dot1_mini" and self.sampling_mode != "edit":
+            raise invalid_value(
+                "sampling_mode", self.sampling_mode, "model_name='llada2dot1_mini' requires 'edit'"
+            )
+
+    # --- step 3: checkpoint defaults and single-field checks -----------------------------------------------
+
+    def _resolve_checkpoint_defaults(self) -> None:
+        if self.mask_token_id is None:
+            value = self._checkpoint_value("mask_token_id")
+            if _is_int(value) and value >= 0:
+                self.mask_token_id = value
+        else:
+            check_int("mask_token_id", self.mask_token_id, low=0)
+        if self.block_size is None:
+            if self.model_name == "diffusion_gemma":
+                self.block_size = DIFFUSION_GEMMA_CANVAS
+            else:
+                value = self.model_config_dict.get("block_size")
+                self.block_size = value if _is_int(value) and value in BLOCK_SIZES else DEFAULT_BLOCK_SIZE
+
+    def _allowed_sizes(self) -> tuple[int, ...]:
+        if self.model_name == "diffusion_gemma":
+            return (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS)
+        return BLOCK_SIZES
+
+    def _check_fields(self) -> None:
+        """Type and range of every field that does not depend on the strategy normalizer."""
+        # Every bool field must hold a real bool ("false" from YAML/HTTP must not mean True). Annotations are
+        # strings in this module (``from __future__ import annotations``), hence the comparison with "bool".
+        for f in dataclasses.fields(self):
+            if f.type == "bool":
+                check_bool(f.name, getattr(self, f.name))
+        for name in ("multi_block_prefix_full", "enable_prefix_caching"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
+
+        check_choice("dtype", self.dtype, DTYPES)
+        check_int("seed", self.seed, low=0)
+        check_choice("block_size", self.block_size, self._allowed_sizes())
+        check_choice("page_size", self.page_size, self._allowed_sizes())
+        check_int("buffer_size", self.buffer_size, low=1)
+
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
+        check_int("data_parallel_size", self.data_parallel_size, 1, 1024)
+        check_int("expert_parallel_size", self.expert_parallel_size, low=1)
+        self.gpu_memory_utilization = check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
+        )
+        check_int("max_model_len", self.max_model_len, low=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
+        check_int("max_num_reqs", self.max_num_reqs, low=1)
+        check_int("num_pages", self.num_pages)
+
+        check_choice("kv_cache_layout", self.kv_cache_layout, KV_CACHE_LAYOUTS)
+        check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        x = self.k_cache_hdim_split_factor_x
+        if not _is_int(x) or x <= 0 or x & (x - 1):
+            raise invalid_value("k_cache_hdim_split_factor_x", x, "must be a positive power of two")
+
+        check_choice("torch_compile_mode", self.torch_compile_mode, TORCH_COMPILE_MODES)
+        check_int("prefill_cudagraph_max_len", self.prefill_cudagraph_max_len, low=0)
+        check_int("auto_max_nfe_warmup_steps", self.auto_max_nfe_warmup_steps, low=1)
+        self.auto_max_nfe_tpf_floor = check_number(
+            "auto_max_nfe_tpf_floor", self.auto_max_nfe_tpf_floor, low=0.0, low_open=True
+        )
+
+        check_choice("token_merge_mode", self.token_merge_mode, TOKEN_MERGE_MODES)
+        check_int("token_merge_top_k", self.token_merge_top_k, low=1)
+        self.token_merge_weight = check_number("token_merge_weight", self.token_merge_weight, low=0.0)
+        check_int("max_post_edit_steps", self.max_post_edit_steps, low=0)
+        self.penalty_lambda = check_number("penalty_lambda", self.penalty_lambda, low=0.0)
+
+        check_choice("moe_gemm_impl", self.moe_gemm_impl, MOE_GEMM_IMPLS)
+        check_choice("moe_dispatcher_backend", self.moe_dispatcher_backend, MOE_DISPATCHER_BACKENDS)
+        check_choice("deepep_mode", self.deepep_mode, DEEPEP_MODES)
+        check_int(
+            "deepep_num_max_dispatch_tokens_per_rank", self.deepep_num_max_dispatch_tokens_per_rank, low=1
+        )
+
+        _check_nonempty_str("master_addr", self.master_addr)
+        check_int("master_port", self.master_port, 1, 65535)
+        check_choice("distributed_backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
+        check_int("distributed_timeout_seconds", self.distributed_timeout_seconds, low=1)
+        check_int("device_start", self.device_start, low=0)
+        if not isinstance(self.device_ids, (list, tuple)) or not all(
+            _is_int(d) and d >= 0 for d in self.device_ids
+        ):
+            raise invalid_value("device_ids", self.device_ids, "must be a list of non-negative integers")
+        self.device_ids = list(self.device_ids)
+        _check_nonempty_str("shm_name", self.shm_name)
+
+        if not isinstance(self.lora_path, str):
+            raise invalid_value("lora_path", self.lora_path, "must be a directory path string")
+        if self.use_lora and not self.lora_path:
+            raise ValueError("use_lora=True requires lora_path")
+        if self.lora_path:
+            _check_dir("lora_path", self.lora_path)
+
+    # --- step 5: checks after the strategy normalizer ------------------------------------------------------
+
+    def _check_after_strategy(self) -> None:
+        """The normalizer may have rewritten sizes, flags and DiffusionGemma settings: check the results."""
+        check_bool("multi_block_prefix_full", self.multi_block_prefix_full)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("block_size", self.block_size, self._allowed_sizes())
+        check_choice("page_size", self.page_size, self._allowed_sizes())
+        check_int("buffer_size", self.buffer_size, low=1)
+        if self.block_size > self.page_size:
+            raise invalid_value("block_size", self.block_size, f"must be <= page_size={self.page_size}")
+
+        check_int("diffusion_gemma_max_denoising_steps", self.diffusion_gemma_max_denoising_steps, low=1)
+        check_int("diffusion_gemma_stability_threshold", self.diffusion_gemma_stability_threshold, low=1)
+        self.diffusion_gemma_confidence_threshold = check_number(
+            "diffusion_gemma_confidence_threshold", self.diffusion_gemma_confidence_threshold, low=0.0
+        )
+        self.diffusion_gemma_t_min = check_number("diffusion_gemma_t_min", self.diffusion_gemma_t_min)
+        self.diffusion_gemma_t_max = check_number("diffusion_gemma_t_max", self.diffusion_gemma_t_max)
+        if self.diffusion_gemma_t_min > self.diffusion_gemma_t_max:
+            raise invalid_value(
+                "diffusion_gemma_t_min",
+                self.diffusion_gemma_t_min,
+                f"must be <= diffusion_gemma_t_max={self.diffusion_gemma_t_max:g}",
+            )
+        self.diffusion_gemma_entropy_bound = check_number(
+            "diffusion_gemma_entropy_bound", self.diffusion_gemma_entropy_bound, low=0.0
+        )
+
+    def _clamp_lengths(self) -> None:
+        """Never plan for more positions than the checkpoint was trained with."""
+        for key in ("max_position_embeddings", "max_sequence_length"):
+            limit = self._checkpoint_value(key)
+            if _is_int(limit) and limit > 0:
+                if self.max_model_len > limit:
+                    warn(
+                        f"max_model_len={self.max_model_len} exceeds the checkpoint's {key}={limit}; "
+                        f"using {limit}"
+                    )
+                    self.max_model_len = limit
+                break
+        # DiffusionGemma schedules whole canvases, not prompt tokens: its budget is checked per request.
+        if self.decoding_strategy != "diffusion_gemma" and self.max_num_batched_tokens < self.max_model_len:
+            raise invalid_value(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"must be >= max_model_len={self.max_model_len}",
+            )
+
+    # --- step 6: thresholds and environment ----------------------------------------------------------------
+
+    def _build_thresholds(self) -> None:
+        """Defaults, then the object/dict, then the flat fields (most specific wins); flat fields mirror."""
+        given = self.decoding_thresholds
+        if given is None:
+            values: dict[str, Any] = {}
+        elif isinstance(given, DecodingThresholds):
+            values = dataclasses.asdict(given)
+        elif isinstance(given, Mapping):
+            reject_unknown_keys("decoding_thresholds", given, DecodingThresholds.names())
+            values = dict(given)
+        else:
+            raise invalid_value("decoding_thresholds", given, "must be a DecodingThresholds, a dict or None")
+        for name in DecodingThresholds.names():
+            flat = getattr(self, name)
+            if flat is not None:
+                values[name] = flat
+        thresholds = DecodingThresholds(**values)
+        self.decoding_thresholds = thresholds
+        for name in DecodingThresholds.names():
+            setattr(self, name, getattr(thresholds, name))
+
+    def _apply_env_overrides(self) -> None:
+        if os.environ.get(FDV2_BLOCK_CACHE_ENV, "").strip().lower() in _FALSE_STRINGS:
+            if self.fdv2_use_block_cache:
+                logger.info("fdv2_use_block_cache forced to False by %s", FDV2_BLOCK_CACHE_ENV)
+            self.fdv2_use_block_cache = False
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """The user-settable Config fields, in declaration order (what a CLI, YAML or HTTP schema exposes)."""
+    return [f for f in dataclasses.fields(Config) if f.init and not f.metadata.get("internal")]

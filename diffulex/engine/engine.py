@@ -1,0 +1,353 @@
+"""The engine: builds the strategy's components from a Config and drives the step loop.
+
+One step = the scheduler picks the batch and advances running sets -> the model runner does one forward and
+samples -> each request applies its tokens, commits blocks, and is checked for completion.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffulex.config import Config
+from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
+from diffulex.engine.scheduler import SchedulerLimits
+from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.registry import (
+    AutoKVCacheManager,
+    AutoModelForDiffusionLM,
+    AutoModelRunner,
+    AutoReq,
+    AutoSampler,
+    AutoScheduler,
+)
+from diffulex.sampler import SamplerSettings
+from diffulex.sampling_params import SamplingParams
+
+logger = logging.getLogger("diffulex")
+
+# Without a GPU there is no memory to plan against: give the page pool at most this much host memory.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request; ``trajectory`` is set once the request has finished."""
+
+    req_id: int
+    record: StepRecord | None
+    finished: bool
+    trajectory: Trajectory | None = None
+
+
+def _resolve_device(config: Config) -> torch.device:
+    if torch.cuda.is_available():
+        index = config.device_ids[0] if config.device_ids else config.device_start
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _resolve_dtype(config: Config, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    if device.type == "cpu":
+        return torch.float32
+    known = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return known.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def _reject_unsupported(config: Config) -> None:
+    """Fields that validate today but whose feature arrives later fail here, where they would be used."""
+    unsupported = []
+    if config.tensor_parallel_size > 1:
+        unsupported.append(f"tensor_parallel_size={config.tensor_parallel_size}")
+    if config.data_parallel_size > 1:
+        unsupported.append(f"data_parallel_size={config.data_parallel_size}")
+    if config.expert_parallel_size > 1:
+        unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
+    if config.use_lora:
+        unsupported.append("use_lora=True")
+    if config.sampling_mode != "naive":
+        unsupported.append(f"sampling_mode={config.sampling_mode!r}")
+    if config.kv_cache_layout != "unified":
+        unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
+    if config.decoding_strategy not in AutoReq:
+        unsupported.append(f"decoding_strategy={config.decoding_strategy!r} (available: {AutoReq.names()})")
+    if config.model_name not in AutoModelForDiffusionLM:
+        unsupported.append(f"model_name={config.model_name!r} (available: {AutoModelForDiffusionLM.names()})")
+    if unsupported:
+        raise ValueError("not supported yet in this version of Diffulex: " + ", ".join(unsupported))
+
+
+class DiffulexEngine:
+    """Offline and online generation over one model replica."""
+
+    def __init__(self, config: Config) -> None:
+        import diffulex.models  # noqa: F401  (registers the model families)
+        import diffulex.strategy  # noqa: F401  (registers the strategies)
+        from diffulex.models.loader import build_model
+        from diffulex.tokenizer import load_tokenizer, resolve_mask_token_id, stop_token_ids
+
+        _reject_unsupported(config)
+        self.config = config
+        self.device = _resolve_device(config)
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
+        checkpoint_dtype = config.model_config_dict.get("torch_dtype")
+        self.dtype = _resolve_dtype(config, checkpoint_dtype, self.device)
+        self.model = build_model(config.model_name, config.model, self.dtype, self.device)
+
+        model_cls = AutoModelForDiffusionLM.get(config.model_name)
+        family_mask = getattr(model_cls, "family_defaults", {}).get("mask_token_id")
+        mask_id = config.mask_token_id
+        if mask_id is None:
+            mask_id = resolve_mask_token_id(self.tokenizer, self.model.config, config.model, family_mask)
+        if mask_id is None:
+            raise ValueError(
+                f"could not determine the mask token of {config.model}: the checkpoint config, tokenizer and "
+                "special_tokens_map name none; pass mask_token_id=<id>"
+            )
+        self.mask_token_id = mask_id
+        self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
+        if not 0 <= mask_id < self.model.config.vocab_size:
+            raise ValueError(f"mask_token_id={mask_id} is invalid: must be within the model's vocabulary "
+                             f"[0, {self.model.config.vocab_size})")
+        stops = frozenset(stop_token_ids(self.tokenizer, config.model))
+
+        thresholds = config.decoding_thresholds
+        self.settings = DecodeSettings(
+            block_size=config.block_size,
+            buffer_size=config.buffer_size,
+            mask_token_id=mask_id,
+            max_model_len=config.max_model_len,
+            stop_token_ids=stops,
+            accept_threshold=thresholds.accept_threshold,
+            add_block_threshold=thresholds.add_block_threshold,
+            semi_complete_threshold=thresholds.semi_complete_threshold,
+            auto_max_nfe_warmup_steps=config.auto_max_nfe_warmup_steps,
+            auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
+        )
+        sampler = AutoSampler.get(config.model_name)(
+            SamplerSettings(self.vocab_limit, mask_id, thresholds.accept_threshold, config.seed)
+        )
+        from diffulex.engine.model_runner import RunnerSettings
+
+        runner_settings = RunnerSettings(
+            block_size=config.block_size,
+            page_size=config.page_size,
+            prefix_full=bool(config.multi_block_prefix_full),
+            device=self.device,
+            kv_dtype=self.dtype,
+        )
+        strategy = config.decoding_strategy
+        self.runner = AutoModelRunner.get(strategy)(runner_settings, self.model, sampler)
+        num_pages = self._plan_num_pages()
+        self.runner.allocate_kv_cache(num_pages)
+        kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
+        limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
+        self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
+        self.request_cls = AutoReq.get(strategy)
+        self._next_req_id = 0
+        self._num_steps = 0
+        self._closed = False
+        logger.info(
+            "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
+            config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
+            num_pages, config.page_size, self.device,
+        )
+
+    # ----- memory -------------------------------------------------------------------------------------------
+
+    def _plan_num_pages(self) -> int:
+        config = self.config
+        if config.num_pages > 0:
+            return config.num_pages
+        page_bytes = self.runner.page_bytes()
+        pages_per_req = -(-config.max_model_len // config.page_size)
+        wanted = pages_per_req * config.max_num_reqs
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * config.gpu_memory_utilization) - used
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        affordable = budget // page_bytes
+        if affordable < pages_per_req:
+            raise ValueError(
+                f"not enough memory for the KV cache: one request of max_model_len={config.max_model_len} needs "
+                f"{pages_per_req} pages of {page_bytes} bytes, only {max(affordable, 0)} fit; lower max_model_len "
+                "or raise gpu_memory_utilization"
+            )
+        return int(min(wanted, affordable))
+
+    # ----- requests -----------------------------------------------------------------------------------------
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt token ids are invalid: must all be integers")
+            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is invalid: must be within [0, {self.vocab_limit})")
+        if not ids:
+            raise ValueError("prompt is invalid: it encodes to zero tokens")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len="
+                f"{self.config.max_model_len} so that at least one token can be generated"
+            )
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its id. Raises ValueError for bad input without touching engine state."""
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
+        ids = self._encode(prompt)
+        kv = self.scheduler.kv_cache
+        needed = kv.pages_for(min(len(ids) + sp.max_tokens, self.config.max_model_len))
+        if needed > kv.num_pages:
+            raise ValueError(
+                f"request needs up to {needed} KV pages but the pool has {kv.num_pages}; raise num_pages or lower "
+                "max_tokens"
+            )
+        req = self.request_cls(self._next_req_id, ids, sp, self.settings)
+        self._next_req_id += 1
+        self.scheduler.add(req)
+        return req.req_id
+
+    def abort_request(self, req_id: int) -> bool:
+        """Stop a waiting or running request now and free its pages; False if it is unknown or finished."""
+        return self.scheduler.abort(req_id) is not None
+
+    def is_finished(self) -> bool:
+        return not self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one forward over the scheduled requests and advance them."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting:
+                raise RuntimeError("no request could be scheduled although requests are waiting")
+            return []
+        query = {req.req_id: req.query_range() for req in batch}
+        running_ids = {req.req_id: [b.index for b in req.running] for req in batch}
+        writes = self.runner.run(batch)
+        updates = []
+        records = []
+        for req in batch:
+            filled = self.scheduler.finish_step(req, writes[req.req_id])
+            start, end = query[req.req_id]
+            ids = running_ids[req.req_id]
+            lo = req.blocks[ids[0]].start if ids else end
+            record = StepRecord(self._num_steps, end - start, filled, ids, req.token_ids[lo:end])
+            req.steps.append(record)
+            records.append(record)
+            done = req.is_finished
+            updates.append(RequestUpdate(req.req_id, record, done, self._trajectory(req) if done else None))
+        elapsed = time.perf_counter() - t0
+        for record in records:
+            record.step_time = elapsed
+        self._num_steps += 1
+        return updates
+
+    def _trajectory(self, req: Request, index: int = -1) -> Trajectory:
+        answer = req.answer_token_ids()
+        return Trajectory(
+            index=index,
+            req_id=req.req_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=answer,
+            text=self.tokenizer.decode(answer, skip_special_tokens=True),
+            completion_reason=req.completion_reason.value if req.completion_reason else None,
+            nfe=req.nfe,
+            steps=req.steps,
+            num_preemptions=req.num_preemptions,
+        )
+
+    # ----- offline generation --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> GenerationOutputs:
+        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
+                )
+        t0 = time.perf_counter()
+        results: list[Trajectory | None] = [None] * len(prompts)
+        index_of: dict[int, int] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                index_of[self.add_request(prompt, sp)] = i
+            except ValueError as err:
+                logger.warning("prompt %d rejected: %s", i, err)
+                ids = list(prompt) if not isinstance(prompt, str) else []
+                results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
+        steps_before = self._num_steps
+        bar = None
+        if use_tqdm and index_of:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(index_of), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while index_of and any(results[i] is None for i in index_of.values()):
+                for update in self.step():
+                    if update.finished and update.req_id in index_of:
+                        traj = update.trajectory
+                        traj.index = index_of[update.req_id]
+                        results[traj.index] = traj
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    done_tokens = sum(t.num_generated_tokens for t in results if t is not None)
+                    bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        outputs = GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0,
+                                    self._num_steps - steps_before)
+        logger.info("generate: %s", outputs.summary())
+        return outputs
+
+    # ----- lifetime ------------------------------------------------------------------------------------------
+
+    def exit(self) -> None:
+        """Abort what is left and release the KV cache. Safe to call twice."""
+        if self._closed:
+            return
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            for req in list(queue):
+                self.scheduler.finish(req, CompletionReason.ABORTED)
+        for layer in self.runner.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        self._closed = True
+
+    def __enter__(self) -> DiffulexEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
+
+    def num_running(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.status is RequestStatus.RUNNING)

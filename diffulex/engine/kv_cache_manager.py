@@ -1,0 +1,132 @@
+"""The page pool: which physical KV pages each request owns, and which pages hold a reusable prefix.
+
+A request needs pages only for committed blocks (their K/V is written once, by the forward after they commit);
+active blocks are recomputed every step and never stored. Page ``i`` of a request holds positions
+``[i*P, (i+1)*P)``; blocks never straddle pages because ``block_size`` divides ``page_size``.
+
+Prefix caching: a page whose positions all hold final tokens and whose K/V has been written is registered under
+a hash of its tokens chained with the hash of the page before it. A later request whose committed prefix has
+the same chain reuses the page instead of recomputing it. Freed pages keep their registration until they are
+handed out again, oldest-freed first, so recently used prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from diffulex.engine.request import Request
+
+
+def page_hash(prev_hash: bytes | None, tokens: list[int]) -> bytes:
+    """Chained content hash: equal hashes mean equal token prefixes (up to a 128-bit collision)."""
+    h = hashlib.blake2b(digest_size=16)
+    if prev_hash is not None:
+        h.update(prev_hash)
+    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        # Free pages in the order they should be handed out (oldest freed first); values unused.
+        self.free_pages: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))
+        self.hash_of_page: dict[int, bytes] = {}
+        self.page_of_hash: dict[bytes, int] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ----- admission --------------------------------------------------------------------------------------
+
+    def _prefix_hits(self, req: Request) -> list[tuple[bytes, int]]:
+        """``(hash, page)`` of the leading full pages of ``req`` already in the cache."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[tuple[bytes, int]] = []
+        prev: bytes | None = None
+        for i in range(req.shareable_len // self.page_size):
+            h = page_hash(prev, req.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            page = self.page_of_hash.get(h)
+            if page is None:
+                break
+            hits.append((h, page))
+            prev = h
+        return hits
+
+    def num_cached_prefix_tokens(self, req: Request) -> int:
+        """How many leading tokens of a waiting request a prefix-cache hit would cover (no side effects)."""
+        return len(self._prefix_hits(req)) * self.page_size
+
+    def can_admit(self, req: Request) -> bool:
+        return self.pages_for(req.committed_len) <= self.num_free_pages
+
+    def admit(self, req: Request) -> None:
+        """Give a waiting request its pages: shared prefix pages first, fresh pages for the rest."""
+        assert not req.page_table, "a waiting request holds no pages"
+        for h, page in self._prefix_hits(req):
+            if self.ref_counts[page] == 0:
+                del self.free_pages[page]
+            self.ref_counts[page] += 1
+            req.page_table.append(page)
+            req.page_hashes.append(h)
+        if req.page_table:
+            req.mark_prefix_cached(len(req.page_table) * self.page_size)
+        self.grow(req)
+
+    # ----- running ----------------------------------------------------------------------------------------
+
+    def pages_missing(self, req: Request) -> int:
+        """Fresh pages ``req`` needs before its next forward can store its committed blocks."""
+        return max(0, self.pages_for(req.committed_len) - len(req.page_table))
+
+    def grow(self, req: Request) -> None:
+        missing = self.pages_missing(req)
+        if missing > self.num_free_pages:
+            raise RuntimeError(f"request {req.req_id} needs {missing} pages, only {self.num_free_pages} free")
+        for _ in range(missing):
+            req.page_table.append(self._take_free_page())
+
+    def _take_free_page(self) -> int:
+        page, _ = self.free_pages.popitem(last=False)
+        stale = self.hash_of_page.pop(page, None)
+        if stale is not None and self.page_of_hash.get(stale) == page:
+            del self.page_of_hash[stale]
+        self.ref_counts[page] = 1
+        return page
+
+    def register_cached_pages(self, req: Request) -> None:
+        """After a forward: make every newly completed page of cached, final tokens findable by its hash."""
+        if not self.enable_prefix_caching:
+            return
+        full_pages = req.num_cached_tokens // self.page_size
+        while len(req.page_hashes) < full_pages:
+            i = len(req.page_hashes)
+            prev = req.page_hashes[-1] if req.page_hashes else None
+            h = page_hash(prev, req.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            req.page_hashes.append(h)
+            page = req.page_table[i]
+            if h not in self.page_of_hash:
+                self.page_of_hash[h] = page
+                self.hash_of_page[page] = h
+
+    def free(self, req: Request) -> None:
+        """Release a request's pages; unshared pages go to the back of the free list, keeping their hash."""
+        for page in reversed(req.page_table):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free_pages[page] = None
+        req.page_table.clear()
+        req.page_hashes.clear()

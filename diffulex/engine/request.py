@@ -1,0 +1,294 @@
+"""One generation request and its logical block state (see docs/strategies.md for the rules it implements).
+
+The request owns its token sequence (prompt, then every opened block, masks where not decoded yet), its blocks,
+and its running set. It knows nothing about pages, batches or devices: the scheduler decides when it runs, the
+KV cache manager gives it pages, the model runner turns its query range into tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from diffulex.engine.block import Block, BlockStatus
+from diffulex.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages (new, or preempted)
+    RUNNING = "running"  # admitted; holds pages for its committed blocks
+    FINISHED = "finished"
+
+
+class CompletionReason(enum.StrEnum):
+    """Why a request stopped (the original's names, so logs and tooling stay comparable)."""
+
+    EOS = "eos_token_generated"
+    MAX_TOKENS = "max_new_tokens_reached"
+    MAX_MODEL_LEN = "max_model_len_reached"
+    MAX_NFE = "max_nfe_reached"
+    REPETITION = "max_repetition_run_reached"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Engine-wide decoding constants, resolved once from the config, the checkpoint and the tokenizer."""
+
+    block_size: int
+    buffer_size: int
+    mask_token_id: int
+    max_model_len: int
+    stop_token_ids: frozenset[int]
+    accept_threshold: float
+    add_block_threshold: float
+    semi_complete_threshold: float
+    auto_max_nfe_warmup_steps: int
+    auto_max_nfe_tpf_floor: float
+
+
+@dataclass
+class SampleTarget:
+    """The positions of one active block that the sampler should fill in this step."""
+
+    block: Block
+    positions: list[int]
+    force_allowed: bool  # accept the most confident position even if none passes the threshold
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did for one request (kept on the request, returned in its trajectory)."""
+
+    step: int
+    query_len: int  # tokens this request contributed to the forward
+    num_new_tokens: int  # mask positions filled in this step
+    running_block_ids: list[int]  # the running set during the forward
+    running_token_ids: list[int]  # its tokens after this step's writes (masks still shown)
+    step_time: float = 0.0  # wall time of the whole engine step, seconds
+
+
+@dataclass
+class Request:
+    """The state of one request; created by the engine, advanced by scheduler, runner and sampler."""
+
+    req_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    settings: DecodeSettings
+    token_ids: list[int] = field(init=False)
+    blocks: list[Block] = field(init=False)
+    running: list[Block] = field(init=False)  # the running set, oldest block first
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    completion_reason: CompletionReason | None = field(init=False, default=None)
+    nfe: int = field(init=False, default=0)
+    num_new_tokens_total: int = field(init=False, default=0)
+    num_preemptions: int = field(init=False, default=0)
+    stop_pos: int | None = field(init=False, default=None)  # first stop token at a generated position
+    frontier: int = field(init=False)  # first position >= prompt_len that still holds the mask token
+    num_cached_blocks: int = field(init=False, default=0)  # leading blocks whose K/V is in the cache
+    page_table: list[int] = field(init=False, default_factory=list)  # owned by the KV cache manager
+    page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
+    steps: list[StepRecord] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        size, prompt_len = s.block_size, len(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+        self.blocks = [Block(i, i * size, size, BlockStatus.TO_CACHE) for i in range(prompt_len // size)]
+        self.running = []
+        if prompt_len % size:  # the prompt ends mid-block: the rest of that block is generated first
+            start = len(self.blocks) * size
+            self.token_ids.extend([s.mask_token_id] * (start + size - prompt_len))
+            block = Block(len(self.blocks), start, size, BlockStatus.ACTIVE)
+            self.blocks.append(block)
+            self.running.append(block)
+        self.frontier = prompt_len
+
+    # ----- derived quantities -------------------------------------------------------------------------
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def generation_end(self) -> int:
+        """Positions at or after this are never decoded."""
+        return min(self.prompt_len + self.sampling_params.max_tokens, self.settings.max_model_len)
+
+    @property
+    def decode_limit(self) -> int:
+        """Positions at or after this are not decoded any more (the generation end, or the first stop token)."""
+        end = self.generation_end
+        return end if self.stop_pos is None else min(end, self.stop_pos)
+
+    @property
+    def max_nfe(self) -> int:
+        """The explicit cap, or one that a request making the guaranteed progress never reaches."""
+        if self.sampling_params.max_nfe is not None:
+            return self.sampling_params.max_nfe
+        s, max_tokens = self.settings, self.sampling_params.max_tokens
+        return (
+            s.auto_max_nfe_warmup_steps
+            + math.ceil(max_tokens / s.auto_max_nfe_tpf_floor)
+            + math.ceil(max_tokens / s.block_size)
+            + 1
+        )
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_cached_blocks * self.settings.block_size
+
+    @property
+    def committed_len(self) -> int:
+        """End of the last committed block: every position before it is final and needs (or has) K/V."""
+        n = self.num_cached_tokens
+        for block in self.blocks[self.num_cached_blocks :]:
+            if not block.is_committed:
+                break
+            n = block.end
+        return n
+
+    @property
+    def shareable_len(self) -> int:
+        """Final positions outside the running set: the part a prefix-cache lookup may cover."""
+        limit = self.committed_len
+        return min(limit, self.running[0].start) if self.running else limit
+
+    def remaining(self, block: Block) -> int:
+        """Decodable positions of ``block`` that still hold the mask token."""
+        lo, hi = max(block.start, self.prompt_len), min(block.end, self.decode_limit)
+        mask = self.settings.mask_token_id
+        return sum(1 for p in range(lo, hi) if self.token_ids[p] == mask)
+
+    def progress(self, block: Block) -> float:
+        return (block.size - self.remaining(block)) / block.size
+
+    def answer_token_ids(self) -> list[int]:
+        """Decoded tokens from the prompt end up to the first stop token, first mask, or generation end."""
+        return self.token_ids[self.prompt_len : min(self.frontier, self.decode_limit)]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    # ----- running-set policy --------------------------------------------------------------------------
+
+    def _open_block(self) -> Block:
+        size = self.settings.block_size
+        block = Block(len(self.blocks), len(self.token_ids), size, BlockStatus.ACTIVE)
+        self.token_ids.extend([self.settings.mask_token_id] * size)
+        self.blocks.append(block)
+        self.running.append(block)
+        return block
+
+    def maybe_activate_block(self) -> bool:
+        """Open the next block if the running set has room and its newest block is far enough along."""
+        s = self.settings
+        if self.stop_pos is not None or len(self.running) >= s.buffer_size:
+            return False
+        if len(self.token_ids) >= self.generation_end:
+            return False
+        if self.running and self.progress(self.running[-1]) < s.add_block_threshold:
+            return False
+        self._open_block()
+        return True
+
+    def query_range(self) -> tuple[int, int]:
+        """Positions this step's forward must compute: uncached committed blocks, then the running set."""
+        end = self.running[-1].end if self.running else self.committed_len
+        return self.num_cached_tokens, end
+
+    def sample_targets(self) -> list[SampleTarget]:
+        targets = []
+        lo_gen, limit, mask = self.prompt_len, self.decode_limit, self.settings.mask_token_id
+        for block in self.running:
+            if block.status is not BlockStatus.ACTIVE:
+                continue
+            lo, hi = max(block.start, lo_gen), min(block.end, limit)
+            positions = [p for p in range(lo, hi) if self.token_ids[p] == mask]
+            if not positions:
+                continue
+            prev = self.blocks[block.index - 1] if block.index > 0 else None
+            force = prev is None or self.progress(prev) >= self.settings.semi_complete_threshold
+            targets.append(SampleTarget(block, positions, force))
+        return targets
+
+    # ----- after the forward -----------------------------------------------------------------------------
+
+    def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
+        """Write accepted ``(position, token)`` pairs; returns how many masks were filled."""
+        mask, stops = self.settings.mask_token_id, self.settings.stop_token_ids
+        honour_stop = not self.sampling_params.ignore_eos
+        filled = 0
+        for pos, token in writes:
+            if self.token_ids[pos] != mask:
+                raise RuntimeError(f"request {self.req_id}: position {pos} was already decoded")
+            self.token_ids[pos] = token
+            filled += 1
+            if honour_stop and token in stops and (self.stop_pos is None or pos < self.stop_pos):
+                self.stop_pos = pos
+        while self.frontier < len(self.token_ids) and self.token_ids[self.frontier] != mask:
+            self.frontier += 1
+        self.num_new_tokens_total += filled
+        return filled
+
+    def retire_and_commit(self) -> None:
+        """Blocks stored by this forward become cached and leave the running set; complete blocks commit."""
+        for block in self.blocks[self.num_cached_blocks :]:
+            if block.status is BlockStatus.TO_CACHE:
+                block.status = BlockStatus.IN_CACHE
+        self.running = [b for b in self.running if b.status is not BlockStatus.IN_CACHE]
+        while self.num_cached_blocks < len(self.blocks) and (
+            self.blocks[self.num_cached_blocks].status is BlockStatus.IN_CACHE
+        ):
+            self.num_cached_blocks += 1
+        for block in self.running:
+            prev = self.blocks[block.index - 1] if block.index > 0 else None
+            prev_committed = prev is None or prev.is_committed
+            if block.status is BlockStatus.ACTIVE and prev_committed and self.remaining(block) == 0:
+                block.status = BlockStatus.TO_CACHE
+
+    def check_completion(self) -> CompletionReason | None:
+        """Called after every step, once ``nfe`` counts it."""
+        if self.stop_pos is not None and self.frontier >= self.stop_pos:
+            return CompletionReason.EOS
+        end = self.generation_end
+        if self.frontier >= end:
+            limited_by_len = self.settings.max_model_len < self.prompt_len + self.sampling_params.max_tokens
+            return CompletionReason.MAX_MODEL_LEN if limited_by_len else CompletionReason.MAX_TOKENS
+        if self.nfe >= self.max_nfe:
+            return CompletionReason.MAX_NFE
+        run_cap = self.sampling_params.max_repetition_run
+        if run_cap is not None and _trailing_run(self.answer_token_ids()) >= run_cap:
+            return CompletionReason.REPETITION
+        return None
+
+    # ----- preemption ------------------------------------------------------------------------------------
+
+    def forget_cache(self) -> None:
+        """The request lost its pages: every cached block must have its K/V computed again."""
+        for block in self.blocks:
+            if block.status is BlockStatus.IN_CACHE:
+                block.status = BlockStatus.TO_CACHE
+        self.num_cached_blocks = 0
+        self.num_preemptions += 1
+
+    def mark_prefix_cached(self, num_tokens: int) -> None:
+        """A prefix-cache hit supplied the K/V of the first ``num_tokens`` positions (block aligned)."""
+        num_blocks = num_tokens // self.settings.block_size
+        for block in self.blocks[:num_blocks]:
+            block.status = BlockStatus.IN_CACHE
+        self.num_cached_blocks = num_blocks
+
+
+def _trailing_run(tokens: list[int]) -> int:
+    if not tokens:
+        return 0
+    run = 1
+    for i in range(len(tokens) - 1, 0, -1):
+        if tokens[i - 1] != tokens[i]:
+            break
+        run += 1
+    return run

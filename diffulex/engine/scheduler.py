@@ -1,0 +1,125 @@
+"""Continuous batching: which requests take part in the next forward, and what happens to them after it.
+
+Every step first continues the running requests (oldest first), preempting the most recently admitted ones
+when pages run out, then admits waiting requests first-come first-served while the token budget, the request
+cap and the page pool allow. Prefill and decode chunks share one forward: to the model both are "the uncached
+committed blocks of a request followed by its running set".
+
+A preempted request keeps its logical state (tokens, blocks) and loses its pages; when it is admitted again
+its next ordinary step recomputes the K/V of its committed blocks, so it produces the same tokens as if it had
+never been preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from diffulex.engine.kv_cache_manager import KVCacheManager
+from diffulex.engine.request import CompletionReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_reqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv_cache: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- forming a batch ----------------------------------------------------------------------------------
+
+    def schedule(self) -> list[Request]:
+        """Choose this step's requests and advance their running sets; each is ready for the forward."""
+        batch: list[Request] = []
+        budget = self.limits.max_num_batched_tokens
+        for req in list(self.running):
+            if len(batch) >= self.limits.max_num_reqs:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if not self._make_room_for(req):
+                continue
+            self.kv_cache.grow(req)
+            req.maybe_activate_block()
+            batch.append(req)
+            budget -= _query_len(req)
+
+        while self.waiting and len(batch) < self.limits.max_num_reqs and len(self.running) < self.limits.max_num_reqs:
+            req = self.waiting[0]
+            cached = self.kv_cache.num_cached_prefix_tokens(req)
+            estimate = _query_len(req) + req.settings.block_size - cached  # upper bound: one block may open
+            if batch and estimate > budget:
+                break
+            if not self.kv_cache.can_admit(req):
+                break
+            self.waiting.popleft()
+            self.kv_cache.admit(req)
+            req.status = RequestStatus.RUNNING
+            req.maybe_activate_block()
+            self.running.append(req)
+            batch.append(req)
+            budget -= _query_len(req)
+        return batch
+
+    def _make_room_for(self, req: Request) -> bool:
+        """Preempt the newest running requests until ``req`` has the pages it needs; False if ``req`` went."""
+        while self.kv_cache.pages_missing(req) > self.kv_cache.num_free_pages:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.forget_cache()
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ----- after the forward ---------------------------------------------------------------------------------
+
+    def finish_step(self, req: Request, writes: list[tuple[int, int]]) -> int:
+        """Apply one request's sampled tokens and advance its blocks; returns how many masks were filled."""
+        filled = req.apply_tokens(writes)
+        req.retire_and_commit()
+        req.nfe += 1
+        self.kv_cache.register_cached_pages(req)
+        reason = req.check_completion()
+        if reason is not None:
+            self.finish(req, reason)
+        return filled
+
+    def finish(self, req: Request, reason: CompletionReason) -> None:
+        req.completion_reason = reason
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv_cache.free(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+
+    def abort(self, req_id: int) -> Request | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.req_id == req_id:
+                    self.finish(req, CompletionReason.ABORTED)
+                    return req
+        return None
+
+
+def _query_len(req: Request) -> int:
+    start, end = req.query_range()
+    return end - start

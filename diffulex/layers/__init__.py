@@ -1,0 +1,25 @@
+"""Building blocks shared by the model families: norms, rotary embedding, activations, weight matrices."""
+
+from diffulex.layers.activation import SiluAndMul
+from diffulex.layers.linear import (
+    ColumnParallelLinear,
+    LMHead,
+    ReplicatedLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+)
+from diffulex.layers.norm import RMSNorm
+from diffulex.layers.rotary import RotaryEmbedding, apply_rotary, check_rope_scaling
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LMHead",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabEmbedding",
+    "apply_rotary",
+    "check_rope_scaling",
+]

@@ -1,0 +1,41 @@
+"""RMSNorm, computed in float32 so that bf16/fp16 models normalize exactly like their reference code."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (Llama convention: no ``1 + weight``).
+
+    The statistics are taken in float32 and the normalized value is cast back to the input dtype before the
+    weight multiplies it, which is what the HF Qwen/Llama code does; matching it keeps greedy outputs
+    identical.
+
+    ``forward(x, residual)`` first adds ``x`` to ``residual`` (in the model dtype, as HF does) and returns the
+    normalized sum together with the sum, which becomes the next residual. Decoder layers use it to fold the
+    residual add into the following norm.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -1,0 +1,86 @@
+"""Rotary position embedding (NeoX / rotate-half layout), as used by Qwen, Llama and every family here.
+
+The cos/sin table is computed in float32 for ``max_position`` positions the first time a forward runs on a
+device, and then only indexed. It is a plain cached attribute rather than a registered buffer: it is not part
+of any checkpoint, it survives building the model on the meta device (no random-init cost for big models),
+and it is shared by all layers because the model computes ``cos, sin`` once per forward and hands them down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
+    """Only plain RoPE is implemented; refuse scaled variants loudly rather than produce wrong positions."""
+    if rope_scaling is None:
+        return
+    if not isinstance(rope_scaling, dict):
+        raise NotImplementedError(f"rope_scaling={rope_scaling!r} is not supported (only the default rope)")
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(
+            f"rope_scaling type {rope_type!r} is not supported; only the default rope is implemented"
+        )
+
+
+class RotaryEmbedding(nn.Module):
+    """Turns absolute positions into the ``(cos, sin)`` pair `apply_rotary` consumes.
+
+    ``inv_freq[i] = base ** (-2i / rotary_dim)`` for ``i < rotary_dim / 2``; the angle of position ``p`` is
+    ``p * inv_freq``. The full head dim is rotated (``rotary_dim == head_dim``) for all current families.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        check_rope_scaling(rope_scaling)
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = float(base)
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+        exponents = steps / self.head_dim
+        return 1.0 / (self.base**exponents)
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._cache.get(device)
+        if table is None:
+            positions = torch.arange(self.max_position, dtype=torch.int64, device=device).float()
+            angles = torch.outer(positions, self.inv_freq(device))  # [max_position, head_dim / 2]
+            table = (angles.cos(), angles.sin())
+            self._cache[device] = table
+        return table
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` (int) -> ``(cos, sin)``, each ``[T, head_dim / 2]`` float32."""
+        cos, sin = self._table(positions.device)
+        return cos[positions], sin[positions]
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the per-row angles; math in float32, result in ``x.dtype``.
+
+    Rotate-half layout: dimension ``i`` pairs with ``i + head_dim / 2``:
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``.
+    """
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

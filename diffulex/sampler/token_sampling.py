@@ -1,0 +1,59 @@
+"""From logits rows to one candidate token and its confidence per row.
+
+Greedy rows (temperature 0) are handled in one vectorized pass; sampled rows are drawn per request from a
+generator seeded by ``(request seed, step)``, so a request's tokens do not depend on what else is in the batch
+or on whether it was preempted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ban_tokens(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> torch.Tensor:
+    """Never propose padding-vocabulary ids (beyond the tokenizer) or the mask token itself."""
+    logits = logits.float()
+    if vocab_limit < logits.shape[-1]:
+        logits[:, vocab_limit:] = float("-inf")
+    if banned_id is not None and 0 <= banned_id < logits.shape[-1]:
+        logits[:, banned_id] = float("-inf")
+    return logits
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax (lowest id among ties) and its softmax probability."""
+    probs = torch.softmax(logits, dim=-1)
+    conf, tokens = probs.max(dim=-1)
+    return tokens, conf
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keep the ``top_k`` best tokens (0 = all), then the smallest set whose probability reaches ``top_p``."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from the tempered, filtered distribution; confidence = its probability there."""
+    filtered = filter_top_k_top_p(logits / temperature, top_k, top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, conf
+
+
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """A generator for one request's draws in one step: reproducible from the seed and the step alone."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) % (2**63))
+    return g

@@ -1,0 +1,246 @@
+"""The SDAR model computes the Qwen3 network exactly, under whatever mask the attention metadata carries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffulex.attention import Attention, DenseAttentionMetadata, PagedAttentionMetadata, visibility_mask
+from diffulex.models.hf_config import SDARConfig
+from diffulex.models.loader import build_model
+from diffulex.models.sdar import SDARForDiffusionLM
+from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.testing import write_tiny_checkpoint
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), seed=1, init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt: Path) -> SDARForDiffusionLM:
+    return build_model("sdar", ckpt, torch.float32, "cpu")
+
+
+def block_causal(n: int, block_size: int = BLOCK) -> DenseAttentionMetadata:
+    pos = torch.arange(n)
+    return DenseAttentionMetadata(visibility_mask(pos, pos, block_size, False, 0))
+
+
+def reference_forward(ckpt: Path, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Qwen3 written out with plain torch ops in float64, straight from the checkpoint files."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    nh, nkv, hd, eps = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["rms_norm_eps"],
+    )
+    T = ids.shape[0]
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        bias = w.get(name + ".bias")
+        return x @ w[name + ".weight"].T + (0 if bias is None else bias)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        rotated = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
+        return x * cos + rotated * sin
+
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = linear(h, p + "self_attn.q_proj").view(T, nh, hd)
+        k = linear(h, p + "self_attn.k_proj").view(T, nkv, hd)
+        v = linear(h, p + "self_attn.v_proj").view(T, nkv, hd)
+        q = rope(rms(q, w[p + "self_attn.q_norm.weight"]))
+        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]))
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(T, nh * hd)
+        x = x + linear(attn, p + "self_attn.o_proj")
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms(x, w["model.norm.weight"])
+
+
+@torch.inference_mode()
+def test_forward_equals_a_plain_torch_qwen3_under_the_block_causal_mask(model, ckpt):
+    ids = torch.randint(0, 380, (11,), generator=torch.Generator().manual_seed(0))
+    meta = block_causal(11)
+    hidden = model(ids, torch.arange(11), meta)
+    expected = reference_forward(ckpt, ids, meta.allowed)
+    assert hidden.shape == (11, 64)
+    torch.testing.assert_close(hidden.double(), expected, atol=1e-5, rtol=1e-5)
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (11, 384) and logits.dtype == torch.float32
+    lm_head = load_file(str(ckpt / "model.safetensors"))["lm_head.weight"].double()
+    torch.testing.assert_close(logits.double(), expected @ lm_head.T, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_forward_equals_transformers_qwen3_under_a_causal_mask(model, ckpt):
+    transformers = pytest.importorskip("transformers")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    keys = (
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+        "head_dim rms_norm_eps max_position_embeddings tie_word_embeddings attention_bias"
+    ).split()
+    try:
+        rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        # rope_parameters for transformers 5, rope_theta for 4.x.
+        hf_config = transformers.Qwen3Config(
+            **{k: cfg[k] for k in keys}, rope_parameters=rope, rope_theta=cfg["rope_theta"]
+        )
+        hf_config._attn_implementation = "eager"
+        hf = transformers.Qwen3ForCausalLM(hf_config).eval()
+    except (TypeError, AttributeError, ValueError) as e:  # a transformers version with another config API
+        pytest.skip(f"cannot build transformers' Qwen3 here: {e}")
+    hf.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+    ids = torch.randint(0, 380, (9,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(9)
+    hidden = model(ids, pos, DenseAttentionMetadata(visibility_mask(pos, pos, 1, False, 0)))
+    out = hf(input_ids=ids[None], output_hidden_states=True)
+    torch.testing.assert_close(hidden, out.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.compute_logits(hidden), out.logits[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_token_in_a_later_block_does_not_change_earlier_blocks(model):
+    ids = torch.randint(0, 380, (12,), generator=torch.Generator().manual_seed(2))
+    changed = ids.clone()
+    changed[9] = (ids[9] + 1) % 380  # block 2
+    meta = block_causal(12)
+    a, b = model(ids, torch.arange(12), meta), model(changed, torch.arange(12), meta)
+    torch.testing.assert_close(a[:8], b[:8], atol=0, rtol=0)
+    assert not torch.allclose(a[8:], b[8:])  # ...but changes its whole own block (bidirectional inside)
+    assert not torch.allclose(a[8], b[8])
+
+
+@torch.inference_mode()
+def test_a_flat_paged_batch_of_two_requests_matches_each_request_alone(model):
+    """Two requests in one flat stream over the paged cache: a prefill step, then one block each on top of the
+    cache, equal the dense block-causal forward of each whole sequence."""
+    gen = torch.Generator().manual_seed(3)
+    seq_a, seq_b = torch.randint(0, 380, (12,), generator=gen), torch.randint(0, 380, (8,), generator=gen)
+    page = 4
+    for attn in [m for m in model.modules() if isinstance(m, Attention)]:
+        attn.k_cache = torch.zeros(6, page, attn.num_kv_heads, attn.head_dim)
+        attn.v_cache = torch.zeros(6, page, attn.num_kv_heads, attn.head_dim)
+    page_tables = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)
+
+    def meta(q_lens, ctx_lens, slots):
+        return PagedAttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+            prefix_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+            page_tables=page_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_size=BLOCK,
+            page_size=page,
+            prefix_full=False,
+            query_lens_cpu=list(q_lens),
+            context_lens_cpu=list(ctx_lens),
+            prefix_lens_cpu=list(ctx_lens),
+        )
+
+    try:
+        # Step 1: A's first 8 tokens and B's first 5; only whole blocks are cached (B's token 4 is not).
+        step1 = meta([8, 5], [0, 0], list(range(8)) + [12, 13, 14, 15, -1])
+        model(torch.cat([seq_a[:8], seq_b[:5]]), torch.cat([torch.arange(8), torch.arange(5)]), step1)
+        # Step 2: A's block 2 (positions 8..11) and B's block 1 (positions 4..7), over the cached context.
+        step2 = meta([4, 4], [8, 4], [8, 9, 10, 11, 16, 17, 18, 19])
+        positions = torch.cat([torch.arange(8, 12), torch.arange(4, 8)])
+        out = model(torch.cat([seq_a[8:], seq_b[4:]]), positions, step2)
+    finally:
+        for attn in [m for m in model.modules() if isinstance(m, Attention)]:
+            attn.k_cache = attn.v_cache = None
+    full_a = model(seq_a, torch.arange(12), block_causal(12))
+    full_b = model(seq_b, torch.arange(8), block_causal(8))
+    torch.testing.assert_close(out[:4], full_a[8:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[4:], full_b[4:], atol=1e-5, rtol=1e-5)
+
+
+def test_each_decoder_layer_owns_exactly_one_attention_module(model):
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attns == [layer.self_attn.attn for layer in model.model.layers]
+    assert attns[0].num_heads == 4 and attns[0].num_kv_heads == 2 and attns[0].head_dim == 16
+    assert attns[0].scale == pytest.approx(16**-0.5)
+
+
+def test_parameter_names_are_the_checkpoint_names(model, ckpt):
+    assert set(model.state_dict()) == set(load_file(str(ckpt / "model.safetensors")))
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    m = build_model("sdar", write_tiny_checkpoint(tmp_path, tie_word_embeddings=True), torch.float32, "cpu")
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    assert "lm_head.weight" not in dict(m.named_parameters())
+
+
+@torch.inference_mode()
+def test_attention_bias_is_applied_when_the_config_asks(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path, attention_bias=True, init_std=0.1)
+    m = build_model("sdar", ckpt, torch.float32, "cpu")
+    assert m.model.layers[0].self_attn.o_proj.bias is not None
+    ids = torch.arange(8)
+    meta = block_causal(8)
+    expected = reference_forward(ckpt, ids, meta.allowed)
+    torch.testing.assert_close(m(ids, torch.arange(8), meta).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_gives_bfloat16_logits(ckpt):
+    m = build_model("sdar", ckpt, torch.bfloat16, "cpu")
+    with torch.inference_mode():
+        logits = m.compute_logits(m(torch.arange(4), torch.arange(4), block_causal(4)))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (4, 384)
+
+
+def test_sdar_is_registered_with_its_family_defaults():
+    assert AutoModelForDiffusionLM.get("sdar") is SDARForDiffusionLM
+    assert SDARForDiffusionLM.family_defaults == {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, {"type": "default"}])
+def test_default_rope_is_accepted(scaling):
+    config = _small_config(rope_scaling=scaling)
+    SDARForDiffusionLM(config)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 2.0}])
+def test_scaled_rope_variants_are_refused_by_name(scaling):
+    kind = scaling.get("rope_type", scaling.get("type"))
+    with pytest.raises(NotImplementedError, match=kind):
+        SDARForDiffusionLM(_small_config(rope_scaling=scaling))
+
+
+def _small_config(**overrides) -> SDARConfig:
+    d = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    d.update(overrides)
+    return SDARConfig.from_dict(d)

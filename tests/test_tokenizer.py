@@ -1,0 +1,179 @@
+"""Tokenizers load without remote code, give the real Qwen ids, and yield the engine's stop and mask ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
+from diffulex.testing.checkpoints import shared_sdar_data_dir
+from diffulex.tokenizer import build_qwen2_tokenizer, load_tokenizer, resolve_mask_token_id, stop_token_ids
+
+HELLO = "Hello world, 你好<|im_end|>"
+HELLO_IDS = [9707, 1879, 11, 220, 108386, 151645]
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not (shared_sdar_data_dir() / "vocab.json").is_file():
+        pytest.skip("the real SDAR tokenizer files are not available")
+    return write_qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_dir: Path):
+    return load_tokenizer(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+# ----- the real SDAR / Qwen tokenizer (vocab.json + merges.txt, no tokenizer.json) ------------------------
+
+
+def test_the_real_sdar_tokenizer_gives_qwen_ids(qwen, qwen_dir):
+    assert not (qwen_dir / "tokenizer.json").exists()
+    assert qwen.encode(HELLO, add_special_tokens=False) == HELLO_IDS
+    assert qwen.encode(HELLO) == HELLO_IDS  # no BOS is added
+    assert qwen.decode(HELLO_IDS) == HELLO
+    assert len(qwen) == 151670
+
+
+def test_the_real_sdar_mask_id_is_151669(qwen, qwen_dir):
+    assert resolve_mask_token_id(qwen, None, qwen_dir, None) == 151669
+    assert qwen.convert_tokens_to_ids("<|MASK|>") == 151669
+
+
+def test_the_real_sdar_config_gives_mask_and_stop_ids():
+    real = shared_sdar_data_dir()
+    if not (real / "config.json").is_file():
+        pytest.skip("the real SDAR files are not available")
+    from diffulex.models.hf_config import load_hf_config
+
+    tok = load_tokenizer(real)
+    assert resolve_mask_token_id(tok, load_hf_config(real, "sdar"), real, 151669) == 151669
+    assert stop_token_ids(tok, real) == {151643, 151645}
+
+
+def test_the_fallback_bpe_builder_matches_autotokenizer(qwen, qwen_dir):
+    built = build_qwen2_tokenizer(qwen_dir)
+    text = (
+        "Hello world, 你好<|im_end|>\n  def f(x):\n\treturn x ** 2  # 1234567 café naïve ﬁ\r\n\n"
+        "<|im_start|>user\nWhat's 12+30?<|im_end|>\n<think>ok</think> 😀 Ünïcödé   end  "
+    )
+    assert built.encode(text) == qwen.encode(text)
+    assert built.decode(built.encode(text)) == text
+    assert len(built) == len(qwen)
+    assert (built.mask_token_id, built.eos_token_id, built.pad_token_id) == (151669, 151643, 151643)
+
+
+def test_the_real_chat_template_renders_qwen_turns(qwen):
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = qwen.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_write_qwen_tokenizer_names_the_folder_when_the_files_are_absent(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFULEX_SHARED_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        write_qwen_tokenizer(tmp_path / "out")
+
+
+# ----- the tiny tokenizer ---------------------------------------------------------------------------------
+
+
+def test_the_tiny_tokenizer_loads_with_its_special_ids(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    ids = tiny_special_token_ids()
+    assert ids == {"<|endoftext|>": 376, "<|im_start|>": 377, "<|im_end|>": 378, "<|MASK|>": 379}
+    assert len(tok) == 380
+    assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id) == (376, 376, 379)
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [377, 378]
+    text = "The answer is 42.<|im_end|>"
+    assert tok.encode(text)[-1] == 378 and tok.decode(tok.encode(text)) == text
+
+
+def test_stop_ids_of_the_tiny_checkpoint_include_im_end_and_endoftext(tiny_dir):
+    assert stop_token_ids(load_tokenizer(tiny_dir), tiny_dir) == {376, 378}
+
+
+def test_stop_ids_gather_the_tokenizer_config_and_generation_config(tiny_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, None, 376]}))
+    assert stop_token_ids(load_tokenizer(tmp_path), tmp_path) == {376, 5, 7}
+
+
+# ----- mask id resolution order ---------------------------------------------------------------------------
+
+
+def _copy_tokenizer(src: Path, dst: Path, *, drop_mask: bool) -> Path:
+    dst.mkdir()
+    (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    if drop_mask:
+        config.pop("mask_token", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_the_config_mask_id_wins(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    assert resolve_mask_token_id(tok, SimpleNamespace(mask_token_id=12), tiny_dir, 3) == 12
+
+
+def test_the_tokenizer_mask_comes_next(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    assert resolve_mask_token_id(tok, SimpleNamespace(mask_token_id=None), tiny_dir, 3) == 379
+
+
+@pytest.mark.parametrize("entry", ["<|im_start|>", {"content": "<|im_start|>", "special": True}])
+def test_then_special_tokens_map_mask_token(tiny_dir, tmp_path, entry):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", drop_mask=True)
+    tok = load_tokenizer(folder)
+    assert tok.mask_token_id is None
+    (folder / "special_tokens_map.json").write_text(json.dumps({"mask_token": entry}))
+    assert resolve_mask_token_id(tok, None, folder, 3) == 377
+
+
+def test_then_added_tokens_json_spellings(tiny_dir, tmp_path):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", drop_mask=True)
+    tok = load_tokenizer(folder)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"mask_token": "<MASK>"}))
+    (folder / "added_tokens.json").write_text(json.dumps({"<MASK>": 379}))
+    assert resolve_mask_token_id(tok, None, folder, 3) == 379
+
+
+def test_then_the_family_default_if_the_tokenizer_has_that_id(tiny_dir, tmp_path):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", drop_mask=True)
+    tok = load_tokenizer(folder)
+    assert resolve_mask_token_id(tok, None, folder, 300) == 300
+    assert resolve_mask_token_id(tok, None, folder, 151669) is None  # not an id of this tokenizer
+    assert resolve_mask_token_id(tok, None, folder, None) is None
+
+
+# ----- errors ---------------------------------------------------------------------------------------------
+
+
+def test_a_folder_without_tokenizer_files_names_the_folder_and_what_is_missing(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "sdar"}))
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(tmp_path)
+    message = str(err.value)
+    assert str(tmp_path) in message and "vocab.json + merges.txt" in message and "config.json" in message
+
+
+def test_a_missing_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_the_fallback_builder_names_missing_files(tmp_path):
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(ValueError, match="merges.txt"):
+        build_qwen2_tokenizer(tmp_path)
