@@ -167,6 +167,8 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 
     ``Module.to_empty`` replaces each parameter separately, which would silently untie e.g. the LM head from
     the embedding; the aliases are recorded first and re-pointed at their shared parameter afterwards.
+    Buffers come back uninitialized too: models must not keep derived state in non-persistent buffers (compute
+    it lazily, as `RotaryEmbedding` does) or must load it from the checkpoint as persistent buffers.
     """
     first_name: dict[int, str] = {}
     ties: list[tuple[str, str]] = []

@@ -1,0 +1,118 @@
+"""Bad input gets a clear error naming the field, the value and what is allowed; it never harms other requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffulex import Diffulex, SamplingParams
+
+
+def engine(model_dir: Path, **fields):
+    base = dict(block_size=4, page_size=8, buffer_size=2, max_model_len=64, max_num_batched_tokens=256)
+    base.update(fields)
+    return Diffulex(str(model_dir), **base)
+
+
+def test_missing_model_folder_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model=.*not an existing directory"):
+        Diffulex(str(tmp_path / "nope"))
+
+
+def test_folder_without_config_json_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        Diffulex(str(tmp_path))
+
+
+def test_unknown_model_name_is_rejected_listing_the_known_ones(sdar_dir: Path) -> None:
+    with pytest.raises(ValueError, match="model_name='gpt9'.*sdar"):
+        Diffulex(str(sdar_dir), model_name="gpt9")
+
+
+def test_unknown_strategy_is_rejected_listing_the_known_ones(sdar_dir: Path) -> None:
+    with pytest.raises(ValueError, match="decoding_strategy='greedy_ar'.*multi_bd"):
+        Diffulex(str(sdar_dir), decoding_strategy="greedy_ar")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tensor_parallel_size", 2), ("use_lora", True), ("decoding_strategy", "fast_dllm_v2")],
+)
+def test_features_that_arrive_later_fail_clearly_where_used(sdar_dir: Path, tmp_path: Path, field, value) -> None:
+    fields = {field: value}
+    if field == "use_lora":
+        fields["lora_path"] = str(tmp_path)
+    if value == "fast_dllm_v2":
+        fields["buffer_size"] = 4
+        fields["block_size"] = 8
+    with pytest.raises(ValueError, match=f"not supported yet.*{field}"):
+        engine(sdar_dir, **fields)
+
+
+def test_a_family_without_an_implementation_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "Dream", "max_position_embeddings": 4096}))
+    with pytest.raises(ValueError, match="not supported yet.*model_name='dream'"):
+        Diffulex(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [({"max_tokens": 0}, "max_tokens=0"), ({"temperature": -0.5}, "temperature=-0.5"), ({"top_p": 0}, "top_p=0")],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_reported_and_the_rest_of_the_batch_finishes(sdar_dir: Path) -> None:
+    with engine(sdar_dir) as llm:
+        good = [11, 12, 13, 14, 15]
+        prompts = [good, "", list(range(70)), [llm.vocab_limit + 1], good]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        assert [t.error is None for t in out] == [True, False, False, False, True]
+        assert "prompt=''" in out[1].error
+        assert "max_model_len=64" in out[2].error
+        assert "prompt token id" in out[3].error
+        assert out[0].token_ids == out[4].token_ids and len(out[0].token_ids) == 8
+        assert llm.is_finished()
+
+
+def test_add_request_raises_without_touching_engine_state(sdar_dir: Path) -> None:
+    with engine(sdar_dir) as llm:
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.add_request(list(range(1, 80)), SamplingParams(max_tokens=4))
+        assert llm.is_finished()
+        assert llm.scheduler.kv_cache.num_used_pages == 0
+
+
+def test_a_request_that_can_never_fit_the_page_pool_is_rejected(sdar_dir: Path) -> None:
+    with engine(sdar_dir, num_pages=2) as llm:
+        with pytest.raises(ValueError, match="KV pages"):
+            llm.add_request([5, 6, 7], SamplingParams(max_tokens=40))
+
+
+def test_aborting_a_running_request_frees_its_pages_and_others_continue(sdar_dir: Path) -> None:
+    with engine(sdar_dir) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        victim = llm.add_request([3] * 20, params)
+        other = llm.add_request([4] * 9, params)
+        for _ in range(3):
+            llm.step()
+        assert llm.abort_request(victim) is True
+        assert llm.abort_request(victim) is False
+        finished = {}
+        while not llm.is_finished():
+            for update in llm.step():
+                if update.finished:
+                    finished[update.req_id] = update.trajectory
+        assert set(finished) == {other}
+        assert finished[other].completion_reason == "max_new_tokens_reached"
+        assert llm.scheduler.kv_cache.num_used_pages == 0
+
+
+def test_unknown_constructor_keywords_are_ignored_with_one_warning(sdar_dir: Path) -> None:
+    with pytest.warns(UserWarning, match="not_a_field"):
+        llm = engine(sdar_dir, not_a_field=3)
+    llm.exit()
