@@ -7,6 +7,7 @@ dataclass so the CLI, YAML files and Python accept the same names, types and val
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -14,6 +15,9 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+
+# Modules that contribute subcommands: each has ``add_parser(subparsers)`` that registers its own and sets ``func``.
+_SUBCOMMAND_MODULES = ("diffulex.server.cli", "diffulex.bench.cli")
 
 # Fields the CLI sets itself (positional / dedicated flags) or that are not plain values.
 _SPECIAL_FIELDS = {"model"}
@@ -160,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+    for module in _SUBCOMMAND_MODULES:
+        try:
+            add_parser = importlib.import_module(module).add_parser
+        except ModuleNotFoundError as err:
+            if err.name and (err.name == module or module.startswith(err.name + ".")):
+                continue  # that part of the package is not there
+            raise
+        add_parser(sub)
     return parser
 
 

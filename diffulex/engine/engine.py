@@ -41,6 +41,8 @@ class RequestUpdate:
     req_id: int
     record: StepRecord | None
     finished: bool
+    committed_token_ids: list[int]  # answer tokens in committed blocks: final, safe to stream
+    answer_token_ids: list[int]  # the decoded answer prefix so far (up to the first mask)
     trajectory: Trajectory | None = None
 
 
@@ -246,6 +248,8 @@ class DiffulexEngine:
         records = []
         for req in batch:
             filled = self.scheduler.finish_step(req, writes[req.req_id])
+            if not req.is_finished and req.sampling_params.stop:
+                self._check_stop_strings(req)
             start, end = query[req.req_id]
             ids = running_ids[req.req_id]
             lo = req.blocks[ids[0]].start if ids else end
@@ -253,21 +257,44 @@ class DiffulexEngine:
             req.steps.append(record)
             records.append(record)
             done = req.is_finished
-            updates.append(RequestUpdate(req.req_id, record, done, self._trajectory(req) if done else None))
+            trajectory = self._trajectory(req) if done else None
+            answer = trajectory.token_ids if trajectory else req.answer_token_ids()
+            committed = answer if done else req.committed_answer_ids()
+            updates.append(RequestUpdate(req.req_id, record, done, committed, answer, trajectory))
         elapsed = time.perf_counter() - t0
         for record in records:
             record.step_time = elapsed
         self._num_steps += 1
         return updates
 
+    def _check_stop_strings(self, req: Request) -> None:
+        """Finish a request whose decoded answer contains one of its stop strings."""
+        text = self.tokenizer.decode(req.answer_token_ids(), skip_special_tokens=True)
+        if any(stop in text for stop in req.sampling_params.stop):
+            self.scheduler.finish(req, CompletionReason.STOP_STRING)
+
+    def _answer(self, req: Request) -> tuple[list[int], str]:
+        """The final answer; with a stop string, cut before its first occurrence (text and tokens)."""
+        ids = req.answer_token_ids()
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if req.completion_reason is CompletionReason.STOP_STRING:
+            text = text[: min(i for i in (text.find(s) for s in req.sampling_params.stop) if i >= 0)]
+            # Keep the shortest token prefix whose text covers what remains of the answer.
+            keep = next(
+                k for k in range(len(ids) + 1)
+                if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(text)
+            )
+            ids = ids[:keep]
+        return ids, text
+
     def _trajectory(self, req: Request, index: int = -1) -> Trajectory:
-        answer = req.answer_token_ids()
+        answer, text = self._answer(req)
         return Trajectory(
             index=index,
             req_id=req.req_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=answer,
-            text=self.tokenizer.decode(answer, skip_special_tokens=True),
+            text=text,
             completion_reason=req.completion_reason.value if req.completion_reason else None,
             nfe=req.nfe,
             steps=req.steps,
@@ -321,7 +348,7 @@ class DiffulexEngine:
                             bar.update(1)
                 if bar is not None:
                     done_tokens = sum(t.num_generated_tokens for t in results if t is not None)
-                    bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+                    bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()

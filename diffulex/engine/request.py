@@ -29,6 +29,7 @@ class CompletionReason(enum.StrEnum):
     MAX_MODEL_LEN = "max_model_len_reached"
     MAX_NFE = "max_nfe_reached"
     REPETITION = "max_repetition_run_reached"
+    STOP_STRING = "stop_string_matched"
     ABORTED = "aborted"
 
 
@@ -168,6 +169,11 @@ class Request:
     def answer_token_ids(self) -> list[int]:
         """Decoded tokens from the prompt end up to the first stop token, first mask, or generation end."""
         return self.token_ids[self.prompt_len : min(self.frontier, self.decode_limit)]
+
+    def committed_answer_ids(self) -> list[int]:
+        """The part of the answer in committed blocks: it will not change any more."""
+        end = self.committed_len if not self.is_finished else len(self.token_ids)
+        return self.token_ids[self.prompt_len : min(end, self.frontier, self.decode_limit)]
 
     @property
     def is_finished(self) -> bool:

@@ -116,3 +116,16 @@ def test_unknown_constructor_keywords_are_ignored_with_one_warning(sdar_dir: Pat
     with pytest.warns(UserWarning, match="not_a_field"):
         llm = engine(sdar_dir, not_a_field=3)
     llm.exit()
+
+
+def test_stop_strings_end_the_answer_before_them(sdar_dir: Path) -> None:
+    with engine(sdar_dir) as llm:
+        free = llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0]
+        stop = free.text[3:6]
+        assert stop, "the free-running answer is long enough to pick a stop string from"
+        cut = llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=stop),
+                           use_tqdm=False)[0]
+    assert cut.completion_reason == "stop_string_matched"
+    assert cut.text == free.text[: free.text.find(stop)]
+    assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
