@@ -131,6 +131,7 @@ class DiffulexEngine:
             semi_complete_threshold=thresholds.semi_complete_threshold,
             auto_max_nfe_warmup_steps=config.auto_max_nfe_warmup_steps,
             auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
+            logits_shift=bool(getattr(model_cls, "logits_shift", False)),
         )
         sampler = AutoSampler.get(config.model_name)(
             SamplerSettings(self.vocab_limit, mask_id, thresholds.accept_threshold, config.seed)

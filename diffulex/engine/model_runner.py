@@ -91,14 +91,16 @@ class ModelRunner:
             ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
             for block in req.blocks[start // size : -(-end // size)]:
+                lo, hi = max(start, block.start), min(end, block.end)
                 if block.status is BlockStatus.TO_CACHE:
-                    base = req.page_table[block.start // page] * page + block.start % page
-                    slots.extend(range(base, base + size))
+                    base = req.page_table[lo // page] * page + lo % page
+                    slots.extend(range(base, base + hi - lo))
                 else:
-                    slots.extend([-1] * size)
+                    slots.extend([-1] * (hi - lo))
             targets = req.sample_targets()
+            shift = 1 if req.settings.logits_shift else 0
             for target in targets:
-                rows.extend(offset + p - start for p in target.positions)
+                rows.extend(offset + p - shift - start for p in target.positions)
             work.append((req, targets))
             query_lens.append(end - start)
             context_lens.append(start)

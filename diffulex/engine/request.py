@@ -47,6 +47,7 @@ class DecodeSettings:
     semi_complete_threshold: float
     auto_max_nfe_warmup_steps: int
     auto_max_nfe_tpf_floor: float
+    logits_shift: bool = False  # the family predicts the token at p from the hidden state at p - 1
 
 
 @dataclass
@@ -202,9 +203,16 @@ class Request:
         return True
 
     def query_range(self) -> tuple[int, int]:
-        """Positions this step's forward must compute: uncached committed blocks, then the running set."""
+        """Positions this step's forward must compute: uncached committed blocks, then the running set.
+
+        A shifted family also recomputes the last cached position: its hidden state predicts the first
+        position after it. That row reads the cache only before itself and is not stored again.
+        """
         end = self.running[-1].end if self.running else self.committed_len
-        return self.num_cached_tokens, end
+        start = self.num_cached_tokens
+        if self.settings.logits_shift and start > 0:
+            start -= 1
+        return start, end
 
     def sample_targets(self) -> list[SampleTarget]:
         targets = []

@@ -262,11 +262,13 @@ def reference_generate(
     max_repetition_run: int | None = None,
     auto_max_nfe_warmup_steps: int = 8,
     auto_max_nfe_tpf_floor: float = 1.0,
+    logits_shift: bool = False,
 ) -> ReferenceResult:
     """Decode one request greedily by full recomputation, following ``docs/strategies.md`` step by step.
 
     ``model(input_ids, positions, attn_meta)`` returns hidden states and ``model.compute_logits(rows)`` the
-    logits of some of their rows (position ``q`` predicts the token at ``q``, no shift).
+    logits of some of their rows. Position ``q`` predicts the token at ``q``, or, with ``logits_shift``
+    (Dream-style families), the token at ``q + 1``.
     """
     prompt_len = len(prompt_ids)
     if prompt_len == 0:
@@ -319,7 +321,8 @@ def reference_generate(
         # 3. Sample every ACTIVE block with decodable positions (greedy), 4. accept per block.
         writes: list[tuple[int, int]] = []
         for _b, positions, forcing in to_sample:
-            rows = torch.tensor(positions, dtype=torch.long, device=hidden.device)
+            shift = 1 if logits_shift else 0
+            rows = torch.tensor([p - shift for p in positions], dtype=torch.long, device=hidden.device)
             token_ids, confidences = _greedy(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
             above = (confidences > accept_threshold).tolist()
             chosen = [i for i in range(len(positions)) if above[i]]

@@ -20,6 +20,7 @@ def random_prompts(llm, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def assert_matches_reference(llm, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Run the batch through the engine, then each prompt alone through the reference decoder."""
     outputs = llm.generate(prompts, params, use_tqdm=False)
     cfg, th = llm.config, llm.config.decoding_thresholds
     for prompt, traj in zip(prompts, outputs.trajectories, strict=True):
@@ -40,6 +41,7 @@ def assert_matches_reference(llm, prompts: list[list[int]], params: SamplingPara
             vocab_limit=llm.vocab_limit,
             max_nfe=params.max_nfe,
             max_repetition_run=params.max_repetition_run,
+            logits_shift=llm.settings.logits_shift,
         )
         assert traj.token_ids == ref.token_ids, f"prompt of length {len(prompt)}"
         assert traj.completion_reason == ref.completion_reason
@@ -127,3 +129,19 @@ def test_stop_tokens_and_limits_match_reference(peaky_sdar_dir: Path) -> None:
         assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=20, max_nfe=9))
         assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=20, max_repetition_run=2))
         assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+
+
+def test_shifted_logits_read_the_previous_position_and_match_reference(peaky_sdar_dir: Path, monkeypatch) -> None:
+    """Dream-style families predict position p from the hidden state at p - 1, across the cache boundary."""
+    from diffulex.models.sdar import SDARForDiffusionLM
+
+    monkeypatch.setattr(SDARForDiffusionLM, "logits_shift", True, raising=False)
+    with make_engine(peaky_sdar_dir, buffer_size=2, accept_threshold=0.7, num_pages=12, max_model_len=72) as llm:
+        assert llm.settings.logits_shift
+        prompts = random_prompts(llm, [4, 7, 13, 9, 2, 16], seed=10)
+        trajectories = assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=30))
+        assert sum(t.num_preemptions for t in trajectories) > 0
+        (first,) = random_prompts(llm, [26], seed=11)
+        assert_matches_reference(llm, [first], GREEDY)
+        (again,) = assert_matches_reference(llm, [first[:24] + first[:3]], GREEDY)
+    assert again.steps[0].query_len < 24, "the prefix cache was used"

@@ -1,0 +1,259 @@
+"""The page pool: pages for committed blocks only, chained prefix hashes, shared pages, LRU reuse of freed pages.
+
+A "forward" is simulated the way the scheduler does it after a real one: `retire_and_commit` (the TO_CACHE
+blocks were stored) then `register_cached_pages`.
+"""
+
+from __future__ import annotations
+
+from diffulex.engine.block import BlockStatus
+from diffulex.engine.kv_cache_manager import KVCacheManager, page_hash
+from diffulex.engine.request import DecodeSettings, Request
+from diffulex.sampling_params import SamplingParams
+
+MASK = 379
+BLOCK = 4
+PAGE = 8
+
+SETTINGS = DecodeSettings(
+    block_size=BLOCK,
+    buffer_size=2,
+    mask_token_id=MASK,
+    max_model_len=1000,
+    stop_token_ids=frozenset({376, 378}),
+    accept_threshold=0.9,
+    add_block_threshold=0.1,
+    semi_complete_threshold=0.9,
+    auto_max_nfe_warmup_steps=8,
+    auto_max_nfe_tpf_floor=1.0,
+)
+
+_next_id = iter(range(10_000))
+
+
+def make_request(prompt: list[int]) -> Request:
+    return Request(next(_next_id), list(prompt), SamplingParams(temperature=0.0, max_tokens=32), SETTINGS)
+
+
+def forward(kv: KVCacheManager, req: Request) -> None:
+    req.retire_and_commit()
+    kv.register_cached_pages(req)
+
+
+def prompt_of(n: int, start: int = 10) -> list[int]:
+    return list(range(start, start + n))
+
+
+def cached_request(kv: KVCacheManager, prompt: list[int]) -> Request:
+    """Admit a request and run its prefill forward, so its prompt pages are cached and registered."""
+    req = make_request(prompt)
+    kv.admit(req)
+    forward(kv, req)
+    return req
+
+
+# ----- pages only for committed blocks ----------------------------------------------------------------------
+
+
+def test_admission_gives_pages_only_for_committed_blocks():
+    kv = KVCacheManager(8, PAGE, True)
+    req = make_request(prompt_of(10))  # blocks [0,4) [4,8) committed, [8,12) active
+    kv.admit(req)
+    assert len(req.page_table) == 1
+    assert kv.num_free_pages == 7
+
+
+def test_a_request_without_committed_blocks_holds_no_page():
+    kv = KVCacheManager(8, PAGE, True)
+    req = make_request(prompt_of(3))
+    kv.admit(req)
+    assert req.page_table == []
+    assert kv.num_free_pages == 8
+
+
+def test_pages_grow_when_a_block_commits():
+    kv = KVCacheManager(8, PAGE, True)
+    req = make_request(prompt_of(10))
+    kv.admit(req)
+    forward(kv, req)
+    req.maybe_activate_block()  # [12, 16) opens: still no page needed for active blocks
+    assert kv.pages_missing(req) == 0
+    req.apply_tokens([(10, 1), (11, 2)])
+    forward(kv, req)  # block [8, 12) commits (TO_CACHE): its K/V needs page 1
+    assert req.blocks[2].status is BlockStatus.TO_CACHE
+    assert kv.pages_missing(req) == 1
+    kv.grow(req)
+    assert len(req.page_table) == 2 and kv.pages_missing(req) == 0
+
+
+# ----- prefix caching ---------------------------------------------------------------------------------------
+
+
+def test_prefix_hit_shares_pages_and_marks_blocks_in_cache():
+    kv = KVCacheManager(8, PAGE, True)
+    first = cached_request(kv, prompt_of(17))
+    second = make_request(prompt_of(16) + [300, 301, 302])
+    assert kv.num_cached_prefix_tokens(second) == 16
+    free_before = kv.num_free_pages
+    kv.admit(second)
+    assert second.page_table == first.page_table[:2]
+    assert [kv.ref_counts[p] for p in second.page_table] == [2, 2]
+    assert [b.status for b in second.blocks[:4]] == [BlockStatus.IN_CACHE] * 4
+    assert second.num_cached_blocks == 4
+    assert second.query_range()[0] == 16
+    assert kv.num_free_pages == free_before
+
+
+def test_prefix_hit_stops_at_the_first_page_that_differs():
+    kv = KVCacheManager(8, PAGE, True)
+    cached_request(kv, prompt_of(17))
+    other = make_request(prompt_of(8) + prompt_of(8, start=200) + [1])
+    assert kv.num_cached_prefix_tokens(other) == 8
+
+
+def test_prefix_hit_needs_the_whole_chain_not_just_equal_page_content():
+    kv = KVCacheManager(8, PAGE, True)
+    cached_request(kv, prompt_of(17))
+    shifted = make_request(prompt_of(8, start=200) + prompt_of(8, start=18) + [1])  # same second page only
+    assert kv.num_cached_prefix_tokens(shifted) == 0
+
+
+def test_hashes_are_registered_after_the_blocks_are_cached_not_at_admission():
+    kv = KVCacheManager(8, PAGE, True)
+    first = make_request(prompt_of(17))
+    kv.admit(first)
+    assert kv.page_of_hash == {} and first.page_hashes == []
+    twin = make_request(prompt_of(17))
+    assert kv.num_cached_prefix_tokens(twin) == 0  # the K/V of `first` does not exist yet
+    first.retire_and_commit()
+    assert kv.page_of_hash == {}  # cached, but not registered until register_cached_pages
+    kv.register_cached_pages(first)
+    assert len(first.page_hashes) == 2
+    assert kv.num_cached_prefix_tokens(twin) == 16
+
+
+def test_a_committed_but_not_yet_stored_page_is_not_registered():
+    kv = KVCacheManager(8, PAGE, True)
+    req = cached_request(kv, prompt_of(10))  # page 0 ([0, 8)) is cached and registered
+    req.apply_tokens([(10, 1), (11, 2)])
+    forward(kv, req)  # block [8, 12) is TO_CACHE: page 1 is neither full nor stored
+    kv.grow(req)
+    assert len(req.page_hashes) == 1
+    assert set(kv.hash_of_page) == {req.page_table[0]}
+
+
+def test_a_freed_page_keeps_its_hash_and_is_found_again():
+    kv = KVCacheManager(8, PAGE, True)
+    first = cached_request(kv, prompt_of(17))
+    pages = list(first.page_table[:2])
+    kv.free(first)
+    assert all(kv.ref_counts[p] == 0 and p in kv.free_pages for p in pages)
+    assert all(p in kv.hash_of_page for p in pages)
+    again = make_request(prompt_of(17))
+    kv.admit(again)
+    assert again.page_table[:2] == pages
+    assert all(kv.ref_counts[p] == 1 and p not in kv.free_pages for p in pages)
+
+
+def test_a_freed_page_reused_for_other_content_loses_its_hash():
+    kv = KVCacheManager(2, PAGE, True)
+    first = cached_request(kv, prompt_of(17))
+    old_hashes = list(first.page_hashes)
+    kv.free(first)
+    other = make_request(prompt_of(16, start=200))
+    kv.admit(other)  # takes both freed pages
+    assert sorted(other.page_table) == [0, 1]
+    assert kv.hash_of_page == {}
+    assert all(h not in kv.page_of_hash for h in old_hashes)
+    kv.free(other)  # never cached: its pages hold no findable content
+    assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == 0
+
+
+def test_free_pages_are_handed_out_oldest_freed_first_after_never_used_ones():
+    kv = KVCacheManager(6, PAGE, True)
+    x = make_request(prompt_of(16))
+    y = make_request(prompt_of(16, start=100))
+    kv.admit(x)
+    kv.admit(y)
+    assert (x.page_table, y.page_table) == ([0, 1], [2, 3])
+    kv.free(y)
+    kv.free(x)
+    a = make_request(prompt_of(16, start=200))
+    b = make_request(prompt_of(16, start=250))
+    c = make_request(prompt_of(16, start=300))
+    kv.admit(a)
+    kv.admit(b)
+    kv.admit(c)
+    assert set(a.page_table) == {4, 5}  # never used
+    assert set(b.page_table) == {2, 3}  # freed first (by y)
+    assert set(c.page_table) == {0, 1}  # freed last (by x)
+
+
+def test_a_request_frees_its_tail_pages_before_its_head_pages():
+    kv = KVCacheManager(2, PAGE, True)
+    x = make_request(prompt_of(16))
+    kv.admit(x)
+    kv.free(x)
+    assert list(kv.free_pages) == [1, 0]  # the first page of a prefix survives longest
+
+
+def test_prefix_caching_off_never_hits():
+    kv = KVCacheManager(8, PAGE, False)
+    first = cached_request(kv, prompt_of(17))
+    assert kv.page_of_hash == {} and first.page_hashes == []
+    twin = make_request(prompt_of(17))
+    assert kv.num_cached_prefix_tokens(twin) == 0
+    kv.admit(twin)
+    assert set(twin.page_table).isdisjoint(first.page_table)
+    assert twin.num_cached_blocks == 0
+
+
+def test_a_shared_page_is_freed_only_when_both_requests_release_it():
+    kv = KVCacheManager(8, PAGE, True)
+    first = cached_request(kv, prompt_of(17))
+    second = make_request(prompt_of(17))
+    kv.admit(second)
+    shared = first.page_table[:2]
+    kv.free(first)
+    assert [kv.ref_counts[p] for p in shared] == [1, 1]
+    assert all(p not in kv.free_pages for p in shared)
+    assert second.page_table == shared
+    kv.free(second)
+    assert [kv.ref_counts[p] for p in shared] == [0, 0]
+    assert all(p in kv.free_pages for p in shared)
+    assert kv.num_free_pages == 8 and kv.num_used_pages == 0
+
+
+def test_free_clears_the_request_page_table_and_hashes():
+    kv = KVCacheManager(8, PAGE, True)
+    req = cached_request(kv, prompt_of(17))
+    kv.free(req)
+    assert req.page_table == [] and req.page_hashes == []
+
+
+def test_can_admit_counts_the_pages_of_the_committed_prefix():
+    kv = KVCacheManager(2, PAGE, True)
+    assert kv.can_admit(make_request(prompt_of(17)))  # 16 committed tokens: 2 pages
+    assert not kv.can_admit(make_request(prompt_of(24)))  # 3 pages
+
+
+def test_page_hash_differs_when_the_previous_page_differs():
+    tokens = prompt_of(PAGE)
+    h1 = page_hash(None, prompt_of(PAGE, start=100))
+    h2 = page_hash(None, prompt_of(PAGE, start=200))
+    assert page_hash(h1, tokens) != page_hash(h2, tokens)
+    assert page_hash(h1, tokens) != page_hash(None, tokens)
+    assert page_hash(h1, tokens) == page_hash(h1, list(tokens))
+    assert page_hash(None, tokens) != page_hash(None, tokens[::-1])
+
+
+def test_reusing_a_tail_page_keeps_the_head_of_the_prefix_findable():
+    kv = KVCacheManager(2, PAGE, True)
+    first = cached_request(kv, prompt_of(17))
+    head, tail = first.page_table
+    kv.free(first)
+    other = make_request(prompt_of(9, start=200))  # one committed page: takes the tail page, freed first
+    kv.admit(other)
+    assert other.page_table == [tail]
+    assert tail not in kv.hash_of_page and head in kv.hash_of_page
+    assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == PAGE
