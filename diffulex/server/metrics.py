@@ -1,0 +1,164 @@
+"""Server metrics in the Prometheus text exposition format, written by hand (no client library needed).
+
+The engine thread records every step and every finished request; HTTP handlers record rejections and time to
+first token; ``GET /metrics`` renders a consistent snapshot. One lock guards everything: updates are a few
+additions, far cheaper than a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+# Step times on CPU test models are milliseconds, on a GPU under load up to seconds.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RATE_WINDOW_S = 10.0  # tokens/s is averaged over this many recent seconds
+
+
+class Histogram:
+    """Cumulative-bucket histogram, the shape Prometheus expects."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for bound, count in zip(self.buckets, self.counts, strict=True):
+            lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.total:.6f}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server process."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.kv_pages_used = 0
+        self.kv_pages_total = 0
+        self.engine_steps = 0
+        self.decoded_tokens = 0  # mask positions filled, summed over steps
+        self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests_finished: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}  # HTTP status -> count of refused requests
+        self.step_seconds = Histogram(STEP_BUCKETS)
+        self.batch_size = Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.ttft_seconds = Histogram(LATENCY_BUCKETS)
+        self.latency_seconds = Histogram(LATENCY_BUCKETS)
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
+
+    # ----- recording --------------------------------------------------------------------------------------
+
+    def observe_step(self, step_time: float, num_tokens: int, batch_size: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.engine_steps += 1
+            self.decoded_tokens += num_tokens
+            self.request_forwards += batch_size
+            self.step_seconds.observe(step_time)
+            self.batch_size.observe(batch_size)
+            self._recent.append((now, num_tokens))
+            self._trim(now)
+
+    def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
+        with self._lock:
+            self.running, self.waiting = running, waiting
+            self.kv_pages_used, self.kv_pages_total = kv_used, kv_total
+
+    def observe_admitted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+
+    def observe_finished(self, completion_reason: str, generated_tokens: int, latency_s: float) -> None:
+        with self._lock:
+            self.requests_finished[completion_reason] = self.requests_finished.get(completion_reason, 0) + 1
+            self.generation_tokens += generated_tokens
+            self.latency_seconds.observe(latency_s)
+
+    def observe_rejected(self, status: int) -> None:
+        with self._lock:
+            key = str(status)
+            self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_seconds.observe(seconds)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+
+    # ----- reading ----------------------------------------------------------------------------------------
+
+    def tokens_per_second(self) -> float:
+        with self._lock:
+            self._trim(time.monotonic())
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def tpf(self) -> float:
+        with self._lock:
+            return self.decoded_tokens / self.request_forwards if self.request_forwards else 0.0
+
+    def render(self) -> str:
+        tps = self.tokens_per_second()
+        tpf = self.tpf()
+        with self._lock:
+            lines: list[str] = []
+
+            def scalar(name: str, kind: str, help_text: str, value: float) -> None:
+                lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"])
+
+            def labelled(name: str, kind: str, help_text: str, label: str, values: dict[str, int]) -> None:
+                lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+                for key, value in sorted(values.items()):
+                    lines.append(f'{name}{{{label}="{key}"}} {value}')
+
+            scalar("diffulex_num_requests_running", "gauge", "Requests in the engine's running set.", self.running)
+            scalar("diffulex_num_requests_waiting", "gauge", "Requests admitted by the server, not running yet.",
+                   self.waiting)
+            scalar("diffulex_kv_pages_used", "gauge", "KV cache pages in use.", self.kv_pages_used)
+            scalar("diffulex_kv_pages_total", "gauge", "KV cache pages in the pool.", self.kv_pages_total)
+            scalar("diffulex_kv_cache_usage_ratio", "gauge", "Share of KV cache pages in use.",
+                   self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0)
+            scalar("diffulex_tokens_per_second", "gauge",
+                   f"Tokens decoded per second over the last {RATE_WINDOW_S:g} s.", tps)
+            scalar("diffulex_tpf", "gauge", "Tokens decoded per request forward since start (TPF).", tpf)
+            scalar("diffulex_engine_steps_total", "counter", "Engine steps (forwards) run.", self.engine_steps)
+            scalar("diffulex_decoded_tokens_total", "counter", "Mask positions filled by the engine.",
+                   self.decoded_tokens)
+            scalar("diffulex_request_forwards_total", "counter", "Forwards taken by requests (NFE, summed).",
+                   self.request_forwards)
+            scalar("diffulex_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens)
+            scalar("diffulex_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+                   self.generation_tokens)
+            labelled("diffulex_requests_finished_total", "counter", "Finished requests by engine completion reason.",
+                     "reason", self.requests_finished)
+            labelled("diffulex_requests_rejected_total", "counter", "Requests refused, by HTTP status.", "status",
+                     self.rejected)
+            lines += self.step_seconds.render("diffulex_step_duration_seconds", "Wall time of one engine step.")
+            lines += self.batch_size.render("diffulex_step_batch_size", "Requests scheduled in one engine step.")
+            lines += self.ttft_seconds.render("diffulex_time_to_first_token_seconds",
+                                              "Time from request arrival to its first streamed text.")
+            lines += self.latency_seconds.render("diffulex_request_latency_seconds",
+                                                 "Time from admission to finish, per request.")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,212 @@
+"""Request and response shapes of the HTTP API, and the OpenAI-style error body.
+
+Request models are strict (a string where a number belongs is a 400, not silently converted) and ignore unknown
+fields, because OpenAI clients send fields that have no meaning here. Fields that would change the result but are
+not supported (``logprobs``, ``tools``, penalties, ...) are declared so that a non-default value is refused
+clearly instead of ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffulex.sampling_params import SamplingParams
+
+# Engine completion reasons -> OpenAI finish_reason. The engine's own name travels in `diffulex_completion_reason`.
+FINISH_REASONS = {
+    "eos_token_generated": "stop",
+    "stop_string_matched": "stop",
+    "max_new_tokens_reached": "length",
+    "max_model_len_reached": "length",
+    "max_nfe_reached": "length",
+    "max_repetition_run_reached": "length",
+    "aborted": "abort",
+}
+
+# Most completions one HTTP request may ask for (prompts x n): one request must not be able to fill the queue.
+MAX_CHOICES_PER_REQUEST = 16
+
+
+def openai_finish_reason(completion_reason: str | None) -> str:
+    return FINISH_REASONS.get(completion_reason or "", "stop")
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002  (the OpenAI field name)
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """The sampling fields every generation route accepts (OpenAI names, plus the Diffulex extras)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: str | list[str] | None = None
+    n: int = 1
+    seed: int | None = None
+    # Diffulex extras.
+    max_nfe: int | None = None
+    ignore_eos: bool = False
+    max_repetition_run: int | None = None
+    # Declared only to be refused when set: they would change the answer and are not implemented.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def reject_unsupported(self) -> None:
+        """Fields accepted by OpenAI that we cannot honour: a clear 400 instead of a silently different answer."""
+        checks = [
+            ("logprobs", self.logprobs not in (None, False, 0)),
+            ("top_logprobs", self.top_logprobs not in (None, 0)),
+            ("presence_penalty", self.presence_penalty != 0.0),
+            ("frequency_penalty", self.frequency_penalty != 0.0),
+            ("logit_bias", bool(self.logit_bias)),
+            ("best_of", self.best_of not in (None, 1)),
+            ("echo", self.echo),
+            ("suffix", self.suffix is not None),
+            ("tools", bool(self.tools)),
+            ("response_format", self.response_format not in (None, {"type": "text"})),
+        ]
+        for name, bad in checks:
+            if bad:
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+
+    def sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """Validated engine parameters for one choice; a ValueError from SamplingParams becomes a 400 naming the field.
+
+        With ``n > 1`` and a seed, choice ``i`` uses ``seed + i`` so that the choices differ yet stay reproducible.
+        """
+        self.reject_unsupported()
+        if self.n < 1:
+            raise APIError(400, f"n={self.n} is invalid: must be an integer >= 1", param="n")
+        seed = None if self.seed is None else self.seed + choice
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                max_nfe=self.max_nfe,
+                ignore_eos=self.ignore_eos,
+                max_repetition_run=self.max_repetition_run,
+                seed=seed,
+                stop=self.stop,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err), param=_param_of(str(err))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams messages start with ``field=value``; name the field in the error body."""
+    head = message.split("=", 1)[0].strip()
+    return head if head.isidentifier() else None
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def text(self) -> str:
+        """The message text; OpenAI's list-of-parts form is accepted when every part is text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class GenerateRequest(SamplingFields):
+    """The Diffulex-native route: a raw prompt (or chat messages), with block-level streaming modes."""
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    stream: bool = False
+    stream_mode: Literal["denoise", "block_append"] = "denoise"
+    user: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    # Diffulex extras: forwards taken and tokens per forward (ratio of sums over the request's choices).
+    nfe: int = 0
+    tpf: float = 0.0
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "diffulex"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -1,0 +1,307 @@
+"""Continuous batching without a model: admission, scheduling order, preemption, finishing and abort.
+
+The forward is simulated by writing a token at every sampling target of every scheduled request and then
+calling `Scheduler.finish_step`, exactly what the engine does with the sampler's writes.
+"""
+
+from __future__ import annotations
+
+from diffulex.engine.block import BlockStatus
+from diffulex.engine.kv_cache_manager import KVCacheManager
+from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus
+from diffulex.engine.scheduler import Scheduler, SchedulerLimits
+from diffulex.sampling_params import SamplingParams
+
+MASK = 379
+BLOCK = 4
+
+SETTINGS = DecodeSettings(
+    block_size=BLOCK,
+    buffer_size=2,
+    mask_token_id=MASK,
+    max_model_len=1000,
+    stop_token_ids=frozenset({376, 378}),
+    accept_threshold=0.9,
+    add_block_threshold=0.1,
+    semi_complete_threshold=0.9,
+    auto_max_nfe_warmup_steps=8,
+    auto_max_nfe_tpf_floor=1.0,
+)
+
+
+class Factory:
+    """Requests with distinct prompts (no accidental prefix-cache hits) and increasing ids."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def __call__(self, prompt_len: int, max_tokens: int = 32) -> Request:
+        base = 20 * self.next_id
+        prompt = [base + i for i in range(prompt_len)]
+        req = Request(self.next_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), SETTINGS)
+        self.next_id += 1
+        return req
+
+
+def make_scheduler(num_pages: int = 64, max_num_reqs: int = 8, budget: int = 4096, page_size: int = BLOCK,
+                   prefix_caching: bool = False) -> Scheduler:
+    kv = KVCacheManager(num_pages, page_size, prefix_caching)
+    return Scheduler(SchedulerLimits(max_num_reqs, budget), kv)
+
+
+def forward(sched: Scheduler, batch: list[Request], token: int = 7) -> None:
+    """Decode every sampling target of every request in the batch, then finish the step."""
+    for req in batch:
+        writes = [(p, token) for target in req.sample_targets() for p in target.positions]
+        sched.finish_step(req, writes)
+
+
+def ids(reqs) -> list[int]:
+    return [r.req_id for r in reqs]
+
+
+# ----- admission --------------------------------------------------------------------------------------------
+
+
+def test_waiting_requests_are_admitted_first_come_first_served_up_to_max_num_reqs():
+    new = Factory()
+    sched = make_scheduler(max_num_reqs=2)
+    reqs = [new(6) for _ in range(3)]
+    for req in reqs:
+        sched.add(req)
+    batch = sched.schedule()
+    assert ids(batch) == [0, 1]
+    assert ids(sched.running) == [0, 1] and ids(sched.waiting) == [2]
+    assert [r.status for r in reqs] == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.WAITING]
+
+
+def test_a_finished_request_makes_room_for_the_next_waiting_one():
+    new = Factory()
+    sched = make_scheduler(max_num_reqs=2)
+    short = new(4, max_tokens=4)
+    for req in (short, new(6), new(6)):
+        sched.add(req)
+    forward(sched, sched.schedule())
+    assert short.completion_reason is CompletionReason.MAX_TOKENS
+    assert short.status is RequestStatus.FINISHED and short.page_table == []
+    assert ids(sched.schedule()) == [1, 2]
+
+
+def test_admission_stops_at_the_token_budget():
+    new = Factory()
+    sched = make_scheduler(budget=20)
+    sched.add(new(10))  # query [0, 16) once its second block opens
+    sched.add(new(10))  # estimate 12 + one block = 16 > 20 - 16
+    assert ids(sched.schedule()) == [0]
+    assert ids(sched.waiting) == [1]
+
+
+def test_admission_within_the_token_budget_takes_several_requests():
+    new = Factory()
+    sched = make_scheduler(budget=32)
+    for _ in range(3):
+        sched.add(new(10))
+    # the first opens a second block once admitted (query 16); the second's estimate 12 + 4 fits the rest
+    assert ids(sched.schedule()) == [0, 1]
+    assert ids(sched.waiting) == [2]
+
+
+def test_admission_is_fcfs_a_blocked_head_blocks_the_queue():
+    new = Factory()
+    sched = make_scheduler(budget=30)
+    sched.add(new(10))  # 16 tokens once admitted: 14 left
+    sched.add(new(30))  # estimate 32 + 4: too long for the rest of the budget
+    sched.add(new(2))  # estimate 4 + 4 would fit, but must not overtake
+    assert ids(sched.schedule()) == [0]
+    assert ids(sched.waiting) == [1, 2]
+
+
+def test_a_long_first_request_is_always_admitted_alone():
+    new = Factory()
+    sched = make_scheduler(budget=8)
+    sched.add(new(50))
+    sched.add(new(2))
+    assert ids(sched.schedule()) == [0]
+    assert ids(sched.waiting) == [1]
+
+
+def test_admission_needs_free_pages():
+    new = Factory()
+    sched = make_scheduler(num_pages=3)
+    sched.add(new(8))  # 2 pages
+    sched.add(new(8))  # 2 more: only 1 left
+    assert ids(sched.schedule()) == [0]
+    assert ids(sched.waiting) == [1]
+
+
+# ----- scheduling order -------------------------------------------------------------------------------------
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    new = Factory()
+    sched = make_scheduler()
+    sched.add(new(6))
+    forward(sched, sched.schedule())
+    sched.add(new(6))
+    batch = sched.schedule()
+    assert ids(batch) == [0, 1]
+
+
+def test_running_requests_take_the_request_slots_first():
+    new = Factory()
+    sched = make_scheduler(max_num_reqs=1)
+    sched.add(new(6))
+    forward(sched, sched.schedule())
+    sched.add(new(6))
+    assert ids(sched.schedule()) == [0]
+    assert ids(sched.waiting) == [1]
+
+
+def test_running_requests_are_not_limited_by_the_token_budget():
+    new = Factory()
+    sched = make_scheduler(budget=1)
+    sched.add(new(10))
+    forward(sched, sched.schedule())
+    sched.add(new(2))
+    batch = sched.schedule()
+    assert ids(batch) == [0]  # scheduled although its query exceeds the budget; the waiting one is not
+    assert ids(sched.waiting) == [1]
+
+
+def test_each_scheduled_request_opens_its_next_block_when_allowed():
+    new = Factory()
+    sched = make_scheduler()
+    req = new(8)
+    sched.add(req)
+    sched.schedule()
+    assert [b.index for b in req.running] == [2]
+    assert req.query_range() == (0, 12)
+
+
+# ----- preemption -------------------------------------------------------------------------------------------
+
+
+def _three_requests_one_page_short():
+    """Three requests of one prompt block each in a 4-page pool; after one forward each needs one more page."""
+    new = Factory()
+    sched = make_scheduler(num_pages=4)
+    reqs = [new(4) for _ in range(3)]
+    for req in reqs:
+        sched.add(req)
+    batch = sched.schedule()
+    assert ids(batch) == [0, 1, 2] and sched.kv_cache.num_free_pages == 1
+    forward(sched, batch)  # block 1 of each is complete and commits: each needs a second page
+    assert all(r.blocks[1].status is BlockStatus.TO_CACHE for r in reqs)
+    return sched, reqs, new
+
+
+def test_out_of_pages_preempts_the_most_recently_admitted_running_request():
+    sched, (r0, r1, r2), new = _three_requests_one_page_short()
+    late = new(4)
+    sched.add(late)
+    tokens = list(r2.token_ids)
+    batch = sched.schedule()
+    assert ids(batch) == [0, 1]
+    assert ids(sched.running) == [0, 1]
+    assert ids(sched.waiting) == [2, late.req_id]  # the preempted request goes to the front
+    assert r2.status is RequestStatus.WAITING and r2.num_preemptions == 1
+    assert r2.page_table == [] and r2.page_hashes == []
+    assert r2.token_ids == tokens
+    assert [b.status for b in r2.blocks] == [BlockStatus.TO_CACHE, BlockStatus.TO_CACHE]
+    assert r2.num_cached_blocks == 0
+    assert len(r0.page_table) == len(r1.page_table) == 2
+    assert sched.kv_cache.num_free_pages == 0
+
+
+def test_a_preempted_request_is_readmitted_and_recomputes_its_committed_blocks():
+    sched, (r0, r1, r2), _ = _three_requests_one_page_short()
+    sched.schedule()  # preempts r2
+    sched.abort(r0.req_id)  # frees two pages
+    batch = sched.schedule()
+    assert ids(batch) == [1, 2]
+    assert r2.status is RequestStatus.RUNNING and len(r2.page_table) == 2
+    assert r2.query_range()[0] == 0  # its committed blocks are computed (and stored) again
+    assert ids(sched.running) == [1, 2]
+
+
+def test_the_newest_request_preempts_itself_when_it_is_the_one_short_of_pages():
+    new = Factory()
+    sched = make_scheduler(num_pages=3)
+    r0, r1 = new(4), new(4)
+    sched.add(r0)
+    sched.add(r1)
+    forward(sched, sched.schedule())
+    batch = sched.schedule()  # r0 takes the last free page; r1 is the newest: it goes
+    assert ids(batch) == [0]
+    assert ids(sched.waiting) == [1] and r1.page_table == []
+    assert r1.status is RequestStatus.WAITING
+
+
+# ----- finishing and abort ----------------------------------------------------------------------------------
+
+
+def test_finish_step_counts_the_forward_and_returns_the_filled_positions():
+    new = Factory()
+    sched = make_scheduler()
+    req = new(6)
+    sched.add(req)
+    sched.schedule()
+    assert sched.finish_step(req, [(6, 7)]) == 1
+    assert req.nfe == 1 and req.status is RequestStatus.RUNNING
+
+
+def test_a_finished_request_frees_its_pages():
+    new = Factory()
+    sched = make_scheduler(num_pages=8)
+    req = new(8, max_tokens=4)
+    sched.add(req)
+    forward(sched, sched.schedule())
+    assert req.completion_reason is CompletionReason.MAX_TOKENS
+    assert not sched.has_unfinished()
+    assert sched.kv_cache.num_free_pages == 8
+
+
+def test_abort_of_a_waiting_request():
+    new = Factory()
+    sched = make_scheduler(max_num_reqs=1)
+    r0, r1 = new(6), new(6)
+    sched.add(r0)
+    sched.add(r1)
+    sched.schedule()
+    assert sched.abort(r1.req_id) is r1
+    assert r1.completion_reason == "aborted" and r1.status is RequestStatus.FINISHED
+    assert list(sched.waiting) == [] and r1.page_table == []
+    assert ids(sched.running) == [0]
+
+
+def test_abort_of_a_preempted_waiting_request():
+    sched, (_, _, r2), _ = _three_requests_one_page_short()
+    sched.schedule()
+    free = sched.kv_cache.num_free_pages
+    assert sched.abort(r2.req_id) is r2
+    assert r2.completion_reason is CompletionReason.ABORTED
+    assert sched.kv_cache.num_free_pages == free  # it held no pages any more
+
+
+def test_abort_of_a_running_request_frees_its_pages():
+    new = Factory()
+    sched = make_scheduler(num_pages=8)
+    req = new(10)
+    sched.add(req)
+    sched.schedule()
+    assert sched.kv_cache.num_free_pages == 6
+    assert sched.abort(req.req_id) is req
+    assert req.completion_reason == "aborted" and req.status is RequestStatus.FINISHED
+    assert req.page_table == [] and list(sched.running) == []
+    assert sched.kv_cache.num_free_pages == 8
+    assert all(c == 0 for c in sched.kv_cache.ref_counts)
+
+
+def test_abort_of_an_unknown_or_finished_request_returns_none():
+    new = Factory()
+    sched = make_scheduler()
+    req = new(6)
+    sched.add(req)
+    assert sched.abort(99) is None
+    assert sched.abort(req.req_id) is req
+    assert sched.abort(req.req_id) is None
