@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # Modules that contribute subcommands: each has ``add_parser(subparsers)`` that registers its own and sets ``func``.
-_SUBCOMMAND_MODULES = ("diffulex.server.cli", "diffulex.bench.cli")
+_SUBCOMMAND_MODULES = (("diffulex.server.cli", "serve", "serve"), ("diffulex.bench.cli", "bench", "bench"))
 
 # Fields the CLI sets itself (positional / dedicated flags) or that are not plain values.
 _SPECIAL_FIELDS = {"model"}
@@ -94,6 +94,12 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
     fields = dict(fields)
     if "model_path" in fields:
         fields["model"] = fields.pop("model_path")
+    if "num_kvcache_blocks" in fields:
+        fields["num_pages"] = fields.pop("num_kvcache_blocks")
+    from diffulex.config import engine_fields, reject_unknown_keys
+
+    # A misspelled key in a file is an error, not a setting silently ignored.
+    reject_unknown_keys(f"config {path!r} engine", fields, sorted(f.name for f in engine_fields()))
     return fields
 
 
@@ -164,15 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
-    for module in _SUBCOMMAND_MODULES:
+    for module, command, extra in _SUBCOMMAND_MODULES:
         try:
             add_parser = importlib.import_module(module).add_parser
         except ModuleNotFoundError as err:
             if err.name and (err.name == module or module.startswith(err.name + ".")):
                 continue  # that part of the package is not there
-            raise
+            _add_unavailable(sub, command, f"'diffulex {command}' needs {err.name!r}: pip install 'diffulex[{extra}]'")
+            continue
         add_parser(sub)
     return parser
+
+
+def _add_unavailable(sub: argparse._SubParsersAction, command: str, message: str) -> None:
+    """A subcommand whose optional dependencies are missing still exists and says what to install."""
+
+    def fail(args: argparse.Namespace) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    sub.add_parser(command, help=f"(unavailable: {message})", add_help=False).set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None) -> int:

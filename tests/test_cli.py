@@ -130,11 +130,6 @@ def test_unknown_yaml_field_is_at_least_named(sdar_dir, tmp_path, capsys):
     assert "acept_threshold" in reported
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an unknown field in a --config YAML file is dropped with a warning (Config.from_kwargs) and "
-    "the command succeeds; a misspelled YAML key should be an error naming it",
-)
 def test_unknown_yaml_field_is_an_error_naming_it(sdar_dir, tmp_path, capsys):
     config = write_yaml(tmp_path, "engine:\n  buffer_size: 2\n  acept_threshold: 0.5\n")
     with warnings.catch_warnings():

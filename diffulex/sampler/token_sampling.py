@@ -12,7 +12,7 @@ import torch
 
 def ban_tokens(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> torch.Tensor:
     """Never propose padding-vocabulary ids (beyond the tokenizer) or the mask token itself."""
-    logits = logits.float()
+    logits = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
     if vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")
     if banned_id is not None and 0 <= banned_id < logits.shape[-1]:
