@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from diffulex.config import Config
+from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
 from diffulex.outputs import GenerationOutputs, Trajectory
@@ -92,40 +93,53 @@ class DiffulexEngine:
         import diffulex.models  # noqa: F401  (registers the model families)
         import diffulex.strategy  # noqa: F401  (registers the strategies)
         from diffulex.models.loader import build_model
-        from diffulex.tokenizer import load_tokenizer, resolve_mask_token_id, stop_token_ids
+        from diffulex.tokenizer import load_tokenizer
 
         _reject_unsupported(config)
         self.config = config
         self.device = _resolve_device(config)
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
-        checkpoint_dtype = config.model_config_dict.get("torch_dtype")
-        self.dtype = _resolve_dtype(config, checkpoint_dtype, self.device)
+        self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
         self.model = build_model(config.model_name, config.model, self.dtype, self.device)
+        self.mask_token_id = self._resolve_mask_token_id()
+        self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
+        self.settings = self._decode_settings()
+        self._build_components()
+        self._next_req_id = 0
+        self._num_steps = 0
+        self._closed = False
 
-        model_cls = AutoModelForDiffusionLM.get(config.model_name)
-        family_mask = getattr(model_cls, "family_defaults", {}).get("mask_token_id")
+    def _resolve_mask_token_id(self) -> int:
+        """The explicit field, else what the checkpoint and tokenizer files name, else the family default."""
+        from diffulex.tokenizer import resolve_mask_token_id
+
+        config = self.config
         mask_id = config.mask_token_id
         if mask_id is None:
+            model_cls = AutoModelForDiffusionLM.get(config.model_name)
+            family_mask = getattr(model_cls, "family_defaults", {}).get("mask_token_id")
             mask_id = resolve_mask_token_id(self.tokenizer, self.model.config, config.model, family_mask)
         if mask_id is None:
             raise ValueError(
                 f"could not determine the mask token of {config.model}: the checkpoint config, tokenizer and "
                 "special_tokens_map name none; pass mask_token_id=<id>"
             )
-        self.mask_token_id = mask_id
-        self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
-        if not 0 <= mask_id < self.model.config.vocab_size:
-            raise ValueError(f"mask_token_id={mask_id} is invalid: must be within the model's vocabulary "
-                             f"[0, {self.model.config.vocab_size})")
-        stops = frozenset(stop_token_ids(self.tokenizer, config.model))
+        vocab = self.model.config.vocab_size
+        if not 0 <= mask_id < vocab:
+            raise ValueError(f"mask_token_id={mask_id} is invalid: must be within the model's vocabulary [0, {vocab})")
+        return mask_id
 
-        thresholds = config.decoding_thresholds
-        self.settings = DecodeSettings(
+    def _decode_settings(self) -> DecodeSettings:
+        from diffulex.tokenizer import stop_token_ids
+
+        config, thresholds = self.config, self.config.decoding_thresholds
+        model_cls = AutoModelForDiffusionLM.get(config.model_name)
+        return DecodeSettings(
             block_size=config.block_size,
             buffer_size=config.buffer_size,
-            mask_token_id=mask_id,
+            mask_token_id=self.mask_token_id,
             max_model_len=config.max_model_len,
-            stop_token_ids=stops,
+            stop_token_ids=frozenset(stop_token_ids(self.tokenizer, config.model)),
             accept_threshold=thresholds.accept_threshold,
             add_block_threshold=thresholds.add_block_threshold,
             semi_complete_threshold=thresholds.semi_complete_threshold,
@@ -133,11 +147,13 @@ class DiffulexEngine:
             auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
             logits_shift=bool(getattr(model_cls, "logits_shift", False)),
         )
-        sampler = AutoSampler.get(config.model_name)(
-            SamplerSettings(self.vocab_limit, mask_id, thresholds.accept_threshold, config.seed)
-        )
-        from diffulex.engine.model_runner import RunnerSettings
 
+    def _build_components(self) -> None:
+        """The strategy's runner, page pool and scheduler, and the family's sampler."""
+        config, strategy = self.config, self.config.decoding_strategy
+        sampler = AutoSampler.get(config.model_name)(
+            SamplerSettings(self.vocab_limit, self.mask_token_id, self.settings.accept_threshold, config.seed)
+        )
         runner_settings = RunnerSettings(
             block_size=config.block_size,
             page_size=config.page_size,
@@ -145,7 +161,6 @@ class DiffulexEngine:
             device=self.device,
             kv_dtype=self.dtype,
         )
-        strategy = config.decoding_strategy
         self.runner = AutoModelRunner.get(strategy)(runner_settings, self.model, sampler)
         num_pages = self._plan_num_pages()
         self.runner.allocate_kv_cache(num_pages)
@@ -153,9 +168,6 @@ class DiffulexEngine:
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
         self.request_cls = AutoReq.get(strategy)
-        self._next_req_id = 0
-        self._num_steps = 0
-        self._closed = False
         logger.info(
             "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
             config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
