@@ -72,8 +72,6 @@ def _reject_unsupported(config: Config) -> None:
         unsupported.append(f"data_parallel_size={config.data_parallel_size}")
     if config.expert_parallel_size > 1:
         unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
-    if config.use_lora:
-        unsupported.append("use_lora=True")
     if config.sampling_mode != "naive":
         unsupported.append(f"sampling_mode={config.sampling_mode!r}")
     if config.kv_cache_layout != "unified":
@@ -100,7 +98,10 @@ class DiffulexEngine:
         self.device = _resolve_device(config)
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
-        self.model = build_model(config.model_name, config.model, self.dtype, self.device)
+        self.model = build_model(
+            config.model_name, config.model, self.dtype, self.device,
+            lora_path=config.lora_path if config.use_lora else None, merge_lora=config.pre_merge_lora,
+        )
         self.mask_token_id = self._resolve_mask_token_id()
         self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
         self.settings = self._decode_settings()

@@ -1,7 +1,21 @@
 """Model families. Importing this package registers every family's model class and config reader."""
 
-from diffulex.models import sdar  # noqa: F401  (registers "sdar")
+from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, sdar, stable_diffcoder  # noqa: F401
+from diffulex.models.dream import DreamForDiffusionLM
+from diffulex.models.dream_reasoner import DreamReasonerForDiffusionLM
+from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
 from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
+from diffulex.models.llada import LLaDAForDiffusionLM
 from diffulex.models.sdar import SDARForDiffusionLM
+from diffulex.models.stable_diffcoder import StableDiffCoderForDiffusionLM
 
-__all__ = ["SDARForDiffusionLM", "load_hf_config", "model_type_to_model_name"]
+__all__ = [
+    "DreamForDiffusionLM",
+    "DreamReasonerForDiffusionLM",
+    "FastdLLMV2ForDiffusionLM",
+    "LLaDAForDiffusionLM",
+    "SDARForDiffusionLM",
+    "StableDiffCoderForDiffusionLM",
+    "load_hf_config",
+    "model_type_to_model_name",
+]

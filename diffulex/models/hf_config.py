@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diffulex.registry import Registry
 
@@ -226,3 +226,401 @@ def model_type_to_model_name(model_type: str | None, architectures: list[str] | 
     if model_type is None:
         return None
     return _MODEL_TYPE_TO_NAME.get(model_type)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense families with HF-style (Qwen2 / Qwen3 / Llama) field names: Dream, DiffuCoder, Dream reasoner,
+# Stable-DiffCoder, Fast-dLLM v2. One parser, one dataclass per family (so each family documents what it reads).
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rope_fields(d: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """``rope_theta`` and ``rope_scaling``, also from the transformers-5 ``rope_parameters`` spelling."""
+    rope_scaling = d.get("rope_scaling")
+    rope_theta = d.get("rope_theta")
+    rope_parameters = d.get("rope_parameters")
+    if isinstance(rope_parameters, dict):
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta")
+        if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = rope_parameters
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ValueError(f"config field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
+    return _float({"rope_theta": rope_theta}, "rope_theta", default_theta), rope_scaling
+
+
+def _str_or_none(d: dict[str, Any], key: str) -> str | None:
+    value = d.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"config field {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _heads(d: dict[str, Any], hidden_size: int) -> tuple[int, int, int]:
+    num_heads = _int(d, "num_attention_heads")
+    num_kv_heads = _int(d, "num_key_value_heads", required=False, default=num_heads)
+    assert num_heads is not None and num_kv_heads is not None
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"config field 'num_attention_heads' ({num_heads}) must be a multiple of "
+            f"'num_key_value_heads' ({num_kv_heads})"
+        )
+    head_dim = _int(d, "head_dim", required=False)
+    if head_dim is None:
+        if hidden_size % num_heads != 0:
+            raise ValueError(
+                f"config field 'head_dim' is missing and hidden_size={hidden_size} is not divisible by "
+                f"num_attention_heads={num_heads}"
+            )
+        head_dim = hidden_size // num_heads
+    return num_heads, num_kv_heads, head_dim
+
+
+def find_added_token_id(model_dir: str | Path, content: str) -> int | None:
+    """The id of the added token `content` as written in a checkpoint's tokenizer files, else None.
+
+    Read from the JSON files only (``added_tokens.json``, ``tokenizer_config.json`` ``added_tokens_decoder``,
+    ``tokenizer.json`` ``added_tokens``), without building the tokenizer. Families whose ``config.json`` does
+    not carry ``mask_token_id`` (Fast-dLLM v2, Stable-DiffCoder) name their mask token by its string; this
+    turns it into the id of the checkpoint at hand.
+    """
+    folder = Path(model_dir)
+
+    def load(name: str) -> Any:
+        path = folder / name
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
+    added = load("added_tokens.json")
+    if isinstance(added, dict):
+        value = added.get(content)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    tok_config = load("tokenizer_config.json")
+    if isinstance(tok_config, dict) and isinstance(tok_config.get("added_tokens_decoder"), dict):
+        for id_str, entry in tok_config["added_tokens_decoder"].items():
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            if text == content and str(id_str).isdigit():
+                return int(id_str)
+    tok_json = load("tokenizer.json")
+    if isinstance(tok_json, dict) and isinstance(tok_json.get("added_tokens"), list):
+        for entry in tok_json["added_tokens"]:
+            if isinstance(entry, dict) and entry.get("content") == content and isinstance(entry.get("id"), int):
+                return int(entry["id"])
+    return None
+
+
+@dataclass
+class DenseDecoderConfig:
+    """The fields of a Qwen2 / Qwen3 / Llama style ``config.json`` that the dense families use.
+
+    Which of the bias / norm options a family applies is decided by its model class (Dream forces q/k/v bias,
+    for example); the config only records what the file says.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    mask_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    model_type: str = ""
+    architectures: list[str] = field(default_factory=list)
+
+    # The family's name in error messages, its default rope base, and its mask token string (looked up in
+    # the tokenizer files when config.json has no mask_token_id; None = do not look).
+    family: ClassVar[str] = "dense"
+    default_rope_theta: ClassVar[float] = 10_000.0
+    mask_token: ClassVar[str | None] = None
+
+    @classmethod
+    def _common(cls, d: dict[str, Any]) -> dict[str, Any]:
+        hidden_size = _int(d, "hidden_size")
+        assert hidden_size is not None
+        num_heads, num_kv_heads, head_dim = _heads(d, hidden_size)
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"config field 'hidden_act' must be 'silu' for {cls.family}, got {hidden_act!r}")
+        if d.get("use_sliding_window") is True:
+            raise ValueError(f"config field 'use_sliding_window' is true: sliding-window attention is not "
+                             f"supported for {cls.family}")
+        rope_theta, rope_scaling = _rope_fields(d, cls.default_rope_theta)
+        torch_dtype = d.get("torch_dtype", d.get("dtype"))
+        if torch_dtype is not None and not isinstance(torch_dtype, str):
+            raise ValueError(f"config field 'torch_dtype' must be a string, got {torch_dtype!r}")
+        architectures = d.get("architectures") or []
+        return dict(
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_int(d, "intermediate_size"),
+            num_hidden_layers=_int(d, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_int(d, "max_position_embeddings", required=False, default=32768),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+            attention_bias=_bool(d, "attention_bias", False),
+            mlp_bias=_bool(d, "mlp_bias", False),
+            hidden_act=hidden_act,
+            mask_token_id=_token_id(d, "mask_token_id"),
+            bos_token_id=_token_id(d, "bos_token_id"),
+            eos_token_id=_token_ids(d, "eos_token_id"),
+            pad_token_id=_token_id(d, "pad_token_id"),
+            torch_dtype=torch_dtype,
+            model_type=str(d.get("model_type", "")),
+            architectures=list(architectures) if isinstance(architectures, list) else [],
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DenseDecoderConfig:
+        """Validate and copy the known fields of a config dict; other keys are ignored."""
+        return cls(**cls._common(d))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> DenseDecoderConfig:
+        """Read ``<model_dir>/config.json``; errors name the file. Without ``mask_token_id`` there, the family's
+        mask token string is looked up in the folder's tokenizer files."""
+        try:
+            config = cls.from_dict(read_config_dict(model_dir))
+        except ValueError as e:
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
+        if config.mask_token_id is None and cls.mask_token is not None:
+            config.mask_token_id = find_added_token_id(model_dir, cls.mask_token)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class DreamConfig(DenseDecoderConfig):
+    """Dream-v0 / Dream-Coder / DiffuCoder (``model_type: "Dream"``, Qwen2.5 geometry) and the Qwen3-style Dream
+    reasoner, which shares the model type. The reasoner's model reads ``attention_bias`` and uses q/k norms;
+    the Qwen2.5 model always has q/k/v biases."""
+
+    family: ClassVar[str] = "Dream"
+    mask_token: ClassVar[str | None] = "<|mask|>"
+
+
+@dataclass
+class DreamReasonerConfig(DreamConfig):
+    """The Qwen3-style Dream reasoner (``model_type: "Dream"``, q/k norms, mask ``<|MASK|>``)."""
+
+    family: ClassVar[str] = "Dream reasoner"
+    mask_token: ClassVar[str | None] = "<|MASK|>"
+
+
+@dataclass
+class StableDiffCoderConfig(DenseDecoderConfig):
+    """Stable-DiffCoder (``model_type: "llama"``, ``architectures: ["StableDiffcoderForCausalLM"]``): a Llama
+    config; ``attention_bias`` applies to q/k/v/o, ``mlp_bias`` to the MLP. Its config.json names no mask token;
+    the tokenizer's ``<[MASK_TOKEN]>`` is."""
+
+    family: ClassVar[str] = "Stable-DiffCoder"
+    default_rope_theta: ClassVar[float] = 500_000.0
+    mask_token: ClassVar[str | None] = "<[MASK_TOKEN]>"
+
+
+@dataclass
+class FastdLLMV2Config(DenseDecoderConfig):
+    """Fast-dLLM v2 (``model_type: "Fast_dLLM_Qwen"``): Qwen2.5 with q/k/v bias; ``bd_size`` is its trained block
+    (32). The mask token ``|<MASK>|`` is an added token of the tokenizer, not a config field."""
+
+    bd_size: int | None = None
+
+    family: ClassVar[str] = "Fast-dLLM v2"
+    mask_token: ClassVar[str | None] = "|<MASK>|"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FastdLLMV2Config:
+        return cls(**cls._common(d), bd_size=_int(d, "bd_size", required=False))
+
+
+for _name in ("dream", "diffucoder"):
+    HFConfigReaders.register(_name)(DreamConfig.from_pretrained)
+HFConfigReaders.register("dream_reasoner")(DreamReasonerConfig.from_pretrained)
+HFConfigReaders.register("stable_diffcoder")(StableDiffCoderConfig.from_pretrained)
+HFConfigReaders.register("fast_dllm_v2")(FastdLLMV2Config.from_pretrained)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LLaDA: OLMo field names.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LLaDAConfig:
+    """The fields of a LLaDA (``model_type: "llada"``, OLMo-derived) ``config.json`` that the engine uses.
+
+    Only the configuration the published LLaDA checkpoints use is implemented (``block_type: "llama"``, RMS
+    norms with weights, RoPE, SiLU-gated MLP, no ALiBi, no q/k norm, one block per group); anything else is a
+    ``ValueError`` naming the field rather than a model that silently computes something else.
+    """
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    mlp_hidden_size: int
+    vocab_size: int
+    embedding_size: int
+    weight_tying: bool = False
+    include_qkv_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    max_sequence_length: int = 4096
+    scale_logits: bool = False
+    mask_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    model_type: str = "llada"
+    architectures: list[str] = field(default_factory=list)
+
+    mask_token: ClassVar[str] = "<|mdm_mask|>"
+
+    # The HF-style names the rest of the engine reads.
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.max_sequence_length
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.weight_tying
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LLaDAConfig:
+        expected = {
+            "block_type": "llama",
+            "layer_norm_type": "rms",
+            "activation_type": "silu",
+            "alibi": False,
+            "rope": True,
+            "attention_layer_norm": False,
+            "include_bias": False,
+            "bias_for_layer_norm": False,
+            "layer_norm_with_affine": True,
+            "input_emb_norm": False,
+            "block_group_size": 1,
+        }
+        for key, want in expected.items():
+            value = d.get(key, want)
+            if value is None:
+                continue
+            if value != want or type(value) is not type(want):
+                raise ValueError(
+                    f"config field {key!r} is {value!r}; only {want!r} (the published LLaDA configuration) is "
+                    "supported"
+                )
+        d_model = _int(d, "d_model")
+        n_heads = _int(d, "n_heads")
+        assert d_model is not None and n_heads is not None
+        if d.get("multi_query_attention") is True:
+            n_kv_heads = 1
+        else:
+            n_kv_heads = _int(d, "n_kv_heads", required=False, default=n_heads)
+        assert n_kv_heads is not None
+        if n_heads % n_kv_heads != 0:
+            raise ValueError(f"config field 'n_heads' ({n_heads}) must be a multiple of 'n_kv_heads' ({n_kv_heads})")
+        if d_model % n_heads != 0:
+            raise ValueError(f"config field 'd_model' ({d_model}) must be divisible by 'n_heads' ({n_heads})")
+        mlp_hidden = _int(d, "mlp_hidden_size", required=False)
+        if mlp_hidden is None:
+            ratio = _int(d, "mlp_ratio", required=False, default=4)
+            assert ratio is not None
+            mlp_hidden = ratio * d_model
+        vocab_size = _int(d, "vocab_size")
+        embedding_size = _int(d, "embedding_size", required=False, default=vocab_size)
+        assert vocab_size is not None and embedding_size is not None
+        if embedding_size < vocab_size:
+            raise ValueError(f"config field 'embedding_size' ({embedding_size}) is smaller than 'vocab_size' "
+                             f"({vocab_size})")
+        include_qkv_bias = d.get("include_qkv_bias", d.get("use_qkv_bias", False))
+        torch_dtype = d.get("torch_dtype", d.get("dtype"))
+        if torch_dtype is not None and not isinstance(torch_dtype, str):
+            raise ValueError(f"config field 'torch_dtype' must be a string, got {torch_dtype!r}")
+        architectures = d.get("architectures") or []
+        return cls(
+            d_model=d_model,
+            n_layers=_int(d, "n_layers"),  # type: ignore[arg-type]
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            mlp_hidden_size=mlp_hidden,
+            vocab_size=vocab_size,
+            embedding_size=embedding_size,
+            weight_tying=_bool(d, "weight_tying", False),
+            include_qkv_bias=_bool({"include_qkv_bias": include_qkv_bias}, "include_qkv_bias", False),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-5),
+            rope_theta=_float(d, "rope_theta", 10_000.0),
+            max_sequence_length=_int(d, "max_sequence_length", required=False, default=4096),  # type: ignore[arg-type]
+            scale_logits=_bool(d, "scale_logits", False),
+            mask_token_id=_token_id(d, "mask_token_id"),
+            bos_token_id=_token_id(d, "bos_token_id"),
+            eos_token_id=_token_ids(d, "eos_token_id"),
+            pad_token_id=_token_id(d, "pad_token_id"),
+            torch_dtype=torch_dtype,
+            model_type=str(d.get("model_type", "llada")),
+            architectures=list(architectures) if isinstance(architectures, list) else [],
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> LLaDAConfig:
+        try:
+            config = cls.from_dict(read_config_dict(model_dir))
+        except ValueError as e:
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
+        if config.mask_token_id is None:
+            config.mask_token_id = find_added_token_id(model_dir, cls.mask_token)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+HFConfigReaders.register("llada")(LLaDAConfig.from_pretrained)
+
+# Architectures that identify a family whose model_type is shared: the Qwen3-style Dream reasoner says
+# model_type "Dream" like Dream-v0 (whose checkpoints say "DreamModel"); see docs/models.md.
+_ARCHITECTURE_TO_NAME.update({"DreamForCausalLM": "dream_reasoner", "LLaDAModelLM": "llada"})

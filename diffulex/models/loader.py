@@ -118,6 +118,9 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
         problems.append(f"unexpected tensors: {', '.join(unexpected)}")
     if problems:
         where = f"checkpoint {Path(model_dir)} does not match {type(model).__name__}"
+        hint = getattr(model, "load_error_hint", "")
+        if hint:
+            problems.append(f"hint: {hint}")
         raise ValueError(f"{where}: " + " | ".join(problems))
 
     by_file: dict[Path, list[str]] = {}
@@ -188,12 +191,16 @@ def build_model(
     model_dir: str | Path,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
+    lora_path: str | Path | None = None,
+    merge_lora: bool = False,
 ) -> nn.Module:
     """Read the checkpoint's config, build the registered model for `model_name` and load its weights.
 
     The model is first built on the meta device (no memory, no random init, which takes minutes for a
     multi-billion-parameter model on CPU), then materialized on `device` in `dtype` and filled by the strict
-    loader, which guarantees every parameter is overwritten. Returned in eval mode.
+    loader, which guarantees every parameter is overwritten. With `lora_path`, the PEFT adapter in that folder
+    is then applied (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every
+    forward. Returned in eval mode.
     """
     hf_config = load_hf_config(model_dir, model_name)
     model_cls = AutoModelForDiffusionLM.get(model_name)
@@ -202,4 +209,8 @@ def build_model(
         model = model_cls(hf_config)
     materialize(model, device)
     load_checkpoint(model, model_dir)
+    if lora_path is not None:
+        from diffulex.lora import apply_lora
+
+        apply_lora(model, lora_path, merge=merge_lora)
     return model.eval()

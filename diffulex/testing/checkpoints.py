@@ -6,8 +6,12 @@ weights under the real parameter names (single file or index + shards), and a by
 trained on a small built-in text with the SDAR special tokens. Engine, loader and tokenizer code therefore
 run unchanged on it, fast, on CPU.
 
-`write_qwen_tokenizer` copies the real Qwen2 tokenizer files of SDAR-4B-Chat from the shared data folder, for
-the tests that must see real token ids.
+The other families (``llada``, ``dream``, ``diffucoder``, ``dream_reasoner``, ``stable_diffcoder``,
+``fast_dllm_v2``) are written the same way in their own formats: ``write_tiny_checkpoint(path, family=...)``.
+
+`write_qwen_tokenizer` copies the real Qwen2 tokenizer files of SDAR-4B-Chat from the shared data folder (with a
+Qwen-based family's own added tokens), for the tests that must see real token ids. `write_tiny_lora_adapter`
+writes a PEFT LoRA adapter folder for a tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,14 +68,118 @@ which is 20 * 6 = 120 pages. The price was $40 and is now $30, a drop of $10, or
 """
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny_tokenizer_files() -> dict[str, bytes]:
-    """Train the tiny tokenizer once per process and keep the files ``save_pretrained`` wrote."""
+@dataclass(frozen=True)
+class TinyTokenizerSpec:
+    """A family's special tokens, as the tiny tokenizer lays them out.
+
+    ``special_tokens`` get consecutive ids in this order, after the BPE ids (Qwen, LLaDA) or, with
+    ``specials_first``, before them starting at 0 (Seed-Coder, whose ``<[MASK_TOKEN]>`` is id 5). ``mask_token``
+    is declared as the tokenizer's mask token only where the real tokenizer declares one; a family whose mask
+    is just an added token (Fast-dLLM v2's ``|<MASK>|``) leaves it None.
+    """
+
+    special_tokens: tuple[str, ...]
+    eos_token: str
+    pad_token: str | None = None
+    bos_token: str | None = None
+    mask_token: str | None = None
+    additional_special_tokens: tuple[str, ...] = ()
+    specials_first: bool = False
+    chat_template: str = CHAT_TEMPLATE
+
+
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- '<|startoftext|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+SEED_CODER_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<[begin_of_sentence]>' + message['role'] + '\\n' + message['content'] + '<[end_of_sentence]>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<[begin_of_sentence]>assistant\\n' }}{%- endif %}"
+)
+
+_QWEN_TURN = ("<|im_start|>", "<|im_end|>")
+TINY_TOKENIZERS: dict[str, TinyTokenizerSpec] = {
+    "sdar": TinyTokenizerSpec(
+        SPECIAL_TOKENS, "<|endoftext|>", "<|endoftext|>", mask_token="<|MASK|>", additional_special_tokens=_QWEN_TURN
+    ),
+    # Dream-v0 / DiffuCoder: Qwen2.5 specials, then <|beginoftext|> (bos, 151665) and <|mask|> (151666).
+    "dream": TinyTokenizerSpec(
+        ("<|endoftext|>", *_QWEN_TURN, "<|beginoftext|>", "<|mask|>"),
+        "<|endoftext|>",
+        "<|endoftext|>",
+        bos_token="<|beginoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=_QWEN_TURN,
+    ),
+    # Qwen3 specials (<think> 151667, </think> 151668) and <|MASK|> (151669), as in the SDAR/Qwen3 files.
+    "dream_reasoner": TinyTokenizerSpec(
+        ("<|endoftext|>", *_QWEN_TURN, "<think>", "</think>", "<|MASK|>"),
+        "<|endoftext|>",
+        "<|endoftext|>",
+        mask_token="<|MASK|>",
+        additional_special_tokens=_QWEN_TURN,
+    ),
+    # Qwen2.5-Instruct specials; |<MASK>| (151665) is an additional special token, not a declared mask token.
+    "fast_dllm_v2": TinyTokenizerSpec(
+        ("<|endoftext|>", *_QWEN_TURN, "|<MASK>|"),
+        "<|im_end|>",
+        "<|endoftext|>",
+        additional_special_tokens=(*_QWEN_TURN, "|<MASK>|"),
+    ),
+    # LLaDA: <|startoftext|> 126080, <|endoftext|> 126081, <|mdm_mask|> 126336, LLaMA-3 style chat headers and
+    # <|eot_id|> 126348.
+    "llada": TinyTokenizerSpec(
+        ("<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|endoftext|>",
+        "<|endoftext|>",
+        bos_token="<|startoftext|>",
+        additional_special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|mdm_mask|>"),
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+    ),
+    # Seed-Coder / Stable-DiffCoder: bos 0, pad 1, eos 2, <[MASK_TOKEN]> 5. Only the mask string and these ids
+    # are the published facts; the other names are this file's placeholders.
+    "stable_diffcoder": TinyTokenizerSpec(
+        (
+            "<[begin_of_sentence]>",
+            "<[pad]>",
+            "<[end_of_sentence]>",
+            "<[reserved_3]>",
+            "<[reserved_4]>",
+            "<[MASK_TOKEN]>",
+        ),
+        "<[end_of_sentence]>",
+        "<[pad]>",
+        bos_token="<[begin_of_sentence]>",
+        mask_token="<[MASK_TOKEN]>",
+        specials_first=True,
+        chat_template=SEED_CODER_CHAT_TEMPLATE,
+    ),
+}
+TINY_TOKENIZERS["diffucoder"] = TINY_TOKENIZERS["dream"]
+FAMILIES = tuple(TINY_TOKENIZERS)
+
+
+def _tiny_tokenizer_spec(family: str) -> TinyTokenizerSpec:
+    try:
+        return TINY_TOKENIZERS[family]
+    except KeyError:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _tiny_tokenizer_files(family: str = "sdar") -> dict[str, bytes]:
+    """Train the tiny tokenizer of `family` once per process and keep the files ``save_pretrained`` wrote."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from diffulex.tokenizer import QWEN2_SPLIT_PATTERN
 
+    spec = _tiny_tokenizer_spec(family)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -80,35 +189,49 @@ def _tiny_tokenizer_files() -> dict[str, bytes]:
         ]
     )
     tok.decoder = decoders.ByteLevel()
+    first = list(spec.special_tokens) if spec.specials_first else []
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
+        vocab_size=BPE_VOCAB_SIZE + len(first),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
+        special_tokens=first,
     )
     tok.train_from_iterator(TINY_CORPUS.splitlines(keepends=True), trainer=trainer)
-    if tok.get_vocab_size() != BPE_VOCAB_SIZE:
+    if tok.get_vocab_size() != BPE_VOCAB_SIZE + len(first):
         raise RuntimeError(f"tiny BPE training gave {tok.get_vocab_size()} ids, expected {BPE_VOCAB_SIZE}")
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if not spec.specials_first:
+        tok.add_special_tokens(list(spec.special_tokens))
+    for token, expected in tiny_special_token_ids(family).items():
+        if tok.token_to_id(token) != expected:
+            raise RuntimeError(f"tiny tokenizer: {token!r} got id {tok.token_to_id(token)}, expected {expected}")
 
+    kwargs = {"eos_token": spec.eos_token}
+    for key in ("pad_token", "bos_token", "mask_token"):
+        if getattr(spec, key) is not None:
+            kwargs[key] = getattr(spec, key)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|MASK|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(spec.additional_special_tokens),
+        chat_template=spec.chat_template,
         clean_up_tokenization_spaces=False,
+        **kwargs,
     )
     with tempfile.TemporaryDirectory() as tmp:
         fast.save_pretrained(tmp)
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
 
-def tiny_special_token_ids() -> dict[str, int]:
-    """Ids of the tiny tokenizer's special tokens (they follow the BPE ids, in `SPECIAL_TOKENS` order)."""
-    return {token: BPE_VOCAB_SIZE + i for i, token in enumerate(SPECIAL_TOKENS)}
+def tiny_special_token_ids(family: str = "sdar") -> dict[str, int]:
+    """Ids of the tiny tokenizer's special tokens of `family`: after the BPE ids (in `TINY_TOKENIZERS` order),
+    or from 0 for families whose specials come first (Stable-DiffCoder)."""
+    spec = _tiny_tokenizer_spec(family)
+    offset = 0 if spec.specials_first else BPE_VOCAB_SIZE
+    return {token: offset + i for i, token in enumerate(spec.special_tokens)}
+
+
+def tiny_tokenizer_len(family: str = "sdar") -> int:
+    return BPE_VOCAB_SIZE + len(_tiny_tokenizer_spec(family).special_tokens)
 
 
 def _sdar_tensor_shapes(
@@ -179,7 +302,7 @@ def write_tiny_checkpoint(
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
+    num_key_value_heads: int | None = None,
     head_dim: int | None = None,
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
@@ -189,16 +312,55 @@ def write_tiny_checkpoint(
     init_std: float = 0.02,
     block_size: int = 4,
     attention_bias: bool = False,
+    mlp_bias: bool = False,
+    vocab_size: int | None = None,
+    real_tokenizer: bool = False,
 ) -> Path:
-    """Write a random-weight checkpoint of `family` (only ``"sdar"`` today) into `path`; returns the folder.
+    """Write a random-weight checkpoint of `family` into `path`; returns the folder.
 
-    Deterministic in `seed`. ``vocab_size`` is ``len(tokenizer)`` (380) rounded up to a multiple of 64 (384):
-    the padding rows have weights like real checkpoints, and the engine must never sample them. Special ids:
-    see `tiny_special_token_ids` (``<|endoftext|>`` 376 = eos/bos/pad, ``<|im_start|>`` 377, ``<|im_end|>``
-    378, ``<|MASK|>`` 379 = mask).
+    `family` is an engine model name: ``sdar``, ``llada``, ``dream``, ``diffucoder``, ``dream_reasoner``,
+    ``stable_diffcoder`` or ``fast_dllm_v2``. Each writes its own real format: ``config.json`` with that
+    family's keys (OLMo names for LLaDA), weights under its real parameter names, and a tiny tokenizer with its
+    special tokens and mask token string (see `TINY_TOKENIZERS`, `tiny_special_token_ids`).
+
+    Deterministic in `seed`. ``vocab_size`` is ``len(tokenizer)`` (380 for SDAR) rounded up to a multiple of
+    64 (384): the padding rows have weights like real checkpoints, and the engine must never sample them. SDAR
+    special ids: ``<|endoftext|>`` 376 = eos/bos/pad, ``<|im_start|>`` 377, ``<|im_end|>`` 378, ``<|MASK|>``
+    379 = mask. ``num_key_value_heads`` defaults to 2 (LLaDA: ``num_attention_heads``, multi-head attention as
+    in LLaDA-8B). ``attention_bias`` is q/k/v(/o) bias where the family reads it (SDAR, Dream reasoner,
+    Stable-DiffCoder; LLaDA's ``include_qkv_bias``); Dream, DiffuCoder and Fast-dLLM v2 always have q/k/v
+    biases. ``mlp_bias`` is Stable-DiffCoder's. ``vocab_size`` overrides the number of embedding rows.
+
+    ``real_tokenizer=True`` (Qwen-based families other than SDAR) writes the family's real Qwen tokenizer
+    (`write_qwen_tokenizer`) instead of the tiny one, and the config names the real ids (mask 151666 for Dream);
+    ``vocab_size`` then defaults to the real checkpoint's (152064 or 151936), so keep ``hidden_size`` small.
     """
-    if family != "sdar":
-        raise ValueError(f"write_tiny_checkpoint supports family 'sdar' only, got {family!r}")
+    if family != "sdar" or real_tokenizer:
+        if family == "sdar":
+            raise ValueError("real_tokenizer=True is for the other Qwen-based families; SDAR tests copy the "
+                             "tokenizer with write_qwen_tokenizer")
+        return _write_family_checkpoint(
+            Path(path),
+            _family_name(family),
+            seed=seed,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            shards=shards,
+            dtype=dtype,
+            init_std=init_std,
+            attention_bias=attention_bias,
+            mlp_bias=mlp_bias,
+            vocab_size=vocab_size,
+            real_tokenizer=real_tokenizer,
+        )
+    if num_key_value_heads is None:
+        num_key_value_heads = 2
     if head_dim is None:
         head_dim = 16
     path = Path(path)
@@ -209,7 +371,10 @@ def write_tiny_checkpoint(
         (path / name).write_bytes(data)
     ids = tiny_special_token_ids()
     tokenizer_len = len(ids) + BPE_VOCAB_SIZE
-    vocab_size = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    if vocab_size is None:
+        vocab_size = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    elif vocab_size < tokenizer_len:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tokenizer_len} ids)")
     dtype_name = str(dtype).removeprefix("torch.")
 
     config = {
@@ -289,6 +454,406 @@ def write_tiny_checkpoint(
     return path
 
 
+def _family_name(family: str) -> str:
+    _tiny_tokenizer_spec(family)
+    return family
+
+
+def _dense_tensor_shapes(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inter: int,
+    vocab: int,
+    tied: bool,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool,
+    mlp_bias: bool,
+) -> dict[str, tuple[int, ...]]:
+    """HF Qwen2 / Qwen3 / Llama checkpoint names and shapes, written out independently of the model code."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        if qkv_bias:
+            shapes[f"{p}.self_attn.q_proj.bias"] = (heads * head_dim,)
+            shapes[f"{p}.self_attn.k_proj.bias"] = (kv_heads * head_dim,)
+            shapes[f"{p}.self_attn.v_proj.bias"] = (kv_heads * head_dim,)
+        if o_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+        if qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[f"{p}.mlp.up_proj.weight"] = (inter, hidden)
+        shapes[f"{p}.mlp.down_proj.weight"] = (hidden, inter)
+        if mlp_bias:
+            shapes[f"{p}.mlp.gate_proj.bias"] = (inter,)
+            shapes[f"{p}.mlp.up_proj.bias"] = (inter,)
+            shapes[f"{p}.mlp.down_proj.bias"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _llada_tensor_shapes(
+    d_model: int, layers: int, heads: int, kv_heads: int, mlp_hidden: int, vocab: int, tied: bool, qkv_bias: bool
+) -> dict[str, tuple[int, ...]]:
+    """The real LLaDA (OLMo) checkpoint names and shapes, written out independently of the model code."""
+    head_dim = d_model // heads
+    t = "model.transformer"
+    shapes: dict[str, tuple[int, ...]] = {f"{t}.wte.weight": (vocab, d_model)}
+    for i in range(layers):
+        p = f"{t}.blocks.{i}"
+        shapes[f"{p}.attn_norm.weight"] = (d_model,)
+        shapes[f"{p}.q_proj.weight"] = (heads * head_dim, d_model)
+        shapes[f"{p}.k_proj.weight"] = (kv_heads * head_dim, d_model)
+        shapes[f"{p}.v_proj.weight"] = (kv_heads * head_dim, d_model)
+        if qkv_bias:
+            shapes[f"{p}.q_proj.bias"] = (heads * head_dim,)
+            shapes[f"{p}.k_proj.bias"] = (kv_heads * head_dim,)
+            shapes[f"{p}.v_proj.bias"] = (kv_heads * head_dim,)
+        shapes[f"{p}.attn_out.weight"] = (d_model, heads * head_dim)
+        shapes[f"{p}.ff_norm.weight"] = (d_model,)
+        shapes[f"{p}.ff_proj.weight"] = (mlp_hidden, d_model)
+        shapes[f"{p}.up_proj.weight"] = (mlp_hidden, d_model)
+        shapes[f"{p}.ff_out.weight"] = (d_model, mlp_hidden)
+    shapes[f"{t}.ln_f.weight"] = (d_model,)
+    if not tied:
+        shapes[f"{t}.ff_out.weight"] = (vocab, d_model)
+    return shapes
+
+
+def _random_tensors(
+    shapes: dict[str, tuple[int, ...]], seed: int, init_std: float, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        values = torch.randn(shape, generator=gen) * init_std
+        if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
+            values = 1.0 + values  # norms start near 1, but not exactly, so a wrong norm is visible
+        tensors[name] = values.to(dtype).contiguous()
+    return tensors
+
+
+def _family_configs(
+    family: str,
+    ids: dict[str, int],
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    dtype_name: str,
+    init_std: float,
+    attention_bias: bool,
+    mlp_bias: bool,
+) -> tuple[dict, dict]:
+    """``config.json`` and ``generation_config.json`` of a non-SDAR family, with that family's real keys."""
+    qwen2 = {
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": init_std,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "max_window_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_hidden_layers": num_hidden_layers,
+        "num_key_value_heads": num_key_value_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": dtype_name,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+    if family in ("dream", "diffucoder"):
+        config = {
+            **qwen2,
+            "architectures": ["DreamModel"],
+            "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+            "bos_token_id": ids["<|beginoftext|>"],
+            "eos_token_id": ids["<|endoftext|>"],
+            "mask_token_id": ids["<|mask|>"],
+            "model_type": "Dream",
+            "pad_token_id": ids["<|endoftext|>"],
+            "transformers_version": "4.46.2",
+        }
+        generation = {
+            "bos_token_id": ids["<|beginoftext|>"],
+            "eos_token_id": ids["<|endoftext|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "transformers_version": "4.46.2",
+        }
+    elif family == "dream_reasoner":
+        config = {
+            **qwen2,
+            "architectures": ["DreamForCausalLM"],
+            "attention_bias": attention_bias,
+            "auto_map": {
+                "AutoConfig": "configuration_dream.DreamConfig",
+                "AutoModelForCausalLM": "modeling_dream.DreamForCausalLM",
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|endoftext|>"],
+            "head_dim": head_dim,
+            "mask_token_id": ids["<|MASK|>"],
+            "model_type": "Dream",
+            "pad_token_id": ids["<|endoftext|>"],
+            "transformers_version": "4.51.3",
+        }
+        generation = {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "pad_token_id": ids["<|endoftext|>"],
+            "transformers_version": "4.51.3",
+        }
+    elif family == "fast_dllm_v2":
+        config = {
+            **qwen2,
+            "architectures": ["Fast_dLLM_QwenForCausalLM"],
+            "auto_map": {
+                "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                "AutoModel": "modeling.Fast_dLLM_QwenModel",
+                "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
+            },
+            "bd_size": 32,
+            "bos_token_id": ids["<|endoftext|>"],
+            "conplemenrary_mask": True,  # sic, as published
+            "eos_token_id": ids["<|im_end|>"],
+            "layer_types": ["full_attention"] * num_hidden_layers,
+            "model_type": "Fast_dLLM_Qwen",
+            "pad_token_id": ids["<|im_end|>"],
+            "transformers_version": "4.53.1",
+        }
+        generation = {
+            "bos_token_id": ids["<|endoftext|>"],
+            "do_sample": True,
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "pad_token_id": ids["<|endoftext|>"],
+            "repetition_penalty": 1.05,
+            "temperature": 0.7,
+            "top_k": 20,
+            "top_p": 0.8,
+            "transformers_version": "4.53.1",
+        }
+    elif family == "stable_diffcoder":
+        config = {
+            "architectures": ["StableDiffcoderForCausalLM"],
+            "attention_bias": attention_bias,
+            "attention_dropout": 0.0,
+            "auto_map": {"AutoModelForCausalLM": "modeling_stable_diffcoder.StableDiffcoderForCausalLM"},
+            "bos_token_id": ids["<[begin_of_sentence]>"],
+            "eos_token_id": ids["<[end_of_sentence]>"],
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "hidden_size": hidden_size,
+            "initializer_range": init_std,
+            "intermediate_size": intermediate_size,
+            "max_position_embeddings": max_position_embeddings,
+            "mlp_bias": mlp_bias,
+            "model_type": "llama",
+            "num_attention_heads": num_attention_heads,
+            "num_hidden_layers": num_hidden_layers,
+            "num_key_value_heads": num_key_value_heads,
+            "pad_token_id": ids["<[pad]>"],
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": None,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": tie_word_embeddings,
+            "torch_dtype": dtype_name,
+            "transformers_version": "4.46.2",
+            "use_cache": True,
+            "vocab_size": vocab_size,
+        }
+        generation = {
+            "bos_token_id": ids["<[begin_of_sentence]>"],
+            "eos_token_id": ids["<[end_of_sentence]>"],
+            "pad_token_id": ids["<[pad]>"],
+            "transformers_version": "4.46.2",
+        }
+    elif family == "llada":
+        config = {
+            "activation_type": "silu",
+            "alibi": False,
+            "alibi_bias_max": 8.0,
+            "architectures": ["LLaDAModelLM"],
+            "attention_dropout": 0.0,
+            "attention_layer_norm": False,
+            "attention_layer_norm_with_affine": True,
+            "auto_map": {
+                "AutoConfig": "configuration_llada.LLaDAConfig",
+                "AutoModel": "modeling_llada.LLaDAModelLM",
+                "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+            },
+            "bias_for_layer_norm": False,
+            "block_group_size": 1,
+            "block_type": "llama",
+            "d_model": hidden_size,
+            "embedding_dropout": 0.0,
+            "embedding_size": vocab_size,
+            "eos_token_id": ids["<|endoftext|>"],
+            "flash_attention": False,
+            "include_bias": False,
+            "include_qkv_bias": attention_bias,
+            "init_cutoff_factor": None,
+            "init_device": "meta",
+            "init_fn": "mitchell",
+            "init_std": init_std,
+            "input_emb_norm": False,
+            "layer_norm_type": "rms",
+            "layer_norm_with_affine": True,
+            "mask_token_id": ids["<|mdm_mask|>"],
+            "max_sequence_length": max_position_embeddings,
+            "mlp_hidden_size": intermediate_size,
+            "mlp_ratio": 4,
+            "model_type": "llada",
+            "multi_query_attention": None,
+            "n_heads": num_attention_heads,
+            "n_kv_heads": num_key_value_heads,
+            "n_layers": num_hidden_layers,
+            "pad_token_id": ids["<|endoftext|>"],
+            "precision": "amp_bf16",
+            "residual_dropout": 0.0,
+            "rms_norm_eps": 1e-5,
+            "rope": True,
+            "rope_full_precision": True,
+            "rope_theta": 500000.0,
+            "scale_logits": False,
+            "torch_dtype": dtype_name,
+            "transformers_version": "4.46.3",
+            "use_cache": False,
+            "vocab_size": vocab_size,
+            "weight_tying": tie_word_embeddings,
+        }
+        generation = {
+            "bos_token_id": ids["<|startoftext|>"],
+            "eos_token_id": [ids["<|endoftext|>"], ids["<|eot_id|>"]],
+            "pad_token_id": ids["<|endoftext|>"],
+            "transformers_version": "4.46.3",
+        }
+    else:
+        raise ValueError(f"no config writer for family {family!r}")
+    return dict(sorted(config.items())), generation
+
+
+def _write_family_checkpoint(
+    path: Path,
+    family: str,
+    *,
+    seed: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int | None,
+    head_dim: int | None,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    shards: int,
+    dtype: torch.dtype,
+    init_std: float,
+    attention_bias: bool,
+    mlp_bias: bool,
+    vocab_size: int | None,
+    real_tokenizer: bool,
+) -> Path:
+    """`write_tiny_checkpoint` for every family other than SDAR."""
+    if num_key_value_heads is None:
+        num_key_value_heads = num_attention_heads if family == "llada" else 2
+    derived_head_dim = hidden_size // num_attention_heads
+    if head_dim is None:
+        head_dim = derived_head_dim
+    elif head_dim != derived_head_dim and family in ("llada", "dream", "diffucoder", "fast_dllm_v2"):
+        raise ValueError(f"{family} derives head_dim from hidden_size / num_attention_heads = {derived_head_dim}")
+    path.mkdir(parents=True, exist_ok=True)
+    if real_tokenizer:
+        write_qwen_tokenizer(path, family)
+        ids = qwen_special_token_ids(family)
+        tokenizer_len = max(ids.values()) + 1
+        default_vocab = QWEN_FAMILY_VOCAB[family]
+    else:
+        for name, data in _tiny_tokenizer_files(family).items():
+            (path / name).write_bytes(data)
+        ids = tiny_special_token_ids(family)
+        tokenizer_len = tiny_tokenizer_len(family)
+        default_vocab = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    if vocab_size is None:
+        vocab_size = default_vocab
+    elif vocab_size < tokenizer_len:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tokenizer_len} ids)")
+    config, generation = _family_configs(
+        family,
+        ids,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype_name=str(dtype).removeprefix("torch."),
+        init_std=init_std,
+        attention_bias=attention_bias,
+        mlp_bias=mlp_bias,
+    )
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", generation)
+    if family == "llada":
+        shapes = _llada_tensor_shapes(
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            intermediate_size,
+            vocab_size,
+            tie_word_embeddings,
+            attention_bias,
+        )
+    else:
+        qwen2 = family in ("dream", "diffucoder", "fast_dllm_v2")
+        bias = True if qwen2 else attention_bias
+        shapes = _dense_tensor_shapes(
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            intermediate_size,
+            vocab_size,
+            tie_word_embeddings,
+            qkv_bias=bias,
+            o_bias=False if qwen2 else attention_bias,
+            qk_norm=family == "dream_reasoner",
+            mlp_bias=mlp_bias and family == "stable_diffcoder",
+        )
+    _write_weights(path, _random_tensors(shapes, seed, init_std, dtype), shards)
+    return path
+
+
 def shared_sdar_data_dir() -> Path:
     """The shared folder holding the real SDAR-4B-Chat config and Qwen2 tokenizer files."""
     override = os.environ.get("DIFFULEX_SHARED_DATA")
@@ -308,12 +873,47 @@ QWEN_TOKENIZER_FILES = (
 )
 
 
-def write_qwen_tokenizer(path: str | Path) -> Path:
-    """Copy the real Qwen2 tokenizer of SDAR-4B-Chat (151670 ids, mask ``<|MASK|>`` = 151669) into `path`.
+# The Qwen-based families' added tokens beyond Qwen2.5's (ids 151643..151664, shared by all of them).
+QWEN25_LAST_SHARED_ID = 151664
+QWEN_FAMILY_TOKENS: dict[str, dict[str, int]] = {
+    "dream": {"<|beginoftext|>": 151665, "<|mask|>": 151666},
+    "fast_dllm_v2": {"|<MASK>|": 151665},
+}
+QWEN_FAMILY_TOKENS["diffucoder"] = QWEN_FAMILY_TOKENS["dream"]
+# Embedding rows of the real checkpoints (Dream-v0-7B / Fast-dLLM-v2-7B: Qwen2.5-7B; Qwen3 / SDAR: 151936).
+QWEN_FAMILY_VOCAB = {"sdar": 151936, "dream_reasoner": 151936, "dream": 152064, "diffucoder": 152064,
+                     "fast_dllm_v2": 152064}
 
-    The source is ``DIFFULEX_SHARED_DATA`` (the ``sdar-4b-chat`` folder itself or its parent) or
+
+def qwen_special_token_ids(family: str = "sdar") -> dict[str, int]:
+    """The real ids of the special tokens `write_tiny_checkpoint` names for a Qwen-based `family`."""
+    base = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+    if family in ("sdar", "dream_reasoner"):
+        return {**base, "<think>": 151667, "</think>": 151668, "<|MASK|>": 151669}
+    if family in QWEN_FAMILY_TOKENS:
+        return {**base, **QWEN_FAMILY_TOKENS[family]}
+    raise ValueError(f"family {family!r} has no Qwen tokenizer; Qwen-based: {', '.join(QWEN_FAMILY_VOCAB)}")
+
+
+def write_qwen_tokenizer(path: str | Path, family: str = "sdar") -> Path:
+    """Write the real Qwen2 tokenizer files of a Qwen-based `family` into `path`, rebuilt offline from the
+    SDAR-4B-Chat copy; returns the folder.
+
+    * ``sdar``, ``dream_reasoner``: the SDAR-4B-Chat files as they are (Qwen3 added tokens, 151670 ids, mask
+      ``<|MASK|>`` = 151669).
+    * ``dream``, ``diffucoder``: the Qwen2.5 added tokens (151643..151664), then ``<|beginoftext|>`` 151665 (bos)
+      and ``<|mask|>`` 151666 (the declared mask token), with Dream's own tokenizer class named in
+      ``tokenizer_config.json`` (``DreamTokenizer`` via ``auto_map``, which is never executed: the engine builds
+      the same byte-level BPE from ``vocab.json`` + ``merges.txt``).
+    * ``fast_dllm_v2``: the Qwen2.5 added tokens, then ``|<MASK>|`` 151665 as an additional special token (no
+      declared mask token); eos ``<|im_end|>``.
+
+    The BPE files (``vocab.json``, ``merges.txt``) are identical for Qwen2, Qwen2.5 and Qwen3. The source is
+    ``DIFFULEX_SHARED_DATA`` (the ``sdar-4b-chat`` folder itself or its parent) or
     ``<repo>/../shared/data/sdar-4b-chat``. Raises FileNotFoundError naming the folder if a file is missing.
     """
+    if family not in QWEN_FAMILY_VOCAB:
+        raise ValueError(f"family {family!r} has no Qwen tokenizer; Qwen-based: {', '.join(QWEN_FAMILY_VOCAB)}")
     source = shared_sdar_data_dir()
     missing = [name for name in QWEN_TOKENIZER_FILES[:3] if not (source / name).is_file()]
     if missing:
@@ -326,4 +926,133 @@ def write_qwen_tokenizer(path: str | Path) -> Path:
     for name in QWEN_TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, path / name)
+    if family in QWEN_FAMILY_TOKENS:
+        _rewrite_added_tokens(path, family)
+    return path
+
+
+def _rewrite_added_tokens(path: Path, family: str) -> None:
+    """Replace the Qwen3 additions (ids > 151664) of the copied SDAR files with `family`'s own."""
+    extra = QWEN_FAMILY_TOKENS[family]
+    added = json.loads((path / "added_tokens.json").read_text(encoding="utf-8"))
+    added = {k: v for k, v in added.items() if v <= QWEN25_LAST_SHARED_ID}
+    added.update(extra)
+    _write_json(path / "added_tokens.json", dict(sorted(added.items())))
+
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    decoder = {k: v for k, v in config["added_tokens_decoder"].items() if int(k) <= QWEN25_LAST_SHARED_ID}
+    for content, token_id in extra.items():
+        decoder[str(token_id)] = {
+            "content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": True,
+        }  # fmt: skip
+    config["added_tokens_decoder"] = decoder
+    qwen25_specials = [t for t in config["additional_special_tokens"] if t not in ("<|MASK|>", "<MASK>")]
+    special_map = json.loads((path / "special_tokens_map.json").read_text(encoding="utf-8"))
+    special_map["additional_special_tokens"] = qwen25_specials
+    if family in ("dream", "diffucoder"):
+        config.update(
+            additional_special_tokens=qwen25_specials,
+            bos_token="<|beginoftext|>",
+            mask_token="<|mask|>",
+            tokenizer_class="DreamTokenizer",
+            auto_map={"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+        )
+        special_map.update(bos_token="<|beginoftext|>", mask_token="<|mask|>")
+    else:  # fast_dllm_v2
+        config.pop("mask_token", None)
+        config.update(additional_special_tokens=[*qwen25_specials, "|<MASK>|"], eos_token="<|im_end|>")
+        special_map["additional_special_tokens"] = [*qwen25_specials, "|<MASK>|"]
+        special_map["eos_token"] = "<|im_end|>"
+    _write_json(path / "tokenizer_config.json", config)
+    _write_json(path / "special_tokens_map.json", special_map)
+
+
+# Default LoRA targets: the attention projections, under each family's own names (LLaDA's output is attn_out).
+LORA_DEFAULT_TARGETS = {"llada": ("q_proj", "k_proj", "v_proj", "attn_out")}
+_EMBEDDING_LEAVES = ("embed_tokens", "wte")
+
+
+def write_tiny_lora_adapter(
+    path: str | Path,
+    model_dir: str | Path,
+    family: str,
+    *,
+    r: int = 4,
+    targets: list[str] | tuple[str, ...] | None = None,
+    seed: int = 0,
+    lora_alpha: int | None = None,
+    init_std: float = 0.5,
+) -> Path:
+    """Write a PEFT LoRA adapter folder for the checkpoint in `model_dir`, as ``peft`` saves one; returns it.
+
+    ``adapter_config.json`` (PEFT's keys; ``target_modules`` = `targets`, default the attention projections of
+    `family`) and ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
+    ``...lora_B.weight`` ``[out, r]`` for every 2-D weight of `model_dir` whose module name ends in a target
+    (embeddings excepted; for LLaDA the target ``ff_out`` also selects the LM head
+    ``model.transformer.ff_out``, as PEFT's suffix matching does). ``lora_alpha`` defaults to ``2 * r``. Both
+    matrices are random (a freshly initialised PEFT ``B`` is zero, which would make the adapter invisible);
+    ``A`` has std ``1/sqrt(in)`` and ``B`` std `init_std`. Deterministic in `seed`.
+    """
+    from safetensors import safe_open
+
+    _tiny_tokenizer_spec(family)
+    if targets is None:
+        targets = LORA_DEFAULT_TARGETS.get(family, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    targets = list(targets)
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no safetensors weights")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):
+        module, _, leaf = name.rpartition(".")
+        shape = shapes[name]
+        if leaf != "weight" or len(shape) != 2 or module.rpartition(".")[2] in _EMBEDDING_LEAVES:
+            continue
+        if not any(module == t or module.endswith("." + t) for t in targets):
+            continue
+        out_features, in_features = shape
+        a = torch.randn(r, in_features, generator=gen) / math.sqrt(in_features)
+        b = torch.randn(out_features, r, generator=gen) * init_std
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    if not tensors:
+        raise ValueError(f"targets {targets} select no layer of {model_dir}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": str(model_dir),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": lora_alpha if lora_alpha is not None else 2 * r,
+        "lora_dropout": 0.05,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": r,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": targets,
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+    _write_json(path / "adapter_config.json", config)
     return path

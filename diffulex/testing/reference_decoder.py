@@ -263,12 +263,14 @@ def reference_generate(
     auto_max_nfe_warmup_steps: int = 8,
     auto_max_nfe_tpf_floor: float = 1.0,
     logits_shift: bool = False,
+    force_always: bool = False,
 ) -> ReferenceResult:
     """Decode one request greedily by full recomputation, following ``docs/strategies.md`` step by step.
 
     ``model(input_ids, positions, attn_meta)`` returns hidden states and ``model.compute_logits(rows)`` the
     logits of some of their rows. Position ``q`` predicts the token at ``q``, or, with ``logits_shift``
-    (Dream-style families), the token at ``q + 1``.
+    (Dream-style families), the token at ``q + 1``. ``force_always`` makes forcing always allowed (the
+    Stable-DiffCoder rule: every sampled block takes at least its most confident position).
     """
     prompt_len = len(prompt_ids)
     if prompt_len == 0:
@@ -309,7 +311,8 @@ def reference_generate(
                 continue
             positions = req.decodable_positions(b)
             if positions:
-                to_sample.append((b, positions, req.forcing_allowed(b, semi_complete_threshold)))
+                forcing = force_always or req.forcing_allowed(b, semi_complete_threshold)
+                to_sample.append((b, positions, forcing))
 
         # 2. Forward over the whole sequence [0, running_end) with the explicit mask.
         seq_len = len(req.tokens)

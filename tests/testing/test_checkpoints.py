@@ -141,6 +141,7 @@ def test_writing_a_default_checkpoint_is_fast_once_the_tokenizer_is_trained(tmp_
     assert time.perf_counter() - start < 1.0
 
 
-def test_only_the_sdar_family_is_written(tmp_path):
+def test_an_unknown_family_is_an_error_naming_the_families(tmp_path):
     with pytest.raises(ValueError, match="llada"):
-        write_tiny_checkpoint(tmp_path, family="llada")
+        write_tiny_checkpoint(tmp_path, family="nope")
+

@@ -1,0 +1,39 @@
+"""The acceptance rule of every dense family, registered under its ``model_name``.
+
+From the original's per-family samplers (reference-engine §7.2), with ``H = {positions with confidence >
+accept_threshold}``:
+
+* ``sdar``, ``llada``: ``H``; if ``H`` is empty, force the top-1 position when the block has no previous block
+  or its previous block is semi-complete.
+* ``dream``, ``diffucoder``, ``dream_reasoner``, ``fast_dllm_v2`` (under ``multi_bd``/``d2f``): "if there is no
+  previous block or it is semi-complete: ``H`` if non-empty else top-1; otherwise ``H``". That is the same
+  rule: both force exactly when ``SampleTarget.force_allowed`` (no previous block, or previous block's progress
+  ``>= semi_complete_threshold``), so these families reuse `ConfidenceSampler`. Their logit shift is not a
+  sampler matter: the runner already hands the sampler the row that predicts each position.
+* ``stable_diffcoder``: ``H`` if non-empty else top-1, always (its authors' decoder commits at least one token
+  per step in every block): `AlwaysForceSampler`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffulex.engine.request import Request, SampleTarget
+from diffulex.registry import AutoSampler
+from diffulex.sampler.confidence import ConfidenceSampler
+
+for _name in ("llada", "dream", "diffucoder", "dream_reasoner", "fast_dllm_v2"):
+    AutoSampler.register(_name)(ConfidenceSampler)
+
+
+@AutoSampler.register("stable_diffcoder")
+class AlwaysForceSampler(ConfidenceSampler):
+    """The confidence rule with forcing always allowed: every sampled block takes at least its best position."""
+
+    def __call__(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
+    ) -> dict[int, list[tuple[int, int]]]:
+        forced = [
+            (req, [SampleTarget(t.block, t.positions, True) for t in targets]) for req, targets in work
+        ]
+        return super().__call__(logits, forced)

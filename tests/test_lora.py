@@ -1,0 +1,257 @@
+"""PEFT LoRA adapters: merged == unmerged == the adapter applied by hand; mismatched adapters are clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.attention import DenseAttentionMetadata, visibility_mask
+from diffulex.lora import apply_lora
+from diffulex.models.loader import build_model
+from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_lora_adapter
+from diffulex.testing.reference_decoder import reference_generate
+
+# (family, targets): D2F-Dream and D2F-LLaDA are published as adapters on these two families. The LLaDA case
+# targets the MLP names, whose "ff_out" also selects the LM head model.transformer.ff_out (PEFT suffix match).
+CASES = [
+    ("dream", ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+    ("llada", ["q_proj", "attn_out", "ff_proj", "up_proj", "ff_out"]),
+    ("stable_diffcoder", ["gate_proj", "up_proj", "down_proj", "lm_head"]),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    out = {}
+    for family, targets in CASES:
+        root = tmp_path_factory.mktemp(f"lora-{family}")
+        base = write_tiny_checkpoint(root / "base", family=family, seed=11, init_std=1.0)
+        adapter = write_tiny_lora_adapter(root / "adapter", base, family, r=4, targets=targets, seed=3)
+        out[family] = (base, adapter)
+    return out
+
+
+def by_hand(family: str, base: Path, adapter: Path) -> torch.nn.Module:
+    """A plain model whose weights are W + (alpha / r) * B @ A, computed here from the two folders' files."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    model = build_model(family, base, torch.float32, "cpu")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    updated = 0
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = lora[key.replace(".lora_A.", ".lora_B.")]
+        name = module + ".weight"
+        state[name] = (state[name].double() + scaling * (b.double() @ a.double())).float()
+        updated += 1
+    assert updated == len(lora) // 2
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def logits_of(model: torch.nn.Module, n: int = 13) -> torch.Tensor:
+    ids = torch.randint(0, 370, (n,), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(n)
+    with torch.inference_mode():
+        hidden = model(ids, pos, DenseAttentionMetadata(visibility_mask(pos, pos, 4, False, 0)))
+        return model.compute_logits(hidden)
+
+
+def decode(model: torch.nn.Module, prompt: list[int], mask_id: int, shift: bool) -> list[int]:
+    return reference_generate(
+        model, prompt, mask_token_id=mask_id, block_size=4, buffer_size=2, max_tokens=16, max_model_len=64,
+        accept_threshold=0.7, vocab_limit=370, logits_shift=shift, ignore_eos=True,
+    ).token_ids  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "targets"), CASES)
+def test_merged_unmerged_and_by_hand_agree(folders, family, targets):
+    base_dir, adapter = folders[family]
+    base = build_model(family, base_dir, torch.float32, "cpu")
+    merged = build_model(family, base_dir, torch.float32, "cpu", lora_path=adapter, merge_lora=True)
+    unmerged = build_model(family, base_dir, torch.float32, "cpu", lora_path=adapter, merge_lora=False)
+    hand = by_hand(family, base_dir, adapter)
+
+    # Unmerged keeps the base weights (state_dict unchanged), merged holds the by-hand weights.
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(unmerged.state_dict()[name], tensor), name
+        torch.testing.assert_close(merged.state_dict()[name], hand.state_dict()[name], atol=1e-5, rtol=1e-5)
+    assert sorted(merged.lora_modules) == sorted(unmerged.lora_modules)
+    assert all(any(m == t or m.endswith("." + t) for t in targets) for m in merged.lora_modules)
+
+    expected = logits_of(hand)
+    scale = expected.abs().max().item()  # peaky weights: logits in the hundreds, float32 rounding scales with them
+    torch.testing.assert_close(logits_of(merged), expected, atol=2e-5 * scale, rtol=0)
+    torch.testing.assert_close(logits_of(unmerged), expected, atol=2e-5 * scale, rtol=0)
+    assert (logits_of(base) - expected).abs().max() > 0.1 * scale, "the adapter should change the model"
+
+    mask_id, shift = base.config.mask_token_id, bool(getattr(base, "logits_shift", False))
+    prompts = [[7, 21, 5, 99, 3], [42, 8, 17, 250, 31, 6, 9, 1]]
+    changed = 0
+    for prompt in prompts:
+        tokens = decode(hand, prompt, mask_id, shift)
+        assert decode(merged, prompt, mask_id, shift) == tokens
+        assert decode(unmerged, prompt, mask_id, shift) == tokens
+        changed += decode(base, prompt, mask_id, shift) != tokens
+    assert changed, "the adapter should change the decoded tokens"
+
+
+def test_the_llada_lm_head_is_adapted_through_its_checkpoint_name(folders):
+    base_dir, adapter = folders["llada"]
+    model = build_model("llada", base_dir, torch.float32, "cpu", lora_path=adapter)
+    assert "model.transformer.ff_out" in model.lora_modules
+    assert "model.transformer.blocks.1.ff_out" in model.lora_modules
+
+
+# ----- errors -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def dream(folders, tmp_path) -> tuple[Path, Path]:
+    """The Dream base and a private copy of its adapter that a test may break."""
+    base, adapter = folders["dream"]
+    copy = tmp_path / "adapter"
+    shutil.copytree(adapter, copy)
+    return base, copy
+
+
+def edit_config(adapter: Path, **changes) -> None:
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(adapter: Path, edit) -> None:
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+
+
+def load(base: Path, adapter: Path, merge: bool = False) -> torch.nn.Module:
+    return build_model("dream", base, torch.float32, "cpu", lora_path=adapter, merge_lora=merge)
+
+
+def test_missing_files_are_named(dream):
+    base, adapter = dream
+    (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    with pytest.raises(ValueError, match="no adapter_model.safetensors.*adapter_model.bin.*pickle"):
+        load(base, adapter)
+    (adapter / "adapter_config.json").unlink()
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load(base, adapter)
+    with pytest.raises(ValueError, match="does not exist"):
+        load(base, adapter / "nope")
+
+
+def test_target_modules_that_match_nothing_are_named(dream):
+    base, adapter = dream
+    edit_config(adapter, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "c_attn"])
+    with pytest.raises(ValueError, match="target_modules that match no layer of the model: c_attn"):
+        load(base, adapter)
+
+
+def test_tensors_outside_the_targets_are_named(dream):
+    base, adapter = dream
+    edit_config(adapter, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    with pytest.raises(ValueError, match=r"outside target_modules.*model\.layers\.0\.mlp\.down_proj"):
+        load(base, adapter)
+
+
+def test_targeted_layers_without_tensors_are_named(dream):
+    base, adapter = dream
+    edit_config(adapter, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "gate_proj"])
+    with pytest.raises(ValueError, match=r"targeted layers without adapter tensors: model\.layers\.0\.mlp\.gate_proj"):
+        load(base, adapter)
+
+
+def test_keys_that_name_no_layer_are_named(dream):
+    base, adapter = dream
+
+    def rename(tensors):
+        for which in ("A", "B"):
+            old = f"base_model.model.model.layers.1.self_attn.q_proj.lora_{which}.weight"
+            tensors[old.replace("layers.1", "layers.7")] = tensors.pop(old)
+
+    edit_tensors(adapter, rename)
+    with pytest.raises(ValueError, match=r"layers the model does not have: model\.layers\.7\.self_attn\.q_proj.*"
+                                         r"without adapter tensors: model\.layers\.1\.self_attn\.q_proj"):
+        load(base, adapter)
+
+
+def test_an_adapter_for_another_model_size_is_a_shape_error(folders, tmp_path):
+    base, _ = folders["dream"]
+    other = write_tiny_checkpoint(tmp_path / "wide", family="dream", hidden_size=32, num_attention_heads=2,
+                                  num_key_value_heads=1, intermediate_size=48)
+    adapter = write_tiny_lora_adapter(tmp_path / "a", other, "dream", targets=["q_proj"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: lora_A \[4, 32\].*do not fit"):
+        build_model("dream", base, torch.float32, "cpu", lora_path=adapter)
+
+
+def test_unsupported_adapter_kinds_are_refused(dream):
+    base, adapter = dream
+    edit_config(adapter, use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        load(base, adapter)
+    edit_config(adapter, use_dora=False, peft_type="IA3")
+    with pytest.raises(ValueError, match="only LoRA"):
+        load(base, adapter)
+
+
+def test_applying_twice_is_an_error(folders):
+    base, adapter = folders["dream"]
+    model = load(base, adapter)
+    with pytest.raises(ValueError, match="already carries a LoRA"):
+        apply_lora(model, adapter)
+
+
+def test_rslora_and_rank_pattern_set_the_scale(dream):
+    base, adapter = dream
+    plain = logits_of(load(base, adapter))
+    edit_config(adapter, use_rslora=True, lora_alpha=4)  # r = 4: alpha / sqrt(r) = 2 = the default alpha / r
+    torch.testing.assert_close(logits_of(load(base, adapter)), plain)
+
+
+# ----- engine -------------------------------------------------------------------------------------------------
+
+
+def test_use_lora_without_a_path_is_a_clear_error(folders):
+    base, _ = folders["dream"]
+    with pytest.raises(ValueError, match="use_lora=True requires lora_path"):
+        Diffulex(str(base), use_lora=True)
+
+
+def test_the_engine_decodes_like_the_reference_with_either_lora_path(folders):
+    """Runs once the engine passes ``lora_path``/``pre_merge_lora`` to ``build_model``."""
+    base, adapter = folders["dream"]
+    outputs = {}
+    for merge in (True, False):
+        try:
+            llm = Diffulex(str(base), use_lora=True, lora_path=str(adapter), pre_merge_lora=merge,
+                           decoding_strategy="d2f", block_size=4, page_size=8, buffer_size=2, max_model_len=64,
+                           max_num_batched_tokens=256, accept_threshold=0.7)  # fmt: skip
+        except ValueError as e:
+            if "not supported yet" in str(e) and "use_lora" in str(e):
+                pytest.skip("the engine does not load LoRA adapters yet")
+            raise
+        with llm:
+            assert llm.model.lora_merged is merge and llm.model.lora_modules
+            prompts = [[7, 21, 5, 99, 3], [42, 8, 17, 250, 31, 6, 9, 1]]
+            out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+            outputs[merge] = [t.token_ids for t in out.trajectories]
+            for prompt, tokens in zip(prompts, outputs[merge], strict=True):
+                ref = reference_generate(
+                    llm.model, prompt, mask_token_id=llm.mask_token_id, block_size=4, buffer_size=2, max_tokens=12,
+                    max_model_len=64, accept_threshold=0.7, vocab_limit=llm.vocab_limit, logits_shift=True,
+                    prefix_full=True, ignore_eos=True,
+                )  # fmt: skip
+                assert tokens == ref.token_ids
+    assert outputs[True] == outputs[False]
