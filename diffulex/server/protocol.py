@@ -71,39 +71,44 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """The sampling fields every generation route accepts (OpenAI names, plus the Diffulex extras)."""
 
+    # Clients send ``null`` for "the default" (OpenAI allows it), so every field accepts None.
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None  # 1.0, as OpenAI
+    top_p: float | None = None  # 1.0
+    top_k: int | None = None  # 0 = off
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int | None = None  # 1
     seed: int | None = None
     # Diffulex extras.
     max_nfe: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     max_repetition_run: int | None = None
     # Declared only to be refused when set: they would change the answer and are not implemented.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     def reject_unsupported(self) -> None:
         """Fields accepted by OpenAI that we cannot honour: a clear 400 instead of a silently different answer."""
         checks = [
             ("logprobs", self.logprobs not in (None, False, 0)),
             ("top_logprobs", self.top_logprobs not in (None, 0)),
-            ("presence_penalty", self.presence_penalty != 0.0),
-            ("frequency_penalty", self.frequency_penalty != 0.0),
+            ("presence_penalty", self.presence_penalty not in (None, 0.0)),
+            ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
             ("logit_bias", bool(self.logit_bias)),
             ("best_of", self.best_of not in (None, 1)),
-            ("echo", self.echo),
+            ("echo", bool(self.echo)),
             ("suffix", self.suffix is not None),
             ("tools", bool(self.tools)),
             ("response_format", self.response_format not in (None, {"type": "text"})),
@@ -118,17 +123,17 @@ class SamplingFields(_Strict):
         With ``n > 1`` and a seed, choice ``i`` uses ``seed + i`` so that the choices differ yet stay reproducible.
         """
         self.reject_unsupported()
-        if self.n < 1:
+        if self.num_choices < 1:
             raise APIError(400, f"n={self.n} is invalid: must be an integer >= 1", param="n")
         seed = None if self.seed is None else self.seed + choice
         try:
             return SamplingParams(
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
                 max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                 max_nfe=self.max_nfe,
-                ignore_eos=self.ignore_eos,
+                ignore_eos=bool(self.ignore_eos),
                 max_repetition_run=self.max_repetition_run,
                 seed=seed,
                 stop=self.stop,
@@ -146,7 +151,7 @@ def _param_of(message: str) -> str | None:
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]]
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -174,7 +179,7 @@ class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -184,7 +189,7 @@ class GenerateRequest(SamplingFields):
 
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_mode: Literal["denoise", "block_append"] = "denoise"
     user: str | None = None
 
