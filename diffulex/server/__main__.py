@@ -1,0 +1,20 @@
+"""``python -m diffulex.server [flags]``: the same as ``diffulex serve [flags]``."""
+
+from __future__ import annotations
+
+import sys
+
+from diffulex.server.cli import build_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

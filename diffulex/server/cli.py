@@ -1,0 +1,112 @@
+"""``diffulex serve``: build the engine, wrap it in the HTTP app, run uvicorn until interrupted.
+
+Importing this module must stay cheap (``diffulex`` imports it to list subcommands): heavy imports happen inside
+`serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine fields are added by `diffulex.cli.add_engine_flags`)."""
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
+    parser.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    net.add_argument("--served-model-name", default=None,
+                     help="model id shown by /v1/models and accepted in requests (default: the folder name)")
+    net.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="requests that may wait beyond the engine's max_num_reqs running ones (default 256)")
+    net.add_argument("--queue-policy", choices=("reject", "wait"), default="reject",
+                     help="when full: answer 429 at once (reject) or wait for a slot up to --queue-timeout (wait)")
+    net.add_argument("--queue-timeout", type=float, default=30.0,
+                     help="seconds a request may wait for a slot with --queue-policy wait (default 30)")
+    net.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish at shutdown before they are aborted (default 30)")
+    net.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                     help="log level of the server and uvicorn (default info)")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``serve`` on the ``diffulex`` command line."""
+    from diffulex.cli import add_engine_flags
+
+    parser = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API and a live page)")
+    add_serve_flags(parser)
+    add_engine_flags(parser)
+    parser.set_defaults(func=serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m diffulex.server`` (same flags as ``diffulex serve``)."""
+    from diffulex.cli import add_engine_flags
+
+    parser = argparse.ArgumentParser(prog="python -m diffulex.server", description="Serve a Diffulex model over HTTP")
+    add_serve_flags(parser)
+    add_engine_flags(parser)
+    parser.set_defaults(func=serve)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the engine, then run the app until SIGINT/SIGTERM; returns the process exit code."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ModuleNotFoundError as err:
+        raise ValueError(f"diffulex serve needs the serving extras ({err.name} is missing): "
+                         "pip install 'diffulex[serve]'") from None
+
+    from diffulex import Diffulex
+    from diffulex.cli import default_model_dir, engine_overrides, load_yaml_engine_fields
+    from diffulex.server.app import create_app
+    from diffulex.server.engine_loop import EngineLoop
+    from diffulex.server.metrics import ServerMetrics
+
+    level = getattr(logging, args.log_level.upper())
+    logging.getLogger("diffulex").setLevel(level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    fields: dict[str, Any] = load_yaml_engine_fields(args.config) if args.config else {}
+    fields.update(engine_overrides(args))
+    model = args.model or fields.pop("model", None)
+    fields.pop("model", None)
+    if model is None:
+        model = str(default_model_dir())
+        print(f"no --model given: serving the built-in demo checkpoint at {model} (random weights)", file=sys.stderr)
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
+    engine = Diffulex(str(model), **fields)
+    name = args.served_model_name
+    loop = EngineLoop(
+        engine,
+        max_waiting=args.max_waiting_requests,
+        queue_policy=args.queue_policy,
+        queue_timeout=args.queue_timeout,
+        metrics=ServerMetrics(name or ""),
+    )
+    app = create_app(loop, name, shutdown_grace_s=args.shutdown_grace)
+    print(f"serving {app.state.served_model_name} on http://{args.host}:{args.port}/", file=sys.stderr)
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it found
+    # installed. Install a no-op one so that a requested, completed shutdown ends the process with exit code 0.
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals}
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(int(args.shutdown_grace), 1),
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

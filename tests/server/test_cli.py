@@ -1,0 +1,56 @@
+"""``diffulex serve`` / ``python -m diffulex.server``: flags, startup, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from diffulex.cli import build_parser
+
+
+def test_serve_is_a_diffulex_subcommand_with_engine_flags() -> None:
+    args = build_parser().parse_args(["serve", "--port", "9001", "--block-size", "8", "--queue-policy", "wait"])
+    assert args.port == 9001 and args.host == "127.0.0.1" and args.queue_policy == "wait"
+    assert args.block_size == 8 and args.model is None
+    assert callable(args.func)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_module_entry_point_serves_and_exits_cleanly_on_sigterm(sdar_dir: Path) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "diffulex.server", "--model", str(sdar_dir), "--port", str(port),
+           "--served-model-name", "cli-test", "--block-size", "4", "--page-size", "8", "--max-model-len", "128",
+           "--shutdown-grace", "3", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": "cli-test", "prompt": "hi", "max_tokens": 4, "temperature": 0}, timeout=30)
+        assert out.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
