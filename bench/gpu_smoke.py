@@ -29,11 +29,13 @@ def prompts_for(llm, lengths: list[int], seed: int) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--attn-impl", default="triton_grouped", choices=["triton_grouped", "triton", "naive"])
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this check needs a GPU"
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     fields = dict(block_size=4, page_size=8, buffer_size=2, max_model_len=96, max_num_batched_tokens=1024,
-                  accept_threshold=0.7, num_pages=24)
+                  accept_threshold=0.7, num_pages=24, attn_impl=args.attn_impl)
+    report["attn_impl"] = args.attn_impl
     params = SamplingParams(temperature=0.0, max_tokens=40)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "m", family="sdar", seed=1, init_std=1.0)

@@ -27,6 +27,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Backend, set by the model runner from ``attn_impl`` when it binds the cache. The Triton kernels run
+        # on CUDA tensors; elsewhere (CPU, tests) the PyTorch path is used.
+        self.attn_impl = "naive"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if isinstance(meta, DenseAttentionMetadata):
@@ -34,6 +37,13 @@ class Attention(nn.Module):
         else:
             if self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("the KV cache is not bound to this attention layer")
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            if self.attn_impl in ("triton", "triton_grouped") and q.is_cuda:
+                from diffulex.kernels import triton_paged_attention, triton_store_kv
+
+                triton_store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                grouped = self.attn_impl == "triton_grouped"
+                out = triton_paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, grouped=grouped)
+            else:
+                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

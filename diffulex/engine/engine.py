@@ -161,6 +161,7 @@ class DiffulexEngine:
             prefix_full=bool(config.multi_block_prefix_full),
             device=self.device,
             kv_dtype=self.dtype,
+            attn_impl=config.attn_impl,
         )
         self.runner = AutoModelRunner.get(strategy)(runner_settings, self.model, sampler)
         num_pages = self._plan_num_pages()

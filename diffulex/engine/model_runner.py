@@ -24,6 +24,7 @@ class RunnerSettings:
     prefix_full: bool  # d2f: prompt rows attend to the whole prompt
     device: torch.device
     kv_dtype: torch.dtype
+    attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
 
 
 class ModelRunner:
@@ -50,6 +51,7 @@ class ModelRunner:
             shape = (num_pages, s.page_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=s.kv_dtype, device=s.device)
             layer.v_cache = torch.zeros(shape, dtype=s.kv_dtype, device=s.device)
+            layer.attn_impl = s.attn_impl
         self.num_pages = num_pages
 
     # ----- one step ---------------------------------------------------------------------------------------

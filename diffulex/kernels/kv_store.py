@@ -1,0 +1,91 @@
+"""Triton KV-cache store: write each new row's K/V into its cache slot, skipping rows whose slot is negative.
+
+Matches `diffulex.attention.torch_paged.store_kv`. The cache is ``[num_pages, page_size, kv_heads, head_dim]``;
+slot ``s`` is page ``s // page_size``, offset ``s % page_size``. One program per row copies ``[kv_heads, head_dim]``
+of K and of V (cast to the cache dtype); rows with ``slot < 0`` (not committed, or shifted rows that must not be
+stored again) return without touching the cache. No host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE_SIZE
+    in_page = slot % PAGE_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + row * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + row * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    kc = k_cache_ptr + page * stride_kc_p + in_page * stride_kc_s + offs_h[:, None] * stride_kc_h + offs_d[None, :]
+    vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + offs_h[:, None] * stride_vc_h + offs_d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Drop-in for `store_kv`: k/v ``[T, kv_heads, head_dim]``, caches ``[P, page_size, kv_heads, head_dim]``."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, k has {num_tokens}")
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )

@@ -1,0 +1,441 @@
+"""Triton paged attention for one engine step: one launch per layer over a ragged batch of requests.
+
+Semantics are exactly those of `diffulex.attention.torch_paged.paged_attention`: request ``r`` owns query rows
+``[cu_seqlens_q[r], cu_seqlens_q[r + 1])`` at absolute positions ``[ctx, ctx + q_len)``; its keys are the cached
+positions ``[0, ctx)`` (read through its page table from ``[num_pages, page_size, kv_heads, head_dim]`` caches)
+followed by its own new rows; visibility is `diffulex.attention.mask.visibility_mask` on absolute positions,
+applied to cached and new keys alike.
+
+Design:
+
+* grid ``(query tiles, requests, kv heads)`` in grouped mode (``grouped=True``, the default): one program owns
+  ``BLOCK_Q`` query positions of one request for all ``GROUP`` query heads that share a KV head, packed into the
+  ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows of its tile, so each K/V tile is read once per group. In ungrouped mode
+  the grid is ``(query tiles, requests, heads)`` with one head per program (``GROUP_PAD = 1``).
+* two key loops: cached keys in ``BLOCK_N`` tiles gathered row by row through the page table (any page size,
+  tiles may straddle pages), then the request's new keys read from ``k``/``v``. The new-key loop stops at the
+  furthest key any row of the tile may see (the end of the last row's diffusion block, or the prompt end for
+  prompt rows under prefix-full), so later blocks are never read.
+* online softmax in fp32 (``exp2`` with the scale folded into ``log2(e)``); ``q @ k^T`` accumulates in fp32,
+  probabilities are cast to the value dtype for ``p @ v`` (fp32 accumulation). Rows whose running maximum is
+  still ``-inf`` are guarded so that fully masked tiles contribute zeros and never NaN; every valid query sees
+  at least itself, so its final denominator is positive.
+* split-KV inside the same launch when the grid alone cannot fill the GPU (few requests, long prefixes): the grid's
+  first axis becomes ``query tiles * NUM_SPLITS``; each split folds a ``BLOCK_N``-aligned share of the tile's keys
+  and publishes its partial (max, denominator, accumulator) in fp32 to a scratch buffer, then bumps a per-tile
+  counter (acq_rel atomic); the last split to arrive combines the partials, writes the output and resets the
+  counter to zero, so the counters need no memset between launches.
+* no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
+  use the host lists (``query_lens_cpu``, ``context_lens_cpu``) of the metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from diffulex.attention.metadata import PagedAttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(
+    q,
+    k_t,
+    v_t,
+    k_pos,
+    k_ok,
+    q_blk,
+    q_in_prompt,
+    prompt_len,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    PREFIX_FULL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k_t), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k_t))
+    s = s * qk_scale
+    visible = (k_pos[None, :] // BLOCK_SIZE) <= q_blk[:, None]
+    if PREFIX_FULL:
+        visible = tl.where(q_in_prompt[:, None], k_pos[None, :] < prompt_len, visible)
+    visible = visible & k_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    prefix_lens_ptr,
+    page_tables_ptr,
+    part_ml_ptr,  # [programs, NUM_SPLITS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
+    part_acc_ptr,  # [programs, NUM_SPLITS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
+    counters_ptr,  # [programs] int32, zero between launches: splits of a tile that have finished
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
+    stride_pt_r,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # query heads handled by one program (GROUP rounded up to a power of two, or 1)
+    BLOCK_Q: tl.constexpr,  # query positions per program
+    BLOCK_N: tl.constexpr,  # keys per inner iteration
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # diffusion block size (mask granularity)
+    PREFIX_FULL: tl.constexpr,
+    IEEE: tl.constexpr,  # exact fp32 dots (fp32 inputs); otherwise the inputs' native precision
+    NUM_SPLITS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    req = tl.program_id(1)
+    head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
+
+    row_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - row_start
+    q_begin = tile * BLOCK_Q
+    if q_begin >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + req)
+    prompt_len = tl.load(prefix_lens_ptr + req)
+
+    if GROUP_PAD == 1:
+        kv_head = head_slot // GROUP
+    else:
+        kv_head = head_slot
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_begin + offs_m // GROUP_PAD  # query index inside the request
+    if GROUP_PAD == 1:
+        heads = head_slot + offs_m * 0
+        row_ok = q_idx < q_len
+    else:
+        sub = offs_m % GROUP_PAD
+        heads = kv_head * GROUP + sub
+        row_ok = (q_idx < q_len) & (sub < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_rows = (row_start + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    q_pos = ctx + q_idx  # absolute positions of the rows
+    q_blk = q_pos // BLOCK_SIZE
+    q_in_prompt = q_pos < prompt_len
+    # furthest key (exclusive) any valid row of the tile may see
+    row_limit = (q_blk + 1) * BLOCK_SIZE
+    if PREFIX_FULL:
+        row_limit = tl.where(q_in_prompt, prompt_len, row_limit)
+    row_limit = tl.where(row_ok, row_limit, 0)
+    key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
+    # this program's share of the key positions [0, key_limit)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = key_limit
+    else:
+        chunk = tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, key_limit)
+        hi = tl.minimum(lo + chunk, key_limit)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
+
+    # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
+    cache_end = tl.minimum(ctx, hi)
+    for n_start in range(lo, cache_end, BLOCK_N):
+        k_pos = n_start + offs_n
+        k_ok = k_pos < cache_end
+        page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+        in_page = k_pos % PAGE_SIZE
+        kc_ptrs = (
+            k_cache_ptr
+            + page[:, None] * stride_kc_p
+            + in_page[:, None] * stride_kc_s
+            + kv_head * stride_kc_h
+            + offs_d[None, :]
+        )
+        vc_ptrs = (
+            v_cache_ptr
+            + page[:, None] * stride_vc_p
+            + in_page[:, None] * stride_vc_s
+            + kv_head * stride_vc_h
+            + offs_d[None, :]
+        )
+        k_t = tl.load(kc_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        v_t = tl.load(vc_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            q,
+            k_t,
+            v_t,
+            k_pos,
+            k_ok,
+            q_blk,
+            q_in_prompt,
+            prompt_len,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            BLOCK_SIZE,
+            PREFIX_FULL,
+            IEEE,
+        )
+
+    # ---- the request's own new keys: absolute positions [max(lo, ctx), hi) ----
+    new_lo = tl.maximum(lo, ctx) - ctx
+    new_hi = hi - ctx
+    for n_start in range(new_lo, new_hi, BLOCK_N):
+        k_idx = n_start + offs_n
+        k_ok = k_idx < new_hi
+        k_rows = (row_start + k_idx).to(tl.int64)
+        k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
+        v_ptrs = v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :]
+        k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            q,
+            k_t,
+            v_t,
+            ctx + k_idx,
+            k_ok,
+            q_blk,
+            q_in_prompt,
+            prompt_len,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            BLOCK_SIZE,
+            PREFIX_FULL,
+            IEEE,
+        )
+
+    if NUM_SPLITS > 1:
+        # publish this split's partial state; the last split of the tile to finish combines them all
+        tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), NUM_SPLITS) + tile
+        tile_id = tile_id.to(tl.int64)
+        ml_base = part_ml_ptr + (tile_id * NUM_SPLITS + split) * (2 * BLOCK_M)
+        tl.store(ml_base + offs_m, m_i)
+        tl.store(ml_base + BLOCK_M + offs_m, l_i)
+        acc_base = part_acc_ptr + (tile_id * NUM_SPLITS + split) * (BLOCK_M * HEAD_DIM)
+        tl.store(acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            tl.atomic_xchg(counters_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                ml_s = part_ml_ptr + (tile_id * NUM_SPLITS + s) * (2 * BLOCK_M)
+                m_s = tl.load(ml_s + offs_m, cache_modifier=".cg")
+                l_s = tl.load(ml_s + BLOCK_M + offs_m, cache_modifier=".cg")
+                acc_s = tl.load(
+                    part_acc_ptr
+                    + (tile_id * NUM_SPLITS + s) * (BLOCK_M * HEAD_DIM)
+                    + offs_m[:, None] * HEAD_DIM
+                    + offs_d[None, :],
+                    cache_modifier=".cg",
+                )
+                m_new = tl.maximum(m_i, m_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                beta = tl.exp2(m_s - m_safe)
+                l_i = l_i * alpha + l_s * beta
+                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                m_i = m_new
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            out = acc / l_safe[:, None]
+            o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): at least 16 rows per tile (the minimum ``tl.dot`` shape), at most 64."""
+    block_m = max(16, min(64, _next_pow2(max_query_len) * group_pad))
+    block_q = max(1, block_m // group_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    return block_q, block_n
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SM_COUNT: dict[torch.device, int] = {}
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed split counters, kept per device; the kernel leaves them zero again after each launch."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _auto_num_splits(device: torch.device, programs: int, max_keys: int) -> int:
+    """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _SM_COUNT[device]
+    if programs >= sms:
+        return 1
+    splits = min(triton.cdiv(2 * sms, programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    return max(1, splits)
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    grouped: bool = True,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Drop-in for `paged_attention`: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, caches ``[P, page_size, Hkv, D]``.
+
+    ``grouped=True`` (``attn_impl="triton_grouped"``) packs the query heads of one KV head into one program;
+    ``grouped=False`` (``attn_impl="triton"``) runs one program per query head. ``out`` (``[T, H, D]``, q's dtype)
+    may be given to write into; every row of a request with ``q_len > 0`` is written. ``num_splits`` forces the
+    split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
+    if k_cache.shape[1] != meta.page_size:
+        raise ValueError(f"cache page size {k_cache.shape[1]} != metadata page_size {meta.page_size}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must have q's shape and dtype and be contiguous in head_dim")
+    num_requests = meta.num_requests
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    page_tables = meta.page_tables
+    if page_tables.dtype != torch.int32:
+        page_tables = page_tables.to(torch.int32)
+
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group) if grouped else 1
+    max_query_len = max(meta.query_lens_cpu)
+    block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim)
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    head_slots = num_kv_heads if grouped else num_heads
+    programs = q_tiles * num_requests * head_slots
+    if num_splits is None:
+        max_keys = max(c + n for c, n in zip(meta.context_lens_cpu, meta.query_lens_cpu, strict=True))
+        num_splits = _auto_num_splits(q.device, programs, max_keys)
+    if num_splits > 1:
+        block_m = block_q * group_pad
+        part_ml = torch.empty(programs * num_splits * 2 * block_m, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(programs * num_splits * block_m * head_dim, dtype=torch.float32, device=q.device)
+        counters = _counters(q.device, programs)
+    else:
+        part_ml = part_acc = counters = out  # never read
+    grid = (q_tiles * num_splits, num_requests, head_slots)
+    _paged_attention_kernel[grid](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out,
+        meta.cu_seqlens_q,
+        meta.context_lens,
+        meta.prefix_lens,
+        page_tables,
+        part_ml,
+        part_acc,
+        counters,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=meta.page_size,
+        BLOCK_SIZE=meta.block_size,
+        PREFIX_FULL=bool(meta.prefix_full),
+        IEEE=q.dtype == torch.float32,
+        NUM_SPLITS=num_splits,
+        num_warps=4 if head_dim <= 128 else 8,
+        num_stages=2,
+    )
+    return out
