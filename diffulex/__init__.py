@@ -28,4 +28,8 @@ def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor 
     return DiffulexEngine(Config.from_kwargs(model, **kwargs))
 
 
-__all__ = ["Diffulex", "GenerationOutputs", "SamplingParams", "Trajectory", "__version__"]
+
+# The folder of the built-in model (a trained SDAR checkpoint shipped in the package; docs/training.md).
+BUILTIN_MODEL: str = __path__[0] + "/builtin_model"
+
+__all__ = ["BUILTIN_MODEL", "Diffulex", "GenerationOutputs", "SamplingParams", "Trajectory", "__version__"]

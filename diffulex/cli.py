@@ -104,13 +104,10 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
 
 
 def default_model_dir() -> Path:
-    """The model used when none is given: a tiny random checkpoint the package writes once (a demo only)."""
-    from diffulex.testing.checkpoints import write_tiny_checkpoint
+    """The model used when none is given: the built-in trained model shipped in the package."""
+    from diffulex import BUILTIN_MODEL
 
-    cache = Path.home() / ".cache" / "diffulex" / "tiny-sdar-demo"
-    if not (cache / "config.json").exists():
-        write_tiny_checkpoint(cache, family="sdar", seed=0)
-    return cache
+    return Path(BUILTIN_MODEL)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -122,7 +119,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     fields.pop("model", None)
     if model is None:
         model = str(default_model_dir())
-        print(f"no --model given: using the built-in demo checkpoint at {model} (random weights)", file=sys.stderr)
+        print(f"no --model given: using the built-in model at {model}", file=sys.stderr)
     sp = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

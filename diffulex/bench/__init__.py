@@ -1,0 +1,25 @@
+"""Benchmark harness: YAML run configs, lm-eval tasks on local data, and throughput metrics.
+
+    diffulex bench --config configs/sdar_chat_gsm8k.yml --dataset-limit 20
+    diffulex bench compare runs/run_A runs/run_B
+
+Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
+
+* ``config``: the YAML schema (``engine:`` + ``eval:``), validation with errors that name the key;
+* ``metrics``: the metric definitions of docs/benchmarks.md as pure functions over trajectories;
+* ``lm_eval_model``: the ``diffulex`` model class for lm-eval (``generate_until`` only);
+* ``tasks/``: lm-eval task YAMLs that read the JSON files shipped in ``data/``;
+* ``scoring``: answer extraction, math equivalence and sandboxed code execution used by the tasks;
+* ``runner``: one benchmark run (engine + lm-eval + metrics + files); ``report``: markdown, plot, compare;
+* ``arithmetic``: the generator of the built-in model's arithmetic test set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+TASKS_DIR = BENCH_DIR / "tasks"
+DATA_DIR = BENCH_DIR / "data"
+
+__all__ = ["BENCH_DIR", "DATA_DIR", "TASKS_DIR"]

@@ -1,0 +1,176 @@
+"""``diffulex bench``: run a benchmark from a YAML config, or compare two runs.
+
+    diffulex bench --config configs/sdar_chat_gsm8k.yml                 # run (same as: diffulex bench run ...)
+    diffulex bench --config FILE.yml --dataset-limit 20 --max-num-reqs 32 --set eval.max_tokens=256
+    diffulex bench compare RUN_A RUN_B [--json]
+
+Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
+``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval
+key as a flag (``--dataset-name``, ``--dataset-limit``, ``--max-tokens``, ``--allow-code-execution``, ...), and
+``--set SECTION.KEY=VALUE`` for anything (the value is read as YAML:
+``--set engine.decoding_thresholds={accept_threshold: 0.95}``).
+
+Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from diffulex.bench.config import EvalConfig
+
+
+def _eval_flag_type(annotation: Any) -> Any:
+    base = str(annotation).replace(" | None", "")
+    if base == "int":
+        return int
+    if base == "float":
+        return float
+    return str
+
+
+def add_eval_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per eval key (``--dataset-limit``); unset flags stay out of the overrides."""
+    import dataclasses
+
+    group = parser.add_argument_group("eval keys (see docs/benchmarks.md)")
+    for f in dataclasses.fields(EvalConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type == "bool":
+            group.add_argument(flag, dest=f"eval__{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=f"eval__{f.name}", type=_eval_flag_type(f.type), default=None,
+                               metavar=f.name.upper(), help=help_text)
+
+
+def eval_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k[len("eval__"):]: v for k, v in vars(args).items() if k.startswith("eval__") and v is not None}
+
+
+def parse_set(items: list[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--set engine.KEY=VALUE`` / ``--set eval.KEY=VALUE`` -> (engine overrides, eval overrides)."""
+    import yaml
+
+    engine: dict[str, Any] = {}
+    eval_: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or section not in ("engine", "eval") or not name:
+            raise ValueError(f"--set {item!r} is invalid: must be engine.KEY=VALUE or eval.KEY=VALUE")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from None
+        (engine if section == "engine" else eval_)[name] = value
+    return engine, eval_
+
+
+def add_parser(subparsers: Any) -> None:
+    from diffulex.cli import add_engine_flags
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="run a benchmark from a YAML config, or compare two runs",
+        description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("action", nargs="?", choices=("run", "compare"), default="run",
+                        help="run (default) or compare")
+    parser.add_argument("runs", nargs="*", metavar="RUN", help="compare: two run directories (or metrics.json files)")
+    parser.add_argument("--config", default=None, help="benchmark YAML (engine: + eval: sections)")
+    parser.add_argument("--model-path", "--model", dest="model_path", default=None,
+                        help="checkpoint directory (overrides engine.model_path)")
+    parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                        help="set any engine/eval key; the value is read as YAML (repeatable)")
+    parser.add_argument("--check", action="store_true", help="validate the config and tasks, then stop")
+    parser.add_argument("--json", action="store_true", help="compare: print the differences as JSON")
+    add_eval_flags(parser)
+    add_engine_flags(parser)
+    parser.set_defaults(func=cmd_bench)
+
+
+def _engine_flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from diffulex.cli import engine_overrides
+
+    out = engine_overrides(args)
+    if args.model_path is not None:
+        out["model_path"] = args.model_path
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.action == "compare":
+        return cmd_compare(args)
+    if args.runs:
+        raise ValueError(f"unexpected arguments {args.runs}: 'run' takes no positional arguments")
+    return cmd_run(args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from diffulex.bench.config import load_bench_config
+
+    set_engine, set_eval = parse_set(args.set)
+    engine = {**set_engine, **_engine_flag_overrides(args)}
+    eval_ = {**set_eval, **eval_overrides(args)}
+    if args.config is None and "model_path" not in engine:
+        raise ValueError("diffulex bench needs --config FILE.yml (or at least --model-path); see docs/benchmarks.md")
+    cfg = load_bench_config(args.config, engine, eval_)
+    from diffulex.bench.runner import load_tasks, require_lm_eval, run_benchmark, task_manager
+
+    require_lm_eval()
+    if args.check:
+        tasks = load_tasks(cfg, task_manager(cfg))
+        print(f"config OK: model {cfg.model}, tasks {', '.join(tasks)}")
+        return 0
+    result = run_benchmark(cfg)
+    metrics = result.report["metrics"]
+    for task, acc in result.report["accuracy"].items():
+        print(f"{task}: {acc['metric']} = {acc['value']}  (n={acc['num_samples']})")
+    print(
+        f"{metrics['num_requests']} requests, {metrics['generated_tokens']} generated tokens in "
+        f"{metrics['wall_time_s']:.2f} s: aggregate {_num(metrics['aggregate_tps'])} tok/s, decode-only "
+        f"{_num(metrics['decode_tps'])} tok/s, TPF {_num(metrics['tpf'])}, "
+        f"latency p50 {_num(metrics['latency_p50_s'])} s"
+    )
+    print(f"results: {result.run_dir}")
+    return 0
+
+
+def _num(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from diffulex.bench.report import compare_reports, format_comparison, load_report
+
+    if len(args.runs) != 2:
+        raise ValueError(f"compare needs two runs (directories or metrics.json files), got {len(args.runs)}")
+    cmp = compare_reports(load_report(args.runs[0]), load_report(args.runs[1]))
+    if args.json:
+        print(json.dumps(cmp, indent=2, default=str))
+    else:
+        print(format_comparison(cmp))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m diffulex.bench.cli ...`` (the same as ``diffulex bench ...``)."""
+    parser = argparse.ArgumentParser(prog="diffulex")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
