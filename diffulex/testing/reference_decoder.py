@@ -376,3 +376,32 @@ def _completion_reason(
         if len(tail) == max_repetition_run and len(set(tail)) == 1:
             return MAX_REPETITION_RUN_REACHED
     return None
+
+
+def reference_for_engine(llm, prompt_ids: list[int], params, *, force_always: bool = False) -> ReferenceResult:
+    """Decode ``prompt_ids`` with the reference decoder under exactly the settings of engine ``llm``.
+
+    The one place that maps an engine's config, tokenizer-derived ids and SamplingParams onto the oracle's
+    arguments, so every engine-vs-reference test compares the same thing.
+    """
+    cfg, th = llm.config, llm.config.decoding_thresholds
+    return reference_generate(
+        llm.model,
+        prompt_ids,
+        mask_token_id=llm.mask_token_id,
+        block_size=cfg.block_size,
+        buffer_size=cfg.buffer_size,
+        max_tokens=params.max_tokens,
+        max_model_len=cfg.max_model_len,
+        stop_token_ids=llm.settings.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        accept_threshold=th.accept_threshold,
+        add_block_threshold=th.add_block_threshold,
+        semi_complete_threshold=th.semi_complete_threshold,
+        prefix_full=bool(cfg.multi_block_prefix_full),
+        vocab_limit=llm.vocab_limit,
+        max_nfe=params.max_nfe,
+        max_repetition_run=params.max_repetition_run,
+        logits_shift=llm.settings.logits_shift,
+        force_always=force_always,
+    )

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.attention import DenseAttentionMetadata, visibility_mask
-from diffulex.testing.reference_decoder import reference_generate
+from diffulex.testing.reference_decoder import reference_for_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -195,28 +195,8 @@ def assert_engine_matches_reference(
 ) -> list:
     """Run the batch through the engine, then each prompt alone through the reference decoder."""
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    cfg, th = llm.config, llm.config.decoding_thresholds
     for prompt, traj in zip(prompts, outputs.trajectories, strict=True):
-        ref = reference_generate(
-            llm.model,
-            prompt,
-            mask_token_id=llm.mask_token_id,
-            block_size=cfg.block_size,
-            buffer_size=cfg.buffer_size,
-            max_tokens=params.max_tokens,
-            max_model_len=cfg.max_model_len,
-            stop_token_ids=llm.settings.stop_token_ids,
-            ignore_eos=params.ignore_eos,
-            accept_threshold=th.accept_threshold,
-            add_block_threshold=th.add_block_threshold,
-            semi_complete_threshold=th.semi_complete_threshold,
-            prefix_full=bool(cfg.multi_block_prefix_full),
-            vocab_limit=llm.vocab_limit,
-            max_nfe=params.max_nfe,
-            max_repetition_run=params.max_repetition_run,
-            logits_shift=llm.settings.logits_shift,
-            force_always=force_always,
-        )
+        ref = reference_for_engine(llm, prompt, params, force_always=force_always)
         assert traj.token_ids == ref.token_ids, f"prompt of length {len(prompt)}"
         assert traj.completion_reason == ref.completion_reason
         assert traj.nfe == ref.nfe
