@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffulex.attention.metadata import AttentionMetadata, DenseAttentionMetadata
+from diffulex.attention.metadata import AttentionMetadata, DenseAttentionMetadata, PagedAttentionMetadata
 from diffulex.attention.torch_paged import dense_attention, paged_attention, store_kv
 
 
@@ -35,15 +35,21 @@ class Attention(nn.Module):
         if isinstance(meta, DenseAttentionMetadata):
             out = dense_attention(q, k, v, meta, self.scale)
         else:
-            if self.k_cache is None or self.v_cache is None:
-                raise RuntimeError("the KV cache is not bound to this attention layer")
-            if self.attn_impl in ("triton", "triton_grouped") and q.is_cuda:
-                from diffulex.kernels import triton_paged_attention, triton_store_kv
-
-                triton_store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-                grouped = self.attn_impl == "triton_grouped"
-                out = triton_paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, grouped=grouped)
-            else:
-                store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-                out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            out = self.paged_forward(q, k, v, meta)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def paged_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """Store this step's committed K/V, then attend over cache and new rows (a separate method so that
+        ``torch.compile`` can leave it out of the graph it traces)."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("the KV cache is not bound to this attention layer")
+        if self.attn_impl in ("triton", "triton_grouped") and q.is_cuda:
+            from diffulex.kernels import triton_paged_attention, triton_store_kv
+
+            triton_store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            grouped = self.attn_impl == "triton_grouped"
+            return triton_paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, grouped=grouped)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

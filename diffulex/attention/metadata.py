@@ -38,6 +38,19 @@ class PagedAttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    # Launch-shape bounds for the kernels: the longest query chunk and the longest key range of any request.
+    # Derived from the host lists when left at 0; a CUDA graph fixes them to its bucket's capacity instead, so
+    # one captured launch serves every batch that fits.
+    max_query_len: int = 0
+    max_kv_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_query_len <= 0:
+            self.max_query_len = max(self.query_lens_cpu, default=0)
+        if self.max_kv_len <= 0:
+            self.max_kv_len = max(
+                (c + n for c, n in zip(self.context_lens_cpu, self.query_lens_cpu, strict=True)), default=0
+            )
 
     @property
     def num_requests(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from diffulex.config import Config
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
@@ -33,6 +34,7 @@ logger = logging.getLogger("diffulex")
 
 # Without a GPU there is no memory to plan against: give the page pool at most this much host memory.
 CPU_KV_CACHE_BYTES = 2 << 30
+GIB = float(1 << 30)
 
 
 @dataclass
@@ -164,8 +166,10 @@ class DiffulexEngine:
             attn_impl=config.attn_impl,
         )
         self.runner = AutoModelRunner.get(strategy)(runner_settings, self.model, sampler)
+        self._maybe_compile()
         num_pages = self._plan_num_pages()
         self.runner.allocate_kv_cache(num_pages)
+        self._maybe_capture_graphs()
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
@@ -179,6 +183,7 @@ class DiffulexEngine:
     # ----- memory -------------------------------------------------------------------------------------------
 
     def _plan_num_pages(self) -> int:
+        """Pages that fit: the explicit ``num_pages``, else what memory leaves after weights and activations."""
         config = self.config
         if config.num_pages > 0:
             return config.num_pages
@@ -186,19 +191,89 @@ class DiffulexEngine:
         pages_per_req = -(-config.max_model_len // config.page_size)
         wanted = pages_per_req * config.max_num_reqs
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * config.gpu_memory_utilization) - used
+            budget, report = self._gpu_kv_budget()
         else:
-            budget = CPU_KV_CACHE_BYTES
-        affordable = budget // page_bytes
+            budget, report = CPU_KV_CACHE_BYTES, f"the CPU page pool is capped at {CPU_KV_CACHE_BYTES / GIB:.1f} GiB"
+        affordable = max(budget, 0) // page_bytes
         if affordable < pages_per_req:
             raise ValueError(
                 f"not enough memory for the KV cache: one request of max_model_len={config.max_model_len} needs "
-                f"{pages_per_req} pages of {page_bytes} bytes, only {max(affordable, 0)} fit; lower max_model_len "
-                "or raise gpu_memory_utilization"
+                f"{pages_per_req} pages of {page_bytes} bytes ({pages_per_req * page_bytes / GIB:.2f} GiB) but "
+                f"only {affordable} fit ({report}); lower max_model_len, max_num_batched_tokens or max_num_reqs, "
+                "raise gpu_memory_utilization, or use a smaller model"
             )
         return int(min(wanted, affordable))
+
+    def _gpu_kv_budget(self) -> tuple[int, str]:
+        """Bytes left for pages: ``total * gpu_memory_utilization`` minus what the process and others already hold,
+        minus the measured activation peak of the largest forward, minus the CUDA graphs' pool.
+
+        The peak is measured, not estimated: one eager forward over the largest step the scheduler can build
+        (``max(max_num_batched_tokens, max_model_len)`` rows) and the sampler's logits for every running row.
+        """
+        config, dev = self.config, self.device
+        rows_per_req = config.buffer_size * config.block_size + int(self.settings.logits_shift)
+        num_tokens = max(config.max_num_batched_tokens, config.max_model_len)
+        sample_rows = config.max_num_reqs * rows_per_req
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        self.runner.allocate_kv_cache(1)  # attention needs a bound cache; the profile stores nothing
+        self.runner.profile_run(num_tokens, sample_rows)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        self.runner.release_kv_cache()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = (total - free) - torch.cuda.memory_reserved(dev)  # other processes, CUDA context, NCCL
+        activations = peak - weights
+        graphs = 0
+        if self._use_cuda_graphs():
+            # the graphs' pool holds one decode forward of the largest bucket: scale the measured peak
+            graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows_per_req
+            graphs = int(activations * min(1.0, graph_tokens / num_tokens))
+        budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
+        report = (
+            f"{total / GIB:.1f} GiB x gpu_memory_utilization={config.gpu_memory_utilization} = "
+            f"{total * config.gpu_memory_utilization / GIB:.1f} GiB; weights {weights / GIB:.2f} GiB, activation "
+            f"peak {activations / GIB:.2f} GiB ({num_tokens} tokens), CUDA graphs {graphs / GIB:.2f} GiB, other "
+            f"processes and the CUDA context {others / GIB:.2f} GiB; {max(budget, 0) / GIB:.2f} GiB left"
+        )
+        logger.info("memory plan: %s", report)
+        return budget, report
+
+    # ----- CUDA graphs and torch.compile -----------------------------------------------------------------------
+
+    def _use_cuda_graphs(self) -> bool:
+        config = self.config
+        return (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and config.enable_full_static_runner
+            and config.attn_impl in ("triton", "triton_grouped")
+        )
+
+    def _maybe_compile(self) -> None:
+        """``enable_torch_compile`` with ``enable_cudagraph_torch_compile``: compile the forward the graphs capture."""
+        config = self.config
+        if self._use_cuda_graphs() and config.enable_torch_compile and config.enable_cudagraph_torch_compile:
+            self.runner.compile_forward(config.torch_compile_mode)
+
+    def _maybe_capture_graphs(self) -> None:
+        if self.device.type == "cuda" and not self._use_cuda_graphs() and not self.config.enforce_eager:
+            logger.info("CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' and the static runner")
+        if not self._use_cuda_graphs():
+            return
+        config = self.config
+        t0 = time.perf_counter()
+        self.runner.enable_decode_graphs(
+            max_requests=config.max_num_reqs,
+            max_query_len=config.buffer_size * config.block_size + int(self.settings.logits_shift),
+            max_model_len=config.max_model_len,
+            capture=True,
+        )
+        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
 
     # ----- requests -----------------------------------------------------------------------------------------
 
@@ -381,8 +456,7 @@ class DiffulexEngine:
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for req in list(queue):
                 self.scheduler.finish(req, CompletionReason.ABORTED)
-        for layer in self.runner.attention_layers:
-            layer.k_cache = layer.v_cache = None
+        self.runner.release_kv_cache()
         self._closed = True
 
     def __enter__(self) -> DiffulexEngine:

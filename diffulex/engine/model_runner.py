@@ -14,7 +14,9 @@ from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.engine.block import BlockStatus
-from diffulex.engine.request import Request, SampleTarget
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape
+from diffulex.engine.request import Request
+from diffulex.engine.step_inputs import StepInputs
 
 
 @dataclass
@@ -36,6 +38,8 @@ class ModelRunner:
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to bind a KV cache to")
         self.num_pages = 0
+        self.forward = model.forward  # replaced by a compiled callable when torch.compile is enabled
+        self.graphs: DecodeGraphs | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -54,39 +58,87 @@ class ModelRunner:
             layer.attn_impl = s.attn_impl
         self.num_pages = num_pages
 
+    def release_kv_cache(self) -> None:
+        """Drop the cache tensors and the graphs captured over them."""
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        self.graphs = None
+        self.num_pages = 0
+
+    def compile_forward(self, mode: str) -> None:
+        """Compile the model forward with ``torch.compile``; attention stays an opaque eager call.
+
+        When CUDA graphs capture the result, Inductor's own graphs are switched off (``reduce-overhead`` becomes
+        ``default``, ``max-autotune`` its no-cudagraphs variant): graphs inside a graph capture are not allowed.
+        """
+        mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+        for layer in self.attention_layers:
+            layer.paged_forward = torch.compiler.disable(layer.paged_forward)
+        self.forward = torch.compile(self.model.forward, mode=mode, dynamic=True, fullgraph=False)
+
     # ----- one step ---------------------------------------------------------------------------------------
+
+    def enable_decode_graphs(self, max_requests: int, max_query_len: int, max_model_len: int, capture: bool) -> None:
+        """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``.
+
+        Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
+        """
+        s = self.settings
+        shape = GraphShape(
+            max_requests=min(max_requests, MAX_GRAPH_REQUESTS),
+            max_query_len=max_query_len,
+            max_pages=-(-max_model_len // s.page_size),
+            max_kv_len=max_model_len,
+            block_size=s.block_size,
+            page_size=s.page_size,
+            prefix_full=s.prefix_full,
+        )
+        self.graphs = DecodeGraphs(shape, self.forward, s.device, capture)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: list[Request]) -> dict[int, list[tuple[int, int]]]:
         """Forward the batch and sample; returns the accepted ``(position, token)`` writes per request id."""
-        inputs, meta, rows, work = self._prepare(batch)
-        input_ids, positions = inputs
-        hidden = self.model(input_ids, positions, meta)
-        if not rows:
-            return {req.req_id: [] for req in batch}
-        row_index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))
-        writes = self.sampler(logits, work)
+        step = self.collect(batch)
+        bucket = self.graphs.bucket_for(step) if self.graphs is not None else None
+        if bucket is not None:
+            hidden = self.graphs.run(step, bucket)
+        else:
+            hidden = self.forward(*self._eager_inputs(step))
+        writes: dict[int, list[tuple[int, int]]] = {}
+        if step.sample_rows:
+            row_index = torch.tensor(step.sample_rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, row_index))
+            writes = self.sampler(logits, step.work)
         for req in batch:
             writes.setdefault(req.req_id, [])
         return writes
 
-    def _prepare(
-        self, batch: list[Request]
-    ) -> tuple[
-        tuple[torch.Tensor, torch.Tensor],
-        PagedAttentionMetadata,
-        list[int],
-        list[tuple[Request, list[SampleTarget]]],
-    ]:
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_sample_rows: int) -> None:
+        """One forward of ``num_tokens`` prompt rows plus logits for ``num_sample_rows`` rows: the activation
+        peak the memory planner reserves. Stores nothing in the cache."""
+        step = StepInputs(
+            input_ids=[0] * num_tokens,
+            positions=list(range(num_tokens)),
+            slot_mapping=[-1] * num_tokens,
+            cu_seqlens_q=[0, num_tokens],
+            query_lens=[num_tokens],
+            context_lens=[0],
+            prefix_lens=[num_tokens],
+            page_tables=[[]],
+        )
+        hidden = self.forward(*self._eager_inputs(step))
+        rows = hidden[: min(num_sample_rows, num_tokens)]
+        logits = self.model.compute_logits(rows)
+        torch.softmax(logits.float(), dim=-1).max(dim=-1)
+
+    def collect(self, batch: list[Request]) -> StepInputs:
+        """Flatten the batch: every request's query range, its cache slots and the rows to sample."""
         s = self.settings
         size, page = s.block_size, s.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        work: list[tuple[Request, list[SampleTarget]]] = []
-        query_lens, context_lens, prefix_lens, cu = [], [], [], [0]
+        step = StepInputs()
+        ids, positions, slots, rows = step.input_ids, step.positions, step.slot_mapping, step.sample_rows
         for req in batch:
             start, end = req.query_range()
             offset = len(ids)
@@ -103,30 +155,36 @@ class ModelRunner:
             shift = 1 if req.settings.logits_shift else 0
             for target in targets:
                 rows.extend(offset + p - shift - start for p in target.positions)
-            work.append((req, targets))
-            query_lens.append(end - start)
-            context_lens.append(start)
-            prefix_lens.append(req.prompt_len)
-            cu.append(len(ids))
+            step.work.append((req, targets))
+            step.query_lens.append(end - start)
+            step.context_lens.append(start)
+            step.prefix_lens.append(req.prompt_len)
+            step.page_tables.append(req.page_table)
+            step.cu_seqlens_q.append(len(ids))
+        return step
 
-        max_pages = max((len(r.page_table) for r in batch), default=0)
-        table = [r.page_table + [-1] * (max_pages - len(r.page_table)) for r in batch]
+    def _eager_inputs(
+        self, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        s = self.settings
         dev = s.device
+        max_pages = step.max_pages
+        table = [t + [-1] * (max_pages - len(t)) for t in step.page_tables]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         meta = PagedAttentionMetadata(
-            cu_seqlens_q=tensor(cu, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            prefix_lens=tensor(prefix_lens, torch.int32),
-            page_tables=tensor(table, torch.int32).view(len(batch), max_pages),
-            slot_mapping=tensor(slots, torch.long),
-            block_size=size,
-            page_size=page,
+            cu_seqlens_q=tensor(step.cu_seqlens_q, torch.int32),
+            context_lens=tensor(step.context_lens, torch.int32),
+            prefix_lens=tensor(step.prefix_lens, torch.int32),
+            page_tables=tensor(table, torch.int32).view(step.num_requests, max_pages),
+            slot_mapping=tensor(step.slot_mapping, torch.long),
+            block_size=s.block_size,
+            page_size=s.page_size,
             prefix_full=s.prefix_full,
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            prefix_lens_cpu=prefix_lens,
+            query_lens_cpu=step.query_lens,
+            context_lens_cpu=step.context_lens,
+            prefix_lens_cpu=step.prefix_lens,
         )
-        return (tensor(ids, torch.long), tensor(positions, torch.long)), meta, rows, work
+        return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta

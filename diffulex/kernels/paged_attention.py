@@ -26,7 +26,8 @@ Design:
   counter (acq_rel atomic); the last split to arrive combines the partials, writes the output and resets the
   counter to zero, so the counters need no memset between launches.
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
-  use the host lists (``query_lens_cpu``, ``context_lens_cpu``) of the metadata.
+  use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
+  ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
 """
 
 from __future__ import annotations
@@ -367,8 +368,8 @@ def triton_paged_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must have q's shape and dtype and be contiguous in head_dim")
-    num_requests = meta.num_requests
-    if num_tokens == 0 or num_requests == 0:
+    num_requests = meta.page_tables.shape[0]
+    if num_tokens == 0 or num_requests == 0 or meta.max_query_len == 0:
         return out
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -379,14 +380,13 @@ def triton_paged_attention(
 
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group) if grouped else 1
-    max_query_len = max(meta.query_lens_cpu)
+    max_query_len = meta.max_query_len
     block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim)
     q_tiles = triton.cdiv(max_query_len, block_q)
     head_slots = num_kv_heads if grouped else num_heads
     programs = q_tiles * num_requests * head_slots
     if num_splits is None:
-        max_keys = max(c + n for c, n in zip(meta.context_lens_cpu, meta.query_lens_cpu, strict=True))
-        num_splits = _auto_num_splits(q.device, programs, max_keys)
+        num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len)
     if num_splits > 1:
         block_m = block_q * group_pad
         part_ml = torch.empty(programs * num_splits * 2 * block_m, dtype=torch.float32, device=q.device)

@@ -1,0 +1,43 @@
+"""The host-side description of one forward: flat token rows, cache slots and the ragged request layout.
+
+The model runner builds it from the batch in one pass; the eager path turns it into fresh tensors, the CUDA
+graph path copies it into the static buffers a captured graph reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diffulex.engine.request import Request, SampleTarget
+
+
+@dataclass
+class StepInputs:
+    """Flat lists over the ``T`` query rows and the ``R`` requests of one step."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T] absolute positions
+    slot_mapping: list[int] = field(default_factory=list)  # [T] cache slot to store K/V into, -1 = do not store
+    cu_seqlens_q: list[int] = field(default_factory=lambda: [0])  # [R + 1]
+    query_lens: list[int] = field(default_factory=list)  # [R]
+    context_lens: list[int] = field(default_factory=list)  # [R] positions already in the cache
+    prefix_lens: list[int] = field(default_factory=list)  # [R] prompt lengths
+    page_tables: list[list[int]] = field(default_factory=list)  # [R][pages] physical page per logical page
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order
+    work: list[tuple[Request, list[SampleTarget]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
+    def max_pages(self) -> int:
+        return max((len(t) for t in self.page_tables), default=0)

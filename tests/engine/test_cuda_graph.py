@@ -1,0 +1,113 @@
+"""Decode steps served from the padded static buffers of the CUDA-graph path give exactly the eager tokens.
+
+On the CPU the buffers are run through the eager forward instead of a captured graph (``capture=False``): that
+is the part of the graph path that can go wrong in our code (padding, bucket choice, page-table widths, host
+buffers reused across steps); the GPU check script compares captured replays with eager runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffulex import SamplingParams
+from diffulex.engine.cuda_graph import request_buckets
+from diffulex.engine.step_inputs import StepInputs
+from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def with_static_decode(llm):
+    config, settings = llm.config, llm.settings
+    llm.runner.enable_decode_graphs(
+        max_requests=config.max_num_reqs,
+        max_query_len=config.buffer_size * config.block_size + int(settings.logits_shift),
+        max_model_len=config.max_model_len,
+        capture=False,
+    )
+    return llm
+
+
+def count_static_steps(llm) -> list[int]:
+    """Wrap the static path so the test can see which steps took it."""
+    graphs = llm.runner.graphs
+    used: list[int] = []
+    original = graphs.run
+
+    def run(step, bucket):
+        used.append(bucket)
+        return original(step, bucket)
+
+    graphs.run = run
+    return used
+
+
+def test_request_buckets_double_then_grow_by_sixteen() -> None:
+    assert request_buckets(1) == [1]
+    assert request_buckets(5) == [1, 2, 4, 5]
+    assert request_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert request_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.mark.parametrize("buffer_size", [1, 2])
+def test_padded_static_steps_give_the_eager_tokens(peaky_sdar_dir: Path, buffer_size: int) -> None:
+    lengths = [1, 3, 5, 8, 11, 21, 2]
+    with make_engine(peaky_sdar_dir, buffer_size=buffer_size, accept_threshold=0.7, max_num_reqs=6) as eager:
+        prompts = random_prompts(eager, lengths, seed=10 + buffer_size)
+        expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+    with make_engine(peaky_sdar_dir, buffer_size=buffer_size, accept_threshold=0.7, max_num_reqs=6) as llm:
+        used = count_static_steps(with_static_decode(llm))
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert [t.nfe for t in got.trajectories] == [t.nfe for t in expected.trajectories]
+    assert len(used) > got.num_engine_steps // 2, "most steps are decode-shaped and should take the static path"
+    assert set(used) - {1, 2, 4, 6} == set(), "buckets come from request_buckets(max_num_reqs)"
+    assert any(b > 1 for b in used)
+
+
+def test_shifted_family_and_d2f_take_the_static_path_with_the_same_tokens(tmp_path: Path) -> None:
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
+    for strategy in ("multi_bd", "d2f"):
+        fields = dict(decoding_strategy=strategy, buffer_size=2, accept_threshold=0.7)
+        with make_engine(model, **fields) as eager:
+            prompts = random_prompts(eager, [4, 9, 13], seed=7)
+            expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+        with make_engine(model, **fields) as llm:
+            used = count_static_steps(with_static_decode(llm))
+            got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories], strategy
+        assert used, strategy
+
+
+def test_preempted_requests_rebuild_eagerly_then_return_to_the_static_path(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, num_pages=12, max_num_reqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [9, 14, 6, 11], seed=21)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    assert sum(t.num_preemptions for t in expected.trajectories) > 0, "the pool should be too small for all four"
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        used = count_static_steps(with_static_decode(llm))
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert used
+
+
+def test_steps_larger_than_the_graph_shape_run_eagerly(peaky_sdar_dir: Path) -> None:
+    with make_engine(peaky_sdar_dir, buffer_size=1, max_num_reqs=4) as llm:
+        graphs = with_static_decode(llm).runner.graphs
+        q = graphs.shape.max_query_len
+
+        def step(query_lens: list[int], pages: int = 1) -> StepInputs:
+            s = StepInputs(query_lens=query_lens, page_tables=[[0] * pages for _ in query_lens])
+            return s
+
+        assert graphs.bucket_for(step([q, q, 1])) == 4
+        assert graphs.bucket_for(step([q + 1])) is None, "a prefill chunk longer than the running set"
+        assert graphs.bucket_for(step([1] * 5)) is None, "more requests than the largest bucket"
+        assert graphs.bucket_for(step([1], pages=graphs.shape.max_pages + 1)) is None
+        assert graphs.bucket_for(step([])) is None
