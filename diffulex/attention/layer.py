@@ -41,15 +41,13 @@ class Attention(nn.Module):
     def paged_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """Store this step's committed K/V, then attend over cache and new rows (a separate method so that
-        ``torch.compile`` can leave it out of the graph it traces)."""
+        """Store this step's committed K/V, then attend over cache and new rows."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("the KV cache is not bound to this attention layer")
         if self.attn_impl in ("triton", "triton_grouped") and q.is_cuda:
-            from diffulex.kernels import triton_paged_attention, triton_store_kv
+            from diffulex.kernels.attention_op import store_and_attend
 
-            triton_store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             grouped = self.attn_impl == "triton_grouped"
-            return triton_paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, grouped=grouped)
+            return store_and_attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, grouped)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

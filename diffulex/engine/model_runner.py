@@ -38,7 +38,8 @@ class ModelRunner:
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to bind a KV cache to")
         self.num_pages = 0
-        self.forward = model.forward  # replaced by a compiled callable when torch.compile is enabled
+        self.forward = model.forward
+        self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
@@ -66,15 +67,14 @@ class ModelRunner:
         self.num_pages = 0
 
     def compile_forward(self, mode: str) -> None:
-        """Compile the model forward with ``torch.compile``; attention stays an opaque eager call.
+        """Compile the forward the CUDA graphs capture; eager steps keep the plain forward.
 
-        When CUDA graphs capture the result, Inductor's own graphs are switched off (``reduce-overhead`` becomes
-        ``default``, ``max-autotune`` its no-cudagraphs variant): graphs inside a graph capture are not allowed.
+        Only graph capture uses the compiled callable, so its launch bounds never change and it compiles once.
+        Inductor's own graphs are switched off (``reduce-overhead`` becomes ``default``, ``max-autotune`` its
+        no-cudagraphs variant): graphs inside a graph capture are not allowed. Attention is an opaque custom op.
         """
         mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
-        for layer in self.attention_layers:
-            layer.paged_forward = torch.compiler.disable(layer.paged_forward)
-        self.forward = torch.compile(self.model.forward, mode=mode, dynamic=True, fullgraph=False)
+        self.graph_forward = torch.compile(self.model.forward, mode=mode, dynamic=True, fullgraph=False)
 
     # ----- one step ---------------------------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ class ModelRunner:
             page_size=s.page_size,
             prefix_full=s.prefix_full,
         )
-        self.graphs = DecodeGraphs(shape, self.forward, s.device, capture)
+        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture)
         self.graphs.capture()
 
     @torch.inference_mode()
