@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
 from diffulex.engine.request import Request, SampleTarget
 from diffulex.registry import AutoSampler
-from diffulex.sampler.acceptance import accept_confident
-from diffulex.sampler.token_sampling import ban_tokens, greedy, sample, step_generator
+from diffulex.sampler.acceptance import accept_confident_segments
+from diffulex.sampler.token_sampling import ban_tokens, propose_greedy, sample, step_generator
 
 
 @dataclass
@@ -22,7 +23,16 @@ class SamplerSettings:
 
 @AutoSampler.register("sdar")
 class ConfidenceSampler:
-    """Logits at position p predict the token at p; accept confident positions, force one when allowed."""
+    """Logits at position p predict the token at p; accept confident positions, force one when allowed.
+
+    One call handles the whole batch with a fixed number of transfers, whatever its size: a pass over ``work``
+    that appends ints builds the row layout (position, request and block of every row, each block's force flag)
+    and sends it to the device in one copy; tokens and confidences for all rows, then acceptance for all
+    blocks (`accept_confident_segments`), run there; one copy brings back the accepted mask with the tokens.
+    Only rows of requests with ``temperature > 0`` are handled per request, each with its own seeded generator.
+    """
+
+    force_every_block = False  # families that commit at least one token per step in every block set this
 
     def __init__(self, settings: SamplerSettings) -> None:
         self.settings = settings
@@ -30,34 +40,64 @@ class ConfidenceSampler:
     def __call__(
         self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
     ) -> dict[int, list[tuple[int, int]]]:
-        """``logits`` has one row per target position, in the order of ``work``; returns writes per request."""
+        """``logits`` has one row per target position, in the order of ``work``; returns writes per request.
+
+        The logits belong to the sampler from here on: banned ids may be overwritten in place.
+        """
         s = self.settings
-        logits = ban_tokens(logits, s.vocab_limit, s.mask_token_id)
-        tokens, conf = self._propose(logits, work)
-        tokens_l, conf_l = tokens.tolist(), conf.tolist()
-        writes: dict[int, list[tuple[int, int]]] = {}
-        row = 0
-        for req, targets in work:
-            out = writes.setdefault(req.req_id, [])
-            for target in targets:
-                n = len(target.positions)
-                keep = accept_confident(conf_l[row : row + n], s.accept_threshold, target.force_allowed)
-                out.extend((target.positions[i], tokens_l[row + i]) for i in keep)
-                row += n
+        writes: dict[int, list[tuple[int, int]]] = {req.req_id: [] for req, _ in work}
+        layout = _RowLayout.of(work, self.force_every_block)
+        if not layout.positions:
+            return writes
+        segment, force = layout.to_device(logits.device)
+        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
+        for req, lo, hi in layout.sampled:
+            tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
+        accept = accept_confident_segments(conf, segment, force, s.accept_threshold)
+        accepted, token_list = torch.stack((accept.long(), tokens)).tolist()
+        owners, positions = layout.owners, layout.positions
+        for row in compress(range(len(positions)), accepted):
+            writes[owners[row]].append((positions[row], token_list[row]))
         return writes
 
-    def _propose(
-        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, conf = greedy(logits)
-        row = 0
+    def _draw(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's rows at ``temperature > 0``: a draw from the generator of its seed and step."""
+        s, sp = self.settings, req.sampling_params
+        seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
+        g = step_generator(seed, req.nfe, logits.device)
+        return sample(ban_tokens(logits, s.vocab_limit, s.mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
+
+
+@dataclass
+class _RowLayout:
+    """Where each logits row goes: host lists built in one pass over ``work``, the device half sent in one copy."""
+
+    positions: list[int]  # row -> position it predicts
+    owners: list[int]  # row -> req_id
+    segments: list[int]  # row -> index of its block among all blocks of the step
+    force: list[int]  # block -> 1 if it may force its best row
+    sampled: list[tuple[Request, int, int]]  # requests with temperature > 0 and their row range [lo, hi)
+
+    @classmethod
+    def of(cls, work: list[tuple[Request, list[SampleTarget]]], force_every_block: bool) -> _RowLayout:
+        layout = cls([], [], [], [], [])
+        positions, owners, segments, force = layout.positions, layout.owners, layout.segments, layout.force
         for req, targets in work:
-            n = sum(len(t.positions) for t in targets)
-            sp = req.sampling_params
-            if sp.temperature > 0 and n:
-                seed = sp.seed if sp.seed is not None else self.settings.base_seed + req.req_id
-                g = step_generator(seed, req.nfe, logits.device)
-                t, c = sample(logits[row : row + n], sp.temperature, sp.top_k, sp.top_p, g)
-                tokens[row : row + n], conf[row : row + n] = t, c
-            row += n
-        return tokens, conf
+            lo = len(positions)
+            for target in targets:
+                n = len(target.positions)
+                positions.extend(target.positions)
+                segments.extend([len(force)] * n)
+                force.append(1 if force_every_block or target.force_allowed else 0)
+            hi = len(positions)
+            owners.extend([req.req_id] * (hi - lo))
+            if req.sampling_params.temperature > 0 and hi > lo:
+                layout.sampled.append((req, lo, hi))
+        return layout
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(segment int64 [N], force bool [S])`` on ``device``, from one host buffer and one copy."""
+        host = torch.tensor(self.segments + self.force, dtype=torch.int64, pin_memory=device.type == "cuda")
+        packed = host.to(device, non_blocking=True)
+        n = len(self.segments)
+        return packed[:n], packed[n:].bool()

@@ -16,9 +16,6 @@ accept_threshold}``:
 
 from __future__ import annotations
 
-import torch
-
-from diffulex.engine.request import Request, SampleTarget
 from diffulex.registry import AutoSampler
 from diffulex.sampler.confidence import ConfidenceSampler
 
@@ -30,10 +27,4 @@ for _name in ("llada", "dream", "diffucoder", "dream_reasoner", "fast_dllm_v2"):
 class AlwaysForceSampler(ConfidenceSampler):
     """The confidence rule with forcing always allowed: every sampled block takes at least its best position."""
 
-    def __call__(
-        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
-    ) -> dict[int, list[tuple[int, int]]]:
-        forced = [
-            (req, [SampleTarget(t.block, t.positions, True) for t in targets]) for req, targets in work
-        ]
-        return super().__call__(logits, forced)
+    force_every_block = True

@@ -7,12 +7,19 @@ or on whether it was preempted.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 
 def ban_tokens(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> torch.Tensor:
-    """Never propose padding-vocabulary ids (beyond the tokenizer) or the mask token itself."""
-    logits = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    """Never propose padding-vocabulary ids (beyond the tokenizer) or the mask token itself.
+
+    Returns float32 logits. Float32 input is edited in place: the sampler owns the logits it is handed, and a
+    copy of ``[rows, vocab]`` would cost more than the ban. Other dtypes are converted, which copies anyway.
+    """
+    logits = logits.float()
     if vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")
     if banned_id is not None and 0 <= banned_id < logits.shape[-1]:
@@ -21,10 +28,34 @@ def ban_tokens(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) ->
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """argmax (lowest id among ties) and its softmax probability."""
+    """argmax (lowest id among ties) and its softmax probability; the torch path and the kernel's reference.
+
+    Ties go to the lowest id because ``max`` over a dim returns the first maximal index (documented for CPU and
+    CUDA alike; `tests/sampler/test_sampling.py` pins it). The fused kernel computes the same probability as
+    ``1 / sum(exp(x - max))`` without forming the others (equal up to float32 rounding); here the softmax is
+    kept because on the CPU that route costs the same, and the CPU path keeps its exact confidences.
+    """
     probs = torch.softmax(logits, dim=-1)
     conf, tokens = probs.max(dim=-1)
     return tokens, conf
+
+
+def propose_greedy(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy` over the allowed ids: the fused Triton kernel on CUDA, `ban_tokens` then `greedy` elsewhere.
+
+    On CUDA the kernel reads the logits once in their own dtype and writes two numbers per row; the torch path
+    would write a banned float32 copy and the exponentials of every id.
+    """
+    if logits.is_cuda and _triton_available():
+        from diffulex.kernels.top1 import triton_top1
+
+        return triton_top1(logits, vocab_limit, banned_id)
+    return greedy(ban_tokens(logits, vocab_limit, banned_id))
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

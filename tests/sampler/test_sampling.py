@@ -49,6 +49,15 @@ def test_ban_returns_float32_logits():
     assert ban_tokens(torch.zeros(1, VOCAB, dtype=torch.bfloat16), VOCAB_LIMIT, MASK).dtype == torch.float32
 
 
+def test_ban_edits_float32_logits_in_place_and_converts_other_dtypes():
+    logits = torch.zeros(2, VOCAB)
+    assert ban_tokens(logits, VOCAB_LIMIT, MASK) is logits  # the sampler owns its logits: no copy
+    assert torch.isneginf(logits[:, MASK]).all()
+    half = torch.zeros(2, VOCAB, dtype=torch.bfloat16)
+    ban_tokens(half, VOCAB_LIMIT, MASK)
+    assert not torch.isinf(half).any()
+
+
 # ----- greedy -----------------------------------------------------------------------------------------------
 
 

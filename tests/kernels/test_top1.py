@@ -1,0 +1,78 @@
+"""Triton top-1 against `greedy` on banned logits: the same token always, the same probability up to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels.top1 import triton_top1
+from diffulex.sampler.token_sampling import ban_tokens, greedy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILE = 4096  # the kernel's BLOCK_V: vocabularies above it take several tiles
+
+
+def reference(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return greedy(ban_tokens(logits.float().clone(), vocab_limit, banned_id))
+
+
+def check(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> tuple[list[int], list[float]]:
+    tokens, conf = triton_top1(logits.to(DEVICE), vocab_limit, banned_id)  # no copy when already there
+    ref_tokens, ref_conf = reference(logits.cpu(), vocab_limit, banned_id)
+    assert tokens.dtype == torch.int64 and conf.dtype == torch.float32
+    assert tokens.cpu().tolist() == ref_tokens.tolist()
+    torch.testing.assert_close(conf.cpu(), ref_conf, rtol=1e-5, atol=0)
+    return tokens.cpu().tolist(), conf.cpu().tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("vocab", "vocab_limit"), [(7, 7), (384, 380), (TILE, TILE - 3), (2 * TILE + 37, 2 * TILE + 30)]
+)
+def test_matches_the_reference_on_random_logits(dtype, vocab, vocab_limit):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(9, vocab, generator=gen)).to(dtype)
+    check(logits, vocab_limit, banned_id=vocab_limit - 2)
+
+
+def test_the_probability_is_the_softmax_probability_of_the_argmax():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    _, conf = check(logits, 300, None)
+    torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, dim=-1).amax(dim=-1), rtol=1e-5, atol=0)
+
+
+def test_a_banned_id_or_a_padding_id_at_the_maximum_is_skipped():
+    logits = torch.zeros(3, 2 * TILE + 5)
+    logits[:, 17] = 2.0
+    logits[0, 40] = 9.0  # the banned id
+    logits[1, 2 * TILE + 1] = 9.0  # a padding id, beyond the vocabulary limit in the last tile
+    logits[2, TILE + 3] = 9.0  # an allowed id in the second tile
+    tokens, _ = check(logits, 2 * TILE, banned_id=40)
+    assert tokens == [17, 17, TILE + 3]
+
+
+def test_ties_go_to_the_lowest_id_within_a_tile_and_across_tiles():
+    logits = torch.zeros(3, 2 * TILE + 5)
+    logits[0, [5, 9]] = 4.0
+    logits[1, [TILE - 1, TILE, 2 * TILE + 2]] = 4.0
+    logits[2, [3, 2 * TILE + 4]] = 4.0
+    logits[2, 2] = 4.0  # ties with id 3 but is banned
+    tokens, _ = check(logits, 2 * TILE + 5, banned_id=2)
+    assert tokens == [5, TILE - 1, 3]
+
+
+def test_a_row_with_one_finite_logit_is_certain_of_it_even_after_whole_tiles_of_minus_infinity():
+    logits = torch.full((3, 2 * TILE + 5), float("-inf"))
+    logits[0, 0] = -50.0
+    logits[1, TILE + 7] = 3.0  # the first tile is all -inf: nothing there may turn into NaN
+    logits[2, 2 * TILE + 4] = 1e4
+    tokens, conf = check(logits, 2 * TILE + 5, None)
+    assert tokens == [0, TILE + 7, 2 * TILE + 4]
+    assert conf == [1.0, 1.0, 1.0]
+
+
+def test_rows_need_not_be_contiguous_and_there_may_be_none():
+    wide = torch.randn(4, 700, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    check(wide[:, :500], 480, banned_id=0)  # row stride 700
+    tokens, conf = triton_top1(torch.zeros(0, 100, device=DEVICE), 100, None)
+    assert tokens.shape == conf.shape == (0,)
