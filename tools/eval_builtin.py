@@ -2,9 +2,10 @@
 
     python tools/eval_builtin.py --n 200 --out docs/data/builtin_sweep.json --plot docs/images/builtin_sweep.png
 
-For every ``buffer_size`` and ``accept_threshold`` it runs ``multi_bd`` (block size 4) on the chat-templated
-questions of ``diffulex.bench.arithmetic.generate_problems(n, 1234)`` (the held-out seed: no training problem
-has one of these questions) and scores the integer after ``####`` against the reference answer.
+For every ``buffer_size`` and ``accept_threshold`` it runs ``multi_bd`` at the checkpoint's own block size (the
+engine takes it from ``config.json``) on the chat-templated questions of
+``diffulex.bench.arithmetic.generate_problems(n, 1234)`` (the held-out seed: no training problem has one of these
+questions) and scores the integer after ``####`` against the reference answer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def evaluate(
     accept_threshold: float,
     max_tokens: int = 128,
 ) -> dict:
-    """One setting: ``{"accuracy", "tpf", "nfe", "seconds", "correct", "n"}``."""
+    """One setting: ``{"block_size", "accuracy", "tpf", "nfe", "seconds", "correct", "n"}``."""
     from diffulex import Diffulex, SamplingParams
 
     llm = Diffulex(
@@ -45,7 +46,6 @@ def evaluate(
         decoding_strategy="multi_bd",
         buffer_size=buffer_size,
         accept_threshold=accept_threshold,
-        block_size=4,
     )
     prompts = [
         llm.tokenizer.apply_chat_template(
@@ -59,10 +59,12 @@ def evaluate(
     correct = sum(
         extract_answer(text) == reference_answer(p["answer"]) for p, text in zip(problems, outputs.texts, strict=True)
     )
+    block_size = llm.config.block_size
     close = getattr(llm, "exit", None) or getattr(llm, "close", None)
     if callable(close):
         close()
     return {
+        "block_size": block_size,
         "buffer_size": buffer_size,
         "accept_threshold": accept_threshold,
         "n": len(problems),

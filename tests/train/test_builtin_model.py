@@ -20,7 +20,7 @@ def test_builtin_model_is_a_small_sdar_checkpoint() -> None:
     size = sum(p.stat().st_size for p in BUILTIN.iterdir() if p.is_file())
     assert size <= 20 * 1024 * 1024
     config = json.loads((BUILTIN / "config.json").read_text())
-    assert config["model_type"] == "sdar" and config["torch_dtype"] == "bfloat16" and config["block_size"] == 4
+    assert config["model_type"] == "sdar" and config["torch_dtype"] == "bfloat16" and config["block_size"] == 8
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (BUILTIN / name).is_file()
 
@@ -30,7 +30,8 @@ def test_builtin_model_solves_held_out_problems() -> None:
     from diffulex.bench.arithmetic import generate_problems
 
     start = time.time()
-    llm = Diffulex(model=str(BUILTIN), decoding_strategy="multi_bd", buffer_size=1, accept_threshold=0.9, block_size=4)
+    llm = Diffulex(model=str(BUILTIN), decoding_strategy="multi_bd", buffer_size=1, accept_threshold=0.9)
+    assert llm.config.block_size == 8  # taken from config.json
     problems = generate_problems(50, 1234)
     prompts = [
         llm.tokenizer.apply_chat_template(
@@ -45,5 +46,6 @@ def test_builtin_model_solves_held_out_problems() -> None:
         correct += bool(m) and m.group(1) == p["answer"].rsplit("####", 1)[-1].strip()
     elapsed = time.time() - start
     assert correct >= 43, f"{correct}/50 correct"  # >= 85%
+    assert out.tpf >= 2.5, f"TPF {out.tpf:.2f}"  # block size 8: above the bound of 2 of block size 4
     assert elapsed < 120, f"took {elapsed:.1f}s"
     assert all(t.completion_reason == "eos_token_generated" for t in out.trajectories)
