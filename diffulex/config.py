@@ -79,6 +79,7 @@ DEFAULT_BLOCK_SIZE = 32
 
 SAMPLING_MODES = ("naive", "edit")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("safetensors", "dummy")
 KV_CACHE_LAYOUTS = ("unified", "distinct")
 ATTN_IMPLS = ("triton_grouped", "triton", "naive")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -330,7 +331,13 @@ class Config:
         None, "Id of the mask token; None = config.json, else resolved from the tokenizer by the engine."
     )
     dtype: str = _field("auto", "Compute dtype; auto = float32 on CPU, checkpoint dtype on GPU.", DTYPES)
-    seed: int = _field(0, "Base random seed for requests that set no seed of their own.")
+    seed: int = _field(0, "Base random seed for requests that set no seed of their own (and for dummy weights).")
+    load_format: str = _field(
+        "safetensors",
+        "How weights are obtained: 'safetensors' files, or 'dummy' random weights of the checkpoint's shapes "
+        "(benchmarks; no weight files needed).",
+        LOAD_FORMATS,
+    )
 
     # Parallelism and memory
     tensor_parallel_size: int = _field(1, "GPUs one model replica is split across (1..8).")
@@ -627,6 +634,7 @@ class Config:
 
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, low=0)
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_choice("block_size", self.block_size, self._allowed_sizes())
         check_choice("page_size", self.page_size, self._allowed_sizes())
         check_int("buffer_size", self.buffer_size, low=1)

@@ -771,3 +771,31 @@ def test_defaults_are_single_gpu_friendly(tmp_path):
     assert cfg.max_model_len == 2048
     assert cfg.page_size == 32
     assert cfg.buffer_size == 4
+
+
+# --- load format ----------------------------------------------------------------------------------
+
+
+def test_load_format_defaults_to_safetensors_and_accepts_dummy(tmp_path):
+    assert make_quiet(tmp_path / "a").load_format == "safetensors"
+    assert make_quiet(tmp_path / "b", load_format="dummy").load_format == "dummy"
+    field = next(f for f in engine_fields() if f.name == "load_format")
+    assert field.metadata["choices"] == ["safetensors", "dummy"]
+
+
+def test_unknown_load_format_is_rejected_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"^load_format='pt' is invalid: must be one of 'safetensors', 'dummy'$"):
+        make(tmp_path, load_format="pt")
+
+
+def test_load_format_is_a_cli_flag_and_a_yaml_key(tmp_path):
+    from diffulex.cli import build_parser, engine_overrides, load_yaml_engine_fields
+
+    args = build_parser().parse_args(["generate", "--load-format", "dummy"])
+    assert engine_overrides(args) == {"load_format": "dummy"}
+    with pytest.raises(SystemExit):  # argparse rejects values outside the choices
+        build_parser().parse_args(["generate", "--load-format", "pt"])
+    yaml_file = tmp_path / "engine.yml"
+    yaml_file.write_text("engine:\n  load_format: dummy\n")
+    assert load_yaml_engine_fields(str(yaml_file)) == {"load_format": "dummy"}
+    assert make_quiet(tmp_path / "m", load_format="dummy").to_dict()["load_format"] == "dummy"

@@ -2,6 +2,7 @@
 
     diffulex bench --config configs/sdar_chat_gsm8k.yml --dataset-limit 20
     diffulex bench compare runs/run_A runs/run_B
+    diffulex bench throughput --models 1.7b --batch-sizes 1 8 --out runs/throughput.json
 
 Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
 
@@ -11,7 +12,10 @@ Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
 * ``tasks/``: lm-eval task YAMLs that read the JSON files shipped in ``data/``;
 * ``scoring``: answer extraction, math equivalence and sandboxed code execution used by the tasks;
 * ``runner``: one benchmark run (engine + lm-eval + metrics + files); ``report``: markdown, plot, compare;
-* ``arithmetic``: the generator of the built-in model's arithmetic test set.
+* ``arithmetic``: the generator of the built-in model's arithmetic test set;
+* ``throughput``: ``diffulex bench throughput`` (decode steps of real SDAR geometries with random weights), with
+  ``roofline`` (bytes and flops of a step, its floors), ``hardware`` (measured copy bandwidth and matmul peak) and
+  ``gpu_profile`` (GPU busy/idle share of decode steps from a torch.profiler trace).
 """
 
 from __future__ import annotations

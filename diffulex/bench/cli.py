@@ -1,14 +1,19 @@
-"""``diffulex bench``: run a benchmark from a YAML config, or compare two runs.
+"""``diffulex bench``: run a benchmark from a YAML config, compare two runs, or measure decode throughput.
 
     diffulex bench --config configs/sdar_chat_gsm8k.yml                 # run (same as: diffulex bench run ...)
     diffulex bench --config FILE.yml --dataset-limit 20 --max-num-reqs 32 --set eval.max_tokens=256
     diffulex bench compare RUN_A RUN_B [--json]
+    diffulex bench throughput --models 1.7b 4b 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 2 --out FILE.json
 
 Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
 ``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval
 key as a flag (``--dataset-name``, ``--dataset-limit``, ``--max-tokens``, ``--allow-code-execution``, ...), and
 ``--set SECTION.KEY=VALUE`` for anything (the value is read as YAML:
 ``--set engine.decoding_thresholds={accept_threshold: 0.95}``).
+
+``throughput`` measures decode steps on random-weight checkpoints of the real SDAR geometries (or ``--model DIR``)
+against the hardware floors; it takes the engine flags (``--enforce-eager``, ``--attn-impl``, ...) and
+``--max-tokens``, not ``--config``/``--set`` (docs/benchmarks.md, "Throughput (GPU)").
 
 Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
 """
@@ -76,12 +81,12 @@ def add_parser(subparsers: Any) -> None:
 
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark from a YAML config, or compare two runs",
+        help="run a benchmark from a YAML config, compare two runs, or measure decode throughput",
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("action", nargs="?", choices=("run", "compare"), default="run",
-                        help="run (default) or compare")
+    parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput"), default="run",
+                        help="run (default), compare, or throughput")
     parser.add_argument("runs", nargs="*", metavar="RUN", help="compare: two run directories (or metrics.json files)")
     parser.add_argument("--config", default=None, help="benchmark YAML (engine: + eval: sections)")
     parser.add_argument("--model-path", "--model", dest="model_path", default=None,
@@ -90,9 +95,52 @@ def add_parser(subparsers: Any) -> None:
                         help="set any engine/eval key; the value is read as YAML (repeatable)")
     parser.add_argument("--check", action="store_true", help="validate the config and tasks, then stop")
     parser.add_argument("--json", action="store_true", help="compare: print the differences as JSON")
+    add_throughput_flags(parser)
     add_eval_flags(parser)
     add_engine_flags(parser)
     parser.set_defaults(func=cmd_bench)
+
+
+def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``diffulex bench throughput``; unset ones stay None so other actions can reject them."""
+    from diffulex.bench.throughput import SDAR_SIZES
+
+    group = parser.add_argument_group("throughput (diffulex bench throughput; see docs/benchmarks.md)")
+    group.add_argument("--models", dest="tp__models", nargs="+", type=str.lower, choices=tuple(SDAR_SIZES),
+                       help="SDAR geometries with random weights (default: 1.7b 4b 8b unless --model is given)")
+    group.add_argument("--batch-sizes", dest="tp__batch_sizes", nargs="+", type=int, metavar="N",
+                       help="requests decoded at once (default: 1 8 32 128)")
+    group.add_argument("--buffer-sizes", dest="tp__buffer_sizes", nargs="+", type=int, metavar="N",
+                       help="blocks decoded at once per request (default: 1 2)")
+    group.add_argument("--prompt-len", dest="tp__prompt_len", type=int, metavar="N",
+                       help="random prompt tokens per request (default: 128); --max-tokens sets the answer (256)")
+    group.add_argument("--out", dest="tp__out", metavar="FILE.json", help="write the report here")
+    group.add_argument("--plot", dest="tp__plot", metavar="FILE.png", help="draw tokens/s and floor ratio here")
+    group.add_argument("--append", dest="tp__append", action="store_true", default=None,
+                       help="merge into an existing --out (same device), replacing rows measured again")
+    group.add_argument("--max-seconds", dest="tp__max_seconds", type=float, metavar="S",
+                       help="timed decode budget per configuration (default: 60)")
+    group.add_argument("--max-steps", dest="tp__max_steps", type=int, metavar="N",
+                       help="timed decode steps per configuration at most (default: until a request finishes)")
+    group.add_argument("--quick", dest="tp__quick", action="store_true", default=None,
+                       help="smoke run: 32 tokens, at most 8 timed steps, small peak measurements")
+    group.add_argument("--profile", dest="tp__profile", action="store_true", default=None,
+                       help="also profile decode steps (CUDA): GPU busy/idle share and kernel time by category")
+    group.add_argument("--profile-batch", dest="tp__profile_batch", type=int, metavar="N",
+                       help="batch size of the profile (default: 1)")
+    group.add_argument("--profile-steps", dest="tp__profile_steps", type=int, metavar="N",
+                       help="decode steps profiled (default: 20)")
+    group.add_argument("--linear-roofline", dest="tp__linear_roofline", action="store_true", default=None,
+                       help="also time each linear shape of the model against the roofline")
+    group.add_argument("--roofline-batches", dest="tp__roofline_batches", nargs="+", type=int, metavar="N",
+                       help="batch sizes of the linear roofline, M = batch x block size (default: 32 128)")
+    group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
+                       help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: "
+                            "DIFFULEX_SHARED_DATA, else ../shared/data/sdar-4b-chat)")
+
+
+def throughput_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k[len("tp__"):]: v for k, v in vars(args).items() if k.startswith("tp__") and v is not None}
 
 
 def _engine_flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,6 +153,12 @@ def _engine_flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.action == "throughput":
+        return cmd_throughput(args)
+    unused = throughput_options(args)
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise ValueError(f"{flags}: only for 'diffulex bench throughput'")
     if args.action == "compare":
         return cmd_compare(args)
     if args.runs:
@@ -140,6 +194,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     print(f"results: {result.run_dir}")
     return 0
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from diffulex.bench.throughput import ThroughputSettings, run
+
+    if args.runs or args.config or args.set or args.check or args.json:
+        raise ValueError("diffulex bench throughput takes no run directories, --config, --set, --check or --json")
+    eval_ = eval_overrides(args)
+    max_tokens = eval_.pop("max_tokens", None)
+    if eval_:
+        flags = ", ".join("--" + name.replace("_", "-") for name in eval_)
+        raise ValueError(f"{flags}: eval keys are not used by 'diffulex bench throughput'")
+    opts = throughput_options(args)
+    engine = _engine_flag_overrides(args)
+    model_dir = engine.pop("model_path", None)
+    load_format = engine.pop("load_format", None)
+    quick = bool(opts.get("quick"))
+    settings = ThroughputSettings(
+        batch_sizes=opts.get("batch_sizes", [1, 8, 32, 128]),
+        buffer_sizes=opts.get("buffer_sizes", [1, 2]),
+        prompt_len=opts.get("prompt_len", 128),
+        max_tokens=max_tokens if max_tokens is not None else (32 if quick else 256),
+        block_size=engine.pop("block_size", 4),
+        seed=engine.get("seed", 0),
+        max_seconds=opts.get("max_seconds", 10.0 if quick else 60.0),
+        max_steps=opts.get("max_steps", 8 if quick else None),
+        warmup_tokens=4 if quick else 16,
+        profile_batch=opts.get("profile_batch", 1) if opts.get("profile") or "profile_batch" in opts else None,
+        profile_steps=opts.get("profile_steps", 5 if quick else 20),
+        roofline_batches=(
+            opts.get("roofline_batches", [32, 128])
+            if opts.get("linear_roofline") or "roofline_batches" in opts else None
+        ),
+        quick=quick,
+        engine_overrides=engine,
+    )
+    sizes = opts.get("models", [] if model_dir else ["1.7b", "4b", "8b"])
+    report = run(settings, sizes, model_dir, load_format, opts.get("data_dir"), opts.get("out"), opts.get("plot"),
+                 bool(opts.get("append")), log=lambda line: print(line, flush=True))
+    return 1 if report["results"] and all(r["error"] for r in report["results"]) else 0
 
 
 def _num(value: Any) -> str:

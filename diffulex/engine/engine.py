@@ -101,7 +101,7 @@ class DiffulexEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
         self.model = build_model(
-            config.model_name, config.model, self.dtype, self.device,
+            config.model_name, config.model, self.dtype, self.device, load_format=config.load_format, seed=config.seed,
             lora_path=config.lora_path if config.use_lora else None, merge_lora=config.pre_merge_lora,
         )
         self.mask_token_id = self._resolve_mask_token_id()

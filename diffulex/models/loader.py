@@ -5,6 +5,10 @@ downloaded folder can execute arbitrary code. Loading is strict: before any tens
 names and shapes are compared with the model's and every problem (missing, mis-shaped, unexpected tensors) is
 reported in one ``ValueError``, because a silently half-loaded model produces fluent garbage that is much
 harder to diagnose than an error.
+
+``load_format="dummy"`` skips the files altogether and fills the model with seeded random weights of the
+checkpoint's shapes (like vLLM's dummy format): a folder holding only ``config.json`` and the tokenizer is then
+enough to measure speed and memory of a multi-billion-parameter geometry without downloading it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from diffulex.config import LOAD_FORMATS, check_choice
 from diffulex.models.hf_config import load_hf_config
 from diffulex.registry import AutoModelForDiffusionLM
 
@@ -133,6 +138,50 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
                     targets[name].copy_(f.get_tensor(name))
 
 
+DEFAULT_INIT_STD = 0.02
+
+
+def _initializer_range(model_dir: str | Path) -> float:
+    """The checkpoint's ``initializer_range`` (top level or ``text_config``), else 0.02 (the HF default)."""
+    try:
+        data = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return DEFAULT_INIT_STD
+    for section in (data, data.get("text_config")):
+        value = section.get("initializer_range") if isinstance(section, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return DEFAULT_INIT_STD
+
+
+def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: int = 0) -> None:
+    """Fill every parameter and persistent buffer with seeded random values, on the device it lives on.
+
+    Matrices and embeddings get normal(0, `std`) (the scale of a freshly initialized checkpoint, so activations
+    and logits stay in a realistic range), norm weights 1 and biases 0. Tied tensors are filled once. The values
+    are drawn by a generator on the model's device, so no host memory and no host-to-device copy is needed.
+    """
+    targets, _ = _load_targets(model)
+    if not targets:
+        return
+    norm_tensors = {
+        id(tensor)
+        for module in model.modules()
+        if "Norm" in type(module).__name__
+        for tensor in module.parameters(recurse=False)
+    }
+    device = next(iter(targets.values())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in targets.items():
+            if id(tensor) in norm_tensors:
+                tensor.fill_(1.0)
+            elif name.endswith("bias") or not tensor.is_floating_point():
+                tensor.zero_()
+            else:
+                tensor.normal_(0.0, std, generator=generator)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -193,22 +242,30 @@ def build_model(
     device: torch.device | str = "cpu",
     lora_path: str | Path | None = None,
     merge_lora: bool = False,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> nn.Module:
     """Read the checkpoint's config, build the registered model for `model_name` and load its weights.
 
     The model is first built on the meta device (no memory, no random init, which takes minutes for a
     multi-billion-parameter model on CPU), then materialized on `device` in `dtype` and filled by the strict
-    loader, which guarantees every parameter is overwritten. With `lora_path`, the PEFT adapter in that folder
-    is then applied (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every
-    forward. Returned in eval mode.
+    loader, which guarantees every parameter is overwritten. ``load_format="dummy"`` fills it instead with
+    random weights drawn on `device` from `seed` (`init_dummy_weights`, std = the config's ``initializer_range``),
+    reading no weight file. With `lora_path`, the PEFT adapter in that folder is then applied
+    (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every forward. Returned
+    in eval mode.
     """
+    check_choice("load_format", load_format, LOAD_FORMATS)
     hf_config = load_hf_config(model_dir, model_name)
     model_cls = AutoModelForDiffusionLM.get(model_name)
     torch_dtype = resolve_dtype(dtype, hf_config)
     with _default_dtype(torch_dtype), torch.device("meta"):
         model = model_cls(hf_config)
     materialize(model, device)
-    load_checkpoint(model, model_dir)
+    if load_format == "dummy":
+        init_dummy_weights(model, _initializer_range(model_dir), seed)
+    else:
+        load_checkpoint(model, model_dir)
     if lora_path is not None:
         from diffulex.lora import apply_lora
 

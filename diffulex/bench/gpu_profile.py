@@ -1,0 +1,107 @@
+"""How busy the GPU is during decode steps: kernel time over wall time, from a torch.profiler trace.
+
+A decode step at small batch is short (a millisecond or two), so launch gaps and host work between steps can
+leave the GPU idle for a large share of the wall time even when every kernel is fast. The union of the kernel
+intervals (overlapping kernels on several streams count once) over the wall time of the profiled steps is the
+busy share; one minus it is the idle share, the time the GPU waits for the host between and inside steps.
+Memory copies and memsets are reported but not counted as busy: a step that spends its time copying its inputs
+from the host is waiting, not computing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Kernel-name patterns of each category, checked in this order (first match wins); names are lower-cased.
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("attention", re.compile(r"attention|attn|flash|fmha|store_kv|kv_store|reshape_and_cache")),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|splitk")),
+    ("sampler", re.compile(r"softmax|top1|topk|argmax|argmin|sort|multinomial|cumsum")),
+)
+COPY_PREFIXES = ("memcpy", "memset")
+
+
+@dataclass(frozen=True)
+class KernelInterval:
+    name: str
+    start_us: float
+    end_us: float
+
+
+def category(name: str) -> str:
+    """``attention``, ``gemm``, ``sampler`` (softmax/top-k/argmax/sort: the sampler's kernels, approximately),
+    ``copy`` (memcpy/memset) or ``other`` (norms, activations, rotary, elementwise glue)."""
+    lowered = name.lower()
+    if lowered.startswith(COPY_PREFIXES):
+        return "copy"
+    for label, pattern in CATEGORIES:
+        if pattern.search(lowered):
+            return label
+    return "other"
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by the intervals, overlaps counted once."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: int) -> dict[str, object]:
+    """Busy and idle share of `wall_s`, kernels per step, and the kernel time of each category."""
+    compute = [k for k in kernels if category(k.name) != "copy"]
+    busy_s = union_length([(k.start_us, k.end_us) for k in compute]) / 1e6
+    by_category: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "sampler": 0.0, "other": 0.0, "copy": 0.0}
+    for k in kernels:
+        by_category[category(k.name)] += (k.end_us - k.start_us) / 1e3
+    return {
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall_s / steps,
+        "gpu_busy_ms_per_step": 1e3 * busy_s / steps,
+        "gpu_busy_share": busy_s / wall_s,
+        "gpu_idle_share": max(0.0, 1.0 - busy_s / wall_s),
+        "kernels_per_step": len(compute) / steps,
+        "kernel_ms_per_step": {label: ms / steps for label, ms in by_category.items()},
+    }
+
+
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, object]:
+    """Run `step` `steps` times under torch.profiler (CPU + CUDA activity) and summarize the GPU's activity.
+
+    The wall time is taken between two device synchronizations around the loop, so it includes every gap; the
+    profiler's own overhead (CUPTI callbacks on each launch) makes it a slight overestimate of the idle share.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_s = time.perf_counter() - t0
+    kernels = [
+        KernelInterval(e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    ]
+    return summarize_activity(kernels, wall_s, steps)

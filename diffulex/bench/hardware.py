@@ -1,0 +1,110 @@
+"""Measured peaks of the device the floors are divided by: copy bandwidth, matmul throughput, one linear's time.
+
+Peaks are measured rather than taken from a data sheet, so a floor is what this machine (clocks, power limit,
+memory configuration) can actually do: a large device-to-device ``copy_`` for bandwidth (bytes read plus bytes
+written per second) and a large square matmul for throughput. On CUDA the timings are CUDA events around many
+back-to-back launches; on CPU, wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _time_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Seconds per call of `fn`, averaged over `iters` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+@dataclass
+class HardwarePeaks:
+    """What the floors divide by; ``to_dict`` is what the benchmark JSON stores."""
+
+    device: str
+    copy_bytes: int  # size of the copied buffer
+    copy_bandwidth_bps: float  # (read + write) bytes per second
+    matmul_size: int
+    matmul_flops_per_s: dict[str, float] = field(default_factory=dict)  # dtype name -> flops per second
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "device": self.device,
+            "copy_bytes": self.copy_bytes,
+            "copy_bandwidth_GBps": self.copy_bandwidth_bps / 1e9,
+            "matmul_size": self.matmul_size,
+            "matmul_TFLOPs": {name: flops / 1e12 for name, flops in self.matmul_flops_per_s.items()},
+        }
+
+
+def measure_copy_bandwidth(device: torch.device, num_bytes: int, iters: int = 10) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on `device`, counting each byte once read and once written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    seconds = _time_per_call(lambda: dst.copy_(src), device, iters)
+    return 2 * num_bytes / seconds
+
+
+def measure_matmul_throughput(device: torch.device, dtype: torch.dtype, size: int, iters: int = 10) -> float:
+    """Flops per second of an ``size x size x size`` matmul in `dtype` (2 flops per multiply-add)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    seconds = _time_per_call(lambda: torch.matmul(a, b, out=out), device, iters)
+    return 2 * size**3 / seconds
+
+
+def _sizes(device: torch.device, quick: bool) -> tuple[int, int, int]:
+    """(copy bytes, matmul size, iterations): large enough to saturate an H100/H200 (1 GiB copies, 8192^3
+    matmuls), small on CPU and with `quick` so a smoke run takes a second."""
+    if device.type != "cuda":
+        return 64 << 20, 512, 3
+    return ((256 << 20), 4096, 5) if quick else ((1 << 30), 8192, 20)
+
+
+def measure_peaks(device: torch.device, dtypes: list[torch.dtype], quick: bool = False) -> HardwarePeaks:
+    """Copy bandwidth of `device` and its matmul throughput in each of `dtypes`."""
+    copy_bytes, size, iters = _sizes(device, quick)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peaks = HardwarePeaks(name, copy_bytes, measure_copy_bandwidth(device, copy_bytes, iters), size)
+    for dtype in dtypes:
+        add_matmul_peak(peaks, device, dtype, quick)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peaks
+
+
+def add_matmul_peak(peaks: HardwarePeaks, device: torch.device, dtype: torch.dtype, quick: bool = False) -> float:
+    """The matmul throughput of `dtype`, measured once and remembered in `peaks`."""
+    key = str(dtype).removeprefix("torch.")
+    if key not in peaks.matmul_flops_per_s:
+        _, size, iters = _sizes(device, quick)
+        peaks.matmul_flops_per_s[key] = measure_matmul_throughput(device, dtype, size, iters)
+    return peaks.matmul_flops_per_s[key]
+
+
+def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, iters: int = 20) -> float:
+    """Seconds of one ``torch.nn.functional.linear`` of an ``[m, k]`` input by an ``[n, k]`` weight."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
+    return _time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)

@@ -1,0 +1,691 @@
+"""``diffulex bench throughput``: decode speed of the engine on real SDAR geometries, against the hardware floors.
+
+For every (model, batch size, buffer size) the engine runs ``multi_bd`` with block 4, greedy, ``ignore_eos``, on
+fixed random prompts, and only decode steps are timed: the steps that contain any prompt computation (every
+request's first forward, and the steps while the batch is still being admitted) run before the timed region,
+which starts with all requests running and ends after the step in which the first request finishes (or at the
+step or time budget), so every timed step carries the whole batch. The region is bracketed by device
+synchronizations; each step is also timed on the host for the median (a step ends in a device-to-host copy of
+the sampled tokens, so host time per step is device time per step).
+
+Each timed step is compared with its floors (`diffulex.bench.roofline`): the bytes it must move over the measured
+copy bandwidth and the flops it must do over the measured matmul throughput (`diffulex.bench.hardware`). The
+models need no download: `write_sdar_checkpoint` writes folders with the real SDAR ``config.json`` geometry and
+the real Qwen tokenizer, and the engine fills them with random weights (``load_format="dummy"``). Random weights
+are not confident, so about one token per running block is accepted per step: TPF is a lower bound of a trained
+model's, while milliseconds per step, which depend only on shapes, are representative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffulex.bench.hardware import HardwarePeaks, add_matmul_peak, measure_peaks, time_linear
+from diffulex.bench.roofline import (
+    CostModel,
+    Floors,
+    ModelGeometry,
+    StepWork,
+    block_causal_pairs,
+    cost_model_from_module,
+    linear_roofline,
+    step_bytes,
+    step_floors,
+    step_flops,
+    summarize_floors,
+)
+
+# Geometry changes applied to the real SDAR-4B-Chat config.json (Qwen3-1.7B / Qwen3-8B shapes; 4B as it is).
+SDAR_SIZES: dict[str, dict[str, Any]] = {
+    "1.7b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 28,
+        "max_window_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "4b": {},
+    "8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "max_window_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+}
+STRATEGY = "multi_bd"
+DEFAULT_BLOCK_SIZE = 4
+
+
+# ----- checkpoint folders ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _shared_data(source: str | Path | None) -> Iterator[None]:
+    """Point `diffulex.testing.checkpoints` at `source` (the folder with SDAR-4B-Chat's config and tokenizer)."""
+    if source is None:
+        yield
+        return
+    previous = os.environ.get("DIFFULEX_SHARED_DATA")
+    os.environ["DIFFULEX_SHARED_DATA"] = str(source)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("DIFFULEX_SHARED_DATA", None)
+        else:
+            os.environ["DIFFULEX_SHARED_DATA"] = previous
+
+
+def write_sdar_checkpoint(path: str | Path, size: str, data_dir: str | Path | None = None) -> Path:
+    """Write a weightless SDAR checkpoint folder of `size` (``1.7b``, ``4b``, ``8b``) into `path`; returns it.
+
+    ``config.json`` is the real SDAR-4B-Chat config with the geometry of `size` (`SDAR_SIZES`), and the tokenizer
+    files are the real Qwen ones (`diffulex.testing.write_qwen_tokenizer`), both read from `data_dir`, else
+    ``DIFFULEX_SHARED_DATA``, else ``../shared/data/sdar-4b-chat``. Load it with ``load_format="dummy"``.
+    """
+    from diffulex.testing.checkpoints import shared_sdar_data_dir, write_qwen_tokenizer
+
+    if size not in SDAR_SIZES:
+        raise ValueError(f"size={size!r} is invalid: must be one of {', '.join(SDAR_SIZES)}")
+    path = Path(path)
+    with _shared_data(data_dir):
+        source = shared_sdar_data_dir()
+        try:
+            template = json.loads((source / "config.json").read_text(encoding="utf-8"))
+            write_qwen_tokenizer(path, "sdar")
+        except FileNotFoundError as err:
+            raise ValueError(
+                f"the real SDAR-4B-Chat config.json and tokenizer are needed from {source} ({err}); pass --data-dir "
+                "DIR or set DIFFULEX_SHARED_DATA (in a source checkout: tests/data/sdar-4b-chat)"
+            ) from None
+    if (source / "generation_config.json").is_file():
+        (path / "generation_config.json").write_bytes((source / "generation_config.json").read_bytes())
+    config = {**template, **SDAR_SIZES[size]}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+# ----- settings ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One checkpoint to measure: a generated SDAR geometry or a folder given with ``--model``."""
+
+    name: str
+    path: str
+    load_format: str
+    size: str | None = None  # the SDAR size of a generated folder (its path is a temporary directory)
+
+
+@dataclass
+class ThroughputSettings:
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
+    buffer_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    prompt_len: int = 128
+    max_tokens: int = 256
+    block_size: int = DEFAULT_BLOCK_SIZE
+    seed: int = 0
+    max_seconds: float = 60.0  # timed decode region per configuration
+    max_steps: int | None = None  # timed decode steps per configuration
+    warmup_tokens: int = 16
+    profile_batch: int | None = None  # None = no profile
+    profile_steps: int = 20
+    roofline_batches: list[int] | None = None  # None = no linear roofline
+    quick: bool = False
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from diffulex.config import check_int, check_number
+
+        for name in ("batch_sizes", "buffer_sizes", *(("roofline_batches",) if self.roofline_batches else ())):
+            values = getattr(self, name)
+            if not values:
+                raise ValueError(f"{name} is empty: give at least one value")
+            for v in values:
+                check_int(name, v, low=1)
+        for name in ("prompt_len", "max_tokens", "warmup_tokens", "profile_steps"):
+            check_int(name, getattr(self, name), low=1)
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps, low=1)
+        if self.profile_batch is not None:
+            check_int("profile_batch", self.profile_batch, low=1)
+        check_number("max_seconds", self.max_seconds, low=0.0, low_open=True)
+        if "buffer_size" in self.engine_overrides:
+            raise ValueError("--buffer-size is set by the sweep: use --buffer-sizes")
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for the prompt, the answer (or the profile's steps) and one block of slack."""
+        profile_tokens = (self.profile_steps + 8) * self.block_size * max(self.buffer_sizes)
+        return self.prompt_len + max(self.max_tokens, profile_tokens if self.profile_batch else 0) + self.block_size
+
+    def engine_fields(self, entry: ModelEntry, buffer_size: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "decoding_strategy": STRATEGY,
+            "block_size": self.block_size,
+            "buffer_size": buffer_size,
+            "max_num_reqs": max(self.batch_sizes + ([self.profile_batch] if self.profile_batch else [])),
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": max(4096, self.max_model_len),
+            "load_format": entry.load_format,
+            "seed": self.seed,
+        }
+        fields.update(self.engine_overrides)
+        return fields
+
+
+# ----- one configuration -------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(vocab_limit: int, mask_token_id: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """Fixed random token prompts (the mask token replaced by 0), the same for every run with the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_limit, (batch, prompt_len), generator=gen)
+    ids[ids == mask_token_id] = 0
+    return ids.tolist()
+
+
+def _greedy(max_tokens: int) -> Any:
+    from diffulex.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _admit_until_decoding(engine: Any, requests: Sequence[Any], step_limit: int) -> int:
+    """Step until every request has done its first forward (its prompt is cached); returns the steps taken."""
+    from diffulex.engine.request import RequestStatus
+
+    steps = 0
+    while not all(r.nfe >= 1 and r.status is RequestStatus.RUNNING for r in requests):
+        if any(r.is_finished for r in requests):
+            raise RuntimeError("a request finished before the batch reached decode: raise --max-tokens")
+        if steps >= step_limit:
+            running = sum(r.status is RequestStatus.RUNNING for r in requests)
+            raise RuntimeError(
+                f"only {running} of {len(requests)} requests could run at once after {steps} steps (KV cache too "
+                "small for this batch?)"
+            )
+        engine.step()
+        steps += 1
+    return steps
+
+
+def _step_work(records: Sequence[tuple[Any, Any, int, int]], block_size: int, mask_token_id: int) -> StepWork:
+    """The work of one step from its records: ``(request, record, cached tokens before, cached tokens after)``."""
+    total = StepWork(0, 0, 0, 0, 0)
+    for req, record, before, after in records:
+        context = before - (1 if req.settings.logits_shift and before > 0 else 0)
+        end = context + record.query_len
+        ids = record.running_block_ids
+        lo = req.blocks[ids[0]].start if ids else end
+        tokens = record.running_token_ids
+        first, last = max(lo, req.prompt_len), min(end, req.decode_limit, lo + len(tokens))
+        still_masked = sum(1 for p in range(first, last) if tokens[p - lo] == mask_token_id)
+        total = total + StepWork(
+            query_tokens=record.query_len,
+            logit_rows=still_masked + record.num_new_tokens,
+            context_tokens=context,
+            written_tokens=max(0, after - before),
+            attn_pairs=block_causal_pairs(context, end, block_size),
+        )
+    return total
+
+
+def measure_decode(
+    engine: Any, batch: int, settings: ThroughputSettings, cost: CostModel, peaks: HardwarePeaks, flops_per_s: float
+) -> dict[str, Any]:
+    """Warm up, admit `batch` requests, then time decode steps (see the module docstring for what is counted)."""
+    device = engine.device
+    prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, settings.seed)
+    engine.generate(prompts, _greedy(settings.warmup_tokens), use_tqdm=False)
+
+    ids = [engine.add_request(p, _greedy(settings.max_tokens)) for p in prompts]
+    wanted = set(ids)
+    requests = [r for r in engine.scheduler.waiting if r.req_id in wanted]
+    by_id = {r.req_id: r for r in requests}
+    prefill_steps = _admit_until_decoding(engine, requests, step_limit=4 * batch + 16)
+
+    step_times: list[float] = []
+    raw: list[tuple[list[Any], list[int]]] = []  # (updates, cached tokens of each request before the step)
+    stopped_by = "request_finished"
+    _sync(device)
+    t0 = time.perf_counter()
+    while True:
+        before = [r.num_cached_tokens for r in requests]  # the only bookkeeping inside the region (~0.2 us each)
+        ts = time.perf_counter()
+        updates = engine.step()
+        step_times.append(time.perf_counter() - ts)
+        raw.append((updates, before))
+        if any(u.finished for u in updates):
+            break
+        if settings.max_steps is not None and len(step_times) >= settings.max_steps:
+            stopped_by = "max_steps"
+            break
+        if time.perf_counter() - t0 >= settings.max_seconds:
+            stopped_by = "max_seconds"
+            break
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    final = [r.num_cached_tokens for r in requests]
+    preemptions = sum(r.num_preemptions for r in requests)
+    for rid in ids:
+        engine.abort_request(rid)
+
+    # Everything below runs after the timed region: none of it is in the measured time.
+    index = {r.req_id: i for i, r in enumerate(requests)}
+    works: list[StepWork] = []
+    tokens = request_forwards = 0
+    partial_steps = 0
+    for k, (updates, before) in enumerate(raw):
+        after = raw[k + 1][1] if k + 1 < len(raw) else final
+        records = [
+            (by_id[u.req_id], u.record, before[index[u.req_id]], after[index[u.req_id]])
+            for u in updates
+            if u.record is not None
+        ]
+        works.append(_step_work(records, settings.block_size, engine.mask_token_id))
+        tokens += sum(u.record.num_new_tokens for u in updates if u.record is not None)
+        request_forwards += len(records)
+        partial_steps += len(records) != batch
+    steps = len(step_times)
+    mean_s = elapsed / steps
+    floors: list[Floors] = [step_floors(cost, w, peaks.copy_bandwidth_bps, flops_per_s) for w in works]
+    return {
+        "prefill_steps": prefill_steps,
+        "steps": steps,
+        "stopped_by": stopped_by,
+        "partial_steps": partial_steps,
+        "preemptions": preemptions,
+        "ms_per_step_mean": 1e3 * mean_s,
+        "ms_per_step_p50": 1e3 * statistics.median(step_times),
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "tpf": tokens / max(request_forwards, 1),
+        "query_tokens_per_step": sum(w.query_tokens for w in works) / steps,
+        "logit_rows_per_step": sum(w.logit_rows for w in works) / steps,
+        "context_tokens_per_step": sum(w.context_tokens for w in works) / steps,
+        "bytes_per_step": sum(step_bytes(cost, w) for w in works) / steps,
+        "flops_per_step": sum(step_flops(cost, w) for w in works) / steps,
+        **summarize_floors(mean_s, floors),
+    }
+
+
+def profile_decode(engine: Any, batch: int, settings: ThroughputSettings) -> dict[str, Any]:
+    """GPU busy/idle share over `settings.profile_steps` decode steps at `batch` (`diffulex.bench.gpu_profile`)."""
+    from diffulex.bench.gpu_profile import profile_steps
+
+    steps = settings.profile_steps
+    prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, settings.seed + 1)
+    max_tokens = (steps + 8) * settings.block_size * engine.config.buffer_size
+    ids = [engine.add_request(p, _greedy(max_tokens)) for p in prompts]
+    wanted = set(ids)
+    requests = [r for r in engine.scheduler.waiting if r.req_id in wanted]
+    _admit_until_decoding(engine, requests, step_limit=4 * batch + 16)
+    for _ in range(3):  # settle: graphs replayed, allocator warm
+        engine.step()
+    try:
+        return profile_steps(engine.step, steps, engine.device)
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+
+
+# ----- the sweep ---------------------------------------------------------------------------------------------
+
+
+def _engine_dtype(device: torch.device, fields: Mapping[str, Any], config_json: Mapping[str, Any]) -> torch.dtype:
+    """The dtype the engine will run in (the rule of `DiffulexEngine`): the ``dtype`` field, else float32 on
+    CPU, else the checkpoint's ``torch_dtype``, else bfloat16. Known before loading, so peaks are measured first."""
+    dtype = fields.get("dtype", "auto")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    known = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return known.get(str(config_json.get("torch_dtype")), torch.bfloat16)
+
+
+def _device(overrides: Mapping[str, Any]) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    ids = overrides.get("device_ids") or []
+    return torch.device("cuda", ids[0] if ids else overrides.get("device_start", 0))
+
+
+def _close(engine: Any) -> None:
+    """Abort what is left and drop the KV cache; after a failure the engine may be half-way through a step."""
+    if engine is not None:
+        with contextlib.suppress(Exception):
+            engine.exit()
+
+
+def _release(device: torch.device) -> None:
+    """Return freed memory to the device once the last reference to an engine is gone (call it after dropping
+    the engine and outside any ``except`` block, whose traceback would keep the engine's tensors alive)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def linear_roofline_rows(
+    entry: ModelEntry, geometry: ModelGeometry, settings: ThroughputSettings, device: torch.device,
+    dtype: torch.dtype, peaks: HardwarePeaks,
+) -> list[dict[str, Any]]:
+    """Time each linear shape of the model at M = batch x block size tokens and place it on the roofline."""
+    flops_per_s = add_matmul_peak(peaks, device, dtype, settings.quick)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for batch in settings.roofline_batches or []:
+        m = batch * settings.block_size
+        for shape, (n, k) in geometry.linear_shapes().items():
+            seconds = time_linear(m, n, k, device, dtype, iters=5 if settings.quick else 20)
+            rows.append({"model": entry.name, "batch": batch, "m": m, "shape": shape, "n": n, "k": k,
+                         **linear_roofline(m, n, k, itemsize, seconds, peaks.copy_bandwidth_bps, flops_per_s)})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_sweep(
+    models: Sequence[ModelEntry], settings: ThroughputSettings, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Measure every (model, buffer size, batch size); a configuration that fails (out of memory, say) is recorded
+    with its error and the sweep goes on with a fresh engine."""
+    from diffulex import Diffulex
+    from diffulex.config import Config
+
+    device = _device(settings.engine_overrides)
+    configs = {}
+    for entry in models:  # validate every configuration before spending time on any
+        for buffer_size in settings.buffer_sizes:
+            configs[entry.name] = Config(entry.path, **settings.engine_fields(entry, buffer_size))
+    dtypes = sorted(
+        {_engine_dtype(device, settings.engine_overrides, c.model_config_dict) for c in configs.values()}, key=str
+    )
+    log(f"measuring peaks on {device} ({', '.join(str(d).removeprefix('torch.') for d in dtypes)}) ...")
+    peaks = measure_peaks(device, dtypes, settings.quick)
+    log(f"copy bandwidth {peaks.copy_bandwidth_bps / 1e9:.0f} GB/s, matmul "
+        + ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in peaks.matmul_flops_per_s.items()))
+
+    results: list[dict[str, Any]] = []
+    profiles: list[dict[str, Any]] = []
+    rooflines: list[dict[str, Any]] = []
+    total = len(models) * len(settings.buffer_sizes) * len(settings.batch_sizes)
+    done = 0
+    for entry in models:
+        config_json = configs[entry.name].model_config_dict
+        dtype = _engine_dtype(device, settings.engine_overrides, config_json)
+        if settings.roofline_batches:
+            try:
+                geometry = ModelGeometry.from_config(config_json)
+                rooflines += linear_roofline_rows(entry, geometry, settings, device, dtype, peaks)
+                log(format_roofline([r for r in rooflines if r["model"] == entry.name]))
+            except (ValueError, RuntimeError) as err:  # includes torch.OutOfMemoryError
+                log(f"{entry.name}: linear roofline skipped: {_error(err)}")
+            _release(device)
+        for buffer_size in settings.buffer_sizes:
+            engine = None
+            for batch in settings.batch_sizes:
+                done += 1
+                row: dict[str, Any] = {
+                    "model": entry.name, "load_format": entry.load_format, "buffer_size": buffer_size, "batch": batch,
+                    "block_size": settings.block_size, "prompt_len": settings.prompt_len,
+                    "max_tokens": settings.max_tokens, "error": None,
+                }
+                log(f"[{done}/{total}] {entry.name} buffer {buffer_size} batch {batch} ...")
+                failure = None
+                try:
+                    if engine is None:
+                        t0 = time.perf_counter()
+                        engine = Diffulex(entry.path, **settings.engine_fields(entry, buffer_size))
+                        log(f"  engine ready in {time.perf_counter() - t0:.1f} s ({engine.dtype}, {engine.device})")
+                    itemsize = torch.empty((), dtype=engine.dtype).element_size()
+                    cost = cost_model_from_module(engine.model, itemsize)
+                    flops_per_s = add_matmul_peak(peaks, device, engine.dtype, settings.quick)
+                    row["dtype"] = str(engine.dtype).removeprefix("torch.")
+                    row["weight_bytes"] = cost.weight_bytes
+                    row.update(measure_decode(engine, batch, settings, cost, peaks, flops_per_s))
+                    log("  " + format_row(row))
+                except Exception as err:  # out of memory, a kernel failure: record it and go on
+                    failure = _error(err)
+                if failure is not None:  # a fresh engine for the next configuration
+                    row["error"] = failure
+                    log(f"  failed: {failure}")
+                    _close(engine)
+                    engine = None
+                    _release(device)
+                results.append(row)
+            if settings.profile_batch is not None and device.type == "cuda":
+                try:
+                    if engine is None:
+                        engine = Diffulex(entry.path, **settings.engine_fields(entry, buffer_size))
+                    prof = {"model": entry.name, "buffer_size": buffer_size, "batch": settings.profile_batch,
+                            **profile_decode(engine, settings.profile_batch, settings)}
+                    log("  " + format_profile(prof))
+                except Exception as err:
+                    prof = {"model": entry.name, "buffer_size": buffer_size, "batch": settings.profile_batch,
+                            "error": _error(err)}
+                    log(f"  profile failed: {prof['error']}")
+                profiles.append(prof)
+            elif settings.profile_batch is not None:
+                log("  profile skipped: it reads GPU kernel times and this run has no CUDA device")
+            _close(engine)
+            engine = None
+            _release(device)
+    return {
+        "device": _device_info(device),
+        "hardware": peaks.to_dict(),
+        "settings": {**{k: v for k, v in asdict(settings).items() if k != "engine_overrides"},
+                     "strategy": STRATEGY, "engine_overrides": settings.engine_overrides},
+        "models": [asdict(m) | ({"path": None} if m.size else {}) for m in models],
+        "results": results,
+        "profile": profiles,
+        "linear_roofline": rooflines,
+    }
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    import platform
+
+    cpu = f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_threads": torch.get_num_threads(),
+    }
+
+
+# ----- output ------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    if row.get("error"):
+        return f"error: {row['error']}"
+    return (
+        f"{row['steps']} decode steps: {row['ms_per_step_mean']:.2f} ms/step (p50 {row['ms_per_step_p50']:.2f}), "
+        f"{row['tokens_per_s']:.0f} tok/s, TPF {row['tpf']:.2f}; floors: memory {row['memory_floor_ms']:.3f} ms, "
+        f"compute {row['compute_floor_ms']:.3f} ms -> {row['floor_ratio']:.2f}x the {row['bound']} floor"
+    )
+
+
+def format_table(results: Sequence[Mapping[str, Any]]) -> str:
+    header = (f"{'model':<10} {'buf':>3} {'batch':>5} {'steps':>5} {'ms/step':>8} {'p50':>8} {'tok/s':>9} {'TPF':>5} "
+              f"{'mem ms':>8} {'comp ms':>8} {'x floor':>7} {'x mem':>6} {'x comp':>7}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        if r.get("error"):
+            lines.append(f"{r['model']:<10} {r['buffer_size']:>3} {r['batch']:>5}  error: {r['error']}")
+            continue
+        lines.append(
+            f"{r['model']:<10} {r['buffer_size']:>3} {r['batch']:>5} {r['steps']:>5} {r['ms_per_step_mean']:>8.2f} "
+            f"{r['ms_per_step_p50']:>8.2f} {r['tokens_per_s']:>9.0f} {r['tpf']:>5.2f} {r['memory_floor_ms']:>8.3f} "
+            f"{r['compute_floor_ms']:>8.3f} {r['floor_ratio']:>7.2f} {r['memory_floor_ratio']:>6.2f} "
+            f"{r['compute_floor_ratio']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def format_profile(prof: Mapping[str, Any]) -> str:
+    cats = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_ms_per_step"].items())
+    return (
+        f"profile {prof['model']} buffer {prof['buffer_size']} batch {prof['batch']} ({prof['steps']} steps): GPU busy "
+        f"{100 * prof['gpu_busy_share']:.1f}%, idle {100 * prof['gpu_idle_share']:.1f}% of "
+        f"{prof['wall_ms_per_step']:.2f} ms/step (target: idle <= 10% at batch 1 with CUDA graphs); "
+        f"{prof['kernels_per_step']:.0f} kernels/step; kernel ms/step: {cats}"
+    )
+
+
+def format_roofline(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = [f"{'model':<10} {'M':>5} {'shape':<16} {'N':>7} {'K':>6} {'ms':>8} {'TFLOP/s':>8} {'% peak':>7} "
+             f"{'% roofline':>10} bound"]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<10} {r['m']:>5} {r['shape']:<16} {r['n']:>7} {r['k']:>6} {r['ms']:>8.4f} "
+            f"{r['tflops']:>8.1f} {r['pct_of_matmul_peak']:>7.1f} {r['pct_of_roofline']:>10.1f} {r['bound']}"
+        )
+    return "\n".join(lines)
+
+
+def _key(section: str, row: Mapping[str, Any]) -> tuple[Any, ...]:
+    if section == "linear_roofline":
+        return row["model"], row["m"], row["shape"]
+    return row["model"], row["buffer_size"], row["batch"]
+
+
+def merge_reports(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` over `old`: rows of the same (model, buffer, batch) are replaced, others kept. Both must come from
+    the same device, since floors and speeds of different machines do not belong in one table."""
+    if old.get("device", {}).get("name") != new["device"]["name"]:
+        raise ValueError(
+            f"--append: the existing report was measured on {old.get('device', {}).get('name')!r}, this run on "
+            f"{new['device']['name']!r}; write to another --out"
+        )
+    merged = dict(new)
+    for section in ("results", "profile", "linear_roofline"):
+        fresh = {_key(section, r) for r in new.get(section, [])}
+        kept = [r for r in old.get(section, []) if _key(section, r) not in fresh]
+        merged[section] = kept + list(new.get(section, []))
+    merged["commands"] = [*old.get("commands", [old.get("command")]), new["command"]]
+    return merged
+
+
+def plot(report: Mapping[str, Any], path: str | Path) -> None:
+    """Tokens/s and floor ratio against batch size, one line per (model, buffer size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lines: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for r in report["results"]:
+        if not r.get("error"):
+            lines.setdefault((r["model"], r["buffer_size"]), []).append(r)
+    for (model, buffer_size), rows in sorted(lines.items()):
+        rows = sorted(rows, key=lambda r: r["batch"])
+        batches = [r["batch"] for r in rows]
+        label = f"{model}, buffer {buffer_size}"
+        ax_tps.plot(batches, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        ax_ratio.plot(batches, [r["floor_ratio"] for r in rows], marker="o", label=label)
+    batches = sorted({r["batch"] for rows in lines.values() for r in rows})
+    for ax in (ax_tps, ax_ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size (requests)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_tps.set_ylabel("decode tokens/s")
+    ax_ratio.set_ylabel("ms per step / max(memory floor, compute floor)")
+    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+    ax_tps.legend(fontsize=8)
+    fig.suptitle(f"diffulex decode throughput, {report['device']['name']} ({report['date']})")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----- entry point -------------------------------------------------------------------------------------------
+
+
+def run(
+    settings: ThroughputSettings,
+    sizes: Sequence[str] = (),
+    model_dir: str | None = None,
+    load_format: str | None = None,
+    data_dir: str | None = None,
+    out: str | None = None,
+    plot_path: str | None = None,
+    append: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Write the checkpoint folders, run the sweep, print the table, write the JSON and the plot."""
+    if append and not out:
+        raise ValueError("--append needs --out (the report to add to)")
+    old = None
+    if append and Path(out).is_file():
+        old = json.loads(Path(out).read_text(encoding="utf-8"))
+    with tempfile.TemporaryDirectory(prefix="diffulex-throughput-") as tmp:
+        models: list[ModelEntry] = []
+        if model_dir is not None:
+            models.append(ModelEntry(Path(model_dir).name, str(model_dir), load_format or "safetensors"))
+        for size in sizes:
+            path = write_sdar_checkpoint(Path(tmp) / f"sdar-{size}", size, data_dir)
+            models.append(ModelEntry(f"sdar-{size}", str(path), load_format or "dummy", size))
+        if not models:
+            raise ValueError("nothing to measure: give --models and/or --model DIR")
+        report = {
+            "tool": "diffulex bench throughput",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": shlex.join(["diffulex", *sys.argv[1:]]),
+            **run_sweep(models, settings, log),
+        }
+    if old is not None:
+        report = merge_reports(old, report)
+    log(format_table(report["results"]))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        log(f"results: {out}")
+    if plot_path:
+        plot(report, plot_path)
+        log(f"plot: {plot_path}")
+    return report

@@ -1,0 +1,261 @@
+"""``diffulex bench throughput``: the floor arithmetic (checked by hand), the SDAR geometry folders, the GPU
+activity summary, and an end-to-end CPU run on a tiny checkpoint that writes the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffulex.bench import throughput
+from diffulex.bench.gpu_profile import KernelInterval, category, summarize_activity, union_length
+from diffulex.bench.roofline import (
+    Floors,
+    ModelGeometry,
+    StepWork,
+    block_causal_pairs,
+    cost_model_from_module,
+    linear_roofline,
+    step_bytes,
+    step_floors,
+    step_flops,
+    summarize_floors,
+)
+from diffulex.cli import main
+from diffulex.models.loader import build_model
+from diffulex.testing import write_tiny_checkpoint
+
+# hidden 8, 2 layers, 2 query heads and 1 KV head of dim 4, MLP 16, vocabulary 32, untied, 2-byte weights.
+TINY = ModelGeometry(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                     vocab_size=32, tied=False)
+
+
+# ----- floor arithmetic -------------------------------------------------------------------------------------
+
+
+def test_the_cost_model_counts_each_weight_once_by_hand():
+    cost = TINY.cost_model(itemsize=2)
+    # per layer: q 8x8 + k 8x4 + v 8x4 + o 8x8 + gate/up/down 3 x 8x16 = 64 + 32 + 32 + 64 + 384 = 576
+    assert cost.trunk_linear_params == 2 * 576
+    assert cost.lm_head_params == 32 * 8
+    assert cost.other_params == 2 * (2 * 8 + 2 * 4) + 8  # two norms and q/k norms per layer, the final norm
+    assert cost.kv_per_token == 2 * 2 * 1 * 4  # K and V, 2 layers, 1 KV head of dim 4
+    assert cost.attn_flops_per_pair == 4 * 2 * 2 * 4  # QK^T and PV, 2 layers, 2 heads of dim 4
+    assert cost.weight_bytes == (1152 + 256 + 56) * 2
+
+
+def test_block_causal_pairs_see_up_to_the_end_of_their_own_block():
+    # positions 20..23 see keys 0..23, positions 24..27 see 0..27
+    assert block_causal_pairs(20, 28, 4) == 4 * 24 + 4 * 28
+    # a query that starts mid-block (a shifted family recomputes one cached position) and ends mid-block
+    assert block_causal_pairs(19, 22, 4) == 1 * 20 + 2 * 22
+    assert block_causal_pairs(5, 5, 4) == 0
+
+
+def test_bytes_flops_and_floors_of_a_step_by_hand():
+    cost = TINY.cost_model(itemsize=2)
+    work = StepWork(query_tokens=8, logit_rows=3, context_tokens=20, written_tokens=4,
+                    attn_pairs=block_causal_pairs(20, 28, 4))
+    # weights once + 8 gathered embedding rows of 8 + K/V of 20 read and 4 written tokens, 16 elements each
+    assert step_bytes(cost, work) == 1464 * 2 + (8 * 8 + 16 * 24) * 2 == 3824
+    # 2 x 1152 x 8 query tokens + 2 x 256 x 3 logit rows + 64 x 208 pairs
+    assert step_flops(cost, work) == 18432 + 1536 + 13312 == 33280
+    floors = step_floors(cost, work, bandwidth_bps=1000.0, flops_per_s=10000.0)
+    assert floors.memory_s == pytest.approx(3.824)
+    assert floors.compute_s == pytest.approx(3.328)
+    summary = summarize_floors(7.648, [floors])
+    assert summary["bound"] == "memory"
+    assert summary["floor_ms"] == pytest.approx(3824.0)
+    assert summary["floor_ratio"] == pytest.approx(2.0)
+    assert summary["memory_floor_ratio"] == pytest.approx(2.0)
+    assert summary["compute_floor_ratio"] == pytest.approx(7.648 / 3.328)
+
+
+def test_the_floor_of_a_run_is_the_mean_of_each_steps_larger_floor():
+    summary = summarize_floors(3.0, [Floors(2.0, 1.0), Floors(1.0, 2.0)])
+    assert summary["floor_ms"] == pytest.approx(2000.0)  # not max(mean memory, mean compute) = 1.5 s
+    assert summary["floor_ratio"] == pytest.approx(1.5)
+
+
+def test_the_cost_model_of_a_built_model_matches_its_config(tmp_path):
+    for tied in (False, True):
+        ckpt = write_tiny_checkpoint(tmp_path / str(tied), tie_word_embeddings=tied)
+        config = json.loads((ckpt / "config.json").read_text())
+        model = build_model("sdar", ckpt, torch.float32, "cpu")
+        assert cost_model_from_module(model, 4) == ModelGeometry.from_config(config).cost_model(4)
+
+
+def test_a_linear_on_the_roofline_by_hand():
+    # 2 x 4 x 8 x 16 = 1024 flops; (4x16 + 8x16 + 4x8) x 2 bytes = 448 bytes
+    row = linear_roofline(m=4, n=8, k=16, itemsize=2, seconds=2.0, bandwidth_bps=448.0, flops_per_s=1024.0)
+    assert row["tflops"] == pytest.approx(512 / 1e12)
+    assert row["pct_of_matmul_peak"] == pytest.approx(50.0)
+    assert row["roofline_ms"] == pytest.approx(1000.0)
+    assert row["pct_of_roofline"] == pytest.approx(50.0)
+
+
+# ----- GPU activity ------------------------------------------------------------------------------------------
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.8)]) == 4
+    assert union_length([]) == 0
+
+
+def test_kernels_are_grouped_by_name():
+    assert category("_paged_attention_kernel") == "attention"
+    assert category("_store_kv_kernel") == "attention"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert category("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert category("_top1_kernel") == "sampler"
+    assert category("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "sampler"
+    assert category("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert category("void at::native::vectorized_elementwise_kernel<4, silu>") == "other"
+
+
+def test_activity_summary_counts_copies_as_idle():
+    kernels = [KernelInterval("gemm", 0, 400), KernelInterval("_paged_attention_kernel", 300, 500),
+               KernelInterval("Memcpy HtoD", 600, 900)]
+    summary = summarize_activity(kernels, wall_s=1e-3, steps=2)
+    assert summary["gpu_busy_share"] == pytest.approx(0.5)
+    assert summary["gpu_idle_share"] == pytest.approx(0.5)
+    assert summary["kernels_per_step"] == 1.0
+    assert summary["kernel_ms_per_step"]["gemm"] == pytest.approx(0.2)
+    assert summary["kernel_ms_per_step"]["copy"] == pytest.approx(0.15)
+
+
+# ----- SDAR geometry folders ---------------------------------------------------------------------------------
+
+EXPECTED = {  # hidden, layers, heads, kv heads, head_dim, MLP, tied, total parameters (billions)
+    "1.7b": (2048, 28, 16, 8, 128, 6144, True, 1.72),
+    "4b": (2560, 36, 32, 8, 128, 9728, False, 4.41),
+    "8b": (4096, 36, 32, 8, 128, 12288, False, 8.19),
+}
+
+
+@pytest.mark.parametrize("size", list(EXPECTED))
+def test_sdar_folders_carry_the_real_geometry_and_tokenizer(tmp_path, size):
+    from diffulex.config import Config
+    from diffulex.testing.checkpoints import shared_sdar_data_dir
+    from diffulex.tokenizer import load_tokenizer
+
+    folder = throughput.write_sdar_checkpoint(tmp_path / size, size)
+    config = json.loads((folder / "config.json").read_text())
+    g = ModelGeometry.from_config(config)
+    hidden, layers, heads, kv, head_dim, inter, tied, billions = EXPECTED[size]
+    assert (g.hidden_size, g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size, g.tied) == (
+        hidden, layers, heads, kv, head_dim, inter, tied)
+    assert g.vocab_size == 151936
+    cost = g.cost_model(itemsize=2)
+    params = cost.trunk_linear_params + cost.lm_head_params * (1 if tied else 2) + cost.other_params
+    assert params / 1e9 == pytest.approx(billions, abs=0.01)
+    if size == "4b":
+        assert config == json.loads((shared_sdar_data_dir() / "config.json").read_text())
+    assert not list(folder.glob("*.safetensors"))
+    assert len(load_tokenizer(str(folder))) == 151670
+    assert Config(str(folder), load_format="dummy").model_name == "sdar"
+
+
+def test_a_missing_tokenizer_source_names_the_way_to_provide_it(tmp_path):
+    with pytest.raises(ValueError, match="--data-dir"):
+        throughput.write_sdar_checkpoint(tmp_path / "x", "1.7b", data_dir=tmp_path / "nowhere")
+
+
+# ----- end to end on a tiny checkpoint (CPU) -----------------------------------------------------------------
+
+RESULT_FIELDS = ("ms_per_step_mean", "ms_per_step_p50", "tokens_per_s", "tpf", "steps", "bytes_per_step",
+                 "flops_per_step", "memory_floor_ms", "compute_floor_ms", "floor_ratio", "memory_floor_ratio",
+                 "compute_floor_ratio")
+
+
+def run_throughput(model_dir, out, *extra: str) -> int:
+    return main(["bench", "throughput", "--model", str(model_dir), "--batch-sizes", "1", "3", "--buffer-sizes", "1",
+                 "--prompt-len", "6", "--max-tokens", "16", "--quick", "--out", str(out), *extra])
+
+
+def test_a_tiny_checkpoint_runs_end_to_end_and_reports_positive_floor_ratios(sdar_dir, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    assert run_throughput(sdar_dir, out, "--linear-roofline", "--roofline-batches", "2") == 0
+    report = json.loads(out.read_text())
+    assert report["tool"] == "diffulex bench throughput"
+    assert report["device"]["torch"] == torch.__version__
+    assert report["hardware"]["copy_bandwidth_GBps"] > 0
+    assert report["hardware"]["matmul_TFLOPs"]["float32"] > 0
+    assert report["settings"]["strategy"] == "multi_bd" and report["settings"]["block_size"] == 4
+    assert [(r["batch"], r["buffer_size"]) for r in report["results"]] == [(1, 1), (3, 1)]
+    for row in report["results"]:
+        assert row["error"] is None
+        assert row["prefill_steps"] >= 1
+        assert 1 <= row["steps"] <= 8  # --quick: at most 8 timed steps
+        assert row["partial_steps"] == 0  # every timed step carried the whole batch
+        for name in RESULT_FIELDS:
+            assert row[name] > 0, name
+        assert row["query_tokens_per_step"] >= 4 * row["batch"]  # one block of 4 per request at least
+    assert {r["shape"] for r in report["linear_roofline"]} >= {"qkv (fused)", "o", "down", "lm_head"}
+    assert all(r["m"] == 8 and r["pct_of_roofline"] > 0 for r in report["linear_roofline"])
+    printed = capsys.readouterr().out
+    assert "x floor" in printed and "results:" in printed
+
+
+def test_dummy_weights_run_without_a_weight_file_and_append_merges_rows(sdar_dir, tmp_path):
+    import shutil
+
+    weightless = tmp_path / "weightless"
+    shutil.copytree(sdar_dir, weightless)
+    (weightless / "model.safetensors").unlink()
+    out = tmp_path / "throughput.json"
+    assert run_throughput(weightless, out, "--load-format", "dummy") == 0
+    assert main(["bench", "throughput", "--model", str(weightless), "--load-format", "dummy", "--batch-sizes", "2",
+                 "--buffer-sizes", "1", "--prompt-len", "6", "--max-tokens", "16", "--quick", "--out", str(out),
+                 "--append"]) == 0
+    report = json.loads(out.read_text())
+    assert sorted(r["batch"] for r in report["results"]) == [1, 2, 3]
+    assert {r["load_format"] for r in report["results"]} == {"dummy"}
+    assert len(report["commands"]) == 2
+
+
+def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(sdar_dir, tmp_path, monkeypatch):
+    original = throughput.measure_decode
+
+    def out_of_memory_at_batch_3(engine, batch, *args):
+        if batch == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(engine, batch, *args)
+
+    monkeypatch.setattr(throughput, "measure_decode", out_of_memory_at_batch_3)
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(sdar_dir), "--batch-sizes", "3", "1", "--buffer-sizes", "1",
+                 "--prompt-len", "6", "--max-tokens", "16", "--quick", "--out", str(out)]) == 0
+    failed, ok = json.loads(out.read_text())["results"]
+    assert failed["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert ok["error"] is None and ok["floor_ratio"] > 0
+
+
+def test_the_plot_is_drawn(sdar_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "throughput.png"
+    assert run_throughput(sdar_dir, tmp_path / "t.json", "--plot", str(png)) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_flags_belong_to_throughput_only(sdar_dir, tmp_path, capsys):
+    assert main(["bench", "--model", str(sdar_dir), "--batch-sizes", "1"]) == 2
+    assert "--batch-sizes: only for 'diffulex bench throughput'" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", str(sdar_dir), "--dataset-limit", "3"]) == 2
+    assert "--dataset-limit: eval keys are not used" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", str(sdar_dir), "--buffer-size", "2"]) == 2
+    assert "use --buffer-sizes" in capsys.readouterr().err
+
+
+def test_profiling_runs_the_asked_decode_steps_and_leaves_the_engine_empty(sdar_dir):
+    from diffulex import Diffulex
+
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=6, max_tokens=16,
+                                             profile_batch=2, profile_steps=3)
+    entry = throughput.ModelEntry("tiny", str(sdar_dir), "safetensors")
+    with Diffulex(str(sdar_dir), **settings.engine_fields(entry, 1)) as engine:
+        prof = throughput.profile_decode(engine, 2, settings)
+        assert engine.is_finished()
+    assert prof["steps"] == 3 and prof["wall_ms_per_step"] > 0
+    assert prof["gpu_busy_share"] == 0.0  # no CUDA kernels on the CPU: the sweep skips profiling there
