@@ -42,10 +42,10 @@ def measure(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, buffe
         max_model_len=prompt_len + max_tokens + 8, max_num_batched_tokens=8192, accept_threshold=0.9,
     )
     runner = llm.runner
-    forward = Stopwatch(runner.model.forward)
+    forward = Stopwatch(runner.forward)
     logits = Stopwatch(runner.model.compute_logits)
     sampler = Stopwatch(runner.sampler)
-    runner.model.forward, runner.model.compute_logits, runner.sampler = forward, logits, sampler
+    runner.forward, runner.model.compute_logits, runner.sampler = forward, logits, sampler
     gen = torch.Generator().manual_seed(batch)
     vocab = llm.vocab_limit
     mask = llm.mask_token_id

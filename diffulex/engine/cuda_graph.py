@@ -90,6 +90,7 @@ class DecodeGraphs:
         self._layout_np = self._layout_host.numpy()
         self._metas = {b: self._metadata(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._copied = torch.cuda.Event() if pin else None  # the last host-to-device copy of the buffers
         self._outputs: dict[int, torch.Tensor] = {}
 
     # ----- views ---------------------------------------------------------------------------------------------
@@ -134,6 +135,10 @@ class DecodeGraphs:
 
     def _fill(self, step: StepInputs, bucket: int) -> None:
         s, R, T = self.shape, self.shape.max_requests, self.shape.max_tokens
+        if self._copied is not None:
+            # The previous step's copies read the pinned buffers asynchronously: wait until they have, or a
+            # step without a sampler sync (a store-only step) would let this step overwrite them in flight.
+            self._copied.synchronize()
         t, r = step.num_tokens, step.num_requests
         n = bucket * s.max_query_len
         tok = self._tokens_np
@@ -157,6 +162,8 @@ class DecodeGraphs:
         self._tokens.copy_(self._tokens_host, non_blocking=True)
         end = self._head_len + bucket * s.max_pages
         self._layout[:end].copy_(self._layout_host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if not self.capture_graphs:  # the eager fallback reads the host lists of the metadata
             meta = self._metas[bucket]
             pad = bucket - r
@@ -195,23 +202,30 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, warmup_runs: int = 2) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool."""
+        """Capture every bucket, largest first, all sharing one memory pool.
+
+        Every bucket is warmed up before the first capture: a compiled forward may still compile or autotune
+        on its first call with a new shape, and neither is allowed while a stream is capturing.
+        """
         if not self.capture_graphs:
             return
-        pool = None
         side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for bucket in reversed(self.buckets):
+                self._fill_capture_batch(bucket)
+                ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
+                for _ in range(warmup_runs):
+                    self.forward(ids, positions, self._metas[bucket])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = None
         for bucket in reversed(self.buckets):
             self._fill_capture_batch(bucket)
             ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
-            meta = self._metas[bucket]
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup_runs):
-                    self.forward(ids, positions, meta)
-            torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[bucket] = self.forward(ids, positions, meta)
+                self._outputs[bucket] = self.forward(ids, positions, self._metas[bucket])
             pool = graph.pool()
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
@@ -219,4 +233,3 @@ class DecodeGraphs:
             "captured %d decode CUDA graphs (requests %s, %d rows each)",
             len(self._graphs), self.buckets, self.shape.max_query_len,
         )
-
