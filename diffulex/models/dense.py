@@ -1,15 +1,19 @@
-"""The dense decoder shared by the Qwen2.5-, Qwen3- and Llama-style families (Dream, DiffuCoder, Dream reasoner,
-Stable-DiffCoder, Fast-dLLM v2).
+"""The dense decoder shared by the Qwen2.5-, Qwen3- and Llama-style families (SDAR, Dream, DiffuCoder, Dream
+reasoner, Stable-DiffCoder, Fast-dLLM v2).
 
 These checkpoints differ only in a few switches: biases on q/k/v, on o, on the MLP, and per-head q/k RMSNorm
-(Qwen3). `DenseArch` holds the switches; each family's model class picks them from its config. Module and
-parameter names are the HF ones (``model.layers.N.self_attn.q_proj.weight`` ...), so checkpoints and PEFT
-adapters load without renaming. The block-diffusion part (mask, sampler, logit shift) lives outside the network.
+(Qwen3). `DenseArch` holds the switches and names the three layouts the published checkpoints use; each family's
+model class picks its layout. Module and parameter names are the HF ones (``model.layers.N.self_attn.q_proj.weight``
+...), so checkpoints and PEFT adapters load without renaming. The block-diffusion part (mask, sampler, logit shift)
+lives outside the network. `add_and_norm` and `run_decoder` are the residual-stream plumbing of every family's
+forward, LLaDA's (other module names, same computation) included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +31,8 @@ from diffulex.layers import (
 )
 from diffulex.models.hf_config import DenseDecoderConfig
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class DenseArch:
@@ -36,6 +42,46 @@ class DenseArch:
     o_bias: bool
     qk_norm: bool
     mlp_bias: bool = False
+
+    @classmethod
+    def qwen2(cls, config: DenseDecoderConfig) -> DenseArch:
+        """Qwen2 / Qwen2.5: biases on q/k/v whatever the config says (as in the published code), none on o."""
+        return cls(qkv_bias=True, o_bias=False, qk_norm=False)
+
+    @classmethod
+    def qwen3(cls, config: DenseDecoderConfig) -> DenseArch:
+        """Qwen3: per-head RMSNorm of q and k; ``attention_bias`` puts biases on q/k/v and o."""
+        return cls(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True)
+
+    @classmethod
+    def llama(cls, config: DenseDecoderConfig) -> DenseArch:
+        """Llama: ``attention_bias`` puts biases on q/k/v and o, ``mlp_bias`` on the three MLP projections."""
+        bias = config.attention_bias
+        return cls(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=config.mlp_bias)
+
+
+def add_and_norm(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(hidden + residual), hidden + residual)`` with the add fused into the norm.
+
+    Layers pass the residual stream as two tensors so that each add happens inside the next norm; before the first
+    layer there is nothing to add yet (``residual`` is None) and the stream is `hidden` itself.
+    """
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
+def run_decoder(
+    hidden: torch.Tensor, layers: Iterable[nn.Module], final_norm: RMSNorm, rope: Rope, attn_meta: AttentionMetadata
+) -> torch.Tensor:
+    """The embedded tokens through `layers` (each maps ``(hidden, residual, rope, attn_meta)`` to the next
+    ``(hidden, residual)``) and the final norm: the body of every family's forward, whatever its module names."""
+    residual: torch.Tensor | None = None
+    for layer in layers:
+        hidden, residual = layer(hidden, residual, rope, attn_meta)
+    return add_and_norm(final_norm, hidden, residual)[0]
 
 
 class DenseAttention(nn.Module):
@@ -58,9 +104,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn_meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attn_meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -100,17 +144,9 @@ class DenseDecoderLayer(nn.Module):
         self.mlp = DenseMLP(config, arch)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_meta: AttentionMetadata,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn_meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, rope, attn_meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -131,34 +167,25 @@ class DenseModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, attn_meta)
-        if residual is None:
-            return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return run_decoder(self.embed_tokens(input_ids), self.layers, self.norm, self.rotary_emb(positions), attn_meta)
 
 
 class DenseForDiffusionLM(nn.Module):
     """Base of the dense families: ``forward(input_ids [T], positions [T], attn_meta) -> hidden [T, H]`` over a
     flat batch, ``compute_logits(hidden [N, H]) -> [N, vocab_size]``.
 
-    Subclasses set `arch_for` (the switches for a config), ``family_defaults``, and ``logits_shift`` (True when
-    the hidden state at ``p - 1`` predicts the token at ``p``). ``load_error_hint`` is appended to a strict
-    loading error, to point at the family the checkpoint probably belongs to.
+    A family is a subclass that says what differs: `arch_for` (its layout, one of the `DenseArch` constructors),
+    ``family_defaults`` (what the engine assumes when neither the user nor the checkpoint says otherwise), and
+    ``logits_shift`` (True when the hidden state at ``p - 1`` predicts the token at ``p``). ``load_error_hint`` is
+    appended to a strict loading error, to point at the family the checkpoint probably belongs to.
     """
 
-    family_defaults: dict[str, object] = {}
-    logits_shift = False
-    ignored_checkpoint_keys = (r"rotary_emb\.inv_freq$",)
-    load_error_hint = ""
-
-    @classmethod
-    def arch_for(cls, config: DenseDecoderConfig) -> DenseArch:
-        raise NotImplementedError
+    arch_for: ClassVar[Callable[[DenseDecoderConfig], DenseArch]]
+    family_defaults: ClassVar[dict[str, object]] = {}
+    logits_shift: ClassVar[bool] = False
+    # Checkpoint tensors that are derived state, not weights (old HF exports saved the RoPE frequencies).
+    ignored_checkpoint_keys: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+    load_error_hint: ClassVar[str] = ""
 
     def __init__(self, config: DenseDecoderConfig) -> None:
         super().__init__()

@@ -10,22 +10,16 @@ have the same format and run under the same class (``model_name="diffucoder"`` i
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.models.hf_config import DenseDecoderConfig
 from diffulex.registry import AutoModelForDiffusionLM
-
-QWEN2_ARCH = DenseArch(qkv_bias=True, o_bias=False, qk_norm=False)
 
 
 @AutoModelForDiffusionLM.register("diffucoder")
 @AutoModelForDiffusionLM.register("dream")
 class DreamForDiffusionLM(DenseForDiffusionLM):
+    arch_for = DenseArch.qwen2
     family_defaults = {"mask_token_id": 151666, "decoding_strategy": "d2f"}
     logits_shift = True
     load_error_hint = (
         "checkpoints with self_attn.q_norm / k_norm tensors are the Qwen3-style Dream reasoner: pass "
         "model_name='dream_reasoner'"
     )
-
-    @classmethod
-    def arch_for(cls, config: DenseDecoderConfig) -> DenseArch:
-        return QWEN2_ARCH

@@ -9,20 +9,15 @@ Dream-v0 its logits are not shifted: the hidden state at ``p`` predicts the toke
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.models.hf_config import DenseDecoderConfig
 from diffulex.registry import AutoModelForDiffusionLM
 
 
 @AutoModelForDiffusionLM.register("dream_reasoner")
 class DreamReasonerForDiffusionLM(DenseForDiffusionLM):
+    arch_for = DenseArch.qwen3
     family_defaults = {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
     logits_shift = False
     load_error_hint = (
         "checkpoints without self_attn.q_norm / k_norm tensors and with q/k/v biases are Qwen2.5-style Dream-v0 "
         "or DiffuCoder: pass model_name='dream'"
     )
-
-    @classmethod
-    def arch_for(cls, config: DenseDecoderConfig) -> DenseArch:
-        bias = config.attention_bias
-        return DenseArch(qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -9,16 +9,11 @@ dual cache) is a separate runtime.
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.models.dream import QWEN2_ARCH
-from diffulex.models.hf_config import DenseDecoderConfig
 from diffulex.registry import AutoModelForDiffusionLM
 
 
 @AutoModelForDiffusionLM.register("fast_dllm_v2")
 class FastdLLMV2ForDiffusionLM(DenseForDiffusionLM):
+    arch_for = DenseArch.qwen2
     family_defaults = {"mask_token_id": 151665, "decoding_strategy": "fast_dllm_v2"}
     logits_shift = True
-
-    @classmethod
-    def arch_for(cls, config: DenseDecoderConfig) -> DenseArch:
-        return QWEN2_ARCH

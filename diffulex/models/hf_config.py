@@ -6,6 +6,10 @@ i.e. executing files from the checkpoint folder. Instead each family declares th
 dataclass here and reads the JSON itself: unknown keys are ignored, missing or invalid required fields are a
 ``ValueError`` naming the field.
 
+The dense families (SDAR, Dream, DiffuCoder, Dream reasoner, Stable-DiffCoder, Fast-dLLM v2) share one reader,
+`DenseDecoderConfig`, for the HF-style (Qwen2 / Qwen3 / Llama) field names; each family's subclass states only
+what differs (defaults, extra fields, its mask token string). LLaDA has OLMo field names and its own reader.
+
 ``load_hf_config(model_dir, model_name)`` picks the reader registered for the engine's ``model_name``;
 ``model_type_to_model_name`` guesses that name from ``config.json`` when the user did not give one.
 """
@@ -16,7 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from diffulex.registry import Registry
 
@@ -35,6 +39,9 @@ def read_config_dict(model_dir: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return data
+
+
+# ----- field readers: each validates one value and names the field when it is wrong ------------------------
 
 
 def _int(d: dict[str, Any], key: str, *, required: bool = True, default: int | None = None) -> int | None:
@@ -85,153 +92,17 @@ def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-@dataclass
-class SDARConfig:
-    """The fields of an SDAR (Qwen3-architecture block-diffusion) ``config.json`` that the engine uses."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    mask_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    block_size: int | None = None
-    torch_dtype: str | None = None
-    model_type: str = "sdar"
-    architectures: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SDARConfig:
-        """Validate and copy the known fields of a config dict; other keys are ignored."""
-        hidden_size = _int(d, "hidden_size")
-        num_heads = _int(d, "num_attention_heads")
-        num_kv_heads = _int(d, "num_key_value_heads", required=False, default=num_heads)
-        assert hidden_size is not None and num_heads is not None and num_kv_heads is not None
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"config field 'num_attention_heads' ({num_heads}) must be a multiple of "
-                f"'num_key_value_heads' ({num_kv_heads})"
-            )
-        head_dim = _int(d, "head_dim", required=False)
-        if head_dim is None:
-            if hidden_size % num_heads != 0:
-                raise ValueError(
-                    f"config field 'head_dim' is missing and hidden_size={hidden_size} is not divisible by "
-                    f"num_attention_heads={num_heads}"
-                )
-            head_dim = hidden_size // num_heads
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"config field 'hidden_act' must be 'silu' for SDAR, got {hidden_act!r}")
-        rope_scaling = d.get("rope_scaling")
-        rope_theta = d.get("rope_theta")
-        rope_parameters = d.get("rope_parameters")  # transformers 5 spelling of the same two fields
-        if isinstance(rope_parameters, dict):
-            if rope_theta is None:
-                rope_theta = rope_parameters.get("rope_theta")
-            if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
-                rope_scaling = rope_parameters
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise ValueError(f"config field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
-        torch_dtype = d.get("torch_dtype", d.get("dtype"))
-        if torch_dtype is not None and not isinstance(torch_dtype, str):
-            raise ValueError(f"config field 'torch_dtype' must be a string, got {torch_dtype!r}")
-        architectures = d.get("architectures") or []
-        return cls(
-            vocab_size=_int(d, "vocab_size"),  # type: ignore[arg-type]
-            hidden_size=hidden_size,
-            intermediate_size=_int(d, "intermediate_size"),  # type: ignore[arg-type]
-            num_hidden_layers=_int(d, "num_hidden_layers"),  # type: ignore[arg-type]
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
-            rope_theta=_float({"rope_theta": rope_theta}, "rope_theta", 1_000_000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=_int(d, "max_position_embeddings", required=False, default=32768),  # type: ignore[arg-type]
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
-            attention_bias=_bool(d, "attention_bias", False),
-            hidden_act=hidden_act,
-            mask_token_id=_token_id(d, "mask_token_id"),
-            bos_token_id=_token_id(d, "bos_token_id"),
-            eos_token_id=_token_ids(d, "eos_token_id"),
-            block_size=_int(d, "block_size", required=False),
-            torch_dtype=torch_dtype,
-            model_type=str(d.get("model_type", "sdar")),
-            architectures=list(architectures),
-        )
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> SDARConfig:
-        """Read ``<model_dir>/config.json``; errors name the file."""
-        try:
-            return cls.from_dict(read_config_dict(model_dir))
-        except ValueError as e:
-            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+def _torch_dtype(d: dict[str, Any]) -> str | None:
+    """``torch_dtype``, also under its transformers-5 name ``dtype``."""
+    value = d.get("torch_dtype", d.get("dtype"))
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"config field 'torch_dtype' must be a string, got {value!r}")
+    return value
 
 
-HFConfigReaders.register("sdar")(SDARConfig.from_pretrained)
-
-
-def load_hf_config(model_dir: str | Path, model_name: str) -> Any:
-    """The typed config of the checkpoint in `model_dir`, read by the reader registered for `model_name`."""
-    return HFConfigReaders.get(model_name)(model_dir)
-
-
-# model_type (as written in config.json) -> engine model_name, for types that identify the family alone.
-_MODEL_TYPE_TO_NAME = {
-    "sdar": "sdar",
-    "sdar_moe": "sdar_moe",
-    "Dream": "dream",
-    "llada": "llada",
-    "llada2_moe": "llada2",
-    "diffusion_gemma": "diffusion_gemma",
-    "Fast_dLLM_Qwen": "fast_dllm_v2",
-    "fast_dllm_v2": "fast_dllm_v2",
-}
-
-# Substring of an architecture name -> model_name; checked first, because some families reuse a generic
-# model_type (Stable-DiffCoder says "llama").
-_ARCHITECTURE_TO_NAME = {
-    "StableDiffcoder": "stable_diffcoder",
-    "Fast_dLLM_Qwen": "fast_dllm_v2",
-    "FastdLLMV2": "fast_dllm_v2",
-    "SDARMoe": "sdar_moe",
-    "SDARFor": "sdar",
-    "LLaDA2Moe": "llada2",
-    "DiffusionGemma": "diffusion_gemma",
-}
-
-
-def model_type_to_model_name(model_type: str | None, architectures: list[str] | None) -> str | None:
-    """The engine ``model_name`` for a checkpoint's ``model_type``/``architectures``; None if unknown."""
-    for arch in architectures or []:
-        for needle, name in _ARCHITECTURE_TO_NAME.items():
-            if needle in arch:
-                return name
-    if model_type is None:
-        return None
-    return _MODEL_TYPE_TO_NAME.get(model_type)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Dense families with HF-style (Qwen2 / Qwen3 / Llama) field names: Dream, DiffuCoder, Dream reasoner,
-# Stable-DiffCoder, Fast-dLLM v2. One parser, one dataclass per family (so each family documents what it reads).
-# ----------------------------------------------------------------------------------------------------------
+def _architectures(d: dict[str, Any]) -> list[str]:
+    value = d.get("architectures") or []
+    return list(value) if isinstance(value, list) else []
 
 
 def _rope_fields(d: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
@@ -247,13 +118,6 @@ def _rope_fields(d: dict[str, Any], default_theta: float) -> tuple[float, dict[s
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise ValueError(f"config field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
     return _float({"rope_theta": rope_theta}, "rope_theta", default_theta), rope_scaling
-
-
-def _str_or_none(d: dict[str, Any], key: str) -> str | None:
-    value = d.get(key)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"config field {key!r} must be a string, got {value!r}")
-    return value
 
 
 def _heads(d: dict[str, Any], hidden_size: int) -> tuple[int, int, int]:
@@ -314,12 +178,47 @@ def find_added_token_id(model_dir: str | Path, content: str) -> int | None:
     return None
 
 
+class HFConfig:
+    """What every family's config class does with its file, whatever its field names: `from_dict` (per family)
+    validates the JSON; `from_pretrained` names the file in errors and, when ``config.json`` has no
+    ``mask_token_id``, looks the family's ``mask_token`` string up in the tokenizer files."""
+
+    # The family's mask token string (None = do not look it up).
+    mask_token: ClassVar[str | None] = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Validate and copy the known fields of a config dict; other keys are ignored."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Self:
+        """Read ``<model_dir>/config.json``; errors name the file."""
+        try:
+            config = cls.from_dict(read_config_dict(model_dir))
+        except ValueError as e:
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
+        if getattr(config, "mask_token_id", None) is None and cls.mask_token is not None:
+            config.mask_token_id = find_added_token_id(model_dir, cls.mask_token)  # type: ignore[attr-defined]
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense families with HF-style (Qwen2 / Qwen3 / Llama) field names. One reader; each family's subclass says what
+# differs from it, so it documents what that family reads.
+# ----------------------------------------------------------------------------------------------------------
+
+
 @dataclass
-class DenseDecoderConfig:
+class DenseDecoderConfig(HFConfig):
     """The fields of a Qwen2 / Qwen3 / Llama style ``config.json`` that the dense families use.
 
     Which of the bias / norm options a family applies is decided by its model class (Dream forces q/k/v bias,
-    for example); the config only records what the file says.
+    for example); the config only records what the file says. A field's default here is also what a file that
+    leaves the key out gets (a family overrides ``rope_theta``'s, for example).
     """
 
     vocab_size: int
@@ -345,14 +244,14 @@ class DenseDecoderConfig:
     model_type: str = ""
     architectures: list[str] = field(default_factory=list)
 
-    # The family's name in error messages, its default rope base, and its mask token string (looked up in
-    # the tokenizer files when config.json has no mask_token_id; None = do not look).
+    # The family's name in error messages.
     family: ClassVar[str] = "dense"
-    default_rope_theta: ClassVar[float] = 10_000.0
-    mask_token: ClassVar[str | None] = None
+    # Optional positive-integer fields a family adds to the ones above (its block size, for example).
+    extra_int_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def _common(cls, d: dict[str, Any]) -> dict[str, Any]:
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Validate and copy the known fields of a config dict; other keys are ignored."""
         hidden_size = _int(d, "hidden_size")
         assert hidden_size is not None
         num_heads, num_kv_heads, head_dim = _heads(d, hidden_size)
@@ -362,23 +261,19 @@ class DenseDecoderConfig:
         if d.get("use_sliding_window") is True:
             raise ValueError(f"config field 'use_sliding_window' is true: sliding-window attention is not "
                              f"supported for {cls.family}")
-        rope_theta, rope_scaling = _rope_fields(d, cls.default_rope_theta)
-        torch_dtype = d.get("torch_dtype", d.get("dtype"))
-        if torch_dtype is not None and not isinstance(torch_dtype, str):
-            raise ValueError(f"config field 'torch_dtype' must be a string, got {torch_dtype!r}")
-        architectures = d.get("architectures") or []
-        return dict(
-            vocab_size=_int(d, "vocab_size"),
+        rope_theta, rope_scaling = _rope_fields(d, cls.rope_theta)
+        return cls(
+            vocab_size=_int(d, "vocab_size"),  # type: ignore[arg-type]
             hidden_size=hidden_size,
-            intermediate_size=_int(d, "intermediate_size"),
-            num_hidden_layers=_int(d, "num_hidden_layers"),
+            intermediate_size=_int(d, "intermediate_size"),  # type: ignore[arg-type]
+            num_hidden_layers=_int(d, "num_hidden_layers"),  # type: ignore[arg-type]
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_int(d, "max_position_embeddings", required=False, default=32768),
+            max_position_embeddings=_int(d, "max_position_embeddings", required=False, default=32768),  # type: ignore[arg-type]
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=_bool(d, "attention_bias", False),
             mlp_bias=_bool(d, "mlp_bias", False),
@@ -387,30 +282,23 @@ class DenseDecoderConfig:
             bos_token_id=_token_id(d, "bos_token_id"),
             eos_token_id=_token_ids(d, "eos_token_id"),
             pad_token_id=_token_id(d, "pad_token_id"),
-            torch_dtype=torch_dtype,
-            model_type=str(d.get("model_type", "")),
-            architectures=list(architectures) if isinstance(architectures, list) else [],
+            torch_dtype=_torch_dtype(d),
+            model_type=str(d.get("model_type", cls.model_type)),
+            architectures=_architectures(d),
+            **{key: _int(d, key, required=False) for key in cls.extra_int_fields},
         )
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DenseDecoderConfig:
-        """Validate and copy the known fields of a config dict; other keys are ignored."""
-        return cls(**cls._common(d))
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> DenseDecoderConfig:
-        """Read ``<model_dir>/config.json``; errors name the file. Without ``mask_token_id`` there, the family's
-        mask token string is looked up in the folder's tokenizer files."""
-        try:
-            config = cls.from_dict(read_config_dict(model_dir))
-        except ValueError as e:
-            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
-        if config.mask_token_id is None and cls.mask_token is not None:
-            config.mask_token_id = find_added_token_id(model_dir, cls.mask_token)
-        return config
+@dataclass
+class SDARConfig(DenseDecoderConfig):
+    """SDAR (``model_type: "sdar"``): a Qwen3 config plus ``block_size``, the block length it was trained with."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    rope_theta: float = 1_000_000.0
+    model_type: str = "sdar"
+    block_size: int | None = None
+
+    family: ClassVar[str] = "SDAR"
+    extra_int_fields: ClassVar[tuple[str, ...]] = ("block_size",)
 
 
 @dataclass
@@ -437,8 +325,9 @@ class StableDiffCoderConfig(DenseDecoderConfig):
     config; ``attention_bias`` applies to q/k/v/o, ``mlp_bias`` to the MLP. Its config.json names no mask token;
     the tokenizer's ``<[MASK_TOKEN]>`` is."""
 
+    rope_theta: float = 500_000.0
+
     family: ClassVar[str] = "Stable-DiffCoder"
-    default_rope_theta: ClassVar[float] = 500_000.0
     mask_token: ClassVar[str | None] = "<[MASK_TOKEN]>"
 
 
@@ -451,17 +340,7 @@ class FastdLLMV2Config(DenseDecoderConfig):
 
     family: ClassVar[str] = "Fast-dLLM v2"
     mask_token: ClassVar[str | None] = "|<MASK>|"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FastdLLMV2Config:
-        return cls(**cls._common(d), bd_size=_int(d, "bd_size", required=False))
-
-
-for _name in ("dream", "diffucoder"):
-    HFConfigReaders.register(_name)(DreamConfig.from_pretrained)
-HFConfigReaders.register("dream_reasoner")(DreamReasonerConfig.from_pretrained)
-HFConfigReaders.register("stable_diffcoder")(StableDiffCoderConfig.from_pretrained)
-HFConfigReaders.register("fast_dllm_v2")(FastdLLMV2Config.from_pretrained)
+    extra_int_fields: ClassVar[tuple[str, ...]] = ("bd_size",)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -470,7 +349,7 @@ HFConfigReaders.register("fast_dllm_v2")(FastdLLMV2Config.from_pretrained)
 
 
 @dataclass
-class LLaDAConfig:
+class LLaDAConfig(HFConfig):
     """The fields of a LLaDA (``model_type: "llada"``, OLMo-derived) ``config.json`` that the engine uses.
 
     Only the configuration the published LLaDA checkpoints use is implemented (``block_type: "llama"``, RMS
@@ -499,7 +378,7 @@ class LLaDAConfig:
     model_type: str = "llada"
     architectures: list[str] = field(default_factory=list)
 
-    mask_token: ClassVar[str] = "<|mdm_mask|>"
+    mask_token: ClassVar[str | None] = "<|mdm_mask|>"
 
     # The HF-style names the rest of the engine reads.
     @property
@@ -531,7 +410,8 @@ class LLaDAConfig:
         return self.weight_tying
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LLaDAConfig:
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Validate and copy the known fields of a config dict; other keys are ignored."""
         expected = {
             "block_type": "llama",
             "layer_norm_type": "rms",
@@ -578,10 +458,6 @@ class LLaDAConfig:
             raise ValueError(f"config field 'embedding_size' ({embedding_size}) is smaller than 'vocab_size' "
                              f"({vocab_size})")
         include_qkv_bias = d.get("include_qkv_bias", d.get("use_qkv_bias", False))
-        torch_dtype = d.get("torch_dtype", d.get("dtype"))
-        if torch_dtype is not None and not isinstance(torch_dtype, str):
-            raise ValueError(f"config field 'torch_dtype' must be a string, got {torch_dtype!r}")
-        architectures = d.get("architectures") or []
         return cls(
             d_model=d_model,
             n_layers=_int(d, "n_layers"),  # type: ignore[arg-type]
@@ -600,27 +476,68 @@ class LLaDAConfig:
             bos_token_id=_token_id(d, "bos_token_id"),
             eos_token_id=_token_ids(d, "eos_token_id"),
             pad_token_id=_token_id(d, "pad_token_id"),
-            torch_dtype=torch_dtype,
+            torch_dtype=_torch_dtype(d),
             model_type=str(d.get("model_type", "llada")),
-            architectures=list(architectures) if isinstance(architectures, list) else [],
+            architectures=_architectures(d),
         )
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> LLaDAConfig:
-        try:
-            config = cls.from_dict(read_config_dict(model_dir))
-        except ValueError as e:
-            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
-        if config.mask_token_id is None:
-            config.mask_token_id = find_added_token_id(model_dir, cls.mask_token)
-        return config
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+# ----------------------------------------------------------------------------------------------------------
+# Which reader serves which engine model_name, and which model_name a config.json names.
+# ----------------------------------------------------------------------------------------------------------
+
+_READERS: dict[str, type[HFConfig]] = {
+    "sdar": SDARConfig,
+    "dream": DreamConfig,
+    "diffucoder": DreamConfig,
+    "dream_reasoner": DreamReasonerConfig,
+    "stable_diffcoder": StableDiffCoderConfig,
+    "fast_dllm_v2": FastdLLMV2Config,
+    "llada": LLaDAConfig,
+}
+for _name, _config_cls in _READERS.items():
+    HFConfigReaders.register(_name)(_config_cls.from_pretrained)
 
 
-HFConfigReaders.register("llada")(LLaDAConfig.from_pretrained)
+def load_hf_config(model_dir: str | Path, model_name: str) -> Any:
+    """The typed config of the checkpoint in `model_dir`, read by the reader registered for `model_name`."""
+    return HFConfigReaders.get(model_name)(model_dir)
 
-# Architectures that identify a family whose model_type is shared: the Qwen3-style Dream reasoner says
-# model_type "Dream" like Dream-v0 (whose checkpoints say "DreamModel"); see docs/models.md.
-_ARCHITECTURE_TO_NAME.update({"DreamForCausalLM": "dream_reasoner", "LLaDAModelLM": "llada"})
+
+# model_type (as written in config.json) -> engine model_name, for types that identify the family alone.
+_MODEL_TYPE_TO_NAME = {
+    "sdar": "sdar",
+    "sdar_moe": "sdar_moe",
+    "Dream": "dream",
+    "llada": "llada",
+    "llada2_moe": "llada2",
+    "diffusion_gemma": "diffusion_gemma",
+    "Fast_dLLM_Qwen": "fast_dllm_v2",
+    "fast_dllm_v2": "fast_dllm_v2",
+}
+
+# Substring of an architecture name -> model_name; checked first, because some families reuse a generic
+# model_type (Stable-DiffCoder says "llama"; the Qwen3-style Dream reasoner says "Dream" like Dream-v0, whose
+# checkpoints say "DreamModel"; see docs/models.md).
+_ARCHITECTURE_TO_NAME = {
+    "StableDiffcoder": "stable_diffcoder",
+    "Fast_dLLM_Qwen": "fast_dllm_v2",
+    "FastdLLMV2": "fast_dllm_v2",
+    "SDARMoe": "sdar_moe",
+    "SDARFor": "sdar",
+    "LLaDA2Moe": "llada2",
+    "DiffusionGemma": "diffusion_gemma",
+    "DreamForCausalLM": "dream_reasoner",
+    "LLaDAModelLM": "llada",
+}
+
+
+def model_type_to_model_name(model_type: str | None, architectures: list[str] | None) -> str | None:
+    """The engine ``model_name`` for a checkpoint's ``model_type``/``architectures``; None if unknown."""
+    for arch in architectures or []:
+        for needle, name in _ARCHITECTURE_TO_NAME.items():
+            if needle in arch:
+                return name
+    if model_type is None:
+        return None
+    return _MODEL_TYPE_TO_NAME.get(model_type)

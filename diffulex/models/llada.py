@@ -41,6 +41,7 @@ from diffulex.layers import (
     VocabEmbedding,
     apply_rotary,
 )
+from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
 
@@ -70,17 +71,9 @@ class LLaDABlock(nn.Module):
         self.act = SiluAndMul()
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_meta: AttentionMetadata,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn_meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.attn_norm(hidden)
-        else:
-            hidden, residual = self.attn_norm(hidden, residual)
+        hidden, residual = add_and_norm(self.attn_norm, hidden, residual)
         T = hidden.shape[0]
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
@@ -108,15 +101,7 @@ class LLaDATransformer(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.wte(input_ids)
-        rope = self.rotary_emb(positions)
-        residual: torch.Tensor | None = None
-        for block in self.blocks:
-            hidden, residual = block(hidden, residual, rope, attn_meta)
-        if residual is None:
-            return self.ln_f(hidden)
-        hidden, _ = self.ln_f(hidden, residual)
-        return hidden
+        return run_decoder(self.wte(input_ids), self.blocks, self.ln_f, self.rotary_emb(positions), attn_meta)
 
 
 class LLaDAModel(nn.Module):

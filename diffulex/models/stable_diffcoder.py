@@ -8,16 +8,10 @@ shift. The mask token ``<[MASK_TOKEN]>`` (id 5 in the published tokenizer) comes
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.models.hf_config import DenseDecoderConfig
 from diffulex.registry import AutoModelForDiffusionLM
 
 
 @AutoModelForDiffusionLM.register("stable_diffcoder")
 class StableDiffCoderForDiffusionLM(DenseForDiffusionLM):
+    arch_for = DenseArch.llama
     family_defaults = {"mask_token_id": 5, "decoding_strategy": "multi_bd"}
-    logits_shift = False
-
-    @classmethod
-    def arch_for(cls, config: DenseDecoderConfig) -> DenseArch:
-        bias = config.attention_bias
-        return DenseArch(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=config.mlp_bias)

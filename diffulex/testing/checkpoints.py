@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,43 +235,6 @@ def tiny_tokenizer_len(family: str = "sdar") -> int:
     return BPE_VOCAB_SIZE + len(_tiny_tokenizer_spec(family).special_tokens)
 
 
-def _sdar_tensor_shapes(
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    inter: int,
-    vocab: int,
-    tied: bool,
-    bias: bool,
-) -> dict[str, tuple[int, ...]]:
-    """The real SDAR (Qwen3) checkpoint names and shapes, written out independently of the model code."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{p}.self_attn.q_proj.weight"] = (heads * head_dim, hidden)
-        shapes[f"{p}.self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
-        shapes[f"{p}.self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
-        if bias:
-            shapes[f"{p}.self_attn.q_proj.bias"] = (heads * head_dim,)
-            shapes[f"{p}.self_attn.k_proj.bias"] = (kv_heads * head_dim,)
-            shapes[f"{p}.self_attn.v_proj.bias"] = (kv_heads * head_dim,)
-            shapes[f"{p}.self_attn.o_proj.bias"] = (hidden,)
-        shapes[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
-        shapes[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{p}.mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{p}.mlp.down_proj.weight"] = (hidden, inter)
-    shapes["model.norm.weight"] = (hidden,)
-    if not tied:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -292,6 +256,26 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor], shards: int) ->
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The sizes and switches of one tiny checkpoint, as `write_tiny_checkpoint` resolved them."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    block_size: int
+    init_std: float
+    dtype_name: str
 
 
 def write_tiny_checkpoint(
@@ -327,136 +311,53 @@ def write_tiny_checkpoint(
     64 (384): the padding rows have weights like real checkpoints, and the engine must never sample them. SDAR
     special ids: ``<|endoftext|>`` 376 = eos/bos/pad, ``<|im_start|>`` 377, ``<|im_end|>`` 378, ``<|MASK|>``
     379 = mask. ``num_key_value_heads`` defaults to 2 (LLaDA: ``num_attention_heads``, multi-head attention as
-    in LLaDA-8B). ``attention_bias`` is q/k/v(/o) bias where the family reads it (SDAR, Dream reasoner,
-    Stable-DiffCoder; LLaDA's ``include_qkv_bias``); Dream, DiffuCoder and Fast-dLLM v2 always have q/k/v
-    biases. ``mlp_bias`` is Stable-DiffCoder's. ``vocab_size`` overrides the number of embedding rows.
+    in LLaDA-8B), ``head_dim`` to ``hidden_size / num_attention_heads`` (the only value for the families whose
+    config has no ``head_dim``). ``attention_bias`` is q/k/v(/o) bias where the family reads it (SDAR, Dream
+    reasoner, Stable-DiffCoder; LLaDA's ``include_qkv_bias``); Dream, DiffuCoder and Fast-dLLM v2 always have
+    q/k/v biases. ``mlp_bias`` is Stable-DiffCoder's; ``block_size`` SDAR's. ``vocab_size`` overrides the number
+    of embedding rows.
 
-    ``real_tokenizer=True`` (Qwen-based families other than SDAR) writes the family's real Qwen tokenizer
-    (`write_qwen_tokenizer`) instead of the tiny one, and the config names the real ids (mask 151666 for Dream);
-    ``vocab_size`` then defaults to the real checkpoint's (152064 or 151936), so keep ``hidden_size`` small.
+    ``real_tokenizer=True`` (Qwen-based families) writes the family's real Qwen tokenizer (`write_qwen_tokenizer`)
+    instead of the tiny one, and the config names the real ids (mask 151666 for Dream); ``vocab_size`` then
+    defaults to the real checkpoint's (152064 or 151936), so keep ``hidden_size`` small.
     """
-    if family != "sdar" or real_tokenizer:
-        if family == "sdar":
-            raise ValueError("real_tokenizer=True is for the other Qwen-based families; SDAR tests copy the "
-                             "tokenizer with write_qwen_tokenizer")
-        return _write_family_checkpoint(
-            Path(path),
-            _family_name(family),
-            seed=seed,
-            hidden_size=hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            head_dim=head_dim,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
-            shards=shards,
-            dtype=dtype,
-            init_std=init_std,
-            attention_bias=attention_bias,
-            mlp_bias=mlp_bias,
-            vocab_size=vocab_size,
-            real_tokenizer=real_tokenizer,
-        )
+    fmt = _checkpoint_format(family)
     if num_key_value_heads is None:
-        num_key_value_heads = 2
+        num_key_value_heads = num_attention_heads if family == "llada" else 2
+    derived_head_dim = hidden_size // num_attention_heads
     if head_dim is None:
-        head_dim = 16
+        head_dim = derived_head_dim
+    elif head_dim != derived_head_dim and fmt.derives_head_dim:
+        raise ValueError(f"{family} derives head_dim from hidden_size / num_attention_heads = {derived_head_dim}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-
-    tokenizer_files = _tiny_tokenizer_files()
-    for name, data in tokenizer_files.items():
-        (path / name).write_bytes(data)
-    ids = tiny_special_token_ids()
-    tokenizer_len = len(ids) + BPE_VOCAB_SIZE
+    if real_tokenizer:
+        write_qwen_tokenizer(path, family)
+        ids = qwen_special_token_ids(family)
+        tokenizer_len = max(ids.values()) + 1
+        default_vocab = QWEN_FAMILY_VOCAB[family]
+    else:
+        for name, data in _tiny_tokenizer_files(family).items():
+            (path / name).write_bytes(data)
+        ids = tiny_special_token_ids(family)
+        tokenizer_len = tiny_tokenizer_len(family)
+        default_vocab = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
     if vocab_size is None:
-        vocab_size = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+        vocab_size = default_vocab
     elif vocab_size < tokenizer_len:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tokenizer_len} ids)")
-    dtype_name = str(dtype).removeprefix("torch.")
-
-    config = {
-        "architectures": ["SDARForCausalLM"],
-        "auto_map": {
-            "AutoConfig": "configuration_sdar.SDARConfig",
-            "AutoModel": "modeling_sdar.SDARModel",
-            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
-        },
-        "attention_bias": attention_bias,
-        "attention_dropout": 0.0,
-        "attn_implementation": "flex_attention",
-        "bos_token_id": ids["<|endoftext|>"],
-        "debug": False,
-        "eos_token_id": ids["<|endoftext|>"],
-        "block_size": block_size,
-        "mask_token_id": ids["<|MASK|>"],
-        "ep_size": 1,
-        "fuse_cross_entropy": True,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden_size,
-        "initializer_range": init_std,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "max_window_layers": num_hidden_layers,
-        "micro_forward": False,
-        "model_type": "sdar",
-        "num_attention_heads": num_attention_heads,
-        "num_hidden_layers": num_hidden_layers,
-        "num_key_value_heads": num_key_value_heads,
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 1000000,
-        "skip_checkpoint": False,
-        "sliding_window": None,
-        "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": dtype_name,
-        "transformers_version": "4.52.4",
-        "use_cache": False,
-        "use_deepep": False,
-        "use_sliding_window": False,
-        "vocab_size": vocab_size,
-    }
-    _write_json(path / "config.json", config)
-    generation_config = {
-        "bos_token_id": ids["<|endoftext|>"],
-        "do_sample": True,
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"],
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-        "transformers_version": "4.51.0",
-    }
-    _write_json(path / "generation_config.json", generation_config)
-
-    shapes = _sdar_tensor_shapes(
-        hidden_size,
-        num_hidden_layers,
-        num_attention_heads,
-        num_key_value_heads,
-        head_dim,
-        intermediate_size,
-        vocab_size,
-        tie_word_embeddings,
-        attention_bias,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        values = torch.randn(shape, generator=gen) * init_std
-        if name.endswith("norm.weight"):
-            values = 1.0 + values  # norms start near 1, but not exactly, so a wrong norm is visible
-        tensors[name] = values.to(dtype).contiguous()
-    _write_weights(path, tensors, shards)
+    g = _Geometry(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias, mlp_bias=mlp_bias,
+        block_size=block_size, init_std=init_std, dtype_name=str(dtype).removeprefix("torch."),
+    )  # fmt: skip
+    config, generation = fmt.configs(ids, g)
+    _write_json(path / "config.json", dict(sorted(config.items())))
+    _write_json(path / "generation_config.json", generation)
+    _write_weights(path, _random_tensors(fmt.tensor_shapes(g), seed, init_std, dtype), shards)
     return path
-
-
-def _family_name(family: str) -> str:
-    _tiny_tokenizer_spec(family)
-    return family
 
 
 def _dense_tensor_shapes(
@@ -506,6 +407,16 @@ def _dense_tensor_shapes(
     return shapes
 
 
+def _sdar_tensor_shapes(
+    hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int, tied: bool, bias: bool
+) -> dict[str, tuple[int, ...]]:
+    """The real SDAR (Qwen3) checkpoint names and shapes; what an exported SDAR checkpoint must hold."""
+    return _dense_tensor_shapes(
+        hidden, layers, heads, kv_heads, head_dim, inter, vocab, tied,
+        qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False,
+    )  # fmt: skip
+
+
 def _llada_tensor_shapes(
     d_model: int, layers: int, heads: int, kv_heads: int, mlp_hidden: int, vocab: int, tied: bool, qkv_bias: bool
 ) -> dict[str, tuple[int, ...]]:
@@ -547,311 +458,273 @@ def _random_tensors(
     return tensors
 
 
-def _family_configs(
-    family: str,
-    ids: dict[str, int],
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    tie_word_embeddings: bool,
-    dtype_name: str,
-    init_std: float,
-    attention_bias: bool,
-    mlp_bias: bool,
-) -> tuple[dict, dict]:
-    """``config.json`` and ``generation_config.json`` of a non-SDAR family, with that family's real keys."""
-    qwen2 = {
+# ----- each family's config.json and generation_config.json, with the keys of its published files ------------
+
+
+def _qwen_config(g: _Geometry) -> dict:
+    """The keys every Qwen2 / Qwen2.5 / Qwen3 ``config.json`` has (SDAR, Dream, Dream reasoner, Fast-dLLM v2)."""
+    return {
         "attention_dropout": 0.0,
         "hidden_act": "silu",
-        "hidden_size": hidden_size,
-        "initializer_range": init_std,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "max_window_layers": num_hidden_layers,
-        "num_attention_heads": num_attention_heads,
-        "num_hidden_layers": num_hidden_layers,
-        "num_key_value_heads": num_key_value_heads,
+        "hidden_size": g.hidden_size,
+        "initializer_range": g.init_std,
+        "intermediate_size": g.intermediate_size,
+        "max_position_embeddings": g.max_position_embeddings,
+        "max_window_layers": g.num_hidden_layers,
+        "num_attention_heads": g.num_attention_heads,
+        "num_hidden_layers": g.num_hidden_layers,
+        "num_key_value_heads": g.num_key_value_heads,
         "rms_norm_eps": 1e-6,
         "rope_scaling": None,
         "rope_theta": 1000000.0,
         "sliding_window": None,
-        "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": dtype_name,
+        "tie_word_embeddings": g.tie_word_embeddings,
+        "torch_dtype": g.dtype_name,
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": vocab_size,
+        "vocab_size": g.vocab_size,
     }
-    if family in ("dream", "diffucoder"):
-        config = {
-            **qwen2,
-            "architectures": ["DreamModel"],
-            "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-            "bos_token_id": ids["<|beginoftext|>"],
-            "eos_token_id": ids["<|endoftext|>"],
-            "mask_token_id": ids["<|mask|>"],
-            "model_type": "Dream",
-            "pad_token_id": ids["<|endoftext|>"],
-            "transformers_version": "4.46.2",
-        }
-        generation = {
-            "bos_token_id": ids["<|beginoftext|>"],
-            "eos_token_id": ids["<|endoftext|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "transformers_version": "4.46.2",
-        }
-    elif family == "dream_reasoner":
-        config = {
-            **qwen2,
-            "architectures": ["DreamForCausalLM"],
-            "attention_bias": attention_bias,
-            "auto_map": {
-                "AutoConfig": "configuration_dream.DreamConfig",
-                "AutoModelForCausalLM": "modeling_dream.DreamForCausalLM",
-            },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|endoftext|>"],
-            "head_dim": head_dim,
-            "mask_token_id": ids["<|MASK|>"],
-            "model_type": "Dream",
-            "pad_token_id": ids["<|endoftext|>"],
-            "transformers_version": "4.51.3",
-        }
-        generation = {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "pad_token_id": ids["<|endoftext|>"],
-            "transformers_version": "4.51.3",
-        }
-    elif family == "fast_dllm_v2":
-        config = {
-            **qwen2,
-            "architectures": ["Fast_dLLM_QwenForCausalLM"],
-            "auto_map": {
-                "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
-                "AutoModel": "modeling.Fast_dLLM_QwenModel",
-                "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
-            },
-            "bd_size": 32,
-            "bos_token_id": ids["<|endoftext|>"],
-            "conplemenrary_mask": True,  # sic, as published
-            "eos_token_id": ids["<|im_end|>"],
-            "layer_types": ["full_attention"] * num_hidden_layers,
-            "model_type": "Fast_dLLM_Qwen",
-            "pad_token_id": ids["<|im_end|>"],
-            "transformers_version": "4.53.1",
-        }
-        generation = {
-            "bos_token_id": ids["<|endoftext|>"],
-            "do_sample": True,
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "pad_token_id": ids["<|endoftext|>"],
-            "repetition_penalty": 1.05,
-            "temperature": 0.7,
-            "top_k": 20,
-            "top_p": 0.8,
-            "transformers_version": "4.53.1",
-        }
-    elif family == "stable_diffcoder":
-        config = {
-            "architectures": ["StableDiffcoderForCausalLM"],
-            "attention_bias": attention_bias,
-            "attention_dropout": 0.0,
-            "auto_map": {"AutoModelForCausalLM": "modeling_stable_diffcoder.StableDiffcoderForCausalLM"},
-            "bos_token_id": ids["<[begin_of_sentence]>"],
-            "eos_token_id": ids["<[end_of_sentence]>"],
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "hidden_size": hidden_size,
-            "initializer_range": init_std,
-            "intermediate_size": intermediate_size,
-            "max_position_embeddings": max_position_embeddings,
-            "mlp_bias": mlp_bias,
-            "model_type": "llama",
-            "num_attention_heads": num_attention_heads,
-            "num_hidden_layers": num_hidden_layers,
-            "num_key_value_heads": num_key_value_heads,
-            "pad_token_id": ids["<[pad]>"],
-            "pretraining_tp": 1,
-            "rms_norm_eps": 1e-6,
-            "rope_scaling": None,
-            "rope_theta": 500000.0,
-            "tie_word_embeddings": tie_word_embeddings,
-            "torch_dtype": dtype_name,
-            "transformers_version": "4.46.2",
-            "use_cache": True,
-            "vocab_size": vocab_size,
-        }
-        generation = {
-            "bos_token_id": ids["<[begin_of_sentence]>"],
-            "eos_token_id": ids["<[end_of_sentence]>"],
-            "pad_token_id": ids["<[pad]>"],
-            "transformers_version": "4.46.2",
-        }
-    elif family == "llada":
-        config = {
-            "activation_type": "silu",
-            "alibi": False,
-            "alibi_bias_max": 8.0,
-            "architectures": ["LLaDAModelLM"],
-            "attention_dropout": 0.0,
-            "attention_layer_norm": False,
-            "attention_layer_norm_with_affine": True,
-            "auto_map": {
-                "AutoConfig": "configuration_llada.LLaDAConfig",
-                "AutoModel": "modeling_llada.LLaDAModelLM",
-                "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
-            },
-            "bias_for_layer_norm": False,
-            "block_group_size": 1,
-            "block_type": "llama",
-            "d_model": hidden_size,
-            "embedding_dropout": 0.0,
-            "embedding_size": vocab_size,
-            "eos_token_id": ids["<|endoftext|>"],
-            "flash_attention": False,
-            "include_bias": False,
-            "include_qkv_bias": attention_bias,
-            "init_cutoff_factor": None,
-            "init_device": "meta",
-            "init_fn": "mitchell",
-            "init_std": init_std,
-            "input_emb_norm": False,
-            "layer_norm_type": "rms",
-            "layer_norm_with_affine": True,
-            "mask_token_id": ids["<|mdm_mask|>"],
-            "max_sequence_length": max_position_embeddings,
-            "mlp_hidden_size": intermediate_size,
-            "mlp_ratio": 4,
-            "model_type": "llada",
-            "multi_query_attention": None,
-            "n_heads": num_attention_heads,
-            "n_kv_heads": num_key_value_heads,
-            "n_layers": num_hidden_layers,
-            "pad_token_id": ids["<|endoftext|>"],
-            "precision": "amp_bf16",
-            "residual_dropout": 0.0,
-            "rms_norm_eps": 1e-5,
-            "rope": True,
-            "rope_full_precision": True,
-            "rope_theta": 500000.0,
-            "scale_logits": False,
-            "torch_dtype": dtype_name,
-            "transformers_version": "4.46.3",
-            "use_cache": False,
-            "vocab_size": vocab_size,
-            "weight_tying": tie_word_embeddings,
-        }
-        generation = {
-            "bos_token_id": ids["<|startoftext|>"],
-            "eos_token_id": [ids["<|endoftext|>"], ids["<|eot_id|>"]],
-            "pad_token_id": ids["<|endoftext|>"],
-            "transformers_version": "4.46.3",
-        }
-    else:
-        raise ValueError(f"no config writer for family {family!r}")
-    return dict(sorted(config.items())), generation
 
 
-def _write_family_checkpoint(
-    path: Path,
-    family: str,
-    *,
-    seed: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int | None,
-    head_dim: int | None,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    tie_word_embeddings: bool,
-    shards: int,
-    dtype: torch.dtype,
-    init_std: float,
-    attention_bias: bool,
-    mlp_bias: bool,
-    vocab_size: int | None,
-    real_tokenizer: bool,
-) -> Path:
-    """`write_tiny_checkpoint` for every family other than SDAR."""
-    if num_key_value_heads is None:
-        num_key_value_heads = num_attention_heads if family == "llada" else 2
-    derived_head_dim = hidden_size // num_attention_heads
-    if head_dim is None:
-        head_dim = derived_head_dim
-    elif head_dim != derived_head_dim and family in ("llada", "dream", "diffucoder", "fast_dllm_v2"):
-        raise ValueError(f"{family} derives head_dim from hidden_size / num_attention_heads = {derived_head_dim}")
-    path.mkdir(parents=True, exist_ok=True)
-    if real_tokenizer:
-        write_qwen_tokenizer(path, family)
-        ids = qwen_special_token_ids(family)
-        tokenizer_len = max(ids.values()) + 1
-        default_vocab = QWEN_FAMILY_VOCAB[family]
-    else:
-        for name, data in _tiny_tokenizer_files(family).items():
-            (path / name).write_bytes(data)
-        ids = tiny_special_token_ids(family)
-        tokenizer_len = tiny_tokenizer_len(family)
-        default_vocab = math.ceil(tokenizer_len / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-    if vocab_size is None:
-        vocab_size = default_vocab
-    elif vocab_size < tokenizer_len:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tokenizer_len} ids)")
-    config, generation = _family_configs(
-        family,
-        ids,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        dtype_name=str(dtype).removeprefix("torch."),
-        init_std=init_std,
-        attention_bias=attention_bias,
-        mlp_bias=mlp_bias,
-    )
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", generation)
-    if family == "llada":
-        shapes = _llada_tensor_shapes(
-            hidden_size,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            intermediate_size,
-            vocab_size,
-            tie_word_embeddings,
-            attention_bias,
-        )
-    else:
-        qwen2 = family in ("dream", "diffucoder", "fast_dllm_v2")
-        bias = True if qwen2 else attention_bias
-        shapes = _dense_tensor_shapes(
-            hidden_size,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            intermediate_size,
-            vocab_size,
-            tie_word_embeddings,
-            qkv_bias=bias,
-            o_bias=False if qwen2 else attention_bias,
-            qk_norm=family == "dream_reasoner",
-            mlp_bias=mlp_bias and family == "stable_diffcoder",
-        )
-    _write_weights(path, _random_tensors(shapes, seed, init_std, dtype), shards)
-    return path
+def _generation_config(bos: int, eos: int | list[int], pad: int, version: str, **sampling: object) -> dict:
+    """A ``generation_config.json``: the token ids, the family's sampling defaults, the version that wrote it."""
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, **sampling, "transformers_version": version}
+
+
+def _sdar_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    """Every key of the real SDAR-4B-Chat ``config.json``."""
+    eot = ids["<|endoftext|>"]
+    config = {
+        **_qwen_config(g),
+        "architectures": ["SDARForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_sdar.SDARConfig",
+            "AutoModel": "modeling_sdar.SDARModel",
+            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+        },
+        "attention_bias": g.attention_bias,
+        "attn_implementation": "flex_attention",
+        "block_size": g.block_size,
+        "bos_token_id": eot,
+        "debug": False,
+        "eos_token_id": eot,
+        "ep_size": 1,
+        "fuse_cross_entropy": True,
+        "head_dim": g.head_dim,
+        "mask_token_id": ids["<|MASK|>"],
+        "micro_forward": False,
+        "model_type": "sdar",
+        "rope_theta": 1000000,  # an integer in the published file
+        "skip_checkpoint": False,
+        "transformers_version": "4.52.4",
+        "use_cache": False,
+        "use_deepep": False,
+    }
+    sampling = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    return config, _generation_config(eot, [ids["<|im_end|>"], eot], eot, "4.51.0", **sampling)
+
+
+def _dream_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    bos, eot = ids["<|beginoftext|>"], ids["<|endoftext|>"]
+    config = {
+        **_qwen_config(g),
+        "architectures": ["DreamModel"],
+        "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+        "bos_token_id": bos,
+        "eos_token_id": eot,
+        "mask_token_id": ids["<|mask|>"],
+        "model_type": "Dream",
+        "pad_token_id": eot,
+        "transformers_version": "4.46.2",
+    }
+    return config, _generation_config(bos, eot, eot, "4.46.2")
+
+
+def _dream_reasoner_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    eot = ids["<|endoftext|>"]
+    config = {
+        **_qwen_config(g),
+        "architectures": ["DreamForCausalLM"],
+        "attention_bias": g.attention_bias,
+        "auto_map": {
+            "AutoConfig": "configuration_dream.DreamConfig",
+            "AutoModelForCausalLM": "modeling_dream.DreamForCausalLM",
+        },
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "head_dim": g.head_dim,
+        "mask_token_id": ids["<|MASK|>"],
+        "model_type": "Dream",
+        "pad_token_id": eot,
+        "transformers_version": "4.51.3",
+    }
+    return config, _generation_config(eot, [ids["<|im_end|>"], eot], eot, "4.51.3")
+
+
+def _fast_dllm_v2_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    config = {
+        **_qwen_config(g),
+        "architectures": ["Fast_dLLM_QwenForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+            "AutoModel": "modeling.Fast_dLLM_QwenModel",
+            "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
+        },
+        "bd_size": 32,
+        "bos_token_id": eot,
+        "conplemenrary_mask": True,  # sic, as published
+        "eos_token_id": im_end,
+        "layer_types": ["full_attention"] * g.num_hidden_layers,
+        "model_type": "Fast_dLLM_Qwen",
+        "pad_token_id": im_end,
+        "transformers_version": "4.53.1",
+    }
+    sampling = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
+    return config, _generation_config(eot, [im_end, eot], eot, "4.53.1", **sampling)
+
+
+def _stable_diffcoder_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    """A Llama ``config.json`` (Seed-Coder geometry); it names no mask token."""
+    bos, eos, pad = ids["<[begin_of_sentence]>"], ids["<[end_of_sentence]>"], ids["<[pad]>"]
+    config = {
+        "architectures": ["StableDiffcoderForCausalLM"],
+        "attention_bias": g.attention_bias,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoModelForCausalLM": "modeling_stable_diffcoder.StableDiffcoderForCausalLM"},
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "head_dim": g.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": g.hidden_size,
+        "initializer_range": g.init_std,
+        "intermediate_size": g.intermediate_size,
+        "max_position_embeddings": g.max_position_embeddings,
+        "mlp_bias": g.mlp_bias,
+        "model_type": "llama",
+        "num_attention_heads": g.num_attention_heads,
+        "num_hidden_layers": g.num_hidden_layers,
+        "num_key_value_heads": g.num_key_value_heads,
+        "pad_token_id": pad,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": g.tie_word_embeddings,
+        "torch_dtype": g.dtype_name,
+        "transformers_version": "4.46.2",
+        "use_cache": True,
+        "vocab_size": g.vocab_size,
+    }
+    return config, _generation_config(bos, eos, pad, "4.46.2")
+
+
+def _llada_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    """An OLMo ``config.json`` (``d_model``, ``n_layers``, ...), as LLaDA-8B publishes it."""
+    eot = ids["<|endoftext|>"]
+    config = {
+        "activation_type": "silu",
+        "alibi": False,
+        "alibi_bias_max": 8.0,
+        "architectures": ["LLaDAModelLM"],
+        "attention_dropout": 0.0,
+        "attention_layer_norm": False,
+        "attention_layer_norm_with_affine": True,
+        "auto_map": {
+            "AutoConfig": "configuration_llada.LLaDAConfig",
+            "AutoModel": "modeling_llada.LLaDAModelLM",
+            "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+        },
+        "bias_for_layer_norm": False,
+        "block_group_size": 1,
+        "block_type": "llama",
+        "d_model": g.hidden_size,
+        "embedding_dropout": 0.0,
+        "embedding_size": g.vocab_size,
+        "eos_token_id": eot,
+        "flash_attention": False,
+        "include_bias": False,
+        "include_qkv_bias": g.attention_bias,
+        "init_cutoff_factor": None,
+        "init_device": "meta",
+        "init_fn": "mitchell",
+        "init_std": g.init_std,
+        "input_emb_norm": False,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "mask_token_id": ids["<|mdm_mask|>"],
+        "max_sequence_length": g.max_position_embeddings,
+        "mlp_hidden_size": g.intermediate_size,
+        "mlp_ratio": 4,
+        "model_type": "llada",
+        "multi_query_attention": None,
+        "n_heads": g.num_attention_heads,
+        "n_kv_heads": g.num_key_value_heads,
+        "n_layers": g.num_hidden_layers,
+        "pad_token_id": eot,
+        "precision": "amp_bf16",
+        "residual_dropout": 0.0,
+        "rms_norm_eps": 1e-5,
+        "rope": True,
+        "rope_full_precision": True,
+        "rope_theta": 500000.0,
+        "scale_logits": False,
+        "torch_dtype": g.dtype_name,
+        "transformers_version": "4.46.3",
+        "use_cache": False,
+        "vocab_size": g.vocab_size,
+        "weight_tying": g.tie_word_embeddings,
+    }
+    return config, _generation_config(ids["<|startoftext|>"], [eot, ids["<|eot_id|>"]], eot, "4.46.3")
+
+
+@dataclass(frozen=True)
+class _CheckpointFormat:
+    """How one family's checkpoint is written: its config files, and which optional tensors its layers carry.
+
+    ``qwen2_biases``: q/k/v biases whatever ``attention_bias`` says and none on o (Qwen2.5); otherwise
+    ``attention_bias`` puts biases on q/k/v and o. ``derives_head_dim``: the config has no ``head_dim`` key (it is
+    ``hidden_size / num_attention_heads``). ``olmo``: LLaDA's OLMo tensor names instead of the HF ones.
+    """
+
+    configs: Callable[[dict[str, int], _Geometry], tuple[dict, dict]]
+    qwen2_biases: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    derives_head_dim: bool = False
+    olmo: bool = False
+
+    def tensor_shapes(self, g: _Geometry) -> dict[str, tuple[int, ...]]:
+        if self.olmo:
+            return _llada_tensor_shapes(
+                g.hidden_size, g.num_hidden_layers, g.num_attention_heads, g.num_key_value_heads,
+                g.intermediate_size, g.vocab_size, g.tie_word_embeddings, g.attention_bias,
+            )  # fmt: skip
+        return _dense_tensor_shapes(
+            g.hidden_size, g.num_hidden_layers, g.num_attention_heads, g.num_key_value_heads, g.head_dim,
+            g.intermediate_size, g.vocab_size, g.tie_word_embeddings,
+            qkv_bias=self.qwen2_biases or g.attention_bias,
+            o_bias=not self.qwen2_biases and g.attention_bias,
+            qk_norm=self.qk_norm,
+            mlp_bias=self.mlp_bias and g.mlp_bias,
+        )  # fmt: skip
+
+
+_DREAM_FORMAT = _CheckpointFormat(_dream_configs, qwen2_biases=True, derives_head_dim=True)
+CHECKPOINT_FORMATS: dict[str, _CheckpointFormat] = {
+    "sdar": _CheckpointFormat(_sdar_configs, qk_norm=True),
+    "dream": _DREAM_FORMAT,
+    "diffucoder": _DREAM_FORMAT,
+    "dream_reasoner": _CheckpointFormat(_dream_reasoner_configs, qk_norm=True),
+    "fast_dllm_v2": _CheckpointFormat(_fast_dllm_v2_configs, qwen2_biases=True, derives_head_dim=True),
+    "stable_diffcoder": _CheckpointFormat(_stable_diffcoder_configs, mlp_bias=True),
+    "llada": _CheckpointFormat(_llada_configs, derives_head_dim=True, olmo=True),
+}
+
+
+def _checkpoint_format(family: str) -> _CheckpointFormat:
+    _tiny_tokenizer_spec(family)  # the error for an unknown family names them all
+    return CHECKPOINT_FORMATS[family]
 
 
 def shared_sdar_data_dir() -> Path:

@@ -1,5 +1,8 @@
-"""Shared checks for the model-family tests (``test_<family>.py``).
+"""Shared checks for the model-family tests (``test_families.py`` for what every family does, ``test_<family>.py``
+for what is particular to one).
 
+* `CASES` is the table of what the shared tests need to know about each family; the checkpoints they use are
+  written once per session by the ``family_checkpoint`` fixture (``conftest.py``).
 * `reference_forward` recomputes a checkpoint's hidden states with plain torch ops in float64, straight from
   its files (config.json + safetensors), written independently of ``diffulex.models``: HF names (Qwen2 / Qwen3
   / Llama; which biases and norms exist is read off the tensors present) or LLaDA's OLMo names.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,9 +24,59 @@ from safetensors.torch import load_file
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.attention import DenseAttentionMetadata, visibility_mask
+from diffulex.testing.checkpoints import write_tiny_checkpoint
 from diffulex.testing.reference_decoder import reference_for_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+# ----- the families -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """What the shared tests need to know about one family, beyond what its model class says."""
+
+    name: str  # the engine model_name, also write_tiny_checkpoint's family
+    mask_token: str  # the mask token string of its tiny tokenizer
+    peaky_seed: int  # seed of its checkpoint with confident predictions (init_std 1.0), which the engine decodes
+    small: dict = field(default_factory=dict)  # write_tiny_checkpoint arguments of its small-weights checkpoint
+    transformers: str | None = None  # transformers' model for the same tensors (None: the names differ)
+    engine: dict = field(default_factory=dict)  # engine arguments it needs (DiffuCoder is not detected as itself)
+    force_always: bool = False  # the reference decoder forces top-1 in every block (the Stable-DiffCoder rule)
+    runs_d2f: bool = True  # Fast-dLLM v2 turns d2f into its native strategy
+    decodes_here: bool = True  # False: its engine-vs-reference tests are tests/engine's (SDAR)
+
+
+CASES = (
+    FamilyCase("sdar", "<|MASK|>", peaky_seed=1, transformers="Qwen3", decodes_here=False),
+    FamilyCase("llada", "<|mdm_mask|>", peaky_seed=3),
+    FamilyCase("dream", "<|mask|>", peaky_seed=2, transformers="Qwen2"),
+    FamilyCase("diffucoder", "<|mask|>", peaky_seed=7, transformers="Qwen2", engine={"model_name": "diffucoder"}),
+    FamilyCase("dream_reasoner", "<|MASK|>", peaky_seed=4, small={"attention_bias": True}, transformers="Qwen3"),
+    FamilyCase(
+        "stable_diffcoder", "<[MASK_TOKEN]>", peaky_seed=5, transformers="Llama", force_always=True,
+        small={"attention_bias": True, "mlp_bias": True, "head_dim": 8},
+    ),  # fmt: skip
+    FamilyCase("fast_dllm_v2", "|<MASK>|", peaky_seed=6, transformers="Qwen2", runs_d2f=False),
+)
+
+
+def write_family_checkpoint(folder: Path, case: FamilyCase, kind: str) -> Path:
+    """The ``"small"`` checkpoint of a family (weights of std 0.1: forwards compare closely) or its ``"peaky"`` one
+    (std 1.0: confident predictions, so several tokens pass the thresholds in a step)."""
+    if kind == "small":
+        return write_tiny_checkpoint(folder, family=case.name, seed=1, init_std=0.1, **case.small)
+    return write_tiny_checkpoint(folder, family=case.name, seed=case.peaky_seed, init_std=1.0)
+
+
+def write_real_vocab_checkpoint(tmp_path: Path, family: str) -> Path:
+    """A one-layer checkpoint of a Qwen-based `family` with its real tokenizer and real number of embedding rows
+    (about 152k, hence the tiny width)."""
+    return write_tiny_checkpoint(
+        tmp_path / "real-vocab", family=family, real_tokenizer=True, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+    )  # fmt: skip
 
 
 # ----- dense forward by hand ------------------------------------------------------------------------------
@@ -141,7 +195,8 @@ def assert_forward_matches_reference(model, ckpt: Path, vocab: int, seed: int = 
     expected = reference_forward(ckpt, ids, allowed, weights)
     torch.testing.assert_close(hidden.double(), expected, atol=1e-5, rtol=1e-5)
     logits = model.compute_logits(hidden)
-    torch.testing.assert_close(logits.double(), expected @ lm_head_weight(ckpt, weights).T, atol=1e-4, rtol=1e-5)
+    assert hidden.dtype == logits.dtype == next(model.parameters()).dtype
+    torch.testing.assert_close(logits.double(), expected @ lm_head_weight(ckpt, weights).T, atol=1e-5, rtol=1e-5)
 
 
 # ----- transformers cross-check ---------------------------------------------------------------------------
@@ -167,8 +222,24 @@ def assert_matches_transformers(model, kind: str, config_kwargs: dict, state_dic
     pos = torch.arange(9)
     hidden = model(ids, pos, DenseAttentionMetadata(visibility_mask(pos, pos, 1, False, 0)))
     out = hf(input_ids=ids[None], output_hidden_states=True)
-    torch.testing.assert_close(hidden, out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(model.compute_logits(hidden), out.logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, out.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.compute_logits(hidden), out.logits[0], atol=1e-5, rtol=1e-5)
+
+
+# The config.json keys each transformers config class takes (Qwen2 derives head_dim and has no attention_bias).
+TRANSFORMERS_CONFIG_KEYS = {
+    "Qwen2": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "rms_norm_eps max_position_embeddings tie_word_embeddings rope_theta".split(),
+}
+TRANSFORMERS_CONFIG_KEYS["Qwen3"] = [*TRANSFORMERS_CONFIG_KEYS["Qwen2"], "head_dim", "attention_bias"]
+TRANSFORMERS_CONFIG_KEYS["Llama"] = [*TRANSFORMERS_CONFIG_KEYS["Qwen3"], "mlp_bias"]
+
+
+def assert_checkpoint_matches_transformers(model, kind: str, ckpt: Path, vocab: int) -> None:
+    """`assert_matches_transformers` for a checkpoint whose config.json and tensor names are transformers' own."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    config_kwargs = {k: cfg[k] for k in TRANSFORMERS_CONFIG_KEYS[kind]}
+    assert_matches_transformers(model, kind, config_kwargs, load_file(str(ckpt / "model.safetensors")), vocab)
 
 
 # ----- engine vs reference decoder ------------------------------------------------------------------------

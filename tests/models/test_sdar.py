@@ -1,13 +1,13 @@
-"""The SDAR model computes the Qwen3 network exactly, under whatever mask the attention metadata carries."""
+"""The SDAR model computes the Qwen3 network exactly, under whatever mask the attention metadata carries. That it
+equals the network written out by hand and transformers' Qwen3 is checked in test_families.py, with every family."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from family_harness import reference_forward
 
 from diffulex.attention import Attention, DenseAttentionMetadata, PagedAttentionMetadata, visibility_mask
 from diffulex.models.hf_config import SDARConfig
@@ -16,15 +16,11 @@ from diffulex.models.sdar import SDARForDiffusionLM
 from diffulex.registry import AutoModelForDiffusionLM
 from diffulex.testing import write_tiny_checkpoint
 
+FAMILY = "sdar"
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), seed=1, init_std=0.1)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model(ckpt: Path) -> SDARForDiffusionLM:
     return build_model("sdar", ckpt, torch.float32, "cpu")
 
@@ -32,94 +28,6 @@ def model(ckpt: Path) -> SDARForDiffusionLM:
 def block_causal(n: int, block_size: int = BLOCK) -> DenseAttentionMetadata:
     pos = torch.arange(n)
     return DenseAttentionMetadata(visibility_mask(pos, pos, block_size, False, 0))
-
-
-def reference_forward(ckpt: Path, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Qwen3 written out with plain torch ops in float64, straight from the checkpoint files."""
-    cfg = json.loads((ckpt / "config.json").read_text())
-    w = {k: v.double() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
-    nh, nkv, hd, eps = (
-        cfg["num_attention_heads"],
-        cfg["num_key_value_heads"],
-        cfg["head_dim"],
-        cfg["rms_norm_eps"],
-    )
-    T = ids.shape[0]
-
-    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-
-    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-
-    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
-        bias = w.get(name + ".bias")
-        return x @ w[name + ".weight"].T + (0 if bias is None else bias)
-
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        rotated = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
-        return x * cos + rotated * sin
-
-    x = w["model.embed_tokens.weight"][ids]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        h = rms(x, w[p + "input_layernorm.weight"])
-        q = linear(h, p + "self_attn.q_proj").view(T, nh, hd)
-        k = linear(h, p + "self_attn.k_proj").view(T, nkv, hd)
-        v = linear(h, p + "self_attn.v_proj").view(T, nkv, hd)
-        q = rope(rms(q, w[p + "self_attn.q_norm.weight"]))
-        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]))
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(T, nh * hd)
-        x = x + linear(attn, p + "self_attn.o_proj")
-        h = rms(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms(x, w["model.norm.weight"])
-
-
-@torch.inference_mode()
-def test_forward_equals_a_plain_torch_qwen3_under_the_block_causal_mask(model, ckpt):
-    ids = torch.randint(0, 380, (11,), generator=torch.Generator().manual_seed(0))
-    meta = block_causal(11)
-    hidden = model(ids, torch.arange(11), meta)
-    expected = reference_forward(ckpt, ids, meta.allowed)
-    assert hidden.shape == (11, 64)
-    torch.testing.assert_close(hidden.double(), expected, atol=1e-5, rtol=1e-5)
-    logits = model.compute_logits(hidden)
-    assert logits.shape == (11, 384) and logits.dtype == torch.float32
-    lm_head = load_file(str(ckpt / "model.safetensors"))["lm_head.weight"].double()
-    torch.testing.assert_close(logits.double(), expected @ lm_head.T, atol=1e-5, rtol=1e-5)
-
-
-@torch.inference_mode()
-def test_forward_equals_transformers_qwen3_under_a_causal_mask(model, ckpt):
-    transformers = pytest.importorskip("transformers")
-    cfg = json.loads((ckpt / "config.json").read_text())
-    keys = (
-        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
-        "head_dim rms_norm_eps max_position_embeddings tie_word_embeddings attention_bias"
-    ).split()
-    try:
-        rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-        # rope_parameters for transformers 5, rope_theta for 4.x.
-        hf_config = transformers.Qwen3Config(
-            **{k: cfg[k] for k in keys}, rope_parameters=rope, rope_theta=cfg["rope_theta"]
-        )
-        hf_config._attn_implementation = "eager"
-        hf = transformers.Qwen3ForCausalLM(hf_config).eval()
-    except (TypeError, AttributeError, ValueError) as e:  # a transformers version with another config API
-        pytest.skip(f"cannot build transformers' Qwen3 here: {e}")
-    hf.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
-    ids = torch.randint(0, 380, (9,), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(9)
-    hidden = model(ids, pos, DenseAttentionMetadata(visibility_mask(pos, pos, 1, False, 0)))
-    out = hf(input_ids=ids[None], output_hidden_states=True)
-    torch.testing.assert_close(hidden, out.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(model.compute_logits(hidden), out.logits[0], atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
@@ -185,10 +93,6 @@ def test_each_decoder_layer_owns_exactly_one_attention_module(model):
     assert attns[0].scale == pytest.approx(16**-0.5)
 
 
-def test_parameter_names_are_the_checkpoint_names(model, ckpt):
-    assert set(model.state_dict()) == set(load_file(str(ckpt / "model.safetensors")))
-
-
 def test_tied_embeddings_share_one_tensor(tmp_path):
     m = build_model("sdar", write_tiny_checkpoint(tmp_path, tie_word_embeddings=True), torch.float32, "cpu")
     assert m.lm_head.weight is m.model.embed_tokens.weight
@@ -217,6 +121,7 @@ def test_bfloat16_model_gives_bfloat16_logits(ckpt):
 def test_sdar_is_registered_with_its_family_defaults():
     assert AutoModelForDiffusionLM.get("sdar") is SDARForDiffusionLM
     assert SDARForDiffusionLM.family_defaults == {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
+    assert SDARForDiffusionLM.logits_shift is False
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, {"type": "default"}])
