@@ -4,9 +4,11 @@ from diffulex.layers.activation import SiluAndMul
 from diffulex.layers.linear import (
     ColumnParallelLinear,
     LMHead,
+    MergedProjection,
     ReplicatedLinear,
     RowParallelLinear,
     VocabEmbedding,
+    merge_projections,
 )
 from diffulex.layers.norm import RMSNorm
 from diffulex.layers.rotary import RotaryEmbedding, apply_rotary, check_rope_scaling
@@ -14,6 +16,7 @@ from diffulex.layers.rotary import RotaryEmbedding, apply_rotary, check_rope_sca
 __all__ = [
     "ColumnParallelLinear",
     "LMHead",
+    "MergedProjection",
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",
@@ -22,4 +25,5 @@ __all__ = [
     "VocabEmbedding",
     "apply_rotary",
     "check_rope_scaling",
+    "merge_projections",
 ]

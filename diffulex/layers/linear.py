@@ -69,3 +69,61 @@ class LMHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
+
+
+class MergedProjection:
+    """Projections of the same input (q/k/v, gate/up) computed by one GEMM once `merge` has joined them.
+
+    Checkpoints store these matrices separately and the loader and LoRA address them by those names, so the
+    modules stay separate. After loading, `merge` copies their weights into one matrix and turns each module's
+    weight into a view of its rows (same names, same memory), so one launch reads all of them: at decode batch
+    sizes a projection is a weight-streaming kernel, and three small launches cost more than one large one.
+    Projections with forward hooks (LoRA applied per forward) are left separate, since the hooks must see each
+    module's own output. Not an ``nn.Module``: it owns nothing the state dict should see.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def merge(self) -> bool:
+        """Join the weights; returns False (and stays separate) where that would change the result."""
+        linears = self.linears
+        if any(m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return False
+        if any(m.weight.is_meta for m in linears) or len({(m.weight.device, m.weight.dtype) for m in linears}) > 1:
+            return False
+        has_bias = [m.bias is not None for m in linears]
+        if any(has_bias) and not all(has_bias):
+            return False
+        self.weight = _join([m.weight for m in linears])
+        self.bias = _join([m.bias for m in linears]) if all(has_bias) else None
+        return True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.weight is None:
+            return tuple(m(x) for m in self.linears)
+        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def _join(params: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor holding ``params`` along dim 0; each parameter becomes a view of its slice."""
+    joined = torch.cat([p.data for p in params], dim=0)
+    offset = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = joined[offset : offset + rows]
+        offset += rows
+    return joined
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merge every `MergedProjection` a module of ``model`` holds; returns how many were merged."""
+    merged = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, MergedProjection):
+                merged += value.merge()
+    return merged

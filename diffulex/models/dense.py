@@ -22,6 +22,7 @@ from diffulex.attention import Attention, AttentionMetadata
 from diffulex.layers import (
     ColumnParallelLinear,
     LMHead,
+    MergedProjection,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -97,6 +98,7 @@ class DenseAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
         self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * hd, hidden, bias=arch.o_bias)
+        self.qkv = MergedProjection(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if arch.qk_norm:
@@ -106,9 +108,10 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, attn_meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -126,10 +129,11 @@ class DenseMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, bias=bias)
         self.up_proj = ColumnParallelLinear(hidden, inter, bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.gate_up = MergedProjection(self.gate_proj, self.up_proj)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(*self.gate_up(x)))
 
 
 class DenseDecoderLayer(nn.Module):

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from diffulex.config import LOAD_FORMATS, check_choice
+from diffulex.layers import merge_projections
 from diffulex.models.hf_config import load_hf_config
 from diffulex.registry import AutoModelForDiffusionLM
 
@@ -252,8 +253,9 @@ def build_model(
     loader, which guarantees every parameter is overwritten. ``load_format="dummy"`` fills it instead with
     random weights drawn on `device` from `seed` (`init_dummy_weights`, std = the config's ``initializer_range``),
     reading no weight file. With `lora_path`, the PEFT adapter in that folder is then applied
-    (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every forward. Returned
-    in eval mode.
+    (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every forward. Last,
+    projections of the same input are joined for one-GEMM execution (`diffulex.layers.merge_projections`; names
+    and values unchanged). Returned in eval mode.
     """
     check_choice("load_format", load_format, LOAD_FORMATS)
     hf_config = load_hf_config(model_dir, model_name)
@@ -270,4 +272,5 @@ def build_model(
         from diffulex.lora import apply_lora
 
         apply_lora(model, lora_path, merge=merge_lora)
+    merge_projections(model)
     return model.eval()
