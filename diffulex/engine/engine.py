@@ -6,6 +6,8 @@ samples -> each request applies its tokens, commits blocks, and is checked for c
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -111,6 +113,12 @@ class DiffulexEngine:
         self._next_req_id = 0
         self._num_steps = 0
         self._closed = False
+        # Everything built so far (model, tokenizer tables, graphs) lives as long as the engine: move it out of
+        # the collector's reach, or every full collection during generation rescans it (tens of ms per pause).
+        gc.collect()
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once per process, however many engines
+        atexit.register(gc.unfreeze)  # let interpreter shutdown free them (extension modules report leaks)
 
     def _resolve_mask_token_id(self) -> int:
         """The explicit field, else what the checkpoint and tokenizer files name, else the family default."""

@@ -311,7 +311,8 @@ def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SM_COUNT: dict[torch.device, int] = {}
-_MIN_KEYS_PER_SPLIT = 256
+# One key tile per split at least: at decode batch sizes latency, not the combine's extra traffic, is the cost.
+_MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
 
