@@ -228,7 +228,7 @@ class DiffulexEngine:
         torch.cuda.reset_peak_memory_stats(dev)
         weights = torch.cuda.memory_allocated(dev)
         self.runner.allocate_kv_cache(1)  # attention needs a bound cache; the profile stores nothing
-        self.runner.profile_run(num_tokens, sample_rows)
+        self.runner.profile_run(num_tokens, config.max_model_len, sample_rows)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         self.runner.release_kv_cache()

@@ -115,19 +115,21 @@ class ModelRunner:
         return writes
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_sample_rows: int) -> None:
+    def profile_run(self, num_tokens: int, max_model_len: int, num_sample_rows: int) -> None:
         """One forward of ``num_tokens`` prompt rows plus logits for ``num_sample_rows`` rows: the activation
-        peak the memory planner reserves. Stores nothing in the cache."""
-        step = StepInputs(
-            input_ids=[0] * num_tokens,
-            positions=list(range(num_tokens)),
-            slot_mapping=[-1] * num_tokens,
-            cu_seqlens_q=[0, num_tokens],
-            query_lens=[num_tokens],
-            context_lens=[0],
-            prefix_lens=[num_tokens],
-            page_tables=[[]],
-        )
+        peak the memory planner reserves. The rows form requests of at most ``max_model_len`` positions, as a
+        real step would (positions past the model's limit do not exist). Stores nothing in the cache."""
+        step = StepInputs()
+        for start in range(0, num_tokens, max_model_len):
+            n = min(max_model_len, num_tokens - start)
+            step.input_ids.extend([0] * n)
+            step.positions.extend(range(n))
+            step.slot_mapping.extend([-1] * n)
+            step.query_lens.append(n)
+            step.context_lens.append(0)
+            step.prefix_lens.append(n)
+            step.page_tables.append([])
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
         hidden = self.forward(*self._eager_inputs(step))
         rows = hidden[: min(num_sample_rows, num_tokens)]
         logits = self.model.compute_logits(rows)

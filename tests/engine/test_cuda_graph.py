@@ -111,3 +111,14 @@ def test_steps_larger_than_the_graph_shape_run_eagerly(peaky_sdar_dir: Path) -> 
         assert graphs.bucket_for(step([1] * 5)) is None, "more requests than the largest bucket"
         assert graphs.bucket_for(step([1], pages=graphs.shape.max_pages + 1)) is None
         assert graphs.bucket_for(step([])) is None
+
+
+def test_memory_profile_forward_stays_within_the_models_positions(tmp_path: Path) -> None:
+    """The planner's profile covers max(max_num_batched_tokens, max_model_len) rows; one request can never be
+    longer than max_model_len, so neither are the profile's (the RoPE table ends there)."""
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "short", family="sdar", max_position_embeddings=64)
+    with make_engine(model, max_model_len=64, max_num_batched_tokens=200) as llm:
+        assert llm.model.model.rotary_emb.max_position == 64
+        llm.runner.profile_run(200, llm.config.max_model_len, 16)  # IndexError if a position passed the table
