@@ -1,0 +1,141 @@
+"""Where one decode step's time goes: host phases and GPU kernels, for one SDAR geometry and batch size.
+
+    PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--out anatomy.json] [engine flags]
+
+For each batch size it admits the requests, lets them settle into decode, then
+
+* times the host phases of `steps` engine steps (schedule, collect, forward launch/replay, LM head launch,
+  sampler including its wait for the device, finish/bookkeeping) with `perf_counter` around each phase;
+* profiles `steps` more steps and lists the kernels by GPU time per step, with the busy/idle share.
+
+The phase times show what the GPU waits for: everything after the sampler's device-to-host copy returns
+(bookkeeping, the next schedule and collect) up to the next launch is idle GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from diffulex import Diffulex
+from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
+
+
+def _wrap(obj, name: str, phases: dict[str, list[float]], label: str, saved: list) -> None:
+    fn = getattr(obj, name)
+    saved.append((obj, name, obj.__dict__.get(name)))
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[label].append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+
+
+def host_phases(engine, steps: int) -> dict[str, float]:
+    phases: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    saved: list = []
+    _wrap(engine.scheduler, "schedule", phases, "schedule", saved)
+    _wrap(runner, "collect", phases, "collect", saved)
+    if runner.graphs is not None:
+        _wrap(runner.graphs, "run", phases, "forward (fill + replay)", saved)
+    _wrap(runner, "forward", phases, "forward (eager)", saved)
+    _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
+    _wrap(runner, "sampler", phases, "sampler (incl. device wait)", saved)
+    _wrap(engine.scheduler, "finish_step", phases, "finish_step (all requests)", saved)
+    totals = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - t0)
+    out = {label: 1e3 * sum(v) / steps for label, v in phases.items()}
+    out["step total"] = 1e3 * statistics.mean(totals)
+    out["step p50"] = 1e3 * statistics.median(totals)
+    for obj, name, original in reversed(saved):
+        if original is None:
+            obj.__dict__.pop(name, None)
+        else:
+            obj.__dict__[name] = original
+    return out
+
+
+def kernel_table(engine, steps: int) -> tuple[list[tuple[str, int, float]], float, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_name: dict[str, list[float]] = defaultdict(list)
+    intervals = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
+            by_name[e.name[:90]].append(e.time_range.end - e.time_range.start)
+            intervals.append((e.time_range.start, e.time_range.end))
+    from diffulex.bench.gpu_profile import union_length
+
+    busy = union_length(intervals) / 1e6
+    rows = sorted(((n, len(v) / steps, sum(v) / steps) for n, v in by_name.items()), key=lambda r: -r[2])
+    return rows, 1e3 * wall / steps, 1e3 * busy / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="1.7b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--buffer-size", type=int, default=1)
+    ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    report = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
+        fields = dict(block_size=4, buffer_size=args.buffer_size, max_num_reqs=max(args.batch), max_model_len=1024,
+                      load_format="dummy", enable_cudagraph_torch_compile=args.compile)
+        engine = Diffulex(str(path), **fields)
+        for batch in args.batch:
+            prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, 128, 0)
+            engine.generate(prompts, _greedy(16), use_tqdm=False)
+            ids = [engine.add_request(p, _greedy(800)) for p in prompts]
+            reqs = [r for r in engine.scheduler.waiting if r.req_id in set(ids)]
+            _admit_until_decoding(engine, reqs, 4 * batch + 16)
+            for _ in range(5):
+                engine.step()
+            phases = host_phases(engine, args.steps)
+            rows, wall, busy = kernel_table(engine, args.steps)
+            for rid in ids:
+                engine.abort_request(rid)
+            print(f"\n=== {args.model} batch {batch} buffer {args.buffer_size} compile={args.compile}")
+            print("host phases (ms/step):")
+            for k, v in phases.items():
+                print(f"  {k:32s} {v:8.3f}")
+            print(f"profiled: wall {wall:.3f} ms/step, GPU busy {busy:.3f} ms/step ({100 * busy / wall:.0f}%)")
+            print(f"  {'kernel':90s} {'n/step':>7s} {'us/step':>9s}")
+            for name, n, us in rows[: args.top]:
+                print(f"  {name:90s} {n:7.1f} {us:9.1f}")
+            report.append({"batch": batch, "phases": phases, "wall_ms": wall, "busy_ms": busy,
+                           "kernels": [{"name": n, "per_step": c, "us_per_step": u} for n, c, u in rows]})
+        engine.exit()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
