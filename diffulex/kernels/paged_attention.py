@@ -155,8 +155,6 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     q_rows = (row_start + q_idx).to(tl.int64)
-    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     q_pos = ctx + q_idx  # absolute positions of the rows
     q_blk = q_pos // BLOCK_SIZE
@@ -171,10 +169,19 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         lo = 0
         hi = key_limit
+        active_splits = 1
     else:
+        # Splits are sized for the launch bound, not this tile's keys: only the first `active_splits` have keys.
+        # The others leave at once, so neither their partials nor their share of the combine cost anything.
         chunk = tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = tl.minimum(split * chunk, key_limit)
+        active_splits = tl.cdiv(key_limit, chunk)
+        if split >= active_splits:
+            return
+        lo = split * chunk
         hi = tl.minimum(lo + chunk, key_limit)
+
+    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -253,7 +260,7 @@ def _paged_attention_kernel(
         )
 
     if NUM_SPLITS > 1:
-        # publish this split's partial state; the last split of the tile to finish combines them all
+        # publish this split's partial state; the last active split of the tile to finish combines them all
         tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), NUM_SPLITS) + tile
         tile_id = tile_id.to(tl.int64)
         ml_base = part_ml_ptr + (tile_id * NUM_SPLITS + split) * (2 * BLOCK_M)
@@ -263,12 +270,12 @@ def _paged_attention_kernel(
         tl.store(acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
+        if done == active_splits - 1:
             tl.atomic_xchg(counters_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for s in range(NUM_SPLITS):
+            for s in range(0, active_splits):
                 ml_s = part_ml_ptr + (tile_id * NUM_SPLITS + s) * (2 * BLOCK_M)
                 m_s = tl.load(ml_s + offs_m, cache_modifier=".cg")
                 l_s = tl.load(ml_s + BLOCK_M + offs_m, cache_modifier=".cg")

@@ -136,6 +136,15 @@ def test_split_kv_matches_reference(splits, grouped, prefix_full, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_splits_beyond_the_keys_are_idle(dtype):
+    """More splits than key tiles (a graph launched for ``max_model_len`` on short contexts): only the splits
+    with keys publish partials and take part in the combine, and the counters are left at zero."""
+    requests = [(5, 4, 3), (0, 3, 3), (70, 8, 20)]
+    for _ in range(2):
+        check(requests, 4, 2, 16, 8, 4, False, dtype, splits=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_head_dims(head_dim, dtype):
     check([(9, 6, 4), (32, 8, 30)], 4, 2, head_dim, 32, 4, True, dtype)
