@@ -50,6 +50,7 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     _wrap(runner, "collect", phases, "collect", saved)
     if runner.graphs is not None:
         _wrap(runner.graphs, "run", phases, "forward (fill + replay)", saved)
+        _wrap(runner.graphs, "_fill", phases, "  of which fill", saved)
     _wrap(runner, "forward", phases, "forward (eager)", saved)
     _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
     _wrap(runner, "sampler", phases, "sampler (incl. device wait)", saved)

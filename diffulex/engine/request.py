@@ -93,10 +93,15 @@ class Request:
     page_table: list[int] = field(init=False, default_factory=list)  # owned by the KV cache manager
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
     steps: list[StepRecord] = field(init=False, default_factory=list)
+    # Fixed at creation and read many times per step, so stored rather than derived.
+    prompt_len: int = field(init=False)
+    generation_end: int = field(init=False)  # positions at or after this are never decoded
 
     def __post_init__(self) -> None:
         s = self.settings
         size, prompt_len = s.block_size, len(self.prompt_token_ids)
+        self.prompt_len = prompt_len
+        self.generation_end = min(prompt_len + self.sampling_params.max_tokens, s.max_model_len)
         self.token_ids = list(self.prompt_token_ids)
         self.blocks = [Block(i, i * size, size, BlockStatus.TO_CACHE) for i in range(prompt_len // size)]
         self.running = []
@@ -109,15 +114,6 @@ class Request:
         self.frontier = prompt_len
 
     # ----- derived quantities -------------------------------------------------------------------------
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def generation_end(self) -> int:
-        """Positions at or after this are never decoded."""
-        return min(self.prompt_len + self.sampling_params.max_tokens, self.settings.max_model_len)
 
     @property
     def decode_limit(self) -> int:
