@@ -14,8 +14,11 @@ replayed by copying its inputs into the buffers and padding the rest:
 Prefill chunks, rebuilds after preemption and anything larger run eagerly. The LM head and the sampler stay
 outside the graph: the number of rows they need changes every step.
 
-All integer inputs travel in two host buffers (pinned on CUDA) and two copies per step, so replaying costs a
-handful of host operations whatever the batch size.
+All integer inputs travel in one pinned host buffer and one copy per step, so replaying costs a handful of host
+operations whatever the batch size. At batch 1 the host work between the previous step's result and this
+launch is GPU idle time, and every CUDA call there costs microseconds, so the fill makes exactly two (the copy and
+the replay). The staging buffer is reused without an event: the caller synchronizes with the device at the end of
+every replayed step (`ModelRunner.run`), so the previous copy out of it has always finished.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from diffulex.attention import PagedAttentionMetadata
@@ -79,18 +83,23 @@ class DecodeGraphs:
         self.buckets = request_buckets(shape.max_requests)
         R, T, P = shape.max_requests, shape.max_tokens, shape.max_pages
         pin = device.type == "cuda"
-        # tokens: [input_ids | positions | slot_mapping], each T long
-        self._tokens_host = torch.zeros(3 * T, dtype=torch.int64, pin_memory=pin)
-        self._tokens = torch.zeros(3 * T, dtype=torch.int64, device=device)
-        # layout: [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)]
+        # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:
+        # tokens (int64): [input_ids | positions | slot_mapping], each T long;
+        # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)].
         self._head_len = 3 * R + 1
-        self._layout_host = torch.zeros(self._head_len + R * P, dtype=torch.int32, pin_memory=pin)
-        self._layout = torch.zeros_like(self._layout_host, device=device)
-        self._tokens_np = self._tokens_host.numpy()
-        self._layout_np = self._layout_host.numpy()
+        token_bytes = 3 * T * 8
+        total_bytes = token_bytes + (self._head_len + R * P) * 4
+        staging_host = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin)
+        staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
+        self._tokens_np = staging_host.numpy()[:token_bytes].view(np.int64)
+        self._layout_np = staging_host.numpy()[token_bytes:].view(np.int32)
+        self._tokens = staging[:token_bytes].view(torch.int64)
+        self._layout = staging[token_bytes:].view(torch.int32)
+        # per bucket, the prefix of the buffer its step uses: every token row, the layout up to its page tables
+        used = {b: token_bytes + (self._head_len + b * P) * 4 for b in self.buckets}
+        self._copy_pairs = {b: (staging[: used[b]], staging_host[: used[b]]) for b in self.buckets}
         self._metas = {b: self._metadata(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._copied = torch.cuda.Event() if pin else None  # the last host-to-device copy of the buffers
         self._outputs: dict[int, torch.Tensor] = {}
 
     # ----- views ---------------------------------------------------------------------------------------------
@@ -135,10 +144,6 @@ class DecodeGraphs:
 
     def _fill(self, step: StepInputs, bucket: int) -> None:
         s, R, T = self.shape, self.shape.max_requests, self.shape.max_tokens
-        if self._copied is not None:
-            # The previous step's copies read the pinned buffers asynchronously: wait until they have, or a
-            # step without a sampler sync (a store-only step) would let this step overwrite them in flight.
-            self._copied.synchronize()
         t, r = step.num_tokens, step.num_requests
         n = bucket * s.max_query_len
         tok = self._tokens_np
@@ -159,11 +164,8 @@ class DecodeGraphs:
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
             tables[i, : len(table)] = table
-        self._tokens.copy_(self._tokens_host, non_blocking=True)
-        end = self._head_len + bucket * s.max_pages
-        self._layout[:end].copy_(self._layout_host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        device_part, host_part = self._copy_pairs[bucket]
+        device_part.copy_(host_part, non_blocking=True)
         if not self.capture_graphs:  # the eager fallback reads the host lists of the metadata
             meta = self._metas[bucket]
             pad = bucket - r

@@ -109,7 +109,11 @@ class ModelRunner:
         if step.sample_rows:
             row_index = torch.tensor(step.sample_rows, dtype=torch.long).to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
-            writes = self.sampler(logits, step.work)
+            writes = self.sampler(logits, step.work)  # copies its result to the host: the step is complete
+        elif bucket is not None and hidden.is_cuda:
+            # Nothing to sample (the step only stores finished blocks): wait here instead, so that every replayed
+            # step ends synchronized and the graphs' staging buffer is free for the next step (`DecodeGraphs`).
+            torch.cuda.current_stream(hidden.device).synchronize()
         for req in batch:
             writes.setdefault(req.req_id, [])
         return writes
