@@ -71,6 +71,24 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     return out
 
 
+def replay_cost(engine, calls: int = 20) -> dict[str, float]:
+    """Host time of one graph launch (``replay``) and its GPU time, for the smallest captured bucket."""
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs._graphs:
+        return {}
+    graph = graphs._graphs[min(graphs._graphs)]
+    host = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        ts = time.perf_counter()
+        graph.replay()
+        host.append(time.perf_counter() - ts)
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    return {"replay launch (host)": 1e3 * statistics.median(host), "replay + sync": 1e3 * total / calls}
+
+
 def kernel_table(engine, steps: int) -> tuple[list[tuple[str, int, float]], float, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,6 +138,7 @@ def main() -> None:
             for _ in range(5):
                 engine.step()
             phases = host_phases(engine, args.steps)
+            phases.update(replay_cost(engine))
             rows, wall, busy = kernel_table(engine, args.steps)
             for rid in ids:
                 engine.abort_request(rid)
