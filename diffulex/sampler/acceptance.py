@@ -3,11 +3,14 @@
 A rule sees one block's candidate confidences and decides which positions to keep; positions not kept stay
 masked and are predicted again next step. Model families register the sampler class that carries their rule.
 `accept_confident` states the rule for one block (readable, the reference of the tests);
-`accept_confident_segments` applies it to every block of a step at once on the device, which is what the
-sampler runs.
+`accept_confident_segments` applies it to every block of a step at once on the device, and `accept_segments`
+runs that, or on CUDA the one-launch Triton kernel `diffulex.kernels.acceptance`, which is what the sampler calls.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
@@ -50,3 +53,21 @@ def accept_confident_segments(
     first_best = first_best.scatter_reduce(0, segment, at_best, reduce="amin")
     forced = force & (hits == 0)
     return accept | (forced[segment] & (rows == first_best[segment]))
+
+
+def accept_segments(
+    conf: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, starts: torch.Tensor, threshold: float,
+    max_block_rows: int,
+) -> torch.Tensor:
+    """`accept_confident_segments` (``force`` as 0/1 ints) in one Triton launch on CUDA, the PyTorch version
+    elsewhere. ``starts [S + 1]`` are the blocks' first rows followed by ``N``; ``max_block_rows`` bounds a block."""
+    if conf.is_cuda and _triton_available():
+        from diffulex.kernels.acceptance import triton_accept_segments
+
+        return triton_accept_segments(conf, starts, force, threshold, max_block_rows)
+    return accept_confident_segments(conf, segment, force.bool(), threshold)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -9,7 +9,7 @@ import torch
 
 from diffulex.engine.request import Request, SampleTarget
 from diffulex.registry import AutoSampler
-from diffulex.sampler.acceptance import accept_confident_segments
+from diffulex.sampler.acceptance import accept_segments
 from diffulex.sampler.token_sampling import ban_tokens, propose_greedy, sample, step_generator
 
 
@@ -49,11 +49,11 @@ class ConfidenceSampler:
         layout = _RowLayout.of(work, self.force_every_block)
         if not layout.positions:
             return writes
-        segment, force = layout.to_device(logits.device)
+        segment, force, starts = layout.to_device(logits.device)
         tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
         for req, lo, hi in layout.sampled:
             tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
-        accept = accept_confident_segments(conf, segment, force, s.accept_threshold)
+        accept = accept_segments(conf, segment, force, starts, s.accept_threshold, layout.max_block_rows)
         accepted, token_list = torch.stack((accept.long(), tokens)).tolist()
         owners, positions = layout.owners, layout.positions
         for row in compress(range(len(positions)), accepted):
@@ -76,28 +76,35 @@ class _RowLayout:
     owners: list[int]  # row -> req_id
     segments: list[int]  # row -> index of its block among all blocks of the step
     force: list[int]  # block -> 1 if it may force its best row
+    starts: list[int]  # block -> its first row; one more entry, the number of rows
     sampled: list[tuple[Request, int, int]]  # requests with temperature > 0 and their row range [lo, hi)
+    max_block_rows: int = 0
 
     @classmethod
     def of(cls, work: list[tuple[Request, list[SampleTarget]]], force_every_block: bool) -> _RowLayout:
-        layout = cls([], [], [], [], [])
+        layout = cls([], [], [], [], [], [])
         positions, owners, segments, force = layout.positions, layout.owners, layout.segments, layout.force
+        starts = layout.starts
         for req, targets in work:
             lo = len(positions)
             for target in targets:
                 n = len(target.positions)
+                starts.append(len(positions))
                 positions.extend(target.positions)
                 segments.extend([len(force)] * n)
                 force.append(1 if force_every_block or target.force_allowed else 0)
+                layout.max_block_rows = max(layout.max_block_rows, n)
             hi = len(positions)
             owners.extend([req.req_id] * (hi - lo))
             if req.sampling_params.temperature > 0 and hi > lo:
                 layout.sampled.append((req, lo, hi))
+        starts.append(len(positions))
         return layout
 
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(segment int64 [N], force bool [S])`` on ``device``, from one host buffer and one copy."""
-        host = torch.tensor(self.segments + self.force, dtype=torch.int64, pin_memory=device.type == "cuda")
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(segment [N], force [S], starts [S + 1])`` (int64) on ``device``, from one host buffer and one copy."""
+        host = torch.tensor(self.segments + self.force + self.starts, dtype=torch.int64,
+                            pin_memory=device.type == "cuda")
         packed = host.to(device, non_blocking=True)
-        n = len(self.segments)
-        return packed[:n], packed[n:].bool()
+        n, s = len(self.segments), len(self.force)
+        return packed[:n], packed[n : n + s], packed[n + s :]

@@ -1,0 +1,57 @@
+"""The one-launch Triton acceptance equals the per-block rule (`accept_confident`) on every block of a step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from diffulex.kernels.acceptance import triton_accept_segments
+from diffulex.sampler.acceptance import accept_confident
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_kernel(conf: list[float], sizes: list[int], force: list[bool], threshold: float) -> list[int]:
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    got = triton_accept_segments(
+        torch.tensor(conf, dtype=torch.float32, device=DEVICE),
+        torch.tensor(starts, dtype=torch.int64, device=DEVICE),
+        torch.tensor([int(f) for f in force], dtype=torch.int64, device=DEVICE),
+        threshold,
+        max(sizes),
+    )
+    return torch.nonzero(got).flatten().tolist()
+
+
+def per_block_rule(conf: list[float], sizes: list[int], force: list[bool], threshold: float) -> list[int]:
+    expected, row = [], 0
+    for size, f in zip(sizes, force, strict=True):
+        expected.extend(row + i for i in accept_confident(conf[row : row + size], threshold, f))
+        row += size
+    return expected
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kernel_acceptance_equals_the_per_block_rule(seed):
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 2, 3, 4, 8, 17]) for _ in range(rng.randint(1, 9))]
+    levels = [0.05, 0.3, 0.5, 0.5, 0.9, 0.9, 0.95, 1.0]  # ties and exact-threshold values
+    raw = [rng.choice(levels) if rng.random() < 0.6 else rng.random() for _ in range(sum(sizes))]
+    conf = torch.tensor(raw, dtype=torch.float32).tolist()  # the float32 values the kernel sees
+    force = [rng.random() < 0.6 for _ in sizes]
+    threshold = rng.choice([0.0, 0.3, 0.5, 0.9, 0.95, 1.0, rng.random(), -1.0])
+    assert run_kernel(conf, sizes, force, threshold) == per_block_rule(conf, sizes, force, threshold)
+
+
+@pytest.mark.parametrize("threshold", [0.1, 0.9, 0.7, 1 / 3])
+def test_kernel_threshold_compares_like_python_floats(threshold):
+    """float32(t) may lie above or below t: either way a confidence passes exactly when ``conf > t`` in Python."""
+    t32 = torch.tensor(threshold, dtype=torch.float32)
+    neighbours = [torch.nextafter(t32, torch.tensor(-1.0)), t32, torch.nextafter(t32, torch.tensor(2.0))]
+    conf = [float(x) for x in neighbours]
+    got = run_kernel(conf, [1, 1, 1], [False, False, False], threshold)
+    assert got == [i for i, c in enumerate(conf) if c > threshold]
