@@ -12,6 +12,7 @@ if [ "$1" = a ]; then
   timeout 200 python bench/gpu_smoke.py --out $OUT/smoke.json --builtin-problems 100 2>&1 | quiet | tail -40
   timeout 150 python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 30 --top 16 --out $OUT/anatomy.json 2>&1 | quiet
   $TP --models 1.7b --batch-sizes 1 8 32 64 128 --buffer-sizes 1 2 --profile --profile-batch 1 \
+    --linear-roofline --roofline-batches 32 128 \
     --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -16
 else
   $TP --models 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 --linear-roofline --roofline-batches 32 128 \
