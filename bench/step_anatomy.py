@@ -71,6 +71,29 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     return out
 
 
+def sampler_cost(engine, steps: int) -> dict[str, float]:
+    """The sampler alone: the device is synchronized before each call, so its time is its own host work plus its
+    own kernels (top-1, acceptance, the copies), not the wait for the forward."""
+    runner = engine.runner
+    sampler = runner.sampler
+    times: list[float] = []
+
+    def timed(logits, work):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = sampler(logits, work)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    runner.sampler = timed
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        runner.sampler = sampler
+    return {"sampler alone (host + its kernels)": 1e3 * statistics.mean(times)}
+
+
 def replay_cost(engine, calls: int = 20) -> dict[str, float]:
     """Host time of one graph launch (``replay``) and its GPU time, for the smallest captured bucket."""
     graphs = engine.runner.graphs
@@ -139,6 +162,7 @@ def main() -> None:
                 engine.step()
             phases = host_phases(engine, args.steps)
             phases.update(replay_cost(engine))
+            phases.update(sampler_cost(engine, args.steps))
             rows, wall, busy = kernel_table(engine, args.steps)
             for rid in ids:
                 engine.abort_request(rid)
