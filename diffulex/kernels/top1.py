@@ -5,13 +5,22 @@ are set to ``-inf``, without writing that banned copy or the ``[N, V]`` probabil
 numbers per row, and at a real vocabulary (151936 ids) materializing fp32 probabilities costs more memory
 traffic than the whole rest of the sampler.
 
-Design: one program per row walks the allowed ids in ``BLOCK_V`` tiles, loading any float dtype and doing all
-math in fp32. It keeps an online maximum ``m``, the id of its first occurrence (a tile replaces the running id
-only when its maximum is strictly larger, and ``tl.max`` breaks ties to the left, so ties go to the lowest id,
-as in the reference), and ``s = sum(exp(x - m))`` rescaled whenever ``m`` grows. The probability of the argmax
-is ``1 / s``: what softmax gives its top entry, ``exp(m - logsumexp)``, without the rounding of forming the
+Design: a program walks its allowed ids in ``BLOCK_V`` tiles, loading any float dtype and doing all math in
+fp32. It keeps an online maximum ``m``, the id of its first occurrence (a tile replaces the running id only when
+its maximum is strictly larger, and ``tl.max`` breaks ties to the left, so ties go to the lowest id, as in the
+reference), and ``s = sum(exp(x - m))`` rescaled whenever ``m`` grows. The probability of the argmax is
+``1 / s``: what softmax gives its top entry, ``exp(m - logsumexp)``, without the rounding of forming the
 logsumexp. While ``m`` is still ``-inf`` (leading tiles of banned or ``-inf`` ids) the exponentials are guarded
 so they add zeros, never NaN. No host syncs.
+
+Split vocabulary: with few rows (decode at batch 1 samples a handful), one program per row leaves most of the GPU
+idle while each walks ~37 tiles. The grid is then ``(rows, splits)``: each program folds a contiguous, tile-aligned
+slice of the row and publishes its partial ``(m, id, s)`` to scratch, then bumps the row's counter (acq_rel
+atomic); the last program of the row to arrive combines the partials (the maximum, the lowest id among the
+slices that reach it, which is the row's lowest id since slices are in id order, and the ``s`` rescaled to the
+common maximum), writes the answer and resets the counter to zero, so the counters need no memset between
+launches. The split count comes from the row count alone (enough programs to cover the GPU twice; one per row
+once the rows do that themselves), and the scratch size from the shapes, so the launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -20,26 +29,41 @@ import torch
 import triton
 import triton.language as tl
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SM_COUNT: dict[torch.device, int] = {}
+_BLOCK_V = 4096
+_MAX_SPLITS = 64
+
 
 @triton.jit
 def _top1_kernel(
     logits_ptr,
     token_ptr,
     conf_ptr,
+    part_m_ptr,  # [rows * NUM_SPLITS] float32 scratch (split launches only)
+    part_s_ptr,  # [rows * NUM_SPLITS] float32 scratch
+    part_id_ptr,  # [rows * NUM_SPLITS] int32 scratch
+    counters_ptr,  # [>= rows] int32, zero between launches: slices of the row that have finished
     stride_row,
     vocab_limit,
     banned_id,
+    split_len,  # ids per slice, a multiple of BLOCK_V
     BLOCK_V: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     base = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, vocab_limit)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     best = tl.zeros((), tl.int32)
-    for start in range(0, vocab_limit, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         ids = start + offs
-        ok = (ids < vocab_limit) & (ids != banned_id)
+        ok = (ids < hi) & (ids != banned_id)
         x = tl.load(base + ids, mask=ok, other=float("-inf")).to(tl.float32)
         tile_max, tile_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         best = tl.where(tile_max > m, start + tile_arg, best)
@@ -47,16 +71,68 @@ def _top1_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp(-inf - 0) = 0, not NaN
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
-    tl.store(token_ptr + row, best.to(tl.int64))
-    tl.store(conf_ptr + row, tl.fdiv(tl.full((), 1.0, tl.float32), s, ieee_rounding=True))
+    if NUM_SPLITS == 1:
+        tl.store(token_ptr + row, best.to(tl.int64))
+        tl.store(conf_ptr + row, tl.fdiv(tl.full((), 1.0, tl.float32), s, ieee_rounding=True))
+    else:
+        slot = row * NUM_SPLITS + split
+        tl.store(part_m_ptr + slot, m)
+        tl.store(part_s_ptr + slot, s)
+        tl.store(part_id_ptr + slot, best)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            js = tl.arange(0, SPLITS_PAD)
+            j_ok = js < NUM_SPLITS
+            parts = row * NUM_SPLITS + js
+            ms = tl.load(part_m_ptr + parts, mask=j_ok, other=float("-inf"), cache_modifier=".cg")
+            ss = tl.load(part_s_ptr + parts, mask=j_ok, other=0.0, cache_modifier=".cg")
+            bs = tl.load(part_id_ptr + parts, mask=j_ok, other=2147483647, cache_modifier=".cg")
+            m = tl.max(ms, axis=0)
+            best = tl.min(tl.where(j_ok & (ms == m), bs, 2147483647), axis=0)  # lowest id reaching the maximum
+            shift = tl.where(m == float("-inf"), 0.0, m)
+            s = tl.sum(ss * tl.exp(ms - shift), axis=0)
+            tl.store(token_ptr + row, best.to(tl.int64))
+            tl.store(conf_ptr + row, tl.fdiv(tl.full((), 1.0, tl.float32), s, ieee_rounding=True))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed per-row counters, kept per device; the kernel leaves them zero again after each launch."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def auto_num_splits(device: torch.device, num_rows: int, tiles: int) -> int:
+    """Slices per row: enough programs for two per SM, one per row once the rows alone give that many.
+
+    Depends on the row count and vocabulary only (never on data), so a captured graph's launch stays valid.
+    """
+    if device.type != "cuda" or num_rows == 0:
+        return 1
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, _MAX_SPLITS, (2 * _SM_COUNT[device]) // num_rows))
 
 
 def triton_top1(
-    logits: torch.Tensor, vocab_limit: int | None = None, banned_id: int | None = None
+    logits: torch.Tensor,
+    vocab_limit: int | None = None,
+    banned_id: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens int64 [N], conf float32 [N])`` of ``logits [N, V]``, ignoring ids ``>= vocab_limit`` and ``banned_id``.
 
-    Rows with no allowed finite logit have no defined answer (the reference gives NaN there).
+    ``num_splits`` slices each row's vocabulary over that many programs (at most one per ``BLOCK_V`` tile);
+    None picks it from the row count (`auto_num_splits`). Rows with no allowed finite logit have no defined
+    answer (the reference gives NaN there).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -69,5 +145,32 @@ def triton_top1(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     banned = -1 if banned_id is None else banned_id
-    _top1_kernel[(num_rows,)](logits, tokens, conf, logits.stride(0), limit, banned, BLOCK_V=4096, num_warps=8)
+    tiles = max(1, triton.cdiv(limit, _BLOCK_V))
+    splits = auto_num_splits(logits.device, num_rows, tiles) if num_splits is None else num_splits
+    tiles_per_split = triton.cdiv(tiles, max(1, min(splits, tiles)))
+    splits = triton.cdiv(tiles, tiles_per_split)  # no empty slices
+    if splits > 1:
+        part_m = torch.empty(num_rows * splits, dtype=torch.float32, device=logits.device)
+        part_s = torch.empty_like(part_m)
+        part_id = torch.empty(num_rows * splits, dtype=torch.int32, device=logits.device)
+        counters = _counters(logits.device, num_rows)
+    else:
+        part_m = part_s = part_id = counters = conf  # never read
+    _top1_kernel[(num_rows, splits)](
+        logits,
+        tokens,
+        conf,
+        part_m,
+        part_s,
+        part_id,
+        counters,
+        logits.stride(0),
+        limit,
+        banned,
+        tiles_per_split * _BLOCK_V,
+        BLOCK_V=_BLOCK_V,
+        NUM_SPLITS=splits,
+        SPLITS_PAD=_next_pow2(splits),
+        num_warps=8,
+    )
     return tokens, conf

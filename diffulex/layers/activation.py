@@ -1,4 +1,9 @@
-"""The gated activation of SwiGLU MLPs."""
+"""The gated activation of SwiGLU MLPs.
+
+On CUDA it is one Triton launch (`diffulex.kernels.activation.silu_mul`) that reads gate and up where they lie:
+the two halves of the merged ``gate_up`` output or two separate projections alike, so no split copies and no
+intermediate ``silu(gate)`` tensor. The torch code is the CPU path and the reference the kernel reproduces.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffulex.layers.dispatch import use_fused_kernels
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up``.
 
     Takes the two projections as separate tensors because the checkpoints store ``gate_proj`` and ``up_proj``
-    separately and the layers keep them separate (so weight names map one to one). When a fused ``gate_up``
-    projection is introduced, ``SiluAndMul.split`` handles its concatenated ``[..., 2 * I]`` output.
+    separately and the layers keep them separate (so weight names map one to one); the merged ``gate_up``
+    projection hands over two views of one output, which the fused kernel reads in place. ``SiluAndMul.split``
+    takes a concatenated ``[..., 2 * I]`` tensor instead.
     """
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
+            from diffulex.kernels.activation import silu_mul
+
+            return silu_mul(gate, up)
         return F.silu(gate) * up
 
     def split(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,19 @@
-"""RMSNorm, computed in float32 so that bf16/fp16 models normalize exactly like their reference code."""
+"""RMSNorm, computed in float32 so that bf16/fp16 models normalize exactly like their reference code.
+
+On CUDA the forward is one Triton launch (`diffulex.kernels.fused_norm.rms_norm`, residual add included) that
+reproduces this module's torch code rounding for rounding; the torch code is the CPU path and the reference.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from diffulex.layers.dispatch import use_fused_kernels
+
+# Widest row the fused kernel takes (`diffulex.kernels.fused_norm.MAX_NORM_COLS`; kept here so that checking it
+# imports nothing).
+_MAX_FUSED_COLS = 16384
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +42,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if (
+            x.shape[-1] <= _MAX_FUSED_COLS
+            and (residual is None or residual.shape == x.shape)
+            and use_fused_kernels(x, residual, self.weight)
+        ):
+            from diffulex.kernels.fused_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         summed = x + residual

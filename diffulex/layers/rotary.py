@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffulex.layers.dispatch import use_fused_kernels
+from diffulex.layers.norm import RMSNorm
+
 
 def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
     """Only plain RoPE is implemented; refuse scaled variants loudly rather than produce wrong positions."""
@@ -84,3 +87,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: RMSNorm | None = None,
+    k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` of ``q [T, H, D]`` and ``k [T, Hkv, D]``, each first normalized per head by its norm
+    when the layout has them (Qwen3); both norms or neither.
+
+    On CUDA one fused launch reads q and k where they lie (strided views of the fused qkv output) and writes
+    contiguous results; elsewhere (and for layouts the kernel does not cover) the torch modules run in turn.
+    """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    fusable = q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
+    if q_norm is not None and k_norm is not None:
+        # hooks on the norms (activation capture) must see their module run, so those take the torch path
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (q_norm, k_norm))
+        fusable = fusable and q_norm.eps == k_norm.eps and not hooked
+        weights: tuple[torch.Tensor | None, ...] = (q_norm.weight, k_norm.weight)
+    else:
+        weights = (None, None)
+    if fusable and use_fused_kernels(q, k, cos, sin, *weights):
+        from diffulex.kernels.fused_norm import qk_norm_rope
+
+        eps = q_norm.eps if q_norm is not None else 0.0
+        return qk_norm_rope(q, k, cos, sin, weights[0], weights[1], eps)
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -28,8 +28,8 @@ from diffulex.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
-    apply_rotary,
 )
+from diffulex.layers.rotary import rotate_qk
 from diffulex.models.hf_config import DenseDecoderConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -112,11 +112,8 @@ class DenseAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)  # one fused launch on CUDA
         return self.o_proj(self.attn(q, k, v, attn_meta))
 
 

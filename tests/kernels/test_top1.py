@@ -1,11 +1,15 @@
-"""Triton top-1 against `greedy` on banned logits: the same token always, the same probability up to rounding."""
+"""Triton top-1 against `greedy` on banned logits: the same token always, the same probability up to rounding.
+
+Every check runs the one-program-per-row launch and split-vocabulary launches (slices of a row combined by the
+last program to finish), whose slice boundaries fall on tile boundaries.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from diffulex.kernels.top1 import triton_top1
+from diffulex.kernels.top1 import _SM_COUNT, auto_num_splits, triton_top1
 from diffulex.sampler.token_sampling import ban_tokens, greedy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -16,13 +20,19 @@ def reference(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> 
     return greedy(ban_tokens(logits.float().clone(), vocab_limit, banned_id))
 
 
-def check(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> tuple[list[int], list[float]]:
-    tokens, conf = triton_top1(logits.to(DEVICE), vocab_limit, banned_id)  # no copy when already there
+def check(
+    logits: torch.Tensor, vocab_limit: int, banned_id: int | None, splits: tuple[int, ...] = (1, 2, 3)
+) -> tuple[list[int], list[float]]:
+    """The same answer, the reference's, for each split count (capped at one slice per tile by the kernel)."""
     ref_tokens, ref_conf = reference(logits.cpu(), vocab_limit, banned_id)
-    assert tokens.dtype == torch.int64 and conf.dtype == torch.float32
-    assert tokens.cpu().tolist() == ref_tokens.tolist()
-    torch.testing.assert_close(conf.cpu(), ref_conf, rtol=1e-5, atol=0)
-    return tokens.cpu().tolist(), conf.cpu().tolist()
+    answers = []
+    for num_splits in splits:
+        tokens, conf = triton_top1(logits.to(DEVICE), vocab_limit, banned_id, num_splits=num_splits)
+        assert tokens.dtype == torch.int64 and conf.dtype == torch.float32
+        assert tokens.cpu().tolist() == ref_tokens.tolist(), f"num_splits={num_splits}"
+        torch.testing.assert_close(conf.cpu(), ref_conf, rtol=1e-5, atol=0)
+        answers.append((tokens.cpu().tolist(), conf.cpu().tolist()))
+    return answers[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -76,3 +86,33 @@ def test_rows_need_not_be_contiguous_and_there_may_be_none():
     check(wide[:, :500], 480, banned_id=0)  # row stride 700
     tokens, conf = triton_top1(torch.zeros(0, 100, device=DEVICE), 100, None)
     assert tokens.shape == conf.shape == (0,)
+
+
+def test_ties_across_slices_go_to_the_earliest_slice_and_counters_reset_between_launches():
+    logits = torch.zeros(2, 4 * TILE + 9)
+    logits[0, [3 * TILE + 1, TILE + 2, 4 * TILE + 8]] = 6.0  # slices 1..3 tie; the lowest id is in slice 1
+    logits[0, 7] = 6.0  # ...but banned
+    logits[1, [4 * TILE + 5, 4 * TILE + 6]] = 1.0  # a tie within the last, partial slice
+    logits[1, 4 * TILE + 8] = 9.0  # a padding id beyond the vocabulary limit
+    for _ in range(2):  # a second launch reuses the counters the first left at zero
+        tokens, _ = check(logits, 4 * TILE + 7, banned_id=7, splits=(1, 2, 5, 64))
+        assert tokens == [TILE + 2, 4 * TILE + 5]
+
+
+def test_a_slice_of_minus_infinity_adds_nothing_to_the_combined_probability():
+    logits = torch.full((2, 3 * TILE), float("-inf"))
+    logits[0, 2 * TILE + 5] = 0.0  # the first two slices have no finite logit
+    logits[1, [10, 2 * TILE + 1]] = 0.0
+    tokens, conf = check(logits, 3 * TILE, None, splits=(3,))
+    assert tokens == [2 * TILE + 5, 10]
+    assert conf == [1.0, 0.5]
+
+
+def test_split_count_comes_from_the_row_count(monkeypatch):
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setitem(_SM_COUNT, cuda, sms)
+    tiles = 38  # a 151936-id vocabulary in 4096-id tiles
+    assert auto_num_splits(cuda, 4, tiles) == min(tiles, 2 * sms // 4)  # decode at batch 1: every tile its own
+    assert auto_num_splits(cuda, 64, tiles) == max(1, 2 * sms // 64)
+    assert auto_num_splits(cuda, 2 * sms, tiles) == 1  # large batches keep one program per row
+    assert auto_num_splits(torch.device("cpu"), 4, tiles) == 1

@@ -1,0 +1,98 @@
+"""Triton SiLU-and-mul: ``silu(gate) * up`` of a SwiGLU MLP in one launch.
+
+PyTorch runs it as two kernels (``silu``, then the product) with a ``[T, I]`` intermediate in between; at decode
+batch sizes the cost is the launches. The kernel takes ``gate`` and ``up`` as two row-strided ``[T, I]``
+operands, so the same launch serves the merged ``gate_up`` projection (two adjacent halves of one ``[T, 2I]``
+output, read in place without the split copying anything) and the unmerged one (two separate tensors, e.g.
+when LoRA hooks keep the projections apart).
+
+It reproduces PyTorch's roundings: ``silu`` computes ``x / (1 + exp(-x))`` in fp32 with the accurate ``expf``
+and an IEEE division and rounds to the input dtype; the product is then formed in fp32 (exact for two bf16/fp16
+values) and rounded once. On the GPU the exponential is libdevice's ``expf`` (Triton's ``tl.exp`` is the faster
+``ex2.approx`` form, which PyTorch does not use); the Triton interpreter has no libdevice and uses ``tl.exp``.
+Casts go through `diffulex.kernels.fused_norm.cast_rne` (round to nearest even under the interpreter too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from diffulex.kernels.fused_norm import cast_rne
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BLOCK = 1024
+# The interpreter cannot run libdevice calls; it is only ever the CPU test path.
+_PRECISE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    n_cols,
+    stride_g,
+    stride_u,
+    BLOCK: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0)
+    g32 = g.to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-g32)
+    else:
+        e = tl.exp(-g32)
+    silu = cast_rne(tl.fdiv(g32, 1.0 + e, ieee_rounding=True), g.dtype)
+    out = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, cast_rne(out, out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    cols = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    try:
+        flat = x.view(-1, cols)
+    except RuntimeError:
+        flat = x.reshape(-1, cols)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for same-shape ``gate``/``up`` ``[..., I]`` (rows may be strided); contiguous result."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if out.numel() == 0:
+        return out
+    n_cols = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    grid = (g2.shape[0], triton.cdiv(n_cols, _BLOCK))
+    _silu_mul_kernel[grid](
+        g2,
+        u2,
+        out,
+        n_cols,
+        g2.stride(0),
+        u2.stride(0),
+        BLOCK=_BLOCK,
+        PRECISE_EXP=_PRECISE_EXP,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def silu_mul_split(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a concatenated ``[..., 2 * I]`` tensor (gate first), read in place."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul(gate, up)

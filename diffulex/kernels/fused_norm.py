@@ -1,0 +1,304 @@
+"""Triton RMSNorm (with the residual add folded in) and per-head q/k RMSNorm + rotary, one launch each.
+
+At decode batch sizes a layer's elementwise work is a handful of rows, so its cost is the number of launches,
+not bytes: eager PyTorch spends ~40 small kernels per layer on the add, the norms, the rotation and their dtype
+casts. These kernels do each group in one launch and reproduce the PyTorch code of `diffulex.layers` (which
+stays the CPU path and the reference) operation by operation, including every intermediate rounding:
+
+* `rms_norm`: ``summed = x + residual`` rounded to the model dtype (as the torch add does), then
+  ``x32 * rsqrt(sum(x32^2) * (1/N) + eps)`` in fp32 (``mean`` on CUDA multiplies by ``1/N``), cast to the input
+  dtype, then multiplied by the weight in fp32 and rounded once to the promoted dtype of (weight, input). The
+  product of two bf16/fp16 values is exact in fp32, so that single rounding equals PyTorch's. Rows live whole in
+  registers (one program per row, several rows per program below 1024 columns).
+* `qk_norm_rope`: q and k are strided views of the fused qkv GEMM output (row stride = qkv width); they are read
+  in place, each program owning ``BLOCK_H`` heads of one token (q heads first, then k heads, so one launch covers
+  both), and the results go to new contiguous ``[T, heads, D]`` tensors, which is what the torch path hands the
+  attention (writing back in place would leave q/k strided and alias the caller's buffer). Per head: the optional
+  RMSNorm exactly as above, then the rotate-half rotation in fp32 on the (rounded) normed value, cast back.
+
+Exactness on the GPU: launches pass ``enable_fp_fusion=False`` so ``a * b + c`` is never contracted into an FMA
+(PyTorch computes each product and sum in a separate kernel, each rounded); ``rsqrt`` is the same
+``rsqrt.approx`` PyTorch's ``rsqrtf`` compiles to. The one remaining difference is the order of the fp32 sum of
+squares, which can move the statistic by an fp32 ulp and, rarely, a bf16 output by one ulp.
+
+Under the Triton interpreter (the CPU tests), fp32 -> bf16 casts truncate instead of rounding to nearest even
+(its ``cast_impl`` passes no rounding mode), which would hide every rounding this module is careful about; there
+`cast_rne` rounds with integer arithmetic instead. Compiled kernels use the hardware's ``cvt.rn``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Dtypes the kernels read and write; anything else takes the torch path.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Widest row `rms_norm` holds in registers (one program per row); wider rows take the torch path.
+MAX_NORM_COLS = 16384
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """fp32 ``x`` to ``dtype`` rounded to nearest even, as PyTorch's casts do (see the module docstring)."""
+    if _INTERPRETING and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    inv_n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), sum_ptr.dtype.element_ty)  # the torch add, rounded
+        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=1) * inv_n
+    rstd = tl.math.rsqrt(mean_sq + eps)
+    normed = cast_rne(x32 * rstd[:, None], x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = w[None, :] * normed
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, cols]`` with unit column stride; a view whenever the layout allows one."""
+    cols = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    try:
+        flat = x.view(-1, cols)
+    except RuntimeError:
+        flat = x.reshape(-1, cols)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`diffulex.layers.RMSNorm.forward` in one launch: ``normed`` or, with ``residual``, ``(normed, x + residual)``.
+
+    ``x [..., N]`` (any leading dims, rows may be strided), ``weight [N]``. Outputs are contiguous, with the
+    dtypes PyTorch's promotion gives: the sum in ``promote(x, residual)``, the normed value in
+    ``promote(weight, sum)``.
+    """
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    n_rows = x2.shape[0]
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    if out.numel() == 0:
+        return out if summed is None else (out, summed)
+    r2 = x2 if residual is None else _rows(residual)
+    s2 = out.view(-1, n_cols) if summed is None else summed.view(-1, n_cols)
+    block_n = _next_pow2(n_cols)
+    block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
+    num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2,
+        r2,
+        weight if weight.is_contiguous() else weight.contiguous(),
+        out.view(-1, n_cols),
+        s2,
+        n_rows,
+        n_cols,
+        x2.stride(0),
+        r2.stride(0),
+        n_cols,
+        n_cols,
+        1.0 / n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    return out if summed is None else (out, summed)
+
+
+@triton.jit
+def _heads_norm_rope(
+    src_ptr,
+    stride_t,
+    stride_h,
+    dst_ptr,
+    w_ptr,
+    t,
+    head0,
+    n_heads,
+    cos,
+    sin,
+    offs,
+    d_ok,
+    half,
+    inv_d,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """RMSNorm (optional) then rotate-half rotation of heads ``[head0, head0 + BLOCK_H)`` of token ``t``."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None] & d_ok[None, :]
+    src = src_ptr + t * stride_t + heads[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    if HAS_WEIGHT:
+        mean_sq = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) * inv_d
+        rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        # RMSNorm's roundings: normed value to the input dtype, weight product to the output dtype
+        out_dtype = dst_ptr.dtype.element_ty
+        a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
+        a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
+    o1 = a1 * cos[None, :] - a2 * sin[None, :]
+    o2 = a2 * cos[None, :] + a1 * sin[None, :]
+    dst = dst_ptr + (t * n_heads + heads[:, None]) * (2 * half) + offs[None, :]
+    tl.store(dst, cast_rne(o1, dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, cast_rne(o2, dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    n_q_heads,
+    n_k_heads,
+    half,
+    inv_d,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    d_ok = offs < half
+    cos = tl.load(cos_ptr + t * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)
+    q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if block < q_blocks:
+        _heads_norm_rope(
+            q_ptr, stride_qt, stride_qh, q_out_ptr, q_w_ptr, t, block * BLOCK_H, n_q_heads, cos, sin, offs, d_ok,
+            half, inv_d, eps, HAS_WEIGHT, BLOCK_H,
+        )
+    else:
+        _heads_norm_rope(
+            k_ptr, stride_kt, stride_kh, k_out_ptr, k_w_ptr, t, (block - q_blocks) * BLOCK_H, n_k_heads, cos, sin,
+            offs, d_ok, half, inv_d, eps, HAS_WEIGHT, BLOCK_H,
+        )
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when weights are given) then NeoX rotary of ``q [T, H, D]`` and ``k [T, Hkv, D]``.
+
+    Equals ``apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)`` (or the rotations alone
+    without weights); ``cos``/``sin`` are ``[T, D / 2]`` float32. ``q``/``k`` may be strided views (only the
+    last dim must be unit-stride, else they are copied once); the results are new contiguous tensors.
+    """
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be given or both be None")
+    num_tokens, n_q_heads, head_dim = q.shape
+    n_k_heads = k.shape[1]
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one even D")
+    has_weight = q_weight is not None
+    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if has_weight else q.dtype
+    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if has_weight else k.dtype
+    q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    half = head_dim // 2
+    block_half = _next_pow2(half)
+    block_h = min(_next_pow2(max(n_q_heads, n_k_heads)), max(1, 256 // block_half))
+    grid = (num_tokens, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    _qk_norm_rope_kernel[grid](
+        q,
+        k,
+        q_out,
+        k_out,
+        q_weight if has_weight else q,
+        k_weight if has_weight else k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        n_q_heads,
+        n_k_heads,
+        half,
+        1.0 / head_dim,
+        eps,
+        HAS_WEIGHT=has_weight,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out
