@@ -6,29 +6,64 @@ is split across ranks). Today only TP=1 exists, so each class is a plain ``nn.Li
 whose name records how it will be sharded; models already use the right class, so adding TP changes this
 file only.
 Parameter names stay ``weight``/``bias`` so checkpoint keys map one to one.
+
+Every product goes through `linear`: ``F.linear`` (cuBLAS), or on CUDA at decode row counts the Triton skinny
+GEMM (`diffulex.kernels.skinny_gemm`), which streams the weights faster than cuBLAS's small-M tiles.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 
-class ReplicatedLinear(nn.Linear):
+@functools.cache
+def _skinny() -> Callable[..., torch.Tensor | None] | None:
+    """`maybe_skinny_linear`, imported on the first CUDA call (triton is optional); None without triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from diffulex.kernels.skinny_gemm import maybe_skinny_linear
+
+    return maybe_skinny_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
+    CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and not torch.compiler.is_compiling():  # 16: MAX_ROWS
+        skinny = _skinny()
+        y = skinny(x, weight, bias) if skinny is not None else None
+        if y is not None:
+            return y
+    return nn.functional.linear(x, weight, bias)
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` whose product goes through `linear`; forward hooks (LoRA) wrap this forward as before."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
     """A projection every rank holds whole (small layers such as MoE routers)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, output_size, bias=bias)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(_Linear):
     """A projection whose output features will be split across TP ranks (q/k/v, gate/up)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, output_size, bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_Linear):
     """A projection whose input features will be split across TP ranks, then all-reduced (o, down)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -65,7 +100,7 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
@@ -105,7 +140,7 @@ class MergedProjection:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.linears)
-        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def _join(params: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,357 @@
+"""Triton skinny GEMM, ``y[M, N] = x[M, K] @ W[N, K]^T (+ bias)``, for the few rows a decode step feeds a linear.
+
+Why: at decode batch sizes (a block of 4 tokens per request, so M = 4 or 5 rows) every projection is a pure
+weight stream: the FLOPs are nothing, the ``N * K`` weight bytes are everything. cuBLAS picks tensor-core tiles
+sized for larger M (64x8 tiles, split-K plus a separate reduce kernel for tall-K shapes) and streams the
+weights of SDAR's projections at about 2.1 TB/s on an H100 whose copy bandwidth is about 3 TB/s. This kernel is
+shaped for the weight stream instead.
+
+Design:
+
+* Each program owns ``BLOCK_N`` output columns for all M rows, so every weight byte is read exactly once; ``x``
+  (a few KB) is re-read by every program and stays in L2. The loop walks K in ``BLOCK_K`` tiles that are
+  contiguous in memory; the split's start carries a ``multiple_of`` hint, without which the compiler cannot
+  prove alignment and falls back to 2-byte loads (measured: about 0.65x of cuBLAS instead of a win). Columns
+  past ``N`` are clamped to valid rows of ``W``, so the weight loads carry no predicate.
+* Two inner products, chosen per shape by the config table: ``tl.dot`` with the operands swapped
+  (``W_tile @ x_tile^T``, so the weight tile is the large M side of the MMA and the rows of ``x`` are padded to
+  the 16 an MMA needs, which costs nothing when memory is the bound) with Triton's software pipelining keeping
+  ``num_stages`` weight tiles in flight; or, for one or a few rows, a broadcast multiply and ``tl.sum`` on the
+  CUDA cores, which avoids the shared-memory round trip of the MMA operands.
+* Split-K when ``N / BLOCK_N`` programs cannot fill the SMs (o_proj and down_proj have N = hidden): each split
+  writes fp32 partials, bumps a per-tile counter (acq_rel atomic), and the last split to arrive sums the
+  partials in split order (deterministic, independent of arrival order), adds the bias, writes the output and
+  resets the counter to zero, so the counters need no memset. One launch, no host sync, and the only
+  allocations depend on shapes, never on data, so the call can be captured in a CUDA graph. The counters are
+  per device and shared by every call, so concurrent launches on different streams must not both split.
+* No autotuning at run time (deterministic, nothing to tune inside a graph capture): a fixed table, measured
+  on an H100 with ``bench/skinny_gemm_bench.py --sweep``, gives the config per (N, K, row bucket) of the SDAR
+  geometries and says where cuBLAS is faster; other shapes of similar size get the config that won most of
+  the table. The first call of a config compiles it, so capture a graph only after a warm-up forward.
+* Outside graph capture a Triton launch costs more host time than cuBLAS's, so eager calls use the kernel only
+  for LM-head-sized weights (see `use_skinny`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest number of rows the kernel takes; beyond it the tiles of cuBLAS win.
+MAX_ROWS = 16
+
+
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _skinny_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # [N, K], unit stride along K
+    bias_ptr,  # [N] or unused
+    y_ptr,  # [M, N], unit stride along N
+    part_ptr,  # [splits, M, N] fp32 partials, or unused
+    counters_ptr,  # [>= N tiles] int32, zero between launches, or unused
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    k_per_split,  # multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # whether the grid has more than one K split
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks at all
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # columns past N are clamped to valid rows of W (never stored), so the weight loads carry no predicate;
+    # padded rows of x are masked instead, so they cost no memory traffic (the mask is constant along K and
+    # keeps the loads vectorized)
+    cols = offs_n % N
+    row_ok = (offs_m < M)[:, None]
+    # the hint keeps the 16-byte vectorization: without it the compiler cannot prove k_lo aligned
+    k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xv = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        else:
+            k_ok = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(xv), acc)
+        else:
+            prod = xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mn_offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + mn_offs, acc, mask=out_mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, tl.num_programs(1)):
+                total += tl.load(part_ptr + s * M * N + mn_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+class SkinnyConfig(NamedTuple):
+    """One launch shape: tile sizes, pipelining, inner product and the number of K splits requested."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    split_k: int = 1
+
+
+def _bucket(m: int) -> int:
+    """Row bucket of the config table: 1, 4 (2..4), 8 (5..8), 16 (9..16)."""
+    return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else 16
+
+
+_C = SkinnyConfig
+# (N, K, row bucket) -> config, the fastest of `bench/skinny_gemm_bench.py --sweep` on an H100 (bf16, weights
+# read from HBM, CUDA-graph replay). Every entry beat cuBLAS there (by 2-18%, SDAR-1.7B gate_up at 9-16 rows
+# ties it); a shape where cuBLAS wins would map to None. SDAR-1.7B: qkv, o, gate_up, down, LM head; then SDAR-8B.
+_TABLE: dict[tuple[int, int, int], SkinnyConfig | None] = {
+    (4096, 2048, 1): _C(64, 128, 4, 6, True, 1),
+    (4096, 2048, 4): _C(64, 128, 4, 6, True, 1),
+    (4096, 2048, 8): _C(64, 128, 4, 6, True, 1),
+    (4096, 2048, 16): _C(64, 128, 4, 6, True, 1),
+    (2048, 2048, 1): _C(64, 128, 4, 6, True, 1),
+    (2048, 2048, 4): _C(64, 128, 4, 6, True, 1),
+    (2048, 2048, 8): _C(64, 128, 4, 6, True, 1),
+    (2048, 2048, 16): _C(64, 128, 4, 6, True, 1),
+    (12288, 2048, 1): _C(128, 128, 4, 4, True, 1),
+    (12288, 2048, 4): _C(128, 128, 8, 4, True, 1),
+    (12288, 2048, 8): _C(128, 128, 8, 4, True, 1),
+    (12288, 2048, 16): _C(128, 128, 8, 4, True, 1),
+    (2048, 6144, 1): _C(64, 256, 4, 3, True, 4),
+    (2048, 6144, 4): _C(64, 256, 4, 3, True, 4),
+    (2048, 6144, 8): _C(64, 256, 4, 3, True, 4),
+    (2048, 6144, 16): _C(64, 128, 4, 4, True, 4),
+    (151936, 2048, 1): _C(64, 128, 4, 6, True, 1),
+    (151936, 2048, 4): _C(64, 128, 4, 6, True, 1),
+    (151936, 2048, 8): _C(64, 128, 4, 6, True, 1),
+    (151936, 2048, 16): _C(128, 128, 8, 4, True, 1),
+    (6144, 4096, 1): _C(64, 128, 4, 6, True, 1),
+    (6144, 4096, 4): _C(64, 128, 4, 6, True, 1),
+    (6144, 4096, 8): _C(64, 128, 4, 6, True, 1),
+    (6144, 4096, 16): _C(64, 128, 4, 6, True, 1),
+    (4096, 4096, 1): _C(64, 128, 4, 6, True, 1),
+    (4096, 4096, 4): _C(64, 128, 4, 6, True, 1),
+    (4096, 4096, 8): _C(64, 128, 4, 6, True, 1),
+    (4096, 4096, 16): _C(64, 128, 4, 6, True, 1),
+    (24576, 4096, 1): _C(64, 256, 4, 4, True, 1),
+    (24576, 4096, 4): _C(64, 128, 4, 6, True, 1),
+    (24576, 4096, 8): _C(64, 128, 4, 6, True, 1),
+    (24576, 4096, 16): _C(64, 128, 4, 6, True, 1),
+    (4096, 12288, 1): _C(64, 128, 4, 6, True, 2),
+    (4096, 12288, 4): _C(64, 128, 4, 6, True, 2),
+    (4096, 12288, 8): _C(64, 128, 4, 4, True, 4),
+    (4096, 12288, 16): _C(64, 128, 4, 6, True, 2),
+    (151936, 4096, 1): _C(64, 128, 4, 6, True, 1),
+    (151936, 4096, 4): _C(64, 128, 4, 6, True, 1),
+    (151936, 4096, 8): _C(64, 128, 4, 6, True, 1),
+    (151936, 4096, 16): _C(128, 128, 4, 4, True, 1),
+}
+# Shapes the table does not list get the config that won most of it, when they look like the measured ones:
+# at least 4M weights (8 MB in bf16; smaller matrices are all launch latency) and K a multiple of the tile.
+# K splits follow the measured pattern: none up to K = 4096, else enough to bring the grid near 128 programs.
+_GENERIC_MIN_WEIGHTS = 4 << 20
+# Eager launches of a Triton kernel cost more host time than cuBLAS's (~50 us against ~20 us measured per call),
+# which a host-bound eager decode step pays in full; the kernel's gain covers that only on matrices this large
+# (LM heads). Under CUDA-graph capture the launch cost is gone and every table entry wins.
+_EAGER_MIN_BYTES = 256 << 20
+_ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# One fixed buffer per device, never reallocated (a captured graph keeps its address): splits are only used
+# when the N tiles fit in it, which every shape that needs splitting (N of a few thousand) does.
+_MAX_SPLIT_TILES = 1 << 16
+_SUPPORTED = (torch.bfloat16, torch.float16)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def config_for(n: int, k: int, m: int) -> SkinnyConfig | None:
+    """The config for ``x [m, k] @ W[n, k]^T``: the table's entry for measured shapes, the generic one for
+    similar shapes, None where cuBLAS is the better (or the only sensible) choice."""
+    if m < 1 or m > MAX_ROWS:
+        return None
+    key = (n, k, _bucket(m))
+    if key in _TABLE:
+        return _TABLE[key]
+    if n * k < _GENERIC_MIN_WEIGHTS or n < 1024 or k % 128 != 0:
+        return None
+    split = 1 if k <= 4096 else max(1, min(4, round(128 / triton.cdiv(n, 64))))
+    return SkinnyConfig(64, 128, 4, 6, True, split)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Everything `use_skinny` asks except the shape table, compilation and the launch-cost gate."""
+    if not _ENABLED or not x.is_cuda or x.dim() != 2 or x.dtype not in _SUPPORTED:
+        return False
+    m, k = x.shape
+    if m < 1 or m > MAX_ROWS or x.stride(1) != 1:
+        return False
+    if weight.dtype != x.dtype or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        return False
+    if weight.device != x.device or (bias is not None and (bias.dtype != x.dtype or bias.device != x.device)):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return False
+    return True
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `skinny_linear` should replace ``F.linear(x, weight, bias)``.
+
+    Requires CUDA, 2-D ``x`` of at most `MAX_ROWS` rows in bf16/fp16 with unit stride along K, a contiguous
+    weight (and bias) of the same dtype, no autograd recording (the kernel has no backward), no
+    ``torch.compile`` tracing (inductor plans its own GEMMs; an opaque call would split its graph), and a shape
+    with a config (`config_for`). Outside CUDA-graph capture only very large weights qualify (launch cost).
+    Always False on the CPU; ``DIFFULEX_SKINNY_GEMM=0`` turns it off for A/B runs.
+    """
+    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
+        return False
+    if config_for(weight.shape[0], x.shape[1], x.shape[0]) is None:
+        return False
+    return torch.cuda.is_current_stream_capturing() or weight.numel() * weight.element_size() >= _EAGER_MIN_BYTES
+
+
+# Kernel variants (config, padded rows, even K, bias, dtype, device) that an eager call has compiled.
+_WARMED: set[tuple] = set()
+
+
+def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
+
+    A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
+    variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
+    a capture leaves nothing to compile or allocate inside the capture; later eager calls go to cuBLAS.
+    """
+    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
+        return None
+    m, k = x.shape
+    cfg = config_for(weight.shape[0], k, m)
+    if cfg is None:
+        return None
+    if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
+        variant = (cfg, _block_m(cfg, m), k % cfg.block_k == 0, bias is not None, x.dtype, x.device)
+        if variant in _WARMED:
+            return None
+        _WARMED.add(variant)
+    return skinny_linear(x, weight, bias, cfg)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _block_m(cfg: SkinnyConfig, m: int) -> int:
+    """Rows of the tile: an MMA needs 16 at least; the CUDA-core product takes any power of two."""
+    return max(16, _next_pow2(m)) if cfg.use_dot else _next_pow2(m)
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``x``'s dtype with fp32 accumulation, for few-row ``x [M, K]``.
+
+    `config` overrides the table (benchmarks and tests); without it the shape must be in the table (check
+    `use_skinny` first). Works on CUDA and under the Triton interpreter.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config if config is not None else config_for(n, k, m)
+    if cfg is None:
+        raise ValueError(f"no skinny GEMM config for M={m}, N={n}, K={k}; use F.linear")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    block_m = _block_m(cfg, m)
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    if splits > 1 and tiles > _MAX_SPLIT_TILES:
+        k_per_split, splits = triton.cdiv(k, cfg.block_k) * cfg.block_k, 1
+    if splits > 1:
+        part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        part = counters = y  # never read
+    if bias is not None:
+        bias = bias.contiguous()
+    _skinny_kernel[(tiles, splits)](
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        USE_DOT=cfg.use_dot,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y

@@ -1,0 +1,124 @@
+"""The skinny GEMM against an fp32 ``F.linear``, and the dispatch that must leave CPU (and autograd) untouched.
+
+Under the Triton interpreter (CPU) shapes stay small; the tolerance is one unit in the last place of the output
+dtype, which only fp32 accumulation meets (accumulating in bf16 over K terms would be off by many).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffulex.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, config_for, skinny_linear, use_skinny
+from diffulex.layers import ColumnParallelLinear, LMHead, MergedProjection, RowParallelLinear
+from diffulex.layers.linear import linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter's tl.dot mishandles bf16 operands, so on the CPU the MMA path is checked in fp16 only.
+DOT_DTYPES = (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,)
+
+CONFIGS = [
+    SkinnyConfig(16, 32, 4, 2, use_dot=False, split_k=1),
+    SkinnyConfig(32, 64, 4, 1, use_dot=False, split_k=3),
+    SkinnyConfig(16, 32, 4, 2, use_dot=True, split_k=1),
+    SkinnyConfig(32, 64, 4, 3, use_dot=True, split_k=2),
+]
+# (M, N, K): odd rows, N not a multiple of BLOCK_N, K not a multiple of BLOCK_K, and one even case.
+SHAPES = [(1, 40, 96), (3, 50, 100), (5, 33, 160), (16, 64, 128)]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, rtol=torch.finfo(dtype).eps, atol=1e-3)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{'dot' if c.use_dot else 'fma'}-split{c.split_k}")
+def test_matches_fp32_reference(cfg: SkinnyConfig) -> None:
+    gen = torch.Generator().manual_seed(0)
+    dtypes = DOT_DTYPES if cfg.use_dot else (torch.bfloat16, torch.float16)
+    for i, (m, n, k) in enumerate(SHAPES):
+        dtype = dtypes[i % len(dtypes)]
+        x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, dtype)
+        b = torch.randn(n, generator=gen).to(DEVICE, dtype) if i % 2 else None
+        check(skinny_linear(x, w, b, cfg), reference(x, w, b), dtype)
+
+
+def test_split_counters_are_left_zero_for_the_next_call() -> None:
+    """The last split resets its tile's counter: a second launch (as a graph replay would be) is right too."""
+    from diffulex.kernels import skinny_gemm
+
+    gen = torch.Generator().manual_seed(1)
+    cfg = SkinnyConfig(16, 32, 4, 1, use_dot=False, split_k=4)
+    x = torch.randn(2, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(48, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    for _ in range(2):
+        check(skinny_linear(x, w, None, cfg), reference(x, w, None), torch.bfloat16)
+    assert int(skinny_gemm._counters(x.device).abs().sum()) == 0
+
+
+def test_strided_rows_of_x() -> None:
+    """A row-strided view of x (a slice of a wider activation) needs no copy and gives the same result."""
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(4, 200, generator=gen).to(DEVICE, torch.float16)
+    x = wide[:, :96]
+    w = torch.randn(24, 96, generator=gen).to(DEVICE, torch.float16)
+    check(skinny_linear(x, w, None, CONFIGS[0]), reference(x, w, None), torch.float16)
+
+
+def test_dispatch_is_off_on_cpu_and_under_autograd() -> None:
+    x = torch.randn(4, 2048, dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, dtype=torch.bfloat16)
+    assert config_for(4096, 2048, 4) is not None  # a table shape, so only the device rules it out
+    assert not use_skinny(x, w)
+    assert not use_skinny(x, w, torch.zeros(4096, dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        xg, wg = x.cuda(), nn.Parameter(w.cuda())
+        assert not use_skinny(xg, wg), "a weight that records gradients keeps the differentiable F.linear"
+        assert not use_skinny(xg.float(), wg.detach().float()), "fp32 is not handled"
+        assert not use_skinny(torch.randn(MAX_ROWS + 1, 2048, device="cuda", dtype=torch.bfloat16), wg.detach())
+
+
+def test_config_table_rows_and_fallback() -> None:
+    assert config_for(4096, 2048, MAX_ROWS + 1) is None
+    assert config_for(151936, 4096, 5) == config_for(151936, 4096, 8)  # one bucket
+    assert config_for(64, 64, 4) is None, "tiny matrices stay on cuBLAS"
+    generic = config_for(4608, 3584, 4)  # not in the table, similar size
+    assert generic is not None and generic.use_dot
+
+
+def test_layers_on_cpu_are_exactly_f_linear() -> None:
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(32, 48, bias=True), RowParallelLinear(48, 32)
+    x = torch.randn(4, 32)
+    assert torch.equal(col(x), nn.functional.linear(x, col.weight, col.bias))
+    assert torch.equal(row(col(x)), nn.functional.linear(col(x), row.weight))
+    head = LMHead(100, 32)
+    assert torch.equal(head(x), nn.functional.linear(x, head.weight))
+    assert torch.equal(linear(x, col.weight), nn.functional.linear(x, col.weight))
+    q, k = ColumnParallelLinear(32, 16), ColumnParallelLinear(32, 8)
+    merged = MergedProjection(q, k)
+    assert merged.merge()
+    for got, want in zip(merged(x), nn.functional.linear(x, merged.weight).split([16, 8], dim=-1), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_forward_hooks_still_see_the_layer_output() -> None:
+    """LoRA applied per forward is a forward hook on the layer; the overridden forward must keep it working."""
+    from diffulex.lora import _lora_forward_hook
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(16, 8)
+    a, b = torch.randn(2, 16), torch.randn(8, 2)
+    layer.register_buffer("lora_A", a, persistent=False)
+    layer.register_buffer("lora_B", b, persistent=False)
+    layer.lora_scaling = 0.5
+    layer.register_forward_hook(_lora_forward_hook)
+    x = torch.randn(3, 16)
+    expected = nn.functional.linear(x, layer.weight) + 0.5 * (x @ a.T) @ b.T
+    torch.testing.assert_close(layer(x), expected)
