@@ -20,8 +20,8 @@ import torch
 # Kernel-name patterns of each category, checked in this order (first match wins); names are lower-cased.
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"attention|attn|flash|fmha|store_kv|kv_store|reshape_and_cache")),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|splitk")),
-    ("sampler", re.compile(r"softmax|top1|topk|argmax|argmin|sort|multinomial|cumsum")),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|splitk|skinny")),
+    ("sampler", re.compile(r"softmax|top1|topk|argmax|argmin|sort|multinomial|cumsum|accept")),
 )
 COPY_PREFIXES = ("memcpy", "memset")
 

@@ -102,9 +102,37 @@ def add_matmul_peak(peaks: HardwarePeaks, device: torch.device, dtype: torch.dty
     return peaks.matmul_flops_per_s[key]
 
 
+# Weights cycled through by `time_linear` add up to at least this many bytes, so that no call finds its weight in
+# the GPU's L2 cache (50 MB on an H100) left there by the previous one, as no layer of a real forward does.
+_COLD_WEIGHT_BYTES = 256 * 2**20
+
+
 def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, iters: int = 20) -> float:
-    """Seconds of one ``torch.nn.functional.linear`` of an ``[m, k]`` input by an ``[n, k]`` weight."""
+    """Seconds of one ``torch.nn.functional.linear`` of an ``[m, k]`` input by an ``[n, k]`` weight.
+
+    On CUDA the calls are captured in a CUDA graph and replayed, each on another copy of the weight: this is how
+    a decode step runs its linears (launched from a graph, weights streamed from memory), whereas eagerly
+    launched small GEMMs measure the host's launch latency and repeated ones the L2 cache.
+    """
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
-    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
-    return _time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)
+    if device.type != "cuda":
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
+        return _time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)
+    weight_bytes = n * k * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(iters, -(-_COLD_WEIGHT_BYTES // weight_bytes)))
+    weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
+
+    def calls() -> None:
+        for i in range(iters):
+            torch.nn.functional.linear(x, weights[i % copies])
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        calls()  # warm-up: library handles and kernel choices exist before capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return _time_per_call(graph.replay, device, 3, warmup=1) / iters
