@@ -123,6 +123,7 @@ def _paged_attention_kernel(
     PREFIX_FULL: tl.constexpr,
     IEEE: tl.constexpr,  # exact fp32 dots (fp32 inputs); otherwise the inputs' native precision
     NUM_SPLITS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
+    MIN_SPLIT_KEYS: tl.constexpr,  # fewest keys a split takes: below it, fewer splits do the work
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0) // NUM_SPLITS
@@ -173,7 +174,7 @@ def _paged_attention_kernel(
     else:
         # Splits are sized for the launch bound, not this tile's keys: only the first `active_splits` have keys.
         # The others leave at once, so neither their partials nor their share of the combine cost anything.
-        chunk = tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
         active_splits = tl.cdiv(key_limit, chunk)
         if split >= active_splits:
             return
@@ -259,7 +260,11 @@ def _paged_attention_kernel(
             IEEE,
         )
 
-    if NUM_SPLITS > 1:
+    if NUM_SPLITS == 1:
+        _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
+    elif active_splits == 1:  # keys too few to split: write as an unsplit launch would
+        _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
+    else:
         # publish this split's partial state; the last active split of the tile to finish combines them all
         tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), NUM_SPLITS) + tile
         tile_id = tile_id.to(tl.int64)
@@ -293,15 +298,15 @@ def _paged_attention_kernel(
                 l_i = l_i * alpha + l_s * beta
                 acc = acc * alpha[:, None] + acc_s * beta[:, None]
                 m_i = m_new
-            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            out = acc / l_safe[:, None]
-            o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
+
+
+@triton.jit
+def _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h):
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _next_pow2(x: int) -> int:
@@ -318,7 +323,9 @@ def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SM_COUNT: dict[torch.device, int] = {}
-# One key tile per split at least: at decode batch sizes latency, not the combine's extra traffic, is the cost.
+# Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
+# (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
+# mostly short, so 64.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
@@ -332,7 +339,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _auto_num_splits(device: torch.device, programs: int, max_keys: int) -> int:
+def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
     """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes)."""
     if device.type != "cuda":
         return 1
@@ -341,7 +348,7 @@ def _auto_num_splits(device: torch.device, programs: int, max_keys: int) -> int:
     sms = _SM_COUNT[device]
     if programs >= sms:
         return 1
-    splits = min(triton.cdiv(2 * sms, programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    splits = min(triton.cdiv(2 * sms, programs), max_keys // min_split_keys, _MAX_SPLITS)
     return max(1, splits)
 
 
@@ -356,13 +363,15 @@ def triton_paged_attention(
     grouped: bool = True,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    min_split_keys: int = _MIN_KEYS_PER_SPLIT,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention`: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, caches ``[P, page_size, Hkv, D]``.
 
     ``grouped=True`` (``attn_impl="triton_grouped"``) packs the query heads of one KV head into one program;
     ``grouped=False`` (``attn_impl="triton"``) runs one program per query head. ``out`` (``[T, H, D]``, q's dtype)
     may be given to write into; every row of a request with ``q_len > 0`` is written. ``num_splits`` forces the
-    split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA).
+    split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA); ``min_split_keys`` (a
+    multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -394,7 +403,7 @@ def triton_paged_attention(
     head_slots = num_kv_heads if grouped else num_heads
     programs = q_tiles * num_requests * head_slots
     if num_splits is None:
-        num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len)
+        num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len, min_split_keys)
     if num_splits > 1:
         block_m = block_q * group_pad
         part_ml = torch.empty(programs * num_splits * 2 * block_m, dtype=torch.float32, device=q.device)
@@ -443,6 +452,7 @@ def triton_paged_attention(
         PREFIX_FULL=bool(meta.prefix_full),
         IEEE=q.dtype == torch.float32,
         NUM_SPLITS=num_splits,
+        MIN_SPLIT_KEYS=min_split_keys,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
     )

@@ -91,7 +91,8 @@ def make_batch(
 
 
 def check(
-    requests, num_heads, num_kv_heads, head_dim, page_size, block_size, prefix_full, dtype, grouped=True, splits=None
+    requests, num_heads, num_kv_heads, head_dim, page_size, block_size, prefix_full, dtype, grouped=True, splits=None,
+    min_split_keys=64,
 ):
     q, k, v, k_cache, v_cache, meta = make_batch(
         requests, num_heads, num_kv_heads, head_dim, page_size, block_size, prefix_full, dtype, DEVICE
@@ -99,7 +100,10 @@ def check(
     scale = head_dim**-0.5
     expected = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     out = torch.full_like(q, float("nan"))
-    got = triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, out=out, num_splits=splits)
+    got = triton_paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, out=out, num_splits=splits,
+        min_split_keys=min_split_keys,
+    )
     assert got is out
     assert not torch.isnan(got).any(), "rows left unwritten or NaN produced"
     torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -142,6 +146,14 @@ def test_splits_beyond_the_keys_are_idle(dtype):
     requests = [(5, 4, 3), (0, 3, 3), (70, 8, 20)]
     for _ in range(2):
         check(requests, 4, 2, 16, 8, 4, False, dtype, splits=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contexts_below_the_split_minimum_are_written_by_one_split(dtype):
+    """With at most ``min_split_keys`` keys a tile has one active split, which writes its rows directly."""
+    for _ in range(2):
+        check(REQUESTS, 4, 2, 16, 8, 4, True, dtype, splits=4, min_split_keys=256)
+        check([(300, 4, 10), (40, 2, 40)], 4, 2, 16, 8, 4, False, dtype, splits=4, min_split_keys=128)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
