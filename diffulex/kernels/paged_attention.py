@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from diffulex.attention.metadata import PagedAttentionMetadata
+from diffulex.kernels.split_counters import sm_count, split_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -321,8 +322,6 @@ def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int
     return block_q, block_n
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_SM_COUNT: dict[torch.device, int] = {}
 # Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
 # (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
 # mostly short, so 64.
@@ -330,22 +329,11 @@ _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed split counters, kept per device; the kernel leaves them zero again after each launch."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
     """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes)."""
     if device.type != "cuda":
         return 1
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    sms = _SM_COUNT[device]
+    sms = sm_count(device)
     if programs >= sms:
         return 1
     splits = min(triton.cdiv(2 * sms, programs), max_keys // min_split_keys, _MAX_SPLITS)
@@ -408,7 +396,7 @@ def triton_paged_attention(
         block_m = block_q * group_pad
         part_ml = torch.empty(programs * num_splits * 2 * block_m, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(programs * num_splits * block_m * head_dim, dtype=torch.float32, device=q.device)
-        counters = _counters(q.device, programs)
+        counters = split_counters(q.device, programs)
     else:
         part_ml = part_acc = counters = out  # never read
     grid = (q_tiles * num_splits, num_requests, head_slots)

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.split_counters import MAX_SPLIT_TILES, split_counters
+
 # Largest number of rows the kernel takes; beyond it the tiles of cuBLAS win.
 MAX_ROWS = 16
 
@@ -198,19 +200,7 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 _EAGER_MIN_BYTES = 256 << 20
 _ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# One fixed buffer per device, never reallocated (a captured graph keeps its address): splits are only used
-# when the N tiles fit in it, which every shape that needs splitting (N of a few thousand) does.
-_MAX_SPLIT_TILES = 1 << 16
 _SUPPORTED = (torch.bfloat16, torch.float16)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        buf = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def config_for(n: int, k: int, m: int) -> SkinnyConfig | None:
@@ -321,11 +311,11 @@ def skinny_linear(
     tiles = triton.cdiv(n, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
-    if splits > 1 and tiles > _MAX_SPLIT_TILES:
+    if splits > 1 and tiles > MAX_SPLIT_TILES:
         k_per_split, splits = triton.cdiv(k, cfg.block_k) * cfg.block_k, 1
     if splits > 1:
         part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = split_counters(x.device, tiles)
     else:
         part = counters = y  # never read
     if bias is not None:

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_SM_COUNT: dict[torch.device, int] = {}
+from diffulex.kernels.split_counters import sm_count, split_counters
+
 _BLOCK_V = 4096
 _MAX_SPLITS = 64
 
@@ -101,15 +101,6 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed per-row counters, kept per device; the kernel leaves them zero again after each launch."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def auto_num_splits(device: torch.device, num_rows: int, tiles: int) -> int:
     """Slices per row: enough programs for two per SM, one per row once the rows alone give that many.
 
@@ -117,9 +108,7 @@ def auto_num_splits(device: torch.device, num_rows: int, tiles: int) -> int:
     """
     if device.type != "cuda" or num_rows == 0:
         return 1
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles, _MAX_SPLITS, (2 * _SM_COUNT[device]) // num_rows))
+    return max(1, min(tiles, _MAX_SPLITS, (2 * sm_count(device)) // num_rows))
 
 
 def triton_top1(
@@ -153,7 +142,7 @@ def triton_top1(
         part_m = torch.empty(num_rows * splits, dtype=torch.float32, device=logits.device)
         part_s = torch.empty_like(part_m)
         part_id = torch.empty(num_rows * splits, dtype=torch.int32, device=logits.device)
-        counters = _counters(logits.device, num_rows)
+        counters = split_counters(logits.device, num_rows)
     else:
         part_m = part_s = part_id = counters = conf  # never read
     _top1_kernel[(num_rows, splits)](

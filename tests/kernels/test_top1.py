@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex.kernels.top1 import _SM_COUNT, auto_num_splits, triton_top1
+from diffulex.kernels import split_counters
+from diffulex.kernels.top1 import auto_num_splits, triton_top1
 from diffulex.sampler.token_sampling import ban_tokens, greedy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +111,7 @@ def test_a_slice_of_minus_infinity_adds_nothing_to_the_combined_probability():
 
 def test_split_count_comes_from_the_row_count(monkeypatch):
     cuda, sms = torch.device("cuda", 0), 132
-    monkeypatch.setitem(_SM_COUNT, cuda, sms)
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
     tiles = 38  # a 151936-id vocabulary in 4096-id tiles
     assert auto_num_splits(cuda, 4, tiles) == min(tiles, 2 * sms // 4)  # decode at batch 1: every tile its own
     assert auto_num_splits(cuda, 64, tiles) == max(1, 2 * sms // 64)
