@@ -39,8 +39,8 @@ from diffulex.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
-    apply_rotary,
 )
+from diffulex.layers.rotary import rotate_qk
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -79,7 +79,7 @@ class LLaDABlock(nn.Module):
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin)  # one fused launch on CUDA
         hidden = self.attn_out(self.attn(q, k, v, attn_meta))
         hidden, residual = self.ff_norm(hidden, residual)
         return self.ff_out(self.act(self.ff_proj(hidden), self.up_proj(hidden))), residual
