@@ -51,75 +51,6 @@ def main() -> None:
 
 
 
-def fill_breakdown(model_size: str = "1.7b", steps: int = 40) -> None:
-    """Time each statement group of `DecodeGraphs._fill` inside real decode steps."""
-    import tempfile
-    from pathlib import Path
-
-    from diffulex import Diffulex
-    from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
-
-    marks: dict[str, list[float]] = {}
-
-    def mark(label: str, t0: float) -> float:
-        now = time.perf_counter()
-        marks.setdefault(label, []).append(now - t0)
-        return now
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_sdar_checkpoint(Path(tmp) / model_size, model_size, "tests/data/sdar-4b-chat")
-        engine = Diffulex(str(path), block_size=4, buffer_size=1, max_num_reqs=1, max_model_len=1024,
-                          load_format="dummy")
-        graphs = engine.runner.graphs
-
-        def fill(step, bucket):
-            s, R, T = graphs.shape, graphs.shape.max_requests, graphs.shape.max_tokens
-            t = time.perf_counter()
-            graphs._copied.synchronize()
-            t = mark("event sync", t)
-            n_tok, r = step.num_tokens, step.num_requests
-            n = bucket * s.max_query_len
-            tok = graphs._tokens_np
-            tok[:n_tok] = step.input_ids
-            tok[n_tok:n] = 0
-            tok[T : T + n_tok] = step.positions
-            tok[T + n_tok : T + n] = 0
-            tok[2 * T : 2 * T + n_tok] = step.slot_mapping
-            tok[2 * T + n_tok : 2 * T + n] = -1
-            t = mark("token numpy writes", t)
-            lay = graphs._layout_np
-            lay[: r + 1] = step.cu_seqlens_q
-            lay[r + 1 : bucket + 1] = n_tok
-            lay[R + 1 : R + 1 + r] = step.context_lens
-            lay[R + 1 + r : R + 1 + bucket] = 0
-            lay[2 * R + 1 : 2 * R + 1 + r] = step.prefix_lens
-            lay[2 * R + 1 + r : 2 * R + 1 + bucket] = 0
-            t = mark("layout numpy writes", t)
-            tables = lay[graphs._head_len : graphs._head_len + bucket * s.max_pages].reshape(bucket, s.max_pages)
-            tables.fill(-1)
-            for i, table in enumerate(step.page_tables):
-                tables[i, : len(table)] = table
-            t = mark("page tables", t)
-            graphs._tokens.copy_(graphs._tokens_host, non_blocking=True)
-            t = mark("tokens copy", t)
-            end = graphs._head_len + bucket * s.max_pages
-            graphs._layout[:end].copy_(graphs._layout_host[:end], non_blocking=True)
-            t = mark("layout copy", t)
-            graphs._copied.record()
-            mark("event record", t)
-
-        graphs._fill = fill
-        prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, 128, 0)
-        engine.add_request(prompts[0], _greedy(800))
-        _admit_until_decoding(engine, list(engine.scheduler.waiting), 20)
-        for _ in range(steps):
-            engine.step()
-        engine.exit()
-    for label, values in marks.items():
-        values = sorted(values[5:])
-        print(f"fill: {label:25s} median {1e6 * values[len(values) // 2]:7.1f} us")
-
-
 def after_wait(wait_us: float = 3000.0, n: int = 100) -> None:
     """Host cost of the same small operations right after waiting for ~`wait_us` of GPU work, by wait style."""
     dev = torch.device("cuda")
@@ -166,4 +97,3 @@ if __name__ == "__main__":
     main()
     after_wait()
     after_wait(300.0)
-    fill_breakdown()

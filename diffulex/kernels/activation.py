@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from diffulex.kernels.fused_norm import cast_rne
+from diffulex.kernels.fused_norm import as_rows, cast_rne
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -56,17 +56,6 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * n_cols + cols, cast_rne(out, out_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    cols = x.shape[-1]
-    if x.dim() == 2 and x.stride(-1) == 1:
-        return x
-    try:
-        flat = x.view(-1, cols)
-    except RuntimeError:
-        flat = x.reshape(-1, cols)
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for same-shape ``gate``/``up`` ``[..., I]`` (rows may be strided); contiguous result."""
     if gate.shape != up.shape:
@@ -75,7 +64,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     n_cols = gate.shape[-1]
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = as_rows(gate), as_rows(up)
     grid = (g2.shape[0], triton.cdiv(n_cols, _BLOCK))
     _silu_mul_kernel[grid](
         g2,

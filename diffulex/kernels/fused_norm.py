@@ -94,7 +94,7 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, cols]`` with unit column stride; a view whenever the layout allows one."""
     cols = x.shape[-1]
     if x.dim() == 2 and x.stride(-1) == 1:
@@ -116,14 +116,14 @@ def rms_norm(
     ``promote(weight, sum)``.
     """
     n_cols = x.shape[-1]
-    x2 = _rows(x)
+    x2 = as_rows(x)
     n_rows = x2.shape[0]
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
     summed = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     if out.numel() == 0:
         return out if summed is None else (out, summed)
-    r2 = x2 if residual is None else _rows(residual)
+    r2 = x2 if residual is None else as_rows(residual)
     s2 = out.view(-1, n_cols) if summed is None else summed.view(-1, n_cols)
     block_n = _next_pow2(n_cols)
     block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
