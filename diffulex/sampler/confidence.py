@@ -28,7 +28,8 @@ class ConfidenceSampler:
     One call handles the whole batch with a fixed number of transfers, whatever its size: a pass over ``work``
     that appends ints builds the row layout (position, request and block of every row, each block's force flag)
     and sends it to the device in one copy; tokens and confidences for all rows, then acceptance for all
-    blocks (`accept_confident_segments`), run there; one copy brings back the accepted mask with the tokens.
+    blocks (`accept_segments`: one Triton launch on CUDA), run there; one copy brings back the accepted mask with
+    the tokens.
     Only rows of requests with ``temperature > 0`` are handled per request, each with its own seeded generator.
     """
 
