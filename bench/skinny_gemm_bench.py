@@ -30,32 +30,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from diffulex.bench.roofline import ModelGeometry
+from diffulex.bench.throughput import SDAR_SIZES
 from diffulex.kernels import skinny_gemm
 from diffulex.kernels.skinny_gemm import SkinnyConfig, _bucket, config_for, skinny_linear, use_skinny
 
+# The linears the engine runs (projections fused), by the bench's names.
+_ENGINE_LINEARS = {
+    "qkv": "qkv (fused)", "o_proj": "o", "gate_up": "gate_up (fused)", "down": "down", "lm_head": "lm_head",
+}
+_SDAR_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "sdar-4b-chat" / "config.json"
+
+
+def _sdar_linears(size: str) -> dict[str, tuple[int, int]]:
+    """``name -> (N, K)`` of an SDAR geometry, from the real 4B config and `SDAR_SIZES` (as `bench throughput`)."""
+    config = {**json.loads(_SDAR_CONFIG.read_text(encoding="utf-8")), **SDAR_SIZES[size]}
+    shapes = ModelGeometry.from_config(config).linear_shapes()
+    return {name: shapes[key] for name, key in _ENGINE_LINEARS.items()}
+
+
 GEOMETRIES: dict[str, dict[str, tuple[int, int]]] = {
-    "sdar-1.7b": {
-        "qkv": (4096, 2048),
-        "o_proj": (2048, 2048),
-        "gate_up": (12288, 2048),
-        "down": (2048, 6144),
-        "lm_head": (151936, 2048),
-    },
-    "sdar-8b": {
-        "qkv": (6144, 4096),
-        "o_proj": (4096, 4096),
-        "gate_up": (24576, 4096),
-        "down": (4096, 12288),
-        "lm_head": (151936, 4096),
-    },
+    "sdar-1.7b": _sdar_linears("1.7b"),
+    "sdar-8b": _sdar_linears("8b"),
     # not in the config table: these check the generic config (Qwen3-4B and Qwen2.5-7B / Dream-7B layouts)
-    "sdar-4b": {
-        "qkv": (6144, 2560),
-        "o_proj": (2560, 4096),
-        "gate_up": (19456, 2560),
-        "down": (2560, 9728),
-        "lm_head": (151936, 2560),
-    },
+    "sdar-4b": _sdar_linears("4b"),
     "dream-7b": {
         "qkv": (4608, 3584),
         "o_proj": (3584, 3584),
