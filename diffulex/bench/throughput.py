@@ -327,6 +327,8 @@ def measure_decode(
         "preemptions": preemptions,
         "ms_per_step_mean": 1e3 * mean_s,
         "ms_per_step_p50": 1e3 * statistics.median(step_times),
+        "ms_per_step_p90": 1e3 * _percentile(step_times, 0.9),
+        "ms_per_step_max": 1e3 * max(step_times),
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "tpf": tokens / max(request_forwards, 1),
@@ -337,6 +339,11 @@ def measure_decode(
         "flops_per_step": sum(step_flops(cost, w) for w in works) / steps,
         **summarize_floors(mean_s, floors),
     }
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def profile_decode(engine: Any, batch: int, settings: ThroughputSettings) -> dict[str, Any]:
@@ -540,7 +547,8 @@ def format_row(row: Mapping[str, Any]) -> str:
     if row.get("error"):
         return f"error: {row['error']}"
     return (
-        f"{row['steps']} decode steps: {row['ms_per_step_mean']:.2f} ms/step (p50 {row['ms_per_step_p50']:.2f}), "
+        f"{row['steps']} decode steps: {row['ms_per_step_mean']:.2f} ms/step (p50 {row['ms_per_step_p50']:.2f}, "
+        f"p90 {row.get('ms_per_step_p90', float('nan')):.2f}, max {row.get('ms_per_step_max', float('nan')):.2f}), "
         f"{row['tokens_per_s']:.0f} tok/s, TPF {row['tpf']:.2f}; floors: memory {row['memory_floor_ms']:.3f} ms, "
         f"compute {row['compute_floor_ms']:.3f} ms -> {row['floor_ratio']:.2f}x the {row['bound']} floor"
     )

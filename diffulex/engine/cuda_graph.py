@@ -16,9 +16,10 @@ outside the graph: the number of rows they need changes every step.
 
 All integer inputs travel in one pinned host buffer and one copy per step, so replaying costs a handful of host
 operations whatever the batch size. At batch 1 the host work between the previous step's result and this
-launch is GPU idle time, and every CUDA call there costs microseconds, so the fill makes exactly two (the copy and
-the replay). The staging buffer is reused without an event: the caller synchronizes with the device at the end of
-every replayed step (`ModelRunner.run`), so the previous copy out of it has always finished.
+launch is GPU idle time, and every CUDA call there costs microseconds (10-60 us each right after a device wait on
+the H100 host measured), so the copy is captured into each graph as its first node: a step makes exactly one
+CUDA call, the replay. The staging buffer is reused without an event: the caller synchronizes with the device at
+the end of every replayed step (`ModelRunner.run`), so the previous copy out of it has always finished.
 """
 
 from __future__ import annotations
@@ -164,14 +165,19 @@ class DecodeGraphs:
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
             tables[i, : len(table)] = table
-        device_part, host_part = self._copy_pairs[bucket]
-        device_part.copy_(host_part, non_blocking=True)
-        if not self.capture_graphs:  # the eager fallback reads the host lists of the metadata
+        if not self.capture_graphs:  # a captured graph copies the staging buffer in itself (see `_upload`)
+            self._upload(bucket)
+            # the eager fallback reads the host lists of the metadata
             meta = self._metas[bucket]
             pad = bucket - r
             meta.query_lens_cpu = step.query_lens + [0] * pad
             meta.context_lens_cpu = step.context_lens + [0] * pad
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
+
+    def _upload(self, bucket: int) -> None:
+        """Copy the bucket's part of the host staging buffer to the device (one copy, queued on the stream)."""
+        device_part, host_part = self._copy_pairs[bucket]
+        device_part.copy_(host_part, non_blocking=True)
 
     def run(self, step: StepInputs, bucket: int) -> torch.Tensor:
         """Hidden states ``[step.num_tokens, hidden]`` of the step, computed in the bucket's padded shape."""
@@ -201,6 +207,8 @@ class DecodeGraphs:
             page_tables=[[] for _ in range(bucket)],
         )
         self._fill(step, bucket)
+        if self.capture_graphs:
+            self._upload(bucket)
 
     @torch.inference_mode()
     def capture(self, warmup_runs: int = 2) -> None:
@@ -227,6 +235,7 @@ class DecodeGraphs:
             ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                self._upload(bucket)  # part of the graph: a replay is then the only CUDA call of a step
                 self._outputs[bucket] = self.forward(ids, positions, self._metas[bucket])
             pool = graph.pool()
             self._graphs[bucket] = graph

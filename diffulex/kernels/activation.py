@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from diffulex.kernels.fused_norm import as_rows, cast_rne
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -40,10 +41,13 @@ def _silu_mul_kernel(
     stride_u,
     BLOCK: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
+    wait_for_inputs(USE_PDL)
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0)
     u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0)
     g32 = g.to(tl.float32)
@@ -66,6 +70,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n_cols = gate.shape[-1]
     g2, u2 = as_rows(gate), as_rows(up)
     grid = (g2.shape[0], triton.cdiv(n_cols, _BLOCK))
+    use_pdl = pdl_enabled(gate.device, g2.shape[0])
     _silu_mul_kernel[grid](
         g2,
         u2,
@@ -75,8 +80,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         u2.stride(0),
         BLOCK=_BLOCK,
         PRECISE_EXP=_PRECISE_EXP,
+        USE_PDL=use_pdl,
         num_warps=4,
         enable_fp_fusion=False,
+        **launch_kwargs(use_pdl),
     )
     return out
 

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
 # Dtypes the kernels read and write; anything else takes the torch path.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest row `rms_norm` holds in registers (one program per row); wider rows take the torch path.
@@ -71,11 +73,15 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_dependents(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
@@ -85,7 +91,6 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(x32 * x32, axis=1) * inv_n
     rstd = tl.math.rsqrt(mean_sq + eps)
     normed = cast_rne(x32 * rstd[:, None], x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = w[None, :] * normed
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
@@ -128,6 +133,7 @@ def rms_norm(
     block_n = _next_pow2(n_cols)
     block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
+    use_pdl = pdl_enabled(x.device, n_rows)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2,
         r2,
@@ -145,8 +151,10 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        **launch_kwargs(use_pdl),
     )
     return out if summed is None else (out, summed)
 
@@ -219,13 +227,17 @@ def _qk_norm_rope_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < half
+    # the angles are gathered once per forward, before the first layer
     cos = tl.load(cos_ptr + t * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(USE_PDL)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if block < q_blocks:
         _heads_norm_rope(
@@ -275,6 +287,7 @@ def qk_norm_rope(
     block_half = _next_pow2(half)
     block_h = min(_next_pow2(max(n_q_heads, n_k_heads)), max(1, 256 // block_half))
     grid = (num_tokens, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    use_pdl = pdl_enabled(q.device, num_tokens)
     _qk_norm_rope_kernel[grid](
         q,
         k,
@@ -298,7 +311,9 @@ def qk_norm_rope(
         HAS_WEIGHT=has_weight,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
+        USE_PDL=use_pdl,
         num_warps=4,
         enable_fp_fusion=False,
+        **launch_kwargs(use_pdl),
     )
     return q_out, k_out

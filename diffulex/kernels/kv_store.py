@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -35,9 +37,12 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)  # step metadata, copied in before the forward
+    wait_for_inputs(USE_PDL)  # also in skipped rows: this launch must not complete before its predecessor
     if slot < 0:
         return
     page = slot // PAGE_SIZE
@@ -66,6 +71,7 @@ def triton_store_kv(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    use_pdl = pdl_enabled(k.device, num_tokens)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -87,5 +93,7 @@ def triton_store_kv(
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[1],
+        USE_PDL=use_pdl,
         num_warps=4,
+        **launch_kwargs(use_pdl),
     )

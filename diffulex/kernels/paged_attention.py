@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from diffulex.attention.metadata import PagedAttentionMetadata
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import sm_count, split_counters
 
 _LOG2E = 1.4426950408889634
@@ -125,7 +126,11 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,  # exact fp32 dots (fp32 inputs); otherwise the inputs' native precision
     NUM_SPLITS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
     MIN_SPLIT_KEYS: tl.constexpr,  # fewest keys a split takes: below it, fewer splits do the work
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
+    PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
+    LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
 ):
+    release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
@@ -136,6 +141,7 @@ def _paged_attention_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + req + 1) - row_start
     q_begin = tile * BLOCK_Q
     if q_begin >= q_len:
+        wait_for_inputs(USE_PDL)  # every program waits, so the launch never completes before its predecessor
         return
     ctx = tl.load(context_lens_ptr + req)
     prompt_len = tl.load(prefix_lens_ptr + req)
@@ -178,10 +184,26 @@ def _paged_attention_kernel(
         chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
         active_splits = tl.cdiv(key_limit, chunk)
         if split >= active_splits:
+            wait_for_inputs(USE_PDL)
             return
         lo = split * chunk
         hi = tl.minimum(lo + chunk, key_limit)
 
+    pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
+    cache_end = tl.minimum(ctx, hi)
+    if PREFETCH_KEYS > 0:
+        # cached keys were written by earlier steps: start pulling this program's first ones into L2 while the
+        # kernels producing q, k and v finish
+        pk = lo + tl.arange(0, PREFETCH_KEYS)
+        pk_ok = pk < cache_end
+        pf_page = tl.load(pt_row + pk // PAGE_SIZE, mask=pk_ok, other=0).to(tl.int64)
+        lines = tl.arange(0, HEAD_DIM // LINE_ELEMS) * LINE_ELEMS
+        kc_rows = tl.where(pk_ok, pf_page * stride_kc_p + (pk % PAGE_SIZE) * stride_kc_s + kv_head * stride_kc_h, 0)
+        vc_rows = tl.where(pk_ok, pf_page * stride_vc_p + (pk % PAGE_SIZE) * stride_vc_s + kv_head * stride_vc_h, 0)
+        prefetch_l2(k_cache_ptr + kc_rows[:, None] + lines[None, :])
+        prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
+    # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
+    wait_for_inputs(USE_PDL)
     q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
@@ -189,10 +211,8 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
 
     # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
-    cache_end = tl.minimum(ctx, hi)
     for n_start in range(lo, cache_end, BLOCK_N):
         k_pos = n_start + offs_n
         k_ok = k_pos < cache_end
@@ -327,6 +347,9 @@ def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int
 # mostly short, so 64.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
+# With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
+# (a split's first 64-key share at batch 1, and then some).
+_PREFETCH_KEYS = 128
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -400,6 +423,7 @@ def triton_paged_attention(
     else:
         part_ml = part_acc = counters = out  # never read
     grid = (q_tiles * num_splits, num_requests, head_slots)
+    use_pdl = pdl_enabled(q.device, num_tokens)
     _paged_attention_kernel[grid](
         q,
         k,
@@ -441,7 +465,11 @@ def triton_paged_attention(
         IEEE=q.dtype == torch.float32,
         NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys,
+        USE_PDL=use_pdl,
+        PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
+        LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
+        **launch_kwargs(use_pdl),
     )
     return out

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import MAX_SPLIT_TILES, split_counters
 
 # Largest number of rows the kernel takes; beyond it the tiles of cuBLAS win.
@@ -69,6 +70,10 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (`diffulex.kernels.pdl`)
+    PREFETCH_LINES: tl.constexpr,  # 128-byte weight lines per row of the tile to prefetch into L2 before waiting
+    LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
+    EARLY_RELEASE: tl.constexpr,  # let the next kernels start before this one's weight stream rather than after
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -83,6 +88,13 @@ def _skinny_kernel(
     # the hint keeps the 16-byte vectorization: without it the compiler cannot prove k_lo aligned
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PREFETCH_LINES > 0:
+        # the weights are not written by the kernel before this one: start streaming them now, while it finishes
+        line_k = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, k_hi - 1)
+        prefetch_l2(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + line_k[None, :])
+    wait_for_inputs(USE_PDL)
+    if EARLY_RELEASE:
+        release_dependents(USE_PDL)
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     if USE_DOT:
@@ -104,6 +116,8 @@ def _skinny_kernel(
             acc += tl.sum(prod, axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if not EARLY_RELEASE:
+        release_dependents(USE_PDL)  # the weight stream is done: the next kernels may start their prologues
     if USE_DOT:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -199,6 +213,13 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 # (LM heads). Under CUDA-graph capture the launch cost is gone and every table entry wins.
 _EAGER_MIN_BYTES = 256 << 20
 _ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
+# With programmatic dependent launch a GEMM starts while the kernels before it finish; it prefetches its weights
+# into L2 meanwhile, at most this much per matrix (the H100's L2 holds 50 MB, and the prefetched lines must
+# survive until the main loop reads them).
+_PREFETCH_BUDGET_BYTES = 16 << 20
+_PREFETCH_MAX_ADDRESSES = 4096
+_L2_LINE_BYTES = 128
+_EARLY_RELEASE = os.environ.get("DIFFULEX_PDL_EARLY", "0") == "1"  # A/B switch while measuring
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
 
@@ -320,6 +341,9 @@ def skinny_linear(
         part = counters = y  # never read
     if bias is not None:
         bias = bias.contiguous()
+    use_pdl = pdl_enabled(x.device, m)
+    line_elems = _L2_LINE_BYTES // weight.element_size()
+    prefetch = _prefetch_lines(n, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
     _skinny_kernel[(tiles, splits)](
         x,
         weight,
@@ -341,7 +365,23 @@ def skinny_linear(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        USE_PDL=use_pdl,
+        PREFETCH_LINES=prefetch,
+        LINE_ELEMS=line_elems,
+        EARLY_RELEASE=_EARLY_RELEASE,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_kwargs(use_pdl),
     )
     return y
+
+
+def _prefetch_lines(n: int, splits: int, lines_per_row: int, block_n: int) -> int:
+    """L2 lines per weight row each program prefetches before it waits for its input (a power of two, or 0).
+
+    As much of its K slice as `_PREFETCH_BUDGET_BYTES` allows over the whole matrix (more would evict lines the
+    kernel has not read yet) and `_PREFETCH_MAX_ADDRESSES` allows per program (registers).
+    """
+    by_bytes = _PREFETCH_BUDGET_BYTES // (n * splits * _L2_LINE_BYTES)
+    budget = min(lines_per_row, by_bytes, _PREFETCH_MAX_ADDRESSES // block_n)
+    return 0 if budget < 1 else 1 << (budget.bit_length() - 1)
