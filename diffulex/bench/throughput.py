@@ -277,7 +277,17 @@ def measure_decode(
     step_times: list[float] = []
     raw: list[tuple[list[Any], list[int]]] = []  # (updates, cached tokens of each request before the step)
     stopped_by = "request_finished"
+    gc_pauses: list[float] = []  # collector pauses inside the timed region (a cause of slow outlier steps)
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pauses.append(time.perf_counter() - gc_started[0])
+
     _sync(device)
+    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     while True:
         before = [r.num_cached_tokens for r in requests]  # the only bookkeeping inside the region (~0.2 us each)
@@ -295,6 +305,7 @@ def measure_decode(
             break
     _sync(device)
     elapsed = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
     final = [r.num_cached_tokens for r in requests]
     preemptions = sum(r.num_preemptions for r in requests)
     for rid in ids:
@@ -329,6 +340,9 @@ def measure_decode(
         "ms_per_step_p50": 1e3 * statistics.median(step_times),
         "ms_per_step_p90": 1e3 * _percentile(step_times, 0.9),
         "ms_per_step_max": 1e3 * max(step_times),
+        "slowest_step": step_times.index(max(step_times)),
+        "gc_pauses": len(gc_pauses),
+        "gc_ms": 1e3 * sum(gc_pauses),
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "tpf": tokens / max(request_forwards, 1),
@@ -548,7 +562,8 @@ def format_row(row: Mapping[str, Any]) -> str:
         return f"error: {row['error']}"
     return (
         f"{row['steps']} decode steps: {row['ms_per_step_mean']:.2f} ms/step (p50 {row['ms_per_step_p50']:.2f}, "
-        f"p90 {row.get('ms_per_step_p90', float('nan')):.2f}, max {row.get('ms_per_step_max', float('nan')):.2f}), "
+        f"p90 {row.get('ms_per_step_p90', float('nan')):.2f}, max {row.get('ms_per_step_max', float('nan')):.2f} "
+        f"at step {row.get('slowest_step')}; gc {row.get('gc_pauses')} pauses, {row.get('gc_ms', 0.0):.1f} ms), "
         f"{row['tokens_per_s']:.0f} tok/s, TPF {row['tpf']:.2f}; floors: memory {row['memory_floor_ms']:.3f} ms, "
         f"compute {row['compute_floor_ms']:.3f} ms -> {row['floor_ratio']:.2f}x the {row['bound']} floor"
     )
