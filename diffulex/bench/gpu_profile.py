@@ -82,15 +82,14 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
 def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, object]:
     """Run `step` `steps` times under torch.profiler (CPU + CUDA activity) and summarize the GPU's activity.
 
-    The wall time is taken between two device synchronizations around the loop, so it includes every gap; the
-    profiler's own overhead (CUPTI callbacks on each launch) makes it a slight overestimate of the idle share.
+    The wall time is taken between two device synchronizations around the loop, so it includes every gap. The
+    profiler's own overhead (callbacks on each launch) lengthens the host part, so the idle share under it is an
+    overestimate; the same number of steps is therefore also timed without the profiler first, and
+    ``gpu_idle_share_unprofiled`` = 1 - profiled kernel time / unprofiled wall time is the estimate without it.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    def timed_loop() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -98,10 +97,21 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        wall_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    plain_wall_s = timed_loop()
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        wall_s = timed_loop()
     kernels = [
         KernelInterval(e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
     ]
-    return summarize_activity(kernels, wall_s, steps)
+    summary = summarize_activity(kernels, wall_s, steps)
+    busy_ms = summary["gpu_busy_ms_per_step"]
+    summary["wall_ms_per_step_unprofiled"] = 1e3 * plain_wall_s / steps
+    summary["gpu_idle_share_unprofiled"] = max(0.0, 1.0 - busy_ms * steps / (1e3 * plain_wall_s))
+    return summary

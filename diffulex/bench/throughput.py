@@ -591,7 +591,10 @@ def format_profile(prof: Mapping[str, Any]) -> str:
     return (
         f"profile {prof['model']} buffer {prof['buffer_size']} batch {prof['batch']} ({prof['steps']} steps): GPU busy "
         f"{100 * prof['gpu_busy_share']:.1f}%, idle {100 * prof['gpu_idle_share']:.1f}% of "
-        f"{prof['wall_ms_per_step']:.2f} ms/step (target: idle <= 10% at batch 1 with CUDA graphs); "
+        f"{prof['wall_ms_per_step']:.2f} ms/step; without the profiler: idle "
+        f"{100 * prof.get('gpu_idle_share_unprofiled', float('nan')):.1f}% of "
+        f"{prof.get('wall_ms_per_step_unprofiled', float('nan')):.2f} ms/step (target: idle <= 10% at batch 1 with "
+        f"CUDA graphs); "
         f"{prof['kernels_per_step']:.0f} kernels/step; kernel ms/step: {cats}"
     )
 
