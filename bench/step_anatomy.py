@@ -55,6 +55,29 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
     _wrap(runner, "sampler", phases, "sampler (incl. device wait)", saved)
     _wrap(engine.scheduler, "finish_step", phases, "finish_step (all requests)", saved)
+    # the GPU's wait between steps: from the sampler's return (its result copied to the host) to the replay call
+    sampler_done = [None]
+    inner_sampler = runner.sampler
+
+    def sampler_marked(*args, **kwargs):
+        try:
+            return inner_sampler(*args, **kwargs)
+        finally:
+            sampler_done[0] = time.perf_counter()
+
+    runner.sampler = sampler_marked
+    saved.append((runner, "sampler", inner_sampler))
+    if runner.graphs is not None:
+        inner_run = runner.graphs.run
+
+        def run_marked(*args, **kwargs):
+            if sampler_done[0] is not None:
+                phases["host path: sampler return -> next forward"].append(time.perf_counter() - sampler_done[0])
+                sampler_done[0] = None
+            return inner_run(*args, **kwargs)
+
+        runner.graphs.run = run_marked
+        saved.append((runner.graphs, "run", runner.graphs.__dict__.get("run")))
     totals = []
     for _ in range(steps):
         t0 = time.perf_counter()
