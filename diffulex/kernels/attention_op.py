@@ -1,9 +1,15 @@
-"""The Triton KV store + paged attention of one layer as a PyTorch custom op, for ``torch.compile``.
+"""The Triton KV store + paged attention of one layer: eagerly, fused with rotary, and as a PyTorch custom op
+for ``torch.compile``.
 
-Compiling the model forward must leave attention opaque: its launch shapes come from host integers and it
-writes the KV cache in place. Registered as an op with declared mutations (``k_cache``, ``v_cache``) and a fake
-implementation, it sits inside one traced graph instead of splitting the graph at every layer. Eager code calls
-`store_and_attend` directly and skips the dispatcher.
+Eager code on the Triton backend calls `rope_store_and_attend`: the KV store rides in the q/k norm + rotary
+launch (`diffulex.kernels.fused_norm.qk_norm_rope_store`), so attention follows with no store launch of its own.
+`store_and_attend` is the same step for q/k that arrive rotated (the layer's fallback when the fused launch does
+not apply).
+
+Compiling the model forward must leave attention opaque: its launch shapes come from host integers and it writes
+the KV cache in place. Registered as an op with declared mutations (``k_cache``, ``v_cache``) and a fake
+implementation, it sits inside one traced graph instead of splitting the graph at every layer; rotary stays in
+the graph, for inductor to fuse. Eager code calls the functions directly and skips the dispatcher.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from diffulex.attention.metadata import PagedAttentionMetadata
+from diffulex.kernels.fused_norm import qk_norm_rope_store
 from diffulex.kernels.kv_store import triton_store_kv
 from diffulex.kernels.paged_attention import triton_paged_attention
 
@@ -33,6 +40,30 @@ def store_and_attend(
             meta.max_kv_len, grouped,
         )
     triton_store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
+
+
+def rope_store_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    grouped: bool,
+) -> torch.Tensor:
+    """`store_and_attend` of un-rotated q/k in two launches: norm + rotary + KV store, then attention.
+
+    Eager only (the caller takes the unfused path while ``torch.compile`` traces). Same bits as `rotate_qk`
+    followed by `store_and_attend`.
+    """
+    q, k = qk_norm_rope_store(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, meta.slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
 
 

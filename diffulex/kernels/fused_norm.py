@@ -15,6 +15,12 @@ stays the CPU path and the reference) operation by operation, including every in
   both), and the results go to new contiguous ``[T, heads, D]`` tensors, which is what the torch path hands the
   attention (writing back in place would leave q/k strided and alias the caller's buffer). Per head: the optional
   RMSNorm exactly as above, then the rotate-half rotation in fp32 on the (rounded) normed value, cast back.
+* `qk_norm_rope_store`: the same launch also does the layer's KV-cache store (`diffulex.kernels.kv_store`), so
+  the attention layer (`diffulex.attention.Attention`, which owns rotary for this reason) spends one launch
+  instead of two before attention. The programs that produce token ``t``'s k heads hold the rotated values in
+  registers anyway; they write them, and the same heads of v, to cache slot ``slot_mapping[t]`` unless it is
+  negative, cast to the cache dtype like `store_kv`'s ``.to``. The slot is step metadata, so it is read before
+  the PDL wait; nothing is written before it. q programs store nothing.
 
 Exactness on the GPU: launches pass ``enable_fp_fusion=False`` so ``a * b + c`` is never contracted into an FMA
 (PyTorch computes each product and sum in a separate kernel, each rounded); ``rsqrt`` is the same
@@ -23,7 +29,9 @@ squares, which can move the statistic by an fp32 ulp and, rarely, a bf16 output 
 
 Under the Triton interpreter (the CPU tests), fp32 -> bf16 casts truncate instead of rounding to nearest even
 (its ``cast_impl`` passes no rounding mode), which would hide every rounding this module is careful about; there
-`cast_rne` rounds with integer arithmetic instead. Compiled kernels use the hardware's ``cvt.rn``.
+`cast_rne` rounds with integer arithmetic instead. Compiled kernels use the hardware's ``cvt.rn``. (So there,
+and only there, `qk_norm_rope_store` into a cache of another dtype than k's matches `store_kv` rather than
+`triton_store_kv`, whose plain cast truncates.)
 """
 
 from __future__ import annotations
@@ -167,7 +175,8 @@ def _heads_norm_rope(
     dst_ptr,
     w_ptr,
     t,
-    head0,
+    heads,
+    mask,
     n_heads,
     cos,
     sin,
@@ -177,11 +186,8 @@ def _heads_norm_rope(
     inv_d,
     eps,
     HAS_WEIGHT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
 ):
-    """RMSNorm (optional) then rotate-half rotation of heads ``[head0, head0 + BLOCK_H)`` of token ``t``."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    mask = (heads < n_heads)[:, None] & d_ok[None, :]
+    """RMSNorm (optional) then rotate-half rotation of ``heads`` of token ``t``; returns the two stored halves."""
     src = src_ptr + t * stride_t + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
@@ -196,11 +202,59 @@ def _heads_norm_rope(
         out_dtype = dst_ptr.dtype.element_ty
         a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
         a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
-    o1 = a1 * cos[None, :] - a2 * sin[None, :]
-    o2 = a2 * cos[None, :] + a1 * sin[None, :]
+    o1 = cast_rne(a1 * cos[None, :] - a2 * sin[None, :], dst_ptr.dtype.element_ty)
+    o2 = cast_rne(a2 * cos[None, :] + a1 * sin[None, :], dst_ptr.dtype.element_ty)
     dst = dst_ptr + (t * n_heads + heads[:, None]) * (2 * half) + offs[None, :]
-    tl.store(dst, cast_rne(o1, dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, cast_rne(o2, dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + half, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _to_cache_dtype(x, dtype: tl.constexpr):
+    """``x`` as ``dtype`` the way ``Tensor.to`` (which `store_kv` uses) converts it: unchanged when it already is."""
+    if x.dtype == dtype:
+        y = x
+    else:
+        y = cast_rne(x.to(tl.float32), dtype)
+    return y
+
+
+@triton.jit
+def _store_heads(
+    k1,
+    k2,
+    v_ptr,
+    stride_vt,
+    stride_vh,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
+    slot,
+    t,
+    heads,
+    mask,
+    offs,
+    half,
+    PAGE_SIZE: tl.constexpr,
+):
+    """`_store_kv_kernel` for these heads of token ``t``: the rotated k halves and v's row, at cache slot ``slot``."""
+    page = slot // PAGE_SIZE
+    in_page = slot % PAGE_SIZE
+    kc = k_cache_ptr + page * stride_kc_p + in_page * stride_kc_s + heads[:, None] * stride_kc_h + offs[None, :]
+    vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + heads[:, None] * stride_vc_h + offs[None, :]
+    k_dtype = k_cache_ptr.dtype.element_ty
+    v_dtype = v_cache_ptr.dtype.element_ty
+    tl.store(kc, _to_cache_dtype(k1, k_dtype), mask=mask)
+    tl.store(kc + half, _to_cache_dtype(k2, k_dtype), mask=mask)
+    v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+    tl.store(vc, _to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
+    tl.store(vc + half, _to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
 
 
 @triton.jit
@@ -213,18 +267,32 @@ def _qk_norm_rope_kernel(
     k_w_ptr,
     cos_ptr,
     sin_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
     stride_cos,
     stride_sin,
+    stride_vt,
+    stride_vh,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
     n_q_heads,
     n_k_heads,
     half,
     inv_d,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -234,21 +302,33 @@ def _qk_norm_rope_kernel(
     block = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < half
-    # the angles are gathered once per forward, before the first layer
+    # the angles are gathered once per forward, before the first layer; the slots are step metadata
     cos = tl.load(cos_ptr + t * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)
-    wait_for_inputs(USE_PDL)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t, mask=block >= q_blocks, other=-1).to(tl.int64)  # only k programs store
+    wait_for_inputs(USE_PDL)  # every program, also those that store nothing
     if block < q_blocks:
+        heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (heads < n_q_heads)[:, None] & d_ok[None, :]
         _heads_norm_rope(
-            q_ptr, stride_qt, stride_qh, q_out_ptr, q_w_ptr, t, block * BLOCK_H, n_q_heads, cos, sin, offs, d_ok,
-            half, inv_d, eps, HAS_WEIGHT, BLOCK_H,
+            q_ptr, stride_qt, stride_qh, q_out_ptr, q_w_ptr, t, heads, mask, n_q_heads, cos, sin, offs, d_ok,
+            half, inv_d, eps, HAS_WEIGHT,
         )
     else:
-        _heads_norm_rope(
-            k_ptr, stride_kt, stride_kh, k_out_ptr, k_w_ptr, t, (block - q_blocks) * BLOCK_H, n_k_heads, cos, sin,
-            offs, d_ok, half, inv_d, eps, HAS_WEIGHT, BLOCK_H,
+        heads = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (heads < n_k_heads)[:, None] & d_ok[None, :]
+        k1, k2 = _heads_norm_rope(
+            k_ptr, stride_kt, stride_kh, k_out_ptr, k_w_ptr, t, heads, mask, n_k_heads, cos, sin, offs, d_ok,
+            half, inv_d, eps, HAS_WEIGHT,
         )
+        if STORE_KV:
+            if slot >= 0:
+                _store_heads(
+                    k1, k2, v_ptr, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, stride_kc_p, stride_kc_s,
+                    stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, slot, t, heads, mask, offs, half, PAGE_SIZE,
+                )
 
 
 def qk_norm_rope(
@@ -266,6 +346,52 @@ def qk_norm_rope(
     without weights); ``cos``/``sin`` are ``[T, D / 2]`` float32. ``q``/``k`` may be strided views (only the
     last dim must be unit-stride, else they are copied once); the results are new contiguous tensors.
     """
+    return _launch_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, None)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm_rope`, and in the same launch `triton_store_kv` of the rotated k and of ``v [T, Hkv, D]``.
+
+    Saves the store's launch on every attention layer of a step (the layer's position encoding and its cache
+    write are one kernel; `diffulex.attention.Attention` calls this). Same results, bit for bit, as the two
+    calls in turn: caches ``[P, page_size, Hkv, D]`` (unit stride in D), row ``t`` stored at
+    ``slot_mapping[t]`` unless that is negative, values cast to the cache dtype. Returns ``(q, k)`` rotated,
+    which attention still reads for the step's own rows.
+    """
+    num_tokens, n_k_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, k has {num_tokens}")
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[3] != head_dim:
+        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    return _launch_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, (v, k_cache, v_cache, slot_mapping))
+
+
+def _launch_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight must both be given or both be None")
     num_tokens, n_q_heads, head_dim = q.shape
@@ -283,6 +409,14 @@ def qk_norm_rope(
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    if store is None:
+        # unused pointers and strides (STORE_KV is off): any tensor will do
+        v, k_cache, v_cache, slot_mapping = k, k, k, k
+        page_size = 1
+    else:
+        v, k_cache, v_cache, slot_mapping = store
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        page_size = k_cache.shape[1]
     half = head_dim // 2
     block_half = _next_pow2(half)
     block_h = min(_next_pow2(max(n_q_heads, n_k_heads)), max(1, 256 // block_half))
@@ -297,18 +431,32 @@ def qk_norm_rope(
         k_weight if has_weight else k,
         cos,
         sin,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
         cos.stride(0),
         sin.stride(0),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         n_q_heads,
         n_k_heads,
         half,
         1.0 / head_dim,
         eps,
         HAS_WEIGHT=has_weight,
+        STORE_KV=store is not None,
+        PAGE_SIZE=page_size,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         USE_PDL=use_pdl,

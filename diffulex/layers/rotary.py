@@ -89,6 +89,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
+def fused_rope_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+    """``(q_weight, k_weight, eps)`` for the fused q/k norm + rotary kernel, or None where the torch modules must
+    run: off CUDA, layouts and dtypes the kernel does not cover, and norms carrying hooks (activation capture must
+    see its module run). Shared by `rotate_qk` and the attention layer's fused rotary + cache write, so both take
+    the kernel in exactly the same cases."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    if not (q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32):
+        return None
+    if q_norm is not None and k_norm is not None:
+        if q_norm.eps != k_norm.eps or any(m._forward_hooks or m._forward_pre_hooks for m in (q_norm, k_norm)):
+            return None
+        q_weight, k_weight, eps = q_norm.weight, k_norm.weight, q_norm.eps
+    else:
+        q_weight, k_weight, eps = None, None, 0.0
+    if not use_fused_kernels(q, k, cos, sin, q_weight, k_weight):
+        return None
+    return q_weight, k_weight, eps
+
+
 def rotate_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,22 +129,14 @@ def rotate_qk(
 
     On CUDA one fused launch reads q and k where they lie (strided views of the fused qkv output) and writes
     contiguous results; elsewhere (and for layouts the kernel does not cover) the torch modules run in turn.
+    Models do not call this directly: they hand q/k, the rotary angles and the norms to
+    `diffulex.attention.Attention`, which on its paged Triton path also folds the KV-cache write into the launch.
     """
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm go together")
-    fusable = q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
-    if q_norm is not None and k_norm is not None:
-        # hooks on the norms (activation capture) must see their module run, so those take the torch path
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (q_norm, k_norm))
-        fusable = fusable and q_norm.eps == k_norm.eps and not hooked
-        weights: tuple[torch.Tensor | None, ...] = (q_norm.weight, k_norm.weight)
-    else:
-        weights = (None, None)
-    if fusable and use_fused_kernels(q, k, cos, sin, *weights):
+    fused = fused_rope_args(q, k, cos, sin, q_norm, k_norm)
+    if fused is not None:
         from diffulex.kernels.fused_norm import qk_norm_rope
 
-        eps = q_norm.eps if q_norm is not None else 0.0
-        return qk_norm_rope(q, k, cos, sin, weights[0], weights[1], eps)
+        return qk_norm_rope(q, k, cos, sin, *fused)
     if q_norm is not None and k_norm is not None:
         q, k = q_norm(q), k_norm(k)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -29,7 +29,7 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.layers.rotary import rotate_qk
+from diffulex.layers.linear import gated_down_proj
 from diffulex.models.hf_config import DenseDecoderConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -86,7 +86,11 @@ def run_decoder(
 
 
 class DenseAttention(nn.Module):
-    """q/k/v projections, optional per-head RMSNorm of q and k, NeoX RoPE, attention, o_proj."""
+    """q/k/v projections, optional per-head RMSNorm of q and k, NeoX RoPE, attention, o_proj.
+
+    The norms are this module's parameters (checkpoint names ``self_attn.q_norm.weight``), but `Attention` applies
+    them together with the rotation: on CUDA that launch also writes the KV cache.
+    """
 
     def __init__(self, config: DenseDecoderConfig, arch: DenseArch) -> None:
         super().__init__()
@@ -112,9 +116,8 @@ class DenseAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)  # one fused launch on CUDA
-        return self.o_proj(self.attn(q, k, v, attn_meta))
+        # the attention layer norms and rotates q/k (writing k/v to the cache in the same launch on CUDA)
+        return self.o_proj(self.attn(q, k, v, attn_meta, rope, self.q_norm, self.k_norm))
 
 
 class DenseMLP(nn.Module):
@@ -130,7 +133,8 @@ class DenseMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(*self.gate_up(x)))
+        gate, up = self.gate_up(x)
+        return gated_down_proj(self.act_fn, self.down_proj, gate, up)  # one launch for act + down at decode sizes
 
 
 class DenseDecoderLayer(nn.Module):

@@ -40,7 +40,7 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.layers.rotary import rotate_qk
+from diffulex.layers.linear import gated_down_proj
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -78,11 +78,10 @@ class LLaDABlock(nn.Module):
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = rotate_qk(q, k, cos, sin)  # one fused launch on CUDA
-        hidden = self.attn_out(self.attn(q, k, v, attn_meta))
+        # the attention layer rotates q/k (writing k/v to the cache in the same launch on CUDA)
+        hidden = self.attn_out(self.attn(q, k, v, attn_meta, rope))
         hidden, residual = self.ff_norm(hidden, residual)
-        return self.ff_out(self.act(self.ff_proj(hidden), self.up_proj(hidden))), residual
+        return gated_down_proj(self.act, self.ff_out, self.ff_proj(hidden), self.up_proj(hidden)), residual
 
 
 class LLaDATransformer(nn.Module):
