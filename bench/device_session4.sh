@@ -43,6 +43,18 @@ elif [ "$1" = early ]; then
   DIFFULEX_PDL=1 DIFFULEX_PDL_EARLY=1 timeout 90 python bench/pdl_check.py --out $OUT/pdl_on.json 2>&1 | quiet | tail -2
   DIFFULEX_PDL=0 timeout 90 python bench/pdl_check.py --out $OUT/pdl_off.json --compare $OUT/pdl_on.json 2>&1 \
     | quiet | tail -2
+elif [ "$1" = fused ]; then
+  # the two fusions (rope + KV store, SiLU into the down projection): GPU tests, equality, A/B of the gated GEMM
+  timeout 200 python -m pytest tests/kernels tests/attention -q -x 2>&1 | tail -2
+  DIFFULEX_PDL=1 timeout 90 python bench/pdl_check.py --out $OUT/pdl_on.json 2>&1 | quiet | tail -1
+  DIFFULEX_PDL=0 timeout 90 python bench/pdl_check.py --out $OUT/pdl_off.json --compare $OUT/pdl_on.json 2>&1 \
+    | quiet | tail -1
+  for gated in 1 0; do
+    DIFFULEX_SKINNY_GATED=$gated timeout 100 $TP --models 1.7b 8b --batch-sizes 1 --buffer-sizes 1 \
+      --out $OUT/tp_gated$gated.json 2>&1 | quiet | grep "decode steps"
+  done
+  timeout 120 python bench/step_anatomy.py --model 1.7b --batch 1 --steps 30 --top 8 --out $OUT/anatomy.json 2>&1 \
+    | quiet
 elif [ "$1" = a ]; then
   timeout 150 python -m pytest tests/kernels -q -x 2>&1 | tail -2
   timeout 200 python bench/gpu_smoke.py --out $OUT/smoke.json --builtin-problems 100 2>&1 | quiet | tail -30
