@@ -11,9 +11,6 @@ and an IEEE division and rounds to the input dtype; the product is then formed i
 values) and rounded once. On the GPU the exponential is libdevice's ``expf`` (Triton's ``tl.exp`` is the faster
 ``ex2.approx`` form, which PyTorch does not use); the Triton interpreter has no libdevice and uses ``tl.exp``.
 Casts go through `diffulex.kernels.fused_norm.cast_rne` (round to nearest even under the interpreter too).
-The math is one jitted helper, `silu_mul_values`, which the gated mode of the skinny GEMM
-(`diffulex.kernels.skinny_gemm`) also applies to its A operand: the fused down projection multiplies exactly the
-values this kernel would have stored.
 """
 
 from __future__ import annotations
@@ -35,25 +32,6 @@ _PRECISE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def silu_mul_values(g, u, out_dtype: tl.constexpr, PRECISE_EXP: tl.constexpr):
-    """``silu(g) * u`` of loaded ``g``/``u`` values, rounded to `out_dtype` as PyTorch rounds it.
-
-    The one copy of the math, shared by `_silu_mul_kernel` and the gated skinny GEMM
-    (`diffulex.kernels.skinny_gemm`), whose result must match this kernel's bit for bit. ``PRECISE_EXP`` (the
-    GPU, where libdevice exists) also makes ``1 + exp(-g)`` an explicit round-to-nearest add: libdevice's
-    ``expf`` ends in a multiply, which a kernel compiled with FP fusion on (the GEMM is) would otherwise contract
-    with the add into one FMA and round differently.
-    """
-    g32 = g.to(tl.float32)
-    if PRECISE_EXP:
-        denom = libdevice.add_rn(libdevice.exp(-g32), 1.0)
-    else:
-        denom = 1.0 + tl.exp(-g32)
-    silu = cast_rne(tl.fdiv(g32, denom, ieee_rounding=True), g.dtype)
-    return cast_rne(silu.to(tl.float32) * u.to(tl.float32), out_dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(
     gate_ptr,
     up_ptr,
@@ -72,8 +50,14 @@ def _silu_mul_kernel(
     wait_for_inputs(USE_PDL)
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0)
     u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0)
-    out = silu_mul_values(g, u, out_ptr.dtype.element_ty, PRECISE_EXP)
-    tl.store(out_ptr + row * n_cols + cols, out, mask=ok)
+    g32 = g.to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-g32)
+    else:
+        e = tl.exp(-g32)
+    silu = cast_rne(tl.fdiv(g32, 1.0 + e, ieee_rounding=True), g.dtype)
+    out = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, cast_rne(out, out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -30,15 +30,6 @@ Design:
   the table. The first call of a config compiles it, so capture a graph only after a warm-up forward.
 * Outside graph capture a Triton launch costs more host time than cuBLAS's, so eager calls use the kernel only
   for LM-head-sized weights (see `use_skinny`).
-
-Gated mode (`skinny_gated_linear`): a SwiGLU MLP's down projection takes ``silu(gate) * up`` (``K = I``), which
-would otherwise be one more launch (`diffulex.kernels.activation.silu_mul`, ~1.5 us at decode sizes) and an
-``[M, I]`` round trip. The kernel loads gate and up tiles where the x tile would be (two row-strided operands: the
-halves of the merged ``gate_up`` output or two tensors; after `wait_for_inputs`, since the previous kernel writes
-them) and applies the activation kernel's own jitted math, rounded to the dtype as that kernel stores it, so the
-result is bit for bit that of the two launches with the same config. Every N tile recomputes the activation of
-its K slice for all padded rows: CUDA-core work the weight stream should hide, to be checked per GPU with
-``DIFFULEX_SKINNY_GATED=0`` as the A/B switch.
 """
 
 from __future__ import annotations
@@ -50,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.activation import _PRECISE_EXP, silu_mul_values
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import MAX_SPLIT_TILES, split_counters
 
@@ -60,8 +50,7 @@ MAX_ROWS = 16
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _skinny_kernel(
-    x_ptr,  # [M, K], unit stride along K (gate when GATED)
-    up_ptr,  # [M, K], unit stride along K, when GATED; else unused
+    x_ptr,  # [M, K], unit stride along K
     w_ptr,  # [N, K], unit stride along K
     bias_ptr,  # [N] or unused
     y_ptr,  # [M, N], unit stride along N
@@ -71,7 +60,6 @@ def _skinny_kernel(
     N,
     K,
     stride_xm,
-    stride_um,
     stride_wn,
     stride_ym,
     k_per_split,  # multiple of BLOCK_K
@@ -85,9 +73,6 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (`diffulex.kernels.pdl`)
     PREFETCH_LINES: tl.constexpr,  # 128-byte weight lines per row of the tile to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
-    EARLY_RELEASE: tl.constexpr,  # let the next kernels start before this one's weight stream rather than after
-    GATED: tl.constexpr,  # A = silu(x) * up, as `diffulex.kernels.activation.silu_mul` would have stored it
-    PRECISE_EXP: tl.constexpr,  # libdevice's expf (GPU) rather than tl.exp (interpreter), when GATED
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,12 +92,8 @@ def _skinny_kernel(
         line_k = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, k_hi - 1)
         prefetch_l2(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + line_k[None, :])
     wait_for_inputs(USE_PDL)
-    if EARLY_RELEASE:
-        release_dependents(USE_PDL)
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    if GATED:
-        u_ptrs = up_ptr + offs_m[:, None] * stride_um + (k_lo + offs_k)[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -121,17 +102,10 @@ def _skinny_kernel(
         if EVEN_K:
             w = tl.load(w_ptrs)
             xv = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            if GATED:
-                uv = tl.load(u_ptrs, mask=row_ok, other=0.0)
         else:
             k_ok = (k + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-            if GATED:
-                uv = tl.load(u_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-        if GATED:
-            # rounded to the dtype first, as the separate kernel stores it; masked lanes give silu(0) * 0 = 0
-            xv = silu_mul_values(xv, uv, x_ptr.dtype.element_ty, PRECISE_EXP)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(xv), acc)
         else:
@@ -139,10 +113,9 @@ def _skinny_kernel(
             acc += tl.sum(prod, axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        if GATED:
-            u_ptrs += BLOCK_K
-    if not EARLY_RELEASE:
-        release_dependents(USE_PDL)  # the weight stream is done: the next kernels may start their prologues
+    # the weight stream is done: the next kernels may start their prologues (releasing them before it, the next
+    # GEMM's prefetch competes with this stream; measured on an H100: no faster at 1.7B, 2% slower at 8B)
+    release_dependents(USE_PDL)
     if USE_DOT:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -238,14 +211,12 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 # (LM heads). Under CUDA-graph capture the launch cost is gone and every table entry wins.
 _EAGER_MIN_BYTES = 256 << 20
 _ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
-_GATED_ENABLED = os.environ.get("DIFFULEX_SKINNY_GATED", "1") != "0"  # A/B switch of the fused down projection
 # With programmatic dependent launch a GEMM starts while the kernels before it finish; it prefetches its weights
 # into L2 meanwhile, at most this much per matrix (the H100's L2 holds 50 MB, and the prefetched lines must
 # survive until the main loop reads them).
 _PREFETCH_BUDGET_BYTES = 16 << 20
 _PREFETCH_MAX_ADDRESSES = 4096
 _L2_LINE_BYTES = 128
-_EARLY_RELEASE = os.environ.get("DIFFULEX_PDL_EARLY", "0") == "1"  # A/B switch while measuring
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
 
@@ -296,66 +267,29 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return torch.cuda.is_current_stream_capturing() or weight.numel() * weight.element_size() >= _EAGER_MIN_BYTES
 
 
-# Kernel variants (config, padded rows, even K, bias, dtype, device, gated extras) that an eager call has compiled.
+# Kernel variants (config, padded rows, even K, bias, dtype, device) that an eager call has compiled.
 _WARMED: set[tuple] = set()
 
 
-def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, extra: tuple = ()) -> SkinnyConfig | None:
-    """The config `maybe_skinny_linear` / `maybe_skinny_gated_linear` launch with, or None for cuBLAS.
+def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
 
     A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
-    variant (``extra`` tells apart what else selects a compiled variant): that call compiles the variant (and
-    allocates the split counters), so the warm-up forward before a capture leaves nothing to compile or allocate
-    inside the capture; later eager calls go to cuBLAS. The caller has checked `_eligible`.
+    variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
+    a capture leaves nothing to compile or allocate inside the capture; later eager calls go to cuBLAS.
     """
-    if torch.compiler.is_compiling():
+    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
         return None
     m, k = x.shape
     cfg = config_for(weight.shape[0], k, m)
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, _block_m(cfg, m), k % cfg.block_k == 0, bias is not None, x.dtype, x.device, *extra)
+        variant = (cfg, _block_m(cfg, m), k % cfg.block_k == 0, bias is not None, x.dtype, x.device)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
-    return cfg
-
-
-def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The product through the kernel where `use_skinny` allows it (and once per variant to compile it, see
-    `_route`), else None (the caller then uses ``F.linear``)."""
-    if not _eligible(x, weight, bias):
-        return None
-    cfg = _route(x, weight, bias)
-    return None if cfg is None else skinny_linear(x, weight, bias, cfg)
-
-
-def _gated_eligible(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """What the gated mode asks of ``up`` beyond `_eligible` asks of ``gate``: the same shape, dtype and device,
-    unit stride along K, no gradients to record."""
-    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device or up.stride(1) != 1:
-        return False
-    return not (torch.is_grad_enabled() and up.requires_grad)
-
-
-def _specialization(*operands: torch.Tensor) -> tuple[bool, ...]:
-    """What Triton specializes a compiled variant on per operand: a 16-byte aligned start, a row stride divisible
-    by 16. The merged ``gate_up`` halves and two separate tensors may differ, and a capture must not meet a new
-    variant."""
-    return tuple(f for t in operands for f in (t.data_ptr() % 16 == 0, t.stride(0) % 16 == 0))
-
-
-def maybe_skinny_gated_linear(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """``linear(silu(gate) * up, weight, bias)`` in one launch where `maybe_skinny_linear` would run the down
-    projection through the kernel (same rules, with ``K = I``), else None (the caller then runs the activation
-    and the linear apart)."""
-    if not _GATED_ENABLED or not _eligible(gate, weight, bias) or not _gated_eligible(gate, up):
-        return None
-    cfg = _route(gate, weight, bias, ("gated", *_specialization(gate, up)))
-    return None if cfg is None else skinny_gated_linear(gate, up, weight, bias, cfg)
+    return skinny_linear(x, weight, bias, cfg)
 
 
 def _next_pow2(x: int) -> int:
@@ -377,37 +311,6 @@ def skinny_linear(
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    return _launch(x, None, weight, bias, config)
-
-
-def skinny_gated_linear(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """``(silu(gate) * up) @ weight.T + bias`` for few-row ``gate``/``up`` ``[M, I]`` and ``weight [N, I]``.
-
-    Bit for bit ``skinny_linear(silu_mul(gate, up), weight, bias, config)`` in one launch instead of two, with no
-    ``[M, I]`` intermediate. ``gate`` and ``up`` may be row-strided views, e.g. the two halves of a merged
-    ``gate_up`` output. `config` as in `skinny_linear` (the table is looked up with ``K = I``).
-    """
-    if gate.dim() != 2 or weight.dim() != 2 or gate.shape[1] != weight.shape[1]:
-        raise ValueError(f"need gate [M, I] and weight [N, I], got {tuple(gate.shape)} and {tuple(weight.shape)}")
-    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
-        raise ValueError(f"up {tuple(up.shape)} {up.dtype} must match gate {tuple(gate.shape)} {gate.dtype}")
-    return _launch(gate, up, weight, bias, config)
-
-
-def _launch(
-    x: torch.Tensor,
-    up: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: SkinnyConfig | None,
-) -> torch.Tensor:
-    """One launch of `_skinny_kernel` on validated operands; ``up`` given means the gated mode (``x`` is gate)."""
     m, k = x.shape
     n = weight.shape[0]
     cfg = config if config is not None else config_for(n, k, m)
@@ -415,8 +318,6 @@ def _launch(
         raise ValueError(f"no skinny GEMM config for M={m}, N={n}, K={k}; use F.linear")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if up is not None and up.stride(1) != 1:
-        up = up.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -440,10 +341,8 @@ def _launch(
     use_pdl = pdl_enabled(x.device, m)
     line_elems = _L2_LINE_BYTES // weight.element_size()
     prefetch = _prefetch_lines(n, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
-    gated = up is not None
     _skinny_kernel[(tiles, splits)](
         x,
-        up if gated else x,
         weight,
         bias if bias is not None else y,
         y,
@@ -453,7 +352,6 @@ def _launch(
         n,
         k,
         x.stride(0),
-        up.stride(0) if gated else x.stride(0),
         weight.stride(0),
         y.stride(0),
         k_per_split,
@@ -467,9 +365,6 @@ def _launch(
         USE_PDL=use_pdl,
         PREFETCH_LINES=prefetch,
         LINE_ELEMS=line_elems,
-        EARLY_RELEASE=_EARLY_RELEASE,
-        GATED=gated,
-        PRECISE_EXP=_PRECISE_EXP,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(use_pdl),

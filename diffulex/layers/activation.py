@@ -2,9 +2,7 @@
 
 On CUDA it is one Triton launch (`diffulex.kernels.activation.silu_mul`) that reads gate and up where they lie:
 the two halves of the merged ``gate_up`` output or two separate projections alike, so no split copies and no
-intermediate ``silu(gate)`` tensor. The torch code is the CPU path and the reference the kernel reproduces. At
-decode row counts the MLP skips this launch altogether: `diffulex.layers.linear.gated_linear` folds the activation
-into the down projection's kernel.
+intermediate ``silu(gate)`` tensor. The torch code is the CPU path and the reference the kernel reproduces.
 """
 
 from __future__ import annotations
@@ -14,16 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers.dispatch import use_fused_kernels
-
-
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``: the fused kernel where `use_fused_kernels` allows it, else the torch code. A function
-    as well as a module so that `diffulex.layers.linear.gated_linear` falls back to exactly this."""
-    if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
-        from diffulex.kernels.activation import silu_mul
-
-        return silu_mul(gate, up)
-    return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
@@ -36,7 +24,11 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate, up)
+        if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
+            from diffulex.kernels.activation import silu_mul
+
+            return silu_mul(gate, up)
+        return F.silu(gate) * up
 
     def split(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The same activation on a concatenated ``[..., 2 * I]`` tensor (gate first, then up)."""

@@ -9,8 +9,6 @@ Parameter names stay ``weight``/``bias`` so checkpoint keys map one to one.
 
 Every product goes through `linear`: ``F.linear`` (cuBLAS), or on CUDA at decode row counts the Triton skinny
 GEMM (`diffulex.kernels.skinny_gemm`), which streams the weights faster than cuBLAS's small-M tiles.
-The down projection of a SwiGLU MLP goes through `gated_linear`, which at those row counts also folds the
-activation into the skinny GEMM's loads (one launch instead of two).
 """
 
 from __future__ import annotations
@@ -21,10 +19,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
-
-from diffulex.layers.activation import SiluAndMul, silu_and_mul
-from diffulex.layers.dispatch import use_fused_kernels
 
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
 # inputs skip importing it): decode steps of a few requests.
@@ -50,62 +44,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if y is not None:
             return y
     return nn.functional.linear(x, weight, bias)
-
-
-@functools.cache
-def _skinny_gated() -> Callable[..., torch.Tensor | None] | None:
-    """`maybe_skinny_gated_linear`, imported like `_skinny`."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from diffulex.kernels.skinny_gemm import maybe_skinny_gated_linear
-
-    return maybe_skinny_gated_linear
-
-
-def gated_linear(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``linear(silu(gate) * up, weight, bias)``, the down projection of a SwiGLU MLP.
-
-    Where the activation kernel and the skinny GEMM would both run (CUDA, decode row counts), the skinny GEMM's
-    gated mode does both in one launch with the same result bit for bit, saving a launch per layer; elsewhere,
-    and always on the CPU, it is exactly the two steps.
-    """
-    if (
-        gate.is_cuda
-        and gate.dim() == 2
-        and gate.shape[0] <= _SKINNY_MAX_ROWS
-        and not torch.compiler.is_compiling()
-        and use_fused_kernels(gate, up)
-    ):
-        fused = _skinny_gated()
-        y = fused(gate, up, weight, bias) if fused is not None else None
-        if y is not None:
-            return y
-    return linear(silu_and_mul(gate, up), weight, bias)
-
-
-def _runs_bare(module: nn.Module, forward: Callable[..., torch.Tensor]) -> bool:
-    """Whether calling ``module`` would only run `forward`: no hooks of its own or global ones (LoRA, activation
-    capture) and no subclass overriding it, so skipping the call changes nothing anyone can observe."""
-    if type(module).forward is not forward:
-        return False
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
-        return False
-    return not (
-        _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
-        or _module._global_backward_hooks
-        or _module._global_backward_pre_hooks
-    )
-
-
-def gated_down_proj(act_fn: nn.Module, down_proj: nn.Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``down_proj(act_fn(gate, up))`` of a SwiGLU MLP, through `gated_linear` (one launch at decode sizes) when
-    neither module needs to be seen running; otherwise the modules themselves, so their hooks fire."""
-    if _runs_bare(act_fn, SiluAndMul.forward) and _runs_bare(down_proj, _Linear.forward):
-        return gated_linear(gate, up, down_proj.weight, down_proj.bias)
-    return down_proj(act_fn(gate, up))
 
 
 class _Linear(nn.Linear):

@@ -29,7 +29,6 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.layers.linear import gated_down_proj
 from diffulex.models.hf_config import DenseDecoderConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -133,8 +132,7 @@ class DenseMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return gated_down_proj(self.act_fn, self.down_proj, gate, up)  # one launch for act + down at decode sizes
+        return self.down_proj(self.act_fn(*self.gate_up(x)))
 
 
 class DenseDecoderLayer(nn.Module):

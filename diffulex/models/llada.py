@@ -40,7 +40,6 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.layers.linear import gated_down_proj
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -81,7 +80,7 @@ class LLaDABlock(nn.Module):
         # the attention layer rotates q/k (writing k/v to the cache in the same launch on CUDA)
         hidden = self.attn_out(self.attn(q, k, v, attn_meta, rope))
         hidden, residual = self.ff_norm(hidden, residual)
-        return gated_down_proj(self.act, self.ff_out, self.ff_proj(hidden), self.up_proj(hidden)), residual
+        return self.ff_out(self.act(self.ff_proj(hidden), self.up_proj(hidden))), residual
 
 
 class LLaDATransformer(nn.Module):
