@@ -42,6 +42,7 @@ elif [ "$1" = b ]; then
   $TP --models 1.7b --batch-sizes 1 8 32 64 128 --buffer-sizes 1 2 --profile --profile-batch 1 \
     --linear-roofline --roofline-batches 32 64 128 --out $OUT/tp_1p7b.json 2>&1 | quiet | grep -v "^\[" | tail -40
 elif [ "$1" = c ]; then
+  timeout 100 python -m pytest tests/kernels/test_qk_norm_rope_store.py tests/attention -q 2>&1 | tail -1
   timeout 150 python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 30 --top 16 --out $OUT/anatomy.json \
     2>&1 | quiet
   $TP --models 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 --linear-roofline --roofline-batches 32 64 128 \

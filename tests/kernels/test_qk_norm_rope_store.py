@@ -29,9 +29,10 @@ def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torc
     return q, k, v
 
 
-def slots_and_caches(tokens, kv_heads, head_dim, page_size, cache_dtype, device, seed, num_pages=6):
+def slots_and_caches(tokens, kv_heads, head_dim, page_size, cache_dtype, device, seed):
     """Distinct random slots, every third row from the second on skipped; caches of random old contents."""
     gen = torch.Generator().manual_seed(seed)
+    num_pages = max(6, -(-tokens // page_size) + 2)  # room for every row's slot, and some never written
     slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
     skip = torch.arange(tokens) % 3 == 1
     slot_mapping = torch.where(skip, -1, slots).to(torch.int64).to(device)
