@@ -275,7 +275,9 @@ def measure_decode(
     prefill_steps = _admit_until_decoding(engine, requests, step_limit=4 * batch + 16)
 
     step_times: list[float] = []
-    raw: list[tuple[list[Any], list[int]]] = []  # (updates, cached tokens of each request before the step)
+    # per step: (req_id, record) of each update, and the cached tokens of each request before the step. Only the
+    # records are kept: holding the updates' answer lists would give the collector work the engine does not make
+    raw: list[tuple[list[tuple[int, Any]], list[int]]] = []
     stopped_by = "request_finished"
     gc_pauses: list[float] = []  # collector pauses inside the timed region (a cause of slow outlier steps)
     gc_started = [0.0]
@@ -294,7 +296,7 @@ def measure_decode(
         ts = time.perf_counter()
         updates = engine.step()
         step_times.append(time.perf_counter() - ts)
-        raw.append((updates, before))
+        raw.append(([(u.req_id, u.record) for u in updates if u.record is not None], before))
         if any(u.finished for u in updates):
             break
         if settings.max_steps is not None and len(step_times) >= settings.max_steps:
@@ -316,15 +318,13 @@ def measure_decode(
     works: list[StepWork] = []
     tokens = request_forwards = 0
     partial_steps = 0
-    for k, (updates, before) in enumerate(raw):
+    for k, (step_records, before) in enumerate(raw):
         after = raw[k + 1][1] if k + 1 < len(raw) else final
         records = [
-            (by_id[u.req_id], u.record, before[index[u.req_id]], after[index[u.req_id]])
-            for u in updates
-            if u.record is not None
+            (by_id[req_id], record, before[index[req_id]], after[index[req_id]]) for req_id, record in step_records
         ]
         works.append(_step_work(records, settings.block_size, engine.mask_token_id))
-        tokens += sum(u.record.num_new_tokens for u in updates if u.record is not None)
+        tokens += sum(record.num_new_tokens for _, record in step_records)
         request_forwards += len(records)
         partial_steps += len(records) != batch
     steps = len(step_times)
