@@ -178,6 +178,8 @@ class DiffulexEngine:
         num_pages = self._plan_num_pages()
         self.runner.allocate_kv_cache(num_pages)
         self._maybe_capture_graphs()
+        sample_rows = config.max_num_reqs * config.buffer_size * config.block_size
+        self.runner.warm_up_sampling(sample_rows, self.dtype)
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)

@@ -122,6 +122,20 @@ class ModelRunner:
         return writes
 
     @torch.inference_mode()
+    def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None:
+        """Compile now the kernels that run after the forward (LM head, sampler) for every row count a step can
+        sample, up to `max_rows`: their variants depend on the row count, and a compile met while serving stalls
+        that step for a few hundred milliseconds. CUDA only (nothing compiles elsewhere)."""
+        device = self.settings.device
+        if device.type != "cuda":
+            return
+        # the LM head reads hidden states as wide as the token embedding (every family here)
+        hidden_size = next(m for m in self.model.modules() if isinstance(m, nn.Embedding)).embedding_dim
+        for rows in sorted({r for r in (1, 4, 8, 16, max_rows) if r <= max_rows}):
+            logits = self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=device))
+        self.sampler.warm_up(device, logits.dtype, logits.shape[-1], max_rows)
+
+    @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int, num_sample_rows: int) -> None:
         """One forward of ``num_tokens`` prompt rows plus logits for ``num_sample_rows`` rows: the activation
         peak the memory planner reserves. The rows form requests of at most ``max_model_len`` positions, as a

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex.kernels import split_counters
+from diffulex.kernels import split_counters, top1
 from diffulex.kernels.top1 import auto_num_splits, triton_top1
 from diffulex.sampler.token_sampling import ban_tokens, greedy
 
@@ -113,7 +113,34 @@ def test_split_count_comes_from_the_row_count(monkeypatch):
     cuda, sms = torch.device("cuda", 0), 132
     monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
     tiles = 38  # a 151936-id vocabulary in 4096-id tiles
-    assert auto_num_splits(cuda, 4, tiles) == min(tiles, 2 * sms // 4)  # decode at batch 1: every tile its own
-    assert auto_num_splits(cuda, 64, tiles) == max(1, 2 * sms // 64)
+    assert auto_num_splits(cuda, 4, tiles) == 32  # decode at batch 1: about every tile its own program
+    assert auto_num_splits(cuda, 64, tiles) == 4  # 264 // 64, already a power of two
+    assert auto_num_splits(cuda, 50, tiles) == 4  # 264 // 50 = 5, rounded down to a power of two
     assert auto_num_splits(cuda, 2 * sms, tiles) == 1  # large batches keep one program per row
     assert auto_num_splits(torch.device("cpu"), 4, tiles) == 1
+
+
+def test_every_row_count_uses_one_of_a_few_compiled_variants(monkeypatch):
+    """Each split count is a separate kernel compile; the sampler's row count changes every step, so the counts
+    must come from a small set that `warm_up` can compile up front."""
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
+    plans = {top1._split_plan(cuda, rows, 151936, None) for rows in range(1, 4 * sms)}
+    assert len(plans) <= 7
+    assert all(splits * per_split >= 38 and (splits - 1) * per_split < 38 for splits, per_split in plans)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles native kernels")
+def test_after_warm_up_no_row_count_compiles_a_kernel():
+    import triton
+
+    device = torch.device("cuda")
+    misses = []
+    top1.warm_up(device, 151936, torch.bfloat16, 151665, 151666, max_rows=600)
+    triton.knobs.runtime.jit_cache_hook = lambda *a, **k: misses.append(k.get("fn")) or False
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 13, 17, 33, 64, 100, 131, 200, 264, 265, 600):
+            triton_top1(torch.randn(rows, 151936, device=device, dtype=torch.bfloat16), 151665, 151666)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert misses == []

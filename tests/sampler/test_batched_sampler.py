@@ -165,3 +165,16 @@ def test_sampled_requests_draw_from_their_own_seeded_generator():
 def test_a_batch_without_targets_writes_nothing():
     req = Request(0, [1, 2, 3, 4], SamplingParams(temperature=0.0), DECODE)
     assert ConfidenceSampler(SamplerSettings(VOCAB_LIMIT, MASK, 0.9, 0))(torch.zeros(0, VOCAB), [(req, [])]) == {0: []}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_layout_sections_start_16_byte_aligned_whatever_the_row_counts(seed):
+    """Triton compiles a kernel per pointer alignment: sections that moved with the parity of the row or block count
+    would make the acceptance kernel compile again while serving."""
+    from diffulex.sampler.confidence import _RowLayout
+
+    layout = _RowLayout.of(random_work(random.Random(seed), num_requests=1 + seed), force_every_block=False)
+    segment, force, starts = layout.to_device(torch.device("cpu"))
+    assert segment.tolist() == layout.segments and force.tolist() == layout.force
+    assert starts.tolist() == layout.starts
+    assert all(t.data_ptr() % 16 == 0 for t in (segment, force, starts))
