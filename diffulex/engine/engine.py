@@ -342,7 +342,7 @@ class DiffulexEngine:
                 raise RuntimeError("no request could be scheduled although requests are waiting")
             return []
         query = {req.req_id: req.query_range() for req in batch}
-        running_ids = {req.req_id: [b.index for b in req.running] for req in batch}
+        running_ids = {req.req_id: tuple(b.index for b in req.running) for req in batch}
         writes = self.runner.run(batch)
         updates = []
         records = []
@@ -353,7 +353,7 @@ class DiffulexEngine:
             start, end = query[req.req_id]
             ids = running_ids[req.req_id]
             lo = req.blocks[ids[0]].start if ids else end
-            record = StepRecord(self._num_steps, end - start, filled, ids, req.token_ids[lo:end])
+            record = StepRecord(self._num_steps, end - start, filled, ids, tuple(req.token_ids[lo:end]))
             req.steps.append(record)
             records.append(record)
             done = req.is_finished

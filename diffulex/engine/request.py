@@ -66,8 +66,11 @@ class StepRecord:
     step: int
     query_len: int  # tokens this request contributed to the forward
     num_new_tokens: int  # mask positions filled in this step
-    running_block_ids: list[int]  # the running set during the forward
-    running_token_ids: list[int]  # its tokens after this step's writes (masks still shown)
+    # Tuples, not lists: a record lives as long as its request, and the garbage collector stops scanning a tuple of
+    # ints after its first pass, while it rescans every list in each full collection (at batch 64 the engine keeps
+    # about 200 such objects per step).
+    running_block_ids: tuple[int, ...]  # the running set during the forward
+    running_token_ids: tuple[int, ...]  # its tokens after this step's writes (masks still shown)
     step_time: float = 0.0  # wall time of the whole engine step, seconds
 
 

@@ -20,7 +20,7 @@ STEP_TIMES = {0: 0.5, 1: 0.1, 2: 0.1, 3: 0.1}  # engine step -> wall time of the
 
 
 def traj(index, steps, new_tokens, answer_len, reason, prompt_len=10, error=None):
-    records = [StepRecord(s, 4, n, [0], [], STEP_TIMES[s]) for s, n in zip(steps, new_tokens, strict=True)]
+    records = [StepRecord(s, 4, n, (0,), (), STEP_TIMES[s]) for s, n in zip(steps, new_tokens, strict=True)]
     return Trajectory(
         index=index,
         req_id=index,

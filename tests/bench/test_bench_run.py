@@ -82,7 +82,7 @@ def test_metrics_are_consistent_with_the_recorded_trajectories(bench_run: Path):
     # The metrics can be recomputed from the saved step records alone.
     trajs = [
         Trajectory(i, i, [0] * r["prompt_tokens"], [0] * r["generated_tokens"], "", r["completion_reason"],
-                   r["nfe"], [StepRecord(s, q, n, [], [], t) for s, q, n, t in r["steps"]])
+                   r["nfe"], [StepRecord(s, q, n, (), (), t) for s, q, n, t in r["steps"]])
         for i, r in enumerate(rows)
     ]
     (batch,) = report["batches"]
@@ -142,7 +142,7 @@ class FakeEngine:
         self.calls.append((prompts, params))
         trajs = [
             Trajectory(i, i, [1, 2], [5, 6], " 42\nQuestion: more", "max_new_tokens_reached", 1,
-                       [StepRecord(0, 3, 2, [0], [], 0.1)])
+                       [StepRecord(0, 3, 2, (0,), (), 0.1)])
             for i in range(len(prompts))
         ]
         return GenerationOutputs(trajs, 0.2, 1)

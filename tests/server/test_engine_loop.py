@@ -68,7 +68,7 @@ class FakeEngine:
             req["out"].append(7)
             req["left"] -= 1
             done = req["left"] == 0
-            record = StepRecord(self.steps, 1, 1, [0], [7], 0.001)
+            record = StepRecord(self.steps, 1, 1, (0,), (7,), 0.001)
             traj = None
             if done:
                 del self.requests[req_id]
