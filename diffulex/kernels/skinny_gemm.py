@@ -267,7 +267,8 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return torch.cuda.is_current_stream_capturing() or weight.numel() * weight.element_size() >= _EAGER_MIN_BYTES
 
 
-# Kernel variants (config, padded rows, even K, bias, dtype, device) that an eager call has compiled.
+# Kernel variants that an eager call has compiled: (config, padded rows, weight shape, bias, dtype, device). The
+# shape stands for what the launch derives from it (even K, split count, the L2 prefetch of PDL launches).
 _WARMED: set[tuple] = set()
 
 
@@ -285,7 +286,7 @@ def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, _block_m(cfg, m), k % cfg.block_k == 0, bias is not None, x.dtype, x.device)
+        variant = (cfg, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
