@@ -95,17 +95,11 @@ class Attention(nn.Module):
         args = fused_rope_args(q, k, cos, sin, q_norm, k_norm)
         if args is None:
             return None
-        storable = (
-            v.shape == k.shape
-            and k_cache.shape[2:] == k.shape[1:]
-            and v_cache.shape == k_cache.shape
-            and k_cache.stride(-1) == 1
-            and v_cache.stride(-1) == 1
-            and meta.slot_mapping.shape == (k.shape[0],)
-        )
-        if not storable:
-            return None
         from diffulex.kernels.attention_op import rope_store_and_attend
+        from diffulex.kernels.fused_norm import kv_store_mismatch
+
+        if kv_store_mismatch(k, v, k_cache, v_cache, meta.slot_mapping) is not None:
+            return None
 
         grouped = self.attn_impl == "triton_grouped"
         return rope_store_and_attend(q, k, v, cos, sin, *args, k_cache, v_cache, meta, self.scale, grouped)

@@ -178,8 +178,7 @@ class DiffulexEngine:
         num_pages = self._plan_num_pages()
         self.runner.allocate_kv_cache(num_pages)
         self._maybe_capture_graphs()
-        sample_rows = config.max_num_reqs * config.buffer_size * config.block_size
-        self.runner.warm_up_sampling(sample_rows, self.dtype)
+        self.runner.warm_up_sampling(config.max_num_reqs * self._max_rows_per_request(), self.dtype)
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
@@ -189,6 +188,11 @@ class DiffulexEngine:
             config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
             num_pages, config.page_size, self.device,
         )
+
+    def _max_rows_per_request(self) -> int:
+        """The most rows one request adds to a decode step: its running set, plus the recomputed row of a shifted
+        family. Bounds the graphs' query length, the sampled rows and the profiled logits."""
+        return self.config.buffer_size * self.config.block_size + int(self.settings.logits_shift)
 
     # ----- memory -------------------------------------------------------------------------------------------
 
@@ -222,9 +226,8 @@ class DiffulexEngine:
         (``max(max_num_batched_tokens, max_model_len)`` rows) and the sampler's logits for every running row.
         """
         config, dev = self.config, self.device
-        rows_per_req = config.buffer_size * config.block_size + int(self.settings.logits_shift)
         num_tokens = max(config.max_num_batched_tokens, config.max_model_len)
-        sample_rows = config.max_num_reqs * rows_per_req
+        sample_rows = config.max_num_reqs * self._max_rows_per_request()
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -241,7 +244,7 @@ class DiffulexEngine:
         graphs = 0
         if self._use_cuda_graphs():
             # the graphs' pool holds one decode forward of the largest bucket: scale the measured peak
-            graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows_per_req
+            graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * self._max_rows_per_request()
             graphs = int(activations * min(1.0, graph_tokens / num_tokens))
         budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
         report = (
@@ -279,7 +282,7 @@ class DiffulexEngine:
         t0 = time.perf_counter()
         self.runner.enable_decode_graphs(
             max_requests=config.max_num_reqs,
-            max_query_len=config.buffer_size * config.block_size + int(self.settings.logits_shift),
+            max_query_len=self._max_rows_per_request(),
             max_model_len=config.max_model_len,
             capture=True,
         )

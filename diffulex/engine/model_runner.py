@@ -17,6 +17,7 @@ from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape
 from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.layers.linear import SKINNY_MAX_ROWS
 
 
 @dataclass
@@ -129,9 +130,10 @@ class ModelRunner:
         device = self.settings.device
         if device.type != "cuda":
             return
-        # the LM head reads hidden states as wide as the token embedding (every family here)
+        # the LM head reads hidden states as wide as the token embedding (every family here); every row count the
+        # skinny GEMM takes, then the largest
         hidden_size = next(m for m in self.model.modules() if isinstance(m, nn.Embedding)).embedding_dim
-        for rows in sorted({r for r in (1, 4, 8, 16, max_rows) if r <= max_rows}):
+        for rows in sorted({*range(1, min(max_rows, SKINNY_MAX_ROWS) + 1), max_rows}):
             logits = self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=device))
         self.sampler.warm_up(device, logits.dtype, logits.shape[-1], max_rows)
 

@@ -370,16 +370,26 @@ def qk_norm_rope_store(
     ``slot_mapping[t]`` unless that is negative, values cast to the cache dtype. Returns ``(q, k)`` rotated,
     which attention still reads for the step's own rows.
     """
-    num_tokens, n_k_heads, head_dim = k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, k has {num_tokens}")
-    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.shape[3] != head_dim:
-        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache must be contiguous in head_dim")
+    mismatch = kv_store_mismatch(k, v, k_cache, v_cache, slot_mapping)
+    if mismatch is not None:
+        raise ValueError(mismatch)
     return _launch_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, (v, k_cache, v_cache, slot_mapping))
+
+
+def kv_store_mismatch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> str | None:
+    """Why `qk_norm_rope_store` cannot store ``k``/``v`` into these caches, or None when it can (callers that have
+    another path check this first)."""
+    if v.shape != k.shape:
+        return f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}"
+    if slot_mapping.shape != (k.shape[0],):
+        return f"slot_mapping has shape {tuple(slot_mapping.shape)}, k has {k.shape[0]} rows"
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        return f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "the KV cache must be contiguous in head_dim"
+    return None
 
 
 def _launch_qk_norm_rope(

@@ -21,7 +21,8 @@ _ENABLED = os.environ.get("DIFFULEX_FUSED_KERNELS", "1") != "0"
 
 
 @functools.cache
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether ``triton`` is installed (it is optional: without it every op takes its PyTorch path)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -38,4 +39,4 @@ def use_fused_kernels(*tensors: torch.Tensor | None) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
-    return _triton_available()
+    return triton_available()

@@ -14,21 +14,22 @@ GEMM (`diffulex.kernels.skinny_gemm`), which streams the weights faster than cuB
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from diffulex.layers.dispatch import triton_available
+
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
 # inputs skip importing it): decode steps of a few requests.
-_SKINNY_MAX_ROWS = 16
+SKINNY_MAX_ROWS = 16
 
 
 @functools.cache
 def _skinny() -> Callable[..., torch.Tensor | None] | None:
     """`maybe_skinny_linear`, imported on the first CUDA call (triton is optional); None without triton."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_available():
         return None
     from diffulex.kernels.skinny_gemm import maybe_skinny_linear
 
@@ -38,7 +39,7 @@ def _skinny() -> Callable[..., torch.Tensor | None] | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
     CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
         skinny = _skinny()
         y = skinny(x, weight, bias) if skinny is not None else None
         if y is not None:

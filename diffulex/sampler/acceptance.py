@@ -9,10 +9,9 @@ runs that, or on CUDA the one-launch Triton kernel `diffulex.kernels.acceptance`
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
+
+from diffulex.layers.dispatch import triton_available
 
 
 def accept_confident(confidences: list[float], threshold: float, force_allowed: bool) -> list[int]:
@@ -61,13 +60,9 @@ def accept_segments(
 ) -> torch.Tensor:
     """`accept_confident_segments` (``force`` as 0/1 ints) in one Triton launch on CUDA, the PyTorch version
     elsewhere. ``starts [S + 1]`` are the blocks' first rows followed by ``N``; ``max_block_rows`` bounds a block."""
-    if conf.is_cuda and _triton_available():
+    if conf.is_cuda and triton_available():
         from diffulex.kernels.acceptance import triton_accept_segments
 
         return triton_accept_segments(conf, starts, force, threshold, max_block_rows)
     return accept_confident_segments(conf, segment, force.bool(), threshold)
 
-
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None

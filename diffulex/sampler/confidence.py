@@ -8,6 +8,7 @@ from itertools import compress
 import torch
 
 from diffulex.engine.request import Request, SampleTarget
+from diffulex.layers.dispatch import triton_available
 from diffulex.registry import AutoSampler
 from diffulex.sampler.acceptance import accept_segments
 from diffulex.sampler.token_sampling import ban_tokens, propose_greedy, sample, step_generator
@@ -64,6 +65,8 @@ class ConfidenceSampler:
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
         """Compile the top-1 and acceptance kernels for every row count up to `max_rows` (CUDA), so that no step
         pays a compile; `dtype` and `vocab_size` are those of the LM head's logits."""
+        if not triton_available():  # the torch path compiles nothing
+            return
         from diffulex.kernels.top1 import warm_up as warm_up_top1
 
         s = self.settings

@@ -7,10 +7,9 @@ or on whether it was preempted.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
+
+from diffulex.layers.dispatch import triton_available
 
 
 def ban_tokens(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> torch.Tensor:
@@ -46,16 +45,11 @@ def propose_greedy(logits: torch.Tensor, vocab_limit: int, banned_id: int | None
     On CUDA the kernel reads the logits once in their own dtype and writes two numbers per row; the torch path
     would write a banned float32 copy and the exponentials of every id.
     """
-    if logits.is_cuda and _triton_available():
+    if logits.is_cuda and triton_available():
         from diffulex.kernels.top1 import triton_top1
 
         return triton_top1(logits, vocab_limit, banned_id)
     return greedy(ban_tokens(logits, vocab_limit, banned_id))
-
-
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
