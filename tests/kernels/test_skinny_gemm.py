@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffulex.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, config_for, skinny_linear, use_skinny
+from diffulex.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, _tma_usable, config_for, skinny_linear, use_skinny
 from diffulex.kernels.split_counters import split_counters
 from diffulex.layers import ColumnParallelLinear, LMHead, MergedProjection, RowParallelLinear
 from diffulex.layers.linear import linear
@@ -48,6 +48,32 @@ def test_matches_fp32_reference(cfg: SkinnyConfig) -> None:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, dtype)
         b = torch.randn(n, generator=gen).to(DEVICE, dtype) if i % 2 else None
         check(skinny_linear(x, w, b, cfg), reference(x, w, b), dtype)
+
+
+TMA_CONFIGS = [
+    SkinnyConfig(16, 32, 4, 2, use_dot=True, split_k=1, tma=True),
+    SkinnyConfig(32, 64, 4, 3, use_dot=True, split_k=2, tma=True),
+]
+
+
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=lambda c: f"tma-split{c.split_k}")
+def test_tma_weight_loads_match_the_reference(cfg: SkinnyConfig) -> None:
+    """Weight tiles through tensor descriptors: rows past N and the K tail past the last tile read as zeros."""
+    gen = torch.Generator().manual_seed(3)
+    for m, n, k in [(1, 40, 96), (5, 33, 160), (16, 64, 128)]:
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, torch.float16)
+        assert _tma_usable(w, cfg)
+        check(skinny_linear(x, w, None, cfg), reference(x, w, None), torch.float16)
+
+
+def test_tma_is_skipped_for_rows_that_are_not_16_byte_aligned() -> None:
+    """A weight whose rows are not 16-byte aligned (K = 100 halves) takes the plain loads, with the same result."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 100, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(50, 100, generator=gen) * 0.1).to(DEVICE, torch.float16)
+    assert not _tma_usable(w, TMA_CONFIGS[0])
+    check(skinny_linear(x, w, None, TMA_CONFIGS[0]), reference(x, w, None), torch.float16)
 
 
 def test_split_counters_are_left_zero_for_the_next_call() -> None:
