@@ -15,20 +15,18 @@ Casts go through `diffulex.kernels.fused_norm.cast_rne` (round to nearest even u
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from diffulex.kernels.fused_norm import as_rows, cast_rne
-from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 # The interpreter cannot run libdevice calls; it is only ever the CPU test path.
-_PRECISE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
+_PRECISE_EXP = not INTERPRETING
 
 
 @triton.jit

@@ -36,19 +36,17 @@ and only there, `qk_norm_rope_store` into a cache of another dtype than k's matc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 # Dtypes the kernels read and write; anything else takes the torch path.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest row `rms_norm` holds in registers (one program per row); wider rows take the torch path.
 MAX_NORM_COLS = 16384
-_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_INTERPRETING = tl.constexpr(INTERPRETING)
 
 
 @triton.jit

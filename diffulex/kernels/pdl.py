@@ -38,7 +38,7 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off (
     gdc_launch_dependents = gdc_wait = None
 
 _ENABLED = os.environ.get("DIFFULEX_PDL", "1") != "0"
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU
 _MIN_CAPABILITY = 9  # griddepcontrol is a Hopper (sm_90) instruction
 # Launches over more rows than this run without PDL. PDL pays where a step is a chain of latency-bound kernels and
 # weight-streaming skinny GEMMs (decode of a few requests: the skinny GEMM takes at most 16 rows); at batch 64 on
@@ -47,16 +47,20 @@ PDL_MAX_ROWS = 16
 
 
 @functools.cache
-def _device_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= _MIN_CAPABILITY
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached: the query is slow next to a kernel launch)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_enabled(device: torch.device, rows: int) -> bool:
     """Whether a kernel over `rows` token rows launched on `device` should use programmatic dependent launch."""
-    if not _ENABLED or _INTERPRETING or gdc_wait is None or device.type != "cuda" or rows > PDL_MAX_ROWS:
+    if not _ENABLED or INTERPRETING or gdc_wait is None or device.type != "cuda" or rows > PDL_MAX_ROWS:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_capable(index)
+    return device_capability(device)[0] >= _MIN_CAPABILITY
 
 
 def launch_kwargs(use_pdl: bool) -> dict[str, bool]:

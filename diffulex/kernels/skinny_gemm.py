@@ -51,7 +51,15 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: configs asking for TMA fall back to plain loads
     TensorDescriptor = None
 
-from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
+from diffulex.kernels.pdl import (
+    INTERPRETING,
+    device_capability,
+    launch_kwargs,
+    pdl_enabled,
+    prefetch_l2,
+    release_dependents,
+    wait_for_inputs,
+)
 from diffulex.kernels.split_counters import MAX_SPLIT_TILES, split_counters
 
 # Largest number of rows the kernel takes; beyond it the tiles of cuBLAS win.
@@ -111,18 +119,17 @@ def _skinny_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        if not EVEN_K:
+            k_ok = (k + offs_k) < k_hi
         if USE_TMA:  # rows past N and columns past K come back as zeros (splits are whole K tiles)
             w = w_desc.load([pid_n * BLOCK_N, k])
-            if EVEN_K:
-                xv = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            else:
-                xv = tl.load(x_ptrs, mask=row_ok & ((k + offs_k) < k_hi)[None, :], other=0.0)
         elif EVEN_K:
             w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        if EVEN_K:
             xv = tl.load(x_ptrs, mask=row_ok, other=0.0)
         else:
-            k_ok = (k + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(xv), acc)
@@ -242,7 +249,6 @@ _SUPPORTED = (torch.bfloat16, torch.float16)
 _TMA_MIN_CAPABILITY = 9
 _TMA_ALIGN = 16
 _TMA_MAX_BOX_BYTES = 256
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _TMA_ENABLED = os.environ.get("DIFFULEX_SKINNY_TMA", "1") != "0"  # A/B runs
 
 
@@ -407,9 +413,9 @@ def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:
     products on Triton 3.6)."""
     if not cfg.tma or not _TMA_ENABLED or TensorDescriptor is None:
         return False
-    if weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] < _TMA_MIN_CAPABILITY:
+    if weight.is_cuda and device_capability(weight.device)[0] < _TMA_MIN_CAPABILITY:
         return False
-    if not weight.is_cuda and not _INTERPRETING:
+    if not weight.is_cuda and not INTERPRETING:
         return False
     elem = weight.element_size()
     return (
