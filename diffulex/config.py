@@ -82,6 +82,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
 KV_CACHE_LAYOUTS = ("unified", "distinct")
 ATTN_IMPLS = ("triton_grouped", "triton", "naive")
+# More micro-batches than two buy nothing: one is on the GPU while the host prepares the other.
+MAX_MICRO_BATCHES = 2
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
 MOE_GEMM_IMPLS = ("triton", "vllm", "vllm_modular", "naive")
@@ -379,6 +381,11 @@ class Config:
     enable_prefill_cudagraph: bool = _field(False, "Capture CUDA graphs for prefill steps too.")
     prefill_cudagraph_max_len: int = _field(0, "Longest prefill captured in a CUDA graph (>= 0).")
     skip_warmup: bool = _field(False, "Skip the warmup forward at startup.")
+    micro_batches: int = _field(
+        1,
+        "Interleaved micro-batches of the running requests (1 or 2): with 2 the host finishes and schedules one "
+        "while the GPU computes the other.",
+    )
     auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
     auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")
 
@@ -658,6 +665,7 @@ class Config:
 
         check_choice("torch_compile_mode", self.torch_compile_mode, TORCH_COMPILE_MODES)
         check_int("prefill_cudagraph_max_len", self.prefill_cudagraph_max_len, low=0)
+        check_int("micro_batches", self.micro_batches, low=1, high=MAX_MICRO_BATCHES)
         check_int("auto_max_nfe_warmup_steps", self.auto_max_nfe_warmup_steps, low=1)
         self.auto_max_nfe_tpf_floor = check_number(
             "auto_max_nfe_tpf_floor", self.auto_max_nfe_tpf_floor, low=0.0, low_open=True

@@ -20,6 +20,11 @@ launch is GPU idle time, and every CUDA call there costs microseconds (10-60 us 
 the H100 host measured), so the copy is captured into each graph as its first node: a step makes exactly one
 CUDA call, the replay. The staging buffer is reused without an event: the caller synchronizes with the device at
 the end of every replayed step (`ModelRunner.run`), so the previous copy out of it has always finished.
+
+With micro-batches (``staging_buffers > 1``, `diffulex.engine.engine`) a step is launched while the previous
+one may still wait in the stream, so one buffer would be overwritten before its copy ran: each micro-batch then
+fills its own host buffer and the copy is issued before the replay instead of inside it. A buffer is filled
+again only after its micro-batch's previous step has returned its result, so that copy has run.
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ class DecodeGraphs:
     graph: that path exercises the padding rules on the CPU, where tests can compare it with unpadded steps.
     """
 
-    def __init__(self, shape: GraphShape, forward: Forward, device: torch.device, capture: bool) -> None:
+    def __init__(
+        self, shape: GraphShape, forward: Forward, device: torch.device, capture: bool, staging_buffers: int = 1
+    ) -> None:
         self.shape = shape
         self.forward = forward
         self.device = device
@@ -90,15 +97,16 @@ class DecodeGraphs:
         self._head_len = 3 * R + 1
         token_bytes = 3 * T * 8
         total_bytes = token_bytes + (self._head_len + R * P) * 4
-        staging_host = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin)
+        hosts = [torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(staging_buffers)]
         staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
-        self._tokens_np = staging_host.numpy()[:token_bytes].view(np.int64)
-        self._layout_np = staging_host.numpy()[token_bytes:].view(np.int32)
+        self._tokens_np = [h.numpy()[:token_bytes].view(np.int64) for h in hosts]
+        self._layout_np = [h.numpy()[token_bytes:].view(np.int32) for h in hosts]
+        self._upload_in_graph = staging_buffers == 1
         self._tokens = staging[:token_bytes].view(torch.int64)
         self._layout = staging[token_bytes:].view(torch.int32)
         # per bucket, the prefix of the buffer its step uses: every token row, the layout up to its page tables
         used = {b: token_bytes + (self._head_len + b * P) * 4 for b in self.buckets}
-        self._copy_pairs = {b: (staging[: used[b]], staging_host[: used[b]]) for b in self.buckets}
+        self._copy_pairs = {b: [(staging[: used[b]], h[: used[b]]) for h in hosts] for b in self.buckets}
         self._metas = {b: self._metadata(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -143,18 +151,18 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= r)
 
-    def _fill(self, step: StepInputs, bucket: int) -> None:
+    def _fill(self, step: StepInputs, bucket: int, buffer: int = 0) -> None:
         s, R, T = self.shape, self.shape.max_requests, self.shape.max_tokens
         t, r = step.num_tokens, step.num_requests
         n = bucket * s.max_query_len
-        tok = self._tokens_np
+        tok = self._tokens_np[buffer]
         tok[:t] = step.input_ids
         tok[t:n] = 0
         tok[T : T + t] = step.positions
         tok[T + t : T + n] = 0
         tok[2 * T : 2 * T + t] = step.slot_mapping
         tok[2 * T + t : 2 * T + n] = -1
-        lay = self._layout_np
+        lay = self._layout_np[buffer]
         lay[: r + 1] = step.cu_seqlens_q
         lay[r + 1 : bucket + 1] = t
         lay[R + 1 : R + 1 + r] = step.context_lens
@@ -166,7 +174,7 @@ class DecodeGraphs:
         for i, table in enumerate(step.page_tables):
             tables[i, : len(table)] = table
         if not self.capture_graphs:  # a captured graph copies the staging buffer in itself (see `_upload`)
-            self._upload(bucket)
+            self._upload(bucket, buffer)
             # the eager fallback reads the host lists of the metadata
             meta = self._metas[bucket]
             pad = bucket - r
@@ -174,15 +182,18 @@ class DecodeGraphs:
             meta.context_lens_cpu = step.context_lens + [0] * pad
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
 
-    def _upload(self, bucket: int) -> None:
-        """Copy the bucket's part of the host staging buffer to the device (one copy, queued on the stream)."""
-        device_part, host_part = self._copy_pairs[bucket]
+    def _upload(self, bucket: int, buffer: int = 0) -> None:
+        """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
+        device_part, host_part = self._copy_pairs[bucket][buffer]
         device_part.copy_(host_part, non_blocking=True)
 
-    def run(self, step: StepInputs, bucket: int) -> torch.Tensor:
-        """Hidden states ``[step.num_tokens, hidden]`` of the step, computed in the bucket's padded shape."""
-        self._fill(step, bucket)
+    def run(self, step: StepInputs, bucket: int, buffer: int = 0) -> torch.Tensor:
+        """Hidden states ``[step.num_tokens, hidden]`` of the step, computed in the bucket's padded shape, its
+        inputs staged in host buffer `buffer` (one per micro-batch)."""
+        self._fill(step, bucket, buffer)
         if self.capture_graphs:
+            if not self._upload_in_graph:
+                self._upload(bucket, buffer)
             self._graphs[bucket].replay()
             hidden = self._outputs[bucket]
         else:
@@ -235,7 +246,8 @@ class DecodeGraphs:
             ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._upload(bucket)  # part of the graph: a replay is then the only CUDA call of a step
+                if self._upload_in_graph:  # part of the graph: a replay is then the only CUDA call of a step
+                    self._upload(bucket)
                 self._outputs[bucket] = self.forward(ids, positions, self._metas[bucket])
             pool = graph.pool()
             self._graphs[bucket] = graph

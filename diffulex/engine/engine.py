@@ -10,6 +10,7 @@ import atexit
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from diffulex.registry import (
     AutoScheduler,
 )
 from diffulex.sampler import SamplerSettings
+from diffulex.sampler.confidence import PendingWrites
 from diffulex.sampling_params import SamplingParams
 
 logger = logging.getLogger("diffulex")
@@ -39,16 +41,58 @@ CPU_KV_CACHE_BYTES = 2 << 30
 GIB = float(1 << 30)
 
 
-@dataclass
 class RequestUpdate:
-    """What one step did to one request; ``trajectory`` is set once the request has finished."""
+    """What one step did to one request; ``trajectory`` is set once the request has finished.
 
-    req_id: int
-    record: StepRecord | None
-    finished: bool
-    committed_token_ids: list[int]  # answer tokens in committed blocks: final, safe to stream
-    answer_token_ids: list[int]  # the decoded answer prefix so far (up to the first mask)
-    trajectory: Trajectory | None = None
+    ``committed_token_ids`` (answer tokens in committed blocks: final, safe to stream) and ``answer_token_ids``
+    (the decoded answer prefix so far, up to the first mask) are cut from the request's token list when first
+    read, not at every step: decoded positions never change again, so the bounds taken at the step stay valid,
+    and a caller that reads neither (offline generation) pays nothing per request and step.
+    """
+
+    __slots__ = ("req_id", "record", "finished", "trajectory", "_tokens", "_start", "_committed_end", "_answer_end")
+
+    def __init__(
+        self,
+        req_id: int,
+        record: StepRecord | None,
+        finished: bool,
+        committed_token_ids: list[int],
+        answer_token_ids: list[int],
+        trajectory: Trajectory | None = None,
+    ) -> None:
+        if answer_token_ids[: len(committed_token_ids)] != committed_token_ids:
+            raise ValueError("committed_token_ids must be a prefix of answer_token_ids")
+        self.req_id, self.record, self.finished, self.trajectory = req_id, record, finished, trajectory
+        self._tokens, self._start = answer_token_ids, 0
+        self._committed_end, self._answer_end = len(committed_token_ids), len(answer_token_ids)
+
+    @classmethod
+    def of_request(cls, req: Request, record: StepRecord, trajectory: Trajectory | None) -> RequestUpdate:
+        """The update of a request right after its step (a finished one reports its trajectory's answer)."""
+        if trajectory is not None:
+            return cls(req.req_id, record, True, trajectory.token_ids, trajectory.token_ids, trajectory)
+        update = cls.__new__(cls)
+        update.req_id, update.record, update.finished, update.trajectory = req.req_id, record, False, None
+        update._tokens, update._start = req.token_ids, req.prompt_len
+        answer_end = min(req.frontier, req.decode_limit)
+        update._answer_end = max(answer_end, req.prompt_len)
+        update._committed_end = max(min(req.committed_len, answer_end), req.prompt_len)
+        return update
+
+    @property
+    def committed_token_ids(self) -> list[int]:
+        return self._tokens[self._start : self._committed_end]
+
+    @property
+    def answer_token_ids(self) -> list[int]:
+        return self._tokens[self._start : self._answer_end]
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestUpdate(req_id={self.req_id}, finished={self.finished}, record={self.record!r}, "
+            f"answer_token_ids={self.answer_token_ids!r})"
+        )
 
 
 def _resolve_device(config: Config) -> torch.device:
@@ -88,6 +132,16 @@ def _reject_unsupported(config: Config) -> None:
         raise ValueError("not supported yet in this version of Diffulex: " + ", ".join(unsupported))
 
 
+@dataclass
+class _InFlightStep:
+    """A launched step whose result the host has not applied yet."""
+
+    batch: list[Request]
+    views: list[tuple[tuple[int, int], tuple[int, ...]]]  # per request: query range, running block indices
+    pending: PendingWrites
+    started: float  # perf_counter() at scheduling
+
+
 class DiffulexEngine:
     """Offline and online generation over one model replica."""
 
@@ -103,8 +157,14 @@ class DiffulexEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
         self.model = build_model(
-            config.model_name, config.model, self.dtype, self.device, load_format=config.load_format, seed=config.seed,
-            lora_path=config.lora_path if config.use_lora else None, merge_lora=config.pre_merge_lora,
+            config.model_name,
+            config.model,
+            self.dtype,
+            self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            lora_path=config.lora_path if config.use_lora else None,
+            merge_lora=config.pre_merge_lora,
         )
         self.mask_token_id = self._resolve_mask_token_id()
         self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
@@ -112,6 +172,9 @@ class DiffulexEngine:
         self._build_components()
         self._next_req_id = 0
         self._num_steps = 0
+        self._num_launches = 0
+        self.micro_batches = config.micro_batches
+        self._in_flight: deque[_InFlightStep] = deque()
         self._closed = False
         # Everything built so far (model, tokenizer tables, graphs) lives as long as the engine: move it out of
         # the collector's reach, or every full collection during generation rescans it (tens of ms per pause).
@@ -185,8 +248,15 @@ class DiffulexEngine:
         self.request_cls = AutoReq.get(strategy)
         logger.info(
             "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
-            config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
-            num_pages, config.page_size, self.device,
+            config.model,
+            config.model_name,
+            self.dtype,
+            strategy,
+            config.block_size,
+            config.buffer_size,
+            num_pages,
+            config.page_size,
+            self.device,
         )
 
     def _max_rows_per_request(self) -> int:
@@ -285,6 +355,7 @@ class DiffulexEngine:
             max_query_len=self._max_rows_per_request(),
             max_model_len=config.max_model_len,
             capture=True,
+            micro_batches=config.micro_batches,
         )
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
 
@@ -337,34 +408,59 @@ class DiffulexEngine:
         return not self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestUpdate]:
-        """Run one forward over the scheduled requests and advance them."""
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
+        """Run one forward over the scheduled requests and advance them.
+
+        With ``micro_batches=2`` the running requests form two micro-batches that take turns: a call first
+        launches the next micro-batch's forward (whose requests are not in flight), then waits for the oldest
+        one in flight and returns its updates. The host's work between a result and the next launch (finish,
+        schedule, collect) then overlaps the other micro-batch's forward instead of leaving the GPU idle. Each
+        request sees exactly the steps it would see alone; only the interleaving with other requests changes.
+        """
+        while len(self._in_flight) < self.micro_batches:
+            launched = self._launch()
+            if launched is None:
+                break
+            self._in_flight.append(launched)
+        if not self._in_flight:
             if self.scheduler.waiting:
                 raise RuntimeError("no request could be scheduled although requests are waiting")
             return []
-        query = {req.req_id: req.query_range() for req in batch}
-        running_ids = {req.req_id: tuple(b.index for b in req.running) for req in batch}
-        writes = self.runner.run(batch)
+        return self._complete(self._in_flight.popleft())
+
+    def _launch(self) -> _InFlightStep | None:
+        """Schedule the next (micro-)batch among the requests not in flight and queue its forward and sampler."""
+        t0 = time.perf_counter()
+        scheduler = self.scheduler
+        busy = {req.req_id for step in self._in_flight for req in step.batch}
+        active = len(scheduler.running) + len(scheduler.waiting)
+        batch = scheduler.schedule(busy, max_reqs=-(-active // self.micro_batches))
+        if not batch:
+            return None
+        # the forward's view of each request, for its step record: its query range and its running set
+        views = [(req.query_range(), tuple(b.index for b in req.running)) for req in batch]
+        pending = self.runner.launch(batch, self._num_launches % self.micro_batches)
+        self._num_launches += 1
+        return _InFlightStep(batch, views, pending, t0)
+
+    def _complete(self, launched: _InFlightStep) -> list[RequestUpdate]:
+        """Wait for a launched step's result, apply it to its requests and report what changed."""
+        writes = launched.pending.result()
         updates = []
         records = []
-        for req in batch:
+        index = self._num_steps
+        for req, ((start, end), ids) in zip(launched.batch, launched.views, strict=True):
+            if req.is_finished:  # aborted while its step was in flight: nothing of it is applied
+                continue
             filled = self.scheduler.finish_step(req, writes[req.req_id])
             if not req.is_finished and req.sampling_params.stop:
                 self._check_stop_strings(req)
-            start, end = query[req.req_id]
-            ids = running_ids[req.req_id]
             lo = req.blocks[ids[0]].start if ids else end
-            record = StepRecord(self._num_steps, end - start, filled, ids, tuple(req.token_ids[lo:end]))
+            record = StepRecord(index, end - start, filled, ids, tuple(req.token_ids[lo:end]))
             req.steps.append(record)
             records.append(record)
-            done = req.is_finished
-            trajectory = self._trajectory(req) if done else None
-            answer = trajectory.token_ids if trajectory else req.answer_token_ids()
-            committed = answer if done else req.committed_answer_ids()
-            updates.append(RequestUpdate(req.req_id, record, done, committed, answer, trajectory))
-        elapsed = time.perf_counter() - t0
+            trajectory = self._trajectory(req) if req.is_finished else None
+            updates.append(RequestUpdate.of_request(req, record, trajectory))
+        elapsed = time.perf_counter() - launched.started
         for record in records:
             record.step_time = elapsed
         self._num_steps += 1
@@ -384,7 +480,8 @@ class DiffulexEngine:
             text = text[: min(i for i in (text.find(s) for s in req.sampling_params.stop) if i >= 0)]
             # Keep the shortest token prefix whose text covers what remains of the answer.
             keep = next(
-                k for k in range(len(ids) + 1)
+                k
+                for k in range(len(ids) + 1)
                 if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(text)
             )
             ids = ids[:keep]
@@ -455,8 +552,9 @@ class DiffulexEngine:
         finally:
             if bar is not None:
                 bar.close()
-        outputs = GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0,
-                                    self._num_steps - steps_before)
+        outputs = GenerationOutputs(
+            [t for t in results if t is not None], time.perf_counter() - t0, self._num_steps - steps_before
+        )
         logger.info("generate: %s", outputs.summary())
         return outputs
 
@@ -466,6 +564,8 @@ class DiffulexEngine:
         """Abort what is left and release the KV cache. Safe to call twice."""
         if self._closed:
             return
+        while self._in_flight:  # the device may still write into the cache these steps were given
+            self._in_flight.popleft().pending.result()
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for req in list(queue):
                 self.scheduler.finish(req, CompletionReason.ABORTED)

@@ -18,6 +18,7 @@ from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphSh
 from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
+from diffulex.sampler.confidence import PendingWrites
 
 
 @dataclass
@@ -79,8 +80,11 @@ class ModelRunner:
 
     # ----- one step ---------------------------------------------------------------------------------------
 
-    def enable_decode_graphs(self, max_requests: int, max_query_len: int, max_model_len: int, capture: bool) -> None:
-        """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``.
+    def enable_decode_graphs(
+        self, max_requests: int, max_query_len: int, max_model_len: int, capture: bool, micro_batches: int = 1
+    ) -> None:
+        """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
+        host staging buffer per micro-batch that may be in flight.
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -94,33 +98,42 @@ class ModelRunner:
             page_size=s.page_size,
             prefix_full=s.prefix_full,
         )
-        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture)
+        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches)
         self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: list[Request]) -> dict[int, list[tuple[int, int]]]:
         """Forward the batch and sample; returns the accepted ``(position, token)`` writes per request id."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites:
+        """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
+        their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
         bucket = self.graphs.bucket_for(step) if self.graphs is not None else None
         if bucket is not None:
-            hidden = self.graphs.run(step, bucket)
+            hidden = self.graphs.run(step, bucket, micro_batch)
         else:
             hidden = self.forward(*self._eager_inputs(step))
-        writes: dict[int, list[tuple[int, int]]] = {}
         if step.sample_rows:
             # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
             # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
             rows = torch.tensor(step.sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
             row_index = rows.to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
-            writes = self.sampler(logits, step.work)  # copies its result to the host: the step is complete
-        elif bucket is not None and hidden.is_cuda:
-            # Nothing to sample (the step only stores finished blocks): wait here instead, so that every replayed
-            # step ends synchronized and the graphs' staging buffer is free for the next step (`DecodeGraphs`).
-            torch.cuda.current_stream(hidden.device).synchronize()
+            pending = self.sampler.launch(logits, step.work)
+        else:
+            pending = PendingWrites({})
+            if bucket is not None and hidden.is_cuda:
+                # Nothing to sample (the step only stores finished blocks): the result still waits for the
+                # forward, so that a replayed step has always finished when its staging buffer is filled again
+                # (`DecodeGraphs`).
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()
         for req in batch:
-            writes.setdefault(req.req_id, [])
-        return writes
+            pending.writes.setdefault(req.req_id, [])
+        return pending
 
     @torch.inference_mode()
     def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None:

@@ -99,12 +99,14 @@ class Request:
     # Fixed at creation and read many times per step, so stored rather than derived.
     prompt_len: int = field(init=False)
     generation_end: int = field(init=False)  # positions at or after this are never decoded
+    max_nfe: int = field(init=False)  # the explicit cap, or one a request making the guaranteed progress never hits
 
     def __post_init__(self) -> None:
         s = self.settings
         size, prompt_len = s.block_size, len(self.prompt_token_ids)
         self.prompt_len = prompt_len
         self.generation_end = min(prompt_len + self.sampling_params.max_tokens, s.max_model_len)
+        self.max_nfe = self._max_nfe()
         self.token_ids = list(self.prompt_token_ids)
         self.blocks = [Block(i, i * size, size, BlockStatus.TO_CACHE) for i in range(prompt_len // size)]
         self.running = []
@@ -124,9 +126,7 @@ class Request:
         end = self.generation_end
         return end if self.stop_pos is None else min(end, self.stop_pos)
 
-    @property
-    def max_nfe(self) -> int:
-        """The explicit cap, or one that a request making the guaranteed progress never reaches."""
+    def _max_nfe(self) -> int:
         if self.sampling_params.max_nfe is not None:
             return self.sampling_params.max_nfe
         s, max_tokens = self.settings, self.sampling_params.max_tokens
@@ -160,8 +160,7 @@ class Request:
     def remaining(self, block: Block) -> int:
         """Decodable positions of ``block`` that still hold the mask token."""
         lo, hi = max(block.start, self.prompt_len), min(block.end, self.decode_limit)
-        mask = self.settings.mask_token_id
-        return sum(1 for p in range(lo, hi) if self.token_ids[p] == mask)
+        return self.token_ids[lo:hi].count(self.settings.mask_token_id) if lo < hi else 0
 
     def progress(self, block: Block) -> float:
         return (block.size - self.remaining(block)) / block.size

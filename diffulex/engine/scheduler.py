@@ -13,6 +13,7 @@ never been preempted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from diffulex.engine.kv_cache_manager import KVCacheManager
@@ -40,23 +41,29 @@ class Scheduler:
 
     # ----- forming a batch ----------------------------------------------------------------------------------
 
-    def schedule(self) -> list[Request]:
-        """Choose this step's requests and advance their running sets; each is ready for the forward."""
+    def schedule(self, busy: Collection[int] = (), max_reqs: int | None = None) -> list[Request]:
+        """Choose this step's requests and advance their running sets; each is ready for the forward.
+
+        ``busy`` holds the ids of requests whose previous step is still in flight (micro-batches): they are
+        neither scheduled nor preempted. ``max_reqs`` caps this batch below ``max_num_reqs`` (a micro-batch's
+        share of the requests).
+        """
         batch: list[Request] = []
         budget = self.limits.max_num_batched_tokens
+        cap = self.limits.max_num_reqs if max_reqs is None else min(max_reqs, self.limits.max_num_reqs)
         for req in list(self.running):
-            if len(batch) >= self.limits.max_num_reqs:
+            if len(batch) >= cap:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.req_id in busy:  # preempted earlier, or in flight
                 continue
-            if not self._make_room_for(req):
+            if not self._make_room_for(req, busy):
                 continue
             self.kv_cache.grow(req)
             req.maybe_activate_block()
             batch.append(req)
             budget -= _query_len(req)
 
-        while self.waiting and len(batch) < self.limits.max_num_reqs and len(self.running) < self.limits.max_num_reqs:
+        while self.waiting and len(batch) < cap and len(self.running) < self.limits.max_num_reqs:
             req = self.waiting[0]
             cached = self.kv_cache.num_cached_prefix_tokens(req)
             estimate = _query_len(req) + req.settings.block_size - cached  # upper bound: one block may open
@@ -73,10 +80,13 @@ class Scheduler:
             budget -= _query_len(req)
         return batch
 
-    def _make_room_for(self, req: Request) -> bool:
-        """Preempt the newest running requests until ``req`` has the pages it needs; False if ``req`` went."""
+    def _make_room_for(self, req: Request, busy: Collection[int] = ()) -> bool:
+        """Preempt the newest running requests that are not in flight until ``req`` has the pages it needs;
+        False if ``req`` went itself, or only requests in flight are left to take pages from (it waits)."""
         while self.kv_cache.pages_missing(req) > self.kv_cache.num_free_pages:
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if r.req_id not in busy), None)
+            if victim is None:
+                return False
             self.preempt(victim)
             if victim is req:
                 return False

@@ -46,21 +46,30 @@ class ConfidenceSampler:
 
         The logits belong to the sampler from here on: banned ids may be overwritten in place.
         """
+        return self.launch(logits, work).result()
+
+    def launch(self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]) -> PendingWrites:
+        """`__call__` without the wait: the device work is queued and its result copy started; the returned
+        `PendingWrites` waits for it when asked, so the host may prepare other work meanwhile."""
         s = self.settings
         writes: dict[int, list[tuple[int, int]]] = {req.req_id: [] for req, _ in work}
         layout = _RowLayout.of(work, self.force_every_block)
         if not layout.positions:
-            return writes
+            return PendingWrites(writes)
         segment, force, starts = layout.to_device(logits.device)
         tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
         for req, lo, hi in layout.sampled:
             tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
         accept = accept_segments(conf, segment, force, starts, s.accept_threshold, layout.max_block_rows)
-        accepted, token_list = torch.stack((accept.long(), tokens)).tolist()
-        owners, positions = layout.owners, layout.positions
-        for row in compress(range(len(positions)), accepted):
-            writes[owners[row]].append((positions[row], token_list[row]))
-        return writes
+        result = torch.stack((accept.long(), tokens))
+        ready = None
+        if result.is_cuda:
+            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+            host.copy_(result, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            result = host
+        return PendingWrites(writes, layout.owners, layout.positions, result, ready)
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
         """Compile the top-1 and acceptance kernels for every row count up to `max_rows` (CUDA), so that no step
@@ -81,6 +90,30 @@ class ConfidenceSampler:
         seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
         g = step_generator(seed, req.nfe, logits.device)
         return sample(ban_tokens(logits, s.vocab_limit, s.mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
+
+
+@dataclass
+class PendingWrites:
+    """A step's accepted writes on their way to the host (`ConfidenceSampler.launch`)."""
+
+    writes: dict[int, list[tuple[int, int]]]  # req_id -> [] for every request of the step, filled by `result`
+    owners: list[int] | None = None  # row -> req_id
+    positions: list[int] | None = None  # row -> position it predicts
+    accepted_tokens: torch.Tensor | None = None  # [2, rows]: accepted flag, token (host memory once `ready`)
+    ready: torch.cuda.Event | None = None  # recorded after the step's last device work; None: nothing to wait for
+
+    def result(self) -> dict[int, list[tuple[int, int]]]:
+        """Wait for the device and return the accepted ``(position, token)`` pairs per request id."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.accepted_tokens is None:
+            return self.writes
+        accepted, token_list = self.accepted_tokens.tolist()
+        owners, positions, writes = self.owners, self.positions, self.writes
+        for row in compress(range(len(positions)), accepted):
+            writes[owners[row]].append((positions[row], token_list[row]))
+        self.accepted_tokens = None  # a second call returns the same writes
+        return writes
 
 
 @dataclass

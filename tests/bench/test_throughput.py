@@ -259,3 +259,15 @@ def test_profiling_runs_the_asked_decode_steps_and_leaves_the_engine_empty(sdar_
         assert engine.is_finished()
     assert prof["steps"] == 3 and prof["wall_ms_per_step"] > 0
     assert prof["gpu_busy_share"] == 0.0  # no CUDA kernels on the CPU: the sweep skips profiling there
+
+
+def test_with_micro_batches_a_step_is_a_round_over_the_whole_batch(sdar_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(sdar_dir), "--batch-sizes", "4", "--buffer-sizes", "1",
+                 "--prompt-len", "6", "--max-tokens", "24", "--max-steps", "9", "--out", str(out),
+                 "--micro-batches", "2"]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["error"] is None
+    assert row["steps"] == 5  # nine engine steps of two requests each: four whole rounds and a half one
+    assert row["partial_steps"] == 1
+    assert row["query_tokens_per_step"] > 4 * 4 * 0.8  # a round carries the blocks of all four requests

@@ -26,6 +26,7 @@ def with_static_decode(llm):
         max_query_len=config.buffer_size * config.block_size + int(settings.logits_shift),
         max_model_len=config.max_model_len,
         capture=False,
+        micro_batches=config.micro_batches,
     )
     return llm
 
@@ -36,9 +37,9 @@ def count_static_steps(llm) -> list[int]:
     used: list[int] = []
     original = graphs.run
 
-    def run(step, bucket):
+    def run(step, bucket, buffer=0):
         used.append(bucket)
-        return original(step, bucket)
+        return original(step, bucket, buffer)
 
     graphs.run = run
     return used

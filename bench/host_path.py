@@ -1,0 +1,109 @@
+"""The host's share of an engine step, with the model forward stubbed out (CPU; no GPU needed).
+
+    python bench/host_path.py --batch-sizes 1 8 64 128 [--steps 100] [--json runs/host_path.json]
+
+Why: with CUDA graphs a decode step's GPU work is a few milliseconds, and everything the host does between the
+sampler's result and the next graph launch (finish the step, schedule, collect the inputs) leaves the GPU idle.
+On an H100 at batch 64 that path took about 0.7-1 ms of a 4.2 ms step (`bench/step_anatomy.py`). This harness
+times exactly that Python, per phase, on a tiny random SDAR checkpoint whose forward returns zeros at once (the
+sampler then sees uniform logits and accepts one forced token per block and step, like random weights).
+
+Phases (ms per step): ``schedule``, ``collect`` (the flat inputs), ``inputs`` (their tensors, the eager path's
+part of the graph fill), ``finish`` (`Scheduler.finish_step` for every request), ``sampler`` (host part of
+sampling: on a GPU it runs while the forward does, so it is off the critical path) and ``rest`` (the engine's
+own loop: records and updates). ``critical`` = everything but the sampler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+
+def _timed(acc: dict[str, float], key: str, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def measure(model_dir: Path, batch: int, steps: int, prompt_len: int, buffer_size: int) -> dict:
+    llm = Diffulex(
+        str(model_dir),
+        block_size=4,
+        page_size=32,
+        buffer_size=buffer_size,
+        max_num_reqs=batch,
+        max_model_len=prompt_len + 2 * steps + 64,
+        max_num_batched_tokens=max(8192, batch * (prompt_len + 8)),
+    )
+    gen = torch.Generator().manual_seed(batch)
+    draws = torch.randint(0, llm.vocab_limit, (batch, prompt_len), generator=gen).tolist()
+    prompts = [[t if t != llm.mask_token_id else 0 for t in row] for row in draws]
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 32, ignore_eos=True)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    for _ in range(3):  # admit and prefill with the real forward
+        llm.step()
+    runner, scheduler = llm.runner, llm.scheduler
+    hidden = next(m for m in runner.model.modules() if isinstance(m, torch.nn.Embedding)).embedding_dim
+    runner.forward = lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden)
+    acc: dict[str, float] = collections.defaultdict(float)
+    scheduler.schedule = _timed(acc, "schedule", scheduler.schedule)
+    scheduler.finish_step = _timed(acc, "finish", scheduler.finish_step)
+    runner.collect = _timed(acc, "collect", runner.collect)
+    runner._eager_inputs = _timed(acc, "inputs", runner._eager_inputs)
+    runner.sampler = _timed(acc, "sampler", runner.sampler)
+    runner.run = _timed(acc, "run", runner.run)
+    for _ in range(5):
+        llm.step()
+    acc.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    total = time.perf_counter() - t0
+    llm.exit()
+    row = {k: 1e3 * v / steps for k, v in acc.items()}
+    row["step"] = 1e3 * total / steps
+    row["rest"] = row["step"] - row["schedule"] - row["run"] - row["finish"]
+    row["critical"] = row["step"] - row["sampler"]
+    row.pop("run")
+    return {"batch": batch, **{k: round(v, 4) for k, v in row.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 128])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--buffer-size", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", family="sdar", seed=0)
+        rows = [measure(model_dir, b, args.steps, args.prompt_len, args.buffer_size) for b in args.batch_sizes]
+    keys = ["schedule", "collect", "inputs", "finish", "rest", "sampler", "critical", "step"]
+    print(f"{'batch':>5} " + " ".join(f"{k:>9}" for k in keys) + "   (ms per step)")
+    for row in rows:
+        print(f"{row['batch']:>5} " + " ".join(f"{row[k]:>9.3f}" for k in keys))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
