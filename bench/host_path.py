@@ -1,6 +1,6 @@
 """The host's share of an engine step, with the model forward stubbed out (CPU; no GPU needed).
 
-    python bench/host_path.py --batch-sizes 1 8 64 128 [--steps 100] [--json runs/host_path.json]
+    CUDA_VISIBLE_DEVICES= python bench/host_path.py --batch-sizes 1 8 64 128 [--steps 100] [--json FILE]
 
 Why: with CUDA graphs a decode step's GPU work is a few milliseconds, and everything the host does between the
 sampler's result and the next graph launch (finish the step, schedule, collect the inputs) leaves the GPU idle.
@@ -66,8 +66,8 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int, buffer_siz
     scheduler.finish_step = _timed(acc, "finish", scheduler.finish_step)
     runner.collect = _timed(acc, "collect", runner.collect)
     runner._eager_inputs = _timed(acc, "inputs", runner._eager_inputs)
-    runner.sampler = _timed(acc, "sampler", runner.sampler)
-    runner.run = _timed(acc, "run", runner.run)
+    runner.sampler.launch = _timed(acc, "sampler", runner.sampler.launch)
+    runner.launch = _timed(acc, "run", runner.launch)
     for _ in range(5):
         llm.step()
     acc.clear()
@@ -78,7 +78,7 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int, buffer_siz
     llm.exit()
     row = {k: 1e3 * v / steps for k, v in acc.items()}
     row["step"] = 1e3 * total / steps
-    row["rest"] = row["step"] - row["schedule"] - row["run"] - row["finish"]
+    row["rest"] = row["step"] - row["schedule"] - row["run"] - row["finish"]  # run: `ModelRunner.launch`
     row["critical"] = row["step"] - row["sampler"]
     row.pop("run")
     return {"batch": batch, **{k: round(v, 4) for k, v in row.items()}}
@@ -99,7 +99,7 @@ def main() -> None:
     keys = ["schedule", "collect", "inputs", "finish", "rest", "sampler", "critical", "step"]
     print(f"{'batch':>5} " + " ".join(f"{k:>9}" for k in keys) + "   (ms per step)")
     for row in rows:
-        print(f"{row['batch']:>5} " + " ".join(f"{row[k]:>9.3f}" for k in keys))
+        print(f"{row['batch']:>5} " + " ".join(f"{row.get(k, 0.0):>9.3f}" for k in keys))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))

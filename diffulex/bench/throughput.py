@@ -359,16 +359,24 @@ def measure_decode(
 def _rounds(
     raw: list[tuple[list[tuple[int, Any]], list[int]]], step_times: list[float], micro_batches: int
 ) -> tuple[list[tuple[list[tuple[int, Any]], list[int]]], list[float]]:
-    """With micro-batches an engine step advances one share of the batch: count ``micro_batches`` consecutive
-    steps as one step of the whole batch (its records joined, its cached tokens as before its first part, its
-    time the sum), so that milliseconds per step, bytes and floors mean what they mean without them."""
+    """With micro-batches an engine step advances one share of the batch: count consecutive steps over disjoint
+    requests as one step of the whole batch (a round: its records joined, its cached tokens as before its first
+    part, its time the sum), so that milliseconds per step, bytes and floors mean what they mean without them.
+    A step that meets a request already in the round starts the next round (with one request, every step)."""
     if micro_batches == 1:
         return raw, step_times
-    rounds, times = [], []
-    for k in range(0, len(raw), micro_batches):
-        part = raw[k : k + micro_batches]
-        rounds.append(([rec for records, _ in part for rec in records], part[0][1]))
-        times.append(sum(step_times[k : k + micro_batches]))
+    rounds: list[tuple[list[tuple[int, Any]], list[int]]] = []
+    times: list[float] = []
+    seen: set[int] = set()
+    for (records, before), seconds in zip(raw, step_times, strict=True):
+        ids = {req_id for req_id, _ in records}
+        if not rounds or ids & seen:
+            rounds.append(([], before))
+            times.append(0.0)
+            seen = set()
+        rounds[-1][0].extend(records)
+        times[-1] += seconds
+        seen |= ids
     return rounds, times
 
 

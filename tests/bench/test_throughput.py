@@ -271,3 +271,16 @@ def test_with_micro_batches_a_step_is_a_round_over_the_whole_batch(sdar_dir, tmp
     assert row["steps"] == 5  # nine engine steps of two requests each: four whole rounds and a half one
     assert row["partial_steps"] == 1
     assert row["query_tokens_per_step"] > 4 * 4 * 0.8  # a round carries the blocks of all four requests
+
+
+def test_rounds_join_steps_over_disjoint_requests_only():
+    from diffulex.bench.throughput import _rounds
+
+    def raw(*steps):
+        return [([(rid, f"r{rid}") for rid in ids], [k]) for k, ids in enumerate(steps)]
+
+    alone, times = _rounds(raw((0,), (0,), (0,)), [1.0, 2.0, 3.0], micro_batches=2)
+    assert len(alone) == 3 and times == [1.0, 2.0, 3.0]  # one request: every step is a whole round
+    halves, times = _rounds(raw((0, 1), (2, 3), (0, 1), (2,)), [1.0, 2.0, 3.0, 4.0], micro_batches=2)
+    assert [sorted(rid for rid, _ in records) for records, _ in halves] == [[0, 1, 2, 3], [0, 1, 2]]
+    assert [before for _, before in halves] == [[0], [2]] and times == [3.0, 7.0]
