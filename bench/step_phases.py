@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from host_path import _timed
 
 import diffulex.sampler.confidence as confidence
 from diffulex import Diffulex
@@ -34,16 +35,7 @@ def main() -> None:
     acc: dict[str, float] = collections.defaultdict(float)
 
     def timed(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] += time.perf_counter() - t0
-
-        setattr(obj, name, wrapper)
+        setattr(obj, name, _timed(acc, key, getattr(obj, name)))
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
