@@ -21,6 +21,7 @@ import json
 import torch
 import triton
 import triton.language as tl
+from kernel_check import time_ms
 
 from diffulex.kernels.pdl import prefetch_l2
 from diffulex.kernels.skinny_gemm import skinny_linear
@@ -181,17 +182,13 @@ def _chain_kernel(
         tl.atomic_xchg(exit_ptr, 0, sem="relaxed", scope="gpu")
 
 
-def _time(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def _launch_args(cfg: dict, **constants) -> dict:
+    """The kernel's constexpr arguments: the per-phase (BN, BK, S, STAGES) of `cfg` and the given constants."""
+    kw = dict(constants)
+    for i, key in enumerate(("c1", "c2", "c3", "c4"), 1):
+        bn, bk, s, st = cfg[key]
+        kw.update({f"BN{i}": bn, f"BK{i}": bk, f"S{i}": s, f"ST{i}": st})
+    return kw
 
 
 def _runner(bufs: tuple, x0: torch.Tensor, programs: int, kw: dict):
@@ -210,6 +207,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--programs", type=int, default=0, help="0: one per SM")
+    p.add_argument("--spin-load", action="store_true", help="spin on a volatile load instead of an atomic")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -228,7 +226,7 @@ def main() -> None:
     # copy bandwidth (read + write) for the floor
     src = torch.empty(1 << 29, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), 10)
+    t = time_ms(lambda: dst.copy_(src), 3, 10)
     bw = 2 * src.numel() / (t * 1e-3)
 
     rows["copy_TBps"] = bw / 1e12
@@ -251,7 +249,7 @@ def main() -> None:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ref_out = chain()
-    rows["launch_chain_ms"] = _time(g.replay)
+    rows["launch_chain_ms"] = time_ms(g.replay, 3, 30)
 
     def configs():
         # (BN, BK, S, STAGES) per phase: qkv, o, gate_up, down
@@ -267,33 +265,24 @@ def main() -> None:
         qkv = torch.empty(s1, M, QKV, dtype=torch.float32, device=dev)
         o = torch.empty(s2, M, H, dtype=torch.float32, device=dev)
         gu = torch.empty(s3, M, 2 * INTER, dtype=torch.float32, device=dev)
+        constants = {"H": H, "QKV": QKV, "I2": 2 * INTER, "BM": 16, "SPIN_LOAD": args.spin_load}
+        bufs = (h, qkv, o, gu, w_qkv, w_o, w_gu, w_down, bar[0:], bar[1:], L, M)
         for pref in (0, 8, -1):
-            for spin_load in (False,):
-                kw = {"H": H, "QKV": QKV, "I2": 2 * INTER, "BM": 16, "PREF": pref, "SPIN_LOAD": spin_load}
-                for i, key in enumerate(("c1", "c2", "c3", "c4"), 1):
-                    bn, bk, s, st = cfg[key]
-                    kw.update({f"BN{i}": bn, f"BK{i}": bk, f"S{i}": s, f"ST{i}": st})
-                bufs = (h, qkv, o, gu, w_qkv, w_o, w_gu, w_down, bar[0:], bar[1:], L, M)
-                run = _runner(bufs, x0, P, kw)
-                try:
-                    run()
-                    torch.cuda.synchronize()
-                    got = h.sum(0)
-                    err = (got - ref_out.float()).abs().max().item() / max(ref_out.float().abs().max().item(), 1e-6)
-                    ms = _time(run)
-                    rows[f"persistent_{name}_pref{pref}_spin{int(spin_load)}_ms"] = ms
-                    rows[f"persistent_{name}_pref{pref}_spin{int(spin_load)}_relerr"] = err
-                except Exception as exc:  # noqa: BLE001 - an experiment: report and go on
-                    rows[f"persistent_{name}_pref{pref}_spin{int(spin_load)}_error"] = str(exc)[:200]
-                tag = f"{name}_pref{pref}_spin{int(spin_load)}"
-                print(json.dumps({k: v for k, v in rows.items() if tag in k}))
+            tag = f"persistent_{name}_pref{pref}"
+            run = _runner(bufs, x0, P, _launch_args(cfg, PREF=pref, **constants))
+            try:
+                run()
+                torch.cuda.synchronize()
+                got = h.sum(0)
+                err = (got - ref_out.float()).abs().max().item() / max(ref_out.float().abs().max().item(), 1e-6)
+                rows[f"{tag}_ms"] = time_ms(run, 3, 30)
+                rows[f"{tag}_relerr"] = err
+            except Exception as exc:  # noqa: BLE001 - an experiment: report and go on
+                rows[f"{tag}_error"] = str(exc)[:200]
+            print(json.dumps({k: v for k, v in rows.items() if tag in k}))
         if name == "a":
-            kw = {"H": H, "QKV": QKV, "I2": 2 * INTER, "BM": 16, "PREF": 0, "SPIN_LOAD": False, "SKIP_GEMM": True}
-            for i, key in enumerate(("c1", "c2", "c3", "c4"), 1):
-                bn, bk, s, st = cfg[key]
-                kw.update({f"BN{i}": bn, f"BK{i}": bk, f"S{i}": s, f"ST{i}": st})
-            bufs = (h, qkv, o, gu, w_qkv, w_o, w_gu, w_down, bar[0:], bar[1:], L, M)
-            rows["barriers_only_ms"] = _time(_runner(bufs, x0, P, kw))
+            kw = _launch_args(cfg, PREF=0, SKIP_GEMM=True, **constants)
+            rows["barriers_only_ms"] = time_ms(_runner(bufs, x0, P, kw), 3, 30)
             print("barriers only", rows["barriers_only_ms"])
     print("PERSISTENT", json.dumps(rows, indent=1))
     if args.out:

@@ -1,15 +1,16 @@
 """Where one decode step's time goes: host phases and GPU kernels, for one SDAR geometry and batch size.
 
-    PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--out anatomy.json] [engine flags]
+    PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--micro-batches 2] [--out FILE]
 
 For each batch size it admits the requests, lets them settle into decode, then
 
 * times the host phases of `steps` engine steps (schedule, collect, forward launch/replay, LM head launch,
-  sampler including its wait for the device, finish/bookkeeping) with `perf_counter` around each phase;
+  sampler launch, the wait for the step's result, finish/bookkeeping; with ``--micro-batches 2`` also the
+  launch and completion of each engine step) with `perf_counter` around each phase;
 * profiles `steps` more steps and lists the kernels by GPU time per step, with the busy/idle share.
 
-The phase times show what the GPU waits for: everything after the sampler's device-to-host copy returns
-(bookkeeping, the next schedule and collect) up to the next launch is idle GPU time.
+The phase times show what the GPU waits for: everything after a step's result reaches the host (bookkeeping,
+the next schedule and collect) up to the next launch is idle GPU time, unless another micro-batch is in flight.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from pathlib import Path
 
 import torch
 
+import diffulex.sampler.confidence as confidence
 from diffulex import Diffulex
 from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
 
 
 def _wrap(obj, name: str, phases: dict[str, list[float]], label: str, saved: list) -> None:
+    """Time every call of ``obj.name`` into ``phases[label]`` (an instance or a class attribute); `_unwrap`
+    restores it."""
     fn = getattr(obj, name)
-    saved.append((obj, name, obj.__dict__.get(name)))
+    saved.append((obj, name, vars(obj).get(name)))
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -42,10 +46,21 @@ def _wrap(obj, name: str, phases: dict[str, list[float]], label: str, saved: lis
     setattr(obj, name, timed)
 
 
+def _unwrap(saved: list) -> None:
+    for obj, name, original in reversed(saved):
+        if original is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, original)
+
+
 def host_phases(engine, steps: int) -> dict[str, float]:
+    """Milliseconds per engine step in each host phase (`_wrap`), and the step's total."""
     phases: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     saved: list = []
+    _wrap(engine, "_launch", phases, "launch (all of it)", saved)
+    _wrap(engine, "_complete", phases, "complete (all of it)", saved)
     _wrap(engine.scheduler, "schedule", phases, "schedule", saved)
     _wrap(runner, "collect", phases, "collect", saved)
     if runner.graphs is not None:
@@ -53,67 +68,68 @@ def host_phases(engine, steps: int) -> dict[str, float]:
         _wrap(runner.graphs, "_fill", phases, "  of which fill", saved)
     _wrap(runner, "forward", phases, "forward (eager)", saved)
     _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
-    _wrap(runner, "sampler", phases, "sampler (incl. device wait)", saved)
+    _wrap(runner.sampler, "launch", phases, "sampler launch", saved)
+    _wrap(confidence.PendingWrites, "result", phases, "wait for the result (+ writes)", saved)
     _wrap(engine.scheduler, "finish_step", phases, "finish_step (all requests)", saved)
-    # the GPU's wait between steps: from the sampler's return (its result copied to the host) to the replay call
-    sampler_done = [None]
-    inner_sampler = runner.sampler
+    # the GPU's wait between steps: from a result reaching the host to the next replay call
+    result_done = [None]
+    inner_result = confidence.PendingWrites.result
 
-    def sampler_marked(*args, **kwargs):
+    def result_marked(self, *args, **kwargs):
         try:
-            return inner_sampler(*args, **kwargs)
+            return inner_result(self, *args, **kwargs)
         finally:
-            sampler_done[0] = time.perf_counter()
+            result_done[0] = time.perf_counter()
 
-    runner.sampler = sampler_marked
-    saved.append((runner, "sampler", inner_sampler))
+    confidence.PendingWrites.result = result_marked
     if runner.graphs is not None:
         inner_run = runner.graphs.run
 
         def run_marked(*args, **kwargs):
-            if sampler_done[0] is not None:
-                phases["host path: sampler return -> next forward"].append(time.perf_counter() - sampler_done[0])
-                sampler_done[0] = None
+            if result_done[0] is not None:
+                phases["host path: result -> next forward"].append(time.perf_counter() - result_done[0])
+                result_done[0] = None
             return inner_run(*args, **kwargs)
 
         runner.graphs.run = run_marked
-        saved.append((runner.graphs, "run", runner.graphs.__dict__.get("run")))
     totals = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        totals.append(time.perf_counter() - t0)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - t0)
+    finally:
+        confidence.PendingWrites.result = inner_result
+        if runner.graphs is not None:
+            runner.graphs.run = inner_run
+        _unwrap(saved)
     out = {label: 1e3 * sum(v) / steps for label, v in phases.items()}
     out["step total"] = 1e3 * statistics.mean(totals)
     out["step p50"] = 1e3 * statistics.median(totals)
-    for obj, name, original in reversed(saved):
-        if original is None:
-            obj.__dict__.pop(name, None)
-        else:
-            obj.__dict__[name] = original
     return out
 
 
 def sampler_cost(engine, steps: int) -> dict[str, float]:
     """The sampler alone: the device is synchronized before each call, so its time is its own host work plus its
     own kernels (top-1, acceptance, the copies), not the wait for the forward."""
-    runner = engine.runner
-    sampler = runner.sampler
+    sampler = engine.runner.sampler
+    launch = sampler.launch
     times: list[float] = []
 
     def timed(logits, work):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = sampler(logits, work)
+        pending = launch(logits, work)
+        pending.result()
         times.append(time.perf_counter() - t0)
-        return out
+        return pending
 
-    runner.sampler = timed
+    sampler.launch = timed
     try:
         for _ in range(steps):
             engine.step()
     finally:
-        runner.sampler = sampler
+        del sampler.launch
     return {"sampler alone (host + its kernels)": 1e3 * statistics.mean(times)}
 
 
@@ -176,6 +192,7 @@ def main() -> None:
     ap.add_argument("--buffer-size", type=int, default=1)
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -183,7 +200,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
         fields = dict(block_size=4, buffer_size=args.buffer_size, max_num_reqs=max(args.batch), max_model_len=1024,
-                      load_format="dummy", enable_cudagraph_torch_compile=args.compile)
+                      load_format="dummy", enable_cudagraph_torch_compile=args.compile,
+                      micro_batches=args.micro_batches)
         engine = Diffulex(str(path), **fields)
         for batch in args.batch:
             prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, 128, 0)

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if args is None:
             return None
         from diffulex.kernels.attention_op import rope_store_and_attend
-        from diffulex.kernels.fused_norm import kv_store_mismatch
+        from diffulex.kernels.kv_store import kv_store_mismatch
 
         if kv_store_mismatch(k, v, k_cache, v_cache, meta.slot_mapping) is not None:
             return None

@@ -63,21 +63,36 @@ class RequestUpdate:
     ) -> None:
         if answer_token_ids[: len(committed_token_ids)] != committed_token_ids:
             raise ValueError("committed_token_ids must be a prefix of answer_token_ids")
+        self._set(req_id, record, finished, trajectory, answer_token_ids, 0, len(committed_token_ids))
+
+    def _set(
+        self,
+        req_id: int,
+        record: StepRecord | None,
+        finished: bool,
+        trajectory: Trajectory | None,
+        tokens: list[int],
+        start: int,
+        committed_end: int,
+        answer_end: int | None = None,
+    ) -> None:
+        """The answers are ``tokens[start:answer_end]`` (default: to the end), committed up to ``committed_end``."""
         self.req_id, self.record, self.finished, self.trajectory = req_id, record, finished, trajectory
-        self._tokens, self._start = answer_token_ids, 0
-        self._committed_end, self._answer_end = len(committed_token_ids), len(answer_token_ids)
+        self._tokens, self._start = tokens, start
+        self._committed_end = committed_end
+        self._answer_end = len(tokens) if answer_end is None else answer_end
 
     @classmethod
     def of_request(cls, req: Request, record: StepRecord, trajectory: Trajectory | None) -> RequestUpdate:
         """The update of a request right after its step (a finished one reports its trajectory's answer)."""
-        if trajectory is not None:
-            return cls(req.req_id, record, True, trajectory.token_ids, trajectory.token_ids, trajectory)
         update = cls.__new__(cls)
-        update.req_id, update.record, update.finished, update.trajectory = req.req_id, record, False, None
-        update._tokens, update._start = req.token_ids, req.prompt_len
-        answer_end = min(req.frontier, req.decode_limit)
-        update._answer_end = max(answer_end, req.prompt_len)
-        update._committed_end = max(min(req.committed_len, answer_end), req.prompt_len)
+        if trajectory is not None:
+            answer = trajectory.token_ids
+            update._set(req.req_id, record, True, trajectory, answer, 0, len(answer))
+            return update
+        lo = req.prompt_len
+        answer_end = max(min(req.frontier, req.decode_limit), lo)
+        update._set(req.req_id, record, False, None, req.token_ids, lo, min(req.committed_len, answer_end), answer_end)
         return update
 
     @property

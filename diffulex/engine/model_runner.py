@@ -124,13 +124,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
             pending = self.sampler.launch(logits, step.work)
         else:
-            pending = PendingWrites({})
+            # Nothing to sample (the step only stores finished blocks): a replayed step's result still waits for
+            # the forward, so that the step has always finished when its staging buffer is filled again
+            # (`DecodeGraphs`).
+            ready = None
             if bucket is not None and hidden.is_cuda:
-                # Nothing to sample (the step only stores finished blocks): the result still waits for the
-                # forward, so that a replayed step has always finished when its staging buffer is filled again
-                # (`DecodeGraphs`).
-                pending.ready = torch.cuda.Event()
-                pending.ready.record()
+                ready = torch.cuda.Event()
+                ready.record()
+            pending = PendingWrites({}, ready=ready)
         for req in batch:
             pending.writes.setdefault(req.req_id, [])
         return pending

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.kv_store import kv_store_mismatch
 from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 # Dtypes the kernels read and write; anything else takes the torch path.
@@ -372,22 +373,6 @@ def qk_norm_rope_store(
     if mismatch is not None:
         raise ValueError(mismatch)
     return _launch_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, (v, k_cache, v_cache, slot_mapping))
-
-
-def kv_store_mismatch(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> str | None:
-    """Why `qk_norm_rope_store` cannot store ``k``/``v`` into these caches, or None when it can (callers that have
-    another path check this first)."""
-    if v.shape != k.shape:
-        return f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}"
-    if slot_mapping.shape != (k.shape[0],):
-        return f"slot_mapping has shape {tuple(slot_mapping.shape)}, k has {k.shape[0]} rows"
-    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
-        return f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}"
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return "the KV cache must be contiguous in head_dim"
-    return None
 
 
 def _launch_qk_norm_rope(

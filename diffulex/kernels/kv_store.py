@@ -58,6 +58,22 @@ def _store_kv_kernel(
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def kv_store_mismatch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> str | None:
+    """Why ``k``/``v`` cannot be stored into these caches (`triton_store_kv`, `qk_norm_rope_store`), or None when
+    they can (callers that have another path check this first)."""
+    if v.shape != k.shape:
+        return f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}"
+    if slot_mapping.shape != (k.shape[0],):
+        return f"slot_mapping has shape {tuple(slot_mapping.shape)}, k has {k.shape[0]} rows"
+    if k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        return f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "the KV cache must be contiguous in head_dim"
+    return None
+
+
 def triton_store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -65,11 +81,10 @@ def triton_store_kv(
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, k has {num_tokens}")
+    mismatch = kv_store_mismatch(k, v, k_cache, v_cache, slot_mapping)
+    if mismatch is not None:
+        raise ValueError(mismatch)
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache must be contiguous in head_dim")
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     use_pdl = pdl_enabled(k.device, num_tokens)
     _store_kv_kernel[(num_tokens,)](
