@@ -41,9 +41,9 @@ def graph_steps(llm) -> list[int]:
         return used
     original = graphs.run
 
-    def run(step, bucket):
+    def run(step, bucket, *args):
         used.append(bucket)
-        return original(step, bucket)
+        return original(step, bucket, *args)
 
     graphs.run = run
     return used

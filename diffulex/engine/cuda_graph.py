@@ -11,8 +11,17 @@ replayed by copying its inputs into the buffers and padding the rest:
 * the attention kernels see the bucket's fixed launch bounds (``max_query_len`` rows per request, keys up to
   ``max_model_len``), so one launch shape serves every step that fits.
 
-Prefill chunks, rebuilds after preemption and anything larger run eagerly. The LM head and the sampler stay
-outside the graph: the number of rows they need changes every step.
+Prefill chunks, rebuilds after preemption and anything larger run eagerly.
+
+A step whose requests all decode greedily also replays a second graph per bucket, the sampling graph: the LM
+head over every row of the bucket (the rows to sample change every step, so the graph computes logits for all
+of them; at decode sizes the weight read dominates either way), the top-1 of the rows to sample (their indices
+travel with the step's inputs, padded with -1), the acceptance of every block (padded with empty blocks) and the
+copy of the ``[2, rows]`` result to pinned host memory. That replaces a dozen host-side launches and small
+copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host, session 6), by one
+graph launch. A step with a request that draws at ``temperature > 0`` (a seeded generator per request) runs the
+eager sampler after the forward graph instead. The sampling graph is a graph of its own, not part of the forward
+graph, so those steps need no second capture of the forward.
 
 All integer inputs travel in one pinned host buffer and one copy per step, so replaying costs a handful of host
 operations whatever the batch size. At batch 1 the host work between the previous step's result and this
@@ -48,6 +57,9 @@ BUCKET_STRIDE = 16
 MAX_GRAPH_REQUESTS = 512
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+# (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
+# token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
+GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def request_buckets(max_requests: int) -> list[int]:
@@ -73,6 +85,21 @@ class GraphShape:
     def max_tokens(self) -> int:
         return self.max_requests * self.max_query_len
 
+    @property
+    def max_segments(self) -> int:
+        """Blocks one bucket of requests may sample: each request's running set (at most its rows over a block)."""
+        return self.max_requests * -(-self.max_query_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """The device half of a greedy step's sampling (`ConfidenceSampler.RowLayout`), to stage with its inputs."""
+
+    rows: list[int]  # logits row of each sampled row, in the sampler's order
+    segments: list[int]  # sampled row -> its block
+    force: list[int]  # block -> 1 if it may force its best row
+    starts: list[int]  # block -> its first sampled row; then the number of sampled rows
+
 
 class DecodeGraphs:
     """Static input buffers, the metadata views over them, and one graph per request bucket.
@@ -82,20 +109,31 @@ class DecodeGraphs:
     """
 
     def __init__(
-        self, shape: GraphShape, forward: Forward, device: torch.device, capture: bool, staging_buffers: int = 1
+        self,
+        shape: GraphShape,
+        forward: Forward,
+        device: torch.device,
+        capture: bool,
+        staging_buffers: int = 1,
+        greedy_sample: GreedySample | None = None,
     ) -> None:
         self.shape = shape
         self.forward = forward
+        self.greedy_sample = greedy_sample
         self.device = device
         self.capture_graphs = capture and device.type == "cuda"
         self.buckets = request_buckets(shape.max_requests)
-        R, T, P = shape.max_requests, shape.max_tokens, shape.max_pages
+        R, T, P, S = shape.max_requests, shape.max_tokens, shape.max_pages, shape.max_segments
         pin = device.type == "cuda"
         # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:
-        # tokens (int64): [input_ids | positions | slot_mapping], each T long;
+        # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
+        #                 then [starts | force] (each S + 1 long: one more segment, for padded rows);
         # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)].
+        # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
         self._head_len = 3 * R + 1
-        token_bytes = 3 * T * 8
+        self._row_stride = T + T % 2
+        self._segment_stride = S + 1 + (S + 1) % 2
+        token_bytes = (5 * self._row_stride + 2 * self._segment_stride) * 8
         total_bytes = token_bytes + (self._head_len + R * P) * 4
         hosts = [torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(staging_buffers)]
         staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
@@ -110,13 +148,47 @@ class DecodeGraphs:
         self._metas = {b: self._metadata(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # the sampling graphs (`greedy_sample`): device results per bucket, host results per staging buffer
+        self._sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._sample_outputs: dict[int, torch.Tensor] = {}
+        self._results_host = [torch.zeros((2, T), dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
+
+    @property
+    def samples(self) -> bool:
+        """Whether greedy steps are sampled by the sampling graphs (`run` with ``sampled``)."""
+        return self.greedy_sample is not None
 
     # ----- views ---------------------------------------------------------------------------------------------
 
+    def _row_section(self, tokens: torch.Tensor | np.ndarray, index: int, length: int):
+        """The first ``length`` entries of int64 row section ``index`` (0 ids, 1 positions, 2 slots, 3 sample rows,
+        4 segments) of a device or host token buffer."""
+        start = index * self._row_stride
+        return tokens[start : start + length]
+
+    def _segment_section(self, tokens: torch.Tensor | np.ndarray, index: int, length: int):
+        """The first ``length`` entries of segment section ``index`` (0 starts, 1 force)."""
+        start = 5 * self._row_stride + index * self._segment_stride
+        return tokens[start : start + length]
+
     def _token_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        T = self.shape.max_tokens
+        return tuple(self._row_section(self._tokens, i, num_tokens) for i in range(3))
+
+    def _bucket_segments(self, bucket: int) -> int:
+        return bucket * -(-self.shape.max_query_len // self.shape.block_size)
+
+    def _sampling_views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows [n], segments [n], force [s + 1], starts [s + 1])`` of a bucket of ``n`` rows and at most ``s``
+        sampled blocks, plus one more block, empty and never forcing, that padded rows belong to."""
+        n = bucket * self.shape.max_query_len
+        s = self._bucket_segments(bucket)
         t = self._tokens
-        return t[:num_tokens], t[T : T + num_tokens], t[2 * T : 2 * T + num_tokens]
+        return (
+            self._row_section(t, 3, n),
+            self._row_section(t, 4, n),
+            self._segment_section(t, 1, s + 1),
+            self._segment_section(t, 0, s + 1),
+        )
 
     def _metadata(self, bucket: int) -> PagedAttentionMetadata:
         s, R = self.shape, self.shape.max_requests
@@ -151,17 +223,17 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= r)
 
-    def _fill(self, step: StepInputs, bucket: int, buffer: int = 0) -> None:
-        s, R, T = self.shape, self.shape.max_requests, self.shape.max_tokens
+    def _fill(self, step: StepInputs, bucket: int, buffer: int = 0, sampled: SampledRows | None = None) -> None:
+        s, R = self.shape, self.shape.max_requests
         t, r = step.num_tokens, step.num_requests
         n = bucket * s.max_query_len
         tok = self._tokens_np[buffer]
-        tok[:t] = step.input_ids
-        tok[t:n] = 0
-        tok[T : T + t] = step.positions
-        tok[T + t : T + n] = 0
-        tok[2 * T : 2 * T + t] = step.slot_mapping
-        tok[2 * T + t : 2 * T + n] = -1
+        for index, values, pad in ((0, step.input_ids, 0), (1, step.positions, 0), (2, step.slot_mapping, -1)):
+            section = self._row_section(tok, index, n)
+            section[:t] = values
+            section[t:] = pad
+        if sampled is not None:
+            self._fill_sampled(sampled, bucket, tok)
         lay = self._layout_np[buffer]
         lay[: r + 1] = step.cu_seqlens_q
         lay[r + 1 : bucket + 1] = t
@@ -182,29 +254,66 @@ class DecodeGraphs:
             meta.context_lens_cpu = step.context_lens + [0] * pad
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
 
+    def _fill_sampled(self, sampled: SampledRows, bucket: int, tok: np.ndarray) -> None:
+        """Stage the rows to sample, padded to the bucket: padded rows read nothing (-1) and belong to the extra
+        block; padded blocks are empty and never force."""
+        n, num_blocks = len(sampled.rows), len(sampled.force)
+        rows_cap, blocks_cap = bucket * self.shape.max_query_len, self._bucket_segments(bucket)
+        if n > rows_cap or num_blocks > blocks_cap:
+            raise ValueError(f"{n} rows in {num_blocks} blocks do not fit bucket {bucket}'s sampling graph")
+        rows = self._row_section(tok, 3, rows_cap)
+        rows[:n] = sampled.rows
+        rows[n:] = -1
+        segments = self._row_section(tok, 4, rows_cap)
+        segments[:n] = sampled.segments
+        segments[n:] = blocks_cap
+        starts = self._segment_section(tok, 0, blocks_cap + 1)
+        starts[: num_blocks + 1] = sampled.starts
+        starts[num_blocks + 1 :] = n
+        force = self._segment_section(tok, 1, blocks_cap + 1)
+        force[:num_blocks] = sampled.force
+        force[num_blocks:] = 0
+
     def _upload(self, bucket: int, buffer: int = 0) -> None:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
         device_part, host_part = self._copy_pairs[bucket][buffer]
         device_part.copy_(host_part, non_blocking=True)
 
-    def run(self, step: StepInputs, bucket: int, buffer: int = 0) -> torch.Tensor:
-        """Hidden states ``[step.num_tokens, hidden]`` of the step, computed in the bucket's padded shape, its
-        inputs staged in host buffer `buffer` (one per micro-batch)."""
-        self._fill(step, bucket, buffer)
+    def run(
+        self, step: StepInputs, bucket: int, buffer: int = 0, sampled: SampledRows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's hidden states ``[step.num_tokens, hidden]``, computed in the bucket's padded shape, its inputs
+        staged in host buffer `buffer` (one per micro-batch); with ``sampled`` (greedy steps, `samples` only) also
+        the sampling graph's ``[2, rows]`` accepted flags and tokens, in pinned host memory once the stream has
+        run (in device memory on the uncaptured path), else None."""
+        if sampled is not None and not self.samples:
+            raise ValueError("these decode graphs were built without a sampling graph")
+        self._fill(step, bucket, buffer, sampled)
+        result = None
         if self.capture_graphs:
             if not self._upload_in_graph:
                 self._upload(bucket, buffer)
             self._graphs[bucket].replay()
             hidden = self._outputs[bucket]
+            if sampled is not None:
+                self._sample_graphs[bucket].replay()
+                host = self._results_host[buffer]
+                if not self._upload_in_graph:  # the captured copy targets buffer 0's host result
+                    device_result = self._sample_outputs[bucket]
+                    host[:, : device_result.shape[1]].copy_(device_result, non_blocking=True)
+                result = host[:, : len(sampled.rows)]
         else:
             ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
             hidden = self.forward(ids, positions, self._metas[bucket])
-        return hidden[: step.num_tokens]
+            if sampled is not None:
+                result = self.greedy_sample(hidden, *self._sampling_views(bucket))[:, : len(sampled.rows)]
+        return hidden[: step.num_tokens], result
 
     # ----- capture -------------------------------------------------------------------------------------------
 
     def _fill_capture_batch(self, bucket: int) -> None:
-        """A valid placeholder batch: every request has a full query, no cache, stores nothing."""
+        """A valid placeholder batch: every request has a full query, no cache, stores nothing, samples every row
+        (into blocks that are all empty)."""
         s = self.shape
         q = s.max_query_len
         step = StepInputs(
@@ -217,13 +326,16 @@ class DecodeGraphs:
             prefix_lens=[0] * bucket,
             page_tables=[[] for _ in range(bucket)],
         )
-        self._fill(step, bucket)
+        blocks = self._bucket_segments(bucket)
+        sampled = SampledRows(list(range(bucket * q)), [blocks] * (bucket * q), [0] * blocks, [0] * (blocks + 1))
+        self._fill(step, bucket, sampled=sampled if self.samples else None)
         if self.capture_graphs:
             self._upload(bucket)
 
     @torch.inference_mode()
     def capture(self, warmup_runs: int = 2) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool.
+        """Capture every bucket, largest first, all sharing one memory pool: its forward graph, then its sampling
+        graph (which reads the forward graph's output).
 
         Every bucket is warmed up before the first capture: a compiled forward may still compile or autotune
         on its first call with a new shape, and neither is allowed while a stream is capturing.
@@ -237,7 +349,9 @@ class DecodeGraphs:
                 self._fill_capture_batch(bucket)
                 ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
                 for _ in range(warmup_runs):
-                    self.forward(ids, positions, self._metas[bucket])
+                    hidden = self.forward(ids, positions, self._metas[bucket])
+                    if self.samples:
+                        self.greedy_sample(hidden, *self._sampling_views(bucket))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         pool = None
@@ -251,8 +365,16 @@ class DecodeGraphs:
                 self._outputs[bucket] = self.forward(ids, positions, self._metas[bucket])
             pool = graph.pool()
             self._graphs[bucket] = graph
+            if self.samples:
+                self._sample_graphs[bucket] = graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    result = self.greedy_sample(self._outputs[bucket], *self._sampling_views(bucket))
+                    if self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
+                        self._results_host[0][:, : result.shape[1]].copy_(result, non_blocking=True)
+                self._sample_outputs[bucket] = result
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d decode CUDA graphs (requests %s, %d rows each)",
+            "captured %d decode CUDA graphs (requests %s, %d rows each)%s",
             len(self._graphs), self.buckets, self.shape.max_query_len,
+            ", each with a greedy sampling graph" if self.samples else "",
         )

@@ -7,6 +7,7 @@ of committed blocks, and runs the LM head only on the rows the sampler needs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +15,15 @@ from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.engine.block import BlockStatus
-from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.sampler.confidence import PendingWrites
+
+# Greedy steps sample inside a captured graph (`DecodeGraphs`); ``DIFFULEX_GRAPH_SAMPLING=0`` keeps the eager
+# sampler after the forward graph (A/B runs).
+_GRAPH_SAMPLING = os.environ.get("DIFFULEX_GRAPH_SAMPLING", "1") != "0"
 
 
 @dataclass
@@ -84,7 +89,8 @@ class ModelRunner:
         self, max_requests: int, max_query_len: int, max_model_len: int, capture: bool, micro_batches: int = 1
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
-        host staging buffer per micro-batch that may be in flight.
+        host staging buffer per micro-batch that may be in flight. Greedy steps also sample inside a graph
+        (`greedy_sample`).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -98,8 +104,23 @@ class ModelRunner:
             page_size=s.page_size,
             prefix_full=s.prefix_full,
         )
-        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches)
+        greedy_sample = self.greedy_sample if _GRAPH_SAMPLING else None
+        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches, greedy_sample)
         self.graphs.capture()
+
+    def greedy_sample(
+        self,
+        hidden: torch.Tensor,
+        source_rows: torch.Tensor,
+        segment: torch.Tensor,
+        force: torch.Tensor,
+        starts: torch.Tensor,
+    ) -> torch.Tensor:
+        """What a decode graph's sampling graph captures: the LM head over every row of the padded step (which
+        rows are sampled changes every step; the graph's shapes may not), then the sampler's greedy step on the
+        rows to sample. Returns ``[2, rows]`` accepted flags and tokens."""
+        logits = self.model.compute_logits(hidden)
+        return self.sampler.greedy_result(logits, source_rows, segment, force, starts, self.settings.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[Request]) -> dict[int, list[tuple[int, int]]]:
@@ -112,8 +133,14 @@ class ModelRunner:
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
         bucket = self.graphs.bucket_for(step) if self.graphs is not None else None
+        layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         if bucket is not None:
-            hidden = self.graphs.run(step, bucket, micro_batch)
+            sampled = None
+            if layout is not None and layout.greedy and self.graphs.samples:
+                sampled = SampledRows(step.sample_rows, layout.segments, layout.force, layout.starts)
+            hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
+            if result is not None:
+                return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             hidden = self.forward(*self._eager_inputs(step))
         if step.sample_rows:
@@ -122,16 +149,26 @@ class ModelRunner:
             rows = torch.tensor(step.sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
             row_index = rows.to(hidden.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
-            pending = self.sampler.launch(logits, step.work)
+            pending = self.sampler.launch(logits, step.work, layout)
         else:
             # Nothing to sample (the step only stores finished blocks): a replayed step's result still waits for
             # the forward, so that the step has always finished when its staging buffer is filled again
             # (`DecodeGraphs`).
-            ready = None
-            if bucket is not None and hidden.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            pending = PendingWrites({}, ready=ready)
+            pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
+        return self._pending(pending, batch)
+
+    @staticmethod
+    def _ready(hidden: torch.Tensor) -> torch.cuda.Event | None:
+        """An event after the work queued so far, for a result to wait on (None off CUDA: nothing is queued)."""
+        if not hidden.is_cuda:
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
+    @staticmethod
+    def _pending(pending: PendingWrites, batch: list[Request]) -> PendingWrites:
+        """Every request of the batch gets an entry, also one with no rows to sample."""
         for req in batch:
             pending.writes.setdefault(req.req_id, [])
         return pending

@@ -38,6 +38,7 @@ _MAX_SPLITS = 64
 @triton.jit
 def _top1_kernel(
     logits_ptr,
+    source_rows_ptr,  # [rows] int64 logits row of each output row, negative: padding (`HAS_SOURCE_ROWS`)
     token_ptr,
     conf_ptr,
     part_m_ptr,  # [rows * NUM_SPLITS] float32 scratch (split launches only)
@@ -51,13 +52,19 @@ def _top1_kernel(
     BLOCK_V: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SOURCE_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    base = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, vocab_limit)
+    if HAS_SOURCE_ROWS:
+        source = tl.load(source_rows_ptr + row)
+        hi = tl.where(source >= 0, hi, lo)  # a padding row reads nothing; its answer is undefined
+        base = logits_ptr + tl.maximum(source, 0) * stride_row
+    else:
+        base = logits_ptr + row * stride_row
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     best = tl.zeros((), tl.int32)
@@ -143,16 +150,25 @@ def triton_top1(
     vocab_limit: int | None = None,
     banned_id: int | None = None,
     num_splits: int | None = None,
+    source_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens int64 [N], conf float32 [N])`` of ``logits [N, V]``, ignoring ids ``>= vocab_limit`` and ``banned_id``.
 
     ``num_splits`` slices each row's vocabulary over that many programs (at most one per ``BLOCK_V`` tile);
     None picks it from the row count (`auto_num_splits`). Rows with no allowed finite logit have no defined
     answer (the reference gives NaN there).
+
+    ``source_rows`` (int64 ``[N]``) answers for ``logits[source_rows]`` without gathering them: a captured decode
+    graph computes the logits of every row of its fixed shape and samples the rows a step needs, padded to the
+    fixed count with negative entries, whose answers are left undefined and cost no reads.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
+    if source_rows is not None:
+        if source_rows.dim() != 1 or source_rows.dtype != torch.int64 or source_rows.device != logits.device:
+            raise ValueError("source_rows must be a 1-D int64 tensor on the logits' device")
+        num_rows = source_rows.shape[0]
     limit = vocab if vocab_limit is None else min(vocab_limit, vocab)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     conf = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
@@ -171,6 +187,7 @@ def triton_top1(
         part_m = part_s = part_id = counters = conf  # never read
     _top1_kernel[(num_rows, splits)](
         logits,
+        source_rows if source_rows is not None else tokens,
         tokens,
         conf,
         part_m,
@@ -184,6 +201,7 @@ def triton_top1(
         BLOCK_V=_BLOCK_V,
         NUM_SPLITS=splits,
         SPLITS_PAD=_next_pow2(splits),
+        HAS_SOURCE_ROWS=source_rows is not None,
         num_warps=8,
     )
     return tokens, conf

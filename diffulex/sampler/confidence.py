@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 
 import torch
@@ -48,20 +48,21 @@ class ConfidenceSampler:
         """
         return self.launch(logits, work).result()
 
-    def launch(self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]) -> PendingWrites:
+    def launch(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]], layout: RowLayout | None = None
+    ) -> PendingWrites:
         """`__call__` without the wait: the device work is queued and its result copy started; the returned
-        `PendingWrites` waits for it when asked, so the host may prepare other work meanwhile."""
+        `PendingWrites` waits for it when asked, so the host may prepare other work meanwhile. ``layout`` is
+        `row_layout` of ``work`` when the caller has already built it."""
         s = self.settings
-        writes: dict[int, list[tuple[int, int]]] = {req.req_id: [] for req, _ in work}
-        layout = _RowLayout.of(work, self.force_every_block)
+        layout = layout if layout is not None else self.row_layout(work)
         if not layout.positions:
-            return PendingWrites(writes)
+            return layout.pending()
         segment, force, starts = layout.to_device(logits.device)
         tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
         for req, lo, hi in layout.sampled:
             tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
-        accept = accept_segments(conf, segment, force, starts, s.accept_threshold, layout.max_block_rows)
-        result = torch.stack((accept.long(), tokens))
+        result = self._accept(tokens, conf, segment, force, starts, layout.max_block_rows)
         ready = None
         if result.is_cuda:
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
@@ -69,7 +70,44 @@ class ConfidenceSampler:
             ready = torch.cuda.Event()
             ready.record()
             result = host
-        return PendingWrites(writes, layout.owners, layout.positions, result, ready)
+        return layout.pending(result, ready)
+
+    def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
+        """Where each logits row of a step goes, and which requests draw instead of taking the top-1."""
+        return RowLayout.of(work, self.force_every_block)
+
+    def greedy_result(
+        self,
+        logits: torch.Tensor,
+        source_rows: torch.Tensor,
+        segment: torch.Tensor,
+        force: torch.Tensor,
+        starts: torch.Tensor,
+        max_block_rows: int,
+    ) -> torch.Tensor:
+        """A step whose requests all decode greedily, on the device alone: ``[2, N]`` (accepted flag, token) for
+        ``logits[source_rows]``, with `RowLayout`'s ``segment``, ``force`` and ``starts``.
+
+        Every shape is fixed by its arguments' shapes and nothing is read back, so a CUDA graph can capture the
+        call (`diffulex.engine.cuda_graph`): ``source_rows`` may end in negative padding rows, which no segment of
+        ``starts`` covers; their entries are undefined. ``segment`` gives them a segment of their own that may not
+        force, which keeps the PyTorch acceptance (which reads ``segment``) from mixing them into real blocks.
+        """
+        s = self.settings
+        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, source_rows)
+        return self._accept(tokens, conf, segment, force, starts, max_block_rows)
+
+    def _accept(
+        self,
+        tokens: torch.Tensor,
+        conf: torch.Tensor,
+        segment: torch.Tensor,
+        force: torch.Tensor,
+        starts: torch.Tensor,
+        max_block_rows: int,
+    ) -> torch.Tensor:
+        accept = accept_segments(conf, segment, force, starts, self.settings.accept_threshold, max_block_rows)
+        return torch.stack((accept.long(), tokens))
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
         """Compile the top-1 and acceptance kernels for every row count up to `max_rows` (CUDA), so that no step
@@ -81,7 +119,7 @@ class ConfidenceSampler:
         s = self.settings
         warm_up_top1(device, vocab_size, dtype, s.vocab_limit, s.mask_token_id, max_rows)
         conf = torch.zeros(1, dtype=torch.float32, device=device)
-        segment, force, starts = _RowLayout([0], [0], [0], [1], [0, 1], [], 1).to_device(device)
+        segment, force, starts = RowLayout([0], [0], [0], [1], [0, 1], [], 1).to_device(device)
         accept_segments(conf, segment, force, starts, s.accept_threshold, 1)
 
     def _draw(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +155,9 @@ class PendingWrites:
 
 
 @dataclass
-class _RowLayout:
-    """Where each logits row goes: host lists built in one pass over ``work``, the device half sent in one copy."""
+class RowLayout:
+    """Where each logits row goes: host lists built in one pass over ``work``; the device half is sent in one copy
+    (`to_device`), or staged with a replayed graph's inputs."""
 
     positions: list[int]  # row -> position it predicts
     owners: list[int]  # row -> req_id
@@ -127,9 +166,10 @@ class _RowLayout:
     starts: list[int]  # block -> its first row; one more entry, the number of rows
     sampled: list[tuple[Request, int, int]]  # requests with temperature > 0 and their row range [lo, hi)
     max_block_rows: int = 0
+    req_ids: list[int] = field(default_factory=list)  # every request of the step, with or without rows
 
     @classmethod
-    def of(cls, work: list[tuple[Request, list[SampleTarget]]], force_every_block: bool) -> _RowLayout:
+    def of(cls, work: list[tuple[Request, list[SampleTarget]]], force_every_block: bool) -> RowLayout:
         layout = cls([], [], [], [], [], [])
         positions, owners, segments, force = layout.positions, layout.owners, layout.segments, layout.force
         starts = layout.starts
@@ -147,7 +187,22 @@ class _RowLayout:
             if req.sampling_params.temperature > 0 and hi > lo:
                 layout.sampled.append((req, lo, hi))
         starts.append(len(positions))
+        layout.req_ids = [req.req_id for req, _ in work]
         return layout
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every row takes its top-1 (no request draws at ``temperature > 0``)."""
+        return not self.sampled
+
+    def pending(
+        self, accepted_tokens: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> PendingWrites:
+        """The step's `PendingWrites` once its ``[2, rows]`` (accepted flag, token) result is on its way."""
+        writes: dict[int, list[tuple[int, int]]] = {req_id: [] for req_id in self.req_ids}
+        if accepted_tokens is None:
+            return PendingWrites(writes, ready=ready)
+        return PendingWrites(writes, self.owners, self.positions, accepted_tokens, ready)
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(segment [N], force [S], starts [S + 1])`` (int64) on ``device``, from one host buffer and one copy.

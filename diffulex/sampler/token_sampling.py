@@ -39,16 +39,21 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, conf
 
 
-def propose_greedy(logits: torch.Tensor, vocab_limit: int, banned_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def propose_greedy(
+    logits: torch.Tensor, vocab_limit: int, banned_id: int | None, source_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`greedy` over the allowed ids: the fused Triton kernel on CUDA, `ban_tokens` then `greedy` elsewhere.
 
     On CUDA the kernel reads the logits once in their own dtype and writes two numbers per row; the torch path
-    would write a banned float32 copy and the exponentials of every id.
+    would write a banned float32 copy and the exponentials of every id. With ``source_rows`` (int64) the answer
+    is for ``logits[source_rows]``; negative entries are padding whose answers are undefined.
     """
     if logits.is_cuda and triton_available():
         from diffulex.kernels.top1 import triton_top1
 
-        return triton_top1(logits, vocab_limit, banned_id)
+        return triton_top1(logits, vocab_limit, banned_id, source_rows=source_rows)
+    if source_rows is not None:
+        logits = logits.index_select(0, source_rows.clamp(min=0))
     return greedy(ban_tokens(logits, vocab_limit, banned_id))
 
 

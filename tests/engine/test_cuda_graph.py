@@ -31,15 +31,18 @@ def with_static_decode(llm):
     return llm
 
 
-def count_static_steps(llm) -> list[int]:
-    """Wrap the static path so the test can see which steps took it."""
+def count_static_steps(llm, sampled_steps: list[bool] | None = None) -> list[int]:
+    """Wrap the static path so the test can see which steps took it (and, in ``sampled_steps``, which of them
+    sampled in the graph path too)."""
     graphs = llm.runner.graphs
     used: list[int] = []
     original = graphs.run
 
-    def run(step, bucket, buffer=0):
+    def run(step, bucket, buffer=0, sampled=None):
         used.append(bucket)
-        return original(step, bucket, buffer)
+        if sampled_steps is not None:
+            sampled_steps.append(sampled is not None)
+        return original(step, bucket, buffer, sampled)
 
     graphs.run = run
     return used
@@ -66,6 +69,26 @@ def test_padded_static_steps_give_the_eager_tokens(peaky_sdar_dir: Path, buffer_
     assert len(used) > got.num_engine_steps // 2, "most steps are decode-shaped and should take the static path"
     assert set(used) - {1, 2, 4, 6} == set(), "buckets come from request_buckets(max_num_reqs)"
     assert any(b > 1 for b in used)
+
+
+def test_greedy_steps_sample_in_the_graph_path_and_steps_with_a_drawing_request_sample_eagerly(
+    peaky_sdar_dir: Path,
+) -> None:
+    """The sampling graph (LM head, top-1, acceptance on padded rows) serves steps whose requests are all greedy;
+    a step with a request at temperature > 0 needs its seeded generator and samples after the forward graph.
+    Both give the eager engine's tokens."""
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.9, seed=4, max_tokens=12)]
+    with make_engine(peaky_sdar_dir, buffer_size=2, accept_threshold=0.7, max_num_reqs=6) as eager:
+        prompts = random_prompts(eager, [3, 7, 12], seed=31)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with make_engine(peaky_sdar_dir, buffer_size=2, accept_threshold=0.7, max_num_reqs=6) as llm:
+        sampled_steps: list[bool] = []
+        count_static_steps(with_static_decode(llm), sampled_steps)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    # the drawing request has the fewest tokens: the steps after it finished are greedy only
+    assert True in sampled_steps and False in sampled_steps
+    assert sampled_steps.index(True) > sampled_steps.index(False), "with the drawing request running: eager"
 
 
 def test_shifted_family_and_d2f_take_the_static_path_with_the_same_tokens(tmp_path: Path) -> None:

@@ -55,3 +55,13 @@ def test_kernel_threshold_compares_like_python_floats(threshold):
     conf = [float(x) for x in neighbours]
     got = run_kernel(conf, [1, 1, 1], [False, False, False], threshold)
     assert got == [i for i, c in enumerate(conf) if c > threshold]
+
+
+def test_empty_trailing_blocks_and_rows_outside_every_block_are_left_unaccepted():
+    """A captured graph launches over a fixed number of blocks and rows: the padding blocks are empty (their start
+    equals the row count) and the padding rows past it belong to none; neither may change or gain an acceptance."""
+    conf = torch.tensor([0.95, 0.2, 0.3, 0.99, 0.99, 0.99], dtype=torch.float32, device=DEVICE)
+    starts = torch.tensor([0, 2, 3, 3, 3], dtype=torch.int64, device=DEVICE)  # two real blocks, then two empty ones
+    force = torch.tensor([1, 1, 1, 1], dtype=torch.int64, device=DEVICE)
+    got = triton_accept_segments(conf, starts, force, 0.9, 4)
+    assert got.cpu().tolist() == [True, False, True, False, False, False]

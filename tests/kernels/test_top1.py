@@ -144,3 +144,18 @@ def test_after_warm_up_no_row_count_compiles_a_kernel():
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     assert misses == []
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_source_rows_answer_for_the_rows_they_name_and_padding_rows_read_nothing(num_splits):
+    """A captured graph samples some rows of its fixed-size logits: the answer of output row i is that of
+    ``logits[source_rows[i]]``; negative entries pad the launch to a fixed size and leave the real rows untouched."""
+    logits = (3 * torch.randn(6, 2 * TILE + 11, generator=torch.Generator().manual_seed(5))).to(DEVICE)
+    source = torch.tensor([4, 0, 4, 2, -1, -1, -1], dtype=torch.int64, device=DEVICE)
+    tokens, conf = triton_top1(logits, 2 * TILE, banned_id=3, num_splits=num_splits, source_rows=source)
+    ref_tokens, ref_conf = reference(logits.cpu()[[4, 0, 4, 2]], 2 * TILE, 3)
+    assert tokens.shape == conf.shape == (7,)
+    assert tokens[:4].cpu().tolist() == ref_tokens.tolist()
+    torch.testing.assert_close(conf[:4].cpu(), ref_conf, rtol=1e-5, atol=0)
+    again, _ = triton_top1(logits, 2 * TILE, banned_id=3, num_splits=num_splits)  # the counters were left at zero
+    assert again.cpu().tolist() == reference(logits.cpu(), 2 * TILE, 3)[0].tolist()

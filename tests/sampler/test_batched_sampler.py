@@ -171,10 +171,42 @@ def test_a_batch_without_targets_writes_nothing():
 def test_device_layout_sections_start_16_byte_aligned_whatever_the_row_counts(seed):
     """Triton compiles a kernel per pointer alignment: sections that moved with the parity of the row or block count
     would make the acceptance kernel compile again while serving."""
-    from diffulex.sampler.confidence import _RowLayout
+    from diffulex.sampler.confidence import RowLayout
 
-    layout = _RowLayout.of(random_work(random.Random(seed), num_requests=1 + seed), force_every_block=False)
+    layout = RowLayout.of(random_work(random.Random(seed), num_requests=1 + seed), force_every_block=False)
     segment, force, starts = layout.to_device(torch.device("cpu"))
     assert segment.tolist() == layout.segments and force.tolist() == layout.force
     assert starts.tolist() == layout.starts
     assert all(t.data_ptr() % 16 == 0 for t in (segment, force, starts))
+
+
+@pytest.mark.parametrize("sampler_cls", [ConfidenceSampler, AlwaysForceSampler])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_device_only_greedy_step_on_padded_rows_and_blocks_writes_what_the_sampler_writes(seed, sampler_cls):
+    """`greedy_result` is what a captured graph runs: logits of every row of a padded step, the rows to sample
+    picked by index and padded with -1, blocks padded with empty ones, padded rows in one more block that may not
+    force. Read back like the eager result, it gives the sampler's writes."""
+    rng = random.Random(seed)
+    work = [(req, targets) for req, targets in random_work(rng, rng.choice([1, 3, 8]))]
+    for req, _ in work:
+        req.sampling_params = SamplingParams(temperature=0.0)
+    sampler = sampler_cls(SamplerSettings(VOCAB_LIMIT, MASK, rng.choice([0.5, 0.9]), base_seed=3))
+    layout = sampler.row_layout(work)
+    n, blocks = len(layout.positions), len(layout.force)
+    logits = random_logits(rng, n, torch.float32)
+    # the step's logits rows, interleaved with rows it does not sample, in a padded buffer
+    all_rows = torch.randn(2 * n + 3, VOCAB, generator=torch.Generator().manual_seed(seed))
+    where = rng.sample(range(2 * n + 3), n)
+    all_rows[where] = logits
+    pad_rows, pad_blocks = 3, 2
+    source = torch.tensor(where + [-1] * pad_rows)
+    segment = torch.tensor(layout.segments + [blocks + pad_blocks] * pad_rows)
+    force = torch.tensor(layout.force + [0] * (pad_blocks + 1))
+    starts = torch.tensor(layout.starts + [n] * pad_blocks)
+
+    result = sampler.greedy_result(all_rows, source, segment, force, starts, 4)
+
+    assert result.shape == (2, n + pad_rows)
+    got = layout.pending(result[:, :n]).result()
+    assert got == sampler(logits.clone(), work)
+    assert got == per_request_writes(sampler.settings, logits, work, sampler_cls is AlwaysForceSampler)
