@@ -151,7 +151,7 @@ class DecodeGraphs:
         # the sampling graphs (`greedy_sample`): device results per bucket, host results per staging buffer
         self._sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._sample_outputs: dict[int, torch.Tensor] = {}
-        self._results_host = [torch.zeros((2, T), dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
+        self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
 
     @property
     def samples(self) -> bool:
@@ -274,6 +274,12 @@ class DecodeGraphs:
         force[:num_blocks] = sampled.force
         force[num_blocks:] = 0
 
+    def _result_home(self, bucket: int, buffer: int) -> torch.Tensor:
+        """The pinned ``[2, rows]`` host tensor a bucket's sampling result is copied to: contiguous, because a copy
+        into a strided host view would pass through pageable memory (not allowed in a graph, and synchronous)."""
+        rows = bucket * self.shape.max_query_len
+        return self._results_host[buffer][: 2 * rows].view(2, rows)
+
     def _upload(self, bucket: int, buffer: int = 0) -> None:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
         device_part, host_part = self._copy_pairs[bucket][buffer]
@@ -297,10 +303,9 @@ class DecodeGraphs:
             hidden = self._outputs[bucket]
             if sampled is not None:
                 self._sample_graphs[bucket].replay()
-                host = self._results_host[buffer]
-                if not self._upload_in_graph:  # the captured copy targets buffer 0's host result
-                    device_result = self._sample_outputs[bucket]
-                    host[:, : device_result.shape[1]].copy_(device_result, non_blocking=True)
+                host = self._result_home(bucket, buffer)
+                if not self._upload_in_graph:  # the captured copy targets buffer 0's home
+                    host.copy_(self._sample_outputs[bucket], non_blocking=True)
                 result = host[:, : len(sampled.rows)]
         else:
             ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
@@ -370,7 +375,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     result = self.greedy_sample(self._outputs[bucket], *self._sampling_views(bucket))
                     if self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
-                        self._results_host[0][:, : result.shape[1]].copy_(result, non_blocking=True)
+                        self._result_home(bucket, 0).copy_(result, non_blocking=True)
                 self._sample_outputs[bucket] = result
         torch.cuda.synchronize(self.device)
         logger.info(
