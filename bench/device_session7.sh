@@ -21,3 +21,12 @@ elif [ "$1" = b ]; then
   done
   timeout 120 python bench/step_phases.py --batch 64 2>&1 | quiet | tail -22
 fi
+if [ "$1" = c ]; then
+  # micro-batches again, now that a greedy step's host launch no longer includes the sampler's launches
+  for mb in 1 2; do
+    echo "== micro_batches=$mb"
+    $TP --models 1.7b --batch-sizes 32 64 128 --buffer-sizes 1 --micro-batches $mb \
+      --out $OUT/tp_1p7b_mb$mb.json 2>&1 | quiet | tail -4
+  done
+  timeout 120 python bench/step_phases.py --batch 1 2>&1 | quiet | tail -16
+fi
