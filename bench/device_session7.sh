@@ -30,3 +30,9 @@ if [ "$1" = c ]; then
   done
   timeout 120 python bench/step_phases.py --batch 1 2>&1 | quiet | tail -16
 fi
+if [ "$1" = d ]; then
+  # the engine reports a step after launching the next one; the sampling graph on; then an H200-comparable set
+  $TP --models 1.7b --batch-sizes 1 64 128 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -5
+  timeout 120 python bench/step_phases.py --batch 64 2>&1 | quiet | tail -16
+  [ -n "$WITH_8B" ] && $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
+fi

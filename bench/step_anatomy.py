@@ -60,7 +60,8 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     runner = engine.runner
     saved: list = []
     _wrap(engine, "_launch", phases, "launch (all of it)", saved)
-    _wrap(engine, "_complete", phases, "complete (all of it)", saved)
+    _wrap(engine, "_apply", phases, "apply the result (all of it)", saved)
+    _wrap(engine, "_report", phases, "report: records + updates (after the next launch)", saved)
     _wrap(engine.scheduler, "schedule", phases, "schedule", saved)
     _wrap(runner, "collect", phases, "collect", saved)
     if runner.graphs is not None:

@@ -4,7 +4,8 @@
 
 Builds a random SDAR checkpoint (``load_format="dummy"``), lets the batch settle into decode and times 60 steps
 with `step_anatomy.host_phases` (without its profiler pass): ``launch`` (schedule, collect, graph fill and
-replay, LM head and sampler launches) and ``complete`` (the wait for the result, finish, records). A wait near
+replay, LM head and sampler launches), ``apply`` (the wait for the result, finish) and ``report`` (records and
+updates, built after the next launch). A wait near
 zero means the host, not the GPU, bounds the step.
 """
 

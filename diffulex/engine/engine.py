@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -155,6 +155,16 @@ class _InFlightStep:
     views: list[tuple[tuple[int, int], tuple[int, ...]]]  # per request: query range, running block indices
     pending: PendingWrites
     started: float  # perf_counter() at scheduling
+
+
+@dataclass
+class _AppliedStep:
+    """A step whose result is applied to its requests, not yet reported (`DiffulexEngine.step`)."""
+
+    index: int
+    step_time: float  # seconds from scheduling to the applied result
+    # per request: its view at launch (query range, running block indices) and how many masks it filled
+    requests: list[tuple[Request, tuple[tuple[int, int], tuple[int, ...]], int]] = field(default_factory=list)
 
 
 class DiffulexEngine:
@@ -431,22 +441,31 @@ class DiffulexEngine:
     def step(self) -> list[RequestUpdate]:
         """Run one forward over the scheduled requests and advance them.
 
-        With ``micro_batches=2`` the running requests form two micro-batches that take turns: a call first
-        launches the next micro-batch's forward (whose requests are not in flight), then waits for the oldest
-        one in flight and returns its updates. The host's work between a result and the next launch (finish,
-        schedule, collect) then overlaps the other micro-batch's forward instead of leaving the GPU idle. Each
-        request sees exactly the steps it would see alone; only the interleaving with other requests changes.
+        The call waits for the oldest launched step, applies its result, launches the next step, and only then
+        builds the returned updates and step records: the GPU computes the next step while the host reports this
+        one. So when a call returns, the next step is usually already in flight; a request added now joins the
+        step after it, and one aborted now has the in-flight step's result dropped.
+
+        With ``micro_batches=2`` the running requests form two micro-batches that take turns: one is in flight
+        while the host finishes, schedules and collects the other. Each request sees exactly the steps it would
+        see alone; only the interleaving with other requests changes.
         """
-        while len(self._in_flight) < self.micro_batches:
-            launched = self._launch()
-            if launched is None:
-                break
-            self._in_flight.append(launched)
+        self._launch_until_full()
         if not self._in_flight:
             if self.scheduler.waiting:
                 raise RuntimeError("no request could be scheduled although requests are waiting")
             return []
-        return self._complete(self._in_flight.popleft())
+        applied = self._apply(self._in_flight.popleft())
+        self._launch_until_full()
+        return self._report(applied)
+
+    def _launch_until_full(self) -> None:
+        """Launch steps until ``micro_batches`` are in flight or nothing more can be scheduled."""
+        while len(self._in_flight) < self.micro_batches:
+            launched = self._launch()
+            if launched is None:
+                return
+            self._in_flight.append(launched)
 
     def _launch(self) -> _InFlightStep | None:
         """Schedule the next (micro-)batch among the requests not in flight and queue its forward and sampler."""
@@ -463,28 +482,38 @@ class DiffulexEngine:
         self._num_launches += 1
         return _InFlightStep(batch, views, pending, t0)
 
-    def _complete(self, launched: _InFlightStep) -> list[RequestUpdate]:
-        """Wait for a launched step's result, apply it to its requests and report what changed."""
+    def _apply(self, launched: _InFlightStep) -> _AppliedStep:
+        """Wait for a launched step's result and apply it to its requests: everything the next schedule reads.
+
+        A request aborted while its step was in flight is skipped: nothing of that step is applied to it.
+        """
         writes = launched.pending.result()
-        updates = []
-        records = []
-        index = self._num_steps
-        for req, ((start, end), ids) in zip(launched.batch, launched.views, strict=True):
-            if req.is_finished:  # aborted while its step was in flight: nothing of it is applied
+        applied = _AppliedStep(self._num_steps, time.perf_counter() - launched.started)
+        for req, view in zip(launched.batch, launched.views, strict=True):
+            if req.is_finished:
                 continue
             filled = self.scheduler.finish_step(req, writes[req.req_id])
             if not req.is_finished and req.sampling_params.stop:
                 self._check_stop_strings(req)
+            applied.requests.append((req, view, filled))
+        self._num_steps += 1
+        return applied
+
+    def _report(self, applied: _AppliedStep) -> list[RequestUpdate]:
+        """The step records and updates of an applied step.
+
+        Built after the next step's launch, which may open blocks (masks appended after every decoded position)
+        or preempt (cached blocks stay committed): neither moves a bound the record or the update takes, the
+        first mask, the committed end, or the tokens of the step's own query range.
+        """
+        updates = []
+        for req, ((start, end), ids), filled in applied.requests:
             lo = req.blocks[ids[0]].start if ids else end
-            record = StepRecord(index, end - start, filled, ids, tuple(req.token_ids[lo:end]))
+            record = StepRecord(applied.index, end - start, filled, ids, tuple(req.token_ids[lo:end]))
+            record.step_time = applied.step_time
             req.steps.append(record)
-            records.append(record)
             trajectory = self._trajectory(req) if req.is_finished else None
             updates.append(RequestUpdate.of_request(req, record, trajectory))
-        elapsed = time.perf_counter() - launched.started
-        for record in records:
-            record.step_time = elapsed
-        self._num_steps += 1
         return updates
 
     def _check_stop_strings(self, req: Request) -> None:

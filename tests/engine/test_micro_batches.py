@@ -58,7 +58,8 @@ def test_a_request_aborted_while_its_step_is_in_flight_is_dropped(sdar_dir: Path
         prompts = random_prompts(llm, LENGTHS, seed=5)
         ids = [llm.add_request(p, GREEDY) for p in prompts]
         llm.step()
-        (in_flight,) = llm._in_flight
+        assert len(llm._in_flight) == 2, "a step returns with both micro-batches launched"
+        in_flight = llm._in_flight[0]  # the one the next call completes
         victim = in_flight.batch[0].req_id
         assert llm.abort_request(victim)
         updates = llm.step()
@@ -80,3 +81,24 @@ def test_one_request_runs_alone_with_two_micro_batches(sdar_dir: Path) -> None:
 def test_micro_batches_must_be_one_or_two(sdar_dir: Path, value) -> None:
     with pytest.raises(ValueError, match="micro_batches"):
         make_engine(sdar_dir, micro_batches=value)
+
+
+def test_a_step_returns_with_the_next_step_already_launched_and_an_abort_still_drops_its_result(
+    sdar_dir: Path,
+) -> None:
+    """With one batch the engine launches the next step before it builds the updates it returns, so the GPU
+    computes while the host reports; a request aborted between calls is in that launched step."""
+    with make_engine(sdar_dir, max_num_reqs=8) as llm:
+        ids = [llm.add_request(p, GREEDY) for p in random_prompts(llm, LENGTHS, seed=6)]
+        first = llm.step()
+        assert {u.req_id for u in first} == set(ids)
+        (in_flight,) = llm._in_flight
+        assert {r.req_id for r in in_flight.batch} == set(ids), "the next step is launched before returning"
+        victim = ids[3]
+        assert llm.abort_request(victim)
+        assert {u.req_id for u in llm.step()} == set(ids) - {victim}
+        finished = {}
+        while not llm.is_finished():
+            finished.update({u.req_id: u for u in llm.step() if u.finished})
+        assert not llm._in_flight, "nothing is launched once every request has finished"
+    assert set(finished) == set(ids) - {victim}
