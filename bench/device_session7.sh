@@ -36,3 +36,13 @@ if [ "$1" = d ]; then
   timeout 120 python bench/step_phases.py --batch 64 2>&1 | quiet | tail -16
   [ -n "$WITH_8B" ] && $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
 fi
+if [ "$1" = e ]; then
+  # A/B on one machine: reporting after the next launch (this tree) against completing before it (ENGINE_PREV,
+  # the previous engine.py, swapped in and restored)
+  for run in new prev new2 prev2; do
+    case $run in prev*) cp diffulex/engine/engine.py /tmp/engine_new.py; cp "$ENGINE_PREV" diffulex/engine/engine.py;; esac
+    echo "== $run"
+    $TP --models 1.7b --batch-sizes 1 64 128 --buffer-sizes 1 --out $OUT/tp_1p7b_$run.json 2>&1 | quiet | tail -4
+    case $run in prev*) cp /tmp/engine_new.py diffulex/engine/engine.py;; esac
+  done
+fi
