@@ -85,10 +85,9 @@ class GraphShape:
     def max_tokens(self) -> int:
         return self.max_requests * self.max_query_len
 
-    @property
-    def max_segments(self) -> int:
-        """Blocks one bucket of requests may sample: each request's running set (at most its rows over a block)."""
-        return self.max_requests * -(-self.max_query_len // self.block_size)
+    def max_segments(self, requests: int) -> int:
+        """Blocks that many requests may sample: each request's running set (at most its rows over a block)."""
+        return requests * -(-self.max_query_len // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ class DecodeGraphs:
         self.device = device
         self.capture_graphs = capture and device.type == "cuda"
         self.buckets = request_buckets(shape.max_requests)
-        R, T, P, S = shape.max_requests, shape.max_tokens, shape.max_pages, shape.max_segments
+        R, T, P, S = shape.max_requests, shape.max_tokens, shape.max_pages, shape.max_segments(shape.max_requests)
         pin = device.type == "cuda"
         # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:
         # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
@@ -174,14 +173,11 @@ class DecodeGraphs:
     def _token_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self._row_section(self._tokens, i, num_tokens) for i in range(3))
 
-    def _bucket_segments(self, bucket: int) -> int:
-        return bucket * -(-self.shape.max_query_len // self.shape.block_size)
-
     def _sampling_views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows [n], segments [n], force [s + 1], starts [s + 1])`` of a bucket of ``n`` rows and at most ``s``
         sampled blocks, plus one more block, empty and never forcing, that padded rows belong to."""
         n = bucket * self.shape.max_query_len
-        s = self._bucket_segments(bucket)
+        s = self.shape.max_segments(bucket)
         t = self._tokens
         return (
             self._row_section(t, 3, n),
@@ -258,7 +254,7 @@ class DecodeGraphs:
         """Stage the rows to sample, padded to the bucket: padded rows read nothing (-1) and belong to the extra
         block; padded blocks are empty and never force."""
         n, num_blocks = len(sampled.rows), len(sampled.force)
-        rows_cap, blocks_cap = bucket * self.shape.max_query_len, self._bucket_segments(bucket)
+        rows_cap, blocks_cap = bucket * self.shape.max_query_len, self.shape.max_segments(bucket)
         if n > rows_cap or num_blocks > blocks_cap:
             raise ValueError(f"{n} rows in {num_blocks} blocks do not fit bucket {bucket}'s sampling graph")
         rows = self._row_section(tok, 3, rows_cap)
@@ -331,7 +327,7 @@ class DecodeGraphs:
             prefix_lens=[0] * bucket,
             page_tables=[[] for _ in range(bucket)],
         )
-        blocks = self._bucket_segments(bucket)
+        blocks = self.shape.max_segments(bucket)
         sampled = SampledRows(list(range(bucket * q)), [blocks] * (bucket * q), [0] * blocks, [0] * (blocks + 1))
         self._fill(step, bucket, sampled=sampled if self.samples else None)
         if self.capture_graphs:
