@@ -59,7 +59,7 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int, buffer_siz
     for _ in range(3):  # admit and prefill with the real forward
         llm.step()
     runner, scheduler = llm.runner, llm.scheduler
-    hidden = next(m for m in runner.model.modules() if isinstance(m, torch.nn.Embedding)).embedding_dim
+    hidden = runner.token_embedding().embedding_dim
     runner.forward = lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden)
     acc: dict[str, float] = collections.defaultdict(float)
     scheduler.schedule = _timed(acc, "schedule", scheduler.schedule)

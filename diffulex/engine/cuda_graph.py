@@ -92,7 +92,8 @@ class GraphShape:
 
 @dataclass(frozen=True)
 class SampledRows:
-    """The device half of a greedy step's sampling (`ConfidenceSampler.RowLayout`), to stage with its inputs."""
+    """The device half of a greedy step's sampling (`diffulex.sampler.confidence.RowLayout` plus the logits row of
+    each sampled row), staged with the step's inputs. Plain lists, so the graphs need not know the sampler."""
 
     rows: list[int]  # logits row of each sampled row, in the sampler's order
     segments: list[int]  # sampled row -> its block
@@ -327,9 +328,11 @@ class DecodeGraphs:
             prefix_lens=[0] * bucket,
             page_tables=[[] for _ in range(bucket)],
         )
-        blocks = self.shape.max_segments(bucket)
-        sampled = SampledRows(list(range(bucket * q)), [blocks] * (bucket * q), [0] * blocks, [0] * (blocks + 1))
-        self._fill(step, bucket, sampled=sampled if self.samples else None)
+        sampled = None
+        if self.samples:
+            blocks = self.shape.max_segments(bucket)
+            sampled = SampledRows(list(range(bucket * q)), [blocks] * (bucket * q), [0] * blocks, [0] * (blocks + 1))
+        self._fill(step, bucket, sampled=sampled)
         if self.capture_graphs:
             self._upload(bucket)
 

@@ -342,7 +342,7 @@ class DiffulexEngine:
             # sampling graph's logits, which cover every row of the bucket
             graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * self._max_rows_per_request()
             graphs = int(activations * min(1.0, graph_tokens / num_tokens))
-            graphs += graph_tokens * self._logits_width() * self.dtype.itemsize
+            graphs += graph_tokens * self.runner.token_embedding().num_embeddings * self.dtype.itemsize
         budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
         report = (
             f"{total / GIB:.1f} GiB x gpu_memory_utilization={config.gpu_memory_utilization} = "
@@ -352,10 +352,6 @@ class DiffulexEngine:
         )
         logger.info("memory plan: %s", report)
         return budget, report
-
-    def _logits_width(self) -> int:
-        """Columns of the LM head's output: the embedding's rows (every family here ties or matches them)."""
-        return next(m for m in self.model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
 
     # ----- CUDA graphs and torch.compile -----------------------------------------------------------------------
 

@@ -173,6 +173,11 @@ class ModelRunner:
             pending.writes.setdefault(req.req_id, [])
         return pending
 
+    def token_embedding(self) -> nn.Embedding:
+        """The model's token embedding: as wide as the hidden states the LM head reads, with as many rows as the
+        logits have columns (every family here ties the LM head to it or matches its shape)."""
+        return next(m for m in self.model.modules() if isinstance(m, nn.Embedding))
+
     @torch.inference_mode()
     def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None:
         """Compile now the kernels that run after the forward (LM head, sampler) for every row count a step can
@@ -181,9 +186,8 @@ class ModelRunner:
         device = self.settings.device
         if device.type != "cuda":
             return
-        # the LM head reads hidden states as wide as the token embedding (every family here); every row count the
-        # skinny GEMM takes, then the largest
-        hidden_size = next(m for m in self.model.modules() if isinstance(m, nn.Embedding)).embedding_dim
+        # every row count the skinny GEMM takes, then the largest
+        hidden_size = self.token_embedding().embedding_dim
         for rows in sorted({*range(1, min(max_rows, SKINNY_MAX_ROWS) + 1), max_rows}):
             logits = self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=device))
         self.sampler.warm_up(device, logits.dtype, logits.shape[-1], max_rows)
