@@ -11,6 +11,10 @@ replaces layers by identity functions before the engine is built, so their kerne
 * ``attn``: the attention layer, q/k norm, rotary and KV store included (it passes q on).
 
 The tokens are then meaningless; the replay time says how much a perfect fusion of those launches could save.
+``--partials N,K ...`` makes the skinny GEMMs of those weight shapes skip their split-K sum (the output is then
+garbage; the time says what a consumer summing the partials itself could save, minus its extra reads).
+``--lookahead LINES`` launches, right after each layer's qkv GEMM, a kernel that prefetches into L2 the first LINES
+128-byte lines of every row of that layer's gate_up weight, while attention leaves the memory idle.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and ``--attn-splits`` caps
 the split-KV factor, to time configurations in the chain of kernels rather than alone.
 """
@@ -23,10 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from step_anatomy import replay_cost
 
 from diffulex import Diffulex
 from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
+from diffulex.kernels.pdl import prefetch_l2, release_dependents, wait_for_inputs
 
 
 def _remove(skip: set[str]) -> None:
@@ -59,12 +66,68 @@ def _override(tables: list[str], attn_splits: int | None) -> None:
         paged_attention._auto_num_splits = lambda *args: min(attn_splits, auto(*args))
 
 
+def _skip_combine(shapes: list[str]) -> None:
+    from diffulex.kernels import skinny_gemm
+
+    wanted = {tuple(int(v) for v in item.split(",")) for item in shapes}
+    full = skinny_gemm.skinny_linear
+
+    def patched(x, weight, bias=None, config=None):
+        if tuple(weight.shape) in wanted and bias is None:
+            parts = skinny_gemm.skinny_partials(x, weight, config)
+            return parts.view(x.dtype)[0, :, : weight.shape[0]]  # right shape and dtype, wrong values
+        return full(x, weight, bias, config)
+
+    skinny_gemm.skinny_linear = patched
+
+
+@triton.jit
+def _prefetch_rows_kernel(w_ptr, n_rows, stride, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, BLOCK_R: tl.constexpr):
+    release_dependents(True)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.minimum(rows, n_rows - 1).to(tl.int64)
+    cols = tl.arange(0, LINES) * LINE_ELEMS
+    prefetch_l2(w_ptr + rows[:, None] * stride + cols[None, :])
+    wait_for_inputs(True)
+
+
+def _lookahead(lines: int, target: str) -> None:
+    from diffulex.models.dense import DenseAttention, DenseDecoderLayer
+
+    layer_forward = DenseDecoderLayer.forward
+
+    def layer_fwd(self, hidden, residual, rope, attn_meta):
+        w = self.mlp.gate_up.weight if target == "gate_up" else self.mlp.down_proj.weight
+        self.self_attn._ahead = w
+        return layer_forward(self, hidden, residual, rope, attn_meta)
+
+    def attn_fwd(self, x, rope, attn_meta):
+        T = x.shape[0]
+        q, k, v = self.qkv(x)
+        w = self._ahead
+        if w is not None and w.is_cuda and x.shape[0] <= 16:
+            block_r = 32
+            _prefetch_rows_kernel[(triton.cdiv(w.shape[0], block_r),)](
+                w, w.shape[0], w.stride(0), LINES=lines, LINE_ELEMS=64, BLOCK_R=block_r, launch_pdl=True
+            )
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, attn_meta, rope, self.q_norm, self.k_norm))
+
+    DenseDecoderLayer.forward = layer_fwd
+    DenseAttention.forward = attn_fwd
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
     ap.add_argument("--skip", default="", help="comma-separated: norm, silu, attn")
     ap.add_argument("--table", nargs="*", default=[])
     ap.add_argument("--attn-splits", type=int)
+    ap.add_argument("--lookahead", type=int, default=0, help="L2 lines per gate_up row prefetched during attention")
+    ap.add_argument("--lookahead-target", default="gate_up")
+    ap.add_argument("--partials", nargs="*", default=[], help="weight shapes N,K whose split sum is skipped")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--tag", default="")
@@ -72,6 +135,9 @@ def main() -> None:
     skip = {s for s in args.skip.split(",") if s}
     _remove(skip)
     _override(args.table, args.attn_splits)
+    _skip_combine(args.partials)
+    if args.lookahead:
+        _lookahead(args.lookahead, args.lookahead_target)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
         engine = Diffulex(
@@ -89,7 +155,8 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         step = 1e3 * (time.perf_counter() - t0) / args.steps
-        print(f"WHATIF {args.model} {args.tag} skip={sorted(skip)} replay_ms={replay:.3f} step_ms={step:.3f}")
+        tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
+        print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         engine.exit()
 
 

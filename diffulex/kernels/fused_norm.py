@@ -77,7 +77,10 @@ def _rms_norm_kernel(
     stride_s,
     inv_n,
     eps,
+    stride_part,
     HAS_RESIDUAL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # 0: x is the input; else x holds that many fp32 K-split partials of it
+    X_DTYPE: tl.constexpr,  # the input's dtype when it comes as partials
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -89,7 +92,14 @@ def _rms_norm_kernel(
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     wait_for_inputs(USE_PDL)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if NUM_PARTS > 0:  # the split-K sum the GEMM left out: in split order from zero, rounded once
+        x_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        total = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            total += tl.load(x_ptrs + s * stride_part, mask=mask, other=0.0)
+        x = cast_rne(total, X_DTYPE)
+    else:
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         x = cast_rne(x.to(tl.float32) + r.to(tl.float32), sum_ptr.dtype.element_ty)  # the torch add, rounded
@@ -127,10 +137,42 @@ def rms_norm(
     dtypes PyTorch's promotion gives: the sum in ``promote(x, residual)``, the normed value in
     ``promote(weight, sum)``.
     """
+    return _launch_rms_norm(x, None, x.dtype, weight, eps, residual)
+
+
+def rms_norm_of_parts(
+    parts: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` of ``x = parts.sum(0)`` rounded to ``dtype``, summed in split order from zero: exactly the
+    input a GEMM's own split-K sum would have produced (`diffulex.kernels.skinny_gemm.skinny_partials`).
+
+    ``parts [splits, rows, N]`` in fp32; ``dtype`` a 16-bit float (the product's dtype).
+    """
+    if parts.dim() != 3 or parts.dtype != torch.float32 or dtype not in _PART_DTYPES:
+        raise ValueError(
+            f"need fp32 parts [splits, rows, N] of a 16-bit product, got {parts.dtype} {tuple(parts.shape)} -> {dtype}"
+        )
+    if not parts.is_contiguous():
+        parts = parts.contiguous()
+    return _launch_rms_norm(parts[0], parts, dtype, weight, eps, residual)
+
+
+_PART_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    parts: torch.Tensor | None,
+    x_dtype: torch.dtype,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the norm kernel; ``x`` is the input, or with ``parts`` the first of its partials."""
     n_cols = x.shape[-1]
-    x2 = as_rows(x)
+    x2 = as_rows(x) if parts is None else x
     n_rows = x2.shape[0]
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    sum_dtype = x_dtype if residual is None else torch.promote_types(x_dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
     summed = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     if out.numel() == 0:
@@ -155,7 +197,10 @@ def rms_norm(
         n_cols,
         1.0 / n_cols,
         eps,
+        0 if parts is None else parts.stride(0),
         HAS_RESIDUAL=residual is not None,
+        NUM_PARTS=0 if parts is None else parts.shape[0],
+        X_DTYPE=_PART_DTYPES.get(x_dtype, tl.float32),
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         USE_PDL=use_pdl,

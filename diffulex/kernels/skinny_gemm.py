@@ -84,6 +84,7 @@ def _skinny_kernel(
     k_per_split,  # multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,  # whether the grid has more than one K split
+    COMBINE: tl.constexpr,  # sum the splits into y here; off: leave the fp32 partials for the consumer to sum
     USE_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,  # weight tiles through the tensor memory accelerator (`w_desc`) instead of plain loads
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks at all
@@ -145,7 +146,9 @@ def _skinny_kernel(
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn_offs = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT:
+    if not COMBINE:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + mn_offs, acc, mask=out_mask)
+    elif SPLIT:
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + mn_offs, acc, mask=out_mask)
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -244,6 +247,12 @@ _PREFETCH_BUDGET_BYTES = 16 << 20
 _PREFETCH_MAX_ADDRESSES = 4096
 _L2_LINE_BYTES = 128
 
+# An unsummed product (`unsummed_config`) is split until the grid has about this many programs: the H100's 132
+# SMs, rounded to what SDAR's column-tile counts divide (measured at batch 1: o_proj 4 splits of 32 tiles).
+UNSUMMED_PROGRAMS = 128
+MAX_UNSUMMED_SPLITS = 8
+_UNSUMMED_ENABLED = os.environ.get("DIFFULEX_UNSUMMED", "1") != "0"  # A/B runs
+
 _SUPPORTED = (torch.bfloat16, torch.float16)
 # TMA: Hopper's copy engine; it needs 16-byte aligned addresses and strides.
 _TMA_MIN_CAPABILITY = 9
@@ -303,8 +312,13 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 _WARMED: set[tuple] = set()
 
 
-def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def maybe_skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, unsummed: bool = False
+) -> torch.Tensor | None:
     """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
+
+    With ``unsummed`` the result is `skinny_partials`'s ``[splits, M, N]`` fp32 partials, split per
+    `unsummed_config`; None where that gives one split (nothing to gain) or there is a bias.
 
     A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
     variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
@@ -314,14 +328,32 @@ def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return None
     m, k = x.shape
     cfg = config_for(weight.shape[0], k, m)
+    if cfg is not None and unsummed:
+        cfg = None if bias is not None or not _UNSUMMED_ENABLED else unsummed_config(cfg, weight.shape[0], k)
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
+        variant = (cfg, unsummed, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
-    return skinny_linear(x, weight, bias, cfg)
+    return skinny_partials(x, weight, cfg) if unsummed else skinny_linear(x, weight, bias, cfg)
+
+
+def unsummed_config(cfg: SkinnyConfig, n: int, k: int) -> SkinnyConfig | None:
+    """`cfg` with enough K splits to give about `UNSUMMED_PROGRAMS` programs, for a caller that sums the
+    partials itself; None when one split is all the shape allows.
+
+    Splitting costs a GEMM whose consumer sums the partials nothing but the partials' few KB, so the grid can
+    cover the SMs even where the table, which pays the split-K sum inside the kernel, kept one split (SDAR-1.7B's
+    o_proj: 32 column tiles).
+    """
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    splits = min(k_tiles, MAX_UNSUMMED_SPLITS, max(cfg.split_k, round(UNSUMMED_PROGRAMS / tiles)))
+    if splits < 2 or tiles > MAX_SPLIT_TILES:
+        return None
+    return cfg._replace(split_k=splits)
 
 
 def _next_pow2(x: int) -> int:
@@ -341,6 +373,23 @@ def skinny_linear(
     `config` overrides the table (benchmarks and tests); without it the shape must be in the table (check
     `use_skinny` first). Works on CUDA and under the Triton interpreter.
     """
+    return _launch(x, weight, bias, config, combine=True)
+
+
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """The K splits of ``x @ weight.T`` left unsummed: fp32 ``[splits, M, N]`` whose sum over dim 0, in split
+    order and starting from zero, is exactly what `skinny_linear` would round to ``x``'s dtype.
+
+    Why: the last-arriving split's sum is a dependent tail of every split GEMM. A consumer that reads the
+    product whole anyway (the residual add + RMSNorm after o_proj and down_proj) sums the partials itself, so
+    the GEMM ends when its weight stream does.
+    """
+    return _launch(x, weight, None, config, combine=False)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None, combine: bool
+) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
@@ -352,18 +401,20 @@ def skinny_linear(
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split, splits = split_shape(cfg, n, k) if k > 0 else (0, 1)
+    if combine:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     block_m = _block_m(cfg, m)
     tiles = triton.cdiv(n, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(k, k_per_split)
-    if splits > 1 and tiles > MAX_SPLIT_TILES:
-        k_per_split, splits = triton.cdiv(k, cfg.block_k) * cfg.block_k, 1
-    if splits > 1:
+    if not combine:
+        part = counters = y
+    elif splits > 1:
         part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, tiles)
     else:
@@ -387,10 +438,11 @@ def skinny_linear(
         k,
         x.stride(0),
         weight.stride(0),
-        y.stride(0),
+        y.stride(-2),
         k_per_split,
         HAS_BIAS=bias is not None,
         SPLIT=splits > 1,
+        COMBINE=combine,
         USE_DOT=cfg.use_dot,
         USE_TMA=w_desc is not None,
         EVEN_K=k % cfg.block_k == 0,
@@ -405,6 +457,16 @@ def skinny_linear(
         **launch_kwargs(use_pdl),
     )
     return y
+
+
+def split_shape(cfg: SkinnyConfig, n: int, k: int) -> tuple[int, int]:
+    """``(k_per_split, splits)`` of a launch: the config's split count rounded to whole K tiles, and no split
+    when the output has more column tiles than the split counters cover."""
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    splits = max(1, triton.cdiv(k, k_per_split))
+    if splits > 1 and triton.cdiv(n, cfg.block_n) > MAX_SPLIT_TILES:
+        k_per_split, splits = triton.cdiv(k, cfg.block_k) * cfg.block_k, 1
+    return k_per_split, splits
 
 
 def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:

@@ -7,6 +7,7 @@ from diffulex.layers.linear import (
     MergedProjection,
     ReplicatedLinear,
     RowParallelLinear,
+    UnsummedProduct,
     VocabEmbedding,
     merge_projections,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
+    "UnsummedProduct",
     "VocabEmbedding",
     "apply_rotary",
     "check_rope_scaling",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,6 +35,28 @@ def _skinny() -> Callable[..., torch.Tensor | None] | None:
     from diffulex.kernels.skinny_gemm import maybe_skinny_linear
 
     return maybe_skinny_linear
+
+
+@dataclass(frozen=True)
+class UnsummedProduct:
+    """A row-parallel projection's output left as its K splits: ``parts [splits, rows, N]`` in fp32, whose sum in
+    split order, rounded to ``dtype``, is the output.
+
+    Why: a split GEMM ends with a dependent pass that sums the splits; at decode batch sizes that tail is on the
+    critical path of every o_proj and down_proj (SDAR-1.7B batch 1, H100: about 1.5 us each). The residual add +
+    RMSNorm that follows reads the whole row anyway and sums the partials itself (`RMSNorm.forward`). Only
+    `RowParallelLinear.forward_unsummed` makes one, and only a caller whose next step is such a norm asks.
+    """
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    def materialize(self) -> torch.Tensor:
+        """The product as a tensor, summed as the GEMM would have (for consumers without a fused path)."""
+        total = self.parts[0].clone()
+        for part in self.parts[1:]:
+            total += part
+        return total.to(self.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +96,20 @@ class RowParallelLinear(_Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, output_size, bias=bias)
+
+    def forward_unsummed(self, x: torch.Tensor) -> torch.Tensor | UnsummedProduct:
+        """The output, or where the skinny GEMM computes it in K splits, those splits unsummed (`UnsummedProduct`).
+
+        For callers that hand the result straight to `RMSNorm` (which sums them); a module with hooks (LoRA) or
+        a bias always returns the tensor, so that hooks see the output and the bias is added once.
+        """
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and self.bias is None:
+            if not (self._forward_hooks or self._forward_pre_hooks) and not torch.compiler.is_compiling():
+                skinny = _skinny()
+                parts = skinny(x, self.weight, None, unsummed=True) if skinny is not None else None
+                if parts is not None:
+                    return UnsummedProduct(parts, x.dtype)
+        return self(x)
 
 
 class VocabEmbedding(nn.Embedding):

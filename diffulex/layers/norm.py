@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from diffulex.layers.dispatch import use_fused_kernels
+from diffulex.layers.linear import UnsummedProduct
 
 # Widest row the fused kernel takes (`diffulex.kernels.fused_norm.MAX_NORM_COLS`; kept here so that checking it
 # imports nothing).
@@ -26,6 +27,9 @@ class RMSNorm(nn.Module):
     ``forward(x, residual)`` first adds ``x`` to ``residual`` (in the model dtype, as HF does) and returns the
     normalized sum together with the sum, which becomes the next residual. Decoder layers use it to fold the
     residual add into the following norm.
+
+    ``x`` may be an `UnsummedProduct` (a projection's K splits): the fused kernel sums them while it loads the
+    row, exactly as the projection would have; elsewhere they are summed first.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -40,8 +44,19 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | UnsummedProduct, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, UnsummedProduct):
+            parts = x.parts
+            if (
+                parts.shape[-1] <= _MAX_FUSED_COLS
+                and (residual is None or residual.shape == parts.shape[1:])
+                and use_fused_kernels(parts, residual, self.weight)
+            ):
+                from diffulex.kernels.fused_norm import rms_norm_of_parts
+
+                return rms_norm_of_parts(parts, x.dtype, self.weight, self.eps, residual)
+            x = x.materialize()
         if (
             x.shape[-1] <= _MAX_FUSED_COLS
             and (residual is None or residual.shape == x.shape)

@@ -27,6 +27,7 @@ from diffulex.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
+    UnsummedProduct,
     VocabEmbedding,
 )
 from diffulex.models.hf_config import DenseDecoderConfig
@@ -61,7 +62,7 @@ class DenseArch:
 
 
 def add_and_norm(
-    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm, hidden: torch.Tensor | UnsummedProduct, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(hidden + residual), hidden + residual)`` with the add fused into the norm.
 
@@ -69,6 +70,8 @@ def add_and_norm(
     layer there is nothing to add yet (``residual`` is None) and the stream is `hidden` itself.
     """
     if residual is None:
+        if isinstance(hidden, UnsummedProduct):  # it becomes the residual stream, which is a tensor
+            hidden = hidden.materialize()
         return norm(hidden), hidden
     return norm(hidden, residual)
 
@@ -109,14 +112,19 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, attn_meta: AttentionMetadata, unsummed: bool = False
+    ) -> torch.Tensor | UnsummedProduct:
+        """The attention block's output; with ``unsummed`` possibly as o_proj's K splits, for a caller that hands
+        it straight to a norm (`RowParallelLinear.forward_unsummed`)."""
         T = x.shape[0]
         q, k, v = self.qkv(x)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # the attention layer norms and rotates q/k (writing k/v to the cache in the same launch on CUDA)
-        return self.o_proj(self.attn(q, k, v, attn_meta, rope, self.q_norm, self.k_norm))
+        out = self.attn(q, k, v, attn_meta, rope, self.q_norm, self.k_norm)
+        return self.o_proj.forward_unsummed(out) if unsummed else self.o_proj(out)
 
 
 class DenseMLP(nn.Module):
@@ -131,8 +139,10 @@ class DenseMLP(nn.Module):
         self.gate_up = MergedProjection(self.gate_proj, self.up_proj)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(*self.gate_up(x)))
+    def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedProduct:
+        """The MLP's output; with ``unsummed`` possibly as down_proj's K splits (see `DenseAttention.forward`)."""
+        act = self.act_fn(*self.gate_up(x))
+        return self.down_proj.forward_unsummed(act) if unsummed else self.down_proj(act)
 
 
 class DenseDecoderLayer(nn.Module):
@@ -149,10 +159,12 @@ class DenseDecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn_meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # o_proj's and down_proj's outputs go straight into the next norm (the residual add folded in), which can
+        # sum their K splits itself: they may come unsummed
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, rope, attn_meta)
+        hidden = self.self_attn(hidden, rope, attn_meta, unsummed=True)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, unsummed=True), residual
 
 
 class DenseModel(nn.Module):
@@ -167,9 +179,7 @@ class DenseModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
         return run_decoder(self.embed_tokens(input_ids), self.layers, self.norm, self.rotary_emb(positions), attn_meta)
 
 
@@ -198,9 +208,7 @@ class DenseForDiffusionLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex.kernels.fused_norm import qk_norm_rope, rms_norm
-from diffulex.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from diffulex.kernels.fused_norm import qk_norm_rope, rms_norm, rms_norm_of_parts
+from diffulex.layers import RMSNorm, RotaryEmbedding, UnsummedProduct, apply_rotary
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.rotary import rotate_qk
 
@@ -70,6 +70,37 @@ def test_rms_norm_matches_the_module(dtype, rows, hidden, with_residual):
         assert_matches(actual[0], expected[0])
     else:
         assert_matches(actual, expected)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_of_partials_equals_the_norm_of_their_rounded_sum(splits, with_residual):
+    """A projection's unsummed K splits go into the norm, which sums them as the projection would have: the same
+    bits as summing first and norming the rounded product, in the sum, the residual stream and the output."""
+    gen = torch.Generator().manual_seed(splits)
+    rows, hidden, dtype = 5, 200, torch.bfloat16
+    norm = make_norm(hidden, dtype, 7)
+    parts = torch.randn(splits, rows, hidden, generator=gen)
+    product = UnsummedProduct(parts, dtype)
+    residual = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype) if with_residual else None
+    with torch.no_grad():
+        expected = rms_norm(
+            product.materialize().to(DEVICE),
+            norm.weight.to(DEVICE),
+            norm.eps,
+            None if residual is None else residual.to(DEVICE),
+        )
+        actual = rms_norm_of_parts(
+            parts.to(DEVICE), dtype, norm.weight.to(DEVICE), norm.eps, None if residual is None else residual.to(DEVICE)
+        )
+        module = norm(product, residual)  # CPU: the module sums first, then runs its torch code
+    for got, want in zip(actual if with_residual else [actual], expected if with_residual else [expected], strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
+    if with_residual:
+        assert torch.equal(module[1], expected[1].cpu())
+        assert_matches(actual[0], module[0])
+    else:
+        assert_matches(actual, module)
 
 
 def test_rms_norm_reads_strided_and_batched_rows_and_promotes_like_torch():

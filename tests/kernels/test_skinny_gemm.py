@@ -10,7 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from diffulex.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, _tma_usable, config_for, skinny_linear, use_skinny
+from diffulex.kernels.skinny_gemm import (
+    MAX_ROWS,
+    UNSUMMED_PROGRAMS,
+    SkinnyConfig,
+    _tma_usable,
+    config_for,
+    skinny_linear,
+    skinny_partials,
+    split_shape,
+    unsummed_config,
+    use_skinny,
+)
 from diffulex.kernels.split_counters import split_counters
 from diffulex.layers import ColumnParallelLinear, LMHead, MergedProjection, RowParallelLinear
 from diffulex.layers.linear import linear
@@ -86,6 +97,35 @@ def test_split_counters_are_left_zero_for_the_next_call() -> None:
     for _ in range(2):
         check(skinny_linear(x, w, None, cfg), reference(x, w, None), torch.bfloat16)
     assert int(split_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize(
+    "cfg", [CONFIGS[1], CONFIGS[3], TMA_CONFIGS[1]], ids=["fma-split3", "dot-split2", "tma-split2"]
+)
+def test_partials_summed_in_split_order_are_exactly_the_combined_product(cfg: SkinnyConfig) -> None:
+    """`skinny_partials` leaves the split-K sum to its consumer; summed from zero in split order and rounded, the
+    partials give the bits `skinny_linear` writes (its last split sums the same values in the same order)."""
+    gen = torch.Generator().manual_seed(5)
+    for m, n, k in [(1, 40, 96), (5, 33, 160), (4, 64, 256)]:
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, torch.float16)
+        parts = skinny_partials(x, w, cfg)
+        assert parts.dtype == torch.float32 and parts.shape == (split_shape(cfg, n, k)[1], m, n)
+        total = torch.zeros(m, n, dtype=torch.float32, device=DEVICE)
+        for part in parts:
+            total += part
+        assert torch.equal(total.to(torch.float16), skinny_linear(x, w, None, cfg))
+
+
+def test_unsummed_config_splits_until_the_grid_covers_the_sms() -> None:
+    """A consumer that sums the partials frees the split count from the in-kernel sum's cost: SDAR-1.7B's o_proj
+    (one split in the table) gets four, down_proj keeps the table's four; a shape with one K tile cannot split."""
+    o_proj = config_for(2048, 2048, 4)
+    assert o_proj.split_k == 1
+    assert unsummed_config(o_proj, 2048, 2048).split_k == UNSUMMED_PROGRAMS // (2048 // o_proj.block_n)
+    down = config_for(2048, 6144, 4)
+    assert unsummed_config(down, 2048, 6144).split_k == 4
+    assert unsummed_config(SkinnyConfig(64, 128, 4, 2, True), 256, 128) is None
 
 
 def test_strided_rows_of_x() -> None:

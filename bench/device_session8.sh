@@ -1,0 +1,42 @@
+#!/bin/bash
+# Session-8 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
+#   a: upper bounds for split GEMMs whose consumer sums the partials (`what_if.py --partials`): SDAR-1.7B
+#      batch-1 graph replay and step with the split-K sum skipped for down, o and qkv (o and qkv split more)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+quiet() { grep -v -i "warn"; }
+W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
+DOWN=2048,6144
+O=2048,2048
+QKV=4096,2048
+if [ "$1" = a ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag down --partials $DOWN 2>&1 | grep WHATIF
+  $W --tag o4 --partials $O --table $O,4=64,128,4,6,1,4,1 2>&1 | grep WHATIF
+  $W --tag o2 --partials $O --table $O,4=64,128,4,6,1,2,1 2>&1 | grep WHATIF
+  $W --tag qkv2 --partials $QKV --table $QKV,4=64,128,4,6,1,2,1 2>&1 | grep WHATIF
+  $W --tag all --partials $DOWN $O $QKV --table $O,4=64,128,4,6,1,4,1 $QKV,4=64,128,4,6,1,2,1 2>&1 | grep WHATIF
+  $W --tag base2 2>&1 | grep WHATIF
+fi
+#   b: L2 look-ahead: during attention, prefetch the first lines of every gate_up row (`what_if.py --lookahead`)
+if [ "$1" = b ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  for l in 4 8 16; do $W --tag ahead$l --lookahead $l 2>&1 | grep WHATIF; done
+  $W --tag all8 --lookahead 8 --partials $DOWN $O $QKV --table $O,4=64,128,4,6,1,4,1 $QKV,4=64,128,4,6,1,2,1 2>&1 | grep WHATIF
+  $W --tag base2 2>&1 | grep WHATIF
+fi
+#   c: unsummed o_proj/down_proj products summed by the next norm: GPU kernel tests, tokens identical with the
+#      switch on and off (bf16, eager; see below for graphs), then A/B of the batch-1 replay and step (1.7B, 8B)
+if [ "$1" = c ]; then
+  timeout 200 python -m pytest tests/kernels/test_skinny_gemm.py tests/kernels/test_fused_norm.py -x -q \
+    -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -2 $OUT/pytest_gpu.log
+  # (session 8: graph tokens differ on vs off, as expected: unsummed, o_proj runs in 4 K splits instead of 1,
+  # which rounds differently, and random weights have near-ties; eager tokens are equal)
+  DIFFULEX_UNSUMMED=1 timeout 150 python bench/pdl_check.py --out $OUT/unsummed_on.json 2>&1 | quiet | tail -1
+  DIFFULEX_UNSUMMED=0 timeout 150 python bench/pdl_check.py --out $OUT/unsummed_off.json \
+    --compare $OUT/unsummed_on.json 2>&1 | quiet | tail -1
+  for u in 1 0 1 0; do DIFFULEX_UNSUMMED=$u $W --tag unsummed$u 2>&1 | grep WHATIF; done
+  for u in 1 0; do DIFFULEX_UNSUMMED=$u timeout 200 python bench/what_if.py --model 8b --steps 60 --tag unsummed$u \
+    2>&1 | grep WHATIF; done
+fi
