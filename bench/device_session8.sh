@@ -40,3 +40,12 @@ if [ "$1" = c ]; then
   for u in 1 0; do DIFFULEX_UNSUMMED=$u timeout 200 python bench/what_if.py --model 8b --steps 60 --tag unsummed$u \
     2>&1 | grep WHATIF; done
 fi
+#   d: SiLU-and-mul in gate_up's epilogue: GPU kernel tests, A/B of the batch-1 replay, then the throughput rows
+TP="python -m diffulex.cli bench throughput --data-dir tests/data/sdar-4b-chat --max-seconds ${SECONDS_PER_RUN:-3}"
+if [ "$1" = d ]; then
+  timeout 200 python -m pytest tests/kernels/test_skinny_gemm.py tests/kernels/test_activation.py -x -q \
+    -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -2 $OUT/pytest_gpu.log
+  for g in 1 0 1 0; do DIFFULEX_GATED_GEMM=$g $W --tag gated$g 2>&1 | grep WHATIF; done
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+fi

@@ -26,7 +26,7 @@ from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, relea
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 # The interpreter cannot run libdevice calls; it is only ever the CPU test path.
-_PRECISE_EXP = not INTERPRETING
+PRECISE_EXP = not INTERPRETING
 
 
 @triton.jit
@@ -48,14 +48,21 @@ def _silu_mul_kernel(
     wait_for_inputs(USE_PDL)
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0)
     u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0)
+    out = silu_mul_rounded(g, u, out_ptr.dtype.element_ty, PRECISE_EXP)
+    tl.store(out_ptr + row * n_cols + cols, out, mask=ok)
+
+
+@triton.jit
+def silu_mul_rounded(g, u, out_dtype: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    """``silu(g) * u`` with PyTorch's roundings (module docstring), for any block shape; also the epilogue of the
+    skinny GEMM's gated launch (`diffulex.kernels.skinny_gemm.skinny_silu_mul`)."""
     g32 = g.to(tl.float32)
     if PRECISE_EXP:
         e = libdevice.exp(-g32)
     else:
         e = tl.exp(-g32)
     silu = cast_rne(tl.fdiv(g32, 1.0 + e, ieee_rounding=True), g.dtype)
-    out = silu.to(tl.float32) * u.to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, cast_rne(out, out_ptr.dtype.element_ty), mask=ok)
+    return cast_rne(silu.to(tl.float32) * u.to(tl.float32), out_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -77,7 +84,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g2.stride(0),
         u2.stride(0),
         BLOCK=_BLOCK,
-        PRECISE_EXP=_PRECISE_EXP,
+        PRECISE_EXP=PRECISE_EXP,
         USE_PDL=use_pdl,
         num_warps=4,
         enable_fp_fusion=False,

@@ -39,10 +39,12 @@ Design:
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -51,6 +53,7 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: configs asking for TMA fall back to plain loads
     TensorDescriptor = None
 
+from diffulex.kernels.activation import PRECISE_EXP, silu_mul_rounded
 from diffulex.kernels.pdl import (
     INTERPRETING,
     device_capability,
@@ -69,9 +72,9 @@ MAX_ROWS = 16
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _skinny_kernel(
     x_ptr,  # [M, K], unit stride along K
-    w_ptr,  # [N, K], unit stride along K
+    w_ptr,  # [N, K], unit stride along K (`GATED`: [2N, K], the gate rows then the up rows)
     w_desc,  # TMA descriptor of W with [BLOCK_N, BLOCK_K] boxes, or None (`USE_TMA` off)
-    bias_ptr,  # [N] or unused
+    bias_ptr,  # [N] (`GATED`: [2N]) or unused
     y_ptr,  # [M, N], unit stride along N
     part_ptr,  # [splits, M, N] fp32 partials, or unused
     counters_ptr,  # [>= N tiles] int32, zero between launches, or unused
@@ -94,6 +97,8 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (`diffulex.kernels.pdl`)
     PREFETCH_LINES: tl.constexpr,  # 128-byte weight lines per row of the tile to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
+    GATED: tl.constexpr = False,  # y = silu(x @ W_gate^T) * (x @ W_up^T): each program owns both halves' columns
+    PRECISE_EXP: tl.constexpr = True,  # `GATED`'s exp as libdevice's expf (False: the interpreter's tl.exp)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -112,31 +117,28 @@ def _skinny_kernel(
         # the weights are not written by the kernel before this one: start streaming them now, while it finishes
         line_k = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, k_hi - 1)
         prefetch_l2(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + line_k[None, :])
+        if GATED:
+            prefetch_l2(w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn + line_k[None, :])
     wait_for_inputs(USE_PDL)
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    up_offset = N.to(tl.int64) * stride_wn  # GATED: the up half's rows
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)  # GATED only
     for k in range(k_lo, k_hi, BLOCK_K):
-        if not EVEN_K:
-            k_ok = (k + offs_k) < k_hi
-        if USE_TMA:  # rows past N and columns past K come back as zeros (splits are whole K tiles)
-            w = w_desc.load([pid_n * BLOCK_N, k])
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        k_ok = (k + offs_k) < k_hi  # unused when EVEN_K
         if EVEN_K:
             xv = tl.load(x_ptrs, mask=row_ok, other=0.0)
         else:
             xv = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-        if USE_DOT:
-            acc = tl.dot(w, tl.trans(xv), acc)
-        else:
-            prod = xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+        w = _weight_tile(w_desc, w_ptrs, pid_n * BLOCK_N, k, k_ok, USE_TMA, EVEN_K)
+        acc = _accumulate(acc, w, xv, USE_DOT)
+        if GATED:
+            w_up = _weight_tile(w_desc, w_ptrs + up_offset, N + pid_n * BLOCK_N, k, k_ok, USE_TMA, EVEN_K)
+            acc_up = _accumulate(acc_up, w_up, xv, USE_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     # the weight stream is done: the next kernels may start their prologues (releasing them before it, the next
@@ -144,6 +146,7 @@ def _skinny_kernel(
     release_dependents(USE_PDL)
     if USE_DOT:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        acc_up = tl.trans(acc_up)
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn_offs = offs_m[:, None] * N + offs_n[None, :]
     if not COMBINE:
@@ -161,11 +164,43 @@ def _skinny_kernel(
                 total += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
             y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    elif GATED:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_ptr + N + cols).to(tl.float32)[None, :]
+        out_dtype: tl.constexpr = y_ptr.dtype.element_ty
+        # the two products rounded as a plain launch stores them, then SiLU-and-mul's roundings
+        out = silu_mul_rounded(acc.to(out_dtype), acc_up.to(out_dtype), out_dtype, PRECISE_EXP)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _weight_tile(w_desc, w_ptrs, row0, k, k_ok, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """One ``[BLOCK_N, BLOCK_K]`` weight tile: through TMA from row ``row0`` (rows past the matrix and columns
+    past K come back as zeros; splits are whole K tiles), else by plain loads at ``w_ptrs``."""
+    if USE_TMA:
+        w = w_desc.load([row0, k])
+    elif EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, xv, USE_DOT: tl.constexpr):
+    """``acc += w @ xv^T`` on the tensor cores (acc ``[BLOCK_N, BLOCK_M]``) or the CUDA cores (transposed)."""
+    if USE_DOT:
+        acc = tl.dot(w, tl.trans(xv), acc)
+    else:
+        prod = xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+    return acc
 
 
 class SkinnyConfig(NamedTuple):
@@ -252,6 +287,7 @@ _L2_LINE_BYTES = 128
 UNSUMMED_PROGRAMS = 128
 MAX_UNSUMMED_SPLITS = 8
 _UNSUMMED_ENABLED = os.environ.get("DIFFULEX_UNSUMMED", "1") != "0"  # A/B runs
+_GATED_ENABLED = os.environ.get("DIFFULEX_GATED_GEMM", "1") != "0"  # A/B runs: SiLU-and-mul in gate_up's epilogue
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
 # TMA: Hopper's copy engine; it needs 16-byte aligned addresses and strides.
@@ -313,31 +349,36 @@ _WARMED: set[tuple] = set()
 
 
 def maybe_skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, unsummed: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, output: str = "sum"
 ) -> torch.Tensor | None:
     """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
 
-    With ``unsummed`` the result is `skinny_partials`'s ``[splits, M, N]`` fp32 partials, split per
-    `unsummed_config`; None where that gives one split (nothing to gain) or there is a bias.
+    ``output`` (an `Output` value) picks what comes back: ``"sum"`` the product; ``"partials"``
+    `skinny_partials`'s ``[splits, M, N]`` fp32 partials, split per `unsummed_config` (None where that gives one
+    split, or with a bias); ``"silu_mul"`` `skinny_silu_mul` of a merged ``[gate; up]`` weight (None where the
+    plain launch would split K).
 
     A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
     variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
     a capture leaves nothing to compile or allocate inside the capture; later eager calls go to cuBLAS.
     """
+    mode = Output(output)
     if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
         return None
     m, k = x.shape
     cfg = config_for(weight.shape[0], k, m)
-    if cfg is not None and unsummed:
+    if cfg is not None and mode is Output.PARTIALS:
         cfg = None if bias is not None or not _UNSUMMED_ENABLED else unsummed_config(cfg, weight.shape[0], k)
+    elif cfg is not None and mode is Output.SILU_MUL:
+        cfg = gated_config(cfg) if _GATED_ENABLED and weight.shape[0] % 2 == 0 else None
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, unsummed, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
+        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
-    return skinny_partials(x, weight, cfg) if unsummed else skinny_linear(x, weight, bias, cfg)
+    return _launch(x, weight, bias, cfg, mode)
 
 
 def unsummed_config(cfg: SkinnyConfig, n: int, k: int) -> SkinnyConfig | None:
@@ -373,7 +414,21 @@ def skinny_linear(
     `config` overrides the table (benchmarks and tests); without it the shape must be in the table (check
     `use_skinny` first). Works on CUDA and under the Triton interpreter.
     """
-    return _launch(x, weight, bias, config, combine=True)
+    return _launch(x, weight, bias, config, Output.SUM)
+
+
+def skinny_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """``silu(x @ gate^T + b_gate) * (x @ up^T + b_up)`` for a merged ``weight = [gate; up]`` (``[2I, K]``), in one
+    launch; bit for bit `skinny_linear` with the same config followed by `diffulex.kernels.activation.silu_mul`.
+
+    Why: at decode batch sizes the SiLU-and-mul launch between gate_up and down_proj is pure latency on the
+    critical path of every MLP. Each program owns ``block_n`` columns of both halves, so the activation is
+    formed in registers. `config` is the gated launch's own (``block_n`` columns per half; see
+    `gated_config`); without it, the table's config for the merged shape gives it.
+    """
+    return _launch(x, weight, bias, config, Output.SILU_MUL)
 
 
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
@@ -384,35 +439,52 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig 
     product whole anyway (the residual add + RMSNorm after o_proj and down_proj) sums the partials itself, so
     the GEMM ends when its weight stream does.
     """
-    return _launch(x, weight, None, config, combine=False)
+    return _launch(x, weight, None, config, Output.PARTIALS)
+
+
+class Output(enum.Enum):
+    """What a launch writes: the product, its unsummed K splits, or SiLU-and-mul of its two halves."""
+
+    SUM = "sum"
+    PARTIALS = "partials"
+    SILU_MUL = "silu_mul"
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None, combine: bool
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None, output: Output
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
-    n = weight.shape[0]
-    cfg = config if config is not None else config_for(n, k, m)
+    gated = output is Output.SILU_MUL
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated weight stacks gate and up: need an even row count, got {weight.shape[0]}")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    cfg = config if config is not None else config_for(weight.shape[0], k, m)
+    if cfg is not None and gated and config is None:
+        cfg = gated_config(cfg)
     if cfg is None:
-        raise ValueError(f"no skinny GEMM config for M={m}, N={n}, K={k}; use F.linear")
+        raise ValueError(f"no skinny GEMM config for M={m}, N={weight.shape[0]}, K={k}; use F.linear")
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     k_per_split, splits = split_shape(cfg, n, k) if k > 0 else (0, 1)
-    if combine:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
+    if gated and splits > 1:
+        raise ValueError(f"a gated launch cannot split K (config {cfg})")
+    if output is Output.PARTIALS:
         y = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
+        if gated:  # silu(b_gate) * b_up, or zeros
+            return y.zero_() if bias is None else (F.silu(bias[:n]) * bias[n:]).expand(m, n).to(y.dtype).clone()
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     block_m = _block_m(cfg, m)
     tiles = triton.cdiv(n, cfg.block_n)
-    if not combine:
+    if output is Output.PARTIALS:
         part = counters = y
     elif splits > 1:
         part = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
@@ -423,7 +495,8 @@ def _launch(
         bias = bias.contiguous()
     use_pdl = pdl_enabled(x.device, m)
     line_elems = _L2_LINE_BYTES // weight.element_size()
-    prefetch = _prefetch_lines(n, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
+    rows = weight.shape[0]  # both halves of a gated weight are streamed
+    prefetch = _prefetch_lines(rows, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if _tma_usable(weight, cfg) else None
     _skinny_kernel[(tiles, splits)](
         x,
@@ -442,7 +515,7 @@ def _launch(
         k_per_split,
         HAS_BIAS=bias is not None,
         SPLIT=splits > 1,
-        COMBINE=combine,
+        COMBINE=output is not Output.PARTIALS,
         USE_DOT=cfg.use_dot,
         USE_TMA=w_desc is not None,
         EVEN_K=k % cfg.block_k == 0,
@@ -452,11 +525,22 @@ def _launch(
         USE_PDL=use_pdl,
         PREFETCH_LINES=prefetch,
         LINE_ELEMS=line_elems,
+        GATED=gated,
+        PRECISE_EXP=PRECISE_EXP,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(use_pdl),
     )
     return y
+
+
+def gated_config(cfg: SkinnyConfig) -> SkinnyConfig | None:
+    """The gated launch of a merged ``[gate; up]`` weight whose plain launch uses `cfg`: half the columns per
+    program from each half, so a program streams the same rows and the grid keeps its size; None where the
+    plain launch splits K (the activation needs whole sums) or its tile cannot be halved."""
+    if cfg.split_k > 1 or cfg.block_n < 32:
+        return None
+    return cfg._replace(block_n=cfg.block_n // 2)
 
 
 def split_shape(cfg: SkinnyConfig, n: int, k: int) -> tuple[int, int]:

@@ -106,7 +106,7 @@ class RowParallelLinear(_Linear):
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and self.bias is None:
             if not (self._forward_hooks or self._forward_pre_hooks) and not torch.compiler.is_compiling():
                 skinny = _skinny()
-                parts = skinny(x, self.weight, None, unsummed=True) if skinny is not None else None
+                parts = skinny(x, self.weight, None, output="partials") if skinny is not None else None
                 if parts is not None:
                     return UnsummedProduct(parts, x.dtype)
         return self(x)
@@ -183,6 +183,18 @@ class MergedProjection:
         if self.weight is None:
             return tuple(m(x) for m in self.linears)
         return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate(x)) * up(x)`` of a merged gate/up pair in one skinny-GEMM launch (the activation in its
+        epilogue), or None where that launch does not apply: unmerged, not two equal halves, or not a decode-sized
+        CUDA input (`diffulex.kernels.skinny_gemm.maybe_skinny_linear`). The caller then runs the projection and
+        the activation separately; both ways give the same bits."""
+        if self.weight is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            return None
+        if not x.is_cuda or x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or torch.compiler.is_compiling():
+            return None
+        skinny = _skinny()
+        return skinny(x, self.weight, self.bias, output="silu_mul") if skinny is not None else None
 
 
 def _join(params: list[torch.Tensor]) -> torch.Tensor:

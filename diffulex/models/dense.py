@@ -141,7 +141,9 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedProduct:
         """The MLP's output; with ``unsummed`` possibly as down_proj's K splits (see `DenseAttention.forward`)."""
-        act = self.act_fn(*self.gate_up(x))
+        act = self.gate_up.silu_mul(x)  # one launch with the activation in its epilogue, where it applies
+        if act is None:
+            act = self.act_fn(*self.gate_up(x))
         return self.down_proj.forward_unsummed(act) if unsummed else self.down_proj(act)
 
 

@@ -10,14 +10,17 @@ import pytest
 import torch
 from torch import nn
 
+from diffulex.kernels.activation import silu_mul
 from diffulex.kernels.skinny_gemm import (
     MAX_ROWS,
     UNSUMMED_PROGRAMS,
     SkinnyConfig,
     _tma_usable,
     config_for,
+    gated_config,
     skinny_linear,
     skinny_partials,
+    skinny_silu_mul,
     split_shape,
     unsummed_config,
     use_skinny,
@@ -126,6 +129,35 @@ def test_unsummed_config_splits_until_the_grid_covers_the_sms() -> None:
     down = config_for(2048, 6144, 4)
     assert unsummed_config(down, 2048, 6144).split_k == 4
     assert unsummed_config(SkinnyConfig(64, 128, 4, 2, True), 256, 128) is None
+
+
+GATED_CONFIGS = [
+    SkinnyConfig(16, 32, 4, 2, use_dot=False),
+    SkinnyConfig(16, 32, 4, 2, use_dot=True),
+    SkinnyConfig(16, 32, 4, 2, use_dot=True, tma=True),
+]
+
+
+@pytest.mark.parametrize("cfg", GATED_CONFIGS, ids=["fma", "dot", "tma"])
+def test_gated_launch_is_the_product_then_silu_mul_bit_for_bit(cfg: SkinnyConfig) -> None:
+    """SiLU-and-mul in gate_up's epilogue: the same bits as the plain launch's rounded product followed by the
+    activation kernel (odd widths, a tile that straddles the end of the gate half, with and without a bias)."""
+    gen = torch.Generator().manual_seed(6)
+    for i, (m, inter, k) in enumerate([(1, 40, 96), (5, 33, 160), (4, 64, 128)]):
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+        w = (torch.randn(2 * inter, k, generator=gen) * 0.3).to(DEVICE, torch.float16)
+        b = torch.randn(2 * inter, generator=gen).to(DEVICE, torch.float16) if i % 2 else None
+        plain = skinny_linear(x, w, b, cfg._replace(block_n=2 * cfg.block_n))
+        expected = silu_mul(plain[:, :inter], plain[:, inter:])
+        assert torch.equal(skinny_silu_mul(x, w, b, cfg), expected)
+
+
+def test_gated_config_keeps_the_rows_per_program_and_refuses_splits() -> None:
+    """The gated launch streams the plain launch's rows per program (half from each half of the weight), so the
+    grid keeps its size; a config that splits K cannot gate (the activation needs whole sums)."""
+    gate_up = config_for(12288, 2048, 4)
+    assert gated_config(gate_up).block_n * 2 == gate_up.block_n
+    assert gated_config(config_for(2048, 6144, 4)) is None
 
 
 def test_strided_rows_of_x() -> None:
