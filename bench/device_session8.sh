@@ -49,3 +49,18 @@ if [ "$1" = d ]; then
   for g in 1 0 1 0; do DIFFULEX_GATED_GEMM=$g $W --tag gated$g 2>&1 | grep WHATIF; done
   $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
 fi
+#   e: final code: GPU tests with real capture, gpu_smoke (float32 = reference; bf16 vs fp32 agreement), the
+#      throughput rows (1.7B batch 1/64/128, 8B batch 1), batch-1 step phases, and two upper bounds for next time
+if [ "$1" = e ]; then
+  timeout 300 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_micro_batches.py \
+    tests/kernels/test_top1.py tests/kernels/test_acceptance.py tests/kernels/test_skinny_gemm.py \
+    tests/kernels/test_fused_norm.py tests/kernels/test_activation.py -x -q -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -2 $OUT/pytest_gpu.log
+  timeout 300 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -12
+  $TP --models 1.7b --batch-sizes 1 64 128 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -5
+  [ -n "$WITH_8B" ] && $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
+  timeout 120 python bench/step_phases.py --batch 1 2>&1 | quiet | tail -16
+  [ -n "$UPPER" ] && $W --tag qkv2 --partials $QKV --table $QKV,4=64,128,4,6,1,2,1 2>&1 | grep WHATIF
+  [ -n "$UPPER" ] && $W --tag noattn --skip attn 2>&1 | grep WHATIF
+  [ -n "$UPPER" ] && $W --tag base 2>&1 | grep WHATIF
+fi
