@@ -64,3 +64,8 @@ if [ "$1" = e ]; then
   [ -n "$UPPER" ] && $W --tag noattn --skip attn 2>&1 | grep WHATIF
   [ -n "$UPPER" ] && $W --tag base 2>&1 | grep WHATIF
 fi
+#   f: the machine (H200): SDAR-1.7B batch 1 and 64, SDAR-8B batch 1
+if [ "$1" = f ]; then
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+  $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
+fi
