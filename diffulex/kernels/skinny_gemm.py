@@ -287,6 +287,10 @@ _L2_LINE_BYTES = 128
 UNSUMMED_PROGRAMS = 128
 MAX_UNSUMMED_SPLITS = 8
 _UNSUMMED_ENABLED = os.environ.get("DIFFULEX_UNSUMMED", "1") != "0"  # A/B runs
+# Narrowest column tile per half of a gated launch. Measured (session 8): SDAR-1.7B's gate_up (128-column plain
+# tiles, so 64 per half) replays 1% faster gated on an H100; SDAR-8B's (64-column tiles, 32 per half) made batch-1
+# steps 4-5% slower on an H200 (4.48 -> 4.64-4.70 ms), so it keeps the separate activation launch.
+MIN_GATED_BLOCK_N = 64
 _GATED_ENABLED = os.environ.get("DIFFULEX_GATED_GEMM", "1") != "0"  # A/B runs: SiLU-and-mul in gate_up's epilogue
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
@@ -537,8 +541,9 @@ def _launch(
 def gated_config(cfg: SkinnyConfig) -> SkinnyConfig | None:
     """The gated launch of a merged ``[gate; up]`` weight whose plain launch uses `cfg`: half the columns per
     program from each half, so a program streams the same rows and the grid keeps its size; None where the
-    plain launch splits K (the activation needs whole sums) or its tile cannot be halved."""
-    if cfg.split_k > 1 or cfg.block_n < 32:
+    plain launch splits K (the activation needs whole sums) or the halves would be narrower than
+    `MIN_GATED_BLOCK_N`."""
+    if cfg.split_k > 1 or cfg.block_n // 2 < MIN_GATED_BLOCK_N:
         return None
     return cfg._replace(block_n=cfg.block_n // 2)
 

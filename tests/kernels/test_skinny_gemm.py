@@ -131,7 +131,7 @@ def test_unsummed_config_splits_until_the_grid_covers_the_sms() -> None:
     assert unsummed_config(SkinnyConfig(64, 128, 4, 2, True), 256, 128) is None
 
 
-GATED_CONFIGS = [
+GATED_CONFIGS = [  # small tiles under the interpreter (the table's gated tiles are 64 columns per half)
     SkinnyConfig(16, 32, 4, 2, use_dot=False),
     SkinnyConfig(16, 32, 4, 2, use_dot=True),
     SkinnyConfig(16, 32, 4, 2, use_dot=True, tma=True),
@@ -154,10 +154,12 @@ def test_gated_launch_is_the_product_then_silu_mul_bit_for_bit(cfg: SkinnyConfig
 
 def test_gated_config_keeps_the_rows_per_program_and_refuses_splits() -> None:
     """The gated launch streams the plain launch's rows per program (half from each half of the weight), so the
-    grid keeps its size; a config that splits K cannot gate (the activation needs whole sums)."""
+    grid keeps its size; a config that splits K cannot gate (the activation needs whole sums), and neither can
+    one whose halves would be narrower than measured worthwhile (SDAR-8B's gate_up)."""
     gate_up = config_for(12288, 2048, 4)
     assert gated_config(gate_up).block_n * 2 == gate_up.block_n
     assert gated_config(config_for(2048, 6144, 4)) is None
+    assert gated_config(config_for(24576, 4096, 4)) is None
 
 
 def test_strided_rows_of_x() -> None:
