@@ -43,7 +43,7 @@ class UnsummedProduct:
     split order, rounded to ``dtype``, is the output.
 
     Why: a split GEMM ends with a dependent pass that sums the splits; at decode batch sizes that tail is on the
-    critical path of every o_proj and down_proj (SDAR-1.7B batch 1, H100: about 1.5 us each). The residual add +
+    critical path of every o_proj and down_proj (SDAR-1.7B batch 1, H100: about 1 us each). The residual add +
     RMSNorm that follows reads the whole row anyway and sums the partials itself (`RMSNorm.forward`). Only
     `RowParallelLinear.forward_unsummed` makes one, and only a caller whose next step is such a norm asks.
     """
