@@ -149,10 +149,10 @@ def _skinny_kernel(
         acc_up = tl.trans(acc_up)
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn_offs = offs_m[:, None] * N + offs_n[None, :]
-    if not COMBINE:
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT or not COMBINE:  # this split's fp32 partial (without COMBINE, the consumer sums them)
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + mn_offs, acc, mask=out_mask)
-    elif SPLIT:
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + mn_offs, acc, mask=out_mask)
+    if COMBINE and SPLIT:
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
@@ -162,21 +162,19 @@ def _skinny_kernel(
                 total += tl.load(part_ptr + s * M * N + mn_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-            y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-    elif GATED:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + N + cols).to(tl.float32)[None, :]
+    elif COMBINE:
         out_dtype: tl.constexpr = y_ptr.dtype.element_ty
-        # the two products rounded as a plain launch stores them, then SiLU-and-mul's roundings
-        out = silu_mul_rounded(acc.to(out_dtype), acc_up.to(out_dtype), out_dtype, PRECISE_EXP)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=out_mask)
-    else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        if GATED:
+            if HAS_BIAS:
+                acc_up += tl.load(bias_ptr + N + cols).to(tl.float32)[None, :]
+            # the two products rounded as a plain launch stores them, then SiLU-and-mul's roundings
+            out = silu_mul_rounded(acc.to(out_dtype), acc_up.to(out_dtype), out_dtype, PRECISE_EXP)
+        else:
+            out = acc.to(out_dtype)
+        tl.store(y_ptrs, out, mask=out_mask)
 
 
 @triton.jit
@@ -369,12 +367,12 @@ def maybe_skinny_linear(
     mode = Output(output)
     if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
         return None
+    if (mode is Output.PARTIALS and (bias is not None or not _UNSUMMED_ENABLED)) or (
+        mode is Output.SILU_MUL and not _GATED_ENABLED
+    ):
+        return None
     m, k = x.shape
-    cfg = config_for(weight.shape[0], k, m)
-    if cfg is not None and mode is Output.PARTIALS:
-        cfg = None if bias is not None or not _UNSUMMED_ENABLED else unsummed_config(cfg, weight.shape[0], k)
-    elif cfg is not None and mode is Output.SILU_MUL:
-        cfg = gated_config(cfg) if _GATED_ENABLED and weight.shape[0] % 2 == 0 else None
+    cfg = output_config(mode, weight.shape[0], k, m)
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
@@ -383,6 +381,18 @@ def maybe_skinny_linear(
             return None
         _WARMED.add(variant)
     return _launch(x, weight, bias, cfg, mode)
+
+
+def output_config(output: Output, n: int, k: int, m: int) -> SkinnyConfig | None:
+    """The config of a launch writing `output` for ``x [m, k] @ W[n, k]^T``: the table's (`config_for`), given more
+    K splits for unsummed partials (`unsummed_config`) or halved for a gated ``[gate; up]`` weight
+    (`gated_config`); None where the kernel does not take the shape or that output gains nothing."""
+    cfg = config_for(n, k, m)
+    if cfg is None or output is Output.SUM:
+        return cfg
+    if output is Output.PARTIALS:
+        return unsummed_config(cfg, n, k)
+    return gated_config(cfg) if n % 2 == 0 else None
 
 
 def unsummed_config(cfg: SkinnyConfig, n: int, k: int) -> SkinnyConfig | None:
@@ -429,8 +439,8 @@ def skinny_silu_mul(
 
     Why: at decode batch sizes the SiLU-and-mul launch between gate_up and down_proj is pure latency on the
     critical path of every MLP. Each program owns ``block_n`` columns of both halves, so the activation is
-    formed in registers. `config` is the gated launch's own (``block_n`` columns per half; see
-    `gated_config`); without it, the table's config for the merged shape gives it.
+    formed in registers. `config` is the gated launch's own (``block_n`` columns per half); without it,
+    `output_config` derives it from the table's config for the merged shape.
     """
     return _launch(x, weight, bias, config, Output.SILU_MUL)
 
@@ -464,9 +474,7 @@ def _launch(
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated weight stacks gate and up: need an even row count, got {weight.shape[0]}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    cfg = config if config is not None else config_for(weight.shape[0], k, m)
-    if cfg is not None and gated and config is None:
-        cfg = gated_config(cfg)
+    cfg = config if config is not None else output_config(output, weight.shape[0], k, m)
     if cfg is None:
         raise ValueError(f"no skinny GEMM config for M={m}, N={weight.shape[0]}, K={k}; use F.linear")
     if x.stride(1) != 1:
@@ -483,9 +491,9 @@ def _launch(
     if m == 0 or n == 0:
         return y
     if k == 0:
-        if gated:  # silu(b_gate) * b_up, or zeros
-            return y.zero_() if bias is None else (F.silu(bias[:n]) * bias[n:]).expand(m, n).to(y.dtype).clone()
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+        if bias is None:
+            return y.zero_()
+        return y.copy_((F.silu(bias[:n]) * bias[n:] if gated else bias).expand(m, n))
     block_m = _block_m(cfg, m)
     tiles = triton.cdiv(n, cfg.block_n)
     if output is Output.PARTIALS:

@@ -59,15 +59,20 @@ class UnsummedProduct:
         return total.to(self.dtype)
 
 
+def _skinny_for(x: torch.Tensor) -> Callable[..., torch.Tensor | None] | None:
+    """`maybe_skinny_linear` when ``x`` is a decode-sized CUDA input outside ``torch.compile`` tracing, else None
+    (the cheap checks, made before anything imports triton)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
+        return _skinny()
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
     CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
-        skinny = _skinny()
-        y = skinny(x, weight, bias) if skinny is not None else None
-        if y is not None:
-            return y
-    return nn.functional.linear(x, weight, bias)
+    skinny = _skinny_for(x)
+    y = skinny(x, weight, bias) if skinny is not None else None
+    return y if y is not None else nn.functional.linear(x, weight, bias)
 
 
 class _Linear(nn.Linear):
@@ -103,12 +108,11 @@ class RowParallelLinear(_Linear):
         For callers that hand the result straight to `RMSNorm` (which sums them); a module with hooks (LoRA) or
         a bias always returns the tensor, so that hooks see the output and the bias is added once.
         """
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and self.bias is None:
-            if not (self._forward_hooks or self._forward_pre_hooks) and not torch.compiler.is_compiling():
-                skinny = _skinny()
-                parts = skinny(x, self.weight, None, output="partials") if skinny is not None else None
-                if parts is not None:
-                    return UnsummedProduct(parts, x.dtype)
+        skinny = _skinny_for(x)
+        if skinny is not None and self.bias is None and not (self._forward_hooks or self._forward_pre_hooks):
+            parts = skinny(x, self.weight, None, output="partials")
+            if parts is not None:
+                return UnsummedProduct(parts, x.dtype)
         return self(x)
 
 
@@ -191,9 +195,7 @@ class MergedProjection:
         the activation separately; both ways give the same bits."""
         if self.weight is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
             return None
-        if not x.is_cuda or x.dim() != 2 or x.shape[0] > SKINNY_MAX_ROWS or torch.compiler.is_compiling():
-            return None
-        skinny = _skinny()
+        skinny = _skinny_for(x)
         return skinny(x, self.weight, self.bias, output="silu_mul") if skinny is not None else None
 
 

@@ -181,7 +181,9 @@ class DenseModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+    ) -> torch.Tensor:
         return run_decoder(self.embed_tokens(input_ids), self.layers, self.norm, self.rotary_emb(positions), attn_meta)
 
 
@@ -210,7 +212,9 @@ class DenseForDiffusionLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
