@@ -8,7 +8,9 @@ replaces layers by identity functions before the engine is built, so their kerne
 
 * ``norm``: every RMSNorm (input, post-attention, final; the residual add goes with it);
 * ``silu``: SiLU-and-mul (the MLP passes the gate half on);
-* ``attn``: the attention layer, q/k norm, rotary and KV store included (it passes q on).
+* ``attn``: the attention layer, q/k norm, rotary and KV store included (it passes q on);
+* ``rope``: only the q/k norm + rotary + KV store launch before attention (attention reads q/k as they come);
+* ``attnkernel``: only the attention launch after it (its output is q).
 
 The tokens are then meaningless; the replay time says how much a perfect fusion of those launches could save.
 ``--partials N,K ...`` makes the skinny GEMMs of those weight shapes skip their split-K sum (the output is then
@@ -49,6 +51,14 @@ def _remove(skip: set[str]) -> None:
         from diffulex.attention.layer import Attention
 
         Attention.forward = lambda self, q, k, v, meta, rope=None, q_norm=None, k_norm=None: q.reshape(q.shape[0], -1)
+    if "rope" in skip:
+        from diffulex.kernels import attention_op
+
+        attention_op.qk_norm_rope_store = lambda q, k, *args: (q, k)
+    if "attnkernel" in skip:
+        from diffulex.kernels import attention_op
+
+        attention_op.triton_paged_attention = lambda q, *args, **kwargs: q
 
 
 def _override(tables: list[str], attn_splits: int | None) -> None:
@@ -122,7 +132,7 @@ def _lookahead(lines: int, target: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
-    ap.add_argument("--skip", default="", help="comma-separated: norm, silu, attn")
+    ap.add_argument("--skip", default="", help="comma-separated: norm, silu, attn, rope, attnkernel")
     ap.add_argument("--table", nargs="*", default=[])
     ap.add_argument("--attn-splits", type=int)
     ap.add_argument("--lookahead", type=int, default=0, help="L2 lines per gate_up row prefetched during attention")

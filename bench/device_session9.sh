@@ -1,0 +1,25 @@
+#!/bin/bash
+# Session-9 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+quiet() { grep -v -i "warn"; }
+W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
+TP="python -m diffulex.cli bench throughput --data-dir tests/data/sdar-4b-chat --max-seconds ${SECONDS_PER_RUN:-3}"
+GPU_TESTS="tests/engine/test_cuda_graph.py tests/engine/test_micro_batches.py tests/kernels/test_top1.py
+  tests/kernels/test_acceptance.py tests/kernels/test_skinny_gemm.py tests/kernels/test_fused_norm.py
+  tests/kernels/test_activation.py tests/kernels/test_paged_attention.py tests/kernels/test_qk_norm_rope_store.py
+  tests/kernels/test_attention_op.py tests/attention"
+#   a: session 8's last commit on a GPU (tests with real capture, gpu_smoke), then upper bounds of the attention
+#      chain at batch 1: without the q/k-norm + rotary + store launch, without the attention launch, without both,
+#      attention unsplit
+if [ "$1" = a ]; then
+  timeout 300 python -m pytest $GPU_TESTS -x -q -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -2 $OUT/pytest_gpu.log
+  timeout 200 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -12
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag norope --skip rope 2>&1 | grep WHATIF
+  $W --tag noattnkernel --skip attnkernel 2>&1 | grep WHATIF
+  $W --tag noattn --skip attn 2>&1 | grep WHATIF
+  $W --tag split1 --attn-splits 1 2>&1 | grep WHATIF
+  $W --tag base2 2>&1 | grep WHATIF
+fi
