@@ -23,3 +23,13 @@ if [ "$1" = a ]; then
   $W --tag split1 --attn-splits 1 2>&1 | grep WHATIF
   $W --tag base2 2>&1 | grep WHATIF
 fi
+#   b: attention with cached and new keys in separate splits, the first cached tile loaded before the PDL wait:
+#      GPU attention tests, then the batch-1 replay (part a's base on the same machine: 1.502 / 1.501 ms)
+if [ "$1" = b ]; then
+  timeout 240 python -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_attention_op.py \
+    tests/kernels/test_qk_norm_rope_store.py tests/attention -x -q -p no:warnings --durations=5 > $OUT/pytest_attn.log 2>&1
+  echo "pytest rc=$?"; tail -9 $OUT/pytest_attn.log
+  $W --tag sep 2>&1 | grep WHATIF
+  $W --tag sep_noattnkernel --skip attnkernel 2>&1 | grep WHATIF
+  $W --tag sep2 2>&1 | grep WHATIF
+fi

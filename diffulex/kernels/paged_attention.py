@@ -21,10 +21,13 @@ Design:
   still ``-inf`` are guarded so that fully masked tiles contribute zeros and never NaN; every valid query sees
   at least itself, so its final denominator is positive.
 * split-KV inside the same launch when the grid alone cannot fill the GPU (few requests, long prefixes): the grid's
-  first axis becomes ``query tiles * NUM_SPLITS``; each split folds a ``BLOCK_N``-aligned share of the tile's keys
-  and publishes its partial (max, denominator, accumulator) in fp32 to a scratch buffer, then bumps a per-tile
-  counter (acq_rel atomic); the last split to arrive combines the partials, writes the output and resets the
-  counter to zero, so the counters need no memset between launches.
+  first axis becomes ``query tiles * SPLIT_SLOTS``; each split folds a ``BLOCK_N``-aligned chunk of either the
+  tile's cached keys or its new keys (never both) and publishes its partial (max, denominator, accumulator) in fp32
+  to a scratch buffer, then bumps a per-tile counter (acq_rel atomic); the last split to arrive combines the
+  partials, writes the output and resets the counter to zero, so the counters need no memset between launches.
+* with programmatic dependent launch (`diffulex.kernels.pdl`), a program gathers its first tile of cached keys
+  into registers before it waits for q/k/v: at decode batch sizes that is all of a cached split's keys, so after
+  the wait a split only loads q (and the new keys, in their own split) and computes.
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
@@ -85,6 +88,37 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _cached_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    pt_row,
+    start,
+    cache_end,
+    kv_head,
+    offs_n,
+    offs_d,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Keys and values at positions ``start + offs_n`` below ``cache_end``, gathered through the page table (rows
+    past the end are masked, and none is read when ``start >= cache_end``); with their positions and validity."""
+    k_pos = start + offs_n
+    k_ok = k_pos < cache_end
+    page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+    in_page = k_pos % PAGE_SIZE
+    kc_ptrs = k_cache_ptr + page[:, None] * stride_kc_p + in_page[:, None] * stride_kc_s + kv_head * stride_kc_h
+    vc_ptrs = v_cache_ptr + page[:, None] * stride_vc_p + in_page[:, None] * stride_vc_s + kv_head * stride_vc_h
+    k_t = tl.load(kc_ptrs + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    v_t = tl.load(vc_ptrs + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    return k_t, v_t, k_pos, k_ok
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -96,8 +130,8 @@ def _paged_attention_kernel(
     context_lens_ptr,
     prefix_lens_ptr,
     page_tables_ptr,
-    part_ml_ptr,  # [programs, NUM_SPLITS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
-    part_acc_ptr,  # [programs, NUM_SPLITS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
+    part_ml_ptr,  # [programs, SPLIT_SLOTS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
+    part_acc_ptr,  # [programs, SPLIT_SLOTS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
     counters_ptr,  # [programs] int32, zero between launches: splits of a tile that have finished
     qk_scale,  # softmax scale * log2(e)
     stride_q_t,
@@ -124,7 +158,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # diffusion block size (mask granularity)
     PREFIX_FULL: tl.constexpr,
     IEEE: tl.constexpr,  # exact fp32 dots (fp32 inputs); otherwise the inputs' native precision
-    NUM_SPLITS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
+    SPLIT_SLOTS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
     MIN_SPLIT_KEYS: tl.constexpr,  # fewest keys a split takes: below it, fewer splits do the work
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
@@ -132,8 +166,8 @@ def _paged_attention_kernel(
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    tile = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    tile = tl.program_id(0) // SPLIT_SLOTS
+    split = tl.program_id(0) % SPLIT_SLOTS
     req = tl.program_id(1)
     head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
 
@@ -174,27 +208,48 @@ def _paged_attention_kernel(
     row_limit = tl.where(row_ok, row_limit, 0)
     key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
     # this program's share of the key positions [0, key_limit)
-    if NUM_SPLITS == 1:
+    if SPLIT_SLOTS == 1:
         lo = 0
         hi = key_limit
         active_splits = 1
     else:
-        # Splits are sized for the launch bound, not this tile's keys: only the first `active_splits` have keys.
-        # The others leave at once, so neither their partials nor their share of the combine cost anything.
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
-        active_splits = tl.cdiv(key_limit, chunk)
+        # Cached keys [0, ctx) and the step's new keys [ctx, key_limit) are chunked separately, so that no split
+        # mixes both: cached splits load their keys before the PDL wait, and the new keys (written by the kernel
+        # just before) are the whole work of their own split instead of a serial tail of a cached one. Chunks of
+        # `key_limit / (SPLIT_SLOTS - 1)` keep the two segments within SPLIT_SLOTS splits (the launch's split count
+        # plus one slot for the chunk that the boundary cuts in two); keys that fit one chunk stay in one split. Splits are sized for the launch bound, not this tile's keys: only the first
+        # `active_splits` have keys; the others leave at once, so neither their partials nor their share of the
+        # combine cost anything.
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+        cached_splits = tl.cdiv(ctx, chunk)
+        active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
+        if key_limit <= chunk:
+            active_splits = 1
         if split >= active_splits:
             wait_for_inputs(USE_PDL)
             return
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, key_limit)
+        if active_splits == 1:
+            lo = 0
+            hi = key_limit
+        elif split < cached_splits:
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, ctx)
+        else:
+            lo = ctx + (split - cached_splits) * chunk
+            hi = tl.minimum(lo + chunk, key_limit)
 
     pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
     cache_end = tl.minimum(ctx, hi)
+    offs_n = tl.arange(0, BLOCK_N)
+    # The first tile of cached keys comes into registers before the wait: those slots were written by earlier
+    # steps, and at decode batch sizes a split has one or two tiles, so its key loads leave the critical path.
+    first_k, first_v, first_pos, first_ok = _cached_tile(
+        k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+        stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+    )
     if PREFETCH_KEYS > 0:
-        # cached keys were written by earlier steps: start pulling this program's first ones into L2 while the
-        # kernels producing q, k and v finish
-        pk = lo + tl.arange(0, PREFETCH_KEYS)
+        # and the cached keys after it start moving into L2
+        pk = lo + BLOCK_N + tl.arange(0, PREFETCH_KEYS)
         pk_ok = pk < cache_end
         pf_page = tl.load(pt_row + pk // PAGE_SIZE, mask=pk_ok, other=0).to(tl.int64)
         lines = tl.arange(0, HEAD_DIM // LINE_ELEMS) * LINE_ELEMS
@@ -210,46 +265,21 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
 
     # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
-    for n_start in range(lo, cache_end, BLOCK_N):
-        k_pos = n_start + offs_n
-        k_ok = k_pos < cache_end
-        page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
-        in_page = k_pos % PAGE_SIZE
-        kc_ptrs = (
-            k_cache_ptr
-            + page[:, None] * stride_kc_p
-            + in_page[:, None] * stride_kc_s
-            + kv_head * stride_kc_h
-            + offs_d[None, :]
-        )
-        vc_ptrs = (
-            v_cache_ptr
-            + page[:, None] * stride_vc_p
-            + in_page[:, None] * stride_vc_s
-            + kv_head * stride_vc_h
-            + offs_d[None, :]
-        )
-        k_t = tl.load(kc_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
-        v_t = tl.load(vc_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+    if lo < cache_end:
         m_i, l_i, acc = _online_softmax_step(
-            q,
-            k_t,
-            v_t,
-            k_pos,
-            k_ok,
-            q_blk,
-            q_in_prompt,
-            prompt_len,
-            m_i,
-            l_i,
-            acc,
-            qk_scale,
-            BLOCK_SIZE,
-            PREFIX_FULL,
-            IEEE,
+            q, first_k.to(q.dtype), first_v.to(q.dtype), first_pos, first_ok, q_blk, q_in_prompt, prompt_len, m_i,
+            l_i, acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
+        )
+    for n_start in range(lo + BLOCK_N, cache_end, BLOCK_N):
+        k_t, v_t, k_pos, k_ok = _cached_tile(
+            k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+        )
+        m_i, l_i, acc = _online_softmax_step(
+            q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
+            qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
         )
 
     # ---- the request's own new keys: absolute positions [max(lo, ctx), hi) ----
@@ -281,18 +311,18 @@ def _paged_attention_kernel(
             IEEE,
         )
 
-    if NUM_SPLITS == 1:
+    if SPLIT_SLOTS == 1:
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
     elif active_splits == 1:  # keys too few to split: write as an unsplit launch would
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
     else:
         # publish this split's partial state; the last active split of the tile to finish combines them all
-        tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), NUM_SPLITS) + tile
+        tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), SPLIT_SLOTS) + tile
         tile_id = tile_id.to(tl.int64)
-        ml_base = part_ml_ptr + (tile_id * NUM_SPLITS + split) * (2 * BLOCK_M)
+        ml_base = part_ml_ptr + (tile_id * SPLIT_SLOTS + split) * (2 * BLOCK_M)
         tl.store(ml_base + offs_m, m_i)
         tl.store(ml_base + BLOCK_M + offs_m, l_i)
-        acc_base = part_acc_ptr + (tile_id * NUM_SPLITS + split) * (BLOCK_M * HEAD_DIM)
+        acc_base = part_acc_ptr + (tile_id * SPLIT_SLOTS + split) * (BLOCK_M * HEAD_DIM)
         tl.store(acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
@@ -302,12 +332,12 @@ def _paged_attention_kernel(
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             for s in range(0, active_splits):
-                ml_s = part_ml_ptr + (tile_id * NUM_SPLITS + s) * (2 * BLOCK_M)
+                ml_s = part_ml_ptr + (tile_id * SPLIT_SLOTS + s) * (2 * BLOCK_M)
                 m_s = tl.load(ml_s + offs_m, cache_modifier=".cg")
                 l_s = tl.load(ml_s + BLOCK_M + offs_m, cache_modifier=".cg")
                 acc_s = tl.load(
                     part_acc_ptr
-                    + (tile_id * NUM_SPLITS + s) * (BLOCK_M * HEAD_DIM)
+                    + (tile_id * SPLIT_SLOTS + s) * (BLOCK_M * HEAD_DIM)
                     + offs_m[:, None] * HEAD_DIM
                     + offs_d[None, :],
                     cache_modifier=".cg",
@@ -415,14 +445,16 @@ def triton_paged_attention(
     programs = q_tiles * num_requests * head_slots
     if num_splits is None:
         num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len, min_split_keys)
-    if num_splits > 1:
+    # one slot more than splits: the chunk that the cached/new boundary cuts becomes two splits
+    split_slots = num_splits + 1 if num_splits > 1 else 1
+    if split_slots > 1:
         block_m = block_q * group_pad
-        part_ml = torch.empty(programs * num_splits * 2 * block_m, dtype=torch.float32, device=q.device)
-        part_acc = torch.empty(programs * num_splits * block_m * head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(programs * split_slots * 2 * block_m, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(programs * split_slots * block_m * head_dim, dtype=torch.float32, device=q.device)
         counters = split_counters(q.device, programs)
     else:
         part_ml = part_acc = counters = out  # never read
-    grid = (q_tiles * num_splits, num_requests, head_slots)
+    grid = (q_tiles * split_slots, num_requests, head_slots)
     use_pdl = pdl_enabled(q.device, num_tokens)
     _paged_attention_kernel[grid](
         q,
@@ -463,7 +495,7 @@ def triton_paged_attention(
         BLOCK_SIZE=meta.block_size,
         PREFIX_FULL=bool(meta.prefix_full),
         IEEE=q.dtype == torch.float32,
-        NUM_SPLITS=num_splits,
+        SPLIT_SLOTS=split_slots,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
