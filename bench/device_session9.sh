@@ -33,3 +33,10 @@ if [ "$1" = b ]; then
   $W --tag sep_noattnkernel --skip attnkernel 2>&1 | grep WHATIF
   $W --tag sep2 2>&1 | grep WHATIF
 fi
+#   c: A/B of the two attention changes (separate splits for new keys; first cached tile before the wait)
+if [ "$1" = c ]; then
+  for sp in "0 0" "1 0" "0 1" "1 1" "0 0" "1 0"; do
+    set -- $sp
+    DIFFULEX_ATTN_SEPARATE=$1 DIFFULEX_ATTN_PRELOAD=$2 $W --tag sep$1_pre$2 2>&1 | grep WHATIF
+  done
+fi

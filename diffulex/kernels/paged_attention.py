@@ -163,6 +163,8 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
+    PRELOAD_FIRST: tl.constexpr,
+    SEPARATE: tl.constexpr,
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -220,9 +222,14 @@ def _paged_attention_kernel(
         # plus one slot for the chunk that the boundary cuts in two); keys that fit one chunk stay in one split. Splits are sized for the launch bound, not this tile's keys: only the first
         # `active_splits` have keys; the others leave at once, so neither their partials nor their share of the
         # combine cost anything.
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
-        cached_splits = tl.cdiv(ctx, chunk)
-        active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
+        if SEPARATE:
+            chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+            cached_splits = tl.cdiv(ctx, chunk)
+            active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
+        else:
+            chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+            cached_splits = tl.cdiv(key_limit, chunk)
+            active_splits = cached_splits
         if key_limit <= chunk:
             active_splits = 1
         if split >= active_splits:
@@ -234,6 +241,8 @@ def _paged_attention_kernel(
         elif split < cached_splits:
             lo = split * chunk
             hi = tl.minimum(lo + chunk, ctx)
+            if not SEPARATE:
+                hi = tl.minimum(lo + chunk, key_limit)
         else:
             lo = ctx + (split - cached_splits) * chunk
             hi = tl.minimum(lo + chunk, key_limit)
@@ -241,15 +250,10 @@ def _paged_attention_kernel(
     pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
     cache_end = tl.minimum(ctx, hi)
     offs_n = tl.arange(0, BLOCK_N)
-    # The first tile of cached keys comes into registers before the wait: those slots were written by earlier
-    # steps, and at decode batch sizes a split has one or two tiles, so its key loads leave the critical path.
-    first_k, first_v, first_pos, first_ok = _cached_tile(
-        k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
-        stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
-    )
     if PREFETCH_KEYS > 0:
-        # and the cached keys after it start moving into L2
-        pk = lo + BLOCK_N + tl.arange(0, PREFETCH_KEYS)
+        # cached keys were written by earlier steps: start pulling this program's first ones into L2 while the
+        # kernels producing q, k and v finish
+        pk = lo + tl.arange(0, PREFETCH_KEYS)
         pk_ok = pk < cache_end
         pf_page = tl.load(pt_row + pk // PAGE_SIZE, mask=pk_ok, other=0).to(tl.int64)
         lines = tl.arange(0, HEAD_DIM // LINE_ELEMS) * LINE_ELEMS
@@ -257,6 +261,15 @@ def _paged_attention_kernel(
         vc_rows = tl.where(pk_ok, pf_page * stride_vc_p + (pk % PAGE_SIZE) * stride_vc_s + kv_head * stride_vc_h, 0)
         prefetch_l2(k_cache_ptr + kc_rows[:, None] + lines[None, :])
         prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
+    first_start = lo
+    if PRELOAD_FIRST:
+        # The first tile of cached keys comes into registers before the wait: at decode batch sizes a split has
+        # one or two tiles, so its key loads leave the critical path.
+        first_k, first_v, first_pos, first_ok = _cached_tile(
+            k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+        )
+        first_start = lo + BLOCK_N
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
     wait_for_inputs(USE_PDL)
     q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
@@ -267,12 +280,12 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
-    if lo < cache_end:
+    if PRELOAD_FIRST and lo < cache_end:
         m_i, l_i, acc = _online_softmax_step(
             q, first_k.to(q.dtype), first_v.to(q.dtype), first_pos, first_ok, q_blk, q_in_prompt, prompt_len, m_i,
             l_i, acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
         )
-    for n_start in range(lo + BLOCK_N, cache_end, BLOCK_N):
+    for n_start in range(first_start, cache_end, BLOCK_N):
         k_t, v_t, k_pos, k_ok = _cached_tile(
             k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
             stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
@@ -380,6 +393,9 @@ _MAX_SPLITS = 32
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
+import os
+_PRELOAD = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") == "1"
+_SEPARATE = os.environ.get("DIFFULEX_ATTN_SEPARATE", "1") == "1"
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -446,7 +462,7 @@ def triton_paged_attention(
     if num_splits is None:
         num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len, min_split_keys)
     # one slot more than splits: the chunk that the cached/new boundary cuts becomes two splits
-    split_slots = num_splits + 1 if num_splits > 1 else 1
+    split_slots = num_splits + int(_SEPARATE) if num_splits > 1 else 1
     if split_slots > 1:
         block_m = block_q * group_pad
         part_ml = torch.empty(programs * split_slots * 2 * block_m, dtype=torch.float32, device=q.device)
@@ -496,10 +512,12 @@ def triton_paged_attention(
         PREFIX_FULL=bool(meta.prefix_full),
         IEEE=q.dtype == torch.float32,
         SPLIT_SLOTS=split_slots,
+        SEPARATE=_SEPARATE,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
+        PRELOAD_FIRST=use_pdl and _PRELOAD,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
         **launch_kwargs(use_pdl),
