@@ -40,3 +40,12 @@ if [ "$1" = c ]; then
     DIFFULEX_ATTN_SEPARATE=$1 DIFFULEX_ATTN_PRELOAD=$2 $W --tag sep$1_pre$2 2>&1 | grep WHATIF
   done
 fi
+#   d: A/B of the split combine: partials loaded one split per round trip (group 1) or 4 / 8 at once
+if [ "$1" = d ]; then
+  timeout 200 python -m pytest tests/kernels/test_paged_attention.py -x -q -p no:warnings -k "split or auto" \
+    > $OUT/pytest_attn.log 2>&1; echo "pytest rc=$?"; tail -1 $OUT/pytest_attn.log
+  for sg in "0 1" "1 1" "1 4" "1 8" "0 1" "1 4"; do
+    set -- $sg
+    DIFFULEX_ATTN_SEPARATE=$1 DIFFULEX_ATTN_COMBINE_GROUP=$2 $W --tag sep$1_group$2 2>&1 | grep WHATIF
+  done
+fi

@@ -163,8 +163,8 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
-    PRELOAD_FIRST: tl.constexpr,
     SEPARATE: tl.constexpr,
+    COMBINE_GROUP: tl.constexpr,  # split partials the combining program loads at once
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -261,15 +261,6 @@ def _paged_attention_kernel(
         vc_rows = tl.where(pk_ok, pf_page * stride_vc_p + (pk % PAGE_SIZE) * stride_vc_s + kv_head * stride_vc_h, 0)
         prefetch_l2(k_cache_ptr + kc_rows[:, None] + lines[None, :])
         prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
-    first_start = lo
-    if PRELOAD_FIRST:
-        # The first tile of cached keys comes into registers before the wait: at decode batch sizes a split has
-        # one or two tiles, so its key loads leave the critical path.
-        first_k, first_v, first_pos, first_ok = _cached_tile(
-            k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
-            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
-        )
-        first_start = lo + BLOCK_N
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
     wait_for_inputs(USE_PDL)
     q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
@@ -280,12 +271,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
-    if PRELOAD_FIRST and lo < cache_end:
-        m_i, l_i, acc = _online_softmax_step(
-            q, first_k.to(q.dtype), first_v.to(q.dtype), first_pos, first_ok, q_blk, q_in_prompt, prompt_len, m_i,
-            l_i, acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
-        )
-    for n_start in range(first_start, cache_end, BLOCK_N):
+    for n_start in range(lo, cache_end, BLOCK_N):
         k_t, v_t, k_pos, k_ok = _cached_tile(
             k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
             stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
@@ -344,23 +330,31 @@ def _paged_attention_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for s in range(0, active_splits):
-                ml_s = part_ml_ptr + (tile_id * SPLIT_SLOTS + s) * (2 * BLOCK_M)
-                m_s = tl.load(ml_s + offs_m, cache_modifier=".cg")
-                l_s = tl.load(ml_s + BLOCK_M + offs_m, cache_modifier=".cg")
-                acc_s = tl.load(
+            # COMBINE_GROUP partials per round trip: their loads are independent, so one load of all of them
+            # costs one L2 latency where a loop over the splits costs one each
+            offs_g = tl.arange(0, COMBINE_GROUP)
+            for g in range(0, active_splits, COMBINE_GROUP):
+                slot = g + offs_g
+                slot_ok = slot < active_splits
+                part = (tile_id * SPLIT_SLOTS + slot).to(tl.int64)
+                ml_g = part_ml_ptr + part[:, None] * (2 * BLOCK_M) + offs_m[None, :]
+                m_g = tl.load(ml_g, mask=slot_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+                l_g = tl.load(ml_g + BLOCK_M, mask=slot_ok[:, None], other=0.0, cache_modifier=".cg")
+                acc_g = tl.load(
                     part_acc_ptr
-                    + (tile_id * SPLIT_SLOTS + s) * (BLOCK_M * HEAD_DIM)
-                    + offs_m[:, None] * HEAD_DIM
-                    + offs_d[None, :],
+                    + part[:, None, None] * (BLOCK_M * HEAD_DIM)
+                    + offs_m[None, :, None] * HEAD_DIM
+                    + offs_d[None, None, :],
+                    mask=slot_ok[:, None, None],
+                    other=0.0,
                     cache_modifier=".cg",
                 )
-                m_new = tl.maximum(m_i, m_s)
+                m_new = tl.maximum(m_i, tl.max(m_g, axis=0))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_safe)
-                beta = tl.exp2(m_s - m_safe)
-                l_i = l_i * alpha + l_s * beta
-                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                beta = tl.exp2(m_g - m_safe[None, :])  # [group, rows]; 0 for empty slots and fully masked rows
+                l_i = l_i * alpha + tl.sum(l_g * beta, axis=0)
+                acc = acc * alpha[:, None] + tl.sum(acc_g * beta[:, :, None], axis=0)
                 m_i = m_new
             _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
 
@@ -394,7 +388,7 @@ _MAX_SPLITS = 32
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
 import os
-_PRELOAD = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") == "1"
+_COMBINE_GROUP = int(os.environ.get("DIFFULEX_ATTN_COMBINE_GROUP", "4"))
 _SEPARATE = os.environ.get("DIFFULEX_ATTN_SEPARATE", "1") == "1"
 
 
@@ -513,11 +507,11 @@ def triton_paged_attention(
         IEEE=q.dtype == torch.float32,
         SPLIT_SLOTS=split_slots,
         SEPARATE=_SEPARATE,
+        COMBINE_GROUP=_COMBINE_GROUP,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
-        PRELOAD_FIRST=use_pdl and _PRELOAD,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
         **launch_kwargs(use_pdl),
