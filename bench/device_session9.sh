@@ -49,3 +49,10 @@ if [ "$1" = d ]; then
     DIFFULEX_ATTN_SEPARATE=$1 DIFFULEX_ATTN_COMBINE_GROUP=$2 $W --tag sep$1_group$2 2>&1 | grep WHATIF
   done
 fi
+#   e: the split combine loading four partials per round trip (explicitly), against part d's numbers
+if [ "$1" = e ]; then
+  timeout 200 python -m pytest tests/kernels/test_paged_attention.py -x -q -p no:warnings -k "split or auto" \
+    > $OUT/pytest_attn.log 2>&1; echo "pytest rc=$?"; tail -1 $OUT/pytest_attn.log
+  $W --tag noattnkernel --skip attnkernel 2>&1 | grep WHATIF
+  for sp in 1 0 1; do DIFFULEX_ATTN_SEPARATE=$sp $W --tag sep${sp}_combine4 2>&1 | grep WHATIF; done
+fi

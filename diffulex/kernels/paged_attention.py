@@ -164,7 +164,6 @@ def _paged_attention_kernel(
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
     SEPARATE: tl.constexpr,
-    COMBINE_GROUP: tl.constexpr,  # split partials the combining program loads at once
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -330,33 +329,52 @@ def _paged_attention_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            # COMBINE_GROUP partials per round trip: their loads are independent, so one load of all of them
-            # costs one L2 latency where a loop over the splits costs one each
-            offs_g = tl.arange(0, COMBINE_GROUP)
-            for g in range(0, active_splits, COMBINE_GROUP):
-                slot = g + offs_g
-                slot_ok = slot < active_splits
-                part = (tile_id * SPLIT_SLOTS + slot).to(tl.int64)
-                ml_g = part_ml_ptr + part[:, None] * (2 * BLOCK_M) + offs_m[None, :]
-                m_g = tl.load(ml_g, mask=slot_ok[:, None], other=float("-inf"), cache_modifier=".cg")
-                l_g = tl.load(ml_g + BLOCK_M, mask=slot_ok[:, None], other=0.0, cache_modifier=".cg")
-                acc_g = tl.load(
-                    part_acc_ptr
-                    + part[:, None, None] * (BLOCK_M * HEAD_DIM)
-                    + offs_m[None, :, None] * HEAD_DIM
-                    + offs_d[None, None, :],
-                    mask=slot_ok[:, None, None],
-                    other=0.0,
-                    cache_modifier=".cg",
+            # four partials per round trip: their loads are issued together, where a loop over the splits would
+            # wait one L2 latency per split; empty slots load as (-inf, 0, 0), which leaves the state unchanged
+            for g in range(0, active_splits, 4):
+                m0, l0, a0 = _load_partial(
+                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 0, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
                 )
-                m_new = tl.maximum(m_i, tl.max(m_g, axis=0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                beta = tl.exp2(m_g - m_safe[None, :])  # [group, rows]; 0 for empty slots and fully masked rows
-                l_i = l_i * alpha + tl.sum(l_g * beta, axis=0)
-                acc = acc * alpha[:, None] + tl.sum(acc_g * beta[:, :, None], axis=0)
-                m_i = m_new
+                m1, l1, a1 = _load_partial(
+                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 1, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
+                )
+                m2, l2, a2 = _load_partial(
+                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 2, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
+                )
+                m3, l3, a3 = _load_partial(
+                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 3, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
+                )
+                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m0, l0, a0)
+                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m1, l1, a1)
+                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m2, l2, a2)
+                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m3, l3, a3)
             _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
+
+
+@triton.jit
+def _load_partial(
+    part_ml_ptr, part_acc_ptr, tile_base, split, active_splits, offs_m, offs_d, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Split ``split``'s partial (max, denominator, accumulator), or (-inf, 0, 0) past the active splits."""
+    part = (tile_base + split).to(tl.int64)
+    ok = (offs_m * 0 + split) < active_splits
+    ml = part_ml_ptr + part * (2 * BLOCK_M) + offs_m
+    m = tl.load(ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(ml + BLOCK_M, mask=ok, other=0.0, cache_modifier=".cg")
+    acc_ptrs = part_acc_ptr + part * (BLOCK_M * HEAD_DIM) + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    return m, l_s, acc
+
+
+@triton.jit
+def _merge_partial(m_i, l_i, acc, m_s, l_s, acc_s):
+    """Fold one split's partial softmax state into the running one (exact no-op for an empty partial)."""
+    m_new = tl.maximum(m_i, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    beta = tl.exp2(m_s - m_safe)
+    return m_new, l_i * alpha + l_s * beta, acc * alpha[:, None] + acc_s * beta[:, None]
 
 
 @triton.jit
@@ -388,7 +406,6 @@ _MAX_SPLITS = 32
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
 import os
-_COMBINE_GROUP = int(os.environ.get("DIFFULEX_ATTN_COMBINE_GROUP", "4"))
 _SEPARATE = os.environ.get("DIFFULEX_ATTN_SEPARATE", "1") == "1"
 
 
@@ -507,7 +524,6 @@ def triton_paged_attention(
         IEEE=q.dtype == torch.float32,
         SPLIT_SLOTS=split_slots,
         SEPARATE=_SEPARATE,
-        COMBINE_GROUP=_COMBINE_GROUP,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
