@@ -56,3 +56,12 @@ if [ "$1" = e ]; then
   $W --tag noattnkernel --skip attnkernel 2>&1 | grep WHATIF
   for sp in 1 0 1; do DIFFULEX_ATTN_SEPARATE=$sp $W --tag sep${sp}_combine4 2>&1 | grep WHATIF; done
 fi
+#   f: the kept attention change (cached and new keys in separate splits): GPU attention and graph tests, the
+#      critical-path increment of every kernel of the batch-1 replay, then the throughput rows
+if [ "$1" = f ]; then
+  timeout 240 python -m pytest tests/kernels/test_paged_attention.py tests/engine/test_cuda_graph.py \
+    tests/kernels/test_attention_op.py -x -q -p no:warnings --durations=8 > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -12 $OUT/pytest_gpu.log
+  $W --tag timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+fi

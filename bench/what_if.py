@@ -129,6 +129,34 @@ def _lookahead(lines: int, target: str) -> None:
     DenseAttention.forward = attn_fwd
 
 
+def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]]:
+    """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
+    replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
+    the replay and say what each launch costs the chain (not its own run time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    graph = graphs._graphs[min(graphs._graphs)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    )
+    per_replay = len(kernels) // replays
+    total: dict[str, list[float]] = {}
+    for r in range(1, replays):  # the first replay has no predecessor on the timeline
+        chunk = kernels[r * per_replay - 1 : (r + 1) * per_replay]
+        for prev, cur in zip(chunk[:-1], chunk[1:], strict=True):
+            name = cur[2].split("_kernel")[0][:40]
+            total.setdefault(name, []).append(cur[1] - prev[1])
+    rows = [(n, len(v) / (replays - 1), sum(v) / (replays - 1)) for n, v in total.items()]
+    return sorted(rows, key=lambda row: -row[2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
@@ -141,6 +169,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--timeline", action="store_true", help="also print each kernel's critical-path increment")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     _remove(skip)
@@ -167,6 +196,9 @@ def main() -> None:
         step = 1e3 * (time.perf_counter() - t0) / args.steps
         tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
+        if args.timeline:
+            for name, calls, us in chain_increments(engine):
+                print(f"CHAIN {name:40s} calls={calls:5.1f} us_per_replay={us:8.1f} us_per_call={us / calls:6.2f}")
         engine.exit()
 
 

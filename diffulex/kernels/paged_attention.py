@@ -25,9 +25,6 @@ Design:
   tile's cached keys or its new keys (never both) and publishes its partial (max, denominator, accumulator) in fp32
   to a scratch buffer, then bumps a per-tile counter (acq_rel atomic); the last split to arrive combines the
   partials, writes the output and resets the counter to zero, so the counters need no memset between launches.
-* with programmatic dependent launch (`diffulex.kernels.pdl`), a program gathers its first tile of cached keys
-  into registers before it waits for q/k/v: at decode batch sizes that is all of a cached split's keys, so after
-  the wait a split only loads q (and the new keys, in their own split) and computes.
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
@@ -163,7 +160,6 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
-    SEPARATE: tl.constexpr,
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -214,21 +210,17 @@ def _paged_attention_kernel(
         hi = key_limit
         active_splits = 1
     else:
-        # Cached keys [0, ctx) and the step's new keys [ctx, key_limit) are chunked separately, so that no split
-        # mixes both: cached splits load their keys before the PDL wait, and the new keys (written by the kernel
-        # just before) are the whole work of their own split instead of a serial tail of a cached one. Chunks of
-        # `key_limit / (SPLIT_SLOTS - 1)` keep the two segments within SPLIT_SLOTS splits (the launch's split count
-        # plus one slot for the chunk that the boundary cuts in two); keys that fit one chunk stay in one split. Splits are sized for the launch bound, not this tile's keys: only the first
-        # `active_splits` have keys; the others leave at once, so neither their partials nor their share of the
-        # combine cost anything.
-        if SEPARATE:
-            chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
-            cached_splits = tl.cdiv(ctx, chunk)
-            active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
-        else:
-            chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
-            cached_splits = tl.cdiv(key_limit, chunk)
-            active_splits = cached_splits
+        # Cached keys [0, ctx) and the step's new keys [ctx, key_limit) are chunked separately, so no split mixes
+        # both: the new keys (written by the kernel just before) are then the whole work of their own split rather
+        # than a serial tail of a cached one (measured on an H100 at batch 1: SDAR-1.7B replays 0.4 us per layer
+        # faster). Chunks of `key_limit / (SPLIT_SLOTS - 1)` keep both segments within SPLIT_SLOTS splits (the
+        # launch's split count plus one slot for the chunk the boundary cuts in two); keys that fit one chunk stay
+        # in one split. Splits are sized for the launch bound, not this tile's keys: only the first `active_splits`
+        # have keys; the others leave at once, so neither their partials nor their share of the combine cost
+        # anything.
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+        cached_splits = tl.cdiv(ctx, chunk)
+        active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
         if key_limit <= chunk:
             active_splits = 1
         if split >= active_splits:
@@ -240,8 +232,6 @@ def _paged_attention_kernel(
         elif split < cached_splits:
             lo = split * chunk
             hi = tl.minimum(lo + chunk, ctx)
-            if not SEPARATE:
-                hi = tl.minimum(lo + chunk, key_limit)
         else:
             lo = ctx + (split - cached_splits) * chunk
             hi = tl.minimum(lo + chunk, key_limit)
@@ -329,47 +319,29 @@ def _paged_attention_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            # four partials per round trip: their loads are issued together, where a loop over the splits would
-            # wait one L2 latency per split; empty slots load as (-inf, 0, 0), which leaves the state unchanged
-            for g in range(0, active_splits, 4):
-                m0, l0, a0 = _load_partial(
-                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 0, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
+            for s in range(0, active_splits):
+                m_s, l_s, acc_s = _load_partial(
+                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS + s, offs_m, offs_d, BLOCK_M, HEAD_DIM
                 )
-                m1, l1, a1 = _load_partial(
-                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 1, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
-                )
-                m2, l2, a2 = _load_partial(
-                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 2, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
-                )
-                m3, l3, a3 = _load_partial(
-                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS, g + 3, active_splits, offs_m, offs_d, BLOCK_M, HEAD_DIM
-                )
-                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m0, l0, a0)
-                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m1, l1, a1)
-                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m2, l2, a2)
-                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m3, l3, a3)
+                m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m_s, l_s, acc_s)
             _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
 
 
 @triton.jit
-def _load_partial(
-    part_ml_ptr, part_acc_ptr, tile_base, split, active_splits, offs_m, offs_d, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Split ``split``'s partial (max, denominator, accumulator), or (-inf, 0, 0) past the active splits."""
-    part = (tile_base + split).to(tl.int64)
-    ok = (offs_m * 0 + split) < active_splits
+def _load_partial(part_ml_ptr, part_acc_ptr, part, offs_m, offs_d, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Split partial ``part``'s (max, denominator, accumulator), written by another program of this launch."""
+    part = part.to(tl.int64)
     ml = part_ml_ptr + part * (2 * BLOCK_M) + offs_m
-    m = tl.load(ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(ml + BLOCK_M, mask=ok, other=0.0, cache_modifier=".cg")
+    m = tl.load(ml, cache_modifier=".cg")
+    l_s = tl.load(ml + BLOCK_M, cache_modifier=".cg")
     acc_ptrs = part_acc_ptr + part * (BLOCK_M * HEAD_DIM) + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(acc_ptrs, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    acc = tl.load(acc_ptrs, cache_modifier=".cg")
     return m, l_s, acc
 
 
 @triton.jit
 def _merge_partial(m_i, l_i, acc, m_s, l_s, acc_s):
-    """Fold one split's partial softmax state into the running one (exact no-op for an empty partial)."""
+    """Fold one split's partial softmax state into the running one."""
     m_new = tl.maximum(m_i, m_s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -405,8 +377,6 @@ _MAX_SPLITS = 32
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
-import os
-_SEPARATE = os.environ.get("DIFFULEX_ATTN_SEPARATE", "1") == "1"
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -438,7 +408,8 @@ def triton_paged_attention(
     ``grouped=True`` (``attn_impl="triton_grouped"``) packs the query heads of one KV head into one program;
     ``grouped=False`` (``attn_impl="triton"``) runs one program per query head. ``out`` (``[T, H, D]``, q's dtype)
     may be given to write into; every row of a request with ``q_len > 0`` is written. ``num_splits`` forces the
-    split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA); ``min_split_keys`` (a
+    split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
+    tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -473,7 +444,7 @@ def triton_paged_attention(
     if num_splits is None:
         num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len, min_split_keys)
     # one slot more than splits: the chunk that the cached/new boundary cuts becomes two splits
-    split_slots = num_splits + int(_SEPARATE) if num_splits > 1 else 1
+    split_slots = num_splits + 1 if num_splits > 1 else 1
     if split_slots > 1:
         block_m = block_q * group_pad
         part_ml = torch.empty(programs * split_slots * 2 * block_m, dtype=torch.float32, device=q.device)
@@ -523,7 +494,6 @@ def triton_paged_attention(
         PREFIX_FULL=bool(meta.prefix_full),
         IEEE=q.dtype == torch.float32,
         SPLIT_SLOTS=split_slots,
-        SEPARATE=_SEPARATE,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,

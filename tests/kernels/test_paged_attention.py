@@ -140,6 +140,14 @@ def test_split_kv_matches_reference(splits, grouped, prefix_full, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cached_and_new_keys_split_apart_fill_every_slot(dtype):
+    """The chunk that the cached/new boundary cuts becomes two splits: 100 cached + 8 new keys in 2 splits of 64
+    keys are folded by 3 programs ([0, 64), [64, 100), the new keys), the launch's last slot included."""
+    for _ in range(2):
+        check([(100, 8, 20), (64, 4, 64), (0, 8, 8)], 4, 2, 16, 8, 4, False, dtype, splits=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_splits_beyond_the_keys_are_idle(dtype):
     """More splits than key tiles (a graph launched for ``max_model_len`` on short contexts): only the splits
     with keys publish partials and take part in the combine, and the counters are left at zero."""
