@@ -65,3 +65,22 @@ if [ "$1" = f ]; then
   $W --tag timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
   $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
 fi
+#   g: (experiment) the norm's chain cost: unsummed products off, and the norm at 4 / 16 warps
+if [ "$1" = g ]; then
+  DIFFULEX_UNSUMMED=0 $W --tag unsummed0 --timeline 2>&1 | grep -E "WHATIF|CHAIN" | head -5
+  for w in 4 16 2; do DIFFULEX_NORM_WARPS=$w $W --tag normwarps$w --timeline 2>&1 | grep -E "WHATIF|CHAIN _rms"; done
+fi
+#   h: (experiment) the split-KV cap at batch 1: fewer, longer splits mean fewer partials to combine
+if [ "$1" = h ]; then
+  for c in 2 3 4 8 16; do $W --tag attnsplits$c --attn-splits $c 2>&1 | grep WHATIF; done
+fi
+#   i: q/k norm + rotary + KV store folded into attention at decode shapes: GPU tests (bit-identity with the two
+#      launches in bf16, graphs), A/B of the batch-1 replay, gpu_smoke, the throughput rows
+if [ "$1" = i ]; then
+  timeout 150 python -m pytest tests/kernels/test_fused_rotary_attention.py tests/kernels/test_qk_norm_rope_store.py \
+    tests/engine/test_cuda_graph.py -x -q -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -3 $OUT/pytest_gpu.log
+  for r in 1 0 1 0; do DIFFULEX_FUSED_ROTARY=$r $W --tag fused_rotary$r 2>&1 | grep WHATIF; done
+  timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -12
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+fi
