@@ -182,9 +182,6 @@ def _launch_rms_norm(
     block_n = _next_pow2(n_cols)
     block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
     num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
-    import os
-    if os.environ.get("DIFFULEX_NORM_WARPS"):
-        num_warps = int(os.environ["DIFFULEX_NORM_WARPS"])
     use_pdl = pdl_enabled(x.device, n_rows)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2,
