@@ -74,13 +74,18 @@ fi
 if [ "$1" = h ]; then
   for c in 2 3 4 8 16; do $W --tag attnsplits$c --attn-splits $c 2>&1 | grep WHATIF; done
 fi
-#   i: q/k norm + rotary + KV store folded into attention at decode shapes: GPU tests (bit-identity with the two
-#      launches in bf16, graphs), A/B of the batch-1 replay, gpu_smoke, the throughput rows
+#   i: (experiment, reverted) q/k norm + rotary + KV store folded into attention at decode shapes: GPU tests, A/B
+#      of the batch-1 replay (fused 1.600 / 1.603 ms against 1.497 / 1.498 two launches), gpu_smoke, the rows
 if [ "$1" = i ]; then
   timeout 150 python -m pytest tests/kernels/test_fused_rotary_attention.py tests/kernels/test_qk_norm_rope_store.py \
     tests/engine/test_cuda_graph.py -x -q -p no:warnings > $OUT/pytest_gpu.log 2>&1
   echo "pytest rc=$?"; tail -3 $OUT/pytest_gpu.log
   for r in 1 0 1 0; do DIFFULEX_FUSED_ROTARY=$r $W --tag fused_rotary$r 2>&1 | grep WHATIF; done
   timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -12
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+fi
+#   j: final code: gpu_smoke (float32 = reference; bf16 vs fp32 agreement) and the throughput rows
+if [ "$1" = j ]; then
+  timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -16
   $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
 fi

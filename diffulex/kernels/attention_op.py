@@ -1,11 +1,10 @@
 """The Triton KV store + paged attention of one layer: eagerly, fused with rotary, and as a PyTorch custom op
 for ``torch.compile``.
 
-Eager code on the Triton backend calls `rope_store_and_attend`. At decode shapes the whole step is one launch:
-attention norms and rotates q/k itself and writes the new K/V to the cache (`FusedRotary`). Elsewhere the KV store
-rides in the q/k norm + rotary launch (`diffulex.kernels.fused_norm.qk_norm_rope_store`), and attention follows
-with no store launch of its own. `store_and_attend` is the same step for q/k that arrive rotated (the layer's
-fallback when neither fused path applies).
+Eager code on the Triton backend calls `rope_store_and_attend`: the KV store rides in the q/k norm + rotary
+launch (`diffulex.kernels.fused_norm.qk_norm_rope_store`), so attention follows with no store launch of its own.
+`store_and_attend` is the same step for q/k that arrive rotated (the layer's fallback when the fused launch does
+not apply).
 
 Compiling the model forward must leave attention opaque: its launch shapes come from host integers and it writes
 the KV cache in place. Registered as an op with declared mutations (``k_cache``, ``v_cache``) and a fake
@@ -20,7 +19,7 @@ import torch
 from diffulex.attention.metadata import PagedAttentionMetadata
 from diffulex.kernels.fused_norm import qk_norm_rope_store
 from diffulex.kernels.kv_store import triton_store_kv
-from diffulex.kernels.paged_attention import FusedRotary, rotary_fits, triton_paged_attention
+from diffulex.kernels.paged_attention import triton_paged_attention
 
 
 def store_and_attend(
@@ -59,15 +58,11 @@ def rope_store_and_attend(
     scale: float,
     grouped: bool,
 ) -> torch.Tensor:
-    """`store_and_attend` of un-rotated q/k: in one launch where every request's rows fit one query tile
-    (`rotary_fits`), else in two (norm + rotary + KV store, then attention).
+    """`store_and_attend` of un-rotated q/k in two launches: norm + rotary + KV store, then attention.
 
     Eager only (the caller takes the unfused path while ``torch.compile`` traces). Same bits as `rotate_qk`
-    followed by `store_and_attend`, either way.
+    followed by `store_and_attend`.
     """
-    rotary = FusedRotary(cos, sin, q_weight, k_weight, eps, meta.slot_mapping)
-    if rotary_fits(q, k, meta, rotary, grouped):
-        return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, rotary=rotary)
     q, k = qk_norm_rope_store(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, meta.slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
 

@@ -212,24 +212,6 @@ def _launch_rms_norm(
 
 
 @triton.jit
-def norm_rope_halves(x1, x2, w1, w2, cos, sin, inv_d, eps, HAS_WEIGHT: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """RMSNorm (optional) then rotate-half rotation of head rows given as their two halves ``x1``/``x2``
-    (``[rows, D / 2]``, the input dtype); ``w1``/``w2``, ``cos``/``sin`` fp32, broadcastable to them. Returns the
-    rotated halves rounded to ``OUT_DTYPE``, with the roundings of the torch modules (module docstring)."""
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    if HAS_WEIGHT:
-        mean_sq = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) * inv_d
-        rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
-        # RMSNorm's roundings: normed value to the input dtype, weight product to the output dtype
-        a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), OUT_DTYPE).to(tl.float32)
-        a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), OUT_DTYPE).to(tl.float32)
-    o1 = cast_rne(a1 * cos - a2 * sin, OUT_DTYPE)
-    o2 = cast_rne(a2 * cos + a1 * sin, OUT_DTYPE)
-    return o1, o2
-
-
-@triton.jit
 def _heads_norm_rope(
     src_ptr,
     stride_t,
@@ -249,18 +231,23 @@ def _heads_norm_rope(
     eps,
     HAS_WEIGHT: tl.constexpr,
 ):
-    """`norm_rope_halves` of ``heads`` of token ``t``, stored to ``dst``; returns the two stored halves."""
+    """RMSNorm (optional) then rotate-half rotation of ``heads`` of token ``t``; returns the two stored halves."""
     src = src_ptr + t * stride_t + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
-    w1 = cos  # unused without weights
-    w2 = sin
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
     if HAS_WEIGHT:
+        mean_sq = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) * inv_d
+        rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
         w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    o1, o2 = norm_rope_halves(
-        x1, x2, w1, w2, cos[None, :], sin[None, :], inv_d, eps, HAS_WEIGHT, dst_ptr.dtype.element_ty
-    )
+        # RMSNorm's roundings: normed value to the input dtype, weight product to the output dtype
+        out_dtype = dst_ptr.dtype.element_ty
+        a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
+        a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
+    o1 = cast_rne(a1 * cos[None, :] - a2 * sin[None, :], dst_ptr.dtype.element_ty)
+    o2 = cast_rne(a2 * cos[None, :] + a1 * sin[None, :], dst_ptr.dtype.element_ty)
     dst = dst_ptr + (t * n_heads + heads[:, None]) * (2 * half) + offs[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + half, o2, mask=mask)
@@ -268,7 +255,7 @@ def _heads_norm_rope(
 
 
 @triton.jit
-def to_cache_dtype(x, dtype: tl.constexpr):
+def _to_cache_dtype(x, dtype: tl.constexpr):
     """``x`` as ``dtype`` the way ``Tensor.to`` (which `store_kv` uses) converts it: unchanged when it already is."""
     if x.dtype == dtype:
         y = x
@@ -307,11 +294,11 @@ def _store_heads(
     vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + heads[:, None] * stride_vc_h + offs[None, :]
     k_dtype = k_cache_ptr.dtype.element_ty
     v_dtype = v_cache_ptr.dtype.element_ty
-    tl.store(kc, to_cache_dtype(k1, k_dtype), mask=mask)
-    tl.store(kc + half, to_cache_dtype(k2, k_dtype), mask=mask)
+    tl.store(kc, _to_cache_dtype(k1, k_dtype), mask=mask)
+    tl.store(kc + half, _to_cache_dtype(k2, k_dtype), mask=mask)
     v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-    tl.store(vc, to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
-    tl.store(vc + half, to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
+    tl.store(vc, _to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
+    tl.store(vc + half, _to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
 
 
 @triton.jit

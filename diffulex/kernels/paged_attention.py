@@ -32,15 +32,11 @@ Design:
 
 from __future__ import annotations
 
-import os
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from diffulex.attention.metadata import PagedAttentionMetadata
-from diffulex.kernels.fused_norm import norm_rope_halves, to_cache_dtype
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import sm_count, split_counters
 
@@ -120,71 +116,6 @@ def _cached_tile(
 
 
 @triton.jit
-def _rotated_rows(
-    src_ptr,
-    rows,
-    heads,
-    ok,
-    stride_t,
-    stride_h,
-    cos_ptr,
-    sin_ptr,
-    stride_cos,
-    stride_sin,
-    w_ptr,
-    eps,
-    HEAD_DIM: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-):
-    """Head ``heads[i]`` of token row ``rows[i]``, normed (optional) and rotated exactly as
-    `diffulex.kernels.fused_norm.qk_norm_rope` writes it, as one ``[rows, HEAD_DIM]`` tile (zeros where not ok)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs_h = tl.arange(0, HALF)
-    src = src_ptr + rows[:, None] * stride_t + heads[:, None] * stride_h + offs_h[None, :]
-    x1 = tl.load(src, mask=ok[:, None], other=0.0)
-    x2 = tl.load(src + HALF, mask=ok[:, None], other=0.0)
-    cos = tl.load(cos_ptr + rows[:, None] * stride_cos + offs_h[None, :], mask=ok[:, None], other=0.0)
-    sin = tl.load(sin_ptr + rows[:, None] * stride_sin + offs_h[None, :], mask=ok[:, None], other=0.0)
-    w1 = cos  # unused without weights
-    w2 = sin
-    if HAS_WEIGHT:
-        w1 = tl.load(w_ptr + offs_h).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs_h).to(tl.float32)[None, :]
-    o1, o2 = norm_rope_halves(
-        x1, x2, w1, w2, cos.to(tl.float32), sin.to(tl.float32), 1.0 / HEAD_DIM, eps, HAS_WEIGHT, x1.dtype
-    )
-    # the halves side by side: [rows, HALF, 2] -> [rows, 2, HALF] -> [rows, HEAD_DIM]
-    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], HEAD_DIM))
-
-
-@triton.jit
-def _store_rows(
-    k_cache_ptr,
-    v_cache_ptr,
-    slot,
-    kv_head,
-    k_t,
-    v_t,
-    offs_d,
-    stride_kc_p,
-    stride_kc_s,
-    stride_kc_h,
-    stride_vc_p,
-    stride_vc_s,
-    stride_vc_h,
-    PAGE_SIZE: tl.constexpr,
-):
-    """`triton_store_kv` of these rows of one KV head: row ``i`` to cache slot ``slot[i]`` unless negative."""
-    store = slot >= 0
-    page = tl.where(store, slot // PAGE_SIZE, 0)
-    in_page = tl.where(store, slot % PAGE_SIZE, 0)
-    kc = k_cache_ptr + page[:, None] * stride_kc_p + in_page[:, None] * stride_kc_s + kv_head * stride_kc_h
-    vc = v_cache_ptr + page[:, None] * stride_vc_p + in_page[:, None] * stride_vc_s + kv_head * stride_vc_h
-    tl.store(kc + offs_d[None, :], to_cache_dtype(k_t, k_cache_ptr.dtype.element_ty), mask=store[:, None])
-    tl.store(vc + offs_d[None, :], to_cache_dtype(v_t, v_cache_ptr.dtype.element_ty), mask=store[:, None])
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -199,14 +130,6 @@ def _paged_attention_kernel(
     part_ml_ptr,  # [programs, SPLIT_SLOTS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
     part_acc_ptr,  # [programs, SPLIT_SLOTS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
     counters_ptr,  # [programs] int32, zero between launches: splits of a tile that have finished
-    cos_ptr,  # [T, D / 2] fp32 rotary angles of the step's rows (ROTARY)
-    sin_ptr,
-    q_w_ptr,  # [D] per-head q/k RMSNorm weights (ROTARY_NORM)
-    k_w_ptr,
-    slot_ptr,  # [T] cache slot of each row, negative: not stored (ROTARY)
-    stride_cos,
-    stride_sin,
-    norm_eps,
     qk_scale,  # softmax scale * log2(e)
     stride_q_t,
     stride_q_h,
@@ -237,8 +160,6 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
-    ROTARY: tl.constexpr,  # q/k arrive un-rotated: norm + rotate them here, and store the new k/v to the cache
-    ROTARY_NORM: tl.constexpr,  # with per-head q/k RMSNorm first
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -331,14 +252,8 @@ def _paged_attention_kernel(
         prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
     wait_for_inputs(USE_PDL)
-    if ROTARY:
-        q = _rotated_rows(
-            q_ptr, q_rows, heads, row_ok, stride_q_t, stride_q_h, cos_ptr, sin_ptr, stride_cos, stride_sin, q_w_ptr,
-            norm_eps, HEAD_DIM, ROTARY_NORM,
-        )
-    else:
-        q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -362,30 +277,14 @@ def _paged_attention_kernel(
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
         k_rows = (row_start + k_idx).to(tl.int64)
+        k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
         v_ptrs = v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :]
-        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-        if ROTARY:
-            k_t = _rotated_rows(
-                k_ptr, k_rows, kv_head + offs_n * 0, k_ok, stride_k_t, stride_k_h, cos_ptr, sin_ptr, stride_cos,
-                stride_sin, k_w_ptr, norm_eps, HEAD_DIM, ROTARY_NORM,
-            )
-            # The cache write of the tile's own rows (each row belongs to one query tile, and its key to one split
-            # of that tile); in ungrouped mode the first query head of the group writes.
-            own = k_ok & (k_idx >= q_begin) & (k_idx < q_begin + BLOCK_Q)
-            if GROUP_PAD == 1:
-                own = own & ((offs_n * 0 + head_slot) % GROUP == 0)
-            slot = tl.load(slot_ptr + k_rows, mask=own, other=-1).to(tl.int64)
-            _store_rows(
-                k_cache_ptr, v_cache_ptr, slot, kv_head, k_t, v_t, offs_d, stride_kc_p, stride_kc_s, stride_kc_h,
-                stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
-            )
-        else:
-            k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
-            k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
+        k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(
             q,
-            k_t.to(q.dtype),
-            v_t.to(q.dtype),
+            k_t,
+            v_t,
             ctx + k_idx,
             k_ok,
             q_blk,
@@ -491,43 +390,6 @@ def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_spl
     return max(1, splits)
 
 
-class FusedRotary(NamedTuple):
-    """What attention needs to rotate q/k itself and write the step's K/V to the cache (`rotary_fits`): the
-    inputs of `diffulex.kernels.fused_norm.qk_norm_rope_store`, whose launch it then replaces."""
-
-    cos: torch.Tensor  # [T, D / 2] float32
-    sin: torch.Tensor
-    q_weight: torch.Tensor | None  # per-head RMSNorm weights [D] (Qwen3), both or neither
-    k_weight: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor  # [T] cache slot per row, negative: not stored
-
-
-# Folding q/k norm + rotary + the KV store into attention saves a launch per layer (measured on an H100: SDAR-1.7B
-# batch-1 replay XXX). It applies where every request's rows fit one query tile (decode), so each k row is
-# rotated by one program per KV head; a prefill tile would rotate the same keys once per query tile.
-_FUSED_ROTARY = os.environ.get("DIFFULEX_FUSED_ROTARY", "1") != "0"  # A/B runs
-
-
-def rotary_fits(
-    q: torch.Tensor, k: torch.Tensor, meta: PagedAttentionMetadata, rotary: FusedRotary, grouped: bool
-) -> bool:
-    """Whether `triton_paged_attention` can take un-rotated q/k with ``rotary`` for this step."""
-    if not _FUSED_ROTARY or q.dtype != k.dtype or q.shape[0] != rotary.slot_mapping.shape[0]:
-        return False
-    head_dim = q.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1) or rotary.cos.shape != (q.shape[0], head_dim // 2):
-        return False
-    if rotary.cos.dtype != torch.float32 or rotary.sin.dtype != torch.float32:
-        return False
-    weights = (rotary.q_weight, rotary.k_weight)
-    if any(w is not None and (w.dtype != q.dtype or w.shape != (head_dim,)) for w in weights):
-        return False
-    group = q.shape[1] // k.shape[1]
-    block_q, _ = _tile_shapes(meta.max_query_len, _next_pow2(group) if grouped else 1, head_dim)
-    return meta.max_query_len <= block_q
-
-
 def triton_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -540,7 +402,6 @@ def triton_paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     min_split_keys: int = _MIN_KEYS_PER_SPLIT,
-    rotary: FusedRotary | None = None,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention`: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, caches ``[P, page_size, Hkv, D]``.
 
@@ -550,11 +411,7 @@ def triton_paged_attention(
     split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
-    With ``rotary`` (where `rotary_fits`), q and k arrive un-rotated (strided views of the qkv output will do):
-    the launch norms and rotates them as `qk_norm_rope_store` would and writes the rotated k and v to the cache.
     """
-    if rotary is not None and not rotary_fits(q, k, meta, rotary, grouped):
-        raise ValueError("this step's layout does not allow the fused rotary (see rotary_fits)")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -595,16 +452,6 @@ def triton_paged_attention(
         counters = split_counters(q.device, programs)
     else:
         part_ml = part_acc = counters = out  # never read
-    if rotary is None:
-        cos = sin = q_w = k_w = slots = out  # never read
-        rotary_norm = False
-        eps = 0.0
-    else:
-        cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (rotary.cos, rotary.sin))
-        rotary_norm = rotary.q_weight is not None
-        q_w = rotary.q_weight.contiguous() if rotary_norm else out
-        k_w = rotary.k_weight.contiguous() if rotary_norm else out
-        slots, eps = rotary.slot_mapping, float(rotary.eps)
     grid = (q_tiles * split_slots, num_requests, head_slots)
     use_pdl = pdl_enabled(q.device, num_tokens)
     _paged_attention_kernel[grid](
@@ -621,14 +468,6 @@ def triton_paged_attention(
         part_ml,
         part_acc,
         counters,
-        cos,
-        sin,
-        q_w,
-        k_w,
-        slots,
-        cos.stride(0),
-        sin.stride(0),
-        eps,
         float(scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -659,11 +498,8 @@ def triton_paged_attention(
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
-        ROTARY=rotary is not None,
-        ROTARY_NORM=rotary_norm,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
-        enable_fp_fusion=False,  # the rotary's roundings as `qk_norm_rope` has them (no contracted FMAs)
         **launch_kwargs(use_pdl),
     )
     return out
