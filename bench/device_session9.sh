@@ -1,6 +1,9 @@
 #!/bin/bash
 # Session-9 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Compiled kernels survive between calls on a warm machine (ignored paths there are kept): the GPU kernel tests
+# compile a few hundred kernel variants (~7 s per paged-attention test when cold), so they fit a call only warm.
+export TRITON_CACHE_DIR=$PWD/.triton_cache
 nvidia-smi --query-gpu=name --format=csv,noheader
 quiet() { grep -v -i "warn"; }
 W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
