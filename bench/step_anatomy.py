@@ -137,12 +137,19 @@ def sampler_cost(engine, steps: int) -> dict[str, float]:
     return {"sampler alone (host + its kernels)": 1e3 * statistics.mean(times)}
 
 
-def replay_cost(engine, calls: int = 20) -> dict[str, float]:
-    """Host time of one graph launch (``replay``) and its GPU time, for the smallest captured bucket."""
+def smallest_graph(engine) -> torch.cuda.CUDAGraph | None:
+    """The captured forward graph of the smallest batch bucket, or None without graphs."""
     graphs = engine.runner.graphs
     if graphs is None or not graphs._graphs:
+        return None
+    return graphs._graphs[min(graphs._graphs)]
+
+
+def replay_cost(engine, calls: int = 20) -> dict[str, float]:
+    """Host time of one graph launch (``replay``) and its GPU time, for the smallest captured bucket."""
+    graph = smallest_graph(engine)
+    if graph is None:
         return {}
-    graph = graphs._graphs[min(graphs._graphs)]
     host = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()

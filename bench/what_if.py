@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from step_anatomy import replay_cost
+from step_anatomy import replay_cost, smallest_graph
 
 from diffulex import Diffulex
 from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
@@ -135,8 +135,7 @@ def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]
     the replay and say what each launch costs the chain (not its own run time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.runner.graphs
-    graph = graphs._graphs[min(graphs._graphs)]
+    graph = smallest_graph(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

@@ -182,14 +182,8 @@ class DiffulexEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
         self.model = build_model(
-            config.model_name,
-            config.model,
-            self.dtype,
-            self.device,
-            load_format=config.load_format,
-            seed=config.seed,
-            lora_path=config.lora_path if config.use_lora else None,
-            merge_lora=config.pre_merge_lora,
+            config.model_name, config.model, self.dtype, self.device, load_format=config.load_format, seed=config.seed,
+            lora_path=config.lora_path if config.use_lora else None, merge_lora=config.pre_merge_lora,
         )
         self.mask_token_id = self._resolve_mask_token_id()
         self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
@@ -273,15 +267,8 @@ class DiffulexEngine:
         self.request_cls = AutoReq.get(strategy)
         logger.info(
             "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
-            config.model,
-            config.model_name,
-            self.dtype,
-            strategy,
-            config.block_size,
-            config.buffer_size,
-            num_pages,
-            config.page_size,
-            self.device,
+            config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
+            num_pages, config.page_size, self.device,
         )
 
     def _max_rows_per_request(self) -> int:
@@ -526,8 +513,7 @@ class DiffulexEngine:
             text = text[: min(i for i in (text.find(s) for s in req.sampling_params.stop) if i >= 0)]
             # Keep the shortest token prefix whose text covers what remains of the answer.
             keep = next(
-                k
-                for k in range(len(ids) + 1)
+                k for k in range(len(ids) + 1)
                 if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(text)
             )
             ids = ids[:keep]
@@ -598,9 +584,8 @@ class DiffulexEngine:
         finally:
             if bar is not None:
                 bar.close()
-        outputs = GenerationOutputs(
-            [t for t in results if t is not None], time.perf_counter() - t0, self._num_steps - steps_before
-        )
+        outputs = GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0,
+                                    self._num_steps - steps_before)
         logger.info("generate: %s", outputs.summary())
         return outputs
 

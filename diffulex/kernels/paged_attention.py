@@ -85,6 +85,29 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _cache_rows(
+    pt_row,
+    k_pos,
+    k_ok,
+    kv_head,
+    stride_kc_p,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_p,
+    stride_vc_s,
+    stride_vc_h,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Offsets of the K and V cache rows of positions ``k_pos`` of one KV head, through the request's page table
+    (0 where not ``k_ok``: no page is read for those)."""
+    page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+    in_page = k_pos % PAGE_SIZE
+    kc_rows = tl.where(k_ok, page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h, 0)
+    vc_rows = tl.where(k_ok, page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h, 0)
+    return kc_rows, vc_rows
+
+
+@triton.jit
 def _cached_tile(
     k_cache_ptr,
     v_cache_ptr,
@@ -106,12 +129,12 @@ def _cached_tile(
     past the end are masked, and none is read when ``start >= cache_end``); with their positions and validity."""
     k_pos = start + offs_n
     k_ok = k_pos < cache_end
-    page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
-    in_page = k_pos % PAGE_SIZE
-    kc_ptrs = k_cache_ptr + page[:, None] * stride_kc_p + in_page[:, None] * stride_kc_s + kv_head * stride_kc_h
-    vc_ptrs = v_cache_ptr + page[:, None] * stride_vc_p + in_page[:, None] * stride_vc_s + kv_head * stride_vc_h
-    k_t = tl.load(kc_ptrs + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-    v_t = tl.load(vc_ptrs + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    kc_rows, vc_rows = _cache_rows(
+        pt_row, k_pos, k_ok, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h,
+        PAGE_SIZE,
+    )
+    k_t = tl.load(k_cache_ptr + kc_rows[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    v_t = tl.load(v_cache_ptr + vc_rows[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
     return k_t, v_t, k_pos, k_ok
 
 
@@ -243,11 +266,11 @@ def _paged_attention_kernel(
         # cached keys were written by earlier steps: start pulling this program's first ones into L2 while the
         # kernels producing q, k and v finish
         pk = lo + tl.arange(0, PREFETCH_KEYS)
-        pk_ok = pk < cache_end
-        pf_page = tl.load(pt_row + pk // PAGE_SIZE, mask=pk_ok, other=0).to(tl.int64)
+        kc_rows, vc_rows = _cache_rows(
+            pt_row, pk, pk < cache_end, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s,
+            stride_vc_h, PAGE_SIZE,
+        )
         lines = tl.arange(0, HEAD_DIM // LINE_ELEMS) * LINE_ELEMS
-        kc_rows = tl.where(pk_ok, pf_page * stride_kc_p + (pk % PAGE_SIZE) * stride_kc_s + kv_head * stride_kc_h, 0)
-        vc_rows = tl.where(pk_ok, pf_page * stride_vc_p + (pk % PAGE_SIZE) * stride_vc_s + kv_head * stride_vc_h, 0)
         prefetch_l2(k_cache_ptr + kc_rows[:, None] + lines[None, :])
         prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
