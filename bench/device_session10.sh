@@ -4,6 +4,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # Compiled kernels survive between calls on a warm machine (ignored paths there are kept): the GPU kernel tests
 # compile a few hundred kernel variants (~7 s per paged-attention test when cold), so they fit a call only warm.
 export TRITON_CACHE_DIR=$PWD/.triton_cache
+# parts b-d time experiment switches and stamps that live in a patch, applied for the part and taken out after it
+STAMPS=bench/patches/attention_stamps.patch
+case "$1" in b|c|d|trace) patch -p1 -s < $STAMPS; trap 'patch -p1 -R -s < $STAMPS' EXIT ;; esac
 nvidia-smi --query-gpu=name --format=csv,noheader
 quiet() { grep -v -i "warn"; }
 W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
@@ -16,4 +19,56 @@ if [ "$1" = a ]; then
   echo "skinny pytest rc=$?"; tail -3 $OUT/pytest_skinny.log
   timeout 270 python -m pytest tests/kernels/test_paged_attention.py -q -p no:warnings > $OUT/pytest_attn.log 2>&1
   echo "attention pytest rc=$?"; tail -3 $OUT/pytest_attn.log
+fi
+#   b: (experiment) what attention's ~7 us in the batch-1 chain are made of: globaltimer stamps inside the launch
+#      (bench/attention_trace.py, with the stamping patch applied), then Nsight Compute's per-instruction stall
+#      samples of one attention launch of a graph replay (run alone by the profiler)
+if [ "$1" = b ] || [ "$1" = trace ]; then
+  timeout 150 python bench/attention_trace.py 2>&1 | grep -E "TRACE|SUMMARY|programs|event|Error|error" | head -80
+fi
+if [ "$1" = b ]; then
+  timeout 240 ncu --kernel-name regex:_paged_attention_kernel --launch-skip 400 --launch-count 1 --set full \
+    --import-source yes --cache-control none --warp-sampling-interval 0 -f -o $OUT/attn \
+    python bench/what_if.py --model 1.7b --steps 20 > $OUT/ncu.log 2>&1
+  echo "ncu rc=$?"; tail -3 $OUT/ncu.log
+  ncu -i $OUT/attn.ncu-rep --page source --csv --print-source sass > $OUT/attn_sass.csv 2>&1
+  ncu -i $OUT/attn.ncu-rep --page details > $OUT/attn_details.txt 2>&1
+  grep -E "Duration|Elapsed Cycles|Registers|Achieved Occupancy|Warp Cycles Per Issued" $OUT/attn_details.txt | head
+fi
+#   c: (experiment) when attention lets the next GEMM start (its weight prefetch floods the memory system while
+#      attention's own loads are in flight): stamps and the replay, releasing at the start / after the key loops /
+#      after publishing the partial, with and without the cached-key prefetch before the wait
+if [ "$1" = c ]; then
+  for v in "start 128" "loops 128" "publish 128" "start 0" "loops 0" "start 128" "loops 128"; do
+    set -- $v
+    export DIFFULEX_ATTN_RELEASE=$1 DIFFULEX_ATTN_PREFETCH_KEYS=$2
+    echo "== release=$1 prefetch_keys=$2"
+    timeout 100 python bench/attention_trace.py 2>&1 | grep -E "SUMMARY|Error"
+    $W --tag release_$1_pk$2 2>&1 | grep WHATIF
+  done
+fi
+#   d: (experiment) upper bounds of the split combine (partials published but not combined; partials stored with
+#      no fence or count), and the tile's own cost: warps, pipeline stages, 32-key tiles
+if [ "$1" = d ]; then
+  for v in "full 4 2 0 64" "nocombine 4 2 0 64" "noatomic 4 2 0 64" "full 2 2 0 64" "full 8 2 0 64" \
+      "full 4 1 0 64" "full 4 2 32 32" "full 2 1 32 32" "full 4 2 0 64"; do
+    set -- $v
+    export DIFFULEX_ATTN_COMBINE=$1 DIFFULEX_ATTN_WARPS=$2 DIFFULEX_ATTN_STAGES=$3 DIFFULEX_ATTN_BLOCK_N=$4 \
+      DIFFULEX_ATTN_MIN_SPLIT=$5
+    echo "== combine=$1 warps=$2 stages=$3 block_n=$4 min_split=$5"
+    [ -n "$TRACE" ] && timeout 100 python bench/attention_trace.py 2>&1 | grep -E "SUMMARY|Error"
+    $W --tag v_$1_$2_$3_$4 2>&1 | grep -E "WHATIF|Error"
+  done
+fi
+#   e: one pipeline stage for split attention programs: GPU split tests, the batch-1 replay A/B (two each,
+#      alternating), the batch-1 attention alone at contexts 128-4096, then one decode step's anatomy at batch 1
+if [ "$1" = e ]; then
+  timeout 150 python -m pytest tests/kernels/test_paged_attention.py -x -q -p no:warnings -k "split or auto" \
+    > $OUT/pytest_attn.log 2>&1; echo "pytest rc=$?"; tail -1 $OUT/pytest_attn.log
+  RW="timeout 150 python bench/run_with.py diffulex.kernels.paged_attention._STAGES_SPLIT"
+  for st in 1 2 1 2; do $RW=$st -- bench/what_if.py --model 1.7b --steps 100 --tag stages$st 2>&1 | grep WHATIF; done
+  for st in 1 2; do
+    $RW=$st -- bench/attention_splits.py --out $OUT/attention_splits_stages$st.json 2>&1 | quiet | tail -12
+  done
+  timeout 200 python bench/step_anatomy.py --model 1.7b --batch 1 --steps 40 --top 30 2>&1 | quiet | tail -50
 fi
