@@ -6,7 +6,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 # parts b-d time experiment switches and stamps that live in a patch, applied for the part and taken out after it
 STAMPS=bench/patches/attention_stamps.patch
-case "$1" in b|c|d|trace) patch -p1 -s < $STAMPS; trap 'patch -p1 -R -s < $STAMPS' EXIT ;; esac
+case "$1" in b|c|d|f|trace) patch -p1 -s < $STAMPS; trap 'patch -p1 -R -s < $STAMPS' EXIT ;; esac
 nvidia-smi --query-gpu=name --format=csv,noheader
 quiet() { grep -v -i "warn"; }
 W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
@@ -71,4 +71,31 @@ if [ "$1" = e ]; then
     $RW=$st -- bench/attention_splits.py --out $OUT/attention_splits_stages$st.json 2>&1 | quiet | tail -12
   done
   timeout 200 python bench/step_anatomy.py --model 1.7b --batch 1 --steps 40 --top 30 2>&1 | quiet | tail -50
+fi
+#   f: (experiment, run before the change landed; the patch applies to commit 4d00991 only) the qkv GEMM lets the kernels after it start before its weight stream (its successors, the q/k
+#      norm + rotary and attention, then do their prologues while it streams): stamps and replays, alternating
+if [ "$1" = f ]; then
+  patch -p1 -s < bench/patches/early_release.patch
+  trap 'patch -p1 -R -s < bench/patches/early_release.patch; patch -p1 -R -s < $STAMPS' EXIT
+  for n in none 4096 none 4096 all; do
+    export DIFFULEX_EARLY_RELEASE_N=$n
+    echo "== early release for N=$n"
+    [ -n "$TRACE" ] && timeout 100 python bench/attention_trace.py 2>&1 | grep -E "SUMMARY|Error"
+    $W --tag early_$n 2>&1 | grep -E "WHATIF|Error"
+  done
+fi
+#   g: final code on a GPU: the kernel and graph tests touched this session, gpu_smoke (float32 = reference,
+#      bf16 against float32)
+if [ "$1" = g ]; then
+  timeout 330 python -m pytest tests/kernels/test_skinny_gemm.py tests/engine/test_cuda_graph.py \
+    tests/kernels/test_attention_op.py tests/engine/test_micro_batches.py -x -q -p no:warnings > $OUT/pytest_gpu.log 2>&1
+  echo "pytest rc=$?"; tail -3 $OUT/pytest_gpu.log
+  timeout 200 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -16
+fi
+#   h: final code: the batch-1 replay kernel by kernel, then the throughput rows (SDAR-1.7B batch 1 and 64,
+#      SDAR-8B batch 1)
+if [ "$1" = h ]; then
+  $W --tag final --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+  $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
+  $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
 fi

@@ -99,7 +99,10 @@ def _skinny_kernel(
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
     GATED: tl.constexpr = False,  # y = silu(x @ W_gate^T) * (x @ W_up^T): each program owns both halves' columns
     PRECISE_EXP: tl.constexpr = True,  # `GATED`'s exp as libdevice's expf (False: the interpreter's tl.exp)
+    RELEASE_EARLY: tl.constexpr = False,  # let the next kernels start now rather than after the weight stream
 ):
+    if RELEASE_EARLY:
+        release_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -142,8 +145,10 @@ def _skinny_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     # the weight stream is done: the next kernels may start their prologues (releasing them before it, the next
-    # GEMM's prefetch competes with this stream; measured on an H100: no faster at 1.7B, 2% slower at 8B)
-    release_dependents(USE_PDL)
+    # GEMM's prefetch competes with this stream; measured on an H100: no faster at 1.7B, 2% slower at 8B). A
+    # product whose consumers stream no weights releases them at its start instead (`RELEASE_EARLY`).
+    if not RELEASE_EARLY:
+        release_dependents(USE_PDL)
     if USE_DOT:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         acc_up = tl.trans(acc_up)
@@ -351,7 +356,12 @@ _WARMED: set[tuple] = set()
 
 
 def maybe_skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, output: str = "sum"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    output: str = "sum",
+    release_early: bool = False,
 ) -> torch.Tensor | None:
     """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
 
@@ -359,6 +369,11 @@ def maybe_skinny_linear(
     `skinny_partials`'s ``[splits, M, N]`` fp32 partials, split per `unsummed_config` (None where that gives one
     split, or with a bias); ``"silu_mul"`` `skinny_silu_mul` of a merged ``[gate; up]`` weight (None where the
     plain launch would split K).
+
+    ``release_early`` lets the kernels after this one start (their prologues, before their wait for this
+    product) while it streams its weights, instead of after: for a product whose consumers are latency-bound
+    kernels that stream no weights of their own, such as q/k/v's (q/k norm + rotary, then attention, whose
+    metadata and page-table reads then leave the critical path). The result is the same either way.
 
     A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
     variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
@@ -380,7 +395,7 @@ def maybe_skinny_linear(
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
-    return _launch(x, weight, bias, cfg, mode)
+    return _launch(x, weight, bias, cfg, mode, release_early)
 
 
 def output_config(output: Output, n: int, k: int, m: int) -> SkinnyConfig | None:
@@ -421,14 +436,19 @@ def _block_m(cfg: SkinnyConfig, m: int) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    release_early: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` in ``x``'s dtype with fp32 accumulation, for few-row ``x [M, K]``.
 
     `config` overrides the table (benchmarks and tests); without it the shape must be in the table (check
-    `use_skinny` first). Works on CUDA and under the Triton interpreter.
+    `use_skinny` first). ``release_early`` as in `maybe_skinny_linear`. Works on CUDA and under the Triton
+    interpreter.
     """
-    return _launch(x, weight, bias, config, Output.SUM)
+    return _launch(x, weight, bias, config, Output.SUM, release_early)
 
 
 def skinny_silu_mul(
@@ -465,7 +485,12 @@ class Output(enum.Enum):
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None, output: Output
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    output: Output,
+    release_early: bool = False,
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -539,6 +564,7 @@ def _launch(
         LINE_ELEMS=line_elems,
         GATED=gated,
         PRECISE_EXP=PRECISE_EXP,
+        RELEASE_EARLY=release_early,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(use_pdl),

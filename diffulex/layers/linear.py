@@ -67,11 +67,14 @@ def _skinny_for(x: torch.Tensor) -> Callable[..., torch.Tensor | None] | None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, release_early: bool = False
+) -> torch.Tensor:
     """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
-    CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``."""
+    CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``.
+    ``release_early``: see `diffulex.kernels.skinny_gemm.maybe_skinny_linear` (scheduling only)."""
     skinny = _skinny_for(x)
-    y = skinny(x, weight, bias) if skinny is not None else None
+    y = skinny(x, weight, bias, release_early=release_early) if skinny is not None else None
     return y if y is not None else nn.functional.linear(x, weight, bias)
 
 
@@ -163,8 +166,11 @@ class MergedProjection:
     module's own output. Not an ``nn.Module``: it owns nothing the state dict should see.
     """
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear, release_early: bool = False) -> None:
         self.linears = linears
+        # q/k/v: what follows is latency-bound and streams no weights, so the merged launch lets it start early
+        # (`diffulex.kernels.skinny_gemm.maybe_skinny_linear`)
+        self.release_early = release_early
         self.sizes = [linear.out_features for linear in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -186,7 +192,7 @@ class MergedProjection:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
             return tuple(m(x) for m in self.linears)
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.release_early).split(self.sizes, dim=-1)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate(x)) * up(x)`` of a merged gate/up pair in one skinny-GEMM launch (the activation in its

@@ -104,7 +104,7 @@ class DenseAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
         self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * hd, hidden, bias=arch.o_bias)
-        self.qkv = MergedProjection(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = MergedProjection(self.q_proj, self.k_proj, self.v_proj, release_early=True)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if arch.qk_norm:

@@ -102,6 +102,21 @@ def test_split_counters_are_left_zero_for_the_next_call() -> None:
     assert int(split_counters(x.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=["fma-split1", "dot-split2"])
+def test_releasing_dependents_early_changes_no_bit_of_a_chain(cfg: SkinnyConfig) -> None:
+    """``release_early`` only moves when the next kernel may start its prologue (with PDL on a GPU); it still waits
+    for this product, so a chain of two products gives the same bits as with the release after the stream."""
+    gen = torch.Generator().manual_seed(2)
+    dtype = torch.float16
+    x = torch.randn(3, 128, generator=gen).to(DEVICE, dtype)
+    w1 = (torch.randn(96, 128, generator=gen) * 0.1).to(DEVICE, dtype)
+    w2 = (torch.randn(64, 96, generator=gen) * 0.1).to(DEVICE, dtype)
+    late = skinny_linear(skinny_linear(x, w1, None, cfg), w2, None, cfg)
+    early = skinny_linear(skinny_linear(x, w1, None, cfg, release_early=True), w2, None, cfg, release_early=True)
+    assert torch.equal(early, late)
+    check(late, reference(reference(x, w1, None).to(dtype), w2, None), dtype)
+
+
 @pytest.mark.parametrize(
     "cfg", [CONFIGS[1], CONFIGS[3], TMA_CONFIGS[1]], ids=["fma-split3", "dot-split2", "tma-split2"]
 )
