@@ -99,3 +99,13 @@ if [ "$1" = h ]; then
   $TP --models 1.7b --batch-sizes 1 64 --buffer-sizes 1 --out $OUT/tp_1p7b.json 2>&1 | quiet | tail -4
   $TP --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b.json 2>&1 | quiet | tail -3
 fi
+#   i: (check) batch 64 against session 8's code, in alternating order on one machine; before the call:
+#      mkdir ab_old && git archive 17d1882 diffulex | tar -x -C ab_old (untracked, so it travels; delete it after): batch 64 runs cuBLAS GEMMs and unsplit attention, which no change since
+#      was meant to touch
+if [ "$1" = i ]; then
+  for tree in new old new old; do
+    if [ $tree = old ]; then P=$PWD/ab_old; else P=$PWD; fi
+    PYTHONPATH=$P $TP --models 1.7b --batch-sizes 64 --buffer-sizes 1 --out $OUT/tp_b64_$tree.json 2>&1 | quiet \
+      | grep sdar | sed "s/^/$tree /"
+  done
+fi
