@@ -27,9 +27,8 @@ os.environ["DIFFULEX_ATTN_TRACE"] = "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from step_anatomy import smallest_graph  # noqa: E402
+from what_if import decoding_engine  # noqa: E402
 
-from diffulex import Diffulex  # noqa: E402
-from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint  # noqa: E402
 from diffulex.kernels import paged_attention as pa  # noqa: E402
 
 NAMES = ["entry", "pre_wait", "waited", "q", "cached", "new", "published", "combined"]
@@ -37,14 +36,7 @@ NAMES = ["entry", "pre_wait", "waited", "q", "cached", "new", "published", "comb
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_sdar_checkpoint(Path(tmp) / "1.7b", "1.7b", "tests/data/sdar-4b-chat")
-        engine = Diffulex(str(path), block_size=4, buffer_size=1, max_num_reqs=1, max_model_len=1024,
-                          load_format="dummy")
-        prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, 128, 0)
-        ids = [engine.add_request(p, _greedy(800)) for p in prompts]
-        _admit_until_decoding(engine, [r for r in engine.scheduler.waiting if r.req_id in set(ids)], 20)
-        for _ in range(5):
-            engine.step()
+        engine = decoding_engine(Path(tmp), "1.7b", "tests/data/sdar-4b-chat")
         graph = smallest_graph(engine)
         buf = pa.trace_buffer(torch.device("cuda", torch.cuda.current_device()))
         summary = {n: [] for n in NAMES}
@@ -59,8 +51,7 @@ def main() -> None:
             att = b[: 7000 * pa.TRACE_SLOTS].reshape(-1, pa.TRACE_SLOTS)
             att = att[att[:, 0] > 0]
             t0 = rope.max()
-            active = att[att[:, 9] % (att[:, 9].max() + 1) >= 0]
-            active = att[(att[:, 1] > 0) & (att[:, 5] > 0)]
+            active = att[(att[:, 1] > 0) & (att[:, 5] > 0)]  # programs that had keys to fold
             if rep == 0:
                 print(f"rope programs {len(rope)}: ends from {(rope.min() - t0) / 1e3:.2f} to 0 us")
                 print(f"attention programs {len(att)}, active {len(active)}; entries from "

@@ -129,6 +129,19 @@ def _lookahead(lines: int, target: str) -> None:
     DenseAttention.forward = attn_fwd
 
 
+def decoding_engine(tmp: Path, model: str, data_dir: str) -> Diffulex:
+    """A batch-1 engine over a random SDAR checkpoint of `model`'s geometry (block 4, buffer 1, graphs on) whose
+    one request has settled into decode with plenty of tokens left: what the replay measurements run on."""
+    path = write_sdar_checkpoint(tmp / model, model, data_dir)
+    engine = Diffulex(str(path), block_size=4, buffer_size=1, max_num_reqs=1, max_model_len=1024, load_format="dummy")
+    prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, 128, 0)
+    ids = {engine.add_request(p, _greedy(800)) for p in prompts}
+    _admit_until_decoding(engine, [r for r in engine.scheduler.waiting if r.req_id in ids], 20)
+    for _ in range(5):
+        engine.step()
+    return engine
+
+
 def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]]:
     """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
     replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
@@ -177,15 +190,7 @@ def main() -> None:
     if args.lookahead:
         _lookahead(args.lookahead, args.lookahead_target)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
-        engine = Diffulex(
-            str(path), block_size=4, buffer_size=1, max_num_reqs=1, max_model_len=1024, load_format="dummy"
-        )
-        prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, 128, 0)
-        ids = [engine.add_request(p, _greedy(800)) for p in prompts]
-        _admit_until_decoding(engine, [r for r in engine.scheduler.waiting if r.req_id in set(ids)], 20)
-        for _ in range(5):
-            engine.step()
+        engine = decoding_engine(Path(tmp), args.model, args.data_dir)
         replay = replay_cost(engine, 50)["replay GPU (back to back)"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()

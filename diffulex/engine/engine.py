@@ -90,9 +90,9 @@ class RequestUpdate:
             answer = trajectory.token_ids
             update._set(req.req_id, record, True, trajectory, answer, 0, len(answer))
             return update
-        lo = req.prompt_len
-        answer_end = max(min(req.frontier, req.decode_limit), lo)
-        update._set(req.req_id, record, False, None, req.token_ids, lo, min(req.committed_len, answer_end), answer_end)
+        answer_end = req.answer_end
+        committed_end = min(req.committed_len, answer_end)
+        update._set(req.req_id, record, False, None, req.token_ids, req.prompt_len, committed_end, answer_end)
         return update
 
     @property

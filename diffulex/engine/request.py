@@ -165,14 +165,15 @@ class Request:
     def progress(self, block: Block) -> float:
         return (block.size - self.remaining(block)) / block.size
 
+    @property
+    def answer_end(self) -> int:
+        """End of the decoded answer: the first stop token, first mask, or generation end (never before the
+        prompt end)."""
+        return max(self.prompt_len, min(self.frontier, self.decode_limit))
+
     def answer_token_ids(self) -> list[int]:
         """Decoded tokens from the prompt end up to the first stop token, first mask, or generation end."""
-        return self.token_ids[self.prompt_len : min(self.frontier, self.decode_limit)]
-
-    def committed_answer_ids(self) -> list[int]:
-        """The part of the answer in committed blocks: it will not change any more."""
-        end = self.committed_len if not self.is_finished else len(self.token_ids)
-        return self.token_ids[self.prompt_len : min(end, self.frontier, self.decode_limit)]
+        return self.token_ids[self.prompt_len : self.answer_end]
 
     @property
     def is_finished(self) -> bool:
