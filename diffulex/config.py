@@ -386,6 +386,12 @@ class Config:
         "Interleaved micro-batches of the running requests (1 or 2): with 2 the host finishes and schedules one "
         "while the GPU computes the other.",
     )
+    async_scheduling: bool = _field(
+        True,
+        "With micro_batches=1, queue the next decode step on the GPU before reading this one's result whenever its "
+        "rows are already known (greedy, buffer_size=1, CUDA graphs): the host's work between steps leaves the "
+        "GPU's critical path. Tokens are the same either way.",
+    )
     auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
     auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")
 

@@ -290,6 +290,7 @@ def measure_decode(
 
     _sync(device)
     gc.callbacks.append(on_gc)
+    continued = getattr(engine, "num_continuations", 0)
     t0 = time.perf_counter()
     while True:
         before = [r.num_cached_tokens for r in requests]  # the only bookkeeping inside the region (~0.2 us each)
@@ -308,6 +309,7 @@ def measure_decode(
     _sync(device)
     elapsed = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
+    continued = getattr(engine, "num_continuations", 0) - continued
     raw, step_times = _rounds(raw, step_times, getattr(engine, "micro_batches", 1))
     final = [r.num_cached_tokens for r in requests]
     preemptions = sum(r.num_preemptions for r in requests)
@@ -336,6 +338,7 @@ def measure_decode(
         "steps": steps,
         "stopped_by": stopped_by,
         "partial_steps": partial_steps,
+        "continued_steps": continued,  # launched before the previous step's result (`async_scheduling`)
         "preemptions": preemptions,
         "ms_per_step_mean": 1e3 * mean_s,
         "ms_per_step_p50": 1e3 * statistics.median(step_times),

@@ -34,6 +34,12 @@ With micro-batches (``staging_buffers > 1``, `diffulex.engine.engine`) a step is
 one may still wait in the stream, so one buffer would be overwritten before its copy ran: each micro-batch then
 fills its own host buffer and the copy is issued before the replay instead of inside it. A buffer is filled
 again only after its micro-batch's previous step has returned its result, so that copy has run.
+
+Continuation steps (`diffulex.engine.continuation`, ``async_scheduling``): with an ``advance`` function the
+sampling graph ends by turning the device buffers into the next step's inputs (accepted tokens in place,
+decoded rows retired, the K/V store of finished blocks turned on), and `replay_continuation` replays both graphs
+on them without staging anything. The engine then has two steps in flight, so these graphs also use two host
+staging buffers (the copy in is not part of the graph, and each step copies its result to its own home).
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.T
 # (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
 # token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
 GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (input ids [T], source rows [T], slot mapping [T], result [2, T], starts [S + 1], blocks [3, S]) -> None, editing
+# the first three in place into the next step's inputs: `diffulex.engine.continuation.advance_inputs`
+Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def request_buckets(max_requests: int) -> list[int]:
@@ -99,6 +108,9 @@ class SampledRows:
     segments: list[int]  # sampled row -> its block
     force: list[int]  # block -> 1 if it may force its best row
     starts: list[int]  # block -> its first sampled row; then the number of sampled rows
+    # block -> (its first input row, one past its last, the cache slot of its first row or -1 without a page):
+    # what a continuation step stores once the block is decoded (`diffulex.engine.continuation`)
+    blocks: list[tuple[int, int, int]]
 
 
 class DecodeGraphs:
@@ -116,10 +128,14 @@ class DecodeGraphs:
         capture: bool,
         staging_buffers: int = 1,
         greedy_sample: GreedySample | None = None,
+        advance: Advance | None = None,
     ) -> None:
+        if advance is not None and (greedy_sample is None or staging_buffers < 2):
+            raise ValueError("continuation steps need a sampling graph and two staging buffers")
         self.shape = shape
         self.forward = forward
         self.greedy_sample = greedy_sample
+        self.advance = advance
         self.device = device
         self.capture_graphs = capture and device.type == "cuda"
         self.buckets = request_buckets(shape.max_requests)
@@ -127,13 +143,14 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:
         # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
-        #                 then [starts | force] (each S + 1 long: one more segment, for padded rows);
+        #                 then [starts | force | block first rows | block end rows | block slots] (each S + 1
+        #                 long: one more segment, for padded rows);
         # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)].
         # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
         self._head_len = 3 * R + 1
         self._row_stride = T + T % 2
         self._segment_stride = S + 1 + (S + 1) % 2
-        token_bytes = (5 * self._row_stride + 2 * self._segment_stride) * 8
+        token_bytes = (5 * self._row_stride + 5 * self._segment_stride) * 8
         total_bytes = token_bytes + (self._head_len + R * P) * 4
         hosts = [torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(staging_buffers)]
         staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
@@ -167,12 +184,19 @@ class DecodeGraphs:
         return tokens[start : start + length]
 
     def _segment_section(self, tokens: torch.Tensor | np.ndarray, index: int, length: int):
-        """The first ``length`` entries of segment section ``index`` (0 starts, 1 force)."""
+        """The first ``length`` entries of segment section ``index`` (0 starts, 1 force, 2 block first rows,
+        3 block end rows, 4 block slots)."""
         start = 5 * self._row_stride + index * self._segment_stride
         return tokens[start : start + length]
 
     def _token_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self._row_section(self._tokens, i, num_tokens) for i in range(3))
+
+    def _block_view(self, bucket: int) -> torch.Tensor:
+        """``[3, s]``: each block's first input row, end input row and first slot (sections 2-4, one stride apart)."""
+        start = 5 * self._row_stride + 2 * self._segment_stride
+        blocks = self._tokens[start : start + 3 * self._segment_stride].view(3, self._segment_stride)
+        return blocks[:, : self.shape.max_segments(bucket)]
 
     def _sampling_views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows [n], segments [n], force [s + 1], starts [s + 1])`` of a bucket of ``n`` rows and at most ``s``
@@ -270,6 +294,13 @@ class DecodeGraphs:
         force = self._segment_section(tok, 1, blocks_cap + 1)
         force[:num_blocks] = sampled.force
         force[num_blocks:] = 0
+        if len(sampled.blocks) != num_blocks:
+            raise ValueError(f"{len(sampled.blocks)} block row ranges for {num_blocks} sampled blocks")
+        columns = list(zip(*sampled.blocks, strict=True)) or [(), (), ()]
+        for index, values, pad in zip((2, 3, 4), columns, (0, 0, -1), strict=True):
+            section = self._segment_section(tok, index, blocks_cap + 1)
+            section[:num_blocks] = values
+            section[num_blocks:] = pad
 
     def _result_home(self, bucket: int, buffer: int) -> torch.Tensor:
         """The pinned ``[2, rows]`` host tensor a bucket's sampling result is copied to: contiguous, because a copy
@@ -305,11 +336,41 @@ class DecodeGraphs:
                     host.copy_(self._sample_outputs[bucket], non_blocking=True)
                 result = host[:, : len(sampled.rows)]
         else:
-            ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
-            hidden = self.forward(ids, positions, self._metas[bucket])
-            if sampled is not None:
-                result = self.greedy_sample(hidden, *self._sampling_views(bucket))[:, : len(sampled.rows)]
+            hidden, result = self._run_uncaptured(bucket, sample=sampled is not None)
+            result = result[:, : len(sampled.rows)] if sampled is not None else None
         return hidden[: step.num_tokens], result
+
+    def replay_continuation(self, bucket: int, buffer: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the bucket's graphs again on the device buffers as the last step's sampling graph advanced them
+        (`diffulex.engine.continuation`): nothing is staged. Returns the padded hidden states and the first
+        ``num_rows`` sampled rows' ``[2, rows]`` result, in host buffer `buffer`'s pinned home once the stream has
+        run (in device memory on the uncaptured path)."""
+        if self.advance is None:
+            raise ValueError("these decode graphs were built without continuation steps")
+        if not self.capture_graphs:
+            hidden, result = self._run_uncaptured(bucket, sample=True)
+            return hidden, result[:, :num_rows]
+        self._graphs[bucket].replay()
+        self._sample_graphs[bucket].replay()
+        host = self._result_home(bucket, buffer)
+        host.copy_(self._sample_outputs[bucket], non_blocking=True)
+        return self._outputs[bucket], host[:, :num_rows]
+
+    def _run_uncaptured(self, bucket: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the bucket's graphs do, run eagerly on the same buffers (no CUDA, or before capture)."""
+        ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
+        hidden = self.forward(ids, positions, self._metas[bucket])
+        return hidden, self._sample(hidden, bucket) if sample else None
+
+    def _sample(self, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The sampling graph's work: the greedy result, then (with continuations) the next step's inputs."""
+        views = self._sampling_views(bucket)
+        result = self.greedy_sample(hidden, *views)
+        if self.advance is not None:
+            rows, _, _, starts = views
+            ids, _, slots = self._token_views(bucket * self.shape.max_query_len)
+            self.advance(ids, rows, slots, result, starts, self._block_view(bucket))
+        return result
 
     # ----- capture -------------------------------------------------------------------------------------------
 
@@ -331,7 +392,8 @@ class DecodeGraphs:
         sampled = None
         if self.samples:
             blocks = self.shape.max_segments(bucket)
-            sampled = SampledRows(list(range(bucket * q)), [blocks] * (bucket * q), [0] * blocks, [0] * (blocks + 1))
+            rows = list(range(bucket * q))
+            sampled = SampledRows(rows, [blocks] * len(rows), [0] * blocks, [0] * (blocks + 1), [(0, 0, -1)] * blocks)
         self._fill(step, bucket, sampled=sampled)
         if self.capture_graphs:
             self._upload(bucket)
@@ -351,11 +413,8 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             for bucket in reversed(self.buckets):
                 self._fill_capture_batch(bucket)
-                ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
                 for _ in range(warmup_runs):
-                    hidden = self.forward(ids, positions, self._metas[bucket])
-                    if self.samples:
-                        self.greedy_sample(hidden, *self._sampling_views(bucket))
+                    self._run_uncaptured(bucket, sample=self.samples)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         pool = None
@@ -372,7 +431,7 @@ class DecodeGraphs:
             if self.samples:
                 self._sample_graphs[bucket] = graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    result = self.greedy_sample(self._outputs[bucket], *self._sampling_views(bucket))
+                    result = self._sample(self._outputs[bucket], bucket)
                     if self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
                         self._result_home(bucket, 0).copy_(result, non_blocking=True)
                 self._sample_outputs[bucket] = result

@@ -1,7 +1,9 @@
 """The engine: builds the strategy's components from a Config and drives the step loop.
 
 One step = the scheduler picks the batch and advances running sets -> the model runner does one forward and
-samples -> each request applies its tokens, commits blocks, and is checked for completion.
+samples -> each request applies its tokens, commits blocks, and is checked for completion. With
+``async_scheduling`` a step whose successor has known rows gets that successor queued before its result is read
+(`diffulex.engine.continuation`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffulex.config import Config
+from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
@@ -155,6 +158,7 @@ class _InFlightStep:
     views: list[tuple[tuple[int, int], tuple[int, ...]]]  # per request: query range, running block indices
     pending: PendingWrites
     started: float  # perf_counter() at scheduling
+    continuation: bool = False  # launched before the previous step's result (`diffulex.engine.continuation`)
 
 
 @dataclass
@@ -194,6 +198,8 @@ class DiffulexEngine:
         self._num_launches = 0
         self.micro_batches = config.micro_batches
         self._in_flight: deque[_InFlightStep] = deque()
+        self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
+        self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self._closed = False
         # Everything built so far (model, tokenizer tables, graphs) lives as long as the engine: move it out of
         # the collector's reach, or every full collection during generation rescans it (tens of ms per pause).
@@ -262,7 +268,7 @@ class DiffulexEngine:
         self._maybe_capture_graphs()
         self.runner.warm_up_sampling(config.max_num_reqs * self._max_rows_per_request(), self.dtype)
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
-        limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens)
+        limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, self._continues)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
         self.request_cls = AutoReq.get(strategy)
         logger.info(
@@ -270,6 +276,19 @@ class DiffulexEngine:
             config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
             num_pages, config.page_size, self.device,
         )
+
+    @property
+    def _continues(self) -> bool:
+        """Whether steps may be continued on the device (``async_scheduling`` with one batch per step, greedy
+        graph sampling and a single-block running set); with two micro-batches the other half already hides the
+        host's work."""
+        config = self.config
+        return config.async_scheduling and config.micro_batches == 1 and config.buffer_size == 1
+
+    @property
+    def _staging_buffers(self) -> int:
+        """Host staging buffers of the graphs: one per step that may be in flight."""
+        return 2 if self._continues else self.micro_batches
 
     def _max_rows_per_request(self) -> int:
         """The most rows one request adds to a decode step: its running set, plus the recomputed row of a shifted
@@ -370,6 +389,8 @@ class DiffulexEngine:
             max_model_len=config.max_model_len,
             capture=True,
             micro_batches=config.micro_batches,
+            continuations=self._continues,
+            logits_shift=self.settings.logits_shift,
         )
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
 
@@ -438,7 +459,9 @@ class DiffulexEngine:
             if self.scheduler.waiting:
                 raise RuntimeError("no request could be scheduled although requests are waiting")
             return []
+        self._maybe_continue()
         applied = self._apply(self._in_flight.popleft())
+        self._drop_a_continuation_that_differs()
         self._launch_until_full()
         return self._report(applied)
 
@@ -461,9 +484,56 @@ class DiffulexEngine:
             return None
         # the forward's view of each request, for its step record: its query range and its running set
         views = [(req.query_range(), tuple(b.index for b in req.running)) for req in batch]
-        pending = self.runner.launch(batch, self._num_launches % self.micro_batches)
+        pending = self.runner.launch(batch, self._num_launches % self._staging_buffers)
         self._num_launches += 1
         return _InFlightStep(batch, views, pending, t0)
+
+    def _maybe_continue(self) -> None:
+        """Queue the successor of the step in flight before reading its result, when its rows are known already
+        (`diffulex.engine.continuation`): nobody waits for admission, every running request takes part, and each
+        computes the same rows next step whatever this step accepts."""
+        if len(self._in_flight) != 1 or not self._continues or not self.runner.can_continue:
+            return
+        newest, scheduler = self._in_flight[-1], self.scheduler
+        if scheduler.waiting or len(newest.batch) != len(scheduler.running):
+            return
+        for req, (query, _) in zip(newest.batch, newest.views, strict=True):
+            if req.is_finished or req.query_range() != query or not req.next_step_has_same_rows():
+                return
+        t0 = time.perf_counter()
+        pending = self.runner.launch_continuation(self._num_launches % self._staging_buffers)
+        self._num_launches += 1
+        self.num_continuations += 1
+        self._in_flight.append(_InFlightStep(newest.batch, newest.views, pending, t0, continuation=True))
+
+    def _drop_a_continuation_that_differs(self) -> None:
+        """Now that its predecessor's result is applied, check the continuation in flight against the step the
+        host would launch itself, request by request; drop it if one differs (its result is never read, and what
+        it stored is stored again by the step launched instead).
+
+        A continuation samples the positions of the predecessor's layout that are still masks, and stores a block
+        once none is left. The host's next step samples its `Request.sample_targets` and stores a block that became
+        ``TO_CACHE``. They differ when a stop token in the middle of the block moved the decoding limit.
+        """
+        if not self._in_flight or not self._in_flight[0].continuation:
+            return
+        launched = self._in_flight[0]
+        pending, mask = launched.pending, self.mask_token_id
+        left: dict[int, list[int]] = {}
+        for owner, position in zip(pending.owners, pending.positions, strict=True):
+            left.setdefault(owner, []).append(position)
+        for req in launched.batch:
+            if req.is_finished:
+                continue
+            device_rows = [p for p in left.get(req.req_id, []) if req.token_ids[p] == mask]
+            host_rows = [p for target in req.sample_targets() for p in target.positions]
+            block = req.running[0]
+            stores = block.status is BlockStatus.TO_CACHE
+            if device_rows != host_rows or stores != (not device_rows):
+                self._in_flight.popleft()
+                self.num_dropped_continuations += 1
+                logger.debug("dropped a continuation step: request %d differs from the host's next step", req.req_id)
+                return
 
     def _apply(self, launched: _InFlightStep) -> _AppliedStep:
         """Wait for a launched step's result and apply it to its requests: everything the next schedule reads.

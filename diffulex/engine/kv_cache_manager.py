@@ -1,8 +1,10 @@
 """The page pool: which physical KV pages each request owns, and which pages hold a reusable prefix.
 
 A request needs pages only for committed blocks (their K/V is written once, by the forward after they commit);
-active blocks are recomputed every step and never stored. Page ``i`` of a request holds positions
-``[i*P, (i+1)*P)``; blocks never straddle pages because ``block_size`` divides ``page_size``.
+active blocks are recomputed every step and never stored. With continuation steps the scheduler also lends free
+pages to the blocks of the running sets (`reserve_running_pages`), and takes them back before it plans the next
+step (`release_reserved_pages`), so a loan never changes admission or preemption. Page ``i`` of a request holds
+positions ``[i*P, (i+1)*P)``; blocks never straddle pages because ``block_size`` divides ``page_size``.
 
 Prefix caching: a page whose positions all hold final tokens and whose K/V has been written is registered under
 a hash of its tokens chained with the hash of the page before it. A later request whose committed prefix has
@@ -98,6 +100,28 @@ class KVCacheManager:
             raise RuntimeError(f"request {req.req_id} needs {missing} pages, only {self.num_free_pages} free")
         for _ in range(missing):
             req.page_table.append(self._take_free_page())
+
+    def reserve_running_pages(self, req: Request) -> None:
+        """Give ``req`` the pages its running set will be stored in, as far as free pages allow. A continuation step
+        (`diffulex.engine.continuation`) stores a block in the step right after its last mask is decoded, before the
+        host has seen that, so the block's slots must exist already. Only a page that holds no reusable prefix is
+        lent (the next page handed out, if unregistered): a loan must not evict the prefix cache."""
+        if not req.running:
+            return
+        wanted = self.pages_for(req.running[-1].end) - len(req.page_table)
+        while wanted > 0 and self.free_pages and next(iter(self.free_pages)) not in self.hash_of_page:
+            req.page_table.append(self._take_free_page())
+            wanted -= 1
+
+    def release_reserved_pages(self, req: Request) -> None:
+        """Return the pages `reserve_running_pages` gave ``req`` that no committed block needs yet, first in line
+        again (the next reservation takes the same pages back). They hold nothing: no block was stored in them."""
+        keep = self.pages_for(req.committed_len)
+        while len(req.page_table) > keep:
+            page = req.page_table.pop()
+            self.ref_counts[page] -= 1
+            self.free_pages[page] = None
+            self.free_pages.move_to_end(page, last=False)
 
     def _take_free_page(self) -> int:
         page, _ = self.free_pages.popitem(last=False)

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.engine.block import BlockStatus
+from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
-from diffulex.sampler.confidence import PendingWrites
+from diffulex.sampler.confidence import PendingWrites, RowLayout
 
 # Greedy steps sample inside a captured graph (`DecodeGraphs`); ``DIFFULEX_GRAPH_SAMPLING=0`` keeps the eager
 # sampler after the forward graph (A/B runs).
@@ -36,6 +38,16 @@ class RunnerSettings:
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
 
 
+@dataclass(frozen=True)
+class _ReplayedStep:
+    """The last step replayed with graph sampling: what `ModelRunner.launch_continuation` replays again."""
+
+    bucket: int
+    layout: RowLayout
+    num_rows: int
+    storable: bool  # every sampled block has its page: a continuation can store it once it is decoded
+
+
 class ModelRunner:
     def __init__(self, settings: RunnerSettings, model: nn.Module, sampler) -> None:
         self.settings = settings
@@ -48,6 +60,7 @@ class ModelRunner:
         self.forward = model.forward
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
+        self._replayed: _ReplayedStep | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -71,6 +84,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs = None
+        self._replayed = None
         self.num_pages = 0
 
     def compile_forward(self, mode: str) -> None:
@@ -86,11 +100,20 @@ class ModelRunner:
     # ----- one step ---------------------------------------------------------------------------------------
 
     def enable_decode_graphs(
-        self, max_requests: int, max_query_len: int, max_model_len: int, capture: bool, micro_batches: int = 1
+        self,
+        max_requests: int,
+        max_query_len: int,
+        max_model_len: int,
+        capture: bool,
+        micro_batches: int = 1,
+        continuations: bool = False,
+        logits_shift: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per micro-batch that may be in flight. Greedy steps also sample inside a graph
-        (`greedy_sample`).
+        (`greedy_sample`); with ``continuations`` their sampling graph also prepares the next step's inputs, so
+        that `launch_continuation` can queue it before this step's result is read (two steps in flight);
+        ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -105,7 +128,12 @@ class ModelRunner:
             prefix_full=s.prefix_full,
         )
         greedy_sample = self.greedy_sample if _GRAPH_SAMPLING else None
-        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches, greedy_sample)
+        advance = None
+        if continuations and greedy_sample is not None:
+            advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)
+            micro_batches = max(micro_batches, 2)
+        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches, greedy_sample, advance)
+        self._replayed = None
         self.graphs.capture()
 
     def greedy_sample(
@@ -134,12 +162,17 @@ class ModelRunner:
         step = self.collect(batch)
         bucket = self.graphs.bucket_for(step) if self.graphs is not None else None
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
+        self._replayed = None
         if bucket is not None:
             sampled = None
             if layout is not None and layout.greedy and self.graphs.samples:
-                sampled = SampledRows(step.sample_rows, layout.segments, layout.force, layout.starts)
+                sampled = SampledRows(
+                    step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
+                )
             hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
+                storable = all(base >= 0 for _, _, base in step.sample_blocks)
+                self._replayed = _ReplayedStep(bucket, layout, len(step.sample_rows), storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             hidden = self.forward(*self._eager_inputs(step))
@@ -156,6 +189,26 @@ class ModelRunner:
             # (`DecodeGraphs`).
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
+
+    @property
+    def can_continue(self) -> bool:
+        """Whether the last launch may be followed by `launch_continuation`: it was replayed and sampled by the
+        graphs, those prepare continuations, and each of its sampled blocks has the page it would be stored in.
+        Whether its requests' next step really has the same rows is the engine's question
+        (`diffulex.engine.request.Request.next_step_has_same_rows`)."""
+        replayed = self._replayed
+        return replayed is not None and replayed.storable and self.graphs.advance is not None
+
+    @torch.inference_mode()
+    def launch_continuation(self, micro_batch: int) -> PendingWrites:
+        """Queue the step after the last one without staging anything: the same graphs on the inputs the last
+        step's sampling graph advanced (`diffulex.engine.continuation`). Its result has the last step's row layout;
+        rows decoded since are never accepted. `micro_batch` picks the host home of the result."""
+        if not self.can_continue:
+            raise RuntimeError("the last launch cannot be continued on the device")
+        replayed = self._replayed
+        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, replayed.num_rows)
+        return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
     def _ready(hidden: torch.Tensor) -> torch.cuda.Event | None:
@@ -235,6 +288,10 @@ class ModelRunner:
             shift = 1 if req.settings.logits_shift else 0
             for target in targets:
                 rows.extend(offset + p - shift - start for p in target.positions)
+                block = target.block
+                has_page = block.start // page < len(req.page_table)
+                base = req.page_table[block.start // page] * page + block.start % page if has_page else -1
+                step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
             step.work.append((req, targets))
             step.query_lens.append(end - start)
             step.context_lens.append(start)

@@ -228,6 +228,21 @@ class Request:
             targets.append(SampleTarget(block, positions, force))
         return targets
 
+    def next_step_has_same_rows(self) -> bool:
+        """Whether the step after the one about to run computes the same rows, whatever this one accepts.
+
+        True when the running set is one active block right after the cache, with positions to decode, and no
+        second block may join it (``buffer_size=1``): accepting then only fills masks, and at most makes the
+        block ``TO_CACHE``, which the next step stores while computing the same rows. A continuation step
+        (`diffulex.engine.continuation`) relies on this.
+        """
+        if self.settings.buffer_size != 1 or len(self.running) != 1:
+            return False
+        block = self.running[0]
+        return (
+            block.status is BlockStatus.ACTIVE and block.start == self.num_cached_tokens and bool(self.sample_targets())
+        )
+
     # ----- after the forward -----------------------------------------------------------------------------
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:

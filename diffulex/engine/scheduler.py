@@ -24,6 +24,9 @@ from diffulex.engine.request import CompletionReason, Request, RequestStatus
 class SchedulerLimits:
     max_num_reqs: int
     max_num_batched_tokens: int
+    # lend free pages to the running sets' blocks (continuation steps store a block before the host sees it
+    # finish: `diffulex.engine.continuation`); only with one step scheduled at a time
+    reserve_running_pages: bool = False
 
 
 class Scheduler:
@@ -48,6 +51,10 @@ class Scheduler:
         neither scheduled nor preempted. ``max_reqs`` caps this batch below ``max_num_reqs`` (a micro-batch's
         share of the requests).
         """
+        reserve = self.limits.reserve_running_pages and not busy
+        if reserve:  # loans are taken back first, so they never change admission or preemption
+            for req in self.running:
+                self.kv_cache.release_reserved_pages(req)
         batch: list[Request] = []
         budget = self.limits.max_num_batched_tokens
         cap = self.limits.max_num_reqs if max_reqs is None else min(max_reqs, self.limits.max_num_reqs)
@@ -78,6 +85,9 @@ class Scheduler:
             self.running.append(req)
             batch.append(req)
             budget -= _query_len(req)
+        if reserve:
+            for req in batch:
+                self.kv_cache.reserve_running_pages(req)
         return batch
 
     def _make_room_for(self, req: Request, busy: Collection[int] = ()) -> bool:

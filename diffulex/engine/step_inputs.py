@@ -24,6 +24,9 @@ class StepInputs:
     prefix_lens: list[int] = field(default_factory=list)  # [R] prompt lengths
     page_tables: list[list[int]] = field(default_factory=list)  # [R][pages] physical page per logical page
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order
+    # per sampled block, in work order: its first input row, one past its last, the cache slot of its first row
+    # (-1 while it has no page); what a continuation step stores once the block is decoded
+    sample_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     work: list[tuple[Request, list[SampleTarget]]] = field(default_factory=list)
 
     @property

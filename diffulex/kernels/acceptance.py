@@ -3,7 +3,8 @@
 The PyTorch version costs about fifteen tiny kernels (scatters, gathers, comparisons) whatever the batch size; at
 batch 1 that is tens of microseconds of a step that should take about one millisecond. Here one program owns one
 block: its rows are contiguous (``starts[s] .. starts[s + 1]``), so it loads their confidences, accepts those above
-the threshold and, when none is and the block may force, the first row holding the block's maximum. The
+the threshold and, when none is and the block may force, the first row holding the block's maximum (unless that
+is ``-inf``: rows at ``-inf`` are not candidates, see `diffulex.sampler.acceptance.accept_confident`). The
 threshold is passed as the largest float32 not above it, so that ``conf > t`` in float32 accepts exactly the
 confidences the reference's float64 test accepts.
 """
@@ -29,7 +30,8 @@ def _accept_kernel(conf_ptr, starts_ptr, force_ptr, accept_ptr, threshold, BLOCK
     force = tl.load(force_ptr + seg) != 0
     best = tl.max(conf, axis=0)
     first_best = tl.min(tl.where(ok & (conf == best), offs, BLOCK), axis=0)
-    accept = accept | ((hits == 0) & force & (offs == first_best))
+    # a block whose rows are all -inf (none is a candidate) forces nothing
+    accept = accept | ((hits == 0) & force & (best > float("-inf")) & (offs == first_best))
     tl.store(accept_ptr + lo + offs, accept.to(tl.int8), mask=ok)
 
 

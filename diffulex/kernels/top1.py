@@ -61,9 +61,11 @@ def _top1_kernel(
     hi = tl.minimum(lo + split_len, vocab_limit)
     if HAS_SOURCE_ROWS:
         source = tl.load(source_rows_ptr + row)
-        hi = tl.where(source >= 0, hi, lo)  # a padding row reads nothing; its answer is undefined
+        is_read = source >= 0
+        hi = tl.where(is_read, hi, lo)  # a padding row reads nothing: its token is undefined, its confidence -inf
         base = logits_ptr + tl.maximum(source, 0) * stride_row
     else:
+        is_read = row >= 0
         base = logits_ptr + row * stride_row
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -80,7 +82,8 @@ def _top1_kernel(
         m = m_new
     if NUM_SPLITS == 1:
         tl.store(token_ptr + row, best.to(tl.int64))
-        tl.store(conf_ptr + row, tl.fdiv(tl.full((), 1.0, tl.float32), s, ieee_rounding=True))
+        conf = tl.fdiv(tl.full((), 1.0, tl.float32), tl.where(is_read, s, 1.0), ieee_rounding=True)
+        tl.store(conf_ptr + row, tl.where(is_read, conf, float("-inf")))
     else:
         slot = row * NUM_SPLITS + split
         tl.store(part_m_ptr + slot, m)
@@ -101,7 +104,8 @@ def _top1_kernel(
             shift = tl.where(m == float("-inf"), 0.0, m)
             s = tl.sum(ss * tl.exp(ms - shift), axis=0)
             tl.store(token_ptr + row, best.to(tl.int64))
-            tl.store(conf_ptr + row, tl.fdiv(tl.full((), 1.0, tl.float32), s, ieee_rounding=True))
+            conf = tl.fdiv(tl.full((), 1.0, tl.float32), tl.where(is_read, s, 1.0), ieee_rounding=True)
+            tl.store(conf_ptr + row, tl.where(is_read, conf, float("-inf")))
 
 
 def _next_pow2(x: int) -> int:
@@ -160,7 +164,8 @@ def triton_top1(
 
     ``source_rows`` (int64 ``[N]``) answers for ``logits[source_rows]`` without gathering them: a captured decode
     graph computes the logits of every row of its fixed shape and samples the rows a step needs, padded to the
-    fixed count with negative entries, whose answers are left undefined and cost no reads.
+    fixed count with negative entries, which cost no reads: their tokens are undefined and their confidence is
+    ``-inf``, so no acceptance rule takes them (`diffulex.sampler.acceptance`).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")

@@ -18,12 +18,14 @@ def accept_confident(confidences: list[float], threshold: float, force_allowed: 
     """Indices whose confidence exceeds ``threshold``; if none does and forcing is allowed, the best one.
 
     Forcing is what guarantees progress: the oldest active block always has a committed predecessor, so it
-    fills at least one position per step, while younger blocks only take what they are sure of.
+    fills at least one position per step, while younger blocks only take what they are sure of. A confidence of
+    ``-inf`` marks a row that is not a candidate at all (a position decoded since the step's layout was made,
+    `diffulex.kernels.step_advance`): it is never forced; a real confidence is a probability, never ``-inf``.
     """
     chosen = [i for i, c in enumerate(confidences) if c > threshold]
     if not chosen and force_allowed and confidences:
         best = max(range(len(confidences)), key=lambda i: (confidences[i], -i))
-        chosen = [best]
+        chosen = [best] if confidences[best] > float("-inf") else []
     return chosen
 
 
@@ -50,7 +52,7 @@ def accept_confident_segments(
     at_best = torch.where(conf == best[segment], rows, num_rows)
     first_best = torch.full((num_segments,), num_rows, dtype=torch.int64, device=conf.device)
     first_best = first_best.scatter_reduce(0, segment, at_best, reduce="amin")
-    forced = force & (hits == 0)
+    forced = force & (hits == 0) & (best > float("-inf"))
     return accept | (forced[segment] & (rows == first_best[segment]))
 
 

@@ -46,15 +46,17 @@ def propose_greedy(
 
     On CUDA the kernel reads the logits once in their own dtype and writes two numbers per row; the torch path
     would write a banned float32 copy and the exponentials of every id. With ``source_rows`` (int64) the answer
-    is for ``logits[source_rows]``; negative entries are padding whose answers are undefined.
+    is for ``logits[source_rows]``; negative entries are rows not to sample: their tokens are undefined and their
+    confidence is ``-inf``, which no acceptance rule takes.
     """
     if logits.is_cuda and triton_available():
         from diffulex.kernels.top1 import triton_top1
 
         return triton_top1(logits, vocab_limit, banned_id, source_rows=source_rows)
-    if source_rows is not None:
-        logits = logits.index_select(0, source_rows.clamp(min=0))
-    return greedy(ban_tokens(logits, vocab_limit, banned_id))
+    if source_rows is None:
+        return greedy(ban_tokens(logits, vocab_limit, banned_id))
+    tokens, conf = greedy(ban_tokens(logits.index_select(0, source_rows.clamp(min=0)), vocab_limit, banned_id))
+    return tokens, conf.masked_fill(source_rows < 0, float("-inf"))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

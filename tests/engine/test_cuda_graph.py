@@ -27,6 +27,8 @@ def with_static_decode(llm):
         max_model_len=config.max_model_len,
         capture=False,
         micro_batches=config.micro_batches,
+        continuations=llm._continues,
+        logits_shift=settings.logits_shift,
     )
     return llm
 

@@ -44,9 +44,9 @@ class Factory:
 
 
 def make_scheduler(num_pages: int = 64, max_num_reqs: int = 8, budget: int = 4096, page_size: int = BLOCK,
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, reserve: bool = False) -> Scheduler:
     kv = KVCacheManager(num_pages, page_size, prefix_caching)
-    return Scheduler(SchedulerLimits(max_num_reqs, budget), kv)
+    return Scheduler(SchedulerLimits(max_num_reqs, budget, reserve), kv)
 
 
 def forward(sched: Scheduler, batch: list[Request], token: int = 7) -> None:
@@ -235,6 +235,67 @@ def test_the_newest_request_preempts_itself_when_it_is_the_one_short_of_pages():
     assert ids(batch) == [0]
     assert ids(sched.waiting) == [1] and r1.page_table == []
     assert r1.status is RequestStatus.WAITING
+
+
+def _history(reserve: bool, num_pages: int, lengths: list[int], steps: int = 14) -> list[tuple]:
+    """Batches, queues and preemptions of a run with too few pages, with or without loans to running blocks."""
+    new = Factory()
+    sched = make_scheduler(num_pages=num_pages, reserve=reserve)
+    for n in lengths:
+        sched.add(new(n, max_tokens=12))
+    history = []
+    for _ in range(steps):
+        batch = sched.schedule()
+        history.append((ids(batch), ids(sched.waiting), [r.num_preemptions for r in batch]))
+        forward(sched, batch)
+    return history
+
+
+def test_pages_lent_to_running_blocks_never_change_admission_or_preemption():
+    assert _history(True, 6, [4, 5, 3, 6]) == _history(False, 6, [4, 5, 3, 6])
+    assert _history(True, 40, [4, 5, 3, 6]) == _history(False, 40, [4, 5, 3, 6])
+
+
+def test_a_page_lent_to_a_running_block_goes_back_for_a_newcomer():
+    for reserve in (False, True):
+        new = Factory()
+        sched = make_scheduler(num_pages=3, reserve=reserve)
+        r0 = new(4)
+        sched.add(r0)
+        sched.schedule()
+        (target,) = r0.sample_targets()
+        sched.finish_step(r0, [(target.positions[0], 7)])  # its running block stays active: a page on loan
+        late = new(8)  # two prompt blocks: it needs the two pages r0's committed prompt leaves
+        sched.add(late)
+        assert ids(sched.schedule()) == [0, 1], f"reserve={reserve}"
+
+
+def test_running_blocks_get_their_pages_while_free_pages_last():
+    new = Factory()
+    sched = make_scheduler(num_pages=3, reserve=True)
+    r0, r1 = new(4), new(4)
+    sched.add(r0)
+    sched.add(r1)
+    sched.schedule()
+    # each has its prompt block's page; r0 is lent the page of its running block, r1 finds none left
+    assert len(r0.page_table) == 2 and len(r1.page_table) == 1
+    assert sched.kv_cache.num_free_pages == 0
+
+
+def test_a_page_holding_a_reusable_prefix_is_never_lent():
+    new = Factory()
+    sched = make_scheduler(num_pages=3, prefix_caching=True, reserve=True)
+    first = new(4, max_tokens=4)
+    sched.add(first)
+    while sched.has_unfinished():
+        forward(sched, sched.schedule())
+    cached = dict(sched.kv_cache.hash_of_page)
+    assert cached, "the finished request left registered pages"
+    late = new(4)
+    sched.add(late)
+    sched.schedule()
+    assert all(sched.kv_cache.hash_of_page.get(p) == h for p, h in cached.items() if p not in late.page_table)
+    assert not set(late.page_table[1:]) & set(cached), "a loan took a registered page"
 
 
 # ----- finishing and abort ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffulex.kernels.acceptance import triton_accept_segments
-from diffulex.sampler.acceptance import accept_confident
+from diffulex.sampler.acceptance import accept_confident, accept_confident_segments
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,3 +65,20 @@ def test_empty_trailing_blocks_and_rows_outside_every_block_are_left_unaccepted(
     force = torch.tensor([1, 1, 1, 1], dtype=torch.int64, device=DEVICE)
     got = triton_accept_segments(conf, starts, force, 0.9, 4)
     assert got.cpu().tolist() == [True, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_rows_at_minus_infinity_are_never_forced(impl):
+    """Rows at -inf are no candidates (positions decoded after the step's layout was made): a forcing block takes
+    its best finite row, and a block with no finite row takes nothing."""
+    inf = float("-inf")
+    conf = torch.tensor([inf, 0.3, 0.2, inf, inf, 0.95], dtype=torch.float32, device=DEVICE)
+    starts = torch.tensor([0, 3, 5, 6], dtype=torch.int64, device=DEVICE)
+    segment = torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int64, device=DEVICE)
+    force = torch.tensor([1, 1, 1], dtype=torch.int64, device=DEVICE)
+    if impl == "kernel":
+        got = triton_accept_segments(conf, starts, force, 0.9, 4)
+    else:
+        got = accept_confident_segments(conf, segment, force.bool(), 0.9)
+    assert got.cpu().tolist() == [False, True, False, False, False, True]
+    assert accept_confident([inf, inf], 0.9, True) == []

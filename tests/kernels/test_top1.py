@@ -157,5 +157,6 @@ def test_source_rows_answer_for_the_rows_they_name_and_padding_rows_read_nothing
     assert tokens.shape == conf.shape == (7,)
     assert tokens[:4].cpu().tolist() == ref_tokens.tolist()
     torch.testing.assert_close(conf[:4].cpu(), ref_conf, rtol=1e-5, atol=0)
+    assert conf[4:].cpu().tolist() == [float("-inf")] * 3, "a row not read is no candidate"
     again, _ = triton_top1(logits, 2 * TILE, banned_id=3, num_splits=num_splits)  # the counters were left at zero
     assert again.cpu().tolist() == reference(logits.cpu(), 2 * TILE, 3)[0].tolist()

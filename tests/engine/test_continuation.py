@@ -1,0 +1,126 @@
+"""Continuation steps (``async_scheduling``): a decode step queued before its predecessor's result, its inputs
+advanced on the device, must be exactly the step the host would have launched, so every request decodes as it
+does with one step in flight.
+
+On the CPU the graphs' static buffers run through the eager forward (``capture=False``); the advance of the
+inputs then runs in its reference implementation (`tests/kernels/test_step_advance.py` ties the kernel to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from diffulex import SamplingParams
+from diffulex.testing.checkpoints import write_tiny_checkpoint
+from tests.engine.test_cuda_graph import with_static_decode
+from tests.engine.test_engine_matches_reference import assert_matches_reference, make_engine, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
+
+
+def _answers(outputs) -> list[tuple]:
+    return [
+        (t.token_ids, t.nfe, t.completion_reason, [(s.num_new_tokens, s.running_token_ids) for s in t.steps])
+        for t in outputs.trajectories
+    ]
+
+
+def _generate(model: Path, prompts, params, async_scheduling: bool, stop_token: int | None = None, **fields):
+    with make_engine(model, async_scheduling=async_scheduling, **fields) as llm:
+        with_static_decode(llm)
+        if stop_token is not None:  # a stop token the tiny model really produces
+            llm.settings = dataclasses.replace(llm.settings, stop_token_ids=frozenset({stop_token}))
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return _answers(outputs), llm.num_continuations, llm.num_dropped_continuations
+
+
+@pytest.mark.parametrize("lengths", [[9], [3, 6, 9, 12, 5]], ids=["one-request", "five-requests"])
+def test_continued_steps_decode_every_request_as_one_step_in_flight_does(peaky_sdar_dir: Path, lengths) -> None:
+    fields = dict(accept_threshold=0.8)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, lengths, seed=31)
+    expected, none, _ = _generate(peaky_sdar_dir, prompts, GREEDY, False, **fields)
+    got, continued, dropped = _generate(peaky_sdar_dir, prompts, GREEDY, True, **fields)
+    assert none == 0
+    assert got == expected
+    assert continued > 0 and dropped == 0
+
+
+def test_continued_steps_match_the_reference_decoder(sdar_dir: Path) -> None:
+    with make_engine(sdar_dir) as llm:
+        with_static_decode(llm)
+        trajectories = assert_matches_reference(llm, random_prompts(llm, [7, 10], seed=4), GREEDY)
+        assert llm.num_continuations > sum(t.nfe for t in trajectories) // 4, "most decode steps are continued"
+
+
+def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path) -> None:
+    model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
+    with make_engine(model) as llm:
+        prompts = random_prompts(llm, [4, 9, 13], seed=7)
+    expected, _, _ = _generate(model, prompts, GREEDY, False, accept_threshold=0.7)
+    got, continued, _ = _generate(model, prompts, GREEDY, True, accept_threshold=0.7)
+    assert got == expected and continued > 0
+
+
+def test_a_stop_token_in_the_middle_of_a_block_drops_the_continuation(peaky_sdar_dir: Path) -> None:
+    """A stop token decoded before a block's last mask moves the decoding limit: the continuation, which samples
+    every mask of the block, is not the host's next step. It is dropped and the right step is launched."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    fields = dict(accept_threshold=0.95)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [5], seed=0)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        mask, block_size = llm.mask_token_id, llm.config.block_size
+    answer, steps = outputs.trajectories[0].token_ids, outputs.trajectories[0].steps
+    # a token decoded for the first time in a later block (not the prompt's, decoded by the eager prefill step),
+    # at a step that left an earlier position of its block masked
+    stop_token = None
+    for before, after in zip(steps, steps[1:], strict=False):
+        (block,) = after.running_block_ids
+        if before.running_block_ids != after.running_block_ids or block < 3:
+            continue
+        pairs = zip(before.running_token_ids, after.running_token_ids, strict=True)
+        new = [i for i, (a, b) in enumerate(pairs) if a != b]
+        token = after.running_token_ids[new[0]] if new else None
+        at = block * block_size + (new[0] if new else 0) - 5
+        if new and mask in after.running_token_ids[: new[0]] and token not in answer[:at]:
+            stop_token = token
+            break
+    assert stop_token is not None, "the tiny model should fill some block out of order"
+    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, stop_token, **fields)
+    got, _, dropped = _generate(peaky_sdar_dir, prompts, params, True, stop_token, **fields)
+    assert got == expected
+    assert expected[0][2] == "eos_token_generated"
+    assert dropped > 0
+
+
+def test_waiting_requests_and_aborts_fall_back_to_launching_after_the_result(peaky_sdar_dir: Path) -> None:
+    """A request added or aborted while a continuation is in flight: the newcomer joins the next scheduled step,
+    the aborted request's continued result is dropped, the others decode as without continuations."""
+
+    def run(async_scheduling: bool) -> tuple[dict[int, list[int]], int]:
+        with make_engine(peaky_sdar_dir, accept_threshold=0.8, async_scheduling=async_scheduling) as llm:
+            with_static_decode(llm)
+            prompts = random_prompts(llm, [6, 8, 10], seed=12)
+            ids = [llm.add_request(prompts[0], GREEDY), llm.add_request(prompts[1], GREEDY)]
+            finished: dict[int, list[int]] = {}
+            for i in range(200):
+                if i == 6:
+                    ids.append(llm.add_request(prompts[2], GREEDY))
+                if i == 9:
+                    llm.abort_request(ids[1])
+                for update in llm.step():
+                    if update.finished:
+                        finished[update.req_id] = update.trajectory.token_ids
+                if llm.is_finished():
+                    break
+            return finished, llm.num_continuations
+
+    expected, _ = run(False)
+    got, continued = run(True)
+    assert got == expected and continued > 0
+    assert {0, 2} <= set(got), "the first request and the newcomer finish"
+    assert 1 not in got or len(got[1]) < len(got[0]), "the aborted request stops early"
