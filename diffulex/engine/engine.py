@@ -513,11 +513,15 @@ class DiffulexEngine:
 
         A continuation samples the positions of the predecessor's layout that are still masks, and stores a block
         once none is left. The host's next step samples its `Request.sample_targets` and stores a block that became
-        ``TO_CACHE``. They differ when a stop token in the middle of the block moved the decoding limit.
+        ``TO_CACHE``. They differ when a stop token in the middle of the block moved the decoding limit. A
+        continuation whose requests have all finished is dropped too.
         """
         if not self._in_flight or not self._in_flight[0].continuation:
             return
         launched = self._in_flight[0]
+        if all(req.is_finished for req in launched.batch):  # nothing left to apply it to
+            self._in_flight.popleft()
+            return
         pending, mask = launched.pending, self.mask_token_id
         left: dict[int, list[int]] = {}
         for owner, position in zip(pending.owners, pending.positions, strict=True):

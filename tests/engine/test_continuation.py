@@ -34,6 +34,7 @@ def _generate(model: Path, prompts, params, async_scheduling: bool, stop_token: 
         if stop_token is not None:  # a stop token the tiny model really produces
             llm.settings = dataclasses.replace(llm.settings, stop_token_ids=frozenset({stop_token}))
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert not llm._in_flight, "nothing stays in flight once every request has finished"
         return _answers(outputs), llm.num_continuations, llm.num_dropped_continuations
 
 
