@@ -32,3 +32,19 @@ if [ "$1" = b ]; then
       | grep sdar | sed "s/^/$mode /"
   done
 fi
+#   c: after continuations that only store are applied without a wait: the engine tests with real capture, then
+#      the SDAR-1.7B rows with and without continuations, alternating (batch 1 three times each, batch 64 once)
+if [ "$1" = c ]; then
+  timeout 200 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
+    tests/engine/test_micro_batches.py -x -q -p no:warnings > $OUT/pytest_engine.log 2>&1
+  echo "engine pytest rc=$?"; tail -2 $OUT/pytest_engine.log
+  for mode in async-scheduling no-async-scheduling async-scheduling no-async-scheduling async-scheduling \
+      no-async-scheduling; do
+    $TP --$mode --models 1.7b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_1p7b_b1_$mode.json 2>&1 | quiet \
+      | grep sdar | sed "s/^/$mode /"
+  done
+  for mode in async-scheduling no-async-scheduling; do
+    $TP --$mode --models 1.7b --batch-sizes 64 --buffer-sizes 1 --out $OUT/tp_1p7b_b64_$mode.json 2>&1 | quiet \
+      | grep sdar | sed "s/^/$mode /"
+  done
+fi

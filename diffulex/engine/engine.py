@@ -159,6 +159,8 @@ class _InFlightStep:
     pending: PendingWrites
     started: float  # perf_counter() at scheduling
     continuation: bool = False  # launched before the previous step's result (`diffulex.engine.continuation`)
+    # a continuation that only stores decoded blocks samples nothing: the host applies it without waiting for it
+    result_known: bool = False
 
 
 @dataclass
@@ -461,7 +463,7 @@ class DiffulexEngine:
             return []
         self._maybe_continue()
         applied = self._apply(self._in_flight.popleft())
-        self._drop_a_continuation_that_differs()
+        self._check_continuation()
         self._launch_until_full()
         return self._report(applied)
 
@@ -506,10 +508,12 @@ class DiffulexEngine:
         self.num_continuations += 1
         self._in_flight.append(_InFlightStep(newest.batch, newest.views, pending, t0, continuation=True))
 
-    def _drop_a_continuation_that_differs(self) -> None:
+    def _check_continuation(self) -> None:
         """Now that its predecessor's result is applied, check the continuation in flight against the step the
         host would launch itself, request by request; drop it if one differs (its result is never read, and what
-        it stored is stored again by the step launched instead).
+        it stored is stored again by the step launched instead). A continuation that only stores decoded blocks
+        samples nothing, so its result is known: the next call applies it at once and launches the step after it
+        without waiting for the device.
 
         A continuation samples the positions of the predecessor's layout that are still masks, and stores a block
         once none is left. The host's next step samples its `Request.sample_targets` and stores a block that became
@@ -526,6 +530,7 @@ class DiffulexEngine:
         left: dict[int, list[int]] = {}
         for owner, position in zip(pending.owners, pending.positions, strict=True):
             left.setdefault(owner, []).append(position)
+        stores_only = True
         for req in launched.batch:
             if req.is_finished:
                 continue
@@ -538,13 +543,15 @@ class DiffulexEngine:
                 self.num_dropped_continuations += 1
                 logger.debug("dropped a continuation step: request %d differs from the host's next step", req.req_id)
                 return
+            stores_only &= stores
+        launched.result_known = stores_only
 
     def _apply(self, launched: _InFlightStep) -> _AppliedStep:
         """Wait for a launched step's result and apply it to its requests: everything the next schedule reads.
 
         A request aborted while its step was in flight is skipped: nothing of that step is applied to it.
         """
-        writes = launched.pending.result()
+        writes = launched.pending.writes if launched.result_known else launched.pending.result()
         applied = _AppliedStep(self._num_steps, time.perf_counter() - launched.started)
         for req, view in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:

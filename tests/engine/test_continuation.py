@@ -125,3 +125,23 @@ def test_waiting_requests_and_aborts_fall_back_to_launching_after_the_result(pea
     assert got == expected and continued > 0
     assert {0, 2} <= set(got), "the first request and the newcomer finish"
     assert 1 not in got or len(got[1]) < len(got[0]), "the aborted request stops early"
+
+
+def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(sdar_dir: Path) -> None:
+    """Once the host knows a continuation only stores decoded blocks (it samples nothing), it applies it without
+    reading its result and launches the next step at once; the tokens stay those of the reference decoder."""
+    with make_engine(sdar_dir) as llm:
+        with_static_decode(llm)
+        launched = []
+        original = llm.runner.launch_continuation
+
+        def launch_continuation(micro_batch):
+            pending = original(micro_batch)
+            launched.append(pending)
+            return pending
+
+        llm.runner.launch_continuation = launch_continuation
+        assert_matches_reference(llm, random_prompts(llm, [7], seed=4), GREEDY)
+    never_read = [p for p in launched if p.accepted_tokens is not None]  # `result()` clears it
+    assert never_read, "some continuations only stored their block"
+    assert all(not any(p.accepted_tokens[0].tolist()) for p in never_read), "and accepted nothing"
