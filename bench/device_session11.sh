@@ -48,3 +48,16 @@ if [ "$1" = c ]; then
       | grep sdar | sed "s/^/$mode /"
   done
 fi
+#   d: the rows on another machine (an H200): SDAR-1.7B batch 1 with and without continuations (twice each,
+#      alternating), batch 64 with and without, SDAR-8B batch 1 with
+if [ "$1" = d ]; then
+  for mode in async-scheduling no-async-scheduling async-scheduling no-async-scheduling; do
+    $TP --$mode --models 1.7b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_1p7b_b1_$mode.json 2>&1 | quiet \
+      | grep sdar | sed "s/^/$mode /"
+  done
+  for mode in async-scheduling no-async-scheduling; do
+    $TP --$mode --models 1.7b --batch-sizes 64 --buffer-sizes 1 --out $OUT/tp_1p7b_b64_$mode.json 2>&1 | quiet \
+      | grep sdar | sed "s/^/$mode /"
+  done
+  $TP --async-scheduling --models 8b --batch-sizes 1 --buffer-sizes 1 --out $OUT/tp_8b_b1.json 2>&1 | quiet | grep sdar
+fi
