@@ -323,22 +323,11 @@ class DecodeGraphs:
         if sampled is not None and not self.samples:
             raise ValueError("these decode graphs were built without a sampling graph")
         self._fill(step, bucket, buffer, sampled)
-        result = None
-        if self.capture_graphs:
-            if not self._upload_in_graph:
-                self._upload(bucket, buffer)
-            self._graphs[bucket].replay()
-            hidden = self._outputs[bucket]
-            if sampled is not None:
-                self._sample_graphs[bucket].replay()
-                host = self._result_home(bucket, buffer)
-                if not self._upload_in_graph:  # the captured copy targets buffer 0's home
-                    host.copy_(self._sample_outputs[bucket], non_blocking=True)
-                result = host[:, : len(sampled.rows)]
-        else:
-            hidden, result = self._run_uncaptured(bucket, sample=sampled is not None)
-            result = result[:, : len(sampled.rows)] if sampled is not None else None
-        return hidden[: step.num_tokens], result
+        sample = sampled is not None
+        if self.capture_graphs and not self._upload_in_graph:
+            self._upload(bucket, buffer)
+        hidden, result = self._execute(bucket, buffer, sample)
+        return hidden[: step.num_tokens], result[:, : len(sampled.rows)] if sample else None
 
     def replay_continuation(self, bucket: int, buffer: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the bucket's graphs again on the device buffers as the last step's sampling graph advanced them
@@ -347,14 +336,22 @@ class DecodeGraphs:
         run (in device memory on the uncaptured path)."""
         if self.advance is None:
             raise ValueError("these decode graphs were built without continuation steps")
+        hidden, result = self._execute(bucket, buffer, sample=True)
+        return hidden, result[:, :num_rows]
+
+    def _execute(self, bucket: int, buffer: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's forward graph, then with ``sample`` its sampling graph and the copy of its result to host
+        buffer `buffer`'s home, on whatever the device buffers hold; uncaptured, the same work run eagerly."""
         if not self.capture_graphs:
-            hidden, result = self._run_uncaptured(bucket, sample=True)
-            return hidden, result[:, :num_rows]
+            return self._run_uncaptured(bucket, sample)
         self._graphs[bucket].replay()
+        if not sample:
+            return self._outputs[bucket], None
         self._sample_graphs[bucket].replay()
         host = self._result_home(bucket, buffer)
-        host.copy_(self._sample_outputs[bucket], non_blocking=True)
-        return self._outputs[bucket], host[:, :num_rows]
+        if not self._upload_in_graph:  # the captured copy targets buffer 0's home
+            host.copy_(self._sample_outputs[bucket], non_blocking=True)
+        return self._outputs[bucket], host
 
     def _run_uncaptured(self, bucket: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the bucket's graphs do, run eagerly on the same buffers (no CUDA, or before capture)."""

@@ -44,7 +44,6 @@ class _ReplayedStep:
 
     bucket: int
     layout: RowLayout
-    num_rows: int
     storable: bool  # every sampled block has its page: a continuation can store it once it is decoded
 
 
@@ -172,7 +171,7 @@ class ModelRunner:
             hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
                 storable = all(base >= 0 for _, _, base in step.sample_blocks)
-                self._replayed = _ReplayedStep(bucket, layout, len(step.sample_rows), storable)
+                self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             hidden = self.forward(*self._eager_inputs(step))
@@ -207,7 +206,7 @@ class ModelRunner:
         if not self.can_continue:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
-        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, replayed.num_rows)
+        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, len(replayed.layout.positions))
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
