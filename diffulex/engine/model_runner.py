@@ -145,8 +145,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """What a decode graph's sampling graph captures: the LM head over every row of the padded step (which
         rows are sampled changes every step; the graph's shapes may not), then the sampler's greedy step on the
-        rows to sample. Returns ``[2, rows]`` accepted flags and tokens."""
-        logits = self.model.compute_logits(hidden)
+        rows to sample. Returns ``[2, rows]`` accepted flags and tokens.
+
+        The LM head is told which rows are sampled (``source_rows``): a continuation step that only stores a
+        decoded block samples none, and then its LM head streams no weights (`LMHead.forward`)."""
+        logits = self.model.compute_logits(hidden, source_rows)
         return self.sampler.greedy_result(logits, source_rows, segment, force, starts, self.settings.block_size)
 
     @torch.inference_mode()

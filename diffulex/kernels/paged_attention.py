@@ -32,6 +32,8 @@ Design:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -183,6 +185,7 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
+    PRELOAD_TILE: tl.constexpr = False,  # load the first cached tile into registers before waiting (split launches)
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -273,6 +276,13 @@ def _paged_attention_kernel(
         lines = tl.arange(0, HEAD_DIM // LINE_ELEMS) * LINE_ELEMS
         prefetch_l2(k_cache_ptr + kc_rows[:, None] + lines[None, :])
         prefetch_l2(v_cache_ptr + vc_rows[:, None] + lines[None, :])
+    if PRELOAD_TILE:
+        # a split's cached share is mostly one tile: have its keys and values in registers by the time q is ready,
+        # so that after the wait only q's load precedes the fold
+        k_pre, v_pre, kpos_pre, kok_pre = _cached_tile(
+            k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+        )
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
     wait_for_inputs(USE_PDL)
     q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
@@ -283,7 +293,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # ---- cached keys [lo, min(ctx, hi)) gathered through the page table ----
-    for n_start in range(lo, cache_end, BLOCK_N):
+    cached_lo = lo
+    if PRELOAD_TILE:
+        if lo < cache_end:
+            m_i, l_i, acc = _online_softmax_step(
+                q, k_pre.to(q.dtype), v_pre.to(q.dtype), kpos_pre, kok_pre, q_blk, q_in_prompt, prompt_len, m_i, l_i,
+                acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
+            )
+        cached_lo = lo + BLOCK_N
+    for n_start in range(cached_lo, cache_end, BLOCK_N):
         k_t, v_t, k_pos, k_ok = _cached_tile(
             k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
             stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
@@ -405,6 +423,8 @@ _STAGES_SPLIT = 1
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
+# A split program loads its first cached tile before its PDL wait (registers, not just L2).
+_PRELOAD_ENABLED = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") != "0"
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -526,6 +546,7 @@ def triton_paged_attention(
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
+        PRELOAD_TILE=split_slots > 1 and _PRELOAD_ENABLED,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),

@@ -78,6 +78,8 @@ def _skinny_kernel(
     y_ptr,  # [M, N], unit stride along N
     part_ptr,  # [splits, M, N] fp32 partials, or unused
     counters_ptr,  # [>= N tiles] int32, zero between launches, or unused
+    readers_ptr,  # [num_readers] int32/int64 rows of y that will be read (-1: none), or unused (`READER_SLOTS` 0)
+    num_readers,
     M,
     N,
     K,
@@ -100,9 +102,16 @@ def _skinny_kernel(
     GATED: tl.constexpr = False,  # y = silu(x @ W_gate^T) * (x @ W_up^T): each program owns both halves' columns
     PRECISE_EXP: tl.constexpr = True,  # `GATED`'s exp as libdevice's expf (False: the interpreter's tl.exp)
     RELEASE_EARLY: tl.constexpr = False,  # let the next kernels start now rather than after the weight stream
+    READER_SLOTS: tl.constexpr = 0,  # > 0: skip everything when no entry of `readers_ptr` is a row (a power of 2)
 ):
     if RELEASE_EARLY:
         release_dependents(USE_PDL)
+    if READER_SLOTS > 0:
+        slots = tl.arange(0, READER_SLOTS)
+        readers = tl.load(readers_ptr + slots, mask=slots < num_readers, other=-1)
+        if tl.max(readers, axis=0) < 0:  # nobody reads this product: stream no weights, write nothing
+            wait_for_inputs(USE_PDL)  # every program waits (`diffulex.kernels.pdl`)
+            return
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -297,6 +306,8 @@ MIN_GATED_BLOCK_N = 64
 _GATED_ENABLED = os.environ.get("DIFFULEX_GATED_GEMM", "1") != "0"  # A/B runs: SiLU-and-mul in gate_up's epilogue
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
+_READER_DTYPES = (torch.int32, torch.int64)
+_READERS_ENABLED = os.environ.get("DIFFULEX_SKINNY_READERS", "1") != "0"  # A/B runs: skip products nobody reads
 # TMA: Hopper's copy engine; it needs 16-byte aligned addresses and strides.
 _TMA_MIN_CAPABILITY = 9
 _TMA_ALIGN = 16
@@ -362,6 +373,7 @@ def maybe_skinny_linear(
     *,
     output: str = "sum",
     release_early: bool = False,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The product through the kernel where `use_skinny` allows it, else None (the caller then uses ``F.linear``).
 
@@ -374,6 +386,11 @@ def maybe_skinny_linear(
     product) while it streams its weights, instead of after: for a product whose consumers are latency-bound
     kernels that stream no weights of their own, such as q/k/v's (q/k norm + rotary, then attention, whose
     metadata and page-table reads then leave the critical path). The result is the same either way.
+
+    ``readers`` (int32/int64 on the device, -1 for none) names the rows of the product anyone will read: when it holds
+    no row at launch time the kernel skips the weight stream and leaves the output unwritten. Why: a decode
+    step queued before its inputs are known (`diffulex.engine.continuation`) may turn out to sample no row, and
+    then its LM head, a full vocabulary-sized weight stream, would be computed for nothing.
 
     A shape the kernel takes only under graph capture also runs through it on its first eager call per kernel
     variant: that call compiles the variant (and allocates the split counters), so the warm-up forward before
@@ -391,11 +408,12 @@ def maybe_skinny_linear(
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
+        gated = readers is not None and readers.numel() > 0
+        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device, gated)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
-    return _launch(x, weight, bias, cfg, mode, release_early)
+    return _launch(x, weight, bias, cfg, mode, release_early, readers)
 
 
 def output_config(output: Output, n: int, k: int, m: int) -> SkinnyConfig | None:
@@ -441,14 +459,17 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     release_early: bool = False,
+    readers: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` in ``x``'s dtype with fp32 accumulation, for few-row ``x [M, K]``.
 
     `config` overrides the table (benchmarks and tests); without it the shape must be in the table (check
-    `use_skinny` first). ``release_early`` as in `maybe_skinny_linear`. Works on CUDA and under the Triton
+    `use_skinny` first). ``release_early`` and ``readers`` as in `maybe_skinny_linear`; ``out`` (contiguous
+    ``[M, N]`` in ``x``'s dtype) is written instead of a new tensor. Works on CUDA and under the Triton
     interpreter.
     """
-    return _launch(x, weight, bias, config, Output.SUM, release_early)
+    return _launch(x, weight, bias, config, Output.SUM, release_early, readers, out)
 
 
 def skinny_silu_mul(
@@ -491,6 +512,8 @@ def _launch(
     config: SkinnyConfig | None,
     output: Output,
     release_early: bool = False,
+    readers: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -511,6 +534,10 @@ def _launch(
         raise ValueError(f"a gated launch cannot split K (config {cfg})")
     if output is Output.PARTIALS:
         y = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    elif out is not None:
+        if out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor on {x.device}")
+        y = out
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -535,6 +562,15 @@ def _launch(
     rows = weight.shape[0]  # both halves of a gated weight are streamed
     prefetch = _prefetch_lines(rows, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if _tma_usable(weight, cfg) else None
+    if readers is not None and (
+        readers.dtype not in _READER_DTYPES or readers.dim() != 1 or readers.device != x.device
+    ):
+        raise ValueError(
+            f"readers must be a 1-D int32/int64 tensor on {x.device}, got {readers.dtype} {tuple(readers.shape)} "
+            f"on {readers.device}"
+        )
+    gated_by_readers = readers is not None and readers.numel() > 0 and _READERS_ENABLED
+    reader_slots = _next_pow2(readers.numel()) if gated_by_readers else 0
     _skinny_kernel[(tiles, splits)](
         x,
         weight,
@@ -543,6 +579,8 @@ def _launch(
         y,
         part,
         counters,
+        readers if reader_slots else y,
+        readers.numel() if reader_slots else 0,
         m,
         n,
         k,
@@ -565,6 +603,7 @@ def _launch(
         GATED=gated,
         PRECISE_EXP=PRECISE_EXP,
         RELEASE_EARLY=release_early,
+        READER_SLOTS=reader_slots,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(use_pdl),

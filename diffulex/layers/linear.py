@@ -68,13 +68,18 @@ def _skinny_for(x: torch.Tensor) -> Callable[..., torch.Tensor | None] | None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, release_early: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    release_early: bool = False,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
     CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``.
-    ``release_early``: see `diffulex.kernels.skinny_gemm.maybe_skinny_linear` (scheduling only)."""
+    ``release_early`` and ``readers`` (the rows anyone reads; with none the skinny GEMM may leave the output
+    unwritten): see `diffulex.kernels.skinny_gemm.maybe_skinny_linear`."""
     skinny = _skinny_for(x)
-    y = skinny(x, weight, bias, release_early=release_early) if skinny is not None else None
+    y = skinny(x, weight, bias, release_early=release_early, readers=readers) if skinny is not None else None
     return y if y is not None else nn.functional.linear(x, weight, bias)
 
 
@@ -148,8 +153,10 @@ class LMHead(nn.Module):
             )
         self.weight = embedding.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every row of ``x``; with ``readers`` (device row indices, -1 for none) only the rows it
+        names are promised, and when it names none the product may be skipped (`linear`)."""
+        return linear(x, self.weight, readers=readers)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"

@@ -217,5 +217,5 @@ class DenseForDiffusionLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, readers)

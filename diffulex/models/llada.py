@@ -133,8 +133,8 @@ class LLaDAForDiffusionLM(nn.Module):
     ) -> torch.Tensor:
         return self.model.transformer(input_ids, positions, attn_meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.transformer.ff_out(hidden)
+    def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model.transformer.ff_out(hidden, readers)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         return logits

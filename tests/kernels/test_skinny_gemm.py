@@ -146,6 +146,27 @@ def test_unsummed_config_splits_until_the_grid_covers_the_sms() -> None:
     assert unsummed_config(SkinnyConfig(64, 128, 4, 2, True), 256, 128) is None
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=["fma", "dot-split"])
+def test_a_product_no_row_of_which_is_read_is_skipped(cfg: SkinnyConfig) -> None:
+    """``readers`` names the rows anyone reads (-1: none). With no row named, the launch writes nothing (an LM
+    head a continuation step does not sample from streams no weights); with any row named, every row is the
+    full product, whichever rows are named and whatever the index dtype."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 96, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(80, 96, generator=gen) * 0.3).to(DEVICE, torch.float16)
+    expected = skinny_linear(x, w, None, cfg)
+    for rows, dtype in [([-1, -1, -1, -1], torch.int64), ([-1], torch.int32)]:
+        out = torch.full((4, 80), float("nan"), dtype=torch.float16, device=DEVICE)
+        skinny_linear(x, w, None, cfg, readers=torch.tensor(rows, dtype=dtype, device=DEVICE), out=out)
+        assert out.isnan().all()
+    for rows, dtype in [([-1, 2, -1, -1, -1], torch.int64), ([0], torch.int32), ([3, 1], torch.int64)]:
+        out = torch.full((4, 80), float("nan"), dtype=torch.float16, device=DEVICE)
+        skinny_linear(x, w, None, cfg, readers=torch.tensor(rows, dtype=dtype, device=DEVICE), out=out)
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="readers must be a 1-D int32/int64 tensor"):
+        skinny_linear(x, w, None, cfg, readers=torch.zeros(2, dtype=torch.float32, device=DEVICE))
+
+
 GATED_CONFIGS = [  # small tiles under the interpreter (the table's gated tiles are 64 columns per half)
     SkinnyConfig(16, 32, 4, 2, use_dot=False),
     SkinnyConfig(16, 32, 4, 2, use_dot=True),
