@@ -77,3 +77,21 @@ if [ "$1" = f ]; then
   for r in 1 0; do DIFFULEX_SKINNY_READERS=$r TAG=_readers$r rows 1.7b 64 $ON | sed "s/^/readers$r /"; done
   rows 8b 1 $ON
 fi
+#   g: what bounds the H200 now: the replay as built, the chain without the RMSNorm launches and the attention layer
+#      (q/k norm, rotary, store and attention: the GEMMs and the embedding are left), and the timeline
+if [ "$1" = g ]; then
+  $W --tag base --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+  $W --tag skip_norm_attn --skip norm,attn 2>&1 | grep WHATIF
+  $W --tag skip_norm --skip norm 2>&1 | grep WHATIF
+fi
+#   h: the final code on an H100: GPU tests of the changed kernels, then the throughput rows (SDAR-1.7B batch 1 three
+#      times and 64, SDAR-8B batch 1)
+if [ "$1" = h ]; then
+  timeout 200 python -m pytest tests/kernels/test_skinny_gemm.py tests/kernels/test_paged_attention.py -x -q \
+    -p no:warnings > $OUT/pytest_kernels.log 2>&1
+  echo "kernel pytest rc=$?"; tail -2 $OUT/pytest_kernels.log
+  for i in 1 2 3; do TAG=_$i rows 1.7b 1 $ON; done
+  rows 1.7b 64 $ON
+  rows 8b 1 $ON
+  $W --tag base 2>&1 | grep WHATIF
+fi
