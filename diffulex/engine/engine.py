@@ -390,7 +390,7 @@ class DiffulexEngine:
             max_query_len=self._max_rows_per_request(),
             max_model_len=config.max_model_len,
             capture=True,
-            micro_batches=config.micro_batches,
+            staging_buffers=self._staging_buffers,
             continuations=self._continues,
             logits_shift=self.settings.logits_shift,
         )

@@ -104,15 +104,15 @@ class ModelRunner:
         max_query_len: int,
         max_model_len: int,
         capture: bool,
-        micro_batches: int = 1,
+        staging_buffers: int = 1,
         continuations: bool = False,
         logits_shift: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
-        host staging buffer per micro-batch that may be in flight. Greedy steps also sample inside a graph
-        (`greedy_sample`); with ``continuations`` their sampling graph also prepares the next step's inputs, so
-        that `launch_continuation` can queue it before this step's result is read (two steps in flight);
-        ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families).
+        host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
+        steps also sample inside a graph (`greedy_sample`); with ``continuations`` their sampling graph also
+        prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
+        read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -130,8 +130,9 @@ class ModelRunner:
         advance = None
         if continuations and greedy_sample is not None:
             advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)
-            micro_batches = max(micro_batches, 2)
-        self.graphs = DecodeGraphs(shape, self.graph_forward, s.device, capture, micro_batches, greedy_sample, advance)
+        self.graphs = DecodeGraphs(
+            shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
+        )
         self._replayed = None
         self.graphs.capture()
 
@@ -282,7 +283,9 @@ class ModelRunner:
             for block in req.blocks[start // size : -(-end // size)]:
                 lo, hi = max(start, block.start), min(end, block.end)
                 if block.status is BlockStatus.TO_CACHE:
-                    base = req.page_table[lo // page] * page + lo % page
+                    base = _slot(req, lo, page)
+                    if base < 0:
+                        raise RuntimeError(f"request {req.req_id}: block at {block.start} is stored but has no page")
                     slots.extend(range(base, base + hi - lo))
                 else:
                     slots.extend([-1] * (hi - lo))
@@ -291,8 +294,7 @@ class ModelRunner:
             for target in targets:
                 rows.extend(offset + p - shift - start for p in target.positions)
                 block = target.block
-                has_page = block.start // page < len(req.page_table)
-                base = req.page_table[block.start // page] * page + block.start % page if has_page else -1
+                base = _slot(req, block.start, page)
                 step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
             step.work.append((req, targets))
             step.query_lens.append(end - start)
@@ -327,3 +329,9 @@ class ModelRunner:
             prefix_lens_cpu=step.prefix_lens,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
+
+
+def _slot(req: Request, position: int, page_size: int) -> int:
+    """The KV-cache slot of ``req``'s ``position``, or -1 while its page has not been given."""
+    page = position // page_size
+    return req.page_table[page] * page_size + position % page_size if page < len(req.page_table) else -1

@@ -411,8 +411,8 @@ def maybe_skinny_linear(
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        skips_unread = readers is not None and readers.numel() > 0
-        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device, skips_unread)
+        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
+        variant += (_reader_slots(readers),)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)
@@ -445,6 +445,13 @@ def unsummed_config(cfg: SkinnyConfig, n: int, k: int) -> SkinnyConfig | None:
     if splits < 2 or tiles > MAX_SPLIT_TILES:
         return None
     return cfg._replace(split_k=splits)
+
+
+def _reader_slots(readers: torch.Tensor | None) -> int:
+    """The launch's ``READER_SLOTS``: the reader indices it checks, padded to a power of two (0: no check)."""
+    if readers is None or readers.numel() == 0 or not _READERS_ENABLED:
+        return 0
+    return _next_pow2(readers.numel())
 
 
 def _next_pow2(x: int) -> int:
@@ -572,8 +579,7 @@ def _launch(
             f"readers must be a 1-D int32/int64 tensor on {x.device}, got {readers.dtype} {tuple(readers.shape)} "
             f"on {readers.device}"
         )
-    skips_unread = readers is not None and readers.numel() > 0 and _READERS_ENABLED
-    reader_slots = _next_pow2(readers.numel()) if skips_unread else 0
+    reader_slots = _reader_slots(readers)
     _skinny_kernel[(tiles, splits)](
         x,
         weight,

@@ -26,7 +26,7 @@ def with_static_decode(llm):
         max_query_len=config.buffer_size * config.block_size + int(settings.logits_shift),
         max_model_len=config.max_model_len,
         capture=False,
-        micro_batches=config.micro_batches,
+        staging_buffers=llm._staging_buffers,
         continuations=llm._continues,
         logits_shift=settings.logits_shift,
     )
