@@ -17,8 +17,10 @@ The tokens are then meaningless; the replay time says how much a perfect fusion 
 garbage; the time says what a consumer summing the partials itself could save, minus its extra reads).
 ``--lookahead LINES`` launches, right after each layer's qkv GEMM, a kernel that prefetches into L2 the first LINES
 128-byte lines of every row of that layer's gate_up weight, while attention leaves the memory idle.
-``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and ``--attn-splits`` caps
-the split-KV factor, to time configurations in the chain of kernels rather than alone.
+``--release-early N,K ...`` (or ``all``) lets the kernels after those skinny GEMMs start at their beginning, and
+``--prefetch-mb`` sets the L2 prefetch budget per matrix.
+``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
+``--attn-splits`` caps the split-KV factor, to time configurations in the chain of kernels rather than alone.
 """
 
 from __future__ import annotations
@@ -80,6 +82,25 @@ def _override(tables: list[str], attn_splits: int | None) -> None:
     if attn_splits is not None:
         auto = paged_attention._auto_num_splits
         paged_attention._auto_num_splits = lambda *args: min(attn_splits, auto(*args))
+
+
+def _release_early(shapes: list[str], prefetch_mb: float | None) -> None:
+    """The skinny GEMMs of these weight shapes (``N,K``; ``all``: every one) let the next kernels start at their
+    beginning rather than after their weight stream; `prefetch_mb` replaces the L2 prefetch budget per matrix."""
+    from diffulex.kernels import skinny_gemm
+
+    if prefetch_mb is not None:
+        skinny_gemm._PREFETCH_BUDGET_BYTES = int(prefetch_mb * (1 << 20))
+    if not shapes:
+        return
+    wanted = {tuple(int(v) for v in item.split(",")) for item in shapes if item != "all"}
+    launch = skinny_gemm._launch
+
+    def early(x, weight, bias, config, output, release_early=False, readers=None, out=None):
+        release_early = release_early or "all" in shapes or tuple(weight.shape) in wanted
+        return launch(x, weight, bias, config, output, release_early, readers, out)
+
+    skinny_gemm._launch = early
 
 
 def _skip_combine(shapes: list[str]) -> None:
@@ -183,6 +204,8 @@ def main() -> None:
     ap.add_argument("--attn-splits", type=int)
     ap.add_argument("--lookahead", type=int, default=0, help="L2 lines per gate_up row prefetched during attention")
     ap.add_argument("--lookahead-target", default="gate_up")
+    ap.add_argument("--release-early", nargs="*", default=[], help="weight shapes N,K (or all) releasing at once")
+    ap.add_argument("--prefetch-mb", type=float, help="L2 prefetch budget per matrix, MB")
     ap.add_argument("--partials", nargs="*", default=[], help="weight shapes N,K whose split sum is skipped")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
@@ -193,6 +216,7 @@ def main() -> None:
     _remove(skip)
     _override(args.table, args.attn_splits)
     _skip_combine(args.partials)
+    _release_early(args.release_early, args.prefetch_mb)
     if args.lookahead:
         _lookahead(args.lookahead, args.lookahead_target)
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,6 +229,7 @@ def main() -> None:
         torch.cuda.synchronize()
         step = 1e3 * (time.perf_counter() - t0) / args.steps
         tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
+        tags += f" release_early={args.release_early} prefetch_mb={args.prefetch_mb}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         if args.timeline:
             for name, calls, us in chain_increments(engine):

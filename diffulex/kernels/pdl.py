@@ -14,8 +14,9 @@ The protocol every kernel here keeps, which makes the chain safe:
   step's metadata (copied in before the first kernel), KV-cache slots of earlier steps. It writes nothing.
 * Every program calls `wait_for_inputs`, also one that returns early (a kernel must never complete before its
   predecessor has, or a third kernel waiting on it would see the older kernel's outputs unfinished).
-* `release_dependents` may come at any point; weight-streaming GEMMs call it after their main loop, so the next
-  GEMM's weight prefetch overlaps only the small kernels in between, not this GEMM's own stream.
+* `release_dependents` may come at any point. A GEMM streaming a large weight (16 MiB or more) calls it at its
+  start, so the next kernels' prologues and the next GEMM's small L2 prefetch overlap its stream; a shorter one
+  calls it after its main loop, its stream being too short to hide its successors' start.
 
 Kernels take a ``USE_PDL`` constexpr and are launched with `launch_kwargs`; with the flag off both helpers
 compile to nothing and the launch is an ordinary one. Off on the CPU, under the Triton interpreter (which has

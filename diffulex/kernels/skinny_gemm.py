@@ -156,9 +156,9 @@ def _skinny_kernel(
             acc_up = _accumulate(acc_up, w_up, xv, USE_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    # the weight stream is done: the next kernels may start their prologues (releasing them before it, the next
-    # GEMM's prefetch competes with this stream; measured on an H100: no faster at 1.7B, 2% slower at 8B). A
-    # product whose consumers stream no weights releases them at its start instead (`RELEASE_EARLY`).
+    # the weight stream is done: the next kernels may start their prologues. A long stream (and a product whose
+    # consumers stream no weights) released them at its start instead (`RELEASE_EARLY`, `_EARLY_RELEASE_MIN_BYTES`),
+    # so that the next GEMM's prologue and small prefetch overlap this stream rather than follow its tail.
     if not RELEASE_EARLY:
         release_dependents(USE_PDL)
     if USE_DOT:
@@ -291,9 +291,18 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 _EAGER_MIN_BYTES = 256 << 20
 _ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
 # With programmatic dependent launch a GEMM starts while the kernels before it finish; it prefetches its weights
-# into L2 meanwhile, at most this much per matrix (the H100's L2 holds 50 MB, and the prefetched lines must
-# survive until the main loop reads them).
-_PREFETCH_BUDGET_BYTES = 16 << 20
+# into L2 meanwhile, at most this much per matrix. Measured in the SDAR-1.7B batch-1 chain on an H200 (session 13),
+# with the large GEMMs releasing early (below): 2-4 MB per matrix 1.150 ms per replay, 8 MB 1.164, 16 MB 1.229,
+# 24 MB 1.261; without any prefetch 1.175. More than a few MB competes with the GEMM still streaming and evicts
+# lines before they are read.
+_PREFETCH_BUDGET_BYTES = 4 << 20
+# A GEMM streaming at least this many weight bytes lets the kernels after it start at its beginning (as
+# ``release_early`` does) rather than after its stream: the next GEMM's prologue and prefetch then overlap this
+# stream instead of its tail. Measured on an H200 (session 13, SDAR-1.7B batch 1, 4 MB prefetch budget): replay
+# 1.255 ms with every release after the stream, 1.143 with gate_up's (50 MB) and down_proj's (25 MB) at the start
+# (q/k/v's already was), 1.151 with o_proj's (8 MB) too, which is too short to hide its successors' start.
+_EARLY_RELEASE_MIN_BYTES = 16 << 20
+_EARLY_RELEASE_ENABLED = os.environ.get("DIFFULEX_SKINNY_EARLY_RELEASE", "1") != "0"  # A/B runs
 _PREFETCH_MAX_ADDRESSES = 4096
 _L2_LINE_BYTES = 128
 
@@ -580,6 +589,7 @@ def _launch(
             f"on {readers.device}"
         )
     reader_slots = _reader_slots(readers)
+    release_early = release_early or _releases_early(weight)
     _skinny_kernel[(tiles, splits)](
         x,
         weight,
@@ -656,6 +666,12 @@ def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:
         and (weight.stride(0) * elem) % _TMA_ALIGN == 0
         and cfg.block_k * elem <= _TMA_MAX_BOX_BYTES
     )
+
+
+def _releases_early(weight: torch.Tensor) -> bool:
+    """Whether a launch streaming `weight` lets its successors start at its beginning, whatever its caller asked
+    (see `_EARLY_RELEASE_MIN_BYTES`)."""
+    return _EARLY_RELEASE_ENABLED and weight.numel() * weight.element_size() >= _EARLY_RELEASE_MIN_BYTES
 
 
 def _prefetch_lines(n: int, splits: int, lines_per_row: int, block_n: int) -> int:

@@ -12,9 +12,11 @@ from torch import nn
 
 from diffulex.kernels.activation import silu_mul
 from diffulex.kernels.skinny_gemm import (
+    _EARLY_RELEASE_MIN_BYTES,
     MAX_ROWS,
     UNSUMMED_PROGRAMS,
     SkinnyConfig,
+    _releases_early,
     _tma_usable,
     config_for,
     gated_config,
@@ -115,6 +117,17 @@ def test_releasing_dependents_early_changes_no_bit_of_a_chain(cfg: SkinnyConfig)
     early = skinny_linear(skinny_linear(x, w1, None, cfg, release_early=True), w2, None, cfg, release_early=True)
     assert torch.equal(early, late)
     check(late, reference(reference(x, w1, None).to(dtype), w2, None), dtype)
+
+
+def test_only_long_weight_streams_release_their_successors_at_the_start() -> None:
+    """The SDAR-1.7B MLP weights (48 and 24 MiB in bf16) hide the next GEMM's start behind their stream; o_proj
+    (8 MiB) is too short to, and keeps its release after the stream."""
+    gate_up, down, o_proj = (torch.empty(n, k, dtype=torch.bfloat16, device="meta") for n, k in
+                             ((12288, 2048), (2048, 6144), (2048, 2048)))
+    assert _releases_early(gate_up) and _releases_early(down)
+    assert not _releases_early(o_proj)
+    at_threshold = torch.empty(_EARLY_RELEASE_MIN_BYTES // 4, dtype=torch.float32, device="meta")
+    assert _releases_early(at_threshold) and not _releases_early(at_threshold[1:])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,69 @@
+#!/bin/bash
+# Session-13 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Compiled kernels survive between calls on a warm machine (ignored paths there are kept).
+export TRITON_CACHE_DIR=$PWD/.triton_cache
+nvidia-smi --query-gpu=name --format=csv,noheader
+quiet() { grep -v -i "warn"; }
+W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
+TP="python -m diffulex.cli bench throughput --data-dir tests/data/sdar-4b-chat --max-seconds ${SECONDS_PER_RUN:-3}"
+# rows MODEL BATCH MODE...: one throughput row per mode (async-scheduling / no-async-scheduling), in that order
+rows() {
+  local model=$1 batch=$2; shift 2
+  for mode in "$@"; do
+    $TP --$mode --models $model --batch-sizes $batch --buffer-sizes 1 --out $OUT/tp_${model/./p}_b${batch}_$mode${TAG:-}.json \
+      2>&1 | quiet | grep sdar | sed "s/^/$mode /"
+  done
+}
+ON=async-scheduling OFF=no-async-scheduling
+#   a: (experiment, code since removed) every skinny GEMM's first K tiles loaded into registers before its PDL wait:
+#      slower (docs/benchmarks.md, session 13)
+#   b: (experiment) which skinny GEMMs should let their dependents start at once (qkv does already), and the L2
+#      prefetch budget per matrix with every GEMM releasing early; baseline first and last, then the timeline
+if [ "$1" = b ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag early_all --release-early all 2>&1 | grep WHATIF
+  for s in 2048,2048 12288,2048 2048,6144; do $W --tag early_$s --release-early $s 2>&1 | grep WHATIF; done
+  for mb in 8 12 24; do $W --tag early_all_mb$mb --release-early all --prefetch-mb $mb 2>&1 | grep WHATIF; done
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag early_all_timeline --release-early all --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+fi
+#   c: (experiment) smaller L2 prefetch budgets with every GEMM (or all but o_proj) releasing early, and the budget
+#      alone; baseline first and last
+if [ "$1" = c ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  for mb in 0 2 4 6 8; do $W --tag early_all_mb$mb --release-early all --prefetch-mb $mb 2>&1 | grep WHATIF; done
+  for mb in 4 8; do
+    $W --tag early_noo_mb$mb --release-early 12288,2048 2048,6144 --prefetch-mb $mb 2>&1 | grep WHATIF
+  done
+  $W --tag late_mb8 --prefetch-mb 8 2>&1 | grep WHATIF
+  $W --tag base 2>&1 | grep WHATIF
+fi
+#   d: the large GEMMs releasing early with a 4 MB prefetch budget (as built now) against the old rule (every release
+#      after the stream, 16 MB), alternating, SDAR-1.7B and 8B (8B also with 8 MB); upper bounds and the timeline in
+#      the new regime
+OLD="env DIFFULEX_SKINNY_EARLY_RELEASE=0"
+W8="${W/1.7b/8b}"
+if [ "$1" = d ]; then
+  for i in 1 2; do
+    $W --tag new 2>&1 | grep WHATIF
+    $OLD $W --tag old --prefetch-mb 16 2>&1 | grep WHATIF
+  done
+  $W8 --tag new 2>&1 | grep WHATIF
+  $OLD $W8 --tag old --prefetch-mb 16 2>&1 | grep WHATIF
+  $W8 --tag new_mb8 --prefetch-mb 8 2>&1 | grep WHATIF
+  for s in norm attn norm,attn; do $W --tag skip_$s --skip $s 2>&1 | grep WHATIF; done
+  $W --tag timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+fi
+#   e: throughput rows of the final code; the kernels and the engine with real capture, gpu_smoke
+if [ "$1" = e ]; then
+  for i in 1 2; do TAG=_$i rows 1.7b 1 $ON; done
+  rows 1.7b 64 $ON
+  rows 8b 1 $ON
+  timeout 200 python -m pytest tests/kernels/test_skinny_gemm.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_top1.py -x -q -p no:warnings > $OUT/pytest_kernels.log 2>&1
+  echo "kernel pytest rc=$?"; tail -2 $OUT/pytest_kernels.log
+  timeout 120 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
+    -x -q -p no:warnings > $OUT/pytest_engine.log 2>&1
+  echo "engine pytest rc=$?"; tail -2 $OUT/pytest_engine.log
+fi
