@@ -290,7 +290,7 @@ class DiffulexEngine:
     @property
     def _staging_buffers(self) -> int:
         """Host staging buffers of the graphs: one per step that may be in flight."""
-        return 2 if self._continues else self.micro_batches
+        return 2 if self._continues else self.config.micro_batches
 
     def _max_rows_per_request(self) -> int:
         """The most rows one request adds to a decode step: its running set, plus the recomputed row of a shifted
