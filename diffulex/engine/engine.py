@@ -198,7 +198,6 @@ class DiffulexEngine:
         self._next_req_id = 0
         self._num_steps = 0
         self._num_launches = 0
-        self.micro_batches = config.micro_batches
         self._in_flight: deque[_InFlightStep] = deque()
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
@@ -469,7 +468,7 @@ class DiffulexEngine:
 
     def _launch_until_full(self) -> None:
         """Launch steps until ``micro_batches`` are in flight or nothing more can be scheduled."""
-        while len(self._in_flight) < self.micro_batches:
+        while len(self._in_flight) < self.config.micro_batches:
             launched = self._launch()
             if launched is None:
                 return
@@ -481,7 +480,7 @@ class DiffulexEngine:
         scheduler = self.scheduler
         busy = {req.req_id for step in self._in_flight for req in step.batch}
         active = len(scheduler.running) + len(scheduler.waiting)
-        batch = scheduler.schedule(busy, max_reqs=-(-active // self.micro_batches))
+        batch = scheduler.schedule(busy, max_reqs=-(-active // self.config.micro_batches))
         if not batch:
             return None
         # the forward's view of each request, for its step record: its query range and its running set
