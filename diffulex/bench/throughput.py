@@ -310,7 +310,7 @@ def measure_decode(
     elapsed = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     continued = getattr(engine, "num_continuations", 0) - continued
-    raw, step_times = _rounds(raw, step_times, getattr(engine, "micro_batches", 1))
+    raw, step_times = _rounds(raw, step_times, engine.config.micro_batches)
     final = [r.num_cached_tokens for r in requests]
     preemptions = sum(r.num_preemptions for r in requests)
     for rid in ids:
