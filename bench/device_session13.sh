@@ -67,3 +67,15 @@ if [ "$1" = e ]; then
     -x -q -p no:warnings > $OUT/pytest_engine.log 2>&1
   echo "engine pytest rc=$?"; tail -2 $OUT/pytest_engine.log
 fi
+#   f: (session 14, on the machine if drawn) the final code's batch-1 replay, two variants in the new regime
+#      (down_proj with 128-wide K tiles and 6 stages; attention capped at 2 splits), baseline first and last;
+#      throughput rows
+if [ "$1" = f ]; then
+  $W --tag new 2>&1 | grep WHATIF
+  $W --tag down_k128 --table 2048,6144,4=64,128,4,6,1,4 2>&1 | grep WHATIF
+  $W --tag attn2 --attn-splits 2 2>&1 | grep WHATIF
+  $W --tag new 2>&1 | grep WHATIF
+  for i in 1 2; do TAG=_$i rows 1.7b 1 $ON; done
+  rows 8b 1 $ON
+  rows 1.7b 64 $ON
+fi
