@@ -79,3 +79,11 @@ if [ "$1" = f ]; then
   rows 8b 1 $ON
   rows 1.7b 64 $ON
 fi
+#   g: (session 14, experiment) warps of the RMSNorm (8 built for 2048-wide rows) and q/k norm + rotary (4 built)
+#      programs in the batch-1 chain; baseline first and last
+if [ "$1" = g ]; then
+  $W --tag new 2>&1 | grep WHATIF
+  for w in 2 4 16; do $W --tag norm_w$w --norm-warps $w 2>&1 | grep WHATIF; done
+  for w in 1 2; do $W --tag rope_w$w --rope-warps $w 2>&1 | grep WHATIF; done
+  $W --tag new 2>&1 | grep WHATIF
+fi

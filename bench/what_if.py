@@ -19,6 +19,7 @@ garbage; the time says what a consumer summing the partials itself could save, m
 128-byte lines of every row of that layer's gate_up weight, while attention leaves the memory idle.
 ``--release-early N,K ...`` (or ``all``) lets the kernels after those skinny GEMMs start at their beginning, and
 ``--prefetch-mb`` sets the L2 prefetch budget per matrix.
+``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
 ``--attn-splits`` caps the split-KV factor, to time configurations in the chain of kernels rather than alone.
 """
@@ -101,6 +102,16 @@ def _release_early(shapes: list[str], prefetch_mb: float | None) -> None:
         return launch(x, weight, bias, config, output, release_early, readers, out)
 
     skinny_gemm._launch = early
+
+
+def _norm_warps(norm_warps: int | None, rope_warps: int | None) -> None:
+    """Warps of the RMSNorm and of the q/k norm + rotary programs, replacing the built-in choice."""
+    from diffulex.kernels import fused_norm
+
+    if norm_warps is not None:
+        fused_norm._norm_warps = lambda block_n: norm_warps
+    if rope_warps is not None:
+        fused_norm._QK_NORM_ROPE_WARPS = rope_warps
 
 
 def _skip_combine(shapes: list[str]) -> None:
@@ -206,6 +217,8 @@ def main() -> None:
     ap.add_argument("--lookahead-target", default="gate_up")
     ap.add_argument("--release-early", nargs="*", default=[], help="weight shapes N,K (or all) releasing at once")
     ap.add_argument("--prefetch-mb", type=float, help="L2 prefetch budget per matrix, MB")
+    ap.add_argument("--norm-warps", type=int, help="warps per RMSNorm program")
+    ap.add_argument("--rope-warps", type=int, help="warps per q/k norm + rotary program")
     ap.add_argument("--partials", nargs="*", default=[], help="weight shapes N,K whose split sum is skipped")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
@@ -217,6 +230,7 @@ def main() -> None:
     _override(args.table, args.attn_splits)
     _skip_combine(args.partials)
     _release_early(args.release_early, args.prefetch_mb)
+    _norm_warps(args.norm_warps, args.rope_warps)
     if args.lookahead:
         _lookahead(args.lookahead, args.lookahead_target)
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,6 +244,7 @@ def main() -> None:
         step = 1e3 * (time.perf_counter() - t0) / args.steps
         tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
         tags += f" release_early={args.release_early} prefetch_mb={args.prefetch_mb}"
+        tags += f" norm_warps={args.norm_warps} rope_warps={args.rope_warps}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         if args.timeline:
             for name, calls, us in chain_increments(engine):

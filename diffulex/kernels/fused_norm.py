@@ -47,6 +47,7 @@ from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, relea
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest row `rms_norm` holds in registers (one program per row); wider rows take the torch path.
 MAX_NORM_COLS = 16384
+_QK_NORM_ROPE_WARPS = 4  # one token's few heads per program: latency-bound, not worth more warps
 _INTERPRETING = tl.constexpr(INTERPRETING)
 
 
@@ -110,6 +111,12 @@ def _rms_norm_kernel(
     normed = cast_rne(x32 * rstd[:, None], x.dtype).to(tl.float32)
     out = w[None, :] * normed
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_warps(block_n: int) -> int:
+    """Warps of an RMSNorm program holding a row of `block_n` columns (more for wider rows, so each thread keeps a
+    few dozen values in registers)."""
+    return 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
 
 
 def _next_pow2(x: int) -> int:
@@ -181,7 +188,7 @@ def _launch_rms_norm(
     s2 = out.view(-1, n_cols) if summed is None else summed.view(-1, n_cols)
     block_n = _next_pow2(n_cols)
     block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
-    num_warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
+    num_warps = _norm_warps(block_n)
     use_pdl = pdl_enabled(x.device, n_rows)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2,
@@ -498,7 +505,7 @@ def _launch_qk_norm_rope(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         USE_PDL=use_pdl,
-        num_warps=4,
+        num_warps=_QK_NORM_ROPE_WARPS,
         enable_fp_fusion=False,
         **launch_kwargs(use_pdl),
     )
