@@ -382,18 +382,24 @@ class DiffulexEngine:
             logger.info("CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' and the static runner")
         if not self._use_cuda_graphs():
             return
-        config = self.config
         t0 = time.perf_counter()
+        self.enable_static_decode(capture=True)
+        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
+
+    def enable_static_decode(self, capture: bool) -> None:
+        """Serve decode steps from the padded static buffers of the graph path, captured as CUDA graphs or (CPU
+        tests, ``capture=False``) run through the eager forward: one place for the shape the engine's graphs
+        take."""
+        config = self.config
         self.runner.enable_decode_graphs(
             max_requests=config.max_num_reqs,
             max_query_len=self._max_rows_per_request(),
             max_model_len=config.max_model_len,
-            capture=True,
+            capture=capture,
             staging_buffers=self._staging_buffers,
             continuations=self._continues,
             logits_shift=self.settings.logits_shift,
         )
-        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
 
     # ----- requests -----------------------------------------------------------------------------------------
 

@@ -20,16 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 def with_static_decode(llm):
-    config, settings = llm.config, llm.settings
-    llm.runner.enable_decode_graphs(
-        max_requests=config.max_num_reqs,
-        max_query_len=config.buffer_size * config.block_size + int(settings.logits_shift),
-        max_model_len=config.max_model_len,
-        capture=False,
-        staging_buffers=llm._staging_buffers,
-        continuations=llm._continues,
-        logits_shift=settings.logits_shift,
-    )
+    llm.enable_static_decode(capture=False)
     return llm
 
 
