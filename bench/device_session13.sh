@@ -105,3 +105,7 @@ if [ "$1" = h ]; then
   $ROT $W8 --tag rotary 2>&1 | grep WHATIF
   $ROT $W --tag rotary_timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
 fi
+#   i: (session 15) where a whole batch-1 step goes beyond the forward replay (sampling graph, copies, gaps)
+if [ "$1" = i ]; then
+  $W --tag step_timeline --step-timeline 2>&1 | grep -E "WHATIF|STEP"
+fi

@@ -19,7 +19,8 @@ garbage; the time says what a consumer summing the partials itself could save, m
 128-byte lines of every row of that layer's gate_up weight, while attention leaves the memory idle.
 ``--release-early N,K ...`` (or ``all``) lets the kernels after those skinny GEMMs start at their beginning, and
 ``--prefetch-mb`` sets the L2 prefetch budget per matrix.
-``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
+``--step-timeline`` prints the same increments over whole engine steps (forward and sampling graphs, the result's
+copy). ``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
 ``--attn-splits`` caps the split-KV factor, to time configurations in the chain of kernels rather than alone.
 """
@@ -207,6 +208,33 @@ def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]
     return sorted(rows, key=lambda row: -row[2])
 
 
+def step_increments(engine, steps: int = 40) -> list[tuple[str, float, float]]:
+    """`chain_increments` over whole engine steps (forward graph, sampling graph, the copy of the result and the
+    idle time between them), per kernel or copy name: calls and microseconds per step. What a step costs beyond
+    the forward graph's replay shows here (the LM head is a ``_skinny`` call too: one per sampling step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    )
+    total: dict[str, list[float]] = {}
+    reached = events[0][1]  # the latest end so far: each event is charged only for what it adds past it
+    for _start, end, name in events[1:]:
+        total.setdefault(name.split("_kernel")[0][:40], []).append(max(0.0, end - reached))
+        reached = max(reached, end)
+    rows = [(n, len(v) / steps, sum(v) / steps) for n, v in total.items()]
+    return sorted(rows, key=lambda row: -row[2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
@@ -224,6 +252,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--tag", default="")
     ap.add_argument("--timeline", action="store_true", help="also print each kernel's critical-path increment")
+    ap.add_argument("--step-timeline", action="store_true", help="the same over whole steps (both graphs, copies)")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     _remove(skip)
@@ -249,6 +278,9 @@ def main() -> None:
         if args.timeline:
             for name, calls, us in chain_increments(engine):
                 print(f"CHAIN {name:40s} calls={calls:5.1f} us_per_replay={us:8.1f} us_per_call={us / calls:6.2f}")
+        if args.step_timeline:
+            for name, calls, us in step_increments(engine):
+                print(f"STEP {name:40s} calls={calls:5.1f} us_per_step={us:8.1f} us_per_call={us / calls:6.2f}")
         engine.exit()
 
 
