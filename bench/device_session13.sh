@@ -104,6 +104,10 @@ if [ "$1" = h ]; then
   $W8 --tag separate 2>&1 | grep WHATIF
   $ROT $W8 --tag rotary 2>&1 | grep WHATIF
   $ROT $W --tag rotary_timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+  # the RMSNorm's warps: 32 at 1.7B, and the 8B's 16 (built, unmeasured) against its former 8
+  $W --tag norm_w32 --norm-warps 32 2>&1 | grep WHATIF
+  $W8 --tag norm_w8 --norm-warps 8 2>&1 | grep WHATIF
+  $W8 --tag norm_w16 2>&1 | grep WHATIF
 fi
 #   i: (session 15) where a whole batch-1 step goes beyond the forward replay (sampling graph, copies, gaps)
 if [ "$1" = i ]; then
