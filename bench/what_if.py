@@ -181,22 +181,26 @@ def decoding_engine(tmp: Path, model: str, data_dir: str) -> Diffulex:
     return engine
 
 
-def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]]:
-    """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
-    replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
-    the replay and say what each launch costs the chain (not its own run time)."""
+def _gpu_events(run) -> list[tuple[float, float, str]]:
+    """``(start, end, name)`` in us of every kernel and copy that `run` puts on the GPU, in start order."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = smallest_graph(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        run()
         torch.cuda.synchronize()
-    kernels = sorted(
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
     )
+
+
+def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]]:
+    """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
+    replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
+    the replay and say what each launch costs the chain (not its own run time)."""
+    graph = smallest_graph(engine)
+    kernels = _gpu_events(lambda: [graph.replay() for _ in range(replays)])
     per_replay = len(kernels) // replays
     total: dict[str, list[float]] = {}
     for r in range(1, replays):  # the first replay has no predecessor on the timeline
@@ -212,20 +216,10 @@ def step_increments(engine, steps: int = 40) -> list[tuple[str, float, float]]:
     """`chain_increments` over whole engine steps (forward graph, sampling graph, the copy of the result and the
     idle time between them), per kernel or copy name: calls and microseconds per step. What a step costs beyond
     the forward graph's replay shows here (the LM head is a ``_skinny`` call too: one per sampling step)."""
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    events = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
-    )
+    events = _gpu_events(lambda: [engine.step() for _ in range(steps)])
     total: dict[str, list[float]] = {}
     reached = events[0][1]  # the latest end so far: each event is charged only for what it adds past it
     for _start, end, name in events[1:]:
