@@ -25,6 +25,11 @@ Design:
   tile's cached keys or its new keys (never both) and publishes its partial (max, denominator, accumulator) in fp32
   to a scratch buffer, then bumps a per-tile counter (acq_rel atomic); the last split to arrive combines the
   partials, writes the output and resets the counter to zero, so the counters need no memset between launches.
+* optionally (``rope=``, `RotaryInputs`) q and k arrive as the q/k/v projection wrote them: each program loads
+  its q rows and new keys together with their rotate-half partner columns, applies the per-head RMSNorm and the
+  rotation in registers, and the programs of a request's last query tile (whose keys reach its last row) store
+  the new K/V rows into the cache, once per KV head. That is the separate q/k norm + rotary + store launch's
+  work (`diffulex.kernels.fused_norm.qk_norm_rope_store`) without its launch on the critical path.
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
