@@ -66,7 +66,6 @@ def rope_store_and_attend(
     sum of squares and products are ordered differently).
     """
     if rotates_in_launch(q, k, meta, grouped, q_weight):
-        cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (cos, sin))
         rope = RotaryInputs(cos, sin, q_weight, k_weight, eps, meta.slot_mapping)
         return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, rope=rope)
     q, k = qk_norm_rope_store(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, meta.slot_mapping)

@@ -37,6 +37,7 @@ Design:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -111,9 +112,18 @@ def _cache_rows(
     """Offsets of the K and V cache rows of positions ``k_pos`` of one KV head, through the request's page table
     (0 where not ``k_ok``: no page is read for those)."""
     page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
-    in_page = k_pos % PAGE_SIZE
-    kc_rows = tl.where(k_ok, page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h, 0)
-    vc_rows = tl.where(k_ok, page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h, 0)
+    kc_rows, vc_rows = _slot_rows(
+        page, k_pos % PAGE_SIZE, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s,
+        stride_vc_h,
+    )
+    return tl.where(k_ok, kc_rows, 0), tl.where(k_ok, vc_rows, 0)
+
+
+@triton.jit
+def _slot_rows(page, in_page, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h):
+    """Offsets of one KV head's K and V cache rows at row ``in_page`` of ``page``."""
+    kc_rows = page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h
+    vc_rows = page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h
     return kc_rows, vc_rows
 
 
@@ -182,12 +192,15 @@ def _store_new_rows(
     """`triton_store_kv` of one KV head's new rows (rotated k, v as given) at their cache slots (negative: not
     stored), cast to the cache dtype."""
     ok = slots >= 0
-    page = tl.where(ok, slots // PAGE_SIZE, 0)
-    in_page = tl.where(ok, slots % PAGE_SIZE, 0)
-    kc = k_cache_ptr + page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h
-    vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h
-    tl.store(kc[:, None] + offs_d[None, :], to_cache_dtype(k_t, k_cache_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(vc[:, None] + offs_d[None, :], to_cache_dtype(v_t, v_cache_ptr.dtype.element_ty), mask=ok[:, None])
+    slots = tl.where(ok, slots, 0)
+    kc_rows, vc_rows = _slot_rows(
+        slots // PAGE_SIZE, slots % PAGE_SIZE, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p,
+        stride_vc_s, stride_vc_h,
+    )
+    kc = k_cache_ptr + kc_rows[:, None] + offs_d[None, :]
+    vc = v_cache_ptr + vc_rows[:, None] + offs_d[None, :]
+    tl.store(kc, to_cache_dtype(k_t, k_cache_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(vc, to_cache_dtype(v_t, v_cache_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -549,11 +562,8 @@ def _rope_mismatch(rope: RotaryInputs, q: torch.Tensor, k: torch.Tensor) -> str 
     """Why these rotary inputs cannot go with q/k, or None."""
     tokens, _, head_dim = q.shape
     for name, angles in (("cos", rope.cos), ("sin", rope.sin)):
-        if angles.dtype != torch.float32 or tuple(angles.shape) != (tokens, head_dim // 2) or angles.stride(-1) != 1:
-            return (
-                f"rope.{name} must be float32 [{tokens}, {head_dim // 2}] with unit stride, got {angles.dtype} "
-                f"{tuple(angles.shape)}"
-            )
+        if angles.dtype != torch.float32 or tuple(angles.shape) != (tokens, head_dim // 2):
+            return f"rope.{name} must be float32 [{tokens}, {head_dim // 2}], got {angles.dtype} {tuple(angles.shape)}"
     if (rope.q_weight is None) != (rope.k_weight is None):
         return "rope.q_weight and rope.k_weight must both be given or both be None"
     for name, w in (("q_weight", rope.q_weight), ("k_weight", rope.k_weight)):
@@ -635,6 +645,8 @@ def triton_paged_attention(
         mismatch = _rope_mismatch(rope, q, k) or kv_store_mismatch(k, v, k_cache, v_cache, rope.slot_mapping)
         if mismatch is not None:
             raise ValueError(mismatch)
+        cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (rope.cos, rope.sin))
+        rope = dataclasses.replace(rope, cos=cos, sin=sin)
     page_tables = meta.page_tables
     if page_tables.dtype != torch.int32:
         page_tables = page_tables.to(torch.int32)
