@@ -87,16 +87,19 @@ if [ "$1" = g ]; then
   for w in 1 2; do $W --tag rope_w$w --rope-warps $w 2>&1 | grep WHATIF; done
   $W --tag new 2>&1 | grep WHATIF
 fi
-#   h: (session 15) q/k norm + rotary + KV store inside the attention launch (DIFFULEX_ATTN_ROTARY=1, off by default)
+#   h: (session 15, experiment, code since removed: slower) q/k norm + rotary + KV store inside the attention launch
+#      (DIFFULEX_ATTN_ROTARY=1)
 #      against the separate launch: its kernel tests, the engine tests and gpu_smoke with it on, then the batch-1
-#      replay alternating (1.7B twice each, 8B once each) and the timeline with it on
-if [ "$1" = h ]; then
-  ROT="env DIFFULEX_ATTN_ROTARY=1"
+#      replay alternating (1.7B twice each, 8B once each) and the timeline with it on (h1: the tests, h2: the timings)
+ROT="env DIFFULEX_ATTN_ROTARY=1"
+if [ "$1" = h ] || [ "$1" = h1 ]; then
   $ROT timeout 200 python -m pytest tests/kernels/test_paged_attention.py -x -q -p no:warnings -k "rotat or rotary" \
     > $OUT/pytest_rotary.log 2>&1; echo "rotary kernel pytest rc=$?"; tail -2 $OUT/pytest_rotary.log
   $ROT timeout 200 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py -x -q \
     -p no:warnings > $OUT/pytest_engine_rotary.log 2>&1; echo "engine pytest rc=$?"; tail -2 $OUT/pytest_engine_rotary.log
   $ROT timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke_rotary.json 2>&1 | quiet | tail -6
+fi
+if [ "$1" = h ] || [ "$1" = h2 ]; then
   for i in 1 2; do
     $W --tag separate 2>&1 | grep WHATIF
     $ROT $W --tag rotary 2>&1 | grep WHATIF

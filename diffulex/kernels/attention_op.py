@@ -19,7 +19,7 @@ import torch
 from diffulex.attention.metadata import PagedAttentionMetadata
 from diffulex.kernels.fused_norm import qk_norm_rope_store
 from diffulex.kernels.kv_store import triton_store_kv
-from diffulex.kernels.paged_attention import RotaryInputs, rotates_in_launch, triton_paged_attention
+from diffulex.kernels.paged_attention import triton_paged_attention
 
 
 def store_and_attend(
@@ -58,16 +58,11 @@ def rope_store_and_attend(
     scale: float,
     grouped: bool,
 ) -> torch.Tensor:
-    """`store_and_attend` of un-rotated q/k in two launches: norm + rotary + KV store, then attention; or, where
-    `rotates_in_launch` says so, in the attention launch alone (`RotaryInputs`).
+    """`store_and_attend` of un-rotated q/k in two launches: norm + rotary + KV store, then attention.
 
-    Eager only (the caller takes the unfused path while ``torch.compile`` traces). The two launches give the same
-    bits as `rotate_qk` followed by `store_and_attend`; the single one matches them to the last ulp or so (its
-    sum of squares and products are ordered differently).
+    Eager only (the caller takes the unfused path while ``torch.compile`` traces). Same bits as `rotate_qk`
+    followed by `store_and_attend`.
     """
-    if rotates_in_launch(q, k, meta, grouped, q_weight):
-        rope = RotaryInputs(cos, sin, q_weight, k_weight, eps, meta.slot_mapping)
-        return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, rope=rope)
     q, k = qk_norm_rope_store(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, meta.slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
 

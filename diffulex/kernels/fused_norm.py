@@ -267,7 +267,7 @@ def _heads_norm_rope(
 
 
 @triton.jit
-def to_cache_dtype(x, dtype: tl.constexpr):
+def _to_cache_dtype(x, dtype: tl.constexpr):
     """``x`` as ``dtype`` the way ``Tensor.to`` (which `store_kv` uses) converts it: unchanged when it already is."""
     if x.dtype == dtype:
         y = x
@@ -306,11 +306,11 @@ def _store_heads(
     vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + heads[:, None] * stride_vc_h + offs[None, :]
     k_dtype = k_cache_ptr.dtype.element_ty
     v_dtype = v_cache_ptr.dtype.element_ty
-    tl.store(kc, to_cache_dtype(k1, k_dtype), mask=mask)
-    tl.store(kc + half, to_cache_dtype(k2, k_dtype), mask=mask)
+    tl.store(kc, _to_cache_dtype(k1, k_dtype), mask=mask)
+    tl.store(kc + half, _to_cache_dtype(k2, k_dtype), mask=mask)
     v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-    tl.store(vc, to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
-    tl.store(vc + half, to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
+    tl.store(vc, _to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
+    tl.store(vc + half, _to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
 
 
 @triton.jit

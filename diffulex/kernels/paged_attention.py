@@ -25,11 +25,6 @@ Design:
   tile's cached keys or its new keys (never both) and publishes its partial (max, denominator, accumulator) in fp32
   to a scratch buffer, then bumps a per-tile counter (acq_rel atomic); the last split to arrive combines the
   partials, writes the output and resets the counter to zero, so the counters need no memset between launches.
-* optionally (``rope=``, `RotaryInputs`) q and k arrive as the q/k/v projection wrote them: each program loads
-  its q rows and new keys together with their rotate-half partner columns, applies the per-head RMSNorm and the
-  rotation in registers, and the programs of a request's last query tile (whose keys reach its last row) store
-  the new K/V rows into the cache, once per KV head. That is the separate q/k norm + rotary + store launch's
-  work (`diffulex.kernels.fused_norm.qk_norm_rope_store`) without its launch on the critical path.
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
@@ -37,17 +32,13 @@ Design:
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from diffulex.attention.metadata import PagedAttentionMetadata
-from diffulex.kernels.fused_norm import cast_rne, to_cache_dtype
-from diffulex.kernels.kv_store import kv_store_mismatch
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import sm_count, split_counters
 
@@ -112,18 +103,9 @@ def _cache_rows(
     """Offsets of the K and V cache rows of positions ``k_pos`` of one KV head, through the request's page table
     (0 where not ``k_ok``: no page is read for those)."""
     page = tl.load(pt_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
-    kc_rows, vc_rows = _slot_rows(
-        page, k_pos % PAGE_SIZE, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s,
-        stride_vc_h,
-    )
-    return tl.where(k_ok, kc_rows, 0), tl.where(k_ok, vc_rows, 0)
-
-
-@triton.jit
-def _slot_rows(page, in_page, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h):
-    """Offsets of one KV head's K and V cache rows at row ``in_page`` of ``page``."""
-    kc_rows = page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h
-    vc_rows = page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h
+    in_page = k_pos % PAGE_SIZE
+    kc_rows = tl.where(k_ok, page * stride_kc_p + in_page * stride_kc_s + kv_head * stride_kc_h, 0)
+    vc_rows = tl.where(k_ok, page * stride_vc_p + in_page * stride_vc_s + kv_head * stride_vc_h, 0)
     return kc_rows, vc_rows
 
 
@@ -159,51 +141,6 @@ def _cached_tile(
 
 
 @triton.jit
-def _norm_rope_rows(x, x_partner, w, w_partner, cos, sin, sign, inv_d, eps, HAS_NORM: tl.constexpr):
-    """Rows of one head each (``[rows, D]``, loaded in place and at their rotate-half partners ``(d + D/2) % D``):
-    the per-head RMSNorm (optional) and rotation of `diffulex.kernels.fused_norm.qk_norm_rope`, with its
-    roundings, in the input dtype. ``sign`` is -1 on the first half, +1 on the second."""
-    a = x.to(tl.float32)
-    b = x_partner.to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.math.rsqrt(tl.sum(a * a, axis=1) * inv_d + eps)[:, None]
-        a = cast_rne(w * cast_rne(a * rstd, x.dtype).to(tl.float32), x.dtype).to(tl.float32)
-        b = cast_rne(w_partner * cast_rne(b * rstd, x.dtype).to(tl.float32), x.dtype).to(tl.float32)
-    return cast_rne(a * cos + sign * b * sin, x.dtype)
-
-
-@triton.jit
-def _store_new_rows(
-    k_t,
-    v_t,
-    slots,
-    kv_head,
-    offs_d,
-    k_cache_ptr,
-    v_cache_ptr,
-    stride_kc_p,
-    stride_kc_s,
-    stride_kc_h,
-    stride_vc_p,
-    stride_vc_s,
-    stride_vc_h,
-    PAGE_SIZE: tl.constexpr,
-):
-    """`triton_store_kv` of one KV head's new rows (rotated k, v as given) at their cache slots (negative: not
-    stored), cast to the cache dtype."""
-    ok = slots >= 0
-    slots = tl.where(ok, slots, 0)
-    kc_rows, vc_rows = _slot_rows(
-        slots // PAGE_SIZE, slots % PAGE_SIZE, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p,
-        stride_vc_s, stride_vc_h,
-    )
-    kc = k_cache_ptr + kc_rows[:, None] + offs_d[None, :]
-    vc = v_cache_ptr + vc_rows[:, None] + offs_d[None, :]
-    tl.store(kc, to_cache_dtype(k_t, k_cache_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(vc, to_cache_dtype(v_t, v_cache_ptr.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -218,11 +155,6 @@ def _paged_attention_kernel(
     part_ml_ptr,  # [programs, SPLIT_SLOTS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
     part_acc_ptr,  # [programs, SPLIT_SLOTS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
     counters_ptr,  # [programs] int32, zero between launches: splits of a tile that have finished
-    cos_ptr,  # with ROPE: [T, D / 2] fp32 rotary angles of each row (else unused, as are the next four)
-    sin_ptr,
-    q_w_ptr,  # with HAS_NORM: [D] per-head RMSNorm weights of q and k
-    k_w_ptr,
-    slot_ptr,  # with ROPE: [T] cache slot of each row (negative: not stored)
     qk_scale,  # softmax scale * log2(e)
     stride_q_t,
     stride_q_h,
@@ -239,10 +171,6 @@ def _paged_attention_kernel(
     stride_vc_s,
     stride_vc_h,
     stride_pt_r,
-    stride_cos,
-    stride_sin,
-    inv_d,  # 1 / D, for the q/k norm
-    eps,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # query heads handled by one program (GROUP rounded up to a power of two, or 1)
     BLOCK_Q: tl.constexpr,  # query positions per program
@@ -258,8 +186,6 @@ def _paged_attention_kernel(
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
     PRELOAD_TILE: tl.constexpr = False,  # load the first cached tile into registers before waiting (split launches)
-    ROPE: tl.constexpr = False,  # q/k come un-rotated: norm + rotate them here, and store the new K/V rows
-    HAS_NORM: tl.constexpr = False,  # with ROPE: q/k take a per-head RMSNorm first
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -357,37 +283,10 @@ def _paged_attention_kernel(
             k_cache_ptr, v_cache_ptr, pt_row, lo, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
             stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
         )
-    if ROPE:
-        # the rotate-half partner of each column, and the angles of q's rows (gathered before the first layer by a
-        # launch that is not PDL-aware, so complete before this one starts: see `diffulex.kernels.pdl`)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_p = (offs_d + HALF) % HEAD_DIM
-        sign = tl.where(offs_d < HALF, -1.0, 1.0)[None, :]
-        angle_cols = (offs_d % HALF)[None, :]
-        cos_q = tl.load(cos_ptr + q_rows[:, None] * stride_cos + angle_cols, mask=row_ok[:, None], other=0.0)
-        sin_q = tl.load(sin_ptr + q_rows[:, None] * stride_sin + angle_cols, mask=row_ok[:, None], other=0.0)
-        if HAS_NORM:
-            wq = tl.load(q_w_ptr + offs_d).to(tl.float32)[None, :]
-            wq_p = tl.load(q_w_ptr + offs_p).to(tl.float32)[None, :]
-            wk = tl.load(k_w_ptr + offs_d).to(tl.float32)[None, :]
-            wk_p = tl.load(k_w_ptr + offs_p).to(tl.float32)[None, :]
-        else:  # unused
-            wq = 1.0
-            wq_p = 1.0
-            wk = 1.0
-            wk_p = 1.0
-        # the request's new K/V rows go to the cache from the programs of its last query tile (whose keys reach its
-        # last row), once per KV head
-        stores = tile == (q_len - 1) // BLOCK_Q
-        if GROUP_PAD == 1:
-            stores = stores & (head_slot % GROUP == 0)
     # everything above is step metadata and earlier steps' cache; q, k and v come from the kernels just before
     wait_for_inputs(USE_PDL)
-    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    if ROPE:
-        q_p = tl.load(q_ptrs + offs_p[None, :], mask=row_ok[:, None], other=0.0)
-        q = _norm_rope_rows(q, q_p, wq, wq_p, cos_q, sin_q, sign, inv_d, eps, HAS_NORM)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -419,23 +318,10 @@ def _paged_attention_kernel(
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
         k_rows = (row_start + k_idx).to(tl.int64)
-        k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h
+        k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
         v_ptrs = v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :]
-        k_t = tl.load(k_ptrs + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-        if ROPE:
-            k_p = tl.load(k_ptrs + offs_p[None, :], mask=k_ok[:, None], other=0.0)
-            cos_k = tl.load(cos_ptr + k_rows[:, None] * stride_cos + angle_cols, mask=k_ok[:, None], other=0.0)
-            sin_k = tl.load(sin_ptr + k_rows[:, None] * stride_sin + angle_cols, mask=k_ok[:, None], other=0.0)
-            k_t = _norm_rope_rows(k_t, k_p, wk, wk_p, cos_k, sin_k, sign, inv_d, eps, HAS_NORM)
-            if stores:
-                slots = tl.load(slot_ptr + k_rows, mask=k_ok, other=-1).to(tl.int64)
-                _store_new_rows(
-                    k_t, v_t, slots, kv_head, offs_d, k_cache_ptr, v_cache_ptr, stride_kc_p, stride_kc_s,
-                    stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
-                )
-        k_t = k_t.to(q.dtype)
-        v_t = v_t.to(q.dtype)
+        k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(
             q,
             k_t,
@@ -539,52 +425,6 @@ _STAGES_SPLIT = 1
 _PREFETCH_KEYS = 128
 # A split program loads its first cached tile before its PDL wait (registers, not just L2).
 _PRELOAD_ENABLED = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") != "0"
-# Decode-sized launches rotate q/k and store the new K/V themselves (`RotaryInputs`) instead of after a separate
-# q/k norm + rotary + store launch. Off until timed on a GPU (`DIFFULEX_ATTN_ROTARY=1` turns it on).
-_ROTARY_IN_LAUNCH = os.environ.get("DIFFULEX_ATTN_ROTARY", "0") == "1"
-
-
-@dataclass(frozen=True)
-class RotaryInputs:
-    """What `triton_paged_attention` needs to take q/k un-rotated (``rope=``): it then applies the per-head
-    RMSNorm (with weights) and rotary of `diffulex.kernels.fused_norm.qk_norm_rope` itself, and stores the new
-    K/V rows at ``slot_mapping`` as `triton_store_kv` does, saving that launch."""
-
-    cos: torch.Tensor  # [T, head_dim / 2] float32, the angles of each row's position
-    sin: torch.Tensor
-    q_weight: torch.Tensor | None  # [head_dim] in q's dtype, or None (rotary alone); both or neither
-    k_weight: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor  # [T] cache slot of each row, negative where nothing is stored
-
-
-def _rope_mismatch(rope: RotaryInputs, q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why these rotary inputs cannot go with q/k, or None."""
-    tokens, _, head_dim = q.shape
-    for name, angles in (("cos", rope.cos), ("sin", rope.sin)):
-        if angles.dtype != torch.float32 or tuple(angles.shape) != (tokens, head_dim // 2):
-            return f"rope.{name} must be float32 [{tokens}, {head_dim // 2}], got {angles.dtype} {tuple(angles.shape)}"
-    if (rope.q_weight is None) != (rope.k_weight is None):
-        return "rope.q_weight and rope.k_weight must both be given or both be None"
-    for name, w in (("q_weight", rope.q_weight), ("k_weight", rope.k_weight)):
-        if w is not None and (w.dtype != q.dtype or tuple(w.shape) != (head_dim,) or not w.is_contiguous()):
-            return f"rope.{name} must be a contiguous [{head_dim}] tensor of q's dtype {q.dtype}"
-    if k.dtype != q.dtype:
-        return f"k ({k.dtype}) must have q's dtype ({q.dtype}) to be rotated in the attention launch"
-    return None
-
-
-def rotates_in_launch(
-    q: torch.Tensor, k: torch.Tensor, meta: PagedAttentionMetadata, grouped: bool, weight: torch.Tensor | None
-) -> bool:
-    """Whether attention over these rows should take q/k un-rotated (`RotaryInputs`) rather than after their own
-    norm + rotary + store launch: decode-sized launches, where each request is one query tile (a longer query
-    would rotate its new keys once per tile), with norm weights of q's dtype."""
-    if not _ROTARY_IN_LAUNCH or k.dtype != q.dtype or (weight is not None and weight.dtype != q.dtype):
-        return False
-    group_pad = _next_pow2(q.shape[1] // k.shape[1]) if grouped else 1
-    block_q, _ = _tile_shapes(meta.max_query_len, group_pad, q.shape[2])
-    return meta.max_query_len <= block_q
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -610,7 +450,6 @@ def triton_paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     min_split_keys: int = _MIN_KEYS_PER_SPLIT,
-    rope: RotaryInputs | None = None,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention`: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, caches ``[P, page_size, Hkv, D]``.
 
@@ -620,8 +459,6 @@ def triton_paged_attention(
     split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
-    With ``rope``, q and k arrive un-normalized and un-rotated (`RotaryInputs`) and the launch also stores the
-    new K/V rows into the caches.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -641,12 +478,6 @@ def triton_paged_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    if rope is not None:
-        mismatch = _rope_mismatch(rope, q, k) or kv_store_mismatch(k, v, k_cache, v_cache, rope.slot_mapping)
-        if mismatch is not None:
-            raise ValueError(mismatch)
-        cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (rope.cos, rope.sin))
-        rope = dataclasses.replace(rope, cos=cos, sin=sin)
     page_tables = meta.page_tables
     if page_tables.dtype != torch.int32:
         page_tables = page_tables.to(torch.int32)
@@ -685,11 +516,6 @@ def triton_paged_attention(
         part_ml,
         part_acc,
         counters,
-        q if rope is None else rope.cos,
-        q if rope is None else rope.sin,
-        q if rope is None or rope.q_weight is None else rope.q_weight,
-        q if rope is None or rope.k_weight is None else rope.k_weight,
-        q if rope is None else rope.slot_mapping,
         float(scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -706,10 +532,6 @@ def triton_paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         page_tables.stride(0),
-        0 if rope is None else rope.cos.stride(0),
-        0 if rope is None else rope.sin.stride(0),
-        1.0 / head_dim,
-        0.0 if rope is None else float(rope.eps),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -725,8 +547,6 @@ def triton_paged_attention(
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
         PRELOAD_TILE=split_slots > 1 and _PRELOAD_ENABLED,
-        ROPE=rope is not None,
-        HAS_NORM=rope is not None and rope.q_weight is not None,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),

@@ -40,26 +40,3 @@ def test_custom_op_declares_its_cache_mutation_and_a_fake_kernel() -> None:
             meta.block_size, meta.page_size, meta.prefix_full, meta.max_query_len, meta.max_kv_len, True,
         )
     assert out.shape == q.shape and out.dtype == q.dtype
-
-
-def test_rotating_inside_attention_is_the_two_launch_step(monkeypatch) -> None:
-    """`rope_store_and_attend` with the rotary folded into attention (decode sizes, switched on) gives the output
-    and caches of its two-launch form, from a strided view of the angles too."""
-    from diffulex.kernels import paged_attention as pa
-    from tests.kernels.test_paged_attention import rope_case
-
-    q, k, v, k_cache, v_cache, meta, rope = rope_case([(24, 4, 20), (30, 4, 2), (0, 2, 2)], 4, 2, 16, True,
-                                                      torch.float32)
-    wide = torch.stack((rope.cos, rope.sin), dim=-1)  # angles as strided views, as a caller may hand them
-    cos, sin = wide[..., 0], wide[..., 1]
-    meta.slot_mapping.copy_(rope.slot_mapping)
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(pa, "_ROTARY_IN_LAUNCH", on)
-        caches = k_cache.clone(), v_cache.clone()
-        out = attention_op.rope_store_and_attend(
-            q, k, v, cos, sin, rope.q_weight, rope.k_weight, rope.eps, *caches, meta, 0.25, True
-        )
-        results[on] = out, *caches
-    for got, want in zip(results[True], results[False], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -13,8 +13,7 @@ import torch
 
 from diffulex.attention.metadata import PagedAttentionMetadata
 from diffulex.attention.torch_paged import paged_attention
-from diffulex.kernels.fused_norm import qk_norm_rope_store
-from diffulex.kernels.paged_attention import RotaryInputs, triton_paged_attention
+from diffulex.kernels.paged_attention import triton_paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -194,83 +193,3 @@ def test_all_requests_empty():
     q, k, v, k_cache, v_cache, meta = make_batch([(4, 0, 4), (0, 0, 0)], 2, 1, 16, 4, 4, False, torch.float32, DEVICE)
     out = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     assert out.shape == (0, 2, 16)
-
-
-def rope_case(requests, num_heads, num_kv_heads, head_dim, with_norm, dtype, prefix_full=False, seed=3):
-    """A batch with un-rotated q/k, its rotary inputs (some rows not stored), and the caches' initial state."""
-    q, k, v, k_cache, v_cache, meta = make_batch(
-        requests, num_heads, num_kv_heads, head_dim, 8, 4, prefix_full, dtype, DEVICE, seed=seed
-    )
-    gen = torch.Generator().manual_seed(seed + 1)
-    tokens = q.shape[0]
-    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6.0
-    slots = meta.slot_mapping.clone()
-    slots[torch.rand(tokens, generator=gen) < 0.3] = -1  # rows of blocks that are not committed yet
-    weights = [None, None]
-    if with_norm:
-        weights = [(1 + 0.3 * torch.randn(head_dim, generator=gen)).to(DEVICE, dtype) for _ in range(2)]
-    rope = RotaryInputs(
-        angles.cos().to(DEVICE), angles.sin().to(DEVICE), weights[0], weights[1], 1e-6, slots.to(DEVICE)
-    )
-    return q, k, v, k_cache, v_cache, meta, rope
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("grouped", "splits", "with_norm", "prefix_full"),
-    [(True, None, True, False), (True, 3, True, True), (False, 2, True, False), (True, None, False, True),
-     (False, None, False, False)],
-)
-def test_rotating_in_the_attention_launch_equals_rotating_and_storing_first(
-    grouped, splits, with_norm, prefix_full, dtype
-):
-    """With ``rope`` the launch normalizes and rotates q/k itself and stores the new K/V rows (not those with a
-    negative slot): the same output and caches as `qk_norm_rope_store` followed by attention. Covers a request
-    split over two query tiles (its rows' keys are rotated by both, stored by the last) and an empty one."""
-    requests = [(24, 4, 20), (0, 40, 40), (70, 8, 3), (5, 0, 5), (9, 1, 9)]
-    q, k, v, k_cache, v_cache, meta, rope = rope_case(requests, 4, 2, 16, with_norm, dtype, prefix_full)
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    q_rot, k_rot = qk_norm_rope_store(
-        q, k, v, rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps, ref_k_cache, ref_v_cache,
-        rope.slot_mapping,
-    )
-    scale = 16**-0.5
-    expected = triton_paged_attention(q_rot, k_rot, v, ref_k_cache, ref_v_cache, meta, scale, grouped=grouped,
-                                      num_splits=splits)
-    for _ in range(2):  # twice: the split counters are left at zero, and storing the same rows again is harmless
-        out = torch.full_like(q, float("nan"))
-        got = triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped, out=out,
-                                     num_splits=splits, rope=rope)
-        assert not torch.isnan(got).any(), "rows left unwritten or NaN produced"
-        torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
-        torch.testing.assert_close(k_cache, ref_k_cache, atol=TOL[dtype], rtol=TOL[dtype])
-        assert torch.equal(v_cache, ref_v_cache)
-
-
-def test_rotary_inputs_that_do_not_fit_are_refused():
-    q, k, v, k_cache, v_cache, meta, rope = rope_case([(4, 3, 4)], 2, 1, 16, True, torch.float32)
-    short = RotaryInputs(rope.cos[:, :4], rope.sin, rope.q_weight, rope.k_weight, rope.eps, rope.slot_mapping)
-    with pytest.raises(ValueError, match=r"rope.cos must be float32 \[3, 8\]"):
-        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, rope=short)
-    lone = RotaryInputs(rope.cos, rope.sin, rope.q_weight, None, rope.eps, rope.slot_mapping)
-    with pytest.raises(ValueError, match="both be given or both be None"):
-        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, rope=lone)
-    slots = RotaryInputs(rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps, rope.slot_mapping[:2])
-    with pytest.raises(ValueError, match="slot_mapping has shape"):
-        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, rope=slots)
-
-
-def test_only_decode_sized_launches_rotate_in_attention_and_only_when_switched_on(monkeypatch):
-    """A request longer than one query tile would rotate its new keys once per tile, so it keeps the separate
-    launch; so do norm weights of another dtype than q (the separate launch promotes, this one does not)."""
-    from diffulex.kernels import paged_attention as pa
-
-    q, k, v, k_cache, v_cache, meta, rope = rope_case([(24, 4, 20), (0, 3, 3)], 4, 2, 16, True, torch.float32)
-    long_q, long_k, _, _, _, long_meta, _ = rope_case([(0, 40, 40)], 4, 2, 16, True, torch.float32)
-    monkeypatch.setattr(pa, "_ROTARY_IN_LAUNCH", False)
-    assert not pa.rotates_in_launch(q, k, meta, True, rope.q_weight)
-    monkeypatch.setattr(pa, "_ROTARY_IN_LAUNCH", True)
-    assert pa.rotates_in_launch(q, k, meta, True, rope.q_weight)
-    assert pa.rotates_in_launch(q, k, meta, False, None)
-    assert not pa.rotates_in_launch(long_q, long_k, long_meta, True, rope.q_weight)
-    assert not pa.rotates_in_launch(q, k, meta, True, rope.q_weight.double())
