@@ -116,3 +116,46 @@ fi
 if [ "$1" = i ]; then
   $W --tag step_timeline --step-timeline 2>&1 | grep -E "WHATIF|STEP"
 fi
+#   j: (session 15, experiment) L2 prefetch budgets of single matrices at 1.7B (o_proj 2048x2048 whole = 8 MB, q/k/v
+#      4096x2048 8 / 16 MB, down 8 MB, gate_up 12 MB; 4 MB each as built), and the upper bound of attention
+#      handing its split partials on uncombined (what folding the combine into o_proj could save at most);
+#      baseline first and last
+if [ "$1" = j ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag o8 --prefetch-for 2048,2048=8 2>&1 | grep WHATIF
+  $W --tag qkv8 --prefetch-for 4096,2048=8 2>&1 | grep WHATIF
+  $W --tag qkv16 --prefetch-for 4096,2048=16 2>&1 | grep WHATIF
+  $W --tag down8 --prefetch-for 2048,6144=8 2>&1 | grep WHATIF
+  $W --tag gateup12 --prefetch-for 12288,2048=12 2>&1 | grep WHATIF
+  $W --tag o8_qkv16 --prefetch-for 2048,2048=8 4096,2048=16 2>&1 | grep WHATIF
+  patch -p1 -s < bench/patches/attention_no_combine.patch
+  $W --tag attn_no_combine 2>&1 | grep WHATIF
+  patch -p1 -R -s < bench/patches/attention_no_combine.patch
+  $W --tag base 2>&1 | grep WHATIF
+fi
+#   k: (session 15, experiment, code since removed: slower; bench/patches/attention_partials_in_o_proj.patch applies
+#      it) o_proj merges attention's split partials (DIFFULEX_ATTN_PARTIALS, on) against attention merging its own (=0): the kernel tests, the engine tests with real capture and gpu_smoke, then the batch-1 replay
+#      alternating (1.7B twice each, 8B once each) and the timeline (k1: the tests, k2: the timings)
+if [ "$1" = k ] || [ "$1" = k1 ]; then
+  timeout 300 python -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_skinny_gemm.py -x -q \
+    -p no:warnings > $OUT/pytest_kernels.log 2>&1; echo "kernel pytest rc=$?"; tail -2 $OUT/pytest_kernels.log
+  timeout 150 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py -x -q \
+    -p no:warnings > $OUT/pytest_engine.log 2>&1; echo "engine pytest rc=$?"; tail -2 $OUT/pytest_engine.log
+  timeout 240 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -8
+fi
+if [ "$1" = k ] || [ "$1" = k2 ]; then
+  OFFP="env DIFFULEX_ATTN_PARTIALS=0"
+  for i in 1 2; do
+    $W --tag partials 2>&1 | grep WHATIF
+    $OFFP $W --tag merged 2>&1 | grep WHATIF
+  done
+  $W8 --tag partials 2>&1 | grep WHATIF
+  $OFFP $W8 --tag merged 2>&1 | grep WHATIF
+  $W --tag partials_timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
+fi
+#   l: (session 15) throughput rows of the final code
+if [ "$1" = l ]; then
+  for i in 1 2; do TAG=_$i rows 1.7b 1 $ON; done
+  rows 8b 1 $ON
+  rows 1.7b 64 $ON
+fi

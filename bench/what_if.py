@@ -18,7 +18,7 @@ garbage; the time says what a consumer summing the partials itself could save, m
 ``--lookahead LINES`` launches, right after each layer's qkv GEMM, a kernel that prefetches into L2 the first LINES
 128-byte lines of every row of that layer's gate_up weight, while attention leaves the memory idle.
 ``--release-early N,K ...`` (or ``all``) lets the kernels after those skinny GEMMs start at their beginning, and
-``--prefetch-mb`` sets the L2 prefetch budget per matrix.
+``--prefetch-mb`` sets the L2 prefetch budget per matrix, ``--prefetch-for N,K=MB ...`` that of single weight shapes.
 ``--step-timeline`` prints the same increments over whole engine steps (forward and sampling graphs, the result's
 copy). ``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
@@ -103,6 +103,29 @@ def _release_early(shapes: list[str], prefetch_mb: float | None) -> None:
         return launch(x, weight, bias, config, output, release_early, readers, out)
 
     skinny_gemm._launch = early
+
+
+def _prefetch_for(items: list[str]) -> None:
+    """The L2 prefetch budget of the skinny GEMMs of single weight shapes (``N,K=MB``), the others unchanged."""
+    from diffulex.kernels import skinny_gemm
+
+    if not items:
+        return
+    budgets = {}
+    for item in items:
+        shape, mb = item.split("=")
+        budgets[tuple(int(v) for v in shape.split(","))] = int(float(mb) * (1 << 20))
+    launch = skinny_gemm._launch
+
+    def with_budget(x, weight, *args, **kwargs):
+        default = skinny_gemm._PREFETCH_BUDGET_BYTES
+        skinny_gemm._PREFETCH_BUDGET_BYTES = budgets.get(tuple(weight.shape), default)
+        try:
+            return launch(x, weight, *args, **kwargs)
+        finally:
+            skinny_gemm._PREFETCH_BUDGET_BYTES = default
+
+    skinny_gemm._launch = with_budget
 
 
 def _norm_warps(norm_warps: int | None, rope_warps: int | None) -> None:
@@ -239,6 +262,7 @@ def main() -> None:
     ap.add_argument("--lookahead-target", default="gate_up")
     ap.add_argument("--release-early", nargs="*", default=[], help="weight shapes N,K (or all) releasing at once")
     ap.add_argument("--prefetch-mb", type=float, help="L2 prefetch budget per matrix, MB")
+    ap.add_argument("--prefetch-for", nargs="*", default=[], help="per weight shape: N,K=MB of L2 prefetch")
     ap.add_argument("--norm-warps", type=int, help="warps per RMSNorm program")
     ap.add_argument("--rope-warps", type=int, help="warps per q/k norm + rotary program")
     ap.add_argument("--partials", nargs="*", default=[], help="weight shapes N,K whose split sum is skipped")
@@ -253,6 +277,7 @@ def main() -> None:
     _override(args.table, args.attn_splits)
     _skip_combine(args.partials)
     _release_early(args.release_early, args.prefetch_mb)
+    _prefetch_for(args.prefetch_for)
     _norm_warps(args.norm_warps, args.rope_warps)
     if args.lookahead:
         _lookahead(args.lookahead, args.lookahead_target)
@@ -266,7 +291,7 @@ def main() -> None:
         torch.cuda.synchronize()
         step = 1e3 * (time.perf_counter() - t0) / args.steps
         tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
-        tags += f" release_early={args.release_early} prefetch_mb={args.prefetch_mb}"
+        tags += f" release_early={args.release_early} prefetch_mb={args.prefetch_mb} prefetch_for={args.prefetch_for}"
         tags += f" norm_warps={args.norm_warps} rope_warps={args.rope_warps}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         if args.timeline:
