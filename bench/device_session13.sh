@@ -159,3 +159,8 @@ if [ "$1" = l ]; then
   rows 8b 1 $ON
   rows 1.7b 64 $ON
 fi
+#   m: (session 15, experiment, code since removed: cuBLAS wins every shape) a tiled Triton GEMM against cuBLAS at
+#      M = 256 and 512 (batch 64 and 128)
+if [ "$1" = m ]; then
+  timeout 500 python bench/tiled_gemm_bench.py --out $OUT/tiled_gemm.json 2>&1 | grep -E "BEST|WRONG|peak|rror"
+fi
