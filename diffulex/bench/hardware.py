@@ -107,17 +107,8 @@ def add_matmul_peak(peaks: HardwarePeaks, device: torch.device, dtype: torch.dty
 _COLD_WEIGHT_BYTES = 256 * 2**20
 
 
-def time_linear(
-    m: int,
-    n: int,
-    k: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    iters: int = 20,
-    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.linear,
-) -> float:
-    """Seconds of one ``product(x, w)`` (by default ``torch.nn.functional.linear``) of an ``[m, k]`` input by an
-    ``[n, k]`` weight.
+def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, iters: int = 20) -> float:
+    """Seconds of one ``torch.nn.functional.linear`` of an ``[m, k]`` input by an ``[n, k]`` weight.
 
     On CUDA the calls are captured in a CUDA graph and replayed, each on another copy of the weight: this is how
     a decode step runs its linears (launched from a graph, weights streamed from memory), whereas eagerly
@@ -127,14 +118,14 @@ def time_linear(
     x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
     if device.type != "cuda":
         w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
-        return _time_per_call(lambda: product(x, w), device, iters, warmup=3)
+        return _time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)
     weight_bytes = n * k * torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(iters, -(-_COLD_WEIGHT_BYTES // weight_bytes)))
     weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
 
     def calls() -> None:
         for i in range(iters):
-            product(x, weights[i % copies])
+            torch.nn.functional.linear(x, weights[i % copies])
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
