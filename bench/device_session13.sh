@@ -164,3 +164,15 @@ fi
 if [ "$1" = m ]; then
   timeout 500 python bench/tiled_gemm_bench.py --out $OUT/tiled_gemm.json 2>&1 | grep -E "BEST|WRONG|peak|rror"
 fi
+#   n: (session 15, experiment) fewer attention splits with more of their keys in L2 before the PDL wait: unsplit
+#      (with 128 / 512 prefetched keys), at least 128 / 256 keys per split, 256 prefetched keys; baseline first and
+#      last
+if [ "$1" = n ]; then
+  $W --tag base 2>&1 | grep WHATIF
+  $W --tag unsplit --attn-splits 1 2>&1 | grep WHATIF
+  $W --tag unsplit_pf512 --attn-splits 1 --attn-prefetch-keys 512 2>&1 | grep WHATIF
+  $W --tag min128 --attn-min-keys 128 2>&1 | grep WHATIF
+  $W --tag min256_pf256 --attn-min-keys 256 --attn-prefetch-keys 256 2>&1 | grep WHATIF
+  $W --tag pf256 --attn-prefetch-keys 256 2>&1 | grep WHATIF
+  $W --tag base 2>&1 | grep WHATIF
+fi

@@ -22,7 +22,9 @@ garbage; the time says what a consumer summing the partials itself could save, m
 ``--step-timeline`` prints the same increments over whole engine steps (forward and sampling graphs, the result's
 copy). ``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
-``--attn-splits`` caps the split-KV factor, to time configurations in the chain of kernels rather than alone.
+``--attn-splits`` caps the split-KV factor, ``--attn-min-keys`` sets the fewest keys a split takes and
+``--attn-prefetch-keys`` how many cached keys each attention program pulls into L2 before its PDL wait, to time
+configurations in the chain of kernels rather than alone.
 """
 
 from __future__ import annotations
@@ -84,6 +86,20 @@ def _override(tables: list[str], attn_splits: int | None) -> None:
     if attn_splits is not None:
         auto = paged_attention._auto_num_splits
         paged_attention._auto_num_splits = lambda *args: min(attn_splits, auto(*args))
+
+
+def _attention_keys(min_keys: int | None, prefetch_keys: int | None) -> None:
+    """The fewest keys per attention split and the keys each program prefetches, replacing the built-in ones."""
+    import functools
+
+    from diffulex.kernels import attention_op, paged_attention
+
+    if min_keys is not None:
+        attention_op.triton_paged_attention = functools.partial(
+            paged_attention.triton_paged_attention, min_split_keys=min_keys
+        )
+    if prefetch_keys is not None:
+        paged_attention._PREFETCH_KEYS = prefetch_keys
 
 
 def _release_early(shapes: list[str], prefetch_mb: float | None) -> None:
@@ -258,6 +274,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated: norm, silu, attn, rope, attnkernel")
     ap.add_argument("--table", nargs="*", default=[])
     ap.add_argument("--attn-splits", type=int)
+    ap.add_argument("--attn-min-keys", type=int, help="fewest keys per attention split (a multiple of 64)")
+    ap.add_argument("--attn-prefetch-keys", type=int, help="cached keys per attention program prefetched (power of 2)")
     ap.add_argument("--lookahead", type=int, default=0, help="L2 lines per gate_up row prefetched during attention")
     ap.add_argument("--lookahead-target", default="gate_up")
     ap.add_argument("--release-early", nargs="*", default=[], help="weight shapes N,K (or all) releasing at once")
@@ -275,6 +293,7 @@ def main() -> None:
     skip = {s for s in args.skip.split(",") if s}
     _remove(skip)
     _override(args.table, args.attn_splits)
+    _attention_keys(args.attn_min_keys, args.attn_prefetch_keys)
     _skip_combine(args.partials)
     _release_early(args.release_early, args.prefetch_mb)
     _prefetch_for(args.prefetch_for)
@@ -292,7 +311,8 @@ def main() -> None:
         step = 1e3 * (time.perf_counter() - t0) / args.steps
         tags = f"skip={sorted(skip)} partials={args.partials} lookahead={args.lookahead} table={args.table}"
         tags += f" release_early={args.release_early} prefetch_mb={args.prefetch_mb} prefetch_for={args.prefetch_for}"
-        tags += f" norm_warps={args.norm_warps} rope_warps={args.rope_warps}"
+        tags += f" norm_warps={args.norm_warps} rope_warps={args.rope_warps} attn_splits={args.attn_splits}"
+        tags += f" attn_min_keys={args.attn_min_keys} attn_prefetch_keys={args.attn_prefetch_keys}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         if args.timeline:
             for name, calls, us in chain_increments(engine):
