@@ -176,3 +176,17 @@ if [ "$1" = n ]; then
   $W --tag pf256 --attn-prefetch-keys 256 2>&1 | grep WHATIF
   $W --tag base 2>&1 | grep WHATIF
 fi
+#   o: (session 15, experiment) the batch-1 chain per projection (--by-gemm), then skinny-GEMM configs tried in the
+#      chain rather than alone: q/k/v with 128 programs (32-column tiles) / 8 stages / 2 K splits; o_proj with
+#      32-column tiles (2 splits) / 4 stages; gate_up with 6 stages / 64-wide K tiles and 8 stages; down_proj through
+#      TMA with 128-wide K tiles / 32-column tiles (2 splits); baseline first and last
+if [ "$1" = o ]; then
+  $W --tag base --timeline --by-gemm 2>&1 | grep -E "WHATIF|CHAIN"
+  for t in 4096,2048,4=32,128,4,6,1,1,1 4096,2048,4=64,128,4,8,1,1,1 4096,2048,4=64,128,4,6,1,2,1 \
+           2048,2048,4=32,128,4,6,1,1,1 2048,2048,4=64,128,4,4,1,1,1 \
+           12288,2048,4=128,128,4,6,1,1,1 12288,2048,4=128,64,4,8,1,1,1 \
+           2048,6144,4=64,128,4,6,1,4,1 2048,6144,4=32,256,4,3,1,2,0; do
+    $W --tag cfg --table $t 2>&1 | grep WHATIF
+  done
+  $W --tag base 2>&1 | grep WHATIF
+fi

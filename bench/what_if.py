@@ -234,18 +234,23 @@ def _gpu_events(run) -> list[tuple[float, float, str]]:
     )
 
 
-def chain_increments(engine, replays: int = 20) -> list[tuple[str, float, float]]:
+def chain_increments(engine, replays: int = 20, by_gemm: bool = False) -> list[tuple[str, float, float]]:
     """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
     replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
-    the replay and say what each launch costs the chain (not its own run time)."""
+    the replay and say what each launch costs the chain (not its own run time). ``by_gemm`` tells the skinny
+    GEMMs of a dense layer apart by their place in it (q/k/v, o, gate_up, down; the SiLU-and-mul fused)."""
     graph = smallest_graph(engine)
     kernels = _gpu_events(lambda: [graph.replay() for _ in range(replays)])
     per_replay = len(kernels) // replays
     total: dict[str, list[float]] = {}
     for r in range(1, replays):  # the first replay has no predecessor on the timeline
         chunk = kernels[r * per_replay - 1 : (r + 1) * per_replay]
+        gemms = 0
         for prev, cur in zip(chunk[:-1], chunk[1:], strict=True):
             name = cur[2].split("_kernel")[0][:40]
+            if by_gemm and name == "_skinny":  # a layer's GEMMs in order: qkv, o, gate_up, down
+                name = f"_skinny[{('qkv', 'o', 'gate_up', 'down')[gemms % 4]}]"
+                gemms += 1
             total.setdefault(name, []).append(cur[1] - prev[1])
     rows = [(n, len(v) / (replays - 1), sum(v) / (replays - 1)) for n, v in total.items()]
     return sorted(rows, key=lambda row: -row[2])
@@ -288,6 +293,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--tag", default="")
     ap.add_argument("--timeline", action="store_true", help="also print each kernel's critical-path increment")
+    ap.add_argument("--by-gemm", action="store_true", help="with --timeline: one row per projection of a layer")
     ap.add_argument("--step-timeline", action="store_true", help="the same over whole steps (both graphs, copies)")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
@@ -315,7 +321,7 @@ def main() -> None:
         tags += f" attn_min_keys={args.attn_min_keys} attn_prefetch_keys={args.attn_prefetch_keys}"
         print(f"WHATIF {args.model} {args.tag} {tags} replay_ms={replay:.3f} step_ms={step:.3f}")
         if args.timeline:
-            for name, calls, us in chain_increments(engine):
+            for name, calls, us in chain_increments(engine, by_gemm=args.by_gemm):
                 print(f"CHAIN {name:40s} calls={calls:5.1f} us_per_replay={us:8.1f} us_per_call={us / calls:6.2f}")
         if args.step_timeline:
             for name, calls, us in step_increments(engine):
