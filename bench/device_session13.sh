@@ -16,6 +16,15 @@ rows() {
   done
 }
 ON=async-scheduling OFF=no-async-scheduling
+# alternate TAG_A TAG_B VAR=VALUE...: the batch-1 replay at 1.7B twice and 8B once, as built (TAG_A) and with the
+# variables set (TAG_B), in turn
+alternate() {
+  local a=$1 b=$2; shift 2
+  for w in "$W" "$W" "$W8"; do
+    $w --tag $a 2>&1 | grep WHATIF
+    env "$@" $w --tag $b 2>&1 | grep WHATIF
+  done
+}
 #   a: (experiment, code since removed) every skinny GEMM's first K tiles loaded into registers before its PDL wait:
 #      slower (docs/benchmarks.md, session 13)
 #   b: (experiment) which skinny GEMMs should let their dependents start at once (qkv does already), and the L2
@@ -100,12 +109,7 @@ if [ "$1" = h ] || [ "$1" = h1 ]; then
   $ROT timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke_rotary.json 2>&1 | quiet | tail -6
 fi
 if [ "$1" = h ] || [ "$1" = h2 ]; then
-  for i in 1 2; do
-    $W --tag separate 2>&1 | grep WHATIF
-    $ROT $W --tag rotary 2>&1 | grep WHATIF
-  done
-  $W8 --tag separate 2>&1 | grep WHATIF
-  $ROT $W8 --tag rotary 2>&1 | grep WHATIF
+  alternate separate rotary DIFFULEX_ATTN_ROTARY=1
   $ROT $W --tag rotary_timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
   # the RMSNorm's warps: 32 at 1.7B, and the 8B's 16 (built, unmeasured) against its former 8
   $W --tag norm_w32 --norm-warps 32 2>&1 | grep WHATIF
@@ -144,13 +148,7 @@ if [ "$1" = k ] || [ "$1" = k1 ]; then
   timeout 240 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -8
 fi
 if [ "$1" = k ] || [ "$1" = k2 ]; then
-  OFFP="env DIFFULEX_ATTN_PARTIALS=0"
-  for i in 1 2; do
-    $W --tag partials 2>&1 | grep WHATIF
-    $OFFP $W --tag merged 2>&1 | grep WHATIF
-  done
-  $W8 --tag partials 2>&1 | grep WHATIF
-  $OFFP $W8 --tag merged 2>&1 | grep WHATIF
+  alternate partials merged DIFFULEX_ATTN_PARTIALS=0
   $W --tag partials_timeline --timeline 2>&1 | grep -E "WHATIF|CHAIN"
 fi
 #   l: (session 15) throughput rows of the final code

@@ -30,6 +30,7 @@ configurations in the chain of kernels rather than alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +43,11 @@ from step_anatomy import replay_cost, smallest_graph
 from diffulex import Diffulex
 from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
 from diffulex.kernels.pdl import prefetch_l2, release_dependents, wait_for_inputs
+
+
+def _shape(item: str) -> tuple[int, ...]:
+    """A weight shape given on the command line as ``N,K``."""
+    return tuple(int(v) for v in item.split(","))
 
 
 def _remove(skip: set[str]) -> None:
@@ -90,8 +96,6 @@ def _override(tables: list[str], attn_splits: int | None) -> None:
 
 def _attention_keys(min_keys: int | None, prefetch_keys: int | None) -> None:
     """The fewest keys per attention split and the keys each program prefetches, replacing the built-in ones."""
-    import functools
-
     from diffulex.kernels import attention_op, paged_attention
 
     if min_keys is not None:
@@ -111,7 +115,7 @@ def _release_early(shapes: list[str], prefetch_mb: float | None) -> None:
         skinny_gemm._PREFETCH_BUDGET_BYTES = int(prefetch_mb * (1 << 20))
     if not shapes:
         return
-    wanted = {tuple(int(v) for v in item.split(",")) for item in shapes if item != "all"}
+    wanted = {_shape(item) for item in shapes if item != "all"}
     launch = skinny_gemm._launch
 
     def early(x, weight, bias, config, output, release_early=False, readers=None, out=None):
@@ -130,7 +134,7 @@ def _prefetch_for(items: list[str]) -> None:
     budgets = {}
     for item in items:
         shape, mb = item.split("=")
-        budgets[tuple(int(v) for v in shape.split(","))] = int(float(mb) * (1 << 20))
+        budgets[_shape(shape)] = int(float(mb) * (1 << 20))
     launch = skinny_gemm._launch
 
     def with_budget(x, weight, *args, **kwargs):
@@ -157,7 +161,7 @@ def _norm_warps(norm_warps: int | None, rope_warps: int | None) -> None:
 def _skip_combine(shapes: list[str]) -> None:
     from diffulex.kernels import skinny_gemm
 
-    wanted = {tuple(int(v) for v in item.split(",")) for item in shapes}
+    wanted = {_shape(item) for item in shapes}
     full = skinny_gemm.skinny_linear
 
     def patched(x, weight, bias=None, config=None):
