@@ -277,6 +277,32 @@ def step_increments(engine, steps: int = 40) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda row: -row[2])
 
 
+def step_sequence(engine, steps: int = 3) -> list[str]:
+    """The GPU's events over a few whole steps, in order, with each one's critical-path increment; the decoder
+    layers' kernels collapsed into one line per run of them, so what a step does around its layers shows."""
+    layer_kernels = ("_skinny", "_rms_norm", "_qk_norm_rope", "_paged_attention", "_attention")
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    events = _gpu_events(lambda: [engine.step() for _ in range(steps)])
+    lines: list[str] = []
+    reached = events[0][1]
+    run: list[float] = []
+    for start, end, name in events[1:]:
+        increment, gap = max(0.0, end - reached), start - reached
+        reached = max(reached, end)
+        if name.startswith(layer_kernels) and not (name.startswith("_skinny") and end - start > 100):
+            run.append(increment)
+            continue
+        if run:
+            lines.append(f"[{len(run)} layer kernels] +{sum(run):.1f}")
+            run = []
+        lines.append(f"{name[:90]} gap={gap:.1f} +{increment:.1f} (runs {end - start:.1f})")
+    if run:
+        lines.append(f"[{len(run)} layer kernels] +{sum(run):.1f}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
@@ -299,6 +325,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="also print each kernel's critical-path increment")
     ap.add_argument("--by-gemm", action="store_true", help="with --timeline: one row per projection of a layer")
     ap.add_argument("--step-timeline", action="store_true", help="the same over whole steps (both graphs, copies)")
+    ap.add_argument("--step-sequence", action="store_true", help="a few steps' events in order, layers collapsed")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     _remove(skip)
@@ -330,6 +357,9 @@ def main() -> None:
         if args.step_timeline:
             for name, calls, us in step_increments(engine):
                 print(f"STEP {name:40s} calls={calls:5.1f} us_per_step={us:8.1f} us_per_call={us / calls:6.2f}")
+        if args.step_sequence:
+            for line in step_sequence(engine):
+                print(f"SEQ {line}")
         engine.exit()
 
 

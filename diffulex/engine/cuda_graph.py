@@ -17,7 +17,9 @@ A step whose requests all decode greedily also replays a second graph per bucket
 head over every row of the bucket (the rows to sample change every step, so the graph computes logits for all
 of them; at decode sizes the weight read dominates either way), the top-1 of the rows to sample (their indices
 travel with the step's inputs, padded with -1), the acceptance of every block (padded with empty blocks) and the
-copy of the ``[2, rows]`` result to pinned host memory. That replaces a dozen host-side launches and small
+``[2, rows]`` result stored into pinned host memory by a kernel (`diffulex.kernels.host_publish`; one sampling
+graph per staging buffer, each storing into that buffer's home; without triton, a copy instead, which costs the
+GPU several microseconds more per step). That replaces a dozen host-side launches and small
 copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host, session 6), by one
 graph launch. A step with a request that draws at ``temperature > 0`` (a seeded generator per request) runs the
 eager sampler after the forward graph instead. The sampling graph is a graph of its own, not part of the forward
@@ -39,12 +41,13 @@ Continuation steps (`diffulex.engine.continuation`, ``async_scheduling``): with 
 sampling graph ends by turning the device buffers into the next step's inputs (accepted tokens in place,
 decoded rows retired, the K/V store of finished blocks turned on), and `replay_continuation` replays both graphs
 on them without staging anything. The engine then has two steps in flight, so these graphs also use two host
-staging buffers (the copy in is not part of the graph, and each step copies its result to its own home).
+staging buffers (the copy in is not part of the graph, and each step's result goes to its own home).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +56,7 @@ import torch
 
 from diffulex.attention import PagedAttentionMetadata
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.layers.dispatch import triton_available
 
 logger = logging.getLogger("diffulex")
 
@@ -69,6 +73,16 @@ GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # (input ids [T], source rows [T], slot mapping [T], result [2, T], starts [S + 1], blocks [3, S]) -> None, editing
 # the first three in place into the next step's inputs: `diffulex.engine.continuation.advance_inputs`
 Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _host_publisher() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """`diffulex.kernels.host_publish.publish_to_host` when triton is there (``DIFFULEX_KERNEL_PUBLISH=0`` turns it
+    off for A/B runs), else None: the sampling graphs then copy their result home."""
+    if os.environ.get("DIFFULEX_KERNEL_PUBLISH", "1") == "0" or not triton_available():
+        return None
+    from diffulex.kernels.host_publish import publish_to_host
+
+    return publish_to_host
 
 
 def request_buckets(max_requests: int) -> list[int]:
@@ -165,10 +179,13 @@ class DecodeGraphs:
         self._metas = {b: self._metadata(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        # the sampling graphs (`greedy_sample`): device results per bucket, host results per staging buffer
-        self._sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the sampling graphs (`greedy_sample`): device results per bucket, host results per staging buffer. Where
+        # a kernel can store into pinned memory, each staging buffer gets a sampling graph of its own that ends by
+        # storing its result there (`publish_to_host`); else one graph per bucket, whose result is copied.
+        self._sample_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._sample_outputs: dict[int, torch.Tensor] = {}
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
+        self._publish = _host_publisher() if self.capture_graphs else None
 
     @property
     def samples(self) -> bool:
@@ -347,9 +364,10 @@ class DecodeGraphs:
         self._graphs[bucket].replay()
         if not sample:
             return self._outputs[bucket], None
-        self._sample_graphs[bucket].replay()
+        graphs = self._sample_graphs[bucket]
+        graphs[buffer if self._publish is not None else 0].replay()
         host = self._result_home(bucket, buffer)
-        if not self._upload_in_graph:  # the captured copy targets buffer 0's home
+        if self._publish is None and not self._upload_in_graph:  # the captured copy targets buffer 0's home
             host.copy_(self._sample_outputs[bucket], non_blocking=True)
         return self._outputs[bucket], host
 
@@ -426,11 +444,16 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[bucket] = graph
             if self.samples:
-                self._sample_graphs[bucket] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    result = self._sample(self._outputs[bucket], bucket)
-                    if self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
-                        self._result_home(bucket, 0).copy_(result, non_blocking=True)
+                self._sample_graphs[bucket] = []
+                for buffer in range(len(self._results_host) if self._publish is not None else 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        result = self._sample(self._outputs[bucket], bucket)
+                        if self._publish is not None:
+                            self._publish(result, self._result_home(bucket, buffer))
+                        elif self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
+                            self._result_home(bucket, 0).copy_(result, non_blocking=True)
+                    self._sample_graphs[bucket].append(graph)
                 self._sample_outputs[bucket] = result
         torch.cuda.synchronize(self.device)
         logger.info(

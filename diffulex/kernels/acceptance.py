@@ -32,20 +32,34 @@ def _accept_kernel(conf_ptr, starts_ptr, force_ptr, accept_ptr, threshold, BLOCK
     first_best = tl.min(tl.where(ok & (conf == best), offs, BLOCK), axis=0)
     # a block whose rows are all -inf (none is a candidate) forces nothing
     accept = accept | ((hits == 0) & force & (best > float("-inf")) & (offs == first_best))
-    tl.store(accept_ptr + lo + offs, accept.to(tl.int8), mask=ok)
+    tl.store(accept_ptr + lo + offs, accept.to(accept_ptr.dtype.element_ty), mask=ok)
 
 
 def triton_accept_segments(
-    conf: torch.Tensor, starts: torch.Tensor, force: torch.Tensor, threshold: float, max_rows: int
+    conf: torch.Tensor,
+    starts: torch.Tensor,
+    force: torch.Tensor,
+    threshold: float,
+    max_rows: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Accepted rows (bool ``[N]``) of ``conf [N]`` whose blocks start at ``starts [S + 1]`` (int32, the last entry
-    is ``N``) and may force where ``force [S]`` is nonzero; ``max_rows`` bounds the rows of one block."""
+    is ``N``) and may force where ``force [S]`` is nonzero; ``max_rows`` bounds the rows of one block.
+
+    With ``out`` (a contiguous int64 ``[N]``, such as a row of the sampler's ``[2, N]`` result) the flags are
+    stored there as 0/1 and ``out`` is returned: no zero fill and no conversions, each a launch of its own at
+    decode sizes. Rows that no block covers (padding) are then left as they were."""
     num_segments = starts.shape[0] - 1
     t32 = np.float32(threshold)
     if float(t32) > threshold:  # rounded up: a float32 equal to it lies above the threshold and must pass
         t32 = np.nextafter(t32, np.float32(-np.inf))
-    accept = torch.zeros(conf.shape[0], dtype=torch.int8, device=conf.device)
+    if out is not None:
+        if out.shape != conf.shape or out.dtype != torch.int64 or not out.is_contiguous() or out.device != conf.device:
+            raise ValueError(f"out must be a contiguous int64 {tuple(conf.shape)} tensor on {conf.device}")
+        accept = out
+    else:
+        accept = torch.zeros(conf.shape[0], dtype=torch.int8, device=conf.device)
     if num_segments > 0:
         block = max(16, triton.next_power_of_2(max_rows))
         _accept_kernel[(num_segments,)](conf, starts, force, accept, float(t32), BLOCK=block, num_warps=1)
-    return accept.bool()
+    return accept if out is not None else accept.bool()

@@ -155,6 +155,7 @@ def triton_top1(
     banned_id: int | None = None,
     num_splits: int | None = None,
     source_rows: torch.Tensor | None = None,
+    tokens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens int64 [N], conf float32 [N])`` of ``logits [N, V]``, ignoring ids ``>= vocab_limit`` and ``banned_id``.
 
@@ -166,6 +167,9 @@ def triton_top1(
     graph computes the logits of every row of its fixed shape and samples the rows a step needs, padded to the
     fixed count with negative entries, which cost no reads: their tokens are undefined and their confidence is
     ``-inf``, so no acceptance rule takes them (`diffulex.sampler.acceptance`).
+
+    ``tokens_out`` (contiguous int64 ``[N]``) receives the tokens instead of a new tensor, so that a caller
+    assembling a result (the sampler's ``[2, N]``) needs no copy launch.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -175,7 +179,15 @@ def triton_top1(
             raise ValueError("source_rows must be a 1-D int64 tensor on the logits' device")
         num_rows = source_rows.shape[0]
     limit = vocab if vocab_limit is None else min(vocab_limit, vocab)
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if tokens_out is not None:
+        if (
+            tokens_out.shape != (num_rows,) or tokens_out.dtype != torch.int64 or not tokens_out.is_contiguous()
+            or tokens_out.device != logits.device
+        ):
+            raise ValueError(f"tokens_out must be a contiguous int64 [{num_rows}] tensor on {logits.device}")
+        tokens = tokens_out
+    else:
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     conf = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return tokens, conf

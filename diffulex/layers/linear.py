@@ -130,6 +130,12 @@ class VocabEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
 
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``input_ids`` (no padding index, no max norm: ``F.embedding``'s result). Indexing instead of
+        ``F.embedding`` because on CUDA that takes ``index_select``'s kernel, which at decode sizes (a few rows)
+        ran 4.4 us against the gather's 1.4 us on an H100, at the head of every decode step (session 16)."""
+        return self.weight[input_ids]
+
 
 class LMHead(nn.Module):
     """Hidden states to vocabulary logits, ``x @ weight.T``.

@@ -51,26 +51,29 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.base = float(base)
-        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
         exponents = steps / self.head_dim
         return 1.0 / (self.base**exponents)
 
-    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """``[max_position, 2, head_dim / 2]``: each position's cos, then its sin, side by side, so that one
+        gather fetches both (a decode step's forward starts with it; each gather is a launch of its own)."""
         table = self._cache.get(device)
         if table is None:
             positions = torch.arange(self.max_position, dtype=torch.int64, device=device).float()
             angles = torch.outer(positions, self.inv_freq(device))  # [max_position, head_dim / 2]
-            table = (angles.cos(), angles.sin())
+            table = torch.stack((angles.cos(), angles.sin()), dim=1)
             self._cache[device] = table
         return table
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` (int) -> ``(cos, sin)``, each ``[T, head_dim / 2]`` float32."""
-        cos, sin = self._table(positions.device)
-        return cos[positions], sin[positions]
+        """``positions [T]`` (int) -> ``(cos, sin)``, each ``[T, head_dim / 2]`` float32 (views of one gather, rows
+        strided, last dim contiguous)."""
+        rows = self._table(positions.device)[positions]
+        return rows[:, 0], rows[:, 1]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}"

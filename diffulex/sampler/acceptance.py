@@ -58,13 +58,16 @@ def accept_confident_segments(
 
 def accept_segments(
     conf: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, starts: torch.Tensor, threshold: float,
-    max_block_rows: int,
+    max_block_rows: int, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`accept_confident_segments` (``force`` as 0/1 ints) in one Triton launch on CUDA, the PyTorch version
-    elsewhere. ``starts [S + 1]`` are the blocks' first rows followed by ``N``; ``max_block_rows`` bounds a block."""
+    elsewhere. ``starts [S + 1]`` are the blocks' first rows followed by ``N``; ``max_block_rows`` bounds a block.
+    With ``out`` (contiguous int64 ``[N]``) the flags go there as 0/1 and ``out`` is returned; rows of no block
+    are then undefined."""
     if conf.is_cuda and triton_available():
         from diffulex.kernels.acceptance import triton_accept_segments
 
-        return triton_accept_segments(conf, starts, force, threshold, max_block_rows)
-    return accept_confident_segments(conf, segment, force.bool(), threshold)
+        return triton_accept_segments(conf, starts, force, threshold, max_block_rows, out)
+    accept = accept_confident_segments(conf, segment, force.bool(), threshold)
+    return accept if out is None else out.copy_(accept)
 

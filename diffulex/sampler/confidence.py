@@ -59,10 +59,11 @@ class ConfidenceSampler:
         if not layout.positions:
             return layout.pending()
         segment, force, starts = layout.to_device(logits.device)
-        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
+        result = _new_result(logits.shape[0], logits.device)
+        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, tokens_out=result[1])
         for req, lo, hi in layout.sampled:
             tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
-        result = self._accept(tokens, conf, segment, force, starts, layout.max_block_rows)
+        accept_segments(conf, segment, force, starts, s.accept_threshold, layout.max_block_rows, out=result[0])
         ready = None
         if result.is_cuda:
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
@@ -94,20 +95,10 @@ class ConfidenceSampler:
         force, which keeps the PyTorch acceptance (which reads ``segment``) from mixing them into real blocks.
         """
         s = self.settings
-        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, source_rows)
-        return self._accept(tokens, conf, segment, force, starts, max_block_rows)
-
-    def _accept(
-        self,
-        tokens: torch.Tensor,
-        conf: torch.Tensor,
-        segment: torch.Tensor,
-        force: torch.Tensor,
-        starts: torch.Tensor,
-        max_block_rows: int,
-    ) -> torch.Tensor:
-        accept = accept_segments(conf, segment, force, starts, self.settings.accept_threshold, max_block_rows)
-        return torch.stack((accept.long(), tokens))
+        result = _new_result(source_rows.shape[0], logits.device)
+        _, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, source_rows, tokens_out=result[1])
+        accept_segments(conf, segment, force, starts, s.accept_threshold, max_block_rows, out=result[0])
+        return result
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
         """Compile the top-1 and acceptance kernels for every row count up to `max_rows` (CUDA), so that no step
@@ -220,3 +211,10 @@ class RowLayout:
         )
         packed = host.to(device, non_blocking=True)
         return packed[:n], packed[n_pad : n_pad + s], packed[n_pad + s_pad :]
+
+
+def _new_result(rows: int, device: torch.device) -> torch.Tensor:
+    """The ``[2, rows]`` int64 result (accepted flag, token) that the top-1 and the acceptance write into row by
+    row: assembling it from separate tensors took a fill, two conversions and a stack, four launches of about a
+    microsecond each on the critical path of every decode step (H100, session 16)."""
+    return torch.empty((2, rows), dtype=torch.int64, device=device)

@@ -40,23 +40,30 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def propose_greedy(
-    logits: torch.Tensor, vocab_limit: int, banned_id: int | None, source_rows: torch.Tensor | None = None
+    logits: torch.Tensor,
+    vocab_limit: int,
+    banned_id: int | None,
+    source_rows: torch.Tensor | None = None,
+    tokens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`greedy` over the allowed ids: the fused Triton kernel on CUDA, `ban_tokens` then `greedy` elsewhere.
 
     On CUDA the kernel reads the logits once in their own dtype and writes two numbers per row; the torch path
     would write a banned float32 copy and the exponentials of every id. With ``source_rows`` (int64) the answer
     is for ``logits[source_rows]``; negative entries are rows not to sample: their tokens are undefined and their
-    confidence is ``-inf``, which no acceptance rule takes.
+    confidence is ``-inf``, which no acceptance rule takes. With ``tokens_out`` (contiguous int64, one entry per
+    answered row) the tokens are written there and it is returned in their place.
     """
     if logits.is_cuda and triton_available():
         from diffulex.kernels.top1 import triton_top1
 
-        return triton_top1(logits, vocab_limit, banned_id, source_rows=source_rows)
+        return triton_top1(logits, vocab_limit, banned_id, source_rows=source_rows, tokens_out=tokens_out)
     if source_rows is None:
-        return greedy(ban_tokens(logits, vocab_limit, banned_id))
-    tokens, conf = greedy(ban_tokens(logits.index_select(0, source_rows.clamp(min=0)), vocab_limit, banned_id))
-    return tokens, conf.masked_fill(source_rows < 0, float("-inf"))
+        tokens, conf = greedy(ban_tokens(logits, vocab_limit, banned_id))
+    else:
+        tokens, conf = greedy(ban_tokens(logits.index_select(0, source_rows.clamp(min=0)), vocab_limit, banned_id))
+        conf = conf.masked_fill(source_rows < 0, float("-inf"))
+    return (tokens if tokens_out is None else tokens_out.copy_(tokens)), conf
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -82,3 +82,26 @@ def test_rows_at_minus_infinity_are_never_forced(impl):
         got = accept_confident_segments(conf, segment, force.bool(), 0.9)
     assert got.cpu().tolist() == [False, True, False, False, False, True]
     assert accept_confident([inf, inf], 0.9, True) == []
+
+
+@pytest.mark.parametrize("impl", ["kernel", "dispatch"])
+def test_flags_written_into_a_result_row_equal_the_returned_flags(impl):
+    """A decode step's result is ``[2, N]`` int64: the acceptance may write its 0/1 flags into row 0 directly; the
+    kernel then leaves the rows of no block as they were (their entries are undefined to readers)."""
+    from diffulex.sampler.acceptance import accept_segments
+
+    conf = torch.tensor([0.95, 0.2, 0.3, 0.99, 0.5, 0.5], dtype=torch.float32, device=DEVICE)
+    starts = torch.tensor([0, 2, 3, 4], dtype=torch.int64, device=DEVICE)  # rows 4 and 5 belong to no block
+    segment = torch.tensor([0, 0, 1, 2, 3, 3], dtype=torch.int64, device=DEVICE)
+    force = torch.tensor([1, 1, 0], dtype=torch.int64, device=DEVICE)
+    result = torch.full((2, 6), 7, dtype=torch.int64, device=DEVICE)
+    if impl == "kernel":
+        got = triton_accept_segments(conf, starts, force, 0.9, 4, out=result[0])
+        assert result[0].cpu().tolist() == [1, 0, 1, 1, 7, 7]
+    else:
+        got = accept_segments(conf, segment, torch.tensor([1, 1, 0, 0], device=DEVICE), starts, 0.9, 4, result[0])
+        assert result[0, :4].cpu().tolist() == [1, 0, 1, 1]
+    assert got.data_ptr() == result[0].data_ptr()
+    assert result[1].cpu().tolist() == [7] * 6
+    with pytest.raises(ValueError, match="contiguous int64"):
+        triton_accept_segments(conf, starts, force, 0.9, 4, out=torch.zeros(6, dtype=torch.int32, device=DEVICE))

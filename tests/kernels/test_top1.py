@@ -160,3 +160,15 @@ def test_source_rows_answer_for_the_rows_they_name_and_padding_rows_read_nothing
     assert conf[4:].cpu().tolist() == [float("-inf")] * 3, "a row not read is no candidate"
     again, _ = triton_top1(logits, 2 * TILE, banned_id=3, num_splits=num_splits)  # the counters were left at zero
     assert again.cpu().tolist() == reference(logits.cpu(), 2 * TILE, 3)[0].tolist()
+
+
+def test_tokens_can_be_written_into_a_row_of_a_result():
+    """The sampler's ``[2, N]`` result takes the tokens in its second row: same tokens, no copy."""
+    logits = (3 * torch.randn(5, TILE + 7, generator=torch.Generator().manual_seed(9))).to(DEVICE)
+    result = torch.zeros(2, 5, dtype=torch.int64, device=DEVICE)
+    tokens, _ = triton_top1(logits, TILE + 7, banned_id=None, tokens_out=result[1])
+    assert tokens.data_ptr() == result[1].data_ptr()
+    assert result[1].cpu().tolist() == reference(logits.cpu(), TILE + 7, None)[0].tolist()
+    assert result[0].cpu().tolist() == [0] * 5
+    with pytest.raises(ValueError, match="tokens_out"):
+        triton_top1(logits, TILE + 7, None, tokens_out=torch.zeros(4, dtype=torch.int64, device=DEVICE))
