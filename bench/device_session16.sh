@@ -72,3 +72,16 @@ if [ "$1" = g ]; then
   done
   $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -16
 fi
+#   h: the embedding rows and the rotary angles in one launch (kernels/token_inputs.py): its test and the graph
+#      tests on the GPU, whole steps against the tree before it (bench/_ab/prev, carried), alternating, and the
+#      step's sequence
+if [ "$1" = h ]; then
+  timeout 250 python -m pytest tests/kernels/test_token_inputs.py tests/engine/test_cuda_graph.py \
+    tests/engine/test_continuation.py -x -q -p no:warnings > $OUT/pytest_h.log 2>&1; echo "pytest rc=$?"
+  tail -3 $OUT/pytest_h.log
+  for w in "$W" "$W" "$W8"; do
+    $w --tag new 2>&1 | grep WHATIF
+    PYTHONPATH=$PWD/bench/_ab/prev $w --tag prev 2>&1 | grep WHATIF
+  done
+  $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -10
+fi

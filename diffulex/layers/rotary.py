@@ -16,6 +16,9 @@ from torch import nn
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.norm import RMSNorm
 
+# What `RotaryEmbedding` hands every layer: ``(cos, sin)``, each ``[T, head_dim / 2]``.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
 
 def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
     """Only plain RoPE is implemented; refuse scaled variants loudly rather than produce wrong positions."""
@@ -58,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         exponents = steps / self.head_dim
         return 1.0 / (self.base**exponents)
 
-    def _table(self, device: torch.device) -> torch.Tensor:
+    def table(self, device: torch.device) -> torch.Tensor:
         """``[max_position, 2, head_dim / 2]``: each position's cos, then its sin, side by side, so that one
         gather fetches both (a decode step's forward starts with it; each gather is a launch of its own)."""
         table = self._cache.get(device)
@@ -72,7 +75,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` (int) -> ``(cos, sin)``, each ``[T, head_dim / 2]`` float32 (views of one gather, rows
         strided, last dim contiguous)."""
-        rows = self._table(positions.device)[positions]
+        rows = self.table(positions.device)[positions]
         return rows[:, 0], rows[:, 1]
 
     def extra_repr(self) -> str:

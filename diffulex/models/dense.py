@@ -30,9 +30,9 @@ from diffulex.layers import (
     UnsummedProduct,
     VocabEmbedding,
 )
+from diffulex.layers.rotary import Rope
+from diffulex.layers.token_inputs import embed_with_angles
 from diffulex.models.hf_config import DenseDecoderConfig
-
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,8 @@ class DenseModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        return run_decoder(self.embed_tokens(input_ids), self.layers, self.norm, self.rotary_emb(positions), attn_meta)
+        hidden, rope = embed_with_angles(self.embed_tokens, self.rotary_emb, input_ids, positions)
+        return run_decoder(hidden, self.layers, self.norm, rope, attn_meta)
 
 
 class DenseForDiffusionLM(nn.Module):

@@ -40,6 +40,7 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
+from diffulex.layers.token_inputs import embed_with_angles
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -99,7 +100,8 @@ class LLaDATransformer(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        return run_decoder(self.wte(input_ids), self.blocks, self.ln_f, self.rotary_emb(positions), attn_meta)
+        hidden, rope = embed_with_angles(self.wte, self.rotary_emb, input_ids, positions)
+        return run_decoder(hidden, self.blocks, self.ln_f, rope, attn_meta)
 
 
 class LLaDAModel(nn.Module):
