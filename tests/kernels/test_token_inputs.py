@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from diffulex.kernels.token_inputs import gather_token_inputs
-from diffulex.layers.linear import VocabEmbedding
 from diffulex.layers.rotary import RotaryEmbedding
-from diffulex.layers.token_inputs import embed_with_angles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,15 +44,3 @@ def test_no_tokens_and_mismatched_inputs():
         gather_token_inputs(embedding, torch.zeros(2, dtype=torch.long, device=DEVICE), table,
                             torch.zeros(3, dtype=torch.long, device=DEVICE))
 
-
-def test_the_layer_helper_gives_what_the_two_modules_give():
-    """On the CPU the modules run; on CUDA the kernel does, with the same result."""
-    embedding = VocabEmbedding(40, 32).to(DEVICE)
-    rotary = RotaryEmbedding(16, 64, 10000.0)
-    ids = torch.tensor([5, 0, 39], device=DEVICE)
-    positions = torch.tensor([63, 1, 2], device=DEVICE)
-    with torch.inference_mode():
-        hidden, (cos, sin) = embed_with_angles(embedding, rotary, ids, positions)
-        ref_cos, ref_sin = rotary(positions)
-        assert torch.equal(hidden, embedding(ids))
-    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
