@@ -429,7 +429,9 @@ class DecodeGraphs:
             for bucket in reversed(self.buckets):
                 self._fill_capture_batch(bucket)
                 for _ in range(warmup_runs):
-                    self._run_uncaptured(bucket, sample=self.samples)
+                    _, result = self._run_uncaptured(bucket, sample=self.samples)
+                    if result is not None and self._publish is not None:  # its variant for this size, compiled
+                        self._publish(result, self._result_home(bucket, 0))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         pool = None

@@ -111,7 +111,7 @@ class ConfidenceSampler:
         warm_up_top1(device, vocab_size, dtype, s.vocab_limit, s.mask_token_id, max_rows)
         conf = torch.zeros(1, dtype=torch.float32, device=device)
         segment, force, starts = RowLayout([0], [0], [0], [1], [0, 1], [], 1).to_device(device)
-        accept_segments(conf, segment, force, starts, s.accept_threshold, 1)
+        accept_segments(conf, segment, force, starts, s.accept_threshold, 1, out=_new_result(1, device)[0])
 
     def _draw(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's rows at ``temperature > 0``: a draw from the generator of its seed and step."""
