@@ -85,3 +85,10 @@ if [ "$1" = h ]; then
   done
   $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -10
 fi
+#   i: the final tree: nothing compiles inside a capture or a step (bench/jit_watch.py), the graph tests, one step loop
+if [ "$1" = i ]; then
+  timeout 200 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py tests/kernels/test_top1.py \
+    tests/kernels/test_acceptance.py -x -q -p no:warnings > $OUT/pytest_i.log 2>&1; echo "pytest rc=$?"; tail -2 $OUT/pytest_i.log
+  timeout 200 python bench/jit_watch.py --batch 1 2>&1 | grep -v -i warn | tail -6
+  $W --tag final 2>&1 | grep WHATIF
+fi
