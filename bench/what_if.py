@@ -20,7 +20,9 @@ garbage; the time says what a consumer summing the partials itself could save, m
 ``--release-early N,K ...`` (or ``all``) lets the kernels after those skinny GEMMs start at their beginning, and
 ``--prefetch-mb`` sets the L2 prefetch budget per matrix, ``--prefetch-for N,K=MB ...`` that of single weight shapes.
 ``--step-timeline`` prints the same increments over whole engine steps (forward and sampling graphs, the result's
-copy). ``--norm-warps`` and ``--rope-warps`` set the warps of the RMSNorm and q/k norm + rotary programs.
+store), ``--step-sequence`` a few steps' events in order with the decoder layers collapsed (what a step does around
+its layers, and the gaps between those launches). ``--norm-warps`` and ``--rope-warps`` set the warps of the
+RMSNorm and q/k norm + rotary programs.
 ``--table N,K,BUCKET=BN,BK,WARPS,STAGES,DOT,SPLIT[,TMA]`` overrides a skinny-GEMM config and
 ``--attn-splits`` caps the split-KV factor, ``--attn-min-keys`` sets the fewest keys a split takes and
 ``--attn-prefetch-keys`` how many cached keys each attention program pulls into L2 before its PDL wait, to time
