@@ -75,14 +75,29 @@ GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _host_publisher() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-    """`diffulex.kernels.host_publish.publish_to_host` when triton is there (``DIFFULEX_KERNEL_PUBLISH=0`` turns it
-    off for A/B runs), else None: the sampling graphs then copy their result home."""
+def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """`diffulex.kernels.host_publish.publish_to_host` when triton is there and a probe store into pinned memory
+    lands (``DIFFULEX_KERNEL_PUBLISH=0`` turns it off for A/B runs), else None: the sampling graphs then copy their
+    result home. The probe guards setups whose pinned memory a kernel cannot address: a failed store there would
+    otherwise fail the graph capture, and with it the engine."""
     if os.environ.get("DIFFULEX_KERNEL_PUBLISH", "1") == "0" or not triton_available():
         return None
-    from diffulex.kernels.host_publish import publish_to_host
+    from diffulex.kernels import host_publish
 
-    return publish_to_host
+    expected = [7, -3]
+    try:
+        home = torch.zeros(len(expected), dtype=torch.int64, pin_memory=device.type == "cuda")
+        host_publish.publish_to_host(torch.tensor(expected, dtype=torch.int64, device=device), home)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        landed = home.tolist() == expected
+    except Exception as exc:  # noqa: BLE001 - whatever the reason, the copy is the safe way home
+        logger.warning("storing step results into pinned memory from a kernel failed (%s); copying them instead", exc)
+        return None
+    if not landed:
+        logger.warning("a kernel's store into pinned memory did not land; step results are copied instead")
+        return None
+    return host_publish.publish_to_host
 
 
 def request_buckets(max_requests: int) -> list[int]:
@@ -185,7 +200,7 @@ class DecodeGraphs:
         self._sample_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._sample_outputs: dict[int, torch.Tensor] = {}
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
-        self._publish = _host_publisher() if self.capture_graphs else None
+        self._publish = _host_publisher(device) if self.capture_graphs else None
 
     @property
     def samples(self) -> bool:

@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex import SamplingParams
+from diffulex.engine import cuda_graph
 from diffulex.engine.cuda_graph import request_buckets
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.kernels import host_publish
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -139,3 +142,30 @@ def test_memory_profile_forward_stays_within_the_models_positions(tmp_path: Path
     with make_engine(model, max_model_len=64, max_num_batched_tokens=200) as llm:
         assert llm.model.model.rotary_emb.max_position == 64
         llm.runner.profile_run(200, llm.config.max_model_len, 16)  # IndexError if a position passed the table
+
+
+class TestKernelStoreHome:
+    """The sampling graphs store their result home by a kernel only where a probe store lands; anything else
+    (a launch that fails, a store that does not arrive, the A/B switch) falls back to the copy."""
+
+    def test_a_failing_store_falls_back_to_the_copy(self, monkeypatch, caplog):
+        def fails(src, dst):
+            raise RuntimeError("pointer argument cannot be accessed")
+
+        monkeypatch.setattr(host_publish, "publish_to_host", fails)
+        with caplog.at_level("WARNING", logger="diffulex"):
+            assert cuda_graph._host_publisher(torch.device("cpu")) is None
+        assert "copying them instead" in caplog.text
+
+    def test_a_store_that_does_not_land_falls_back_to_the_copy(self, monkeypatch):
+        monkeypatch.setattr(host_publish, "publish_to_host", lambda src, dst: None)
+        assert cuda_graph._host_publisher(torch.device("cpu")) is None
+
+    def test_a_store_that_lands_is_used_unless_switched_off(self, monkeypatch):
+        def copies(src, dst):
+            dst.copy_(src)
+
+        monkeypatch.setattr(host_publish, "publish_to_host", copies)
+        assert cuda_graph._host_publisher(torch.device("cpu")) is copies
+        monkeypatch.setenv("DIFFULEX_KERNEL_PUBLISH", "0")
+        assert cuda_graph._host_publisher(torch.device("cpu")) is None
