@@ -25,6 +25,12 @@ alternate() {
     env "$@" $w --tag $b 2>&1 | grep -E "WHATIF|Error|error" | head -5
   done
 }
+# gpu_tests TAG FILE...: pytest on the GPU, its log in $OUT/pytest_TAG.log
+gpu_tests() {
+  local tag=$1; shift
+  timeout 250 python -m pytest "$@" -x -q -p no:warnings > $OUT/pytest_$tag.log 2>&1; echo "pytest rc=$?"
+  tail -3 $OUT/pytest_$tag.log
+}
 #   b: (experiment, code since removed: bench/patches/normed_gemm.patch) RMSNorm folded into the GEMM after it
 #      (`NormedInput`) against the separate norm launch; the skinny-GEMM kernel tests on the GPU; the timeline
 if [ "$1" = b ]; then
@@ -52,9 +58,8 @@ fi
 #      kernel and graph tests on the GPU, then whole steps with and without the kernel store, alternating, and
 #      the step's sequence as built
 if [ "$1" = f ]; then
-  timeout 250 python -m pytest tests/kernels/test_host_publish.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_continuation.py tests/engine/test_micro_batches.py tests/kernels/test_fused_norm.py \
-    -x -q -p no:warnings > $OUT/pytest_f.log 2>&1; echo "pytest rc=$?"; tail -3 $OUT/pytest_f.log
+  gpu_tests f tests/kernels/test_host_publish.py tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
+    tests/engine/test_micro_batches.py tests/kernels/test_fused_norm.py
   alternate publish copy DIFFULEX_KERNEL_PUBLISH=0
   $W --tag seq --step-sequence 2>&1 | grep -E "WHATIF|SEQ" | head -40
 fi
@@ -62,33 +67,23 @@ fi
 #      each for the embedding and the rotary angles): the touched kernel and graph tests on the GPU, then whole
 #      steps of this tree against the session's starting tree (bench/_ab/old, carried), alternating
 if [ "$1" = g ]; then
-  timeout 250 python -m pytest tests/kernels/test_host_publish.py tests/kernels/test_top1.py \
-    tests/kernels/test_acceptance.py tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
-    tests/engine/test_micro_batches.py -x -q -p no:warnings > $OUT/pytest_g.log 2>&1; echo "pytest rc=$?"
-  tail -3 $OUT/pytest_g.log
-  for w in "$W" "$W" "$W8"; do
-    $w --tag new 2>&1 | grep WHATIF
-    PYTHONPATH=$PWD/bench/_ab/old $w --tag old 2>&1 | grep WHATIF
-  done
+  gpu_tests g tests/kernels/test_host_publish.py tests/kernels/test_top1.py tests/kernels/test_acceptance.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_continuation.py tests/engine/test_micro_batches.py
+  alternate new old PYTHONPATH=$PWD/bench/_ab/old
   $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -16
 fi
 #   h: the embedding rows and the rotary angles in one launch (kernels/token_inputs.py): its test and the graph
 #      tests on the GPU, whole steps against the tree before it (bench/_ab/prev, carried), alternating, and the
 #      step's sequence
 if [ "$1" = h ]; then
-  timeout 250 python -m pytest tests/kernels/test_token_inputs.py tests/engine/test_cuda_graph.py \
-    tests/engine/test_continuation.py -x -q -p no:warnings > $OUT/pytest_h.log 2>&1; echo "pytest rc=$?"
-  tail -3 $OUT/pytest_h.log
-  for w in "$W" "$W" "$W8"; do
-    $w --tag new 2>&1 | grep WHATIF
-    PYTHONPATH=$PWD/bench/_ab/prev $w --tag prev 2>&1 | grep WHATIF
-  done
+  gpu_tests h tests/kernels/test_token_inputs.py tests/engine/test_cuda_graph.py tests/engine/test_continuation.py
+  alternate new prev PYTHONPATH=$PWD/bench/_ab/prev
   $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -10
 fi
 #   i: the final tree: nothing compiles inside a capture or a step (bench/jit_watch.py), the graph tests, one step loop
 if [ "$1" = i ]; then
-  timeout 200 python -m pytest tests/engine/test_cuda_graph.py tests/engine/test_continuation.py tests/kernels/test_top1.py \
-    tests/kernels/test_acceptance.py -x -q -p no:warnings > $OUT/pytest_i.log 2>&1; echo "pytest rc=$?"; tail -2 $OUT/pytest_i.log
+  gpu_tests i tests/engine/test_cuda_graph.py tests/engine/test_continuation.py tests/kernels/test_top1.py \
+    tests/kernels/test_acceptance.py
   timeout 200 python bench/jit_watch.py --batch 1 2>&1 | grep -v -i warn | tail -6
   $W --tag final 2>&1 | grep WHATIF
 fi

@@ -240,6 +240,14 @@ def _gpu_events(run) -> list[tuple[float, float, str]]:
     )
 
 
+def _step_events(engine, steps: int) -> list[tuple[float, float, str]]:
+    """`_gpu_events` of `steps` whole engine steps, after a few untimed ones (graphs warm, continuations flowing)."""
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    return _gpu_events(lambda: [engine.step() for _ in range(steps)])
+
+
 def chain_increments(engine, replays: int = 20, by_gemm: bool = False) -> list[tuple[str, float, float]]:
     """Per kernel name: calls per replay, and the mean of (its end - the previous kernel's end) in us, summed per
     replay. Kernels of a PDL chain overlap, but each ends after the one before it, so these increments add up to
@@ -266,10 +274,7 @@ def step_increments(engine, steps: int = 40) -> list[tuple[str, float, float]]:
     """`chain_increments` over whole engine steps (forward graph, sampling graph, the copy of the result and the
     idle time between them), per kernel or copy name: calls and microseconds per step. What a step costs beyond
     the forward graph's replay shows here (the LM head is a ``_skinny`` call too: one per sampling step)."""
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
-    events = _gpu_events(lambda: [engine.step() for _ in range(steps)])
+    events = _step_events(engine, steps)
     total: dict[str, list[float]] = {}
     reached = events[0][1]  # the latest end so far: each event is charged only for what it adds past it
     for _start, end, name in events[1:]:
@@ -283,10 +288,7 @@ def step_sequence(engine, steps: int = 3) -> list[str]:
     """The GPU's events over a few whole steps, in order, with each one's critical-path increment; the decoder
     layers' kernels collapsed into one line per run of them, so what a step does around its layers shows."""
     layer_kernels = ("_skinny", "_rms_norm", "_qk_norm_rope", "_paged_attention", "_attention")
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
-    events = _gpu_events(lambda: [engine.step() for _ in range(steps)])
+    events = _step_events(engine, steps)
     lines: list[str] = []
     reached = events[0][1]
     run: list[float] = []

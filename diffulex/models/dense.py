@@ -77,10 +77,18 @@ def add_and_norm(
 
 
 def run_decoder(
-    hidden: torch.Tensor, layers: Iterable[nn.Module], final_norm: RMSNorm, rope: Rope, attn_meta: AttentionMetadata
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embedding: VocabEmbedding,
+    rotary: RotaryEmbedding,
+    layers: Iterable[nn.Module],
+    final_norm: RMSNorm,
+    attn_meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The embedded tokens through `layers` (each maps ``(hidden, residual, rope, attn_meta)`` to the next
-    ``(hidden, residual)``) and the final norm: the body of every family's forward, whatever its module names."""
+    """The tokens embedded (with their rotary angles, `embed_with_angles`), through `layers` (each maps ``(hidden,
+    residual, rope, attn_meta)`` to the next ``(hidden, residual)``) and the final norm: the body of every family's
+    forward, whatever its module names."""
+    hidden, rope = embed_with_angles(embedding, rotary, input_ids, positions)
     residual: torch.Tensor | None = None
     for layer in layers:
         hidden, residual = layer(hidden, residual, rope, attn_meta)
@@ -184,8 +192,7 @@ class DenseModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden, rope = embed_with_angles(self.embed_tokens, self.rotary_emb, input_ids, positions)
-        return run_decoder(hidden, self.layers, self.norm, rope, attn_meta)
+        return run_decoder(input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta)
 
 
 class DenseForDiffusionLM(nn.Module):

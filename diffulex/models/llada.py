@@ -40,7 +40,6 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.layers.token_inputs import embed_with_angles
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDAConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -100,8 +99,7 @@ class LLaDATransformer(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden, rope = embed_with_angles(self.wte, self.rotary_emb, input_ids, positions)
-        return run_decoder(hidden, self.blocks, self.ln_f, rope, attn_meta)
+        return run_decoder(input_ids, positions, self.wte, self.rotary_emb, self.blocks, self.ln_f, attn_meta)
 
 
 class LLaDAModel(nn.Module):
