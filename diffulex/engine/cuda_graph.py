@@ -65,6 +65,10 @@ logger = logging.getLogger("diffulex")
 BUCKET_STRIDE = 16
 # The most requests one captured graph serves; larger batches run eagerly.
 MAX_GRAPH_REQUESTS = 512
+# Buckets of at most this many rows capture their forward into each sampling graph (`DecodeGraphs.fuses_forward`):
+# the decode sizes whose kernels chain by programmatic dependent launch (`diffulex.kernels.pdl.PDL_MAX_ROWS`).
+FUSED_STEP_MAX_ROWS = 16
+_FUSED_STEP_ENABLED = os.environ.get("DIFFULEX_FUSED_STEP_GRAPH", "1") != "0"  # A/B runs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 # (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
@@ -199,8 +203,18 @@ class DecodeGraphs:
         # storing its result there (`publish_to_host`); else one graph per bucket, whose result is copied.
         self._sample_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._sample_outputs: dict[int, torch.Tensor] = {}
+        self._sample_hidden: dict[int, list[torch.Tensor]] = {}  # the forward output each sampling graph reads
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
         self._publish = _host_publisher(device) if self.capture_graphs else None
+
+    def fuses_forward(self, bucket: int) -> bool:
+        """Whether a bucket's sampling graphs hold its forward too, so that a greedy step is one graph launch.
+
+        Two graph launches in a row leave the GPU idle between them (3-4 us on an H100), and the LM head cannot
+        start under the final norm (programmatic dependent launch works within a graph): at batch 1 that is
+        worth a second capture of the forward per staging buffer. Larger buckets keep one forward graph, which
+        their sampling graphs read."""
+        return _FUSED_STEP_ENABLED and self.samples and bucket * self.shape.max_query_len <= FUSED_STEP_MAX_ROWS
 
     @property
     def samples(self) -> bool:
@@ -373,18 +387,21 @@ class DecodeGraphs:
 
     def _execute(self, bucket: int, buffer: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket's forward graph, then with ``sample`` its sampling graph and the copy of its result to host
-        buffer `buffer`'s home, on whatever the device buffers hold; uncaptured, the same work run eagerly."""
+        buffer `buffer`'s home (for a bucket of `fuses_forward`, one graph doing both); uncaptured, the same work
+        run eagerly."""
         if not self.capture_graphs:
             return self._run_uncaptured(bucket, sample)
-        self._graphs[bucket].replay()
         if not sample:
+            self._graphs[bucket].replay()
             return self._outputs[bucket], None
-        graphs = self._sample_graphs[bucket]
-        graphs[buffer if self._publish is not None else 0].replay()
+        index = buffer if self._publish is not None else 0
+        if not self.fuses_forward(bucket):
+            self._graphs[bucket].replay()
+        self._sample_graphs[bucket][index].replay()
         host = self._result_home(bucket, buffer)
         if self._publish is None and not self._upload_in_graph:  # the captured copy targets buffer 0's home
             host.copy_(self._sample_outputs[bucket], non_blocking=True)
-        return self._outputs[bucket], host
+        return self._sample_hidden[bucket][index], host
 
     def _run_uncaptured(self, bucket: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the bucket's graphs do, run eagerly on the same buffers (no CUDA, or before capture)."""
@@ -461,20 +478,36 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[bucket] = graph
             if self.samples:
-                self._sample_graphs[bucket] = []
-                for buffer in range(len(self._results_host) if self._publish is not None else 1):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        result = self._sample(self._outputs[bucket], bucket)
-                        if self._publish is not None:
-                            self._publish(result, self._result_home(bucket, buffer))
-                        elif self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
-                            self._result_home(bucket, 0).copy_(result, non_blocking=True)
-                    self._sample_graphs[bucket].append(graph)
-                self._sample_outputs[bucket] = result
+                self._capture_sampling(bucket, pool)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (requests %s, %d rows each)%s",
             len(self._graphs), self.buckets, self.shape.max_query_len,
             ", each with a greedy sampling graph" if self.samples else "",
         )
+
+    def _capture_sampling(self, bucket: int, pool) -> None:
+        """The bucket's sampling graphs (one per staging buffer where a kernel stores the result home, else one),
+        each holding the forward as well where `fuses_forward` says so."""
+        fused = self.fuses_forward(bucket)
+        ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
+        graphs, hiddens = [], []
+        for buffer in range(len(self._results_host) if self._publish is not None else 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                if not fused:
+                    hidden = self._outputs[bucket]
+                else:
+                    if self._upload_in_graph:
+                        self._upload(bucket)
+                    hidden = self.forward(ids, positions, self._metas[bucket])
+                result = self._sample(hidden, bucket)
+                if self._publish is not None:
+                    self._publish(result, self._result_home(bucket, buffer))
+                elif self._upload_in_graph:  # with one staging buffer the copy home is part of the graph too
+                    self._result_home(bucket, 0).copy_(result, non_blocking=True)
+            graphs.append(graph)
+            hiddens.append(hidden)
+        self._sample_graphs[bucket] = graphs
+        self._sample_hidden[bucket] = hiddens
+        self._sample_outputs[bucket] = result
