@@ -16,18 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
 
 @triton.jit
-def _accept_kernel(conf_ptr, starts_ptr, force_ptr, accept_ptr, threshold, BLOCK: tl.constexpr):
+def _accept_kernel(
+    conf_ptr, starts_ptr, force_ptr, accept_ptr, threshold, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    release_dependents(USE_PDL)
     seg = tl.program_id(0)
     lo = tl.load(starts_ptr + seg)
     hi = tl.load(starts_ptr + seg + 1)
     offs = tl.arange(0, BLOCK)
     ok = offs < hi - lo
+    force = tl.load(force_ptr + seg) != 0
+    wait_for_inputs(USE_PDL)  # the confidences come from the top-1 just before; the layout is step metadata
     conf = tl.load(conf_ptr + lo + offs, mask=ok, other=float("-inf"))
     accept = (conf > threshold) & ok
     hits = tl.sum(accept.to(tl.int32), axis=0)
-    force = tl.load(force_ptr + seg) != 0
     best = tl.max(conf, axis=0)
     first_best = tl.min(tl.where(ok & (conf == best), offs, BLOCK), axis=0)
     # a block whose rows are all -inf (none is a candidate) forces nothing
@@ -61,5 +67,9 @@ def triton_accept_segments(
         accept = torch.zeros(conf.shape[0], dtype=torch.int8, device=conf.device)
     if num_segments > 0:
         block = max(16, triton.next_power_of_2(max_rows))
-        _accept_kernel[(num_segments,)](conf, starts, force, accept, float(t32), BLOCK=block, num_warps=1)
+        use_pdl = pdl_enabled(conf.device, conf.shape[0])
+        _accept_kernel[(num_segments,)](
+            conf, starts, force, accept, float(t32), BLOCK=block, USE_PDL=use_pdl, num_warps=1,
+            **launch_kwargs(use_pdl),
+        )
     return accept if out is not None else accept.bool()

@@ -15,13 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
 _BLOCK = 1024  # elements per program: a decode step's result is at most a few thousand
 
 
 @triton.jit
-def _publish_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+def _publish_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    release_dependents(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    wait_for_inputs(USE_PDL)
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok), mask=ok)
 
 
@@ -37,4 +41,7 @@ def publish_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
         raise ValueError(f"the destination must be pinned host memory, got {dst.device} (pinned: {dst.is_pinned()})")
     n = src.numel()
     if n:
-        _publish_kernel[(triton.cdiv(n, _BLOCK),)](src, dst, n, BLOCK=_BLOCK, num_warps=4)
+        use_pdl = pdl_enabled(src.device, src.shape[-1])
+        _publish_kernel[(triton.cdiv(n, _BLOCK),)](
+            src, dst, n, BLOCK=_BLOCK, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl)
+        )

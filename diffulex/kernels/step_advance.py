@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
 
 @triton.jit
 def _advance_kernel(
@@ -25,22 +27,26 @@ def _advance_kernel(
     blocks_stride,
     shift,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    release_dependents(USE_PDL)
     seg = tl.program_id(0)
     first = tl.load(starts_ptr + seg)
     last = tl.load(starts_ptr + seg + 1)
     offs = tl.arange(0, BLOCK)
     ok = offs < last - first
+    # the layout is step metadata, and only this kernel writes the source rows: both may be read before the wait
     source = tl.load(source_ptr + first + offs, mask=ok, other=-1)
+    row_lo = tl.load(blocks_ptr + seg)
+    row_hi = tl.load(blocks_ptr + blocks_stride + seg)
+    base = tl.load(blocks_ptr + 2 * blocks_stride + seg)  # -1: the block has no page yet
+    wait_for_inputs(USE_PDL)  # the result comes from the sampler's kernels just before
     accepted = tl.load(result_ptr + first + offs, mask=ok, other=0)
     token = tl.load(result_ptr + result_stride + first + offs, mask=ok, other=0)
     take = (source >= 0) & (accepted != 0)
     tl.store(ids_ptr + source + shift, token, mask=take)
     tl.store(source_ptr + first + offs, tl.full((BLOCK,), -1, tl.int64), mask=take)
     left = tl.sum(((source >= 0) & (accepted == 0)).to(tl.int32), axis=0)
-    row_lo = tl.load(blocks_ptr + seg)
-    row_hi = tl.load(blocks_ptr + blocks_stride + seg)
-    base = tl.load(blocks_ptr + 2 * blocks_stride + seg)  # -1: the block has no page yet
     n_store = tl.where((left == 0) & (base >= 0), row_hi - row_lo, 0)
     store = offs < n_store
     tl.store(slots_ptr + row_lo + offs, base + offs, mask=store)
@@ -60,7 +66,8 @@ def triton_advance_inputs(
     num_blocks = starts.shape[0] - 1
     if num_blocks > 0:
         block = max(16, triton.next_power_of_2(max_rows))
+        use_pdl = pdl_enabled(input_ids.device, source_rows.shape[0])
         _advance_kernel[(num_blocks,)](
             input_ids, source_rows, slot_mapping, result, starts, blocks, result.stride(0), blocks.stride(0), shift,
-            BLOCK=block, num_warps=1,
+            BLOCK=block, USE_PDL=use_pdl, num_warps=1, **launch_kwargs(use_pdl),
         )

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import sm_count, split_counters
 
 _BLOCK_V = 4096
@@ -53,7 +54,9 @@ def _top1_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HAS_SOURCE_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: the source rows are read before the logits are ready
 ):
+    release_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     offs = tl.arange(0, BLOCK_V)
@@ -67,6 +70,7 @@ def _top1_kernel(
     else:
         is_read = row >= 0
         base = logits_ptr + row * stride_row
+    wait_for_inputs(USE_PDL)  # the logits come from the LM head just before
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     best = tl.zeros((), tl.int32)
@@ -202,6 +206,7 @@ def triton_top1(
         counters = split_counters(logits.device, num_rows)
     else:
         part_m = part_s = part_id = counters = conf  # never read
+    use_pdl = pdl_enabled(logits.device, num_rows)
     _top1_kernel[(num_rows, splits)](
         logits,
         source_rows if source_rows is not None else tokens,
@@ -219,6 +224,8 @@ def triton_top1(
         NUM_SPLITS=splits,
         SPLITS_PAD=_next_pow2(splits),
         HAS_SOURCE_ROWS=source_rows is not None,
+        USE_PDL=use_pdl,
         num_warps=8,
+        **launch_kwargs(use_pdl),
     )
     return tokens, conf
