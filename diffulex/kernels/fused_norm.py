@@ -358,13 +358,14 @@ def _qk_norm_rope_kernel(
     block = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < half
-    # the angles are gathered once per forward, before the first layer; the slots are step metadata
-    cos = tl.load(cos_ptr + t * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
-    if STORE_KV:
+    if STORE_KV:  # the slots are step metadata
         slot = tl.load(slot_ptr + t, mask=block >= q_blocks, other=-1).to(tl.int64)  # only k programs store
     wait_for_inputs(USE_PDL)  # every program, also those that store nothing
+    # the angles are gathered at the head of the forward, by a kernel that lets its successors start at once: in
+    # the first layer this launch may be resident before that gather has finished, so they are read after the wait
+    cos = tl.load(cos_ptr + t * stride_cos + offs, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + offs, mask=d_ok, other=0.0).to(tl.float32)
     if block < q_blocks:
         heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (heads < n_q_heads)[:, None] & d_ok[None, :]

@@ -11,9 +11,12 @@ visible.
 The protocol every kernel here keeps, which makes the chain safe:
 
 * Before `wait_for_inputs` a program reads only what no kernel of the current forward writes: weights, the
-  step's metadata (copied in before the first kernel), KV-cache slots of earlier steps. It writes nothing. The
-  one exception is the forward's rotary angles (``cos[positions]``, ``sin[positions]``), which PyTorch gathers
-  before the first layer: that gather is not PDL-aware, so nothing after it starts before it has finished.
+  step's metadata (copied in before the first kernel), KV-cache slots of earlier steps. It writes nothing. (The
+  sampling kernels after the LM head follow the same rule: the step advance reads the source rows it alone
+  writes, and only after the wait writes them.) What a kernel of the forward writes is read after the wait,
+  however far back that kernel is: a chain of kernels that release at their start lets a kernel be resident
+  while one several launches back still runs (the first layer's q/k rotary behind the gather of the step's
+  rotary angles, `diffulex.kernels.token_inputs`).
 * Every program calls `wait_for_inputs`, also one that returns early (a kernel must never complete before its
   predecessor has, or a third kernel waiting on it would see the older kernel's outputs unfinished).
 * `release_dependents` may come at any point. A GEMM streaming a large weight (16 MiB or more) calls it at its
