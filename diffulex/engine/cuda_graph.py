@@ -22,8 +22,11 @@ graph per staging buffer, each storing into that buffer's home; without triton, 
 GPU several microseconds more per step). That replaces a dozen host-side launches and small
 copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host, session 6), by one
 graph launch. A step with a request that draws at ``temperature > 0`` (a seeded generator per request) runs the
-eager sampler after the forward graph instead. The sampling graph is a graph of its own, not part of the forward
-graph, so those steps need no second capture of the forward.
+eager sampler after the forward graph instead. For most buckets the sampling graph is a graph of its own, which
+reads the forward graph's output, so those steps need no second capture of the forward; buckets of at most
+`FUSED_STEP_MAX_ROWS` rows capture the forward into each sampling graph as well (`DecodeGraphs.fuses_forward`),
+because at batch 1 the idle gap between two graph launches and the LM head's late start cost more than the
+extra capture.
 
 All integer inputs travel in one pinned host buffer and one copy per step, so replaying costs a handful of host
 operations whatever the batch size. At batch 1 the host work between the previous step's result and this
