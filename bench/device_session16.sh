@@ -1,10 +1,6 @@
 #!/bin/bash
 # Session-16 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=$PWD/.triton_cache
-nvidia-smi --query-gpu=name --format=csv,noheader
-W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
-W8="${W/1.7b/8b}"
+source bench/device_helpers.sh
 #   a: upper bound of folding the RMSNorms into the GEMMs after them, in the current chain: every norm removed,
 #      also with o_proj releasing early (after the fold gate_up follows o_proj directly); baseline first and last
 if [ "$1" = a ]; then
@@ -16,21 +12,6 @@ if [ "$1" = a ]; then
   $W8 --tag base8 2>&1 | grep WHATIF
   $W8 --tag nonorm8 --skip norm 2>&1 | grep WHATIF
 fi
-# alternate TAG_A TAG_B VAR=VALUE...: the batch-1 replay at 1.7B twice and 8B once, as built (TAG_A) and with the
-# variables set (TAG_B), in turn
-alternate() {
-  local a=$1 b=$2; shift 2
-  for w in "$W" "$W" "$W8"; do
-    $w --tag $a 2>&1 | grep -E "WHATIF|Error|error" | head -5
-    env "$@" $w --tag $b 2>&1 | grep -E "WHATIF|Error|error" | head -5
-  done
-}
-# gpu_tests TAG FILE...: pytest on the GPU, its log in $OUT/pytest_TAG.log
-gpu_tests() {
-  local tag=$1; shift
-  timeout 250 python -m pytest "$@" -x -q -p no:warnings > $OUT/pytest_$tag.log 2>&1; echo "pytest rc=$?"
-  tail -3 $OUT/pytest_$tag.log
-}
 #   b: (experiment, code since removed: bench/patches/normed_gemm.patch) RMSNorm folded into the GEMM after it
 #      (`NormedInput`) against the separate norm launch; the skinny-GEMM kernel tests on the GPU; the timeline
 if [ "$1" = b ]; then

@@ -1,25 +1,6 @@
 #!/bin/bash
 # Session-17 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=$PWD/.triton_cache
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$GPU"
-W="timeout 150 python bench/what_if.py --model 1.7b --steps 100"
-W8="${W/1.7b/8b}"
-# alternate TAG_A TAG_B VAR=VALUE...: the batch-1 step loop at 1.7B twice and 8B once, as built (TAG_A) and with
-# the variables set (TAG_B), in turn
-alternate() {
-  local a=$1 b=$2; shift 2
-  for w in "$W" "$W" "$W8"; do
-    $w --tag $a 2>&1 | grep -E "WHATIF|Error|error" | head -5
-    env "$@" $w --tag $b 2>&1 | grep -E "WHATIF|Error|error" | head -5
-  done
-}
-# gpu_tests TAG FILE...: pytest on the GPU, its log in $OUT/pytest_TAG.log
-gpu_tests() {
-  local tag=$1; shift
-  timeout 250 python -m pytest "$@" -x -q -p no:warnings > $OUT/pytest_$tag.log 2>&1; echo "pytest rc=$?"
-  tail -3 $OUT/pytest_$tag.log
-}
+source bench/device_helpers.sh
 #   a: session 16's last change on a GPU (the kernel store's probe at graph build: graph, continuation and store
 #      tests), then a step loop as built; on an H200 the rows of record first
 if [ "$1" = a ]; then

@@ -451,7 +451,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, warmup_runs: int = 2) -> None:
         """Capture every bucket, largest first, all sharing one memory pool: its forward graph, then its sampling
-        graph (which reads the forward graph's output).
+        graphs (which read the forward graph's output, or run a forward of their own: `fuses_forward`).
 
         Every bucket is warmed up before the first capture: a compiled forward may still compile or autotune
         on its first call with a new shape, and neither is allowed while a stream is capturing.
