@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+from diffulex.kernels.pdl import PDL_MAX_ROWS, launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 
 @triton.jit
@@ -73,3 +73,14 @@ def triton_accept_segments(
             **launch_kwargs(use_pdl),
         )
     return accept if out is not None else accept.bool()
+
+
+def warm_up(device: torch.device, threshold: float, max_rows: int) -> None:
+    """Compile the variants a step of 1 to `max_rows` rows in blocks of at most 16 rows launches: decode-sized
+    launches chain by programmatic dependent launch and larger ones do not (`PDL_MAX_ROWS`), so there are two."""
+    for rows in sorted({1, min(max_rows, PDL_MAX_ROWS + 1)}):
+        conf = torch.zeros(rows, dtype=torch.float32, device=device)
+        starts = torch.arange(rows + 1, dtype=torch.int64, device=device)  # a block per row
+        force = torch.ones(rows, dtype=torch.int64, device=device)
+        out = torch.zeros(2, rows, dtype=torch.int64, device=device)[0]
+        triton_accept_segments(conf, starts, force, threshold, 1, out=out)

@@ -105,13 +105,12 @@ class ConfidenceSampler:
         pays a compile; `dtype` and `vocab_size` are those of the LM head's logits."""
         if not triton_available():  # the torch path compiles nothing
             return
+        from diffulex.kernels.acceptance import warm_up as warm_up_acceptance
         from diffulex.kernels.top1 import warm_up as warm_up_top1
 
         s = self.settings
         warm_up_top1(device, vocab_size, dtype, s.vocab_limit, s.mask_token_id, max_rows)
-        conf = torch.zeros(1, dtype=torch.float32, device=device)
-        segment, force, starts = RowLayout([0], [0], [0], [1], [0, 1], [], 1).to_device(device)
-        accept_segments(conf, segment, force, starts, s.accept_threshold, 1, out=_new_result(1, device)[0])
+        warm_up_acceptance(device, s.accept_threshold, max_rows)
 
     def _draw(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's rows at ``temperature > 0``: a draw from the generator of its seed and step."""

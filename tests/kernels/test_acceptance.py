@@ -105,3 +105,27 @@ def test_flags_written_into_a_result_row_equal_the_returned_flags(impl):
     assert result[1].cpu().tolist() == [7] * 6
     with pytest.raises(ValueError, match="contiguous int64"):
         triton_accept_segments(conf, starts, force, 0.9, 4, out=torch.zeros(6, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles native kernels")
+def test_after_warm_up_no_step_size_compiles_an_acceptance_kernel():
+    """Decode-sized launches chain by programmatic dependent launch and larger ones do not: `warm_up` compiles
+    both variants, so no step of up to 64 rows in blocks of up to 16 pays a compile."""
+    import triton
+
+    from diffulex.kernels.acceptance import warm_up
+
+    device = torch.device("cuda")
+    warm_up(device, 0.9, max_rows=64)
+    misses = []
+    triton.knobs.runtime.jit_cache_hook = lambda *a, **k: misses.append(k.get("fn")) or False
+    try:
+        for rows in (1, 3, 4, 16, 17, 33, 64):
+            result = torch.zeros(2, rows, dtype=torch.int64, device=device)
+            starts = torch.tensor(list(range(0, rows, 4)) + [rows], dtype=torch.int64, device=device)
+            force = torch.ones(starts.shape[0] - 1, dtype=torch.int64, device=device)
+            conf = torch.rand(rows, device=device)
+            triton_accept_segments(conf, starts, force, 0.9, 4, out=result[0])
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert misses == []

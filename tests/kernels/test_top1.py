@@ -139,8 +139,10 @@ def test_after_warm_up_no_row_count_compiles_a_kernel():
     top1.warm_up(device, 151936, torch.bfloat16, 151665, 151666, max_rows=600)
     triton.knobs.runtime.jit_cache_hook = lambda *a, **k: misses.append(k.get("fn")) or False
     try:
-        for rows in (1, 2, 3, 4, 5, 8, 13, 17, 33, 64, 100, 131, 200, 264, 265, 600):
-            triton_top1(torch.randn(rows, 151936, device=device, dtype=torch.bfloat16), 151665, 151666)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 16, 17, 18, 33, 64, 100, 131, 200, 264, 265, 600, 601):
+            result = torch.empty(2, rows, dtype=torch.int64, device=device)  # as the sampler's: row 1 is written
+            logits = torch.randn(rows, 151936, device=device, dtype=torch.bfloat16)
+            triton_top1(logits, 151665, 151666, tokens_out=result[1])
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     assert misses == []
