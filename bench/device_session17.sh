@@ -49,3 +49,12 @@ if [ "$1" = f ]; then
   alternate pdl fused PYTHONPATH=$PWD/bench/_ab/fused
   $W --tag seq --step-sequence 2>&1 | grep -E "SEQ" | head -8
 fi
+#   g: (not run in session 17: the device budget was spent) the last changes on a GPU: the warm-up tests of top-1
+#      and acceptance, the q/k rotary reading its angles after the PDL wait (its kernel tests and a step loop),
+#      and compiles while serving mixed greedy/drawing batches (bench/jit_watch.py --mix, expect 0)
+if [ "$1" = g ]; then
+  gpu_tests g tests/kernels/test_top1.py tests/kernels/test_acceptance.py tests/kernels/test_fused_norm.py \
+    tests/kernels/test_qk_norm_rope_store.py tests/engine/test_cuda_graph.py
+  $W --tag final 2>&1 | grep WHATIF
+  timeout 300 python bench/jit_watch.py --mix 2>&1 | grep -v -i warn | tail -12
+fi

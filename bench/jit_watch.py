@@ -1,27 +1,74 @@
-"""Which Triton kernels compile while decode steps are timed: a compile is a 0.1-0.3 s stall of one step.
+"""Which Triton kernels compile while decode steps run: a compile is a 0.1-0.3 s stall of one step.
 
     PYTHONPATH=. python bench/jit_watch.py --model 1.7b --batch 64
+    PYTHONPATH=. python bench/jit_watch.py --model 1.7b --mix
 
-Runs the throughput measurement of one (model, batch) on a random-weight SDAR geometry (`diffulex bench
-throughput` with one configuration) and prints every Triton JIT compile that happens after the engine is
+The first form runs the throughput measurement of one (model, batch) on a random-weight SDAR geometry (`diffulex
+bench throughput` with one configuration) and prints every Triton JIT compile that happens after the engine is
 built, with the kernel, its specialization key, and the wall time since the measurement started. A compile
 inside the timed region means a kernel variant the warm-up did not meet (a new constexpr, or a pointer whose
 16-byte alignment changed), which a server would pay as a latency spike.
+
+``--mix`` serves what the throughput run does not: after the engine is ready, batches of 1 to 24 requests of odd
+and even prompt lengths, greedy and drawing (``temperature > 0``, which samples eagerly after the forward graph),
+so that eager sampler launches of every row-count parity and both sides of the PDL row limit run. It prints each
+compile after the engine was ready and ends with ``COMPILES_AFTER_READY n``; n should be 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import triton
+
+
+def serve_mix(
+    model: str, data_dir: str, checkpoint: str | None, watch: list[tuple[float, str, str]], t0: float
+) -> None:
+    """Build an engine on a random-weight SDAR geometry (or on `checkpoint`), then serve the mixed batches; `watch`
+    is cleared once the engine is ready, so what it holds afterwards compiled while serving."""
+    from diffulex import Diffulex
+    from diffulex.bench.throughput import write_sdar_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if checkpoint:
+            path, load_format = checkpoint, "safetensors"
+        else:
+            path, load_format = write_sdar_checkpoint(tmp, model, data_dir), "dummy"
+        fields = dict(block_size=4, buffer_size=1, max_num_reqs=24, max_model_len=256, seed=0)
+        with Diffulex(str(path), load_format=load_format, **fields) as llm:
+            print(f"{time.perf_counter() - t0:8.2f} s  engine ready")
+            watch.clear()
+            serve_batches(llm, t0)
+
+
+def serve_batches(llm, t0: float) -> None:
+    """Each batch size twice: every other request drawing, then all greedy; prompt lengths of both parities."""
+    from diffulex import SamplingParams
+    from diffulex.bench.throughput import random_prompts
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for batch in (1, 2, 3, 5, 8, 17, 24):
+        prompts = random_prompts(llm.vocab_limit, llm.mask_token_id, batch, 64, seed=batch)
+        prompts = [p[: 9 + 2 * i + batch % 2] for i, p in enumerate(prompts)]
+        drawing = [
+            greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
+            for i in range(batch)
+        ]
+        for params in (drawing, [greedy] * batch):
+            llm.generate(prompts, params, use_tqdm=False)
+        print(f"{time.perf_counter() - t0:8.2f} s  served batch {batch} (mixed, then greedy)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--mix", action="store_true", help="serve mixed greedy/drawing batches after the engine is ready")
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
+    ap.add_argument("--checkpoint", help="--mix on this checkpoint folder instead of a random-weight SDAR geometry")
     args = ap.parse_args()
     t0 = time.perf_counter()
     compiles: list[tuple[float, str, str]] = []
@@ -33,15 +80,20 @@ def main() -> None:
         return False  # go on compiling
 
     triton.knobs.runtime.jit_cache_hook = on_cache_miss
-    from diffulex.bench.throughput import ThroughputSettings, run
+    if args.mix:
+        serve_mix(args.model, args.data_dir, args.checkpoint, compiles, t0)
+    else:
+        from diffulex.bench.throughput import ThroughputSettings, run
 
-    def log(line: str) -> None:
-        print(f"{time.perf_counter() - t0:8.2f} s  {line}")
+        def log(line: str) -> None:
+            print(f"{time.perf_counter() - t0:8.2f} s  {line}")
 
-    settings = ThroughputSettings(batch_sizes=[args.batch], buffer_sizes=[1], max_seconds=3.0)
-    run(settings, sizes=[args.model], data_dir=args.data_dir, log=log)
+        settings = ThroughputSettings(batch_sizes=[args.batch], buffer_sizes=[1], max_seconds=3.0)
+        run(settings, sizes=[args.model], data_dir=args.data_dir, log=log)
     for at, name, key in compiles:
         print(f"{at:8.2f} s  {name}  {key}")
+    if args.mix:
+        print(f"COMPILES_AFTER_READY {len(compiles)}")
 
 
 if __name__ == "__main__":
