@@ -193,3 +193,21 @@ def test_all_requests_empty():
     q, k, v, k_cache, v_cache, meta = make_batch([(4, 0, 4), (0, 0, 0)], 2, 1, 16, 4, 4, False, torch.float32, DEVICE)
     out = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     assert out.shape == (0, 2, 16)
+
+
+def test_eager_split_counts_come_from_a_few_compiled_variants(monkeypatch):
+    """An eager step's split count follows its batch and longest context, and each count is a kernel variant of its
+    own: the counts are powers of two (at most six variants), never fewer splits than the grid asks for."""
+    from diffulex.kernels import paged_attention as pa
+    from diffulex.kernels import split_counters
+
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
+    seen = set()
+    for programs in range(1, 2 * sms):
+        for max_keys in range(1, 8192, 37):
+            splits = pa._auto_num_splits(cuda, programs, max_keys, 64)
+            wanted = 1 if programs >= sms else max(1, min(-(-2 * sms // programs), max_keys // 64, pa._MAX_SPLITS))
+            assert wanted <= splits < 2 * wanted and splits & (splits - 1) == 0
+            seen.add(splits)
+    assert seen == {1, 2, 4, 8, 16, 32}
