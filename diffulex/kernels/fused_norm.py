@@ -63,7 +63,9 @@ def cast_rne(x, dtype: tl.constexpr):
     return y
 
 
-@triton.jit
+# The row count changes with every eager step; specialized (as Triton does for ints equal to 1 or divisible by
+# 16) it would be a variant per class, each compiled on first use while serving.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

@@ -140,7 +140,9 @@ def _cached_tile(
     return k_t, v_t, k_pos, k_ok
 
 
-@triton.jit
+# An eager step's page tables are as wide as its longest request, so their row stride changes all the time;
+# specialized (ints equal to 1 or divisible by 16), it would be a variant per class, compiled while serving.
+@triton.jit(do_not_specialize=["stride_pt_r"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
