@@ -58,3 +58,11 @@ if [ "$1" = g ]; then
   $W --tag final 2>&1 | grep WHATIF
   timeout 300 python bench/jit_watch.py --mix 2>&1 | grep -v -i warn | tail -12
 fi
+#   h: (for session 18) a step that reads no row (it only stores a finished block) skips the last layer's o_proj,
+#      gate_up and down: the engine tests with real capture and gpu_smoke-style correctness, then whole steps with
+#      and without (DIFFULEX_FORWARD_READERS=0), alternating
+if [ "$1" = h ]; then
+  gpu_tests h tests/kernels/test_skinny_gemm.py tests/engine/test_engine_matches_reference.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_continuation.py
+  alternate readers all DIFFULEX_FORWARD_READERS=0
+fi

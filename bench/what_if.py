@@ -190,12 +190,12 @@ def _lookahead(lines: int, target: str) -> None:
 
     layer_forward = DenseDecoderLayer.forward
 
-    def layer_fwd(self, hidden, residual, rope, attn_meta):
+    def layer_fwd(self, hidden, residual, rope, attn_meta, readers=None):
         w = self.mlp.gate_up.weight if target == "gate_up" else self.mlp.down_proj.weight
         self.self_attn._ahead = w
-        return layer_forward(self, hidden, residual, rope, attn_meta)
+        return layer_forward(self, hidden, residual, rope, attn_meta, readers)
 
-    def attn_fwd(self, x, rope, attn_meta):
+    def attn_fwd(self, x, rope, attn_meta, unsummed=False, readers=None):
         T = x.shape[0]
         q, k, v = self.qkv(x)
         w = self._ahead

@@ -72,8 +72,11 @@ MAX_GRAPH_REQUESTS = 512
 # the decode sizes whose kernels chain by programmatic dependent launch (`diffulex.kernels.pdl.PDL_MAX_ROWS`).
 FUSED_STEP_MAX_ROWS = 16
 _FUSED_STEP_ENABLED = os.environ.get("DIFFULEX_FUSED_STEP_GRAPH", "1") != "0"  # A/B runs
+_FORWARD_READERS = os.environ.get("DIFFULEX_FORWARD_READERS", "1") != "0"  # A/B runs: the last layer never skips
 
-Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+# (input ids [T], positions [T], metadata, readers [T]: the rows whose hidden states anyone reads, -1 for none;
+# None: all) -> hidden [T, H]: the model's forward (`diffulex.models.dense.run_decoder` says what readers allow)
+Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor | None], torch.Tensor]
 # (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
 # token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
 GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -304,6 +307,10 @@ class DecodeGraphs:
             section[t:] = pad
         if sampled is not None:
             self._fill_sampled(sampled, bucket, tok)
+        else:  # the forward's readers (`_forward`): the rows whose hidden states the eager sampler will read
+            readers = self._row_section(tok, 3, n)
+            readers[: len(step.sample_rows)] = step.sample_rows
+            readers[len(step.sample_rows) :] = -1
         lay = self._layout_np[buffer]
         lay[: r + 1] = step.cu_seqlens_q
         lay[r + 1 : bucket + 1] = t
@@ -408,9 +415,17 @@ class DecodeGraphs:
 
     def _run_uncaptured(self, bucket: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the bucket's graphs do, run eagerly on the same buffers (no CUDA, or before capture)."""
-        ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
-        hidden = self.forward(ids, positions, self._metas[bucket])
+        hidden = self._forward(bucket)
         return hidden, self._sample(hidden, bucket) if sample else None
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        """The forward over the bucket's buffers. Its readers are the staged rows to sample (section 3), which a
+        continuation's advance retires as they are decoded: a step that samples no row (it only stores a
+        finished block) lets the last layer skip what only the LM head would read."""
+        n = bucket * self.shape.max_query_len
+        ids, positions, _ = self._token_views(n)
+        readers = self._row_section(self._tokens, 3, n) if _FORWARD_READERS else None
+        return self.forward(ids, positions, self._metas[bucket], readers)
 
     def _sample(self, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
         """The sampling graph's work: the greedy result, then (with continuations) the next step's inputs."""
@@ -472,12 +487,11 @@ class DecodeGraphs:
         pool = None
         for bucket in reversed(self.buckets):
             self._fill_capture_batch(bucket)
-            ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 if self._upload_in_graph:  # part of the graph: a replay is then the only CUDA call of a step
                     self._upload(bucket)
-                self._outputs[bucket] = self.forward(ids, positions, self._metas[bucket])
+                self._outputs[bucket] = self._forward(bucket)
             pool = graph.pool()
             self._graphs[bucket] = graph
             if self.samples:
@@ -493,7 +507,6 @@ class DecodeGraphs:
         """The bucket's sampling graphs (one per staging buffer where a kernel stores the result home, else one),
         each holding the forward as well where `fuses_forward` says so."""
         fused = self.fuses_forward(bucket)
-        ids, positions, _ = self._token_views(bucket * self.shape.max_query_len)
         graphs, hiddens = [], []
         for buffer in range(len(self._results_host) if self._publish is not None else 1):
             graph = torch.cuda.CUDAGraph()
@@ -503,7 +516,7 @@ class DecodeGraphs:
                 else:
                     if self._upload_in_graph:
                         self._upload(bucket)
-                    hidden = self.forward(ids, positions, self._metas[bucket])
+                    hidden = self._forward(bucket)
                 result = self._sample(hidden, bucket)
                 if self._publish is not None:
                     self._publish(result, self._result_home(bucket, buffer))

@@ -492,7 +492,11 @@ def skinny_linear(
 
 
 def skinny_silu_mul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(x @ gate^T + b_gate) * (x @ up^T + b_up)`` for a merged ``weight = [gate; up]`` (``[2I, K]``), in one
     launch; bit for bit `skinny_linear` with the same config followed by `diffulex.kernels.activation.silu_mul`.
@@ -500,20 +504,23 @@ def skinny_silu_mul(
     Why: at decode batch sizes the SiLU-and-mul launch between gate_up and down_proj is pure latency on the
     critical path of every MLP. Each program owns ``block_n`` columns of both halves, so the activation is
     formed in registers. `config` is the gated launch's own (``block_n`` columns per half); without it,
-    `output_config` derives it from the table's config for the merged shape.
+    `output_config` derives it from the table's config for the merged shape. ``readers`` as in
+    `maybe_skinny_linear`.
     """
-    return _launch(x, weight, bias, config, Output.SILU_MUL)
+    return _launch(x, weight, bias, config, Output.SILU_MUL, readers=readers)
 
 
-def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_partials(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, readers: torch.Tensor | None = None
+) -> torch.Tensor:
     """The K splits of ``x @ weight.T`` left unsummed: fp32 ``[splits, M, N]`` whose sum over dim 0, in split
     order and starting from zero, is exactly what `skinny_linear` would round to ``x``'s dtype.
 
     Why: the last-arriving split's sum is a dependent tail of every split GEMM. A consumer that reads the
     product whole anyway (the residual add + RMSNorm after o_proj and down_proj) sums the partials itself, so
-    the GEMM ends when its weight stream does.
+    the GEMM ends when its weight stream does. ``readers`` as in `maybe_skinny_linear`.
     """
-    return _launch(x, weight, None, config, Output.PARTIALS)
+    return _launch(x, weight, None, config, Output.PARTIALS, readers=readers)
 
 
 class Output(enum.Enum):

@@ -86,8 +86,10 @@ def linear(
 class _Linear(nn.Linear):
     """``nn.Linear`` whose product goes through `linear`; forward hooks (LoRA) wrap this forward as before."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """The product; with ``readers`` (device row indices, -1 for none) only the rows it names are promised
+        (`linear`)."""
+        return linear(x, self.weight, self.bias, readers=readers)
 
 
 class ReplicatedLinear(_Linear):
@@ -110,18 +112,21 @@ class RowParallelLinear(_Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, output_size, bias=bias)
 
-    def forward_unsummed(self, x: torch.Tensor) -> torch.Tensor | UnsummedProduct:
+    def forward_unsummed(
+        self, x: torch.Tensor, readers: torch.Tensor | None = None
+    ) -> torch.Tensor | UnsummedProduct:
         """The output, or where the skinny GEMM computes it in K splits, those splits unsummed (`UnsummedProduct`).
 
         For callers that hand the result straight to `RMSNorm` (which sums them); a module with hooks (LoRA) or
-        a bias always returns the tensor, so that hooks see the output and the bias is added once.
+        a bias always returns the tensor, so that hooks see the output and the bias is added once. ``readers``
+        as in `linear`.
         """
         skinny = _skinny_for(x)
         if skinny is not None and self.bias is None and not (self._forward_hooks or self._forward_pre_hooks):
-            parts = skinny(x, self.weight, None, output="partials")
+            parts = skinny(x, self.weight, None, output="partials", readers=readers)
             if parts is not None:
                 return UnsummedProduct(parts, x.dtype)
-        return self(x)
+        return self(x, readers=readers)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -203,20 +208,20 @@ class MergedProjection:
         self.bias = _join([m.bias for m in linears]) if all(has_bias) else None
         return True
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
-            return tuple(m(x) for m in self.linears)
-        return linear(x, self.weight, self.bias, self.release_early).split(self.sizes, dim=-1)
+            return tuple(m(x) if readers is None else m(x, readers=readers) for m in self.linears)
+        return linear(x, self.weight, self.bias, self.release_early, readers).split(self.sizes, dim=-1)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+    def silu_mul(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor | None:
         """``silu(gate(x)) * up(x)`` of a merged gate/up pair in one skinny-GEMM launch (the activation in its
         epilogue), or None where that launch does not apply: unmerged, not two equal halves, or not a decode-sized
         CUDA input (`diffulex.kernels.skinny_gemm.maybe_skinny_linear`). The caller then runs the projection and
-        the activation separately; both ways give the same bits."""
+        the activation separately; both ways give the same bits. ``readers`` as in `linear`."""
         if self.weight is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
             return None
         skinny = _skinny_for(x)
-        return skinny(x, self.weight, self.bias, output="silu_mul") if skinny is not None else None
+        return skinny(x, self.weight, self.bias, output="silu_mul", readers=readers) if skinny is not None else None
 
 
 def _join(params: list[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,7 @@ forward, LLaDA's (other module names, same computation) included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -81,17 +81,28 @@ def run_decoder(
     positions: torch.Tensor,
     embedding: VocabEmbedding,
     rotary: RotaryEmbedding,
-    layers: Iterable[nn.Module],
+    layers: Sequence[nn.Module],
     final_norm: RMSNorm,
     attn_meta: AttentionMetadata,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The tokens embedded (with their rotary angles, `embed_with_angles`), through `layers` (each maps ``(hidden,
     residual, rope, attn_meta)`` to the next ``(hidden, residual)``) and the final norm: the body of every family's
-    forward, whatever its module names."""
+    forward, whatever its module names.
+
+    ``readers`` (device row indices, -1 for none; None: every row) names the rows of the result anyone reads. The
+    last layer is handed it: its K/V are always stored, but when no row is read, the projections after its
+    attention may skip their weight streams (`diffulex.layers.linear.linear`), and the result is undefined. A
+    decode step that only stores a finished block (one in five at block 4, buffer 1) reads no row.
+    """
     hidden, rope = embed_with_angles(embedding, rotary, input_ids, positions)
     residual: torch.Tensor | None = None
-    for layer in layers:
-        hidden, residual = layer(hidden, residual, rope, attn_meta)
+    last = len(layers) - 1
+    for index, layer in enumerate(layers):
+        if index == last and readers is not None:
+            hidden, residual = layer(hidden, residual, rope, attn_meta, readers=readers)
+        else:
+            hidden, residual = layer(hidden, residual, rope, attn_meta)
     return add_and_norm(final_norm, hidden, residual)[0]
 
 
@@ -121,10 +132,15 @@ class DenseAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, attn_meta: AttentionMetadata, unsummed: bool = False
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        attn_meta: AttentionMetadata,
+        unsummed: bool = False,
+        readers: torch.Tensor | None = None,
     ) -> torch.Tensor | UnsummedProduct:
         """The attention block's output; with ``unsummed`` possibly as o_proj's K splits, for a caller that hands
-        it straight to a norm (`RowParallelLinear.forward_unsummed`)."""
+        it straight to a norm (`RowParallelLinear.forward_unsummed`). ``readers``: `run_decoder`."""
         T = x.shape[0]
         q, k, v = self.qkv(x)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -132,7 +148,7 @@ class DenseAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # the attention layer norms and rotates q/k (writing k/v to the cache in the same launch on CUDA)
         out = self.attn(q, k, v, attn_meta, rope, self.q_norm, self.k_norm)
-        return self.o_proj.forward_unsummed(out) if unsummed else self.o_proj(out)
+        return self.o_proj.forward_unsummed(out, readers) if unsummed else self.o_proj(out, readers=readers)
 
 
 class DenseMLP(nn.Module):
@@ -147,12 +163,15 @@ class DenseMLP(nn.Module):
         self.gate_up = MergedProjection(self.gate_proj, self.up_proj)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor | UnsummedProduct:
-        """The MLP's output; with ``unsummed`` possibly as down_proj's K splits (see `DenseAttention.forward`)."""
-        act = self.gate_up.silu_mul(x)  # one launch with the activation in its epilogue, where it applies
+    def forward(
+        self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None
+    ) -> torch.Tensor | UnsummedProduct:
+        """The MLP's output; with ``unsummed`` possibly as down_proj's K splits (see `DenseAttention.forward`).
+        ``readers``: `run_decoder`."""
+        act = self.gate_up.silu_mul(x, readers)  # one launch with the activation in its epilogue, where it applies
         if act is None:
-            act = self.act_fn(*self.gate_up(x))
-        return self.down_proj.forward_unsummed(act) if unsummed else self.down_proj(act)
+            act = self.act_fn(*self.gate_up(x, readers))
+        return self.down_proj.forward_unsummed(act, readers) if unsummed else self.down_proj(act, readers=readers)
 
 
 class DenseDecoderLayer(nn.Module):
@@ -167,14 +186,20 @@ class DenseDecoderLayer(nn.Module):
         self.mlp = DenseMLP(config, arch)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn_meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``readers``: `run_decoder` (the rows of this layer's output anyone reads; None: all)."""
         # o_proj's and down_proj's outputs go straight into the next norm (the residual add folded in), which can
         # sum their K splits itself: they may come unsummed
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, rope, attn_meta, unsummed=True)
+        hidden = self.self_attn(hidden, rope, attn_meta, unsummed=True, readers=readers)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, unsummed=True), residual
+        return self.mlp(hidden, unsummed=True, readers=readers), residual
 
 
 class DenseModel(nn.Module):
@@ -190,9 +215,15 @@ class DenseModel(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return run_decoder(input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta)
+        return run_decoder(
+            input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta, readers
+        )
 
 
 class DenseForDiffusionLM(nn.Module):
@@ -221,9 +252,15 @@ class DenseForDiffusionLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_meta)
+        """Hidden states ``[T, hidden]``; ``readers`` (the rows anyone reads, -1 for none; None: all): see
+        `run_decoder`."""
+        return self.model(input_ids, positions, attn_meta, readers)
 
     def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, readers)

@@ -70,17 +70,24 @@ class LLaDABlock(nn.Module):
         self.act = SiluAndMul()
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn_meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``readers``: `diffulex.models.dense.run_decoder` (the rows of this block's output anyone reads)."""
         hidden, residual = add_and_norm(self.attn_norm, hidden, residual)
         T = hidden.shape[0]
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         # the attention layer rotates q/k (writing k/v to the cache in the same launch on CUDA)
-        hidden = self.attn_out(self.attn(q, k, v, attn_meta, rope))
+        hidden = self.attn_out(self.attn(q, k, v, attn_meta, rope), readers=readers)
         hidden, residual = self.ff_norm(hidden, residual)
-        return self.ff_out(self.act(self.ff_proj(hidden), self.up_proj(hidden))), residual
+        gate, up = self.ff_proj(hidden, readers=readers), self.up_proj(hidden, readers=readers)
+        return self.ff_out(self.act(gate, up), readers=readers), residual
 
 
 class LLaDATransformer(nn.Module):
@@ -97,9 +104,13 @@ class LLaDATransformer(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_sequence_length, config.rope_theta)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return run_decoder(input_ids, positions, self.wte, self.rotary_emb, self.blocks, self.ln_f, attn_meta)
+        return run_decoder(input_ids, positions, self.wte, self.rotary_emb, self.blocks, self.ln_f, attn_meta, readers)
 
 
 class LLaDAModel(nn.Module):
@@ -129,9 +140,13 @@ class LLaDAForDiffusionLM(nn.Module):
         self.logit_scale = 1.0 / math.sqrt(config.d_model) if config.scale_logits else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        readers: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model.transformer(input_ids, positions, attn_meta)
+        return self.model.transformer(input_ids, positions, attn_meta, readers)
 
     def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.model.transformer.ff_out(hidden, readers)

@@ -186,3 +186,36 @@ def test_small_buckets_capture_the_forward_into_their_sampling_graphs(peaky_sdar
         monkeypatch.setattr(cuda_graph, "_FUSED_STEP_ENABLED", True)
         monkeypatch.setattr(graphs, "greedy_sample", None)
         assert not any(graphs.fuses_forward(b) for b in graphs.buckets)
+
+
+def test_the_forward_is_told_which_rows_the_step_reads(peaky_sdar_dir: Path) -> None:
+    """The graphs hand the forward the step's rows to sample as its readers (padded with -1), drawing or greedy:
+    the last layer may skip its work after attention when there are none, as in a step that only stores a
+    finished block. Tokens stay the eager engine's."""
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=3, max_tokens=16)]
+    fields = dict(buffer_size=1, max_num_reqs=4, async_scheduling=False)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [5, 9], seed=8)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        graphs = with_static_decode(llm).runner.graphs
+        staged: list[list[int]] = []
+        readers_seen: list[list[int]] = []
+        run, forward = graphs.run, graphs.forward
+
+        def recording_run(step, bucket, buffer=0, sampled=None):
+            staged.append(list(step.sample_rows))
+            return run(step, bucket, buffer, sampled)
+
+        def recording_forward(ids, positions, meta, readers):
+            readers_seen.append(readers.tolist())
+            return forward(ids, positions, meta, readers)
+
+        graphs.run, graphs.forward = recording_run, recording_forward
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert len(staged) == len(readers_seen) > 0
+    for rows, readers in zip(staged, readers_seen, strict=True):
+        assert readers == rows + [-1] * (len(readers) - len(rows))
+    assert any(not rows for rows in staged), "a step that only stores a finished block reads no row"
+    assert any(rows for rows in staged)

@@ -180,6 +180,32 @@ def test_a_product_no_row_of_which_is_read_is_skipped(cfg: SkinnyConfig) -> None
         skinny_linear(x, w, None, cfg, readers=torch.zeros(2, dtype=torch.float32, device=DEVICE))
 
 
+
+def test_partials_and_gated_launches_skip_when_no_row_is_read(monkeypatch) -> None:
+    """The unsummed and gated launches of a decoder's last layer take ``readers`` too: with a row named they are
+    the plain product, with none named they write nothing (outputs stay as allocated, here NaN)."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 96, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(80, 96, generator=gen) * 0.3).to(DEVICE, torch.float16)
+    split, gated = CONFIGS[1], GATED_CONFIGS[0]
+    launches = {
+        "partials": lambda readers: skinny_partials(x, w, split, readers=readers),
+        "gated": lambda readers: skinny_silu_mul(x, w, None, gated, readers=readers),
+    }
+    for name, launch in launches.items():
+        expected = launch(None)
+        assert torch.equal(launch(torch.tensor([-1, 3], device=DEVICE)), expected), name
+        monkeypatch.setattr(torch, "empty", nan_empty)
+        skipped = launch(torch.tensor([-1, -1, -1, -1], device=DEVICE))
+        monkeypatch.setattr(torch, "empty", real_empty)
+        assert skipped.isnan().all(), name
+
 GATED_CONFIGS = [  # small tiles under the interpreter (the table's gated tiles are 64 columns per half)
     SkinnyConfig(16, 32, 4, 2, use_dot=False),
     SkinnyConfig(16, 32, 4, 2, use_dot=True),

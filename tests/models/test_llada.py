@@ -104,3 +104,16 @@ def test_forward_equals_transformers_llama_with_ff_proj_as_the_gate(ckpt):
 def test_strategies_the_original_rejects_for_llada_are_clear_errors(peaky, strategy):
     with pytest.raises(ValueError, match=strategy):
         make_engine(peaky, decoding_strategy=strategy)
+
+
+@torch.inference_mode()
+def test_readers_reach_the_last_block_and_change_nothing_on_the_cpu(ckpt):
+    """The forward takes the rows anyone reads (`run_decoder`); LLaDA's last block hands them to its projections
+    after attention, which skip only on CUDA, so on the CPU the hidden states are the same."""
+    from diffulex.attention import DenseAttentionMetadata, visibility_mask
+
+    model = build_model("llada", ckpt, torch.float32, "cpu")
+    pos = torch.arange(8)
+    meta = DenseAttentionMetadata(visibility_mask(pos, pos, 4, False, 0))
+    ids = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(model(ids, pos, meta, torch.full((8,), -1)), model(ids, pos, meta), atol=0, rtol=0)

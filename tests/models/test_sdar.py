@@ -149,3 +149,27 @@ def _small_config(**overrides) -> SDARConfig:
     )
     d.update(overrides)
     return SDARConfig.from_dict(d)
+
+
+@torch.inference_mode()
+def test_the_rows_anyone_reads_reach_the_last_layer_only(model):
+    """``readers`` (the rows of the result anyone reads) goes to the last layer, whose projections after attention
+    may skip their weight streams when it names no row (on CUDA); every other layer computes what the next reads.
+    On the CPU nothing is skipped, so the result is the same with readers or without."""
+    seen: list[tuple[int, object]] = []
+    for index, layer in enumerate(model.model.layers):
+        original = layer.forward
+
+        def recorded(*args, _index=index, _original=original, **kwargs):
+            seen.append((_index, kwargs.get("readers")))
+            return _original(*args, **kwargs)
+
+        layer.forward = recorded
+    ids, meta = torch.randint(0, 380, (8,), generator=torch.Generator().manual_seed(4)), block_causal(8)
+    readers = torch.tensor([-1, -1, -1, -1, -1, -1, -1, -1])
+    with_readers = model(ids, torch.arange(8), meta, readers)
+    last = len(model.model.layers) - 1
+    assert [(i, r is readers) for i, r in seen] == [(i, i == last) for i in range(last + 1)]
+    seen.clear()
+    torch.testing.assert_close(with_readers, model(ids, torch.arange(8), meta), atol=0, rtol=0)
+    assert all(r is None for _, r in seen)
