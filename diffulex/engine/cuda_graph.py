@@ -307,10 +307,12 @@ class DecodeGraphs:
             section[t:] = pad
         if sampled is not None:
             self._fill_sampled(sampled, bucket, tok)
-        else:  # the forward's readers (`_forward`): the rows whose hidden states the eager sampler will read
-            readers = self._row_section(tok, 3, n)
-            readers[: len(step.sample_rows)] = step.sample_rows
-            readers[len(step.sample_rows) :] = -1
+        # the rows to sample, padded with -1: the sampling graph's, and the forward's readers (`_forward`), also
+        # where the eager sampler reads them
+        rows = sampled.rows if sampled is not None else step.sample_rows
+        section = self._row_section(tok, 3, n)
+        section[: len(rows)] = rows
+        section[len(rows) :] = -1
         lay = self._layout_np[buffer]
         lay[: r + 1] = step.cu_seqlens_q
         lay[r + 1 : bucket + 1] = t
@@ -332,15 +334,12 @@ class DecodeGraphs:
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
 
     def _fill_sampled(self, sampled: SampledRows, bucket: int, tok: np.ndarray) -> None:
-        """Stage the rows to sample, padded to the bucket: padded rows read nothing (-1) and belong to the extra
-        block; padded blocks are empty and never force."""
+        """Stage the sampled rows' blocks, padded to the bucket (`_fill` stages the rows themselves): padded rows
+        belong to the extra block; padded blocks are empty and never force."""
         n, num_blocks = len(sampled.rows), len(sampled.force)
         rows_cap, blocks_cap = bucket * self.shape.max_query_len, self.shape.max_segments(bucket)
         if n > rows_cap or num_blocks > blocks_cap:
             raise ValueError(f"{n} rows in {num_blocks} blocks do not fit bucket {bucket}'s sampling graph")
-        rows = self._row_section(tok, 3, rows_cap)
-        rows[:n] = sampled.rows
-        rows[n:] = -1
         segments = self._row_section(tok, 4, rows_cap)
         segments[:n] = sampled.segments
         segments[n:] = blocks_cap

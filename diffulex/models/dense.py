@@ -99,10 +99,7 @@ def run_decoder(
     residual: torch.Tensor | None = None
     last = len(layers) - 1
     for index, layer in enumerate(layers):
-        if index == last and readers is not None:
-            hidden, residual = layer(hidden, residual, rope, attn_meta, readers=readers)
-        else:
-            hidden, residual = layer(hidden, residual, rope, attn_meta)
+        hidden, residual = layer(hidden, residual, rope, attn_meta, readers=readers if index == last else None)
     return add_and_norm(final_norm, hidden, residual)[0]
 
 
