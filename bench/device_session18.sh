@@ -1,0 +1,21 @@
+#!/bin/bash
+# Session-18 GPU runs (each part fits one 10-minute device call). Results land in $OUT.
+source bench/device_helpers.sh
+quiet() { grep -v -i "warn"; }
+#   a: session 17's untimed changes on a GPU: the warm-up tests of top-1 and acceptance, the q/k rotary reading its
+#      angles after the PDL wait, the store-only step's skipped tail (engine tests with real capture), a step loop,
+#      compiles while serving mixed greedy/drawing batches (expect 0), and gpu_smoke (float32 = reference)
+if [ "$1" = a ]; then
+  gpu_tests a tests/kernels/test_top1.py tests/kernels/test_acceptance.py tests/kernels/test_fused_norm.py \
+    tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_skinny_gemm.py tests/engine/test_cuda_graph.py \
+    tests/engine/test_engine_matches_reference.py tests/engine/test_continuation.py
+  $W --tag final 2>&1 | grep WHATIF
+  timeout 200 python bench/jit_watch.py --mix 2>&1 | quiet | tail -8
+  timeout 150 python bench/gpu_smoke.py --builtin-problems 40 --out $OUT/gpu_smoke.json 2>&1 | quiet | tail -10
+fi
+#   b: the store-only step's skipped tail against the whole forward (DIFFULEX_FORWARD_READERS=0), alternating, then
+#      the throughput rows of record
+if [ "$1" = b ]; then
+  alternate readers all DIFFULEX_FORWARD_READERS=0
+  bash bench/device_session13.sh l
+fi
