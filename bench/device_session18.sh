@@ -19,3 +19,9 @@ if [ "$1" = b ]; then
   alternate readers all DIFFULEX_FORWARD_READERS=0
   bash bench/device_session13.sh l
 fi
+#   c: which paged-attention variants compile while serving (jit_watch names the arguments whose specialization
+#      changed); on an H200 the rows of record first
+if [ "$1" = c ]; then
+  case "$GPU" in *H200*) bash bench/device_session13.sh l ;; esac
+  timeout 200 python bench/jit_watch.py --mix 2>&1 | quiet | tail -8
+fi

@@ -18,6 +18,7 @@ compile after the engine was ready and ends with ``COMPILES_AFTER_READY n``; n s
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 
@@ -62,6 +63,45 @@ def serve_batches(llm, t0: float) -> None:
         print(f"{time.perf_counter() - t0:8.2f} s  served batch {batch} (mixed, then greedy)")
 
 
+def explain(name: str, described: str, seen: list[tuple[str, str]]) -> str:
+    """How this compile differs from the closest earlier compile of the same kernel: the arguments whose type or
+    specialization (16-byte alignment, value 1, a constexpr) changed, and any launch option. `described` is
+    Triton's text of one compile, `kernel[options](name: type, ...)`."""
+    now = _described_parts(described)
+    earlier = [_described_parts(d) for n, d in seen if n == name]
+    if not earlier:
+        return "first compile of this kernel"
+    nearest = min(earlier, key=lambda was: len(set(was.items()) ^ set(now.items())))
+    changes = [f"{k}: {nearest.get(k)} -> {v}" for k, v in now.items() if nearest.get(k) != v]
+    return "; ".join(changes) or "same as an earlier compile"
+
+
+def _described_parts(described: str) -> dict[str, str]:
+    """`kernel[a=1, b=2](x: t, y: u)` as {"a": "1", "b": "2", "x": "t", "y": "u"}; a text that is not of this shape
+    (another Triton version) is kept whole under "key"."""
+    match = re.fullmatch(r"[^\[]*\[(.*?)\]\((.*)\)", described, flags=re.S)
+    if not match:
+        return {"key": described}
+    parts: dict[str, str] = {}
+    for item in match.group(1).split(", "):
+        k, _, v = item.partition("=")
+        parts[k] = v
+    depth, current, items = 0, "", []
+    for ch in match.group(2):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    items.append(current.strip())
+    for item in items:
+        k, _, v = item.partition(": ")
+        parts[k] = v
+    return parts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.7b")
@@ -72,11 +112,14 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     compiles: list[tuple[float, str, str]] = []
+    seen: list[tuple[str, str]] = []  # every compile, before the engine was ready too, to explain the late ones
 
     def on_cache_miss(*_args, **kwargs) -> bool:
         fn = kwargs.get("fn")
-        name = getattr(getattr(fn, "jit_function", fn), "__name__", repr(fn))
-        compiles.append((time.perf_counter() - t0, str(name), str(kwargs.get("key", ""))[:160]))
+        name = str(getattr(getattr(fn, "jit_function", fn), "__name__", repr(fn)))
+        described = str(kwargs.get("repr") or kwargs.get("key", ""))
+        compiles.append((time.perf_counter() - t0, name, explain(name, described, seen)))
+        seen.append((name, described))
         return False  # go on compiling
 
     triton.knobs.runtime.jit_cache_hook = on_cache_miss
