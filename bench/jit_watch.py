@@ -18,7 +18,6 @@ compile after the engine was ready and ends with ``COMPILES_AFTER_READY n``; n s
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 import time
 
@@ -63,31 +62,43 @@ def serve_batches(llm, t0: float) -> None:
         print(f"{time.perf_counter() - t0:8.2f} s  served batch {batch} (mixed, then greedy)")
 
 
-def explain(name: str, described: str, seen: list[tuple[str, str]]) -> str:
-    """How this compile differs from the closest earlier compile of the same kernel: the arguments whose type or
-    specialization (16-byte alignment, value 1, a constexpr) changed, and any launch option. `described` is
-    Triton's text of one compile, `kernel[options](name: type, ...)`."""
-    now = _described_parts(described)
-    earlier = [_described_parts(d) for n, d in seen if n == name]
+def explain(name: str, parts: dict[str, str], seen: list[tuple[str, dict[str, str]]]) -> str:
+    """How a compile differs from the closest earlier compile of the same kernel: the arguments whose type or
+    specialization (16-byte alignment, value 1, a constexpr's value) changed, and any compile option."""
+    earlier = [was for n, was in seen if n == name]
     if not earlier:
         return "first compile of this kernel"
-    nearest = min(earlier, key=lambda was: len(set(was.items()) ^ set(now.items())))
-    changes = [f"{k}: {nearest.get(k)} -> {v}" for k, v in now.items() if nearest.get(k) != v]
-    return "; ".join(changes) or "same as an earlier compile"
+    nearest = min(earlier, key=lambda was: len(set(was.items()) ^ set(parts.items())))
+    changes = [f"{k}: {nearest.get(k)} -> {v}" for k, v in parts.items() if nearest.get(k) != v]
+    return "; ".join(changes) or "same key as an earlier compile"
 
 
-def _described_parts(described: str) -> dict[str, str]:
-    """`kernel[a=1, b=2](x: t, y: u)` as {"a": "1", "b": "2", "x": "t", "y": "u"}; a text that is not of this shape
-    (another Triton version) is kept whole under "key"."""
-    match = re.fullmatch(r"[^\[]*\[(.*?)\]\((.*)\)", described, flags=re.S)
-    if not match:
-        return {"key": described}
-    parts: dict[str, str] = {}
-    for item in match.group(1).split(", "):
-        k, _, v = item.partition("=")
-        parts[k] = v
-    depth, current, items = 0, "", []
-    for ch in match.group(2):
+def key_parts(key: str, arg_names: list[str]) -> dict[str, str]:
+    """Triton's cache key, ``str(specialization) + str(options)``, as named parts: one per argument (named from the
+    kernel's parameters) and one per compile option."""
+    depth, end = 0, len(key)
+    for i, ch in enumerate(key):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth == 0 and i > 0:
+            end = i + 1
+            break
+    args = _top_level_items(key[1 : end - 1])
+    parts = {(arg_names[i] if i < len(arg_names) else f"arg{i}"): item for i, item in enumerate(args)}
+    options = key[end:].strip()  # the launch's keyword options, a dict's text
+    if options.startswith("{") and options.endswith("}"):
+        for item in _top_level_items(options[1:-1]):
+            k, _, v = item.partition(": ")
+            parts[f"option {k.strip(chr(39))}"] = v
+    elif options:
+        parts["options"] = options
+    return parts
+
+
+def _top_level_items(text: str) -> list[str]:
+    """The comma-separated items of `text` that are not inside brackets."""
+    items, depth, current = [], 0, ""
+    for ch in text:
         depth += ch in "([{"
         depth -= ch in ")]}"
         if ch == "," and depth == 0:
@@ -95,11 +106,9 @@ def _described_parts(described: str) -> dict[str, str]:
             current = ""
         else:
             current += ch
-    items.append(current.strip())
-    for item in items:
-        k, _, v = item.partition(": ")
-        parts[k] = v
-    return parts
+    if current.strip():
+        items.append(current.strip())
+    return items
 
 
 def main() -> None:
@@ -112,14 +121,15 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     compiles: list[tuple[float, str, str]] = []
-    seen: list[tuple[str, str]] = []  # every compile, before the engine was ready too, to explain the late ones
+    seen: list[tuple[str, dict[str, str]]] = []  # every compile, before the engine was ready too
 
     def on_cache_miss(*_args, **kwargs) -> bool:
         fn = kwargs.get("fn")
-        name = str(getattr(getattr(fn, "jit_function", fn), "__name__", repr(fn)))
-        described = str(kwargs.get("repr") or kwargs.get("key", ""))
-        compiles.append((time.perf_counter() - t0, name, explain(name, described, seen)))
-        seen.append((name, described))
+        jit_fn = getattr(fn, "jit_function", fn)
+        name = str(getattr(jit_fn, "__name__", repr(fn)))
+        parts = key_parts(str(kwargs.get("key", "")), list(getattr(jit_fn, "arg_names", [])))
+        compiles.append((time.perf_counter() - t0, name, explain(name, parts, seen)))
+        seen.append((name, parts))
         return False  # go on compiling
 
     triton.knobs.runtime.jit_cache_hook = on_cache_miss
