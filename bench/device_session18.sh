@@ -25,3 +25,12 @@ if [ "$1" = c ]; then
   case "$GPU" in *H200*) bash bench/device_session13.sh l ;; esac
   timeout 200 python bench/jit_watch.py --mix 2>&1 | quiet | tail -8
 fi
+#   d: the attention kernel's split count as a runtime argument, two tile classes, and its variants compiled at
+#      build (paged_attention.warm_up): kernel and engine tests with real capture, compiles while serving
+#      (expect 0), then whole steps against session 17's tree (bench/_ab/s17, carried), alternating
+if [ "$1" = d ]; then
+  gpu_tests d tests/kernels/test_paged_attention.py tests/kernels/test_attention_op.py \
+    tests/engine/test_cuda_graph.py tests/engine/test_engine_matches_reference.py
+  timeout 200 python bench/jit_watch.py --mix 2>&1 | quiet | tail -6
+  alternate runtime s17 PYTHONPATH=$PWD/bench/_ab/s17
+fi

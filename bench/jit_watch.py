@@ -11,7 +11,8 @@ inside the timed region means a kernel variant the warm-up did not meet (a new c
 
 ``--mix`` serves what the throughput run does not: after the engine is ready, batches of 1 to 24 requests of odd
 and even prompt lengths, greedy and drawing (``temperature > 0``, which samples eagerly after the forward graph),
-so that eager sampler launches of every row-count parity and both sides of the PDL row limit run. It prints each
+so that eager sampler launches of every row-count parity and both sides of the PDL row limit run; then prompts
+long enough that their prefill splits its keys, twice (the second time from cached prefixes). It prints each
 compile after the engine was ready and ends with ``COMPILES_AFTER_READY n``; n should be 0.
 """
 
@@ -60,6 +61,12 @@ def serve_batches(llm, t0: float) -> None:
         for params in (drawing, [greedy] * batch):
             llm.generate(prompts, params, use_tqdm=False)
         print(f"{time.perf_counter() - t0:8.2f} s  served batch {batch} (mixed, then greedy)")
+    # prompts long enough that an eager prefill splits its keys, then the same prompts again (a cached prefix)
+    for batch in (1, 3):
+        prompts = random_prompts(llm.vocab_limit, llm.mask_token_id, batch, 150, seed=100 + batch)
+        for _ in range(2):
+            llm.generate(prompts, [greedy] * batch, use_tqdm=False)
+        print(f"{time.perf_counter() - t0:8.2f} s  served batch {batch} of 150-token prompts, twice")
 
 
 def explain(name: str, parts: dict[str, str], seen: list[tuple[str, dict[str, str]]]) -> str:

@@ -266,6 +266,7 @@ class DiffulexEngine:
         self._maybe_compile()
         num_pages = self._plan_num_pages()
         self.runner.allocate_kv_cache(num_pages)
+        self.runner.warm_up_attention()
         self._maybe_capture_graphs()
         self.runner.warm_up_sampling(config.max_num_reqs * self._max_rows_per_request(), self.dtype)
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))

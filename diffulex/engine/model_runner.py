@@ -235,6 +235,29 @@ class ModelRunner:
         return next(m for m in self.model.modules() if isinstance(m, nn.Embedding))
 
     @torch.inference_mode()
+    def warm_up_attention(self) -> None:
+        """Compile now the paged-attention variants eager steps (prefill, eager decode) may launch: CUDA graphs
+        compile theirs at capture, but a prompt's first step runs eagerly with shapes of its own. Once per distinct
+        layer geometry; nothing on other backends or off CUDA."""
+        from diffulex.attention.layer import TRITON_IMPLS
+        from diffulex.kernels import paged_attention
+
+        s = self.settings
+        if s.device.type != "cuda" or s.attn_impl not in TRITON_IMPLS:
+            return
+        done = set()
+        for layer in self.attention_layers:
+            if layer.k_cache is None or layer.v_cache is None:
+                continue
+            geometry = (layer.num_heads, tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype)
+            if geometry not in done:
+                done.add(geometry)
+                paged_attention.warm_up(
+                    layer.k_cache, layer.v_cache, layer.num_heads, s.block_size, s.prefix_full,
+                    grouped=s.attn_impl == "triton_grouped",
+                )
+
+    @torch.inference_mode()
     def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None:
         """Compile now the kernels that run after the forward (LM head, sampler) for every row count a step can
         sample, up to `max_rows`: their variants depend on the row count, and a compile met while serving stalls

@@ -21,7 +21,7 @@ Design:
   still ``-inf`` are guarded so that fully masked tiles contribute zeros and never NaN; every valid query sees
   at least itself, so its final denominator is positive.
 * split-KV inside the same launch when the grid alone cannot fill the GPU (few requests, long prefixes): the grid's
-  first axis becomes ``query tiles * SPLIT_SLOTS``; each split folds a ``BLOCK_N``-aligned chunk of either the
+  first axis becomes ``query tiles * split_slots``; each split folds a ``BLOCK_N``-aligned chunk of either the
   tile's cached keys or its new keys (never both) and publishes its partial (max, denominator, accumulator) in fp32
   to a scratch buffer, then bumps a per-tile counter (acq_rel atomic); the last split to arrive combines the
   partials, writes the output and resets the counter to zero, so the counters need no memset between launches.
@@ -142,7 +142,7 @@ def _cached_tile(
 
 # An eager step's page tables are as wide as its longest request, so their row stride changes all the time;
 # specialized (ints equal to 1 or divisible by 16), it would be a variant per class, compiled while serving.
-@triton.jit(do_not_specialize=["stride_pt_r"])
+@triton.jit(do_not_specialize=["stride_pt_r", "split_slots"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -154,8 +154,8 @@ def _paged_attention_kernel(
     context_lens_ptr,
     prefix_lens_ptr,
     page_tables_ptr,
-    part_ml_ptr,  # [programs, SPLIT_SLOTS, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
-    part_acc_ptr,  # [programs, SPLIT_SLOTS, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
+    part_ml_ptr,  # [programs, split_slots, 2, BLOCK_M] fp32 split partials (max, denominator); unused if 1 split
+    part_acc_ptr,  # [programs, split_slots, BLOCK_M, HEAD_DIM] fp32 split partial accumulators
     counters_ptr,  # [programs] int32, zero between launches: splits of a tile that have finished
     qk_scale,  # softmax scale * log2(e)
     stride_q_t,
@@ -173,6 +173,7 @@ def _paged_attention_kernel(
     stride_vc_s,
     stride_vc_h,
     stride_pt_r,
+    split_slots,  # programs sharing one tile's keys (split-KV, combined by the last to finish); 1 if not SPLIT
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # query heads handled by one program (GROUP rounded up to a power of two, or 1)
     BLOCK_Q: tl.constexpr,  # query positions per program
@@ -182,7 +183,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # diffusion block size (mask granularity)
     PREFIX_FULL: tl.constexpr,
     IEEE: tl.constexpr,  # exact fp32 dots (fp32 inputs); otherwise the inputs' native precision
-    SPLIT_SLOTS: tl.constexpr,  # programs sharing one tile's keys (split-KV, combined by the last to finish)
+    SPLIT: tl.constexpr,  # whether split_slots > 1 (a runtime count, so every split count is one variant)
     MIN_SPLIT_KEYS: tl.constexpr,  # fewest keys a split takes: below it, fewer splits do the work
     USE_PDL: tl.constexpr,  # programmatic dependent launch: metadata is read before q/k/v are ready
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
@@ -191,8 +192,12 @@ def _paged_attention_kernel(
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    tile = tl.program_id(0) // SPLIT_SLOTS
-    split = tl.program_id(0) % SPLIT_SLOTS
+    if SPLIT:
+        tile = tl.program_id(0) // split_slots
+        split = tl.program_id(0) % split_slots
+    else:
+        tile = tl.program_id(0)
+        split = 0
     req = tl.program_id(1)
     head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
 
@@ -233,7 +238,7 @@ def _paged_attention_kernel(
     row_limit = tl.where(row_ok, row_limit, 0)
     key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
     # this program's share of the key positions [0, key_limit)
-    if SPLIT_SLOTS == 1:
+    if not SPLIT:
         lo = 0
         hi = key_limit
         active_splits = 1
@@ -241,12 +246,12 @@ def _paged_attention_kernel(
         # Cached keys [0, ctx) and the step's new keys [ctx, key_limit) are chunked separately, so no split mixes
         # both: the new keys (written by the kernel just before) are then the whole work of their own split rather
         # than a serial tail of a cached one (measured on an H100 at batch 1: SDAR-1.7B replays 0.4 us per layer
-        # faster). Chunks of `key_limit / (SPLIT_SLOTS - 1)` keep both segments within SPLIT_SLOTS splits (the
+        # faster). Chunks of `key_limit / (split_slots - 1)` keep both segments within split_slots splits (the
         # launch's split count plus one slot for the chunk the boundary cuts in two); keys that fit one chunk stay
         # in one split. Splits are sized for the launch bound, not this tile's keys: only the first `active_splits`
         # have keys; the others leave at once, so neither their partials nor their share of the combine cost
         # anything.
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, SPLIT_SLOTS - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, split_slots - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
         cached_splits = tl.cdiv(ctx, chunk)
         active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
         if key_limit <= chunk:
@@ -342,18 +347,18 @@ def _paged_attention_kernel(
             IEEE,
         )
 
-    if SPLIT_SLOTS == 1:
+    if not SPLIT:
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
     elif active_splits == 1:  # keys too few to split: write as an unsplit launch would
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
     else:
         # publish this split's partial state; the last active split of the tile to finish combines them all
-        tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), SPLIT_SLOTS) + tile
+        tile_id = (req * tl.num_programs(2) + head_slot) * tl.cdiv(tl.num_programs(0), split_slots) + tile
         tile_id = tile_id.to(tl.int64)
-        ml_base = part_ml_ptr + (tile_id * SPLIT_SLOTS + split) * (2 * BLOCK_M)
+        ml_base = part_ml_ptr + (tile_id * split_slots + split) * (2 * BLOCK_M)
         tl.store(ml_base + offs_m, m_i)
         tl.store(ml_base + BLOCK_M + offs_m, l_i)
-        acc_base = part_acc_ptr + (tile_id * SPLIT_SLOTS + split) * (BLOCK_M * HEAD_DIM)
+        acc_base = part_acc_ptr + (tile_id * split_slots + split) * (BLOCK_M * HEAD_DIM)
         tl.store(acc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
@@ -364,7 +369,7 @@ def _paged_attention_kernel(
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             for s in range(0, active_splits):
                 m_s, l_s, acc_s = _load_partial(
-                    part_ml_ptr, part_acc_ptr, tile_id * SPLIT_SLOTS + s, offs_m, offs_d, BLOCK_M, HEAD_DIM
+                    part_ml_ptr, part_acc_ptr, tile_id * split_slots + s, offs_m, offs_d, BLOCK_M, HEAD_DIM
                 )
                 m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m_s, l_s, acc_s)
             _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
@@ -405,13 +410,17 @@ def _next_pow2(x: int) -> int:
 
 
 def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): at least 16 rows per tile (the minimum ``tl.dot`` shape), at most 64."""
-    block_m = max(16, min(64, _next_pow2(max_query_len) * group_pad))
+    """(BLOCK_Q, BLOCK_N): 16 rows per tile (the minimum ``tl.dot`` shape) where a request's queries fit them (a
+    decode step), otherwise 64. Two tile classes rather than every power of two between keep the kernel's variants
+    few enough for `warm_up` to compile them all before serving."""
+    block_m = _SMALL_TILE_ROWS if _next_pow2(max_query_len) * group_pad <= _SMALL_TILE_ROWS else _LARGE_TILE_ROWS
     block_q = max(1, block_m // group_pad)
     block_n = 64 if head_dim <= 128 else 32
     return block_q, block_n
 
 
+_SMALL_TILE_ROWS = 16
+_LARGE_TILE_ROWS = 64
 # Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
 # (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
 # mostly short, so 64.
@@ -430,20 +439,15 @@ _PRELOAD_ENABLED = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") != "0"
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
-    """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes).
-
-    A power of two (splits without keys leave at once): each count is a kernel variant of its own, compiled on
-    first use, and an eager step's count follows its batch and its longest context, which change all the time.
-    Rounded, a server meets a handful of variants instead of one more every 64 tokens of context (each compile
-    stalls its step by 0.1-0.3 s).
-    """
+    """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes): about
+    two programs per SM, no split with fewer than `min_split_keys` keys. The count is a runtime argument of the
+    kernel, so any count reuses the one compiled split variant."""
     if device.type != "cuda":
         return 1
     sms = sm_count(device)
     if programs >= sms:
         return 1
-    splits = max(1, min(triton.cdiv(2 * sms, programs), max_keys // min_split_keys, _MAX_SPLITS))
-    return triton.next_power_of_2(splits)
+    return max(1, min(triton.cdiv(2 * sms, programs), max_keys // min_split_keys, _MAX_SPLITS))
 
 
 def triton_paged_attention(
@@ -540,6 +544,7 @@ def triton_paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         page_tables.stride(0),
+        split_slots,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -549,7 +554,7 @@ def triton_paged_attention(
         BLOCK_SIZE=meta.block_size,
         PREFIX_FULL=bool(meta.prefix_full),
         IEEE=q.dtype == torch.float32,
-        SPLIT_SLOTS=split_slots,
+        SPLIT=split_slots > 1,
         MIN_SPLIT_KEYS=min_split_keys,
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
@@ -560,3 +565,57 @@ def triton_paged_attention(
         **launch_kwargs(use_pdl),
     )
     return out
+
+
+def warm_up(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    prefix_full: bool,
+    grouped: bool,
+) -> None:
+    """Compile now every variant of the kernel a step of this layer geometry can launch, so that none compiles
+    while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
+
+    A launch's variant is fixed by its tile class (`_tile_shapes`: a decode-sized query or a longer one), whether
+    it splits keys (not how many: the split count is a runtime argument) and whether it chains by PDL (at most
+    `PDL_MAX_ROWS` rows). Each case here is a tiny launch (one or a few requests, no cached keys) that lands in
+    one of those variants; on a device without PDL the PDL cases fall into variants already compiled. The caches
+    are only read through a request's page table, which here has no pages in use, and nothing is stored.
+    """
+    if k_cache.device.type == "cuda":
+        _launch_every_variant(k_cache, v_cache, num_heads, block_size, prefix_full, grouped)
+
+
+def _launch_every_variant(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool
+) -> None:
+    from diffulex.kernels.pdl import PDL_MAX_ROWS
+
+    device = k_cache.device
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group_pad = _next_pow2(num_heads // num_kv_heads) if grouped else 1
+    first_large = max(1, _SMALL_TILE_ROWS // group_pad + 1)  # fewest queries of one request in the large class
+    cases = [(1, 1), (PDL_MAX_ROWS + 1, 1), (1, PDL_MAX_ROWS + 1)]  # (requests, queries each)
+    if first_large <= PDL_MAX_ROWS:
+        cases.append((1, first_large))
+    for num_requests, q_len in cases:
+        rows = num_requests * q_len
+        q = torch.zeros(rows, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+        kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+        meta = PagedAttentionMetadata(
+            cu_seqlens_q=torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=device),
+            context_lens=torch.zeros(num_requests, dtype=torch.int32, device=device),
+            prefix_lens=torch.full((num_requests,), q_len, dtype=torch.int32, device=device),
+            page_tables=torch.full((num_requests, 1), -1, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
+            block_size=block_size,
+            page_size=k_cache.shape[1],
+            prefix_full=prefix_full,
+            query_lens_cpu=[q_len] * num_requests,
+            context_lens_cpu=[0] * num_requests,
+            prefix_lens_cpu=[q_len] * num_requests,
+        )
+        for num_splits in (1, 2):
+            triton_paged_attention(q, kv, kv, k_cache, v_cache, meta, 1.0, grouped=grouped, num_splits=num_splits)

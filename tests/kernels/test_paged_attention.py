@@ -195,19 +195,95 @@ def test_all_requests_empty():
     assert out.shape == (0, 2, 16)
 
 
-def test_eager_split_counts_come_from_a_few_compiled_variants(monkeypatch):
-    """An eager step's split count follows its batch and longest context, and each count is a kernel variant of its
-    own: the counts are powers of two (at most six variants), never fewer splits than the grid asks for."""
+class LaunchRecorder:
+    """Stands in for the kernel: records each launch's variant (its constexprs and launch options) and runs
+    nothing."""
+
+    def __init__(self):
+        self.variants = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.variants.append(tuple(sorted(kwargs.items())))
+
+        return launch
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Launches recorded, not run, with PDL as on a GPU that has it (at most `PDL_MAX_ROWS` rows)."""
+    from diffulex.kernels import paged_attention as pa
+    from diffulex.kernels.pdl import PDL_MAX_ROWS
+
+    rec = LaunchRecorder()
+    monkeypatch.setattr(pa, "_paged_attention_kernel", rec)
+    monkeypatch.setattr(pa, "pdl_enabled", lambda device, rows: rows <= PDL_MAX_ROWS)
+    return rec
+
+
+def test_auto_split_count_asks_two_programs_per_sm(monkeypatch):
+    """With fewer programs than SMs, keys are split so that about two programs run per SM, never into splits of
+    fewer than the minimum keys and never into more than the cap; a grid that fills the GPU does not split."""
     from diffulex.kernels import paged_attention as pa
     from diffulex.kernels import split_counters
 
     cuda, sms = torch.device("cuda", 0), 132
     monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
-    seen = set()
-    for programs in range(1, 2 * sms):
+    for programs in range(1, 2 * sms, 5):
         for max_keys in range(1, 8192, 37):
             splits = pa._auto_num_splits(cuda, programs, max_keys, 64)
             wanted = 1 if programs >= sms else max(1, min(-(-2 * sms // programs), max_keys // 64, pa._MAX_SPLITS))
-            assert wanted <= splits < 2 * wanted and splits & (splits - 1) == 0
-            seen.add(splits)
-    assert seen == {1, 2, 4, 8, 16, 32}
+            assert splits == wanted
+
+
+def test_every_split_count_is_one_kernel_variant(recorder):
+    """The split count is a runtime argument: an eager step's count follows its batch and longest context, and a
+    variant per count would compile while serving."""
+    for splits in (2, 3, 5, 9, 32):
+        q, k, v, k_cache, v_cache, meta = make_batch([(300, 4, 10)], 4, 2, 16, 4, 4, False, torch.float32, DEVICE)
+        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=splits)
+    assert len(set(recorder.variants)) == 1
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 8), (4, 4), (64, 2)])
+def test_warm_up_compiles_every_variant_a_step_can_launch(recorder, num_heads, num_kv_heads, grouped):
+    """After the engine's warm-up, no launch of a step meets a kernel variant for the first time: prefills of any
+    length and batch, decode steps, with and without split keys, with and without PDL."""
+    from diffulex.kernels import paged_attention as pa
+
+    head_dim, page_size, block_size = 16, 4, 4
+    k_cache = torch.zeros(8, page_size, num_kv_heads, head_dim)
+    pa._launch_every_variant(k_cache, k_cache, num_heads, block_size, False, grouped)
+    warmed = set(recorder.variants)
+    assert len(warmed) <= 8
+    rng = random.Random(0)
+    for _ in range(60):
+        sizes = [1, 2, 4, 8, 9, 16, 17, 40]
+        requests = [(rng.choice([0, 7, 40]), rng.choice(sizes), 5) for _ in range(rng.randint(1, 20))]
+        q, k, v, k_cache, v_cache, meta = make_batch(
+            requests, num_heads, num_kv_heads, head_dim, page_size, block_size, False, torch.float32, DEVICE
+        )
+        recorder.variants.clear()
+        triton_paged_attention(
+            q, k, v, k_cache, v_cache, meta, 0.25, grouped=grouped, num_splits=rng.choice([None, 1, 2, 7])
+        )
+        assert set(recorder.variants) <= warmed, requests
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles happen only on a GPU")
+def test_after_warm_up_no_launch_compiles_gpu():
+    import triton
+
+    from diffulex.kernels import paged_attention as pa
+
+    k_cache = torch.zeros(16, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    pa.warm_up(k_cache, k_cache.clone(), 16, 4, False, grouped=True)
+    compiles = []
+    triton.knobs.runtime.jit_cache_hook = lambda *a, **kw: compiles.append(kw.get("fn")) and False
+    try:
+        for requests in ([(0, 10, 10)], [(0, 300, 300)], [(0, 1, 1)] * 20, [(60, 4, 10), (0, 23, 23)]):
+            check(requests, 16, 8, 128, 16, 4, False, torch.bfloat16)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert compiles == []
