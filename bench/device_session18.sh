@@ -34,3 +34,11 @@ if [ "$1" = d ]; then
   timeout 200 python bench/jit_watch.py --mix 2>&1 | quiet | tail -6
   alternate runtime s17 PYTHONPATH=$PWD/bench/_ab/s17
 fi
+#   e: part d's kernel tests with their durations (d's pytest ran out of time), the engine tests, then the split
+#      count rounded up to a power of two (bench/_ab/pow2) against as built, alternating
+if [ "$1" = e ]; then
+  timeout 330 python -m pytest tests/kernels/test_paged_attention.py -x -q -p no:warnings --durations=12 > $OUT/pytest_e.log 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|error|s call" $OUT/pytest_e.log | head -16
+  gpu_tests e2 tests/kernels/test_attention_op.py tests/engine/test_cuda_graph.py tests/engine/test_engine_matches_reference.py
+  alternate runtime pow2 PYTHONPATH=$PWD/bench/_ab/pow2
+fi
