@@ -42,3 +42,7 @@ if [ "$1" = e ]; then
   gpu_tests e2 tests/kernels/test_attention_op.py tests/engine/test_cuda_graph.py tests/engine/test_engine_matches_reference.py
   alternate runtime pow2 PYTHONPATH=$PWD/bench/_ab/pow2
 fi
+#   f: on an H200 only, the rows of record and the step loops (nothing on an H100)
+if [ "$1" = f ]; then
+  case "$GPU" in *H200*) bash bench/device_session13.sh l; $W --tag h200 2>&1 | grep WHATIF; $W8 --tag h200 2>&1 | grep WHATIF ;; esac
+fi
