@@ -174,7 +174,16 @@ class LMHead(nn.Module):
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
 
 
-class MergedProjection:
+class JoinedWeights:
+    """Weights a checkpoint stores as separate matrices, joined after loading so that one launch reads them all;
+    `merge_projections` calls `merge` on every instance a module holds."""
+
+    def merge(self) -> bool:
+        """Join the weights; returns False (and they stay separate) where that would change the result."""
+        raise NotImplementedError
+
+
+class MergedProjection(JoinedWeights):
     """Projections of the same input (q/k/v, gate/up) computed by one GEMM once `merge` has joined them.
 
     Checkpoints store these matrices separately and the loader and LoRA address them by those names, so the
@@ -236,10 +245,11 @@ def _join(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def merge_projections(model: nn.Module) -> int:
-    """Merge every `MergedProjection` a module of ``model`` holds; returns how many were merged."""
+    """Merge every `JoinedWeights` (`MergedProjection`, `diffulex.layers.moe.ExpertStack`) a module of ``model``
+    holds; returns how many were merged."""
     merged = 0
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, MergedProjection):
+            if isinstance(value, JoinedWeights):
                 merged += value.merge()
     return merged

@@ -1,12 +1,13 @@
 """Model families. Importing this package registers every family's model class and config reader."""
 
-from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, sdar, stable_diffcoder  # noqa: F401
+from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, sdar, sdar_moe, stable_diffcoder  # noqa: F401
 from diffulex.models.dream import DreamForDiffusionLM
 from diffulex.models.dream_reasoner import DreamReasonerForDiffusionLM
 from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
 from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
 from diffulex.models.llada import LLaDAForDiffusionLM
 from diffulex.models.sdar import SDARForDiffusionLM
+from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
 from diffulex.models.stable_diffcoder import StableDiffCoderForDiffusionLM
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "FastdLLMV2ForDiffusionLM",
     "LLaDAForDiffusionLM",
     "SDARForDiffusionLM",
+    "SDARMoeForDiffusionLM",
     "StableDiffCoderForDiffusionLM",
     "load_hf_config",
     "model_type_to_model_name",

@@ -175,12 +175,13 @@ class DenseDecoderLayer(nn.Module):
     """Pre-norm block; takes and returns ``(hidden, residual)`` with the residual add folded into the next norm
     (the true stream is ``hidden + residual``; ``residual`` is None before layer 0)."""
 
-    def __init__(self, config: DenseDecoderConfig, arch: DenseArch) -> None:
+    def __init__(self, config: DenseDecoderConfig, arch: DenseArch, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DenseAttention(config, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = DenseMLP(config, arch)
+        # the dense SwiGLU, or the family's own (a mixture of experts), called the same way
+        self.mlp = mlp if mlp is not None else DenseMLP(config, arch)
 
     def forward(
         self,
@@ -202,10 +203,19 @@ class DenseDecoderLayer(nn.Module):
 class DenseModel(nn.Module):
     """Embedding, decoder layers and the final norm (the ``model.`` prefix of the checkpoint)."""
 
-    def __init__(self, config: DenseDecoderConfig, arch: DenseArch) -> None:
+    def __init__(
+        self,
+        config: DenseDecoderConfig,
+        arch: DenseArch,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
+        """``make_mlp(layer_index)``: that layer's MLP where the family has its own, else None (the dense one)."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DenseDecoderLayer(config, arch) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DenseDecoderLayer(config, arch, make_mlp(i) if make_mlp is not None else None)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -243,10 +253,14 @@ class DenseForDiffusionLM(nn.Module):
     def __init__(self, config: DenseDecoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DenseModel(config, self.arch_for(config))
+        self.model = DenseModel(config, self.arch_for(config), self.make_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_mlp(self, layer_index: int) -> nn.Module | None:
+        """The MLP of layer `layer_index` where the family's differs from the dense SwiGLU (None: the dense one)."""
+        return None
 
     def forward(
         self,

@@ -302,6 +302,57 @@ class SDARConfig(DenseDecoderConfig):
 
 
 @dataclass
+class SDARMoeConfig(SDARConfig):
+    """SDAR-MoE (``model_type: "sdar_moe"``, SDAR-30B-A3B): the SDAR fields plus Qwen3-MoE's sparse MLP.
+
+    A layer's MLP is sparse unless it is listed in ``mlp_only_layers`` or ``decoder_sparse_step`` skips it (layer
+    ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0``); dense layers use ``intermediate_size``.
+    """
+
+    model_type: str = "sdar_moe"
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    decoder_sparse_step: int | None = None
+    norm_topk_prob: bool = False
+    mlp_only_layers: list[int] = field(default_factory=list)
+    family: ClassVar[str] = "SDAR-MoE"
+    extra_int_fields: ClassVar[tuple[str, ...]] = (
+        "block_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        config = super().from_dict(d)
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(config, key) is None:
+                raise ValueError(f"config field {key!r} is missing")
+        assert config.num_experts is not None and config.num_experts_per_tok is not None
+        if config.num_experts_per_tok > config.num_experts:
+            raise ValueError(
+                f"config field 'num_experts_per_tok' ({config.num_experts_per_tok}) must be at most "
+                f"'num_experts' ({config.num_experts})"
+            )
+        config.decoder_sparse_step = config.decoder_sparse_step or 1
+        config.norm_topk_prob = _bool(d, "norm_topk_prob", False)
+        layers = d.get("mlp_only_layers") or []
+        if not isinstance(layers, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.num_hidden_layers for i in layers
+        ):
+            raise ValueError(
+                f"config field 'mlp_only_layers' must list layer indices in [0, {config.num_hidden_layers}), "
+                f"got {layers!r}"
+            )
+        config.mlp_only_layers = list(layers)
+        return config
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is the mixture of experts (else the dense SwiGLU)."""
+        assert self.decoder_sparse_step is not None
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass
 class DreamConfig(DenseDecoderConfig):
     """Dream-v0 / Dream-Coder / DiffuCoder (``model_type: "Dream"``, Qwen2.5 geometry) and the Qwen3-style Dream
     reasoner, which shares the model type. The reasoner's model reads ``attention_bias`` and uses q/k norms;
@@ -488,6 +539,7 @@ class LLaDAConfig(HFConfig):
 
 _READERS: dict[str, type[HFConfig]] = {
     "sdar": SDARConfig,
+    "sdar_moe": SDARMoeConfig,
     "dream": DreamConfig,
     "diffucoder": DreamConfig,
     "dream_reasoner": DreamReasonerConfig,

@@ -23,6 +23,7 @@ class SamplerSettings:
 
 
 @AutoSampler.register("sdar")
+@AutoSampler.register("sdar_moe")
 class ConfidenceSampler:
     """Logits at position p predict the token at p; accept confident positions, force one when allowed.
 

@@ -162,6 +162,7 @@ TINY_TOKENIZERS: dict[str, TinyTokenizerSpec] = {
     ),
 }
 TINY_TOKENIZERS["diffucoder"] = TINY_TOKENIZERS["dream"]
+TINY_TOKENIZERS["sdar_moe"] = TINY_TOKENIZERS["sdar"]
 FAMILIES = tuple(TINY_TOKENIZERS)
 
 
@@ -276,6 +277,10 @@ class _Geometry:
     block_size: int
     init_std: float
     dtype_name: str
+    num_experts: int = 0  # the MoE families' (SDAR-MoE): experts per sparse layer, and their sizes
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 def write_tiny_checkpoint(
@@ -299,6 +304,10 @@ def write_tiny_checkpoint(
     mlp_bias: bool = False,
     vocab_size: int | None = None,
     real_tokenizer: bool = False,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a random-weight checkpoint of `family` into `path`; returns the folder.
 
@@ -315,7 +324,8 @@ def write_tiny_checkpoint(
     config has no ``head_dim``). ``attention_bias`` is q/k/v(/o) bias where the family reads it (SDAR, Dream
     reasoner, Stable-DiffCoder; LLaDA's ``include_qkv_bias``); Dream, DiffuCoder and Fast-dLLM v2 always have
     q/k/v biases. ``mlp_bias`` is Stable-DiffCoder's; ``block_size`` SDAR's. ``vocab_size`` overrides the number
-    of embedding rows.
+    of embedding rows. ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size`` and
+    ``mlp_only_layers`` (layers that keep the dense MLP) are SDAR-MoE's.
 
     ``real_tokenizer=True`` (Qwen-based families) writes the family's real Qwen tokenizer (`write_qwen_tokenizer`)
     instead of the tiny one, and the config names the real ids (mask 151666 for Dream); ``vocab_size`` then
@@ -352,6 +362,8 @@ def write_tiny_checkpoint(
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias, mlp_bias=mlp_bias,
         block_size=block_size, init_std=init_std, dtype_name=str(dtype).removeprefix("torch."),
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size, mlp_only_layers=tuple(mlp_only_layers),
     )  # fmt: skip
     config, generation = fmt.configs(ids, g)
     _write_json(path / "config.json", dict(sorted(config.items())))
@@ -693,8 +705,14 @@ class _CheckpointFormat:
     mlp_bias: bool = False
     derives_head_dim: bool = False
     olmo: bool = False
+    moe: bool = False
 
     def tensor_shapes(self, g: _Geometry) -> dict[str, tuple[int, ...]]:
+        if self.moe:
+            return _with_experts(self._dense_shapes(g), g)
+        return self._dense_shapes(g)
+
+    def _dense_shapes(self, g: _Geometry) -> dict[str, tuple[int, ...]]:
         if self.olmo:
             return _llada_tensor_shapes(
                 g.hidden_size, g.num_hidden_layers, g.num_attention_heads, g.num_key_value_heads,
@@ -710,9 +728,52 @@ class _CheckpointFormat:
         )  # fmt: skip
 
 
+def _with_experts(shapes: dict[str, tuple[int, ...]], g: _Geometry) -> dict[str, tuple[int, ...]]:
+    """The dense checkpoint's tensors with each sparse layer's MLP replaced by Qwen3-MoE's router and experts."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        sparse = layer is not None and int(layer) not in g.mlp_only_layers
+        if sparse and ".mlp." in name:
+            if name.endswith("mlp.gate_proj.weight"):
+                p = name.removesuffix("gate_proj.weight")
+                out[p + "gate.weight"] = (g.num_experts, g.hidden_size)
+                for e in range(g.num_experts):
+                    out[f"{p}experts.{e}.gate_proj.weight"] = (g.moe_intermediate_size, g.hidden_size)
+                    out[f"{p}experts.{e}.up_proj.weight"] = (g.moe_intermediate_size, g.hidden_size)
+                    out[f"{p}experts.{e}.down_proj.weight"] = (g.hidden_size, g.moe_intermediate_size)
+            continue
+        out[name] = shape
+    return out
+
+
+def _sdar_moe_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    """SDAR's keys with the Qwen3-MoE ones (SDAR-30B-A3B's layout)."""
+    config, generation = _sdar_configs(ids, g)
+    config.update({
+        "architectures": ["SDARMoeForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+            "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+            "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+        },
+        "model_type": "sdar_moe",
+        "num_experts": g.num_experts,
+        "num_experts_per_tok": g.num_experts_per_tok,
+        "moe_intermediate_size": g.moe_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(g.mlp_only_layers),
+        "norm_topk_prob": True,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    })  # fmt: skip
+    return config, generation
+
+
 _DREAM_FORMAT = _CheckpointFormat(_dream_configs, qwen2_biases=True, derives_head_dim=True)
 CHECKPOINT_FORMATS: dict[str, _CheckpointFormat] = {
     "sdar": _CheckpointFormat(_sdar_configs, qk_norm=True),
+    "sdar_moe": _CheckpointFormat(_sdar_moe_configs, qk_norm=True, moe=True),
     "dream": _DREAM_FORMAT,
     "diffucoder": _DREAM_FORMAT,
     "dream_reasoner": _CheckpointFormat(_dream_reasoner_configs, qk_norm=True),
@@ -754,14 +815,14 @@ QWEN_FAMILY_TOKENS: dict[str, dict[str, int]] = {
 }
 QWEN_FAMILY_TOKENS["diffucoder"] = QWEN_FAMILY_TOKENS["dream"]
 # Embedding rows of the real checkpoints (Dream-v0-7B / Fast-dLLM-v2-7B: Qwen2.5-7B; Qwen3 / SDAR: 151936).
-QWEN_FAMILY_VOCAB = {"sdar": 151936, "dream_reasoner": 151936, "dream": 152064, "diffucoder": 152064,
-                     "fast_dllm_v2": 152064}
+QWEN_FAMILY_VOCAB = {"sdar": 151936, "sdar_moe": 151936, "dream_reasoner": 151936, "dream": 152064,
+                     "diffucoder": 152064, "fast_dllm_v2": 152064}
 
 
 def qwen_special_token_ids(family: str = "sdar") -> dict[str, int]:
     """The real ids of the special tokens `write_tiny_checkpoint` names for a Qwen-based `family`."""
     base = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
-    if family in ("sdar", "dream_reasoner"):
+    if family in ("sdar", "sdar_moe", "dream_reasoner"):
         return {**base, "<think>": 151667, "</think>": 151668, "<|MASK|>": 151669}
     if family in QWEN_FAMILY_TOKENS:
         return {**base, **QWEN_FAMILY_TOKENS[family]}

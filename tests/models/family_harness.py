@@ -50,6 +50,7 @@ class FamilyCase:
 
 CASES = (
     FamilyCase("sdar", "<|MASK|>", peaky_seed=1, transformers="Qwen3", decodes_here=False),
+    FamilyCase("sdar_moe", "<|MASK|>", peaky_seed=8, small={"mlp_only_layers": (1,)}),
     FamilyCase("llada", "<|mdm_mask|>", peaky_seed=3),
     FamilyCase("dream", "<|mask|>", peaky_seed=2, transformers="Qwen2"),
     FamilyCase("diffucoder", "<|mask|>", peaky_seed=7, transformers="Qwen2", engine={"model_name": "diffucoder"}),
@@ -141,9 +142,28 @@ def reference_forward(
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         x = x + linear(_attend(q, k, v, allowed, nh, nkv, hd), p + "self_attn.o_proj")
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        if p + "mlp.gate.weight" in w:
+            x = x + _moe(cfg, w, h, p + "mlp.")
+            continue
         gate, up = linear(h, p + "mlp.gate_proj"), linear(h, p + "mlp.up_proj")
         x = x + linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
     return _rms(x, w["model.norm.weight"], eps)
+
+
+def _moe(cfg: dict, w: dict[str, torch.Tensor], h: torch.Tensor, p: str) -> torch.Tensor:
+    """Qwen3-MoE's sparse MLP, token by token: softmax over the router's scores, the top-k experts (their weights
+    renormalized under ``norm_topk_prob``), each a SwiGLU."""
+    probs = (h @ w[p + "gate.weight"].T).softmax(-1)
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        weights, experts = probs[t].topk(cfg["num_experts_per_tok"])
+        if cfg.get("norm_topk_prob"):
+            weights = weights / weights.sum()
+        for weight, e in zip(weights.tolist(), experts.tolist(), strict=True):
+            q = f"{p}experts.{e}."
+            act = torch.nn.functional.silu(h[t] @ w[q + "gate_proj.weight"].T) * (h[t] @ w[q + "up_proj.weight"].T)
+            out[t] += weight * (act @ w[q + "down_proj.weight"].T)
+    return out
 
 
 def _llada_forward(cfg: dict, w: dict[str, torch.Tensor], ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""A sparse mixture-of-experts MLP: each token's hidden state goes through the `top_k` SwiGLU experts its router
+scores highest, and their outputs are summed with the router's weights (the Qwen3-MoE layout of SDAR-MoE).
+
+Checkpoints store every expert's gate/up/down matrices separately (``mlp.experts.N.gate_proj.weight``), and the
+loader and LoRA address them by those names, so each expert stays a module of its own. After loading,
+`ExpertStack.merge` copies them into two stacked tensors (``[experts, 2 * inter, hidden]`` for gate/up,
+``[experts, hidden, inter]`` for down) and turns each expert's weights into views of them, as
+`diffulex.layers.linear.MergedProjection` does for q/k/v.
+
+Three ways to run the experts, all giving the result of `SparseMoE.reference` up to rounding:
+* ``"grouped"``: the token-expert pairs sorted by expert, two grouped GEMMs (``torch._grouped_mm``) over the
+  stacked weights. Every shape is static and nothing syncs with the host, so a CUDA graph can capture it; it reads
+  only the weights of experts that have tokens. Used on CUDA devices whose grouped GEMM supports the dtype.
+* ``"dense"``: every expert over every token, weighted by the routing (zero for experts not chosen). Also static,
+  but it reads every expert: the graph-safe fallback of other CUDA devices.
+* ``"loop"``: the experts that have tokens, one after another, each over its own tokens. Exact and cheap on the CPU;
+  it asks the host which experts were chosen, so no graph may capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffulex.layers.linear import ColumnParallelLinear, JoinedWeights, ReplicatedLinear, RowParallelLinear
+
+MOE_IMPLS = ("grouped", "dense", "loop")
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, top_k] float32, experts [T, top_k] int64)``: softmax over all experts in float32, the `top_k`
+    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``)."""
+    probs = router_logits.float().softmax(dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert, under the checkpoint's names: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertStack(JoinedWeights):
+    """The experts' weights joined into two stacked tensors once loaded (`merge`); not an ``nn.Module``, so the
+    state dict keeps the per-expert names."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.experts = experts
+        self.gate_up: torch.Tensor | None = None  # [E, 2 * inter, hidden]: gate rows, then up rows
+        self.down: torch.Tensor | None = None  # [E, hidden, inter]
+
+    def merge(self) -> bool:
+        """Join the weights; False (and the experts stay separate) where a hook must see each expert's own
+        output (LoRA applied per forward) or the weights are not materialized on one device in one dtype."""
+        modules = [m for e in self.experts for m in (e.gate_proj, e.up_proj, e.down_proj)]
+        if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+            return False
+        if any(m.weight.is_meta for m in modules) or len({(m.weight.device, m.weight.dtype) for m in modules}) > 1:
+            return False
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts])
+        down = torch.stack([e.down_proj.weight.data for e in self.experts])
+        inter = self.experts[0].gate_proj.out_features
+        for index, expert in enumerate(self.experts):
+            expert.gate_proj.weight.data = gate_up[index, :inter]
+            expert.up_proj.weight.data = gate_up[index, inter:]
+            expert.down_proj.weight.data = down[index]
+        self.gate_up, self.down = gate_up, down
+        return True
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether this torch has a grouped GEMM for `x`'s device and dtype: CUDA from compute capability 9.0 in
+    bfloat16 (the kernels torch ships); the CPU where this torch runs it (tests)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return True
+
+
+class SparseMoE(nn.Module):
+    """Router (``gate``, no bias) and ``experts``, under the checkpoint's names (``mlp.gate.weight``,
+    ``mlp.experts.N.{gate,up,down}_proj.weight``). Input and output ``[T, hidden]``."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, normalize: bool
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.normalize = normalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.stack = ExpertStack(self.experts)
+        self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
+
+    def forward(self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
+        decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        impl = self.impl or self._impl_for(x)
+        if impl == "grouped":
+            return self._grouped(x, weights, experts)
+        if impl == "dense":
+            return self._dense(x, weights, experts)
+        if impl == "loop":
+            return self._loop(x, weights, experts)
+        raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+
+    def _impl_for(self, x: torch.Tensor) -> str:
+        """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop,
+        which no CUDA graph can capture (serve such a model with ``enforce_eager=True`` or merge the adapter)."""
+        if not x.is_cuda or self.stack.gate_up is None:
+            return "loop"
+        return "grouped" if _grouped_mm_supported(x) else "dense"
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stack.gate_up is None or self.stack.down is None:
+            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            return gate_up, torch.stack([e.down_proj.weight for e in self.experts])
+        return self.stack.gate_up, self.stack.down
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert; ``offs[e]`` is where expert ``e``'s rows end. Counted by a scatter rather than
+        ``bincount``, whose output size would be read back to the host."""
+        T, k = experts.shape
+        gate_up, down = self._stacked()
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        rows = x[order // k]
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        inter = h.shape[-1] // 2
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        out = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
+        # back to (token, slot) order, then the weighted sum over the slots in a fixed order (no atomics)
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        return self._combine(unsorted.view(T, k, -1), weights, x.dtype)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._stacked()
+        T = x.shape[0]
+        per_expert = torch.zeros(T, self.num_experts, dtype=torch.float32, device=x.device)
+        per_expert.scatter_(1, experts, weights)
+        total = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        inter = gate_up.shape[1] // 2
+        for e in range(self.num_experts):
+            h = x @ gate_up[e].T
+            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].T
+            total += per_expert[:, e : e + 1] * y.float()
+        return total.to(x.dtype)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        T, k = experts.shape
+        out = torch.zeros(T, k, x.shape[1], dtype=x.dtype, device=x.device)
+        for e in experts.unique().tolist():
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            out[token, slot] = self.experts[e](x[token])
+        return self._combine(out, weights, x.dtype)
+
+    @staticmethod
+    def _combine(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``sum_j weights[:, j] * per_slot[:, j]`` in float32, slot by slot (the same order on every path)."""
+        total = per_slot[:, 0].float() * weights[:, :1]
+        for j in range(1, per_slot.shape[1]):
+            total += per_slot[:, j].float() * weights[:, j : j + 1]
+        return total.to(dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The definition, token by token (tests)."""
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        rows = []
+        for t in range(x.shape[0]):
+            total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+            for j in range(self.top_k):
+                total += weights[t, j] * self.experts[int(experts[t, j])](x[t : t + 1])[0].float()
+            rows.append(total)
+        return torch.stack(rows).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}"

@@ -1,0 +1,140 @@
+"""The sparse mixture-of-experts MLP: routing, its three execution paths, and the stacked expert weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.layers import merge_projections
+from diffulex.layers.moe import MOE_IMPLS, SparseMoE, route
+
+HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 6, 2
+
+
+def make_moe(normalize: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(HIDDEN, INTER, EXPERTS, TOP_K, normalize)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.5)
+    return moe.to(dtype)
+
+
+def test_route_keeps_the_top_k_softmax_probabilities():
+    logits = torch.randn(7, EXPERTS, generator=torch.Generator().manual_seed(1))
+    probs = logits.softmax(-1)
+    weights, experts = route(logits, TOP_K, normalize=False)
+    assert torch.equal(experts.sort(-1).values, probs.topk(TOP_K).indices.sort(-1).values)
+    torch.testing.assert_close(weights, probs.gather(1, experts))
+    normalized, same = route(logits, TOP_K, normalize=True)
+    assert torch.equal(same, experts)
+    torch.testing.assert_close(normalized.sum(-1), torch.ones(7))
+    torch.testing.assert_close(normalized, weights / weights.sum(-1, keepdim=True))
+
+
+def test_route_scores_in_float32_whatever_the_input_dtype():
+    logits = torch.randn(3, EXPERTS).to(torch.bfloat16)
+    weights, _ = route(logits, TOP_K, normalize=True)
+    assert weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("impl", MOE_IMPLS)
+@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_every_path_equals_the_token_by_token_definition(impl, merged, normalize):
+    moe = make_moe(normalize)
+    if merged:
+        assert merge_projections(moe) == 1
+    moe.impl = impl
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(moe(x), moe.reference(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", MOE_IMPLS)
+def test_experts_without_tokens_are_skipped_cleanly(impl):
+    """A router that sends every token to the same two experts leaves the others empty (zero-length groups)."""
+    moe = make_moe()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[1].fill_(1.0)
+        moe.gate.weight[4].fill_(0.5)
+    merge_projections(moe)
+    moe.impl = impl
+    x = torch.rand(5, HIDDEN) + 0.1  # positive, so experts 1 and 4 score highest for every token
+    torch.testing.assert_close(moe(x), moe.reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_single_token_is_routed_like_in_a_batch():
+    moe = make_moe()
+    merge_projections(moe)
+    moe.impl = "grouped"
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3))
+    batch = moe(x)
+    for t in range(9):
+        torch.testing.assert_close(moe(x[t : t + 1])[0], batch[t], atol=1e-6, rtol=1e-6)
+
+
+def test_merging_stacks_the_experts_as_views_under_their_names():
+    moe = make_moe()
+    before = {name: t.clone() for name, t in moe.state_dict().items()}
+    merge_projections(moe)
+    after = moe.state_dict()
+    assert set(after) == set(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    stack = moe.stack
+    assert stack.gate_up is not None and stack.gate_up.shape == (EXPERTS, 2 * INTER, HIDDEN)
+    assert stack.down is not None and stack.down.shape == (EXPERTS, HIDDEN, INTER)
+    expert = moe.experts[3]
+    assert expert.gate_proj.weight.data_ptr() == stack.gate_up[3].data_ptr()
+    assert expert.up_proj.weight.data_ptr() == stack.gate_up[3, INTER:].data_ptr()
+    assert expert.down_proj.weight.data_ptr() == stack.down[3].data_ptr()
+
+
+def test_experts_with_a_forward_hook_stay_separate():
+    """A hook (LoRA applied per forward) must see each expert's own product, so nothing is stacked."""
+    moe = make_moe()
+    moe.experts[0].up_proj.register_forward_hook(lambda module, args, out: out)
+    assert merge_projections(moe) == 0
+    assert moe.stack.gate_up is None
+
+
+def test_an_unknown_impl_is_refused_by_name():
+    moe = make_moe()
+    moe.impl = "fused"
+    with pytest.raises(ValueError, match="moe impl must be one of grouped, dense, loop, got 'fused'"):
+        moe(torch.randn(2, HIDDEN))
+
+
+def test_top_k_beyond_the_experts_is_refused():
+    with pytest.raises(ValueError, match="num_experts_per_tok must be in \\[1, num_experts=4\\], got 5"):
+        SparseMoE(HIDDEN, INTER, 4, 5, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+def test_the_static_paths_replay_in_a_cuda_graph_gpu(impl):
+    """Neither static path asks the host anything, so a captured graph replays them with new inputs."""
+    dtype = torch.bfloat16 if impl == "grouped" else torch.float32
+    moe = make_moe(dtype=dtype).cuda()
+    merge_projections(moe)
+    moe.impl = impl
+    x = torch.randn(8, HIDDEN, device="cuda", dtype=dtype)
+    moe(x)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    x.copy_(torch.randn(8, HIDDEN, device="cuda", dtype=dtype))
+    graph.replay()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), moe.reference(x).float(), atol=tol, rtol=tol)
+
+
+def test_experts_with_a_hook_run_as_modules_so_the_hook_applies():
+    """A per-forward LoRA on one expert changes the output only if that expert runs as its module."""
+    moe = make_moe()
+    moe.experts[0].down_proj.register_forward_hook(lambda module, args, out: out * 0)
+    merge_projections(moe)
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(moe(x), moe.reference(x))
+    assert moe._impl_for(x) == "loop"
