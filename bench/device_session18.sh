@@ -46,3 +46,10 @@ fi
 if [ "$1" = f ]; then
   case "$GPU" in *H200*) bash bench/device_session13.sh l; $W --tag h200 2>&1 | grep WHATIF; $W8 --tag h200 2>&1 | grep WHATIF ;; esac
 fi
+#   g: SDAR-MoE on a GPU: the MoE and SDAR-MoE tests (the grouped and dense paths captured in a CUDA graph; the
+#      float32 engine against the reference decoder), then bf16 graphs against eager on a small MoE geometry
+if [ "$1" = g ]; then
+  gpu_tests g tests/layers/test_moe.py tests/models/test_sdar_moe.py tests/models/test_families.py -k "moe"
+  grep -E "passed|failed" $OUT/pytest_g.log | tail -2
+  timeout 200 python bench/moe_smoke.py --out $OUT/moe_smoke.json 2>&1 | quiet | tail -14
+fi
