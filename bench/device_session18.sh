@@ -53,3 +53,9 @@ if [ "$1" = g ]; then
   grep -E "passed|failed" $OUT/pytest_g.log | tail -2
   timeout 200 python bench/moe_smoke.py --out $OUT/moe_smoke.json 2>&1 | quiet | tail -14
 fi
+#   h: where graphs and eager part in part g: float32 (the dense path), and bf16 with the dense path forced
+if [ "$1" = h ]; then
+  for args in "--dtype float32" "--impl dense" "--impl grouped"; do
+    timeout 150 python bench/moe_smoke.py $args 2>&1 | grep -E "agreement|ms_per|paths|rror"
+  done
+fi

@@ -33,7 +33,7 @@ def run(path: str, eager: bool, prompts: list[list[int]], max_tokens: int) -> tu
         out = llm.generate(prompts, greedy, use_tqdm=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        impls = {layer.mlp._impl_for(torch.zeros(1, device="cuda", dtype=torch.bfloat16))
+        impls = {layer.mlp._impl_for(torch.zeros(1, device="cuda", dtype=llm.dtype))
                  for layer in llm.runner.model.model.layers if hasattr(layer.mlp, "_impl_for")}  # fmt: skip
         print(f"eager={eager} moe paths={sorted(impls)}")
         return [t.token_ids for t in out], elapsed, out.num_engine_steps
@@ -42,9 +42,15 @@ def run(path: str, eager: bool, prompts: list[list[int]], max_tokens: int) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--impl", choices=["grouped", "dense"], help="force this expert path on CUDA (default: chosen)")
     args = ap.parse_args()
+    if args.impl:
+        from diffulex.layers.moe import SparseMoE
+
+        SparseMoE._impl_for = lambda self, x: args.impl if x.is_cuda else "loop"
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(write_tiny_checkpoint(tmp, family="sdar_moe", dtype=torch.bfloat16, init_std=1.0, seed=3,
+        path = str(write_tiny_checkpoint(tmp, family="sdar_moe", dtype=getattr(torch, args.dtype), init_std=1.0, seed=3,
                                          **GEOMETRY))  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 370, (n,), generator=gen).tolist() for n in (12, 17, 30, 9)]
@@ -52,7 +58,8 @@ def main() -> None:
         eager, t_eager, _ = run(path, True, prompts, 64)
     same = sum(a == b for g, e in zip(graphs, eager, strict=True) for a, b in zip(g, e, strict=True))
     total = sum(len(g) for g in graphs)
-    report = {"geometry": GEOMETRY, "graphs_vs_eager_token_agreement": same / total, "tokens": total,
+    report = {"geometry": GEOMETRY, "dtype": args.dtype, "impl": args.impl or "chosen",
+              "graphs_vs_eager_token_agreement": same / total, "tokens": total,
               "engine_steps": steps, "ms_per_step_graphs": 1e3 * t_graphs / steps,
               "ms_per_step_eager": 1e3 * t_eager / steps, "device": torch.cuda.get_device_name()}  # fmt: skip
     print(json.dumps(report, indent=2))
