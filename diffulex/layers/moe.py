@@ -38,6 +38,73 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights, experts
 
 
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+
+
+class SoftmaxRouter(ReplicatedLinear):
+    """Qwen3-MoE's router (SDAR-MoE): a bias-free linear scoring every expert, then `route`. Checkpoint name
+    ``mlp.gate.weight``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        _check_top_k(top_k, num_experts)
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self(x), self.top_k, self.normalize)
+
+
+class GroupLimitedRouter(nn.Module):
+    """LLaDA2's router: sigmoid scores in float32; the experts are chosen on the scores plus a per-expert
+    ``expert_bias`` (a load-balancing offset learned in training), and only from the `topk_group` of `n_group`
+    expert groups whose two best biased scores sum highest; the chosen experts' weights are their unbiased scores,
+    renormalized to sum to 1 (with more than one expert) and multiplied by `scaling`. Checkpoint names
+    ``mlp.gate.weight``, ``mlp.gate.expert_bias``."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int, scaling: float
+    ) -> None:
+        super().__init__()
+        _check_top_k(top_k, num_experts)
+        if num_experts % n_group != 0:
+            raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts})")
+        if not 1 <= topk_group <= n_group or topk_group * (num_experts // n_group) < top_k:
+            raise ValueError(
+                f"topk_group must be in [1, n_group={n_group}] and its groups must hold num_experts_per_tok={top_k} "
+                f"experts, got {topk_group}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = (x.float() @ self.weight.float().T).sigmoid()
+        biased = scores + self.expert_bias.float()
+        T = x.shape[0]
+        groups = biased.view(T, self.n_group, -1)
+        group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        chosen_groups = group_scores.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
+        allowed = allowed.unsqueeze(-1).expand_as(groups).reshape(T, -1)
+        experts = biased.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + _WEIGHT_SUM_FLOOR)
+        return weights * self.scaling, experts
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}, scaling={self.scaling}")  # fmt: skip
+
+
+# Added to the sum of the chosen experts' sigmoid scores before dividing by it, as LLaDA2's router does.
+_WEIGHT_SUM_FLOOR = 1e-20
+Router = SoftmaxRouter | GroupLimitedRouter
+
+
 class Expert(nn.Module):
     """One SwiGLU expert, under the checkpoint's names: ``down(silu(gate(x)) * up(x))``."""
 
@@ -90,35 +157,36 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 class SparseMoE(nn.Module):
-    """Router (``gate``, no bias) and ``experts``, under the checkpoint's names (``mlp.gate.weight``,
-    ``mlp.experts.N.{gate,up,down}_proj.weight``). Input and output ``[T, hidden]``."""
+    """Router (``gate``) and ``experts``, and optionally an always-on ``shared_experts`` MLP added to their sum
+    (LLaDA2), under the checkpoint's names (``mlp.gate.weight``, ``mlp.experts.N.{gate,up,down}_proj.weight``,
+    ``mlp.shared_experts...``). Input and output ``[T, hidden]``."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, normalize: bool
+        self, hidden_size: int, intermediate_size: int, gate: Router, shared_experts: nn.Module | None = None
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.normalize = normalize
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.num_experts = gate.num_experts
+        self.top_k = gate.top_k
+        self.gate = gate
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(self.num_experts))
+        self.shared_experts = shared_experts
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
 
     def forward(self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
         decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        weights, experts = self.gate.route(x)
         impl = self.impl or self._impl_for(x)
         if impl == "grouped":
-            return self._grouped(x, weights, experts)
-        if impl == "dense":
-            return self._dense(x, weights, experts)
-        if impl == "loop":
-            return self._loop(x, weights, experts)
-        raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+            out = self._grouped(x, weights, experts)
+        elif impl == "dense":
+            out = self._dense(x, weights, experts)
+        elif impl == "loop":
+            out = self._loop(x, weights, experts)
+        else:
+            raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def _impl_for(self, x: torch.Tensor) -> str:
         """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop,
@@ -184,14 +252,12 @@ class SparseMoE(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The definition, token by token (tests)."""
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)
+        weights, experts = self.gate.route(x)
         rows = []
         for t in range(x.shape[0]):
             total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
             for j in range(self.top_k):
                 total += weights[t, j] * self.experts[int(experts[t, j])](x[t : t + 1])[0].float()
             rows.append(total)
-        return torch.stack(rows).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}"
+        out = torch.stack(rows).to(x.dtype)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

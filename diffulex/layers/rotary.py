@@ -16,7 +16,8 @@ from torch import nn
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.norm import RMSNorm
 
-# What `RotaryEmbedding` hands every layer: ``(cos, sin)``, each ``[T, head_dim / 2]``.
+# What `RotaryEmbedding` hands every layer: ``(cos, sin)``, each ``[T, rotary_dim / 2]`` (``rotary_dim`` is
+# ``head_dim`` but for partial rotary).
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -85,14 +86,18 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, head_dim]`` by the per-row angles; math in float32, result in ``x.dtype``.
 
-    Rotate-half layout: dimension ``i`` pairs with ``i + head_dim / 2``:
-    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``.
+    Rotate-half layout over the first ``rotary_dim = 2 * cos.shape[-1]`` dimensions: dimension ``i`` pairs with
+    ``i + rotary_dim / 2``, ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``; dimensions from ``rotary_dim`` on
+    pass unchanged (partial rotary, LLaDA2's half of each head).
     """
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
 
 
 def fused_rope_args(
@@ -110,6 +115,8 @@ def fused_rope_args(
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together")
     if not (q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32):
+        return None
+    if 2 * cos.shape[-1] != q.shape[-1]:  # partial rotary: the kernel rotates whole heads
         return None
     if q_norm is not None and k_norm is not None:
         if q_norm.eps != k_norm.eps or any(m._forward_hooks or m._forward_pre_hooks for m in (q_norm, k_norm)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from diffulex.layers.moe import SparseMoE
+from diffulex.layers.moe import SoftmaxRouter, SparseMoE
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
 from diffulex.models.hf_config import SDARMoeConfig
 from diffulex.registry import AutoModelForDiffusionLM
@@ -30,7 +30,7 @@ class SDARMoeForDiffusionLM(DenseForDiffusionLM):
             return None
         assert config.moe_intermediate_size is not None and config.num_experts is not None
         assert config.num_experts_per_tok is not None
-        return SparseMoE(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-            normalize=config.norm_topk_prob,
-        )  # fmt: skip
+        gate = SoftmaxRouter(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok, normalize=config.norm_topk_prob
+        )
+        return SparseMoE(config.hidden_size, config.moe_intermediate_size, gate)

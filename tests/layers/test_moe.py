@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from diffulex.layers import merge_projections
-from diffulex.layers.moe import MOE_IMPLS, SparseMoE, route
+from diffulex.layers.moe import MOE_IMPLS, SoftmaxRouter, SparseMoE, route
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 6, 2
 
 
 def make_moe(normalize: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32) -> SparseMoE:
     torch.manual_seed(seed)
-    moe = SparseMoE(HIDDEN, INTER, EXPERTS, TOP_K, normalize)
+    moe = SparseMoE(HIDDEN, INTER, SoftmaxRouter(HIDDEN, EXPERTS, TOP_K, normalize))
     with torch.no_grad():
         for param in moe.parameters():
             param.normal_(0.0, 0.5)
@@ -108,7 +108,7 @@ def test_an_unknown_impl_is_refused_by_name():
 
 def test_top_k_beyond_the_experts_is_refused():
     with pytest.raises(ValueError, match="num_experts_per_tok must be in \\[1, num_experts=4\\], got 5"):
-        SparseMoE(HIDDEN, INTER, 4, 5, True)
+        SoftmaxRouter(HIDDEN, 4, 5, True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

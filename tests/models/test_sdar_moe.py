@@ -31,7 +31,7 @@ def test_layers_listed_as_mlp_only_keep_the_dense_mlp(ckpt: Path):
     assert isinstance(model.model.layers[0].mlp, SparseMoE)
     assert isinstance(model.model.layers[1].mlp, DenseMLP)
     moe = model.model.layers[0].mlp
-    assert (moe.num_experts, moe.top_k, moe.normalize) == (4, 2, True)
+    assert (moe.num_experts, moe.top_k, moe.gate.normalize) == (4, 2, True)
 
 
 def test_the_experts_are_stacked_after_loading(ckpt: Path):
