@@ -64,8 +64,17 @@ class GroupLimitedRouter(nn.Module):
     ``mlp.gate.weight``, ``mlp.gate.expert_bias``."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int, scaling: float
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        scaling: float,
+        expert_bias: bool = True,
     ) -> None:
+        """``expert_bias=False`` (``moe_router_enable_expert_bias: false``): the checkpoint has no bias, selection
+        is on the scores alone."""
         super().__init__()
         _check_top_k(top_k, num_experts)
         if num_experts % n_group != 0:
@@ -78,11 +87,11 @@ class GroupLimitedRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = (x.float() @ self.weight.float().T).sigmoid()
-        biased = scores + self.expert_bias.float()
+        biased = scores if self.expert_bias is None else scores + self.expert_bias.float()
         T = x.shape[0]
         groups = biased.view(T, self.n_group, -1)
         group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)

@@ -1,11 +1,12 @@
 """Model families. Importing this package registers every family's model class and config reader."""
 
-from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, sdar, sdar_moe, stable_diffcoder  # noqa: F401
+from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, llada2, sdar, sdar_moe, stable_diffcoder  # noqa: F401
 from diffulex.models.dream import DreamForDiffusionLM
 from diffulex.models.dream_reasoner import DreamReasonerForDiffusionLM
 from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
 from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
 from diffulex.models.llada import LLaDAForDiffusionLM
+from diffulex.models.llada2 import LLaDA2ForDiffusionLM
 from diffulex.models.sdar import SDARForDiffusionLM
 from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
 from diffulex.models.stable_diffcoder import StableDiffCoderForDiffusionLM
@@ -14,6 +15,7 @@ __all__ = [
     "DreamForDiffusionLM",
     "DreamReasonerForDiffusionLM",
     "FastdLLMV2ForDiffusionLM",
+    "LLaDA2ForDiffusionLM",
     "LLaDAForDiffusionLM",
     "SDARForDiffusionLM",
     "SDARMoeForDiffusionLM",

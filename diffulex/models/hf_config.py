@@ -353,6 +353,82 @@ class SDARMoeConfig(SDARConfig):
 
 
 @dataclass
+class LLaDA2Config(DenseDecoderConfig):
+    """The LLaDA2 family (``model_type: "llada2_moe"``: LLaDA2.0/2.1 mini and flash, and the DMax checkpoints): a
+    Ling/Bailing-MoE decoder. HF field names for the sizes; what differs from the dense reader:
+
+    * attention: fused ``query_key_value`` (bias ``use_qkv_bias``), output ``dense`` (bias ``use_bias``), per-head
+      q/k RMSNorm (``use_qk_norm``), rotary on the first ``partial_rotary_factor`` of each head;
+    * MLP: the first ``first_k_dense_replace`` layers dense (``intermediate_size``), the others a mixture of
+      ``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per token, chosen by sigmoid
+      scores with an expert bias, from ``topk_group`` of ``n_group`` groups, weighted times
+      ``routed_scaling_factor``, plus ``num_shared_experts`` always-on experts.
+    """
+
+    model_type: str = "llada2_moe"
+    rope_theta: float = 600_000.0
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    use_qk_norm: bool = True
+    expert_bias: bool = True
+    use_qkv_bias: bool = False
+    use_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    family: ClassVar[str] = "LLaDA2"
+    mask_token: ClassVar[str | None] = "<|mask|>"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        config = super().from_dict(d)
+        for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok"):
+            setattr(config, key, _int(d, key))
+        config.num_shared_experts = _count(d, "num_shared_experts")
+        config.first_k_dense_replace = _count(d, "first_k_dense_replace")
+        config.n_group = _int(d, "n_group", required=False, default=1)  # type: ignore[assignment]
+        config.topk_group = _int(d, "topk_group", required=False, default=1)  # type: ignore[assignment]
+        config.routed_scaling_factor = _float(d, "routed_scaling_factor", 1.0)
+        score_function = d.get("score_function", "sigmoid")
+        if score_function != "sigmoid":
+            raise ValueError(f"config field 'score_function' must be 'sigmoid' for LLaDA2, got {score_function!r}")
+        config.use_qk_norm = _bool(d, "use_qk_norm", True)
+        config.expert_bias = _bool(d, "moe_router_enable_expert_bias", True)
+        config.use_qkv_bias = _bool(d, "use_qkv_bias", False)
+        config.use_bias = _bool(d, "use_bias", False)
+        factor = _float(d, "partial_rotary_factor", 1.0)
+        rotary_dim = int(config.head_dim * factor)
+        if factor > 1.0 or rotary_dim % 2 != 0 or rotary_dim == 0:
+            raise ValueError(
+                f"config field 'partial_rotary_factor' must be in (0, 1] and rotate an even number of the "
+                f"{config.head_dim} head dims, got {factor!r}"
+            )
+        config.partial_rotary_factor = factor
+        return config
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return index >= self.first_k_dense_replace
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    """A non-negative integer field that may be absent or null (0)."""
+    value = d.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config field {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass
 class DreamConfig(DenseDecoderConfig):
     """Dream-v0 / Dream-Coder / DiffuCoder (``model_type: "Dream"``, Qwen2.5 geometry) and the Qwen3-style Dream
     reasoner, which shares the model type. The reasoner's model reads ``attention_bias`` and uses q/k norms;
@@ -546,6 +622,7 @@ _READERS: dict[str, type[HFConfig]] = {
     "stable_diffcoder": StableDiffCoderConfig,
     "fast_dllm_v2": FastdLLMV2Config,
     "llada": LLaDAConfig,
+    **dict.fromkeys(("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax"), LLaDA2Config),
 }
 for _name, _config_cls in _READERS.items():
     HFConfigReaders.register(_name)(_config_cls.from_pretrained)

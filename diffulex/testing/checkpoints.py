@@ -104,6 +104,13 @@ SEED_CODER_CHAT_TEMPLATE = (
 )
 
 _QWEN_TURN = ("<|im_start|>", "<|im_end|>")
+# Ling / LLaDA2 chat markup: <role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>
+LLADA2_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<role>' + message['role'] | upper + '</role>' + message['content'] + '<|role_end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<role>ASSISTANT</role>' }}{%- endif %}"
+)
 TINY_TOKENIZERS: dict[str, TinyTokenizerSpec] = {
     "sdar": TinyTokenizerSpec(
         SPECIAL_TOKENS, "<|endoftext|>", "<|endoftext|>", mask_token="<|MASK|>", additional_special_tokens=_QWEN_TURN
@@ -134,6 +141,15 @@ TINY_TOKENIZERS: dict[str, TinyTokenizerSpec] = {
     ),
     # LLaDA: <|startoftext|> 126080, <|endoftext|> 126081, <|mdm_mask|> 126336, LLaMA-3 style chat headers and
     # <|eot_id|> 126348.
+    # LLaDA2 (Ling tokenizer): <|endoftext|> is eos and pad, <|mask|> the mask.
+    "llada2": TinyTokenizerSpec(
+        ("<|endoftext|>", "<|mask|>", "<role>", "</role>", "<|role_end|>"),
+        "<|endoftext|>",
+        "<|endoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=("<role>", "</role>", "<|role_end|>"),
+        chat_template=LLADA2_CHAT_TEMPLATE,
+    ),
     "llada": TinyTokenizerSpec(
         ("<|startoftext|>", "<|endoftext|>", "<|mdm_mask|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
         "<|endoftext|>",
@@ -706,8 +722,11 @@ class _CheckpointFormat:
     derives_head_dim: bool = False
     olmo: bool = False
     moe: bool = False
+    shapes: Callable[[_Geometry], dict[str, tuple[int, ...]]] | None = None  # a layout of its own (LLaDA2)
 
     def tensor_shapes(self, g: _Geometry) -> dict[str, tuple[int, ...]]:
+        if self.shapes is not None:
+            return self.shapes(g)
         if self.moe:
             return _with_experts(self._dense_shapes(g), g)
         return self._dense_shapes(g)
@@ -770,10 +789,104 @@ def _sdar_moe_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
     return config, generation
 
 
+# LLaDA2's tiny layout: layer 0 dense (first_k_dense_replace 1), the others experts in LLADA2_GROUPS groups of
+# which one is chosen per token, plus one shared expert.
+LLADA2_GROUPS = 2
+
+
+def _llada2_tensor_shapes(g: _Geometry) -> dict[str, tuple[int, ...]]:
+    """The real LLaDA2 (Ling MoE) checkpoint names and shapes, written out independently of the model code."""
+    hidden, hd = g.hidden_size, g.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.word_embeddings.weight": (g.vocab_size, hidden)}
+    for i in range(g.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        qkv_rows = (g.num_attention_heads + 2 * g.num_key_value_heads) * hd
+        shapes[f"{p}.attention.query_key_value.weight"] = (qkv_rows, hidden)
+        shapes[f"{p}.attention.query_layernorm.weight"] = (hd,)
+        shapes[f"{p}.attention.key_layernorm.weight"] = (hd,)
+        shapes[f"{p}.attention.dense.weight"] = (hidden, g.num_attention_heads * hd)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+        mlp = f"{p}.mlp"
+        if i == 0:
+            shapes[f"{mlp}.gate_proj.weight"] = (g.intermediate_size, hidden)
+            shapes[f"{mlp}.up_proj.weight"] = (g.intermediate_size, hidden)
+            shapes[f"{mlp}.down_proj.weight"] = (hidden, g.intermediate_size)
+            continue
+        shapes[f"{mlp}.gate.weight"] = (g.num_experts, hidden)
+        shapes[f"{mlp}.gate.expert_bias"] = (g.num_experts,)
+        inter = g.moe_intermediate_size
+        for name in [f"experts.{e}" for e in range(g.num_experts)] + ["shared_experts"]:
+            shapes[f"{mlp}.{name}.gate_proj.weight"] = (inter, hidden)
+            shapes[f"{mlp}.{name}.up_proj.weight"] = (inter, hidden)
+            shapes[f"{mlp}.{name}.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not g.tie_word_embeddings:
+        shapes["lm_head.weight"] = (g.vocab_size, hidden)
+    return shapes
+
+
+def _llada2_configs(ids: dict[str, int], g: _Geometry) -> tuple[dict, dict]:
+    """The keys of LLaDA2.0-mini's ``config.json``, at the tiny sizes."""
+    eot = ids["<|endoftext|>"]
+    config = {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+            "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+            "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        },
+        "attention_dropout": 0.0,
+        "embedding_dropout": 0.0,
+        "eos_token_id": eot,
+        "first_k_dense_replace": 1,
+        "head_dim": g.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": g.hidden_size,
+        "initializer_range": g.init_std,
+        "intermediate_size": g.intermediate_size,
+        "max_position_embeddings": g.max_position_embeddings,
+        "model_type": "llada2_moe",
+        "moe_intermediate_size": g.moe_intermediate_size,
+        "moe_router_enable_expert_bias": True,
+        "n_group": LLADA2_GROUPS,
+        "norm_head": False,
+        "norm_topk_prob": True,
+        "num_attention_heads": g.num_attention_heads,
+        "num_experts": g.num_experts,
+        "num_experts_per_tok": g.num_experts_per_tok,
+        "num_hidden_layers": g.num_hidden_layers,
+        "num_key_value_heads": g.num_key_value_heads,
+        "num_shared_experts": 1,
+        "output_router_logits": False,
+        "pad_token_id": eot,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 600000,
+        "rotary_dim": g.head_dim // 2,
+        "routed_scaling_factor": 2.5,
+        "router_dtype": "fp32",
+        "score_function": "sigmoid",
+        "tie_word_embeddings": g.tie_word_embeddings,
+        "topk_group": 1,
+        "torch_dtype": g.dtype_name,
+        "transformers_version": "4.52.3",
+        "use_bias": False,
+        "use_cache": False,
+        "use_qk_norm": True,
+        "use_qkv_bias": False,
+        "use_rmsnorm": True,
+        "vocab_size": g.vocab_size,
+    }
+    return config, _generation_config(eot, eot, eot, "4.52.3")
+
+
 _DREAM_FORMAT = _CheckpointFormat(_dream_configs, qwen2_biases=True, derives_head_dim=True)
 CHECKPOINT_FORMATS: dict[str, _CheckpointFormat] = {
     "sdar": _CheckpointFormat(_sdar_configs, qk_norm=True),
     "sdar_moe": _CheckpointFormat(_sdar_moe_configs, qk_norm=True, moe=True),
+    "llada2": _CheckpointFormat(_llada2_configs, shapes=_llada2_tensor_shapes),
     "dream": _DREAM_FORMAT,
     "diffucoder": _DREAM_FORMAT,
     "dream_reasoner": _CheckpointFormat(_dream_reasoner_configs, qk_norm=True),

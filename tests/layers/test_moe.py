@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffulex.layers import merge_projections
-from diffulex.layers.moe import MOE_IMPLS, SoftmaxRouter, SparseMoE, route
+from diffulex.layers.moe import MOE_IMPLS, Expert, GroupLimitedRouter, SoftmaxRouter, SparseMoE, route
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 6, 2
 
@@ -138,3 +138,60 @@ def test_experts_with_a_hook_run_as_modules_so_the_hook_applies():
     x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(moe(x), moe.reference(x))
     assert moe._impl_for(x) == "loop"
+
+
+def group_router(scaling: float = 1.0, **kwargs) -> GroupLimitedRouter:
+    """8 experts in 4 groups of 2, 2 per token from the best group; scores are set through `weight` and a one-hot
+    input, so each expert's logit is chosen directly."""
+    router = GroupLimitedRouter(8, 8, 2, n_group=4, topk_group=1, scaling=scaling, **kwargs)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+        if router.expert_bias is not None:
+            router.expert_bias.zero_()
+    return router
+
+
+def test_group_limited_routing_picks_only_inside_the_best_group():
+    """Expert 0 scores highest alone, but group 3 (experts 6, 7) has the best pair: both come from group 3."""
+    x = torch.tensor([[3.0, -3.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0]])
+    weights, experts = group_router().route(x)
+    assert sorted(experts[0].tolist()) == [6, 7]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+
+
+def test_expert_bias_moves_the_choice_but_not_the_weights():
+    x = torch.tensor([[1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    router = group_router(scaling=2.5)
+    _, experts = router.route(x)
+    assert sorted(experts[0].tolist()) == [0, 1]
+    with torch.no_grad():
+        router.expert_bias[4] = 5.0  # group 2 now wins, and within it expert 4 first
+    weights, experts = router.route(x)
+    assert experts[0].tolist()[0] == 4 and sorted(experts[0].tolist()) == [4, 5]
+    scores = torch.sigmoid(torch.tensor([0.0, 0.0]))
+    torch.testing.assert_close(weights[0], 2.5 * scores / scores.sum())
+
+
+def test_a_router_without_expert_bias_has_no_such_tensor():
+    router = group_router(expert_bias=False)
+    assert "expert_bias" not in router.state_dict()
+    assert router.route(torch.randn(3, 8))[1].shape == (3, 2)
+
+
+def test_group_settings_that_cannot_hold_the_experts_are_refused():
+    with pytest.raises(ValueError, match="n_group \\(3\\) must divide num_experts \\(8\\)"):
+        GroupLimitedRouter(8, 8, 2, n_group=3, topk_group=1, scaling=1.0)
+    with pytest.raises(ValueError, match="topk_group must be in \\[1, n_group=4\\].*got 1"):
+        GroupLimitedRouter(8, 8, 4, n_group=4, topk_group=1, scaling=1.0)
+
+
+def test_the_shared_expert_is_added_for_every_token():
+    routed = make_moe()
+    shared = Expert(HIDDEN, 4)
+    with torch.no_grad():
+        for param in shared.parameters():
+            param.normal_(0.0, 0.5)
+    both = SparseMoE(HIDDEN, INTER, routed.gate, shared_experts=shared)
+    both.experts = routed.experts
+    x = torch.randn(6, HIDDEN)
+    torch.testing.assert_close(both(x), routed(x) + shared(x), atol=1e-6, rtol=1e-6)

@@ -52,6 +52,7 @@ CASES = (
     FamilyCase("sdar", "<|MASK|>", peaky_seed=1, transformers="Qwen3", decodes_here=False),
     FamilyCase("sdar_moe", "<|MASK|>", peaky_seed=8, small={"mlp_only_layers": (1,)}),
     FamilyCase("llada", "<|mdm_mask|>", peaky_seed=3),
+    FamilyCase("llada2", "<|mask|>", peaky_seed=9),
     FamilyCase("dream", "<|mask|>", peaky_seed=2, transformers="Qwen2"),
     FamilyCase("diffucoder", "<|mask|>", peaky_seed=7, transformers="Qwen2", engine={"model_name": "diffucoder"}),
     FamilyCase("dream_reasoner", "<|MASK|>", peaky_seed=4, small={"attention_bias": True}, transformers="Qwen3"),
@@ -120,6 +121,8 @@ def reference_forward(
     w = weights if weights is not None else load_weights(ckpt)
     if cfg["model_type"] == "llada":
         return _llada_forward(cfg, w, ids, allowed)
+    if cfg["model_type"] == "llada2_moe":
+        return _llada2_forward(cfg, w, ids, allowed)
     nh, nkv, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
     T = ids.shape[0]
@@ -166,6 +169,52 @@ def _moe(cfg: dict, w: dict[str, torch.Tensor], h: torch.Tensor, p: str) -> torc
     return out
 
 
+def _llada2_forward(cfg: dict, w: dict[str, torch.Tensor], ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Ling-MoE: fused q/k/v rows (q heads, k heads, v heads), per-head q/k norm, rotary on the first
+    ``partial_rotary_factor`` of each head; dense MLP in the first ``first_k_dense_replace`` layers, else sigmoid
+    routing with expert bias inside the best ``topk_group`` groups, weights renormalized and scaled, plus the
+    shared expert."""
+    nh, nkv, eps, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"], cfg["head_dim"]
+    rot = int(hd * cfg["partial_rotary_factor"])
+    T = ids.shape[0]
+    cos, sin = _rope_tables(torch.arange(T), rot, cfg["rope_theta"])
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_rope(x[..., :rot], cos, sin), x[..., rot:]], -1)
+
+    def swiglu(h: torch.Tensor, p: str) -> torch.Tensor:
+        act = torch.nn.functional.silu(h @ w[p + "gate_proj.weight"].T) * (h @ w[p + "up_proj.weight"].T)
+        return act @ w[p + "down_proj.weight"].T
+
+    x = w["model.word_embeddings.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        qkv = h @ w[p + "attention.query_key_value.weight"].T
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+        q = rope(_rms(q.reshape(T, nh, hd), w[p + "attention.query_layernorm.weight"], eps))
+        k = rope(_rms(k.reshape(T, nkv, hd), w[p + "attention.key_layernorm.weight"], eps))
+        x = x + _attend(q, k, v.reshape(T, nkv, hd), allowed, nh, nkv, hd) @ w[p + "attention.dense.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        if i < cfg["first_k_dense_replace"]:
+            x = x + swiglu(h, p + "mlp.")
+            continue
+        out = swiglu(h, p + "mlp.shared_experts.")
+        scores = (h @ w[p + "mlp.gate.weight"].T).sigmoid()
+        group_size = cfg["num_experts"] // cfg["n_group"]
+        for t in range(T):
+            biased = scores[t] + w[p + "mlp.gate.expert_bias"]
+            groups = biased.view(cfg["n_group"], group_size)
+            best = groups.topk(2, -1).values.sum(-1).topk(cfg["topk_group"]).indices.tolist()
+            candidates = [g * group_size + j for g in best for j in range(group_size)]
+            chosen = sorted(candidates, key=lambda e: -biased[e].item())[: cfg["num_experts_per_tok"]]
+            weights = scores[t, chosen] / scores[t, chosen].sum() * cfg["routed_scaling_factor"]
+            for weight, e in zip(weights.tolist(), chosen, strict=True):
+                out[t] += weight * swiglu(h[t], f"{p}mlp.experts.{e}.")
+        x = x + out
+    return _rms(x, w["model.norm.weight"], eps)
+
+
 def _llada_forward(cfg: dict, w: dict[str, torch.Tensor], ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """The OLMo "llama" block: x += attn_out(attn(attn_norm(x))); x += ff_out(silu(ff_proj(h)) * up_proj(h))."""
     nh, eps, d = cfg["n_heads"], cfg["rms_norm_eps"], cfg["d_model"]
@@ -197,7 +246,8 @@ def lm_head_weight(ckpt: Path, weights: dict[str, torch.Tensor]) -> torch.Tensor
     if cfg["model_type"] == "llada":
         tied = cfg.get("weight_tying", False)
         return weights["model.transformer.wte.weight" if tied else "model.transformer.ff_out.weight"]
-    return weights["model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"]
+    embeddings = "model.word_embeddings.weight" if cfg["model_type"] == "llada2_moe" else "model.embed_tokens.weight"
+    return weights[embeddings if cfg.get("tie_word_embeddings") else "lm_head.weight"]
 
 
 def block_causal(n: int, block_size: int = 4, prefix_full: bool = False, prompt_len: int = 0) -> torch.Tensor:
