@@ -59,3 +59,12 @@ if [ "$1" = h ]; then
     timeout 150 python bench/moe_smoke.py $args 2>&1 | grep -E "agreement|ms_per|paths|rror"
   done
 fi
+#   i: LLaDA2 on a GPU: its tests and the MoE tests with real CUDA (families, layers, config), then graphs against
+#      eager on a small LLaDA2 geometry (block 32) in bf16 and float32
+if [ "$1" = i ]; then
+  gpu_tests i tests/layers tests/models/test_llada2.py tests/models/test_families.py -k "llada2 or moe or rotary"
+  for args in "" "--dtype float32"; do
+    timeout 150 python bench/moe_smoke.py --family llada2 $args --out $OUT/moe_smoke_llada2${args:+_fp32}.json 2>&1 \
+      | grep -E "agreement|ms_per|paths|engine_steps|rror"
+  done
+fi

@@ -1,7 +1,7 @@
-"""SDAR-MoE on a GPU: bf16 CUDA-graph decoding against eager decoding, and the step time, on a random checkpoint of
-a small MoE geometry (nothing downloaded).
+"""An MoE family on a GPU (SDAR-MoE or LLaDA2): CUDA-graph decoding against eager decoding, and the step time, on
+a random checkpoint of a small MoE geometry (nothing downloaded).
 
-    PYTHONPATH=. python bench/moe_smoke.py [--out FILE]
+    PYTHONPATH=. python bench/moe_smoke.py [--family sdar_moe|llada2] [--dtype float32] [--impl dense] [--out FILE]
 
 Graph steps run the experts on the `grouped` path (two grouped GEMMs over the stacked weights); eager steps too,
 so the two agree unless capture changed something. A float32 engine runs the `dense` path and is compared with the
@@ -24,9 +24,11 @@ GEOMETRY = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num
                 intermediate_size=1024, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)  # fmt: skip
 
 
-def run(path: str, eager: bool, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+def run(
+    path: str, eager: bool, prompts: list[list[int]], max_tokens: int, fields: dict
+) -> tuple[list[list[int]], float, int]:
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with Diffulex(path, enforce_eager=eager, block_size=4, buffer_size=1, max_model_len=256) as llm:
+    with Diffulex(path, enforce_eager=eager, buffer_size=1, max_model_len=256, **fields) as llm:
         llm.generate(prompts[:1], greedy, use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -42,6 +44,7 @@ def run(path: str, eager: bool, prompts: list[list[int]], max_tokens: int) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--family", default="sdar_moe", choices=["sdar_moe", "llada2"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--impl", choices=["grouped", "dense"], help="force this expert path on CUDA (default: chosen)")
     args = ap.parse_args()
@@ -50,15 +53,16 @@ def main() -> None:
 
         SparseMoE._impl_for = lambda self, x: args.impl if x.is_cuda else "loop"
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(write_tiny_checkpoint(tmp, family="sdar_moe", dtype=getattr(torch, args.dtype), init_std=1.0, seed=3,
-                                         **GEOMETRY))  # fmt: skip
+        path = str(write_tiny_checkpoint(tmp, family=args.family, dtype=getattr(torch, args.dtype), init_std=1.0,
+                                         seed=3, **GEOMETRY))  # fmt: skip
+        fields = {"block_size": 4} if args.family == "sdar_moe" else {}  # LLaDA2: its default, 32
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 370, (n,), generator=gen).tolist() for n in (12, 17, 30, 9)]
-        graphs, t_graphs, steps = run(path, False, prompts, 64)
-        eager, t_eager, _ = run(path, True, prompts, 64)
+        graphs, t_graphs, steps = run(path, False, prompts, 64, fields)
+        eager, t_eager, _ = run(path, True, prompts, 64, fields)
     same = sum(a == b for g, e in zip(graphs, eager, strict=True) for a, b in zip(g, e, strict=True))
     total = sum(len(g) for g in graphs)
-    report = {"geometry": GEOMETRY, "dtype": args.dtype, "impl": args.impl or "chosen",
+    report = {"family": args.family, "geometry": GEOMETRY, "dtype": args.dtype, "impl": args.impl or "chosen",
               "graphs_vs_eager_token_agreement": same / total, "tokens": total,
               "engine_steps": steps, "ms_per_step_graphs": 1e3 * t_graphs / steps,
               "ms_per_step_eager": 1e3 * t_eager / steps, "device": torch.cuda.get_device_name()}  # fmt: skip
