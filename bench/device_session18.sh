@@ -68,3 +68,7 @@ if [ "$1" = i ]; then
       | grep -E "agreement|ms_per|paths|engine_steps|rror"
   done
 fi
+#   j: a random-weight LLaDA2.0-mini geometry (16B, 256 experts, block 32), one request: ms per step with graphs
+if [ "$1" = j ]; then
+  timeout 240 python bench/llada2_mini_step.py --out $OUT/llada2_mini_step.json 2>&1 | quiet | tail -14
+fi
