@@ -23,12 +23,6 @@ class SamplerSettings:
 
 
 @AutoSampler.register("sdar")
-@AutoSampler.register("sdar_moe")
-@AutoSampler.register("llada2")
-@AutoSampler.register("llada2_moe")
-@AutoSampler.register("llada2_mini")
-@AutoSampler.register("llada2dot1_mini")
-@AutoSampler.register("llada2_mini_dmax")
 class ConfidenceSampler:
     """Logits at position p predict the token at p; accept confident positions, force one when allowed.
 

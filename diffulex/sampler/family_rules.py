@@ -3,8 +3,9 @@
 From the original's per-family samplers (reference-engine §7.2), with ``H = {positions with confidence >
 accept_threshold}``:
 
-* ``sdar``, ``llada``: ``H``; if ``H`` is empty, force the top-1 position when the block has no previous block
-  or its previous block is semi-complete.
+* ``sdar``, ``sdar_moe``, ``llada``: ``H``; if ``H`` is empty, force the top-1 position when the block has no
+  previous block or its previous block is semi-complete.
+* ``llada2`` and its other names (naive sampling): the Dream rule below, which is the same.
 * ``dream``, ``diffucoder``, ``dream_reasoner``, ``fast_dllm_v2`` (under ``multi_bd``/``d2f``): "if there is no
   previous block or it is semi-complete: ``H`` if non-empty else top-1; otherwise ``H``". That is the same
   rule: both force exactly when ``SampleTarget.force_allowed`` (no previous block, or previous block's progress
@@ -19,7 +20,8 @@ from __future__ import annotations
 from diffulex.registry import AutoSampler
 from diffulex.sampler.confidence import ConfidenceSampler
 
-for _name in ("llada", "dream", "diffucoder", "dream_reasoner", "fast_dllm_v2"):
+_LLADA2_NAMES = ("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax")
+for _name in ("sdar_moe", "llada", "dream", "diffucoder", "dream_reasoner", "fast_dllm_v2", *_LLADA2_NAMES):
     AutoSampler.register(_name)(ConfidenceSampler)
 
 
