@@ -244,28 +244,50 @@ def _heads_norm_rope(
     inv_d,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    offs_p,
+    pass_mask,
+    head_dim,
+    BLOCK_PASS: tl.constexpr,
 ):
-    """RMSNorm (optional) then rotate-half rotation of ``heads`` of token ``t``; returns the two stored halves."""
+    """RMSNorm (optional) then rotate-half rotation of ``heads`` of token ``t``; returns the stored parts: the two
+    rotated halves (``half`` wide each) and, with partial rotary (``BLOCK_PASS > 0``), the unrotated rest of the
+    head (``head_dim - 2 * half`` wide; without it, the first half again, unused)."""
     src = src_ptr + t * stride_t + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
+    if BLOCK_PASS > 0:
+        src_p = src_ptr + t * stride_t + heads[:, None] * stride_h + 2 * half + offs_p[None, :]
+        ap = tl.load(src_p, mask=pass_mask, other=0.0).to(tl.float32)
+    else:
+        ap = a1
+    out_dtype = dst_ptr.dtype.element_ty
     if HAS_WEIGHT:
-        mean_sq = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) * inv_d
-        rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
+        mean_sq = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
+        if BLOCK_PASS > 0:
+            mean_sq += tl.sum(ap * ap, axis=1)
+        rstd = tl.math.rsqrt(mean_sq * inv_d + eps)[:, None]
         w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + half + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         # RMSNorm's roundings: normed value to the input dtype, weight product to the output dtype
-        out_dtype = dst_ptr.dtype.element_ty
         a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
         a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
-    o1 = cast_rne(a1 * cos[None, :] - a2 * sin[None, :], dst_ptr.dtype.element_ty)
-    o2 = cast_rne(a2 * cos[None, :] + a1 * sin[None, :], dst_ptr.dtype.element_ty)
-    dst = dst_ptr + (t * n_heads + heads[:, None]) * (2 * half) + offs[None, :]
+        if BLOCK_PASS > 0:
+            p_ok = offs_p < head_dim - 2 * half
+            wp = tl.load(w_ptr + 2 * half + offs_p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+            ap = cast_rne(wp * cast_rne(ap * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
+    o1 = cast_rne(a1 * cos[None, :] - a2 * sin[None, :], out_dtype)
+    o2 = cast_rne(a2 * cos[None, :] + a1 * sin[None, :], out_dtype)
+    dst = dst_ptr + (t * n_heads + heads[:, None]) * head_dim + offs[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + half, o2, mask=mask)
-    return o1, o2
+    op = o1
+    if BLOCK_PASS > 0:
+        op = cast_rne(ap, out_dtype)
+        dst_p = dst_ptr + (t * n_heads + heads[:, None]) * head_dim + 2 * half + offs_p[None, :]
+        tl.store(dst_p, op, mask=pass_mask)
+    return o1, o2, op
 
 
 @triton.jit
@@ -282,6 +304,7 @@ def _to_cache_dtype(x, dtype: tl.constexpr):
 def _store_heads(
     k1,
     k2,
+    kp,
     v_ptr,
     stride_vt,
     stride_vh,
@@ -300,19 +323,30 @@ def _store_heads(
     offs,
     half,
     PAGE_SIZE: tl.constexpr,
+    offs_p,
+    pass_mask,
+    BLOCK_PASS: tl.constexpr,
 ):
-    """`_store_kv_kernel` for these heads of token ``t``: the rotated k halves and v's row, at cache slot ``slot``."""
+    """`_store_kv_kernel` for these heads of token ``t``: the rotated k halves (and with partial rotary its
+    unrotated rest) and v's row, at cache slot ``slot``."""
     page = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
-    kc = k_cache_ptr + page * stride_kc_p + in_page * stride_kc_s + heads[:, None] * stride_kc_h + offs[None, :]
-    vc = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + heads[:, None] * stride_vc_h + offs[None, :]
+    kc_head = k_cache_ptr + page * stride_kc_p + in_page * stride_kc_s + heads[:, None] * stride_kc_h
+    vc_head = v_cache_ptr + page * stride_vc_p + in_page * stride_vc_s + heads[:, None] * stride_vc_h
+    v_head = v_ptr + t * stride_vt + heads[:, None] * stride_vh
+    kc = kc_head + offs[None, :]
+    vc = vc_head + offs[None, :]
+    v_src = v_head + offs[None, :]
     k_dtype = k_cache_ptr.dtype.element_ty
     v_dtype = v_cache_ptr.dtype.element_ty
     tl.store(kc, _to_cache_dtype(k1, k_dtype), mask=mask)
     tl.store(kc + half, _to_cache_dtype(k2, k_dtype), mask=mask)
-    v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
     tl.store(vc, _to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
     tl.store(vc + half, _to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
+    if BLOCK_PASS > 0:
+        rest = 2 * half + offs_p[None, :]
+        tl.store(kc_head + rest, _to_cache_dtype(kp, k_dtype), mask=pass_mask)
+        tl.store(vc_head + rest, _to_cache_dtype(tl.load(v_head + rest, mask=pass_mask), v_dtype), mask=pass_mask)
 
 
 @triton.jit
@@ -346,6 +380,7 @@ def _qk_norm_rope_kernel(
     n_q_heads,
     n_k_heads,
     half,
+    head_dim,
     inv_d,
     eps,
     HAS_WEIGHT: tl.constexpr,
@@ -354,12 +389,14 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
+    BLOCK_PASS: tl.constexpr = 0,  # the unrotated rest of a head (partial rotary), padded; 0: whole heads rotate
 ):
     release_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < half
+    offs_p = tl.arange(0, max(BLOCK_PASS, 1))
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if STORE_KV:  # the slots are step metadata
         slot = tl.load(slot_ptr + t, mask=block >= q_blocks, other=-1).to(tl.int64)  # only k programs store
@@ -371,22 +408,25 @@ def _qk_norm_rope_kernel(
     if block < q_blocks:
         heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (heads < n_q_heads)[:, None] & d_ok[None, :]
+        pass_mask = (heads < n_q_heads)[:, None] & (offs_p < head_dim - 2 * half)[None, :]
         _heads_norm_rope(
             q_ptr, stride_qt, stride_qh, q_out_ptr, q_w_ptr, t, heads, mask, n_q_heads, cos, sin, offs, d_ok,
-            half, inv_d, eps, HAS_WEIGHT,
+            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, BLOCK_PASS,
         )
     else:
         heads = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (heads < n_k_heads)[:, None] & d_ok[None, :]
-        k1, k2 = _heads_norm_rope(
+        pass_mask = (heads < n_k_heads)[:, None] & (offs_p < head_dim - 2 * half)[None, :]
+        k1, k2, kp = _heads_norm_rope(
             k_ptr, stride_kt, stride_kh, k_out_ptr, k_w_ptr, t, heads, mask, n_k_heads, cos, sin, offs, d_ok,
-            half, inv_d, eps, HAS_WEIGHT,
+            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, BLOCK_PASS,
         )
         if STORE_KV:
             if slot >= 0:
                 _store_heads(
-                    k1, k2, v_ptr, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, stride_kc_p, stride_kc_s,
+                    k1, k2, kp, v_ptr, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, stride_kc_p, stride_kc_s,
                     stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, slot, t, heads, mask, offs, half, PAGE_SIZE,
+                    offs_p, pass_mask, BLOCK_PASS,
                 )
 
 
@@ -402,7 +442,8 @@ def qk_norm_rope(
     """Per-head RMSNorm (when weights are given) then NeoX rotary of ``q [T, H, D]`` and ``k [T, Hkv, D]``.
 
     Equals ``apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)`` (or the rotations alone
-    without weights); ``cos``/``sin`` are ``[T, D / 2]`` float32. ``q``/``k`` may be strided views (only the
+    without weights); ``cos``/``sin`` are ``[T, R / 2]`` float32 for a rotary dim ``R <= D``: the first ``R`` dims
+    of each head rotate, the rest is only normed (partial rotary, LLaDA2). ``q``/``k`` may be strided views (only the
     last dim must be unit-stride, else they are copied once); the results are new contiguous tensors.
     """
     return _launch_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, None)
@@ -470,9 +511,13 @@ def _launch_qk_norm_rope(
         v, k_cache, v_cache, slot_mapping = store
         v = v if v.stride(-1) == 1 else v.contiguous()
         page_size = k_cache.shape[1]
-    half = head_dim // 2
+    half = cos.shape[-1]  # rotated pairs per head: head_dim / 2, or fewer with partial rotary
+    if 2 * half > head_dim or sin.shape[-1] != half:
+        raise ValueError(f"cos/sin [T, {half}] rotate more than the head_dim={head_dim} of q and k")
+    n_pass = head_dim - 2 * half
     block_half = _next_pow2(half)
-    block_h = min(_next_pow2(max(n_q_heads, n_k_heads)), max(1, 256 // block_half))
+    block_pass = _next_pow2(n_pass) if n_pass else 0
+    block_h = min(_next_pow2(max(n_q_heads, n_k_heads)), max(1, 256 // max(block_half, block_pass)))
     grid = (num_tokens, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
     use_pdl = pdl_enabled(q.device, num_tokens)
     _qk_norm_rope_kernel[grid](
@@ -505,6 +550,7 @@ def _launch_qk_norm_rope(
         n_q_heads,
         n_k_heads,
         half,
+        head_dim,
         1.0 / head_dim,
         eps,
         HAS_WEIGHT=has_weight,
@@ -513,6 +559,7 @@ def _launch_qk_norm_rope(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         USE_PDL=use_pdl,
+        BLOCK_PASS=block_pass,
         num_warps=_QK_NORM_ROPE_WARPS,
         enable_fp_fusion=False,
         **launch_kwargs(use_pdl),

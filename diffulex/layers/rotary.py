@@ -116,7 +116,7 @@ def fused_rope_args(
         raise ValueError("q_norm and k_norm go together")
     if not (q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32):
         return None
-    if 2 * cos.shape[-1] != q.shape[-1]:  # partial rotary: the kernel rotates whole heads
+    if 2 * cos.shape[-1] > q.shape[-1]:  # angles for more dims than a head has: the torch code raises
         return None
     if q_norm is not None and k_norm is not None:
         if q_norm.eps != k_norm.eps or any(m._forward_hooks or m._forward_pre_hooks for m in (q_norm, k_norm)):

@@ -8,7 +8,8 @@ experts routed by `diffulex.layers.moe.GroupLimitedRouter`, plus a shared expert
 the checkpoint's (``model.word_embeddings``, ``model.layers.N.attention.query_key_value``,
 ``model.layers.N.mlp.gate.expert_bias`` ...). No logit shift: a position's hidden state predicts its own token.
 
-On the GPU the q/k norm + rotary runs as torch code, not in the fused Triton launch, which rotates whole heads.
+On the GPU the q/k norm, the partial rotary and the KV store are one Triton launch, as for the other families
+(`diffulex.kernels.fused_norm.qk_norm_rope_store`: the rest of each head is normed and stored unrotated).
 """
 
 from __future__ import annotations

@@ -137,12 +137,15 @@ def rope(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(5, 6, 2, 128), (3, 4, 2, 64), (1, 2, 1, 96)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "rotary_dim"),
+    [(5, 6, 2, 128, 128), (3, 4, 2, 64, 64), (1, 2, 1, 96, 96), (4, 4, 2, 64, 32), (3, 2, 2, 32, 8)],
+)  # the last two: partial rotary (LLaDA2 rotates half of each head), the rest of the head normed, not rotated
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_qk_norm_rope_matches_the_torch_path(dtype, tokens, heads, kv_heads, head_dim, with_norm):
+def test_qk_norm_rope_matches_the_torch_path(dtype, tokens, heads, kv_heads, head_dim, rotary_dim, with_norm):
     q, k = qkv_views(tokens, heads, kv_heads, head_dim, dtype, seed=heads * head_dim)
     assert tokens == 1 or q.stride(0) == k.stride(0) == (heads + 2 * kv_heads) * head_dim  # strided views
-    cos, sin = rope(tokens, head_dim)
+    cos, sin = rope(tokens, rotary_dim)
     q_norm = make_norm(head_dim, dtype, 1) if with_norm else None
     k_norm = make_norm(head_dim, dtype, 2) if with_norm else None
     with torch.no_grad():

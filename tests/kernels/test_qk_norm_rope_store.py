@@ -42,9 +42,11 @@ def slots_and_caches(tokens, kv_heads, head_dim, page_size, cache_dtype, device,
     return slot_mapping, k_cache, v_cache
 
 
-def check_fused_equals_separate(tokens, heads, kv_heads, head_dim, page_size, dtype, with_norm, seed=0):
+def check_fused_equals_separate(
+    tokens, heads, kv_heads, head_dim, page_size, dtype, with_norm, seed=0, rotary_dim=None
+):
     q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEVICE, seed)
-    cos, sin = (t.to(DEVICE) for t in rope(tokens, head_dim))
+    cos, sin = (t.to(DEVICE) for t in rope(tokens, rotary_dim or head_dim))
     weights = (None, None)
     if with_norm:
         weights = (make_norm(head_dim, dtype, 1).weight.to(DEVICE), make_norm(head_dim, dtype, 2).weight.to(DEVICE))
@@ -73,6 +75,12 @@ def check_fused_equals_separate(tokens, heads, kv_heads, head_dim, page_size, dt
 )
 def test_fused_store_equals_rope_then_store(tokens, heads, kv_heads, head_dim, page_size, dtype, with_norm):
     check_fused_equals_separate(tokens, heads, kv_heads, head_dim, page_size, dtype, with_norm, seed=heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_partial_rotary_stores_the_unrotated_rest_of_k_too(dtype, with_norm):
+    check_fused_equals_separate(6, 4, 2, 32, 4, dtype, with_norm, seed=3, rotary_dim=16)
 
 
 def test_int32_slots_all_skipped_and_empty():
@@ -133,3 +141,10 @@ def test_rejects_what_it_cannot_store():
 def test_realistic_shapes_on_the_gpu(tokens, heads, kv_heads, with_norm):
     """SDAR-1.7B / 4B-like (Qwen3: q/k norm, GQA) and LLaDA-8B-like (no norm, MHA) layers, bf16, page 16."""
     check_fused_equals_separate(tokens, heads, kv_heads, 128, 16, torch.bfloat16, with_norm, seed=tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic shapes run natively on a GPU only")
+@pytest.mark.parametrize("tokens", [1, 32, 33])
+def test_llada2_shapes_on_the_gpu(tokens):
+    """LLaDA2.0-mini's layer: 16 heads, 4 KV heads, q/k norm, rotary on 64 of 128 dims, bf16, page 32."""
+    check_fused_equals_separate(tokens, 16, 4, 128, 32, torch.bfloat16, True, seed=tokens, rotary_dim=64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffulex.layers import RotaryEmbedding, apply_rotary
@@ -31,7 +32,11 @@ def test_partial_rotary_keeps_relative_positions():
     torch.testing.assert_close(score(0, 0), (q * k).sum())
 
 
-def test_the_fused_kernel_is_never_asked_for_a_partial_rotary():
+def test_angles_for_more_dims_than_a_head_has_are_refused_by_the_kernel():
+    from diffulex.kernels.fused_norm import qk_norm_rope
+
     q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
-    cos, sin = RotaryEmbedding(8, 64, 10_000.0)(torch.arange(2))
+    cos, sin = RotaryEmbedding(32, 64, 10_000.0)(torch.arange(2))
     assert fused_rope_args(q, k, cos, sin, None, None) is None
+    with pytest.raises(ValueError, match="rotate more than the head_dim=16"):
+        qk_norm_rope(q, k, cos, sin, None, None, 0.0)
