@@ -6,6 +6,11 @@ commits, and does ``2 x parameters`` flops per query token in the linear layers 
 time can be no lower than ``bytes / copy bandwidth`` (the memory floor) nor ``flops / matmul throughput`` (the
 compute floor); the ratio of the measured time to the larger floor says how far the engine is from the hardware.
 
+A mixture-of-experts layer reads only the experts its step's rows choose: with ``T`` rows each picking ``k`` of
+``E`` experts, about ``E * (1 - (1 - k / E) ** T)`` distinct experts (uniform routing, which random weights give;
+a trained router is more skewed, so this floor is an upper bound of the true one), and each row multiplies
+through its ``k`` experts only.
+
 Everything here is plain arithmetic on a `CostModel` (the model's sizes, counted once) and a `StepWork` (what one
 step computed, read from the engine's step records), so it is unit-tested by hand on a tiny configuration.
 """
@@ -30,11 +35,23 @@ class CostModel:
     kv_per_token: int  # K + V elements of one token over all layers: 2 x layers x kv_heads x head_dim
     attn_flops_per_pair: int  # flops of one (query, key) pair over all layers: 4 x layers x heads x head_dim
     itemsize: int  # bytes per element of weights and KV cache
+    # routed experts (MoE layers), not in trunk_linear_params: per layer `num_experts` of `expert_params` each,
+    # `experts_per_token` chosen per row
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one step reads, the embedding table excluded."""
+        """Bytes of the weights every step reads whatever its rows (routed experts and the embedding excluded)."""
         return (self.trunk_linear_params + self.lm_head_params + self.other_params) * self.itemsize
+
+    def expected_experts(self, rows: int) -> float:
+        """Distinct experts one MoE layer reads for `rows` rows under uniform routing."""
+        if not self.moe_layers or rows <= 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** rows)
 
 
 @dataclass(frozen=True)
@@ -108,11 +125,17 @@ class ModelGeometry:
 
 def cost_model_from_module(model: nn.Module, itemsize: int) -> CostModel:
     """The same counts read off a built model of any family: the ``LMHead`` is the LM head, the ``nn.Embedding``
-    the embedding, the weight of every other ``nn.Linear`` a trunk linear, anything else (norms, biases) "other".
-    Attention shapes come from the layers that own a KV cache. Tied tensors are counted once, as the LM head."""
+    the embedding, the routed experts of each `SparseMoE` its experts, the weight of every other ``nn.Linear`` a
+    trunk linear (routers and shared experts included), anything else (norms, biases) "other". Attention shapes
+    come from the layers that own a KV cache. Tied tensors are counted once, as the LM head."""
     from diffulex.attention import Attention
     from diffulex.layers import LMHead
+    from diffulex.layers.moe import SparseMoE
 
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
+    if len({(m.num_experts, m.top_k, sum(p.numel() for p in m.experts[0].parameters())) for m in moes}) > 1:
+        raise ValueError("the MoE layers of this model differ in shape; the cost model assumes one shape")
     head_ids = {id(p) for m in model.modules() if isinstance(m, LMHead) for p in m.parameters()}
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     emb_ids = {id(p) for m in embeddings for p in m.parameters()}
@@ -121,7 +144,7 @@ def cost_model_from_module(model: nn.Module, itemsize: int) -> CostModel:
     for param in model.parameters():  # a tied parameter is yielded once
         if id(param) in head_ids:
             head += param.numel()
-        elif id(param) in emb_ids:
+        elif id(param) in emb_ids or id(param) in expert_ids:
             continue
         elif id(param) in linear_weights:
             trunk += param.numel()
@@ -136,6 +159,10 @@ def cost_model_from_module(model: nn.Module, itemsize: int) -> CostModel:
         kv_per_token=sum(2 * a.num_kv_heads * a.head_dim for a in attention),
         attn_flops_per_pair=sum(4 * a.num_heads * a.head_dim for a in attention),
         itemsize=itemsize,
+        moe_layers=len(moes),
+        num_experts=moes[0].num_experts if moes else 0,
+        experts_per_token=moes[0].top_k if moes else 0,
+        expert_params=sum(p.numel() for p in moes[0].experts[0].parameters()) if moes else 0,
     )
 
 
@@ -172,15 +199,20 @@ class StepWork:
 
 
 def step_bytes(cost: CostModel, work: StepWork) -> int:
-    """Bytes that must cross the memory bus: weights once, the gathered embedding rows, K/V read and written."""
+    """Bytes that must cross the memory bus: weights once, the experts the rows choose, the gathered embedding
+    rows, K/V read and written."""
     kv = cost.kv_per_token * (work.context_tokens + work.written_tokens)
-    return cost.weight_bytes + (cost.embedding_row * work.query_tokens + kv) * cost.itemsize
+    experts = cost.moe_layers * cost.expected_experts(work.query_tokens) * cost.expert_params
+    return cost.weight_bytes + round(experts * cost.itemsize) + (cost.embedding_row * work.query_tokens + kv) * (
+        cost.itemsize
+    )
 
 
 def step_flops(cost: CostModel, work: StepWork) -> int:
     """Multiply-add flops (2 per MAC): linear layers per query token, LM head per logit row, attention pairs."""
     return (
         2 * cost.trunk_linear_params * work.query_tokens
+        + 2 * cost.moe_layers * cost.experts_per_token * cost.expert_params * work.query_tokens
         + 2 * cost.lm_head_params * work.logit_rows
         + cost.attn_flops_per_pair * work.attn_pairs
     )

@@ -86,6 +86,26 @@ def test_the_cost_model_of_a_built_model_matches_its_config(tmp_path):
         assert cost_model_from_module(model, 4) == ModelGeometry.from_config(config).cost_model(4)
 
 
+def test_an_moe_model_reads_the_experts_its_rows_choose(tmp_path):
+    """SDAR-MoE tiny (2 MoE layers of 4 experts, top 2, experts of 3 x 32 x 64): the routed experts leave the
+    always-read weights, and a step reads the expected distinct ones, multiplying through 2 per row."""
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    model = build_model("sdar_moe", ckpt, torch.float32, "cpu")
+    cost = cost_model_from_module(model, 2)
+    assert (cost.moe_layers, cost.num_experts, cost.experts_per_token, cost.expert_params) == (2, 4, 2, 3 * 32 * 64)
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v (2 KV heads of 16), o
+    assert cost.trunk_linear_params == 2 * (attention + 4 * 64)  # plus each layer's router, no expert
+    assert cost.expected_experts(1) == pytest.approx(2.0)
+    assert cost.expected_experts(3) == pytest.approx(4 * (1 - 0.5**3))
+    work = StepWork(query_tokens=3, logit_rows=3, context_tokens=0, written_tokens=0, attn_pairs=9)
+    dense = StepWork(0, 0, 0, 0, 0)
+    assert step_bytes(cost, work) - step_bytes(cost, dense) == round(2 * 3.5 * 6144 * 2) + 3 * 64 * 2
+    assert step_flops(cost, work) == (
+        2 * cost.trunk_linear_params * 3 + 2 * 2 * 2 * 6144 * 3 + 2 * cost.lm_head_params * 3
+        + cost.attn_flops_per_pair * 9
+    )
+
+
 def test_a_linear_on_the_roofline_by_hand():
     # 2 x 4 x 8 x 16 = 1024 flops; (4x16 + 8x16 + 4x8) x 2 bytes = 448 bytes
     row = linear_roofline(m=4, n=8, k=16, itemsize=2, seconds=2.0, bandwidth_bps=448.0, flops_per_s=1024.0)
