@@ -409,7 +409,7 @@ class Config:
 
     # DMax / edit sampling
     max_post_edit_steps: int = _field(16, "Edit steps allowed per block after it is filled (>= 0).")
-    penalty_lambda: float = _field(0.0, "Penalty weight of token-to-token edits (>= 0).")
+    penalty_lambda: float = _field(0.0, "Edit sampling: lowers the logit of the previous position's token (>= 0).")
     dmax_sampler_fast_path: bool = _field(True, "Fast argmax path for DMax confidences.")
     dmax_force_prefill_active: bool = _field(False, "Keep DMax active blocks on the prefill path.")
     enable_vectorized_sampler: bool = _field(False, "Vectorized greedy sampler for batched mask filling.")

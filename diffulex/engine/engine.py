@@ -21,6 +21,7 @@ import torch
 from diffulex.config import Config
 from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
+from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
@@ -35,6 +36,7 @@ from diffulex.registry import (
 )
 from diffulex.sampler import SamplerSettings
 from diffulex.sampler.confidence import PendingWrites
+from diffulex.sampler.edit import EditSampler, EditSettings
 from diffulex.sampling_params import SamplingParams
 
 logger = logging.getLogger("diffulex")
@@ -138,8 +140,10 @@ def _reject_unsupported(config: Config) -> None:
         unsupported.append(f"data_parallel_size={config.data_parallel_size}")
     if config.expert_parallel_size > 1:
         unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
-    if config.sampling_mode != "naive":
-        unsupported.append(f"sampling_mode={config.sampling_mode!r}")
+    if config.sampling_mode == "edit" and config.decoding_strategy != "multi_bd":
+        unsupported.append(
+            f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under multi_bd)"
+        )
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
     if config.decoding_strategy not in AutoReq:
@@ -246,14 +250,23 @@ class DiffulexEngine:
             auto_max_nfe_warmup_steps=config.auto_max_nfe_warmup_steps,
             auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
             logits_shift=bool(getattr(model_cls, "logits_shift", False)),
+            max_post_edit_steps=config.max_post_edit_steps,
         )
 
     def _build_components(self) -> None:
         """The strategy's runner, page pool and scheduler, and the family's sampler."""
         config, strategy = self.config, self.config.decoding_strategy
-        sampler = AutoSampler.get(config.model_name)(
-            SamplerSettings(self.vocab_limit, self.mask_token_id, self.settings.accept_threshold, config.seed)
-        )
+        if config.sampling_mode == "edit":
+            sampler = EditSampler(
+                EditSettings(
+                    self.vocab_limit, self.mask_token_id, self.settings.accept_threshold,
+                    config.decoding_thresholds.edit_threshold, config.penalty_lambda, config.seed,
+                )
+            )  # fmt: skip
+        else:
+            sampler = AutoSampler.get(config.model_name)(
+                SamplerSettings(self.vocab_limit, self.mask_token_id, self.settings.accept_threshold, config.seed)
+            )
         runner_settings = RunnerSettings(
             block_size=config.block_size,
             page_size=config.page_size,
@@ -272,7 +285,7 @@ class DiffulexEngine:
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, self._continues)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
-        self.request_cls = AutoReq.get(strategy)
+        self.request_cls = EditRequest if config.sampling_mode == "edit" else AutoReq.get(strategy)
         logger.info(
             "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
             config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
@@ -285,7 +298,12 @@ class DiffulexEngine:
         graph sampling and a single-block running set); with two micro-batches the other half already hides the
         host's work."""
         config = self.config
-        return config.async_scheduling and config.micro_batches == 1 and config.buffer_size == 1
+        return (
+            config.async_scheduling
+            and config.micro_batches == 1
+            and config.buffer_size == 1
+            and config.sampling_mode == "naive"  # edit mode samples on the host
+        )
 
     @property
     def _staging_buffers(self) -> int:

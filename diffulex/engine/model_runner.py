@@ -126,7 +126,9 @@ class ModelRunner:
             page_size=s.page_size,
             prefix_full=s.prefix_full,
         )
-        greedy_sample = self.greedy_sample if _GRAPH_SAMPLING else None
+        # a sampler that samples on the host (edit mode) has no greedy graph step
+        samples_in_graph = _GRAPH_SAMPLING and getattr(self.sampler, "samples_in_graph", True)
+        greedy_sample = self.greedy_sample if samples_in_graph else None
         advance = None
         if continuations and greedy_sample is not None:
             advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)

@@ -48,6 +48,7 @@ class DecodeSettings:
     auto_max_nfe_warmup_steps: int
     auto_max_nfe_tpf_floor: float
     logits_shift: bool = False  # the family predicts the token at p from the hidden state at p - 1
+    max_post_edit_steps: int = 16  # edit mode: steps a block may keep editing once it holds no mask
 
 
 @dataclass
@@ -275,8 +276,12 @@ class Request:
         for block in self.running:
             prev = self.blocks[block.index - 1] if block.index > 0 else None
             prev_committed = prev is None or prev.is_committed
-            if block.status is BlockStatus.ACTIVE and prev_committed and self.remaining(block) == 0:
+            if block.status is BlockStatus.ACTIVE and prev_committed and self.is_final(block):
                 block.status = BlockStatus.TO_CACHE
+
+    def is_final(self, block: Block) -> bool:
+        """Whether ``block``'s tokens will not change any more, so that it may commit: no mask left."""
+        return self.remaining(block) == 0
 
     def check_completion(self) -> CompletionReason | None:
         """Called after every step, once ``nfe`` counts it."""

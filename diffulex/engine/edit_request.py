@@ -1,0 +1,112 @@
+"""A request decoded in edit mode (``sampling_mode="edit"``, LLaDA2.1): a block's decoded tokens may still be
+rewritten while it is active, and it commits only when the sampler stops changing it.
+
+Per step and active block the sampler (`diffulex.sampler.edit.EditSampler`) proposes a token for every generated
+position: masks are filled as in the naive mode (those above the threshold, else the most confident one), and
+already decoded positions whose proposal differs take it when confident enough (token-to-token edits). A block
+is finished, and commits like any complete block, when a step writes nothing into it, when it has spent
+``max_post_edit_steps`` steps without a mask, or when it times out (``block_size + max_post_edit_steps`` steps,
+after which the sampler fills every mask left). reference-engine §7.4 is the rule; its deviations are listed
+in docs/strategies.md ("Edit mode").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from diffulex.engine.block import Block, BlockStatus
+from diffulex.engine.request import CompletionReason, Request, SampleTarget
+
+
+@dataclass
+class EditProgress:
+    """What edit mode remembers of one active block."""
+
+    steps: int = 0  # steps in which the block was sampled
+    steps_without_masks: int = 0  # of those, steps that began with no mask left in it
+    finished: bool = False  # the block's tokens are final
+
+
+@dataclass
+class EditRequest(Request):
+    edits: dict[int, EditProgress] = field(init=False, default_factory=dict)  # block index -> progress
+    # the blocks the sampler sampled in the step being applied (a step that only computes prompt rows samples none)
+    sampled_blocks: list[int] = field(init=False, default_factory=list)
+
+    def _max_nfe(self) -> int:
+        """The naive bound plus every block's post-edit steps."""
+        blocks = math.ceil(self.sampling_params.max_tokens / self.settings.block_size)
+        return super()._max_nfe() + blocks * (self.settings.max_post_edit_steps + 1)
+
+    def progress_of(self, block: Block) -> EditProgress:
+        return self.edits.setdefault(block.index, EditProgress())
+
+    def times_out(self, block: Block) -> bool:
+        """Whether this step is the block's last chance: it has had its steps and post-edit steps."""
+        return self.progress_of(block).steps + 1 >= block.size + self.settings.max_post_edit_steps
+
+    def sample_targets(self) -> list[SampleTarget]:
+        """Every generated position of each unfinished active block, masks and decoded tokens alike, up to and
+        including the first stop token (which an edit may remove)."""
+        targets = []
+        limit = self.generation_end if self.stop_pos is None else min(self.generation_end, self.stop_pos + 1)
+        for block in self.running:
+            if block.status is not BlockStatus.ACTIVE or self.progress_of(block).finished:
+                continue
+            lo, hi = max(block.start, self.prompt_len), min(block.end, limit)
+            if lo < hi:
+                targets.append(SampleTarget(block, list(range(lo, hi)), force_allowed=True))
+        return targets
+
+    def next_step_has_same_rows(self) -> bool:
+        return False  # edits are applied on the host between steps: no continuation on the device
+
+    def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
+        """Write the step's tokens, edits included; returns how many masks were filled. Each block sampled in
+        this step then counts the step and is finished if the step wrote nothing into it, it has used its
+        post-edit steps, or it timed out."""
+        sampled = [self.blocks[index] for index in self.sampled_blocks]
+        self.sampled_blocks = []
+        mask, size = self.settings.mask_token_id, self.settings.block_size
+        had_masks = {block.index: self.remaining(block) > 0 for block in sampled}
+        written_blocks = {pos // size for pos, _ in writes}
+        filled = 0
+        for pos, token in writes:
+            filled += self.token_ids[pos] == mask
+            self.token_ids[pos] = token
+        for block in sampled:
+            progress = self.progress_of(block)
+            timed_out = self.times_out(block)
+            progress.steps += 1
+            if not had_masks[block.index]:
+                progress.steps_without_masks += 1
+            used_up = progress.steps_without_masks > self.settings.max_post_edit_steps
+            progress.finished = timed_out or block.index not in written_blocks or used_up
+        self._find_stop()
+        while self.frontier < len(self.token_ids) and self.token_ids[self.frontier] != mask:
+            self.frontier += 1
+        self.num_new_tokens_total += filled
+        return filled
+
+    def _find_stop(self) -> None:
+        """The first stop token among the generated positions: an edit may write or remove one."""
+        self.stop_pos = None
+        if self.sampling_params.ignore_eos:
+            return
+        stops = self.settings.stop_token_ids
+        for pos in range(self.prompt_len, len(self.token_ids)):
+            if self.token_ids[pos] in stops:
+                self.stop_pos = pos
+                return
+
+    def is_final(self, block: Block) -> bool:
+        return self.progress_of(block).finished and self.remaining(block) == 0
+
+    def check_completion(self) -> CompletionReason | None:
+        """As in the naive mode, but only once no active block may still be edited."""
+        if self.nfe >= self.max_nfe:
+            return CompletionReason.MAX_NFE
+        if any(b.status is BlockStatus.ACTIVE and b.start < self.decode_limit for b in self.running):
+            return None
+        return super().check_completion()

@@ -1,0 +1,118 @@
+"""Edit-mode sampling (``sampling_mode="edit"``, LLaDA2.1): fill masks and rewrite decoded tokens of a block.
+
+Per active block of an `diffulex.engine.edit_request.EditRequest`, every generated position gets a proposal
+``x`` (the top-1, or a draw at ``temperature > 0``) and its probability ``p``:
+
+* mask to token: masks with ``p > accept_threshold``, else the single most confident mask;
+* token to token: decoded positions whose proposal differs, with ``p > edit_threshold``;
+* with ``penalty_lambda > 0`` a position's proposal is first penalized for repeating the token before it;
+* the block is finished when nothing would be written, or when it has used its post-edit steps (then nothing is
+  written); on its last allowed step (time-out) every mask left takes its proposal.
+
+Padding ids and the mask id are never proposed (the original bans neither here; docs/strategies.md). This runs
+on the host after the LM head, one block at a time, so steps in edit mode never sample inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffulex.engine.edit_request import EditRequest
+from diffulex.engine.request import Request, SampleTarget
+from diffulex.sampler.confidence import PendingWrites, RowLayout
+from diffulex.sampler.token_sampling import ban_tokens, sample, step_generator
+
+
+@dataclass(frozen=True)
+class EditSettings:
+    vocab_limit: int
+    mask_token_id: int
+    accept_threshold: float
+    edit_threshold: float
+    penalty_lambda: float
+    base_seed: int
+
+
+class _HostLayout(RowLayout):
+    """A row layout that never takes the greedy graph path."""
+
+    @property
+    def greedy(self) -> bool:
+        return False
+
+
+class EditSampler:
+    samples_in_graph = False  # the runner builds no sampling graph for it
+
+    def __init__(self, settings: EditSettings) -> None:
+        self.settings = settings
+
+    def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
+        return _HostLayout.of(work, force_every_block=True)
+
+    def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
+        """Nothing to compile: torch operations only."""
+
+    def __call__(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
+    ) -> dict[int, list[tuple[int, int]]]:
+        return self.launch(logits, work).result()
+
+    def launch(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]], layout: RowLayout | None = None
+    ) -> PendingWrites:
+        """``logits`` has one row per target position, in the order of ``work``; the writes are computed at once
+        (the caller waits for nothing more)."""
+        writes: dict[int, list[tuple[int, int]]] = {}
+        row = 0
+        for req, targets in work:
+            req_writes = writes.setdefault(req.req_id, [])
+            if not isinstance(req, EditRequest):
+                raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
+            req.sampled_blocks = [target.block.index for target in targets]
+            for target in targets:
+                n = len(target.positions)
+                req_writes.extend(self._block_writes(req, target, logits[row : row + n]))
+                row += n
+        return PendingWrites(writes)
+
+    def _propose(self, req: EditRequest, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, sp = self.settings, req.sampling_params
+        logits = ban_tokens(logits.float(), s.vocab_limit, s.mask_token_id)
+        if sp.temperature > 0:
+            seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
+            return sample(logits, sp.temperature, sp.top_k, sp.top_p, step_generator(seed, req.nfe, logits.device))
+        probs = logits.softmax(dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+
+    def _block_writes(self, req: EditRequest, target: SampleTarget, logits: torch.Tensor) -> list[tuple[int, int]]:
+        s = self.settings
+        positions = target.positions
+        current = [req.token_ids[p] for p in positions]
+        if s.penalty_lambda > 0:
+            logits = logits.float().clone()
+            for i in range(1, len(positions)):
+                if positions[i] - 1 == positions[i - 1] and current[i - 1] != s.mask_token_id:
+                    logits[i, current[i - 1]] -= s.penalty_lambda
+        tokens, conf = (t.tolist() for t in self._propose(req, logits))
+        masks = [i for i, token in enumerate(current) if token == s.mask_token_id]
+        fill = [i for i in masks if conf[i] > s.accept_threshold]
+        if masks and not fill:
+            fill = [max(masks, key=lambda i: conf[i])]
+        edit = [
+            i for i, token in enumerate(current)
+            if token != s.mask_token_id and tokens[i] != token and conf[i] > s.edit_threshold
+        ]  # fmt: skip
+        progress = req.progress_of(target.block)
+        timed_out = req.times_out(target.block)
+        used_up = not masks and progress.steps_without_masks + 1 > req.settings.max_post_edit_steps
+        if timed_out:
+            chosen = masks + edit
+        elif used_up or not (fill or edit):
+            chosen = []
+        else:
+            chosen = fill + edit
+        return [(positions[i], tokens[i]) for i in sorted(chosen)]

@@ -1,0 +1,67 @@
+"""Edit mode (``sampling_mode="edit"``, LLaDA2.1) through the engine, on a tiny LLaDA2 checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.testing import write_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPTS = ["hello world", "a b c d e f"]
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("llada2"), family="llada2", init_std=1.0, seed=9)
+
+
+def run(path: Path, **fields):
+    fields = {"block_size": 4, "buffer_size": 1, "max_model_len": 256, "accept_threshold": 0.9, **fields}
+    with Diffulex(str(path), **fields) as llm:
+        return llm.generate(PROMPTS, GREEDY, use_tqdm=False), llm.mask_token_id
+
+
+def test_without_edits_the_tokens_are_the_naive_modes(llada2):
+    """With no edit ever confident enough, edit mode fills masks exactly as the naive mode does; each block then
+    takes one more step, the one that finds it unchanged."""
+    naive, _ = run(llada2)
+    edit, _ = run(llada2, sampling_mode="edit", edit_threshold=1.0)
+    for a, b in zip(naive, edit, strict=True):
+        assert a.token_ids == b.token_ids
+        assert b.nfe > a.nfe
+
+
+def test_edits_rewrite_decoded_tokens_and_every_block_still_commits(llada2):
+    out, mask = run(llada2, sampling_mode="edit", max_post_edit_steps=3)
+    rewritten = 0
+    for trajectory in out:
+        assert trajectory.completion_reason != "max_nfe_reached"
+        assert mask not in trajectory.token_ids
+        seen: dict[tuple[int, int], int] = {}
+        for record in trajectory.steps:
+            for block, token_ids in _block_tokens(record):
+                for i, token in enumerate(token_ids):
+                    old = seen.get((block, i))
+                    rewritten += old is not None and old != mask and token != old
+                    seen[block, i] = token
+    assert rewritten > 0
+
+
+def _block_tokens(record):
+    """(block index, its 4 tokens after the step) for each block of a step's running set."""
+    tokens = record.running_token_ids
+    return [(b, tokens[4 * i : 4 * i + 4]) for i, b in enumerate(record.running_block_ids)]
+
+
+def test_edit_mode_under_another_strategy_is_refused_by_name(llada2):
+    with pytest.raises(ValueError, match="sampling_mode='edit' with decoding_strategy='d2f'"):
+        Diffulex(str(llada2), sampling_mode="edit", decoding_strategy="d2f")
+
+
+def test_edit_mode_is_for_the_llada2_family_only(tmp_path):
+    sdar = write_tiny_checkpoint(tmp_path / "sdar")
+    with pytest.raises(ValueError, match="sampling_mode"):
+        Diffulex(str(sdar), sampling_mode="edit")
