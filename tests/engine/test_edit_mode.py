@@ -65,3 +65,14 @@ def test_edit_mode_is_for_the_llada2_family_only(tmp_path):
     sdar = write_tiny_checkpoint(tmp_path / "sdar")
     with pytest.raises(ValueError, match="sampling_mode"):
         Diffulex(str(sdar), sampling_mode="edit")
+
+
+def test_two_blocks_at_once_and_a_preemption_still_finish_every_request(llada2):
+    """Buffer 2 (a later block is edited while an earlier one still is), and a page pool so small that requests
+    are preempted and rebuilt: every request completes with no mask in its answer."""
+    out, mask = run(llada2, sampling_mode="edit", buffer_size=2, max_post_edit_steps=2, num_kvcache_blocks=10,
+                    page_size=4, max_num_reqs=2)  # fmt: skip
+    for trajectory in out:
+        assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")
+        assert mask not in trajectory.token_ids
+    assert sum(t.num_preemptions for t in out) > 0
