@@ -253,10 +253,18 @@ class DenseForDiffusionLM(nn.Module):
     def __init__(self, config: DenseDecoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DenseModel(config, self.arch_for(config), self.make_mlp)
+        self.model = self.build_decoder(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+            self.lm_head.tie_to(self.token_embedding())
+
+    def build_decoder(self, config: DenseDecoderConfig) -> nn.Module:
+        """The ``model.`` part of the checkpoint: the dense decoder in the family's layout (a family with other
+        module names, LLaDA2, builds its own, with the same ``forward``)."""
+        return DenseModel(config, self.arch_for(config), self.make_mlp)
+
+    def token_embedding(self) -> VocabEmbedding:
+        return self.model.embed_tokens
 
     def make_mlp(self, layer_index: int) -> nn.Module | None:
         """The MLP of layer `layer_index` where the family's differs from the dense SwiGLU (None: the dense one)."""

@@ -20,7 +20,6 @@ from torch import nn
 from diffulex.attention import Attention, AttentionMetadata
 from diffulex.layers import (
     ColumnParallelLinear,
-    LMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -29,7 +28,7 @@ from diffulex.layers import (
 )
 from diffulex.layers.moe import Expert, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
-from diffulex.models.dense import DenseArch, DenseMLP, add_and_norm, run_decoder
+from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDA2Config
 from diffulex.registry import AutoModelForDiffusionLM
 
@@ -132,33 +131,18 @@ class LLaDA2Model(nn.Module):
         )
 
 
-class LLaDA2ForDiffusionLM(nn.Module):
+class LLaDA2ForDiffusionLM(DenseForDiffusionLM):
     """``forward(input_ids [T], positions [T], attn_meta) -> hidden [T, hidden]``;
-    ``compute_logits(hidden [N, hidden]) -> [N, vocab_size]``."""
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab_size]``. The dense families' model class with the Ling
+    decoder in place of the dense one."""
 
     family_defaults = {"mask_token_id": 156895, "decoding_strategy": "multi_bd"}
-    logits_shift = False
-    ignored_checkpoint_keys = (r"rotary_emb\.inv_freq$",)
 
-    def __init__(self, config: LLaDA2Config) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LLaDA2Model(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.word_embeddings)
+    def build_decoder(self, config: LLaDA2Config) -> nn.Module:  # type: ignore[override]
+        return LLaDA2Model(config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_meta: AttentionMetadata,
-        readers: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_meta, readers)
-
-    def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(hidden, readers)
+    def token_embedding(self) -> VocabEmbedding:
+        return self.model.word_embeddings
 
 
 for _name in MODEL_NAMES:
