@@ -177,6 +177,24 @@ def test_sdar_folders_carry_the_real_geometry_and_tokenizer(tmp_path, size):
     assert Config(str(folder), load_format="dummy").model_name == "sdar"
 
 
+def test_the_moe_folder_is_sdar_30b_a3b(tmp_path):
+    """30.5B parameters (Qwen3-30B-A3B), detected as SDAR-MoE; a batch-1 step of 4 rows reads about 29 of the 128
+    experts of each layer, 15.7 GB in all."""
+    from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
+    from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
+
+    folder = throughput.write_sdar_checkpoint(tmp_path / "moe", "30b-a3b")
+    config = json.loads((folder / "config.json").read_text())
+    assert model_type_to_model_name(config["model_type"], config["architectures"]) == "sdar_moe"
+    with torch.device("meta"):
+        model = SDARMoeForDiffusionLM(load_hf_config(folder, "sdar_moe"))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(30.53, abs=0.01)
+    cost = cost_model_from_module(model, 2)
+    assert cost.expected_experts(4) == pytest.approx(29.12, abs=0.01)
+    work = StepWork(query_tokens=4, logit_rows=4, context_tokens=0, written_tokens=0, attn_pairs=16)
+    assert step_bytes(cost, work) / 1e9 == pytest.approx(15.65, abs=0.01)
+
+
 def test_a_missing_tokenizer_source_names_the_way_to_provide_it(tmp_path):
     with pytest.raises(ValueError, match="--data-dir"):
         throughput.write_sdar_checkpoint(tmp_path / "x", "1.7b", data_dir=tmp_path / "nowhere")
