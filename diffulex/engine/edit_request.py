@@ -31,8 +31,9 @@ class EditProgress:
 @dataclass
 class EditRequest(Request):
     edits: dict[int, EditProgress] = field(init=False, default_factory=dict)  # block index -> progress
-    # the blocks the sampler sampled in the step being applied (a step that only computes prompt rows samples none)
-    sampled_blocks: list[int] = field(init=False, default_factory=list)
+    # the blocks the sampler sampled in the step being applied, each with its verdict: finished or not (a step
+    # that only computes prompt rows samples none)
+    sampled_blocks: dict[int, bool] = field(init=False, default_factory=dict)
 
     def _max_nfe(self) -> int:
         """The naive bound plus every block's post-edit steps."""
@@ -64,25 +65,19 @@ class EditRequest(Request):
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
         """Write the step's tokens, edits included; returns how many masks were filled. Each block sampled in
-        this step then counts the step and is finished if the step wrote nothing into it, it has used its
-        post-edit steps, or it timed out."""
-        sampled = [self.blocks[index] for index in self.sampled_blocks]
-        self.sampled_blocks = []
-        mask, size = self.settings.mask_token_id, self.settings.block_size
-        had_masks = {block.index: self.remaining(block) > 0 for block in sampled}
-        written_blocks = {pos // size for pos, _ in writes}
+        this step counts the step, and takes the sampler's verdict on whether it is finished."""
+        verdicts, self.sampled_blocks = self.sampled_blocks, {}
+        mask = self.settings.mask_token_id
+        for index in verdicts:
+            progress = self.progress_of(self.blocks[index])
+            progress.steps += 1
+            progress.steps_without_masks += self.remaining(self.blocks[index]) == 0
         filled = 0
         for pos, token in writes:
             filled += self.token_ids[pos] == mask
             self.token_ids[pos] = token
-        for block in sampled:
-            progress = self.progress_of(block)
-            timed_out = self.times_out(block)
-            progress.steps += 1
-            if not had_masks[block.index]:
-                progress.steps_without_masks += 1
-            used_up = progress.steps_without_masks > self.settings.max_post_edit_steps
-            progress.finished = timed_out or block.index not in written_blocks or used_up
+        for index, finished in verdicts.items():
+            self.progress_of(self.blocks[index]).finished = finished
         self._find_stop()
         while self.frontier < len(self.token_ids) and self.token_ids[self.frontier] != mask:
             self.frontier += 1

@@ -36,6 +36,7 @@ from diffulex.registry import (
 )
 from diffulex.sampler import SamplerSettings
 from diffulex.sampler.confidence import PendingWrites
+from diffulex.sampler.dmax import DMaxSampler
 from diffulex.sampler.edit import EditSampler, EditSettings
 from diffulex.sampling_params import SamplingParams
 
@@ -140,9 +141,15 @@ def _reject_unsupported(config: Config) -> None:
         unsupported.append(f"data_parallel_size={config.data_parallel_size}")
     if config.expert_parallel_size > 1:
         unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
-    if config.sampling_mode == "edit" and config.decoding_strategy != "multi_bd":
+    if config.sampling_mode == "edit" and config.decoding_strategy not in ("multi_bd", "dmax"):
         unsupported.append(
-            f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under multi_bd)"
+            f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under "
+            "multi_bd and dmax)"
+        )
+    if config.decoding_strategy == "dmax" and config.token_merge_weight > 0:
+        unsupported.append(
+            f"token_merge_weight={config.token_merge_weight} with decoding_strategy='dmax' (token merge is not "
+            "implemented yet; token_merge_weight=0 runs DMax's sampling without it)"
         )
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
@@ -257,12 +264,12 @@ class DiffulexEngine:
         """The strategy's runner, page pool and scheduler, and the family's sampler."""
         config, strategy = self.config, self.config.decoding_strategy
         if config.sampling_mode == "edit":
-            sampler = EditSampler(
-                EditSettings(
-                    self.vocab_limit, self.mask_token_id, self.settings.accept_threshold,
-                    config.decoding_thresholds.edit_threshold, config.penalty_lambda, config.seed,
-                )
+            edit_settings = EditSettings(
+                self.vocab_limit, self.mask_token_id, self.settings.accept_threshold,
+                config.decoding_thresholds.edit_threshold, config.penalty_lambda, config.seed,
+                config.dmax_sampler_fast_path,
             )  # fmt: skip
+            sampler = DMaxSampler(edit_settings) if strategy == "dmax" else EditSampler(edit_settings)
         else:
             sampler = AutoSampler.get(config.model_name)(
                 SamplerSettings(self.vocab_limit, self.mask_token_id, self.settings.accept_threshold, config.seed)
@@ -285,6 +292,7 @@ class DiffulexEngine:
         kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
         limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, self._continues)
         self.scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
+        # edit mode keeps the strategy's scheduling with requests whose decoded tokens stay editable
         self.request_cls = EditRequest if config.sampling_mode == "edit" else AutoReq.get(strategy)
         logger.info(
             "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",

@@ -27,12 +27,15 @@ from diffulex.sampler.token_sampling import ban_tokens, sample, step_generator
 
 @dataclass(frozen=True)
 class EditSettings:
+    """What the edit samplers (this one and `diffulex.sampler.dmax.DMaxSampler`) read of the configuration."""
+
     vocab_limit: int
     mask_token_id: int
     accept_threshold: float
     edit_threshold: float
     penalty_lambda: float
     base_seed: int
+    dmax_fast_path: bool = True  # DMax: exact confidences only where a mask was
 
 
 class _HostLayout(RowLayout):
@@ -71,10 +74,11 @@ class EditSampler:
             req_writes = writes.setdefault(req.req_id, [])
             if not isinstance(req, EditRequest):
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
-            req.sampled_blocks = [target.block.index for target in targets]
             for target in targets:
                 n = len(target.positions)
-                req_writes.extend(self._block_writes(req, target, logits[row : row + n]))
+                block_writes, finished = self._block_writes(req, target, logits[row : row + n])
+                req_writes.extend(block_writes)
+                req.sampled_blocks[target.block.index] = finished
                 row += n
         return PendingWrites(writes)
 
@@ -88,7 +92,10 @@ class EditSampler:
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
 
-    def _block_writes(self, req: EditRequest, target: SampleTarget, logits: torch.Tensor) -> list[tuple[int, int]]:
+    def _block_writes(
+        self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
+    ) -> tuple[list[tuple[int, int]], bool]:
+        """The block's writes, and whether it is finished."""
         s = self.settings
         positions = target.positions
         current = [req.token_ids[p] for p in positions]
@@ -109,10 +116,11 @@ class EditSampler:
         progress = req.progress_of(target.block)
         timed_out = req.times_out(target.block)
         used_up = not masks and progress.steps_without_masks + 1 > req.settings.max_post_edit_steps
+        finished = timed_out or used_up or not (fill or edit)
         if timed_out:
             chosen = masks + edit
-        elif used_up or not (fill or edit):
+        elif finished:
             chosen = []
         else:
             chosen = fill + edit
-        return [(positions[i], tokens[i]) for i in sorted(chosen)]
+        return [(positions[i], tokens[i]) for i in sorted(chosen)], finished

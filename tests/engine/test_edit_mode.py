@@ -76,3 +76,15 @@ def test_two_blocks_at_once_and_a_preemption_still_finish_every_request(llada2):
         assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")
         assert mask not in trajectory.token_ids
     assert sum(t.num_preemptions for t in out) > 0
+
+
+def test_dmax_without_token_merge_completes_every_request(llada2):
+    out, mask = run(llada2, sampling_mode="edit", decoding_strategy="dmax", token_merge_weight=0, accept_threshold=0.5)
+    for trajectory in out:
+        assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")
+        assert mask not in trajectory.token_ids
+
+
+def test_dmax_token_merge_is_refused_until_it_exists(llada2):
+    with pytest.raises(ValueError, match="token_merge_weight=1.0 with decoding_strategy='dmax'"):
+        Diffulex(str(llada2), sampling_mode="edit", decoding_strategy="dmax")

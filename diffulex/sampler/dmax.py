@@ -1,0 +1,52 @@
+"""DMax sampling (``decoding_strategy="dmax"``, LLaDA2 in edit mode; reference-engine §7.5).
+
+Per active block, every generated position gets its top-1 (or a draw at ``temperature > 0``):
+
+* decoded positions take it unconditionally (a refresh, no threshold);
+* masks are filled left to right while their confidence stays at or above ``accept_threshold``; when the first
+  mask is below it, that one alone is filled (at least one per step);
+* the block is finished when the step changes nothing in it, or when every position is confident
+  (`CONFIDENT`), provided no mask is left. There is no step cap: a block that keeps changing runs until the
+  request's ``max_nfe``.
+
+With ``dmax_fast_path`` (the default) a decoded position's confidence counts as 1.0 and only the positions that
+were masks get their probability, as in the original. Token merge (soft inputs for decoded positions) is not
+implemented yet: the engine runs DMax with ``token_merge_weight=0`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffulex.engine.edit_request import EditRequest
+from diffulex.engine.request import SampleTarget
+from diffulex.sampler.edit import EditSampler
+
+# Confidence at which every position of a block counts as settled (the original's constant, not accept_threshold).
+CONFIDENT = 0.9
+
+
+class DMaxSampler(EditSampler):
+    def _block_writes(
+        self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
+    ) -> tuple[list[tuple[int, int]], bool]:
+        s = self.settings
+        positions = target.positions
+        current = [req.token_ids[p] for p in positions]
+        tokens, conf = (t.tolist() for t in self._propose(req, logits))
+        was_mask = [token == s.mask_token_id for token in current]
+        if s.dmax_fast_path:
+            conf = [c if m else 1.0 for c, m in zip(conf, was_mask, strict=True)]
+        masks = [i for i, m in enumerate(was_mask) if m]
+        fill = []
+        for i in masks:
+            if conf[i] < s.accept_threshold:
+                break
+            fill.append(i)
+        if masks and not fill:
+            fill = masks[:1]
+        refresh = [i for i, m in enumerate(was_mask) if not m and tokens[i] != current[i]]
+        chosen = sorted(fill + refresh)
+        settled = not chosen or all(c >= CONFIDENT for c in conf)
+        finished = settled and len(fill) == len(masks)
+        return [(positions[i], tokens[i]) for i in chosen], finished
