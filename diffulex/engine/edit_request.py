@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from diffulex.engine.block import Block, BlockStatus
 from diffulex.engine.request import CompletionReason, Request, SampleTarget
+from diffulex.layers.token_merge import SoftInput
 
 
 @dataclass
@@ -34,6 +35,9 @@ class EditRequest(Request):
     # the blocks the sampler sampled in the step being applied, each with its verdict: finished or not (a step
     # that only computes prompt rows samples none)
     sampled_blocks: dict[int, bool] = field(init=False, default_factory=dict)
+    # DMax's token merge: candidates of decoded positions, set by the sampler for the next forward
+    soft: dict[int, SoftInput] = field(init=False, default_factory=dict)
+    next_soft: dict[int, SoftInput] | None = field(init=False, default=None)
 
     def _max_nfe(self) -> int:
         """The naive bound plus every block's post-edit steps."""
@@ -78,6 +82,8 @@ class EditRequest(Request):
             self.token_ids[pos] = token
         for index, finished in verdicts.items():
             self.progress_of(self.blocks[index]).finished = finished
+        if self.next_soft is not None:
+            self.soft, self.next_soft = self.next_soft, None
         self._find_stop()
         while self.frontier < len(self.token_ids) and self.token_ids[self.frontier] != mask:
             self.frontier += 1
@@ -94,6 +100,16 @@ class EditRequest(Request):
             if self.token_ids[pos] in stops:
                 self.stop_pos = pos
                 return
+
+    def soft_inputs(self) -> dict[int, SoftInput]:
+        """The candidates of positions in blocks still being edited: a finished block's K/V is computed from its
+        final tokens (the original uses the last step's soft inputs for them; docs/strategies.md)."""
+        size = self.settings.block_size
+
+        def editing(block: Block) -> bool:
+            return block.status is BlockStatus.ACTIVE and not self.progress_of(block).finished
+
+        return {pos: soft for pos, soft in self.soft.items() if editing(self.blocks[pos // size])}
 
     def is_final(self, block: Block) -> bool:
         return self.progress_of(block).finished and self.remaining(block) == 0

@@ -25,6 +25,7 @@ from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
+from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.registry import (
     AutoKVCacheManager,
@@ -146,11 +147,6 @@ def _reject_unsupported(config: Config) -> None:
             f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under "
             "multi_bd and dmax)"
         )
-    if config.decoding_strategy == "dmax" and config.token_merge_weight > 0:
-        unsupported.append(
-            f"token_merge_weight={config.token_merge_weight} with decoding_strategy='dmax' (token merge is not "
-            "implemented yet; token_merge_weight=0 runs DMax's sampling without it)"
-        )
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
     if config.decoding_strategy not in AutoReq:
@@ -263,11 +259,12 @@ class DiffulexEngine:
     def _build_components(self) -> None:
         """The strategy's runner, page pool and scheduler, and the family's sampler."""
         config, strategy = self.config, self.config.decoding_strategy
+        token_merge = self._token_merge()
         if config.sampling_mode == "edit":
             edit_settings = EditSettings(
                 self.vocab_limit, self.mask_token_id, self.settings.accept_threshold,
                 config.decoding_thresholds.edit_threshold, config.penalty_lambda, config.seed,
-                config.dmax_sampler_fast_path,
+                config.dmax_sampler_fast_path, token_merge,
             )  # fmt: skip
             sampler = DMaxSampler(edit_settings) if strategy == "dmax" else EditSampler(edit_settings)
         else:
@@ -281,6 +278,7 @@ class DiffulexEngine:
             device=self.device,
             kv_dtype=self.dtype,
             attn_impl=config.attn_impl,
+            token_merge=token_merge,
         )
         self.runner = AutoModelRunner.get(strategy)(runner_settings, self.model, sampler)
         self._maybe_compile()
@@ -299,6 +297,16 @@ class DiffulexEngine:
             config.model, config.model_name, self.dtype, strategy, config.block_size, config.buffer_size,
             num_pages, config.page_size, self.device,
         )
+
+    def _token_merge(self) -> TokenMergeSettings | None:
+        """DMax's soft inputs, when the strategy is dmax and ``token_merge_weight > 0``."""
+        config = self.config
+        if config.decoding_strategy != "dmax" or config.token_merge_weight <= 0:
+            return None
+        return TokenMergeSettings(
+            config.token_merge_mode, config.token_merge_top_k, config.token_merge_weight,
+            config.token_merge_renormalize, self.mask_token_id,
+        )  # fmt: skip
 
     @property
     def _continues(self) -> bool:
@@ -394,6 +402,7 @@ class DiffulexEngine:
         return (
             self.device.type == "cuda"
             and not config.enforce_eager
+            and self._token_merge() is None  # soft inputs are an eager-step feature
             and config.enable_full_static_runner
             and config.attn_impl in ("triton", "triton_grouped")
         )
@@ -406,7 +415,10 @@ class DiffulexEngine:
 
     def _maybe_capture_graphs(self) -> None:
         if self.device.type == "cuda" and not self._use_cuda_graphs() and not self.config.enforce_eager:
-            logger.info("CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' and the static runner")
+            logger.info(
+                "CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' and the static runner, and no "
+                "token merge (dmax with token_merge_weight > 0)"
+            )
         if not self._use_cuda_graphs():
             return
         t0 = time.perf_counter()

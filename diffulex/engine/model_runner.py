@@ -21,6 +21,7 @@ from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphSh
 from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
+from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.confidence import PendingWrites, RowLayout
 
 # Greedy steps sample inside a captured graph (`DecodeGraphs`); ``DIFFULEX_GRAPH_SAMPLING=0`` keeps the eager
@@ -36,6 +37,7 @@ class RunnerSettings:
     device: torch.device
     kv_dtype: torch.dtype
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
+    token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (eager steps only: no CUDA graphs then)
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ class ModelRunner:
                 self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
-            hidden = self.forward(*self._eager_inputs(step))
+            hidden = self._eager_forward(step)
         if step.sample_rows:
             # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
             # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
@@ -305,6 +307,9 @@ class ModelRunner:
             offset = len(ids)
             ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
+            step.soft_rows.extend(
+                (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
+            )
             for block in req.blocks[start // size : -(-end // size)]:
                 lo, hi = max(start, block.start), min(end, block.end)
                 if block.status is BlockStatus.TO_CACHE:
@@ -328,6 +333,14 @@ class ModelRunner:
             step.page_tables.append(req.page_table)
             step.cu_seqlens_q.append(len(ids))
         return step
+
+    def _eager_forward(self, step: StepInputs) -> torch.Tensor:
+        merge = None
+        if self.settings.token_merge is not None:
+            merge = TokenMerge.of(step.soft_rows, self.settings.token_merge, self.settings.device)
+        if merge is None:
+            return self.forward(*self._eager_inputs(step))
+        return self.forward(*self._eager_inputs(step), merge=merge)
 
     def _eager_inputs(
         self, step: StepInputs

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from diffulex.engine.block import Block, BlockStatus
+from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
 
 
@@ -228,6 +229,11 @@ class Request:
             force = prev is None or self.progress(prev) >= self.settings.semi_complete_threshold
             targets.append(SampleTarget(block, positions, force))
         return targets
+
+    def soft_inputs(self) -> dict[int, SoftInput]:
+        """Positions whose next forward input is a mix of candidate embeddings (DMax's token merge), with their
+        candidates; none outside edit mode."""
+        return {}
 
     def next_step_has_same_rows(self) -> bool:
         """Whether the step after the one about to run computes the same rows, whatever this one accepts.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diffulex.engine.request import Request, SampleTarget
+from diffulex.layers.token_merge import SoftInput
 
 
 @dataclass
@@ -28,6 +29,7 @@ class StepInputs:
     # (-1 while it has no page); what a continuation step stores once the block is decoded
     sample_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     work: list[tuple[Request, list[SampleTarget]]] = field(default_factory=list)
+    soft_rows: list[tuple[int, SoftInput]] = field(default_factory=list)  # rows whose input is a token merge
 
     @property
     def num_tokens(self) -> int:

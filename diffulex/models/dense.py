@@ -32,6 +32,7 @@ from diffulex.layers import (
 )
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_inputs import embed_with_angles
+from diffulex.layers.token_merge import TokenMerge
 from diffulex.models.hf_config import DenseDecoderConfig
 
 
@@ -85,10 +86,12 @@ def run_decoder(
     final_norm: RMSNorm,
     attn_meta: AttentionMetadata,
     readers: torch.Tensor | None = None,
+    merge: TokenMerge | None = None,
 ) -> torch.Tensor:
     """The tokens embedded (with their rotary angles, `embed_with_angles`), through `layers` (each maps ``(hidden,
     residual, rope, attn_meta)`` to the next ``(hidden, residual)``) and the final norm: the body of every family's
-    forward, whatever its module names.
+    forward, whatever its module names. ``merge``: soft inputs replacing some rows' embeddings (DMax's token
+    merge, `diffulex.layers.token_merge`).
 
     ``readers`` (device row indices, -1 for none; None: every row) names the rows of the result anyone reads. The
     last layer is handed it: its K/V are always stored, but when no row is read, the projections after its
@@ -96,6 +99,8 @@ def run_decoder(
     decode step that only stores a finished block (one in five at block 4, buffer 1) reads no row.
     """
     hidden, rope = embed_with_angles(embedding, rotary, input_ids, positions)
+    if merge is not None:
+        hidden = merge.apply(hidden, embedding.weight)
     residual: torch.Tensor | None = None
     last = len(layers) - 1
     for index, layer in enumerate(layers):
@@ -227,9 +232,11 @@ class DenseModel(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
+        merge: TokenMerge | None = None,
     ) -> torch.Tensor:
         return run_decoder(
-            input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta, readers
+            input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta, readers,
+            merge,
         )
 
 
@@ -276,10 +283,13 @@ class DenseForDiffusionLM(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
+        merge: TokenMerge | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]``; ``readers`` (the rows anyone reads, -1 for none; None: all): see
-        `run_decoder`."""
-        return self.model(input_ids, positions, attn_meta, readers)
+        """Hidden states ``[T, hidden]``; ``readers`` (the rows anyone reads, -1 for none; None: all) and ``merge``
+        (soft inputs): see `run_decoder`."""
+        if merge is None:
+            return self.model(input_ids, positions, attn_meta, readers)
+        return self.model(input_ids, positions, attn_meta, readers, merge)
 
     def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, readers)

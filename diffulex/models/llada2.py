@@ -28,6 +28,7 @@ from diffulex.layers import (
 )
 from diffulex.layers.moe import Expert, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
+from diffulex.layers.token_merge import TokenMerge
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, add_and_norm, run_decoder
 from diffulex.models.hf_config import LLaDA2Config
 from diffulex.registry import AutoModelForDiffusionLM
@@ -125,9 +126,11 @@ class LLaDA2Model(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
+        merge: TokenMerge | None = None,
     ) -> torch.Tensor:
         return run_decoder(
-            input_ids, positions, self.word_embeddings, self.rotary_emb, self.layers, self.norm, attn_meta, readers
+            input_ids, positions, self.word_embeddings, self.rotary_emb, self.layers, self.norm, attn_meta, readers,
+            merge,
         )
 
 

@@ -10,8 +10,8 @@ Per active block, every generated position gets its top-1 (or a draw at ``temper
   request's ``max_nfe``.
 
 With ``dmax_fast_path`` (the default) a decoded position's confidence counts as 1.0 and only the positions that
-were masks get their probability, as in the original. Token merge (soft inputs for decoded positions) is not
-implemented yet: the engine runs DMax with ``token_merge_weight=0`` only.
+were masks get their probability, as in the original. With ``token_merge_weight > 0`` every position holding a
+token after the step gets candidates for the next forward's input (`diffulex.layers.token_merge`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 
 from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.request import SampleTarget
+from diffulex.layers.token_merge import SoftInput
 from diffulex.sampler.edit import EditSampler
+from diffulex.sampler.token_sampling import ban_tokens
 
 # Confidence at which every position of a block counts as settled (the original's constant, not accept_threshold).
 CONFIDENT = 0.9
@@ -49,4 +51,36 @@ class DMaxSampler(EditSampler):
         chosen = sorted(fill + refresh)
         settled = not chosen or all(c >= CONFIDENT for c in conf)
         finished = settled and len(fill) == len(masks)
+        if s.token_merge is not None:
+            filled = set(fill)
+            decoded = [i for i in range(len(positions)) if not was_mask[i] or i in filled]
+            self._set_soft_inputs(req, positions, decoded, tokens, conf, logits)
         return [(positions[i], tokens[i]) for i in chosen], finished
+
+    def _set_soft_inputs(
+        self,
+        req: EditRequest,
+        positions: list[int],
+        decoded: list[int],
+        tokens: list[int],
+        conf: list[float],
+        logits: torch.Tensor,
+    ) -> None:
+        """The candidates of every position that holds a token after this step, for the next forward: its token
+        at its confidence (``dmax_topk``), or the top-k of its distribution (``iter_smooth_topk``); the rest of
+        the probability goes to the mask."""
+        s = self.settings
+        merge = s.token_merge
+        assert merge is not None
+        if req.next_soft is None:
+            req.next_soft = {}
+        if merge.mode == "iter_smooth_topk" and decoded:
+            banned = ban_tokens(logits[decoded].float(), s.vocab_limit, s.mask_token_id)
+            top = banned.softmax(dim=-1).topk(merge.top_k, dim=-1)
+            for row, i in enumerate(decoded):
+                probs = tuple(top.values[row].tolist())
+                req.next_soft[positions[i]] = SoftInput(tuple(top.indices[row].tolist()), probs, 1.0 - sum(probs))
+            return
+        for i in decoded:
+            c = min(max(conf[i], 0.0), 1.0)
+            req.next_soft[positions[i]] = SoftInput((tokens[i],), (c,), 1.0 - c)

@@ -21,6 +21,7 @@ import torch
 
 from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.request import Request, SampleTarget
+from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.sampler.confidence import PendingWrites, RowLayout
 from diffulex.sampler.token_sampling import ban_tokens, sample, step_generator
 
@@ -36,6 +37,7 @@ class EditSettings:
     penalty_lambda: float
     base_seed: int
     dmax_fast_path: bool = True  # DMax: exact confidences only where a mask was
+    token_merge: TokenMergeSettings | None = None  # DMax: soft inputs for the next forward
 
 
 class _HostLayout(RowLayout):

@@ -85,6 +85,19 @@ def test_dmax_without_token_merge_completes_every_request(llada2):
         assert mask not in trajectory.token_ids
 
 
-def test_dmax_token_merge_is_refused_until_it_exists(llada2):
-    with pytest.raises(ValueError, match="token_merge_weight=1.0 with decoding_strategy='dmax'"):
-        Diffulex(str(llada2), sampling_mode="edit", decoding_strategy="dmax")
+def test_dmax_with_token_merge_feeds_soft_inputs_and_completes(llada2, monkeypatch):
+    from diffulex.layers.token_merge import TokenMerge
+
+    merged_rows = []
+    apply = TokenMerge.apply
+
+    def recording(self, hidden, table):
+        merged_rows.append(len(self.rows))
+        return apply(self, hidden, table)
+
+    monkeypatch.setattr(TokenMerge, "apply", recording)
+    out, mask = run(llada2, sampling_mode="edit", decoding_strategy="dmax", accept_threshold=0.5)
+    for trajectory in out:
+        assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")
+        assert mask not in trajectory.token_ids
+    assert merged_rows and max(merged_rows) > 0

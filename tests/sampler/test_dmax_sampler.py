@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from diffulex.engine.block import BlockStatus
@@ -78,3 +79,21 @@ def test_the_slow_path_reads_every_confidence():
     fast = DMaxSampler(dataclasses.replace(sampler.settings, dmax_fast_path=True))
     fast(torch.clone(logits), [(req, req.sample_targets())])
     assert req.sampled_blocks == {1: True}
+
+
+def test_decoded_positions_get_their_token_at_its_confidence_for_the_next_forward():
+    from diffulex.layers.token_merge import TokenMergeSettings
+
+    req, edit = make()
+    settings = dataclasses.replace(
+        edit.settings, accept_threshold=0.5, token_merge=TokenMergeSettings("dmax_topk", 1, 1.0, True, MASK)
+    )
+    sampler = DMaxSampler(settings)
+    step(req, sampler, [5, 6, 7, 5], [0.75, 0.75, 0.25, 0.75])  # the third is below: masks 3 and 4 stay
+    soft = req.soft_inputs()
+    assert set(soft) == {4, 5}  # the filled masks; masks left get none
+    assert soft[4].ids == (5,)
+    assert soft[4].probs[0] == pytest.approx(0.75) and soft[4].residual == pytest.approx(0.25)
+    step(req, sampler, [5, 6, 7, 5], [0.95] * 4)  # full and settled: the block commits
+    assert req.running[0].status is BlockStatus.TO_CACHE
+    assert req.soft_inputs() == {}  # a committed block's K/V comes from its final tokens

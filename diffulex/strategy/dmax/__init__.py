@@ -1,7 +1,8 @@
 """DMax: LLaDA2 edit decoding where every decoded token of an active block is refreshed each step and masks are
 filled as a left-to-right run of confident positions (`diffulex.sampler.dmax`); a block commits once a step
-changes nothing or everything is confident. Requests are edit-mode requests; scheduler, cache manager and
-runner are the shared ones. Token merge (soft inputs) is not implemented yet.
+changes nothing or everything is confident; with token merge, decoded positions enter the next forward as soft
+inputs (`diffulex.layers.token_merge`). Requests are edit-mode requests; scheduler, cache manager and runner are
+the shared ones.
 """
 
 from diffulex.engine.edit_request import EditRequest
