@@ -20,12 +20,18 @@ def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor 
     """Build an engine for the checkpoint folder ``model``.
 
     Keywords that are engine fields configure it (validated and normalized by `diffulex.config.Config`); other
-    keywords are ignored with one warning naming them.
+    keywords are ignored with one warning naming them. With ``data_parallel_size > 1`` the result is a
+    `diffulex.engine.data_parallel.DataParallelEngine`: that many replicas behind one ``generate``.
     """
     from diffulex.config import Config
     from diffulex.engine.engine import DiffulexEngine
 
-    return DiffulexEngine(Config.from_kwargs(model, **kwargs))
+    config = Config.from_kwargs(model, **kwargs)
+    if config.data_parallel_size > 1:
+        from diffulex.engine.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(model, kwargs, config)
+    return DiffulexEngine(config)
 
 
 

@@ -139,7 +139,10 @@ def _reject_unsupported(config: Config) -> None:
     if config.tensor_parallel_size > 1:
         unsupported.append(f"tensor_parallel_size={config.tensor_parallel_size}")
     if config.data_parallel_size > 1:
-        unsupported.append(f"data_parallel_size={config.data_parallel_size}")
+        unsupported.append(
+            f"data_parallel_size={config.data_parallel_size} in one engine (Diffulex(...) starts one replica per "
+            "device for offline generate; the server runs one engine)"
+        )
     if config.expert_parallel_size > 1:
         unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
     if config.sampling_mode == "edit" and config.decoding_strategy not in ("multi_bd", "dmax"):

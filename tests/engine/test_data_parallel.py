@@ -1,0 +1,61 @@
+"""Data parallelism: replicas in their own processes behind one ``generate`` (on the CPU here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.engine.data_parallel import DataParallelEngine
+from diffulex.testing import write_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["one", "two three", "four five six", "seven", "eight nine"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("dp"), init_std=1.0, seed=3)
+
+
+def test_two_replicas_give_each_prompt_the_single_engines_answer_in_order(ckpt):
+    fields = {"block_size": 4, "max_model_len": 128}
+    with Diffulex(str(ckpt), **fields) as single:
+        expected = [t.token_ids for t in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with Diffulex(str(ckpt), data_parallel_size=2, **fields) as llm:
+        assert isinstance(llm, DataParallelEngine)
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        again = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)  # a second call, one prompt
+    assert [t.index for t in out] == list(range(len(PROMPTS)))
+    assert [t.token_ids for t in out] == expected
+    assert again[0].token_ids == expected[0]
+    assert out.num_engine_steps > 0
+
+
+def test_a_replica_that_cannot_start_is_reported_with_its_error(ckpt):
+    with pytest.raises(RuntimeError, match="data-parallel replica 0 failed"):
+        Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, decoding_strategy="fast_dllm_v2")
+
+
+def test_a_bad_request_is_answered_without_harming_the_replicas(ckpt):
+    with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128) as llm:
+        out = llm.generate(["fine", [10**9], "also fine"], GREEDY, use_tqdm=False)
+        assert out[1].completion_reason == "rejected" and "token id" in out[1].error
+        assert out[0].token_ids and out[2].token_ids
+
+
+def test_the_replicas_answer_for_what_reports_read(ckpt):
+    import torch
+
+    with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128) as llm:
+        assert llm.devices == [torch.device("cpu")] * 2 and llm.device == torch.device("cpu")
+        assert llm.dtype == torch.float32
+        assert llm.tokenizer.encode("one", add_special_tokens=False)
+        assert llm.config.data_parallel_size == 2
+
+
+def test_the_server_refuses_replicas_by_name(ckpt):
+    from diffulex.server.cli import build_parser, serve
+
+    args = build_parser().parse_args(["--model", str(ckpt), "--data-parallel-size", "2"])
+    with pytest.raises(ValueError, match="data_parallel_size=2 is invalid for the server"):
+        serve(args)
