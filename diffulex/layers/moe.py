@@ -12,7 +12,8 @@ Three ways to run the experts, all giving the result of `SparseMoE.reference` up
   stacked weights. Every shape is static and nothing syncs with the host, so a CUDA graph can capture it; it reads
   only the weights of experts that have tokens. Used on CUDA devices whose grouped GEMM supports the dtype.
 * ``"dense"``: every expert over every token, weighted by the routing (zero for experts not chosen). Also static,
-  but it reads every expert: the graph-safe fallback of other CUDA devices.
+  but it reads every expert: the graph-safe fallback of other CUDA devices, and of experts a LoRA hook keeps
+  unstacked (they run as modules then, so the hook applies).
 * ``"loop"``: the experts that have tokens, one after another, each over its own tokens. Exact and cheap on the CPU;
   it asks the host which experts were chosen, so no graph may capture it.
 """
@@ -198,11 +199,12 @@ class SparseMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def _impl_for(self, x: torch.Tensor) -> str:
-        """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop,
-        which no CUDA graph can capture (serve such a model with ``enforce_eager=True`` or merge the adapter)."""
-        if not x.is_cuda or self.stack.gate_up is None:
+        """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop on
+        the CPU; on CUDA every expert over every token (``dense``, which calls the modules when unstacked), which a
+        CUDA graph can capture."""
+        if not x.is_cuda:
             return "loop"
-        return "grouped" if _grouped_mm_supported(x) else "dense"
+        return "grouped" if self.stack.gate_up is not None and _grouped_mm_supported(x) else "dense"
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stack.gate_up is None or self.stack.down is None:
@@ -231,15 +233,20 @@ class SparseMoE(nn.Module):
         return self._combine(unsorted.view(T, k, -1), weights, x.dtype)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._stacked()
+        """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked
+        experts multiply the stacked weights; unstacked ones (hooked) run as modules."""
         T = x.shape[0]
         per_expert = torch.zeros(T, self.num_experts, dtype=torch.float32, device=x.device)
         per_expert.scatter_(1, experts, weights)
         total = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        inter = gate_up.shape[1] // 2
+        stacked = self.stack.gate_up is not None and self.stack.down is not None
         for e in range(self.num_experts):
-            h = x @ gate_up[e].T
-            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].T
+            if stacked:
+                h = x @ self.stack.gate_up[e].T
+                inter = h.shape[-1] // 2
+                y = (F.silu(h[:, :inter]) * h[:, inter:]) @ self.stack.down[e].T
+            else:
+                y = self.experts[e](x)
             total += per_expert[:, e : e + 1] * y.float()
         return total.to(x.dtype)
 

@@ -137,7 +137,8 @@ def test_experts_with_a_hook_run_as_modules_so_the_hook_applies():
     merge_projections(moe)
     x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(moe(x), moe.reference(x))
-    assert moe._impl_for(x) == "loop"
+    moe.impl = "dense"  # the CUDA path of hooked experts, which a graph can capture
+    torch.testing.assert_close(moe(x), moe.reference(x), atol=1e-5, rtol=1e-5)
 
 
 def group_router(scaling: float = 1.0, **kwargs) -> GroupLimitedRouter:
