@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.engine.data_parallel import DataParallelEngine
 from diffulex.testing import write_tiny_checkpoint
 
+# On a machine with CUDA the replicas take one GPU each; a single-GPU machine cannot hold two.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two replicas need two GPUs here"
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["one", "two three", "four five six", "seven", "eight nine"]
 
@@ -44,11 +49,11 @@ def test_a_bad_request_is_answered_without_harming_the_replicas(ckpt):
 
 
 def test_the_replicas_answer_for_what_reports_read(ckpt):
-    import torch
-
     with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128) as llm:
-        assert llm.devices == [torch.device("cpu")] * 2 and llm.device == torch.device("cpu")
-        assert llm.dtype == torch.float32
+        expected = [torch.device("cuda", 0), torch.device("cuda", 1)] if torch.cuda.is_available() else [
+            torch.device("cpu")] * 2
+        assert llm.devices == expected and llm.device == expected[0]
+        assert llm.dtype == torch.float32  # the tiny checkpoint's dtype, on either device
         assert llm.tokenizer.encode("one", add_special_tokens=False)
         assert llm.config.data_parallel_size == 2
 
