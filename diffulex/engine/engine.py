@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffulex.config import Config
+from diffulex.config import EDIT_MODEL_NAMES, Config
 from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.edit_request import EditRequest
@@ -124,6 +124,19 @@ def _resolve_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str) -> None:
+    """``moe_gemm_impl`` on the model's MoE layers: ``triton`` (the default) leaves each layer its own choice (the
+    grouped GEMM on Hopper in bf16, else every expert; a Triton MoE kernel is to come), ``naive`` takes the
+    reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` is refused earlier."""
+    from diffulex.layers.moe import SparseMoE
+
+    if moe_gemm_impl != "naive":
+        return
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.impl = "dense" if next(module.parameters()).is_cuda else "loop"
+
+
 def _resolve_dtype(config: Config, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
@@ -150,6 +163,8 @@ def _reject_unsupported(config: Config) -> None:
             f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under "
             "multi_bd and dmax)"
         )
+    if config.moe_gemm_impl.startswith("vllm") and config.model_name in ("sdar_moe", *EDIT_MODEL_NAMES):
+        unsupported.append(f"moe_gemm_impl={config.moe_gemm_impl!r} (vLLM's MoE kernels are not a dependency)")
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
     if config.decoding_strategy not in AutoReq:
@@ -201,6 +216,7 @@ class DiffulexEngine:
             config.model_name, config.model, self.dtype, self.device, load_format=config.load_format, seed=config.seed,
             lora_path=config.lora_path if config.use_lora else None, merge_lora=config.pre_merge_lora,
         )
+        _select_moe_path(self.model, config.moe_gemm_impl)
         self.mask_token_id = self._resolve_mask_token_id()
         self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
         self.settings = self._decode_settings()

@@ -93,3 +93,13 @@ def test_mlp_only_layers_must_name_existing_layers(layers):
 def test_decoder_sparse_step_makes_every_nth_layer_sparse():
     config = SDARMoeConfig.from_dict(_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]))
     assert [config.is_sparse_layer(i) for i in range(4)] == [False, True, False, False]
+
+
+def test_moe_gemm_impl_naive_takes_the_reference_path_and_vllm_is_refused(ckpt: Path):
+    from diffulex import Diffulex
+
+    with Diffulex(str(ckpt), moe_gemm_impl="naive", block_size=4, max_model_len=64) as llm:
+        impls = {m.impl for m in llm.model.modules() if isinstance(m, SparseMoE)}
+    assert impls == ({"dense"} if torch.cuda.is_available() else {"loop"})  # the device's reference path
+    with pytest.raises(ValueError, match="moe_gemm_impl='vllm'"):
+        Diffulex(str(ckpt), moe_gemm_impl="vllm")
