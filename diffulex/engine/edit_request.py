@@ -27,6 +27,15 @@ class EditProgress:
     steps: int = 0  # steps in which the block was sampled
     steps_without_masks: int = 0  # of those, steps that began with no mask left in it
     finished: bool = False  # the block's tokens are final
+    stable_share: float = 0.0  # share of its decoded tokens the last step proposed again unchanged
+
+
+@dataclass(frozen=True)
+class BlockVerdict:
+    """The sampler's word on one block after a step."""
+
+    finished: bool
+    stable_share: float  # share of the block's decoded tokens whose proposal equalled them (1.0 if none)
 
 
 @dataclass
@@ -34,7 +43,7 @@ class EditRequest(Request):
     edits: dict[int, EditProgress] = field(init=False, default_factory=dict)  # block index -> progress
     # the blocks the sampler sampled in the step being applied, each with its verdict: finished or not (a step
     # that only computes prompt rows samples none)
-    sampled_blocks: dict[int, bool] = field(init=False, default_factory=dict)
+    sampled_blocks: dict[int, BlockVerdict] = field(init=False, default_factory=dict)
     # DMax's token merge: candidates of decoded positions, set by the sampler for the next forward
     soft: dict[int, SoftInput] = field(init=False, default_factory=dict)
     next_soft: dict[int, SoftInput] | None = field(init=False, default=None)
@@ -50,6 +59,13 @@ class EditRequest(Request):
     def times_out(self, block: Block) -> bool:
         """Whether this step is the block's last chance: it has had its steps and post-edit steps."""
         return self.progress_of(block).steps + 1 >= block.size + self.settings.max_post_edit_steps
+
+    def maybe_activate_block(self) -> bool:
+        """As in the naive mode, and the newest block's tokens must also be stable enough
+        (``token_stability_threshold``: the share of its decoded tokens the last step left unchanged)."""
+        if self.running and self.progress_of(self.running[-1]).stable_share < self.settings.token_stability_threshold:
+            return False
+        return super().maybe_activate_block()
 
     def sample_targets(self) -> list[SampleTarget]:
         """Every generated position of each unfinished active block, masks and decoded tokens alike, up to and
@@ -80,8 +96,9 @@ class EditRequest(Request):
         for pos, token in writes:
             filled += self.token_ids[pos] == mask
             self.token_ids[pos] = token
-        for index, finished in verdicts.items():
-            self.progress_of(self.blocks[index]).finished = finished
+        for index, verdict in verdicts.items():
+            progress = self.progress_of(self.blocks[index])
+            progress.finished, progress.stable_share = verdict.finished, verdict.stable_share
         if self.next_soft is not None:
             self.soft, self.next_soft = self.next_soft, None
         self._find_stop()

@@ -273,6 +273,7 @@ class DiffulexEngine:
             auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
             logits_shift=bool(getattr(model_cls, "logits_shift", False)),
             max_post_edit_steps=config.max_post_edit_steps,
+            token_stability_threshold=thresholds.token_stability_threshold,
         )
 
     def _build_components(self) -> None:

@@ -50,6 +50,7 @@ class DecodeSettings:
     auto_max_nfe_tpf_floor: float
     logits_shift: bool = False  # the family predicts the token at p from the hidden state at p - 1
     max_post_edit_steps: int = 16  # edit mode: steps a block may keep editing once it holds no mask
+    token_stability_threshold: float = 0.0  # edit mode: stable share the newest block needs before another opens
 
 
 @dataclass

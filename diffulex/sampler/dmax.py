@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from diffulex.engine.edit_request import EditRequest
+from diffulex.engine.edit_request import BlockVerdict, EditRequest
 from diffulex.engine.request import SampleTarget
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampler.edit import EditSampler
@@ -31,7 +31,7 @@ CONFIDENT = 0.9
 class DMaxSampler(EditSampler):
     def _block_writes(
         self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
-    ) -> tuple[list[tuple[int, int]], bool]:
+    ) -> tuple[list[tuple[int, int]], BlockVerdict]:
         s = self.settings
         positions = target.positions
         current = [req.token_ids[p] for p in positions]
@@ -55,7 +55,9 @@ class DMaxSampler(EditSampler):
             filled = set(fill)
             decoded = [i for i in range(len(positions)) if not was_mask[i] or i in filled]
             self._set_soft_inputs(req, positions, decoded, tokens, conf, logits)
-        return [(positions[i], tokens[i]) for i in chosen], finished
+        decoded = [i for i, m in enumerate(was_mask) if not m]
+        stable = sum(tokens[i] == current[i] for i in decoded) / len(decoded) if decoded else 1.0
+        return [(positions[i], tokens[i]) for i in chosen], BlockVerdict(finished, stable)
 
     def _set_soft_inputs(
         self,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffulex.engine.edit_request import EditRequest
+from diffulex.engine.edit_request import BlockVerdict, EditRequest
 from diffulex.engine.request import Request, SampleTarget
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.sampler.confidence import PendingWrites, RowLayout
@@ -78,9 +78,9 @@ class EditSampler:
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
             for target in targets:
                 n = len(target.positions)
-                block_writes, finished = self._block_writes(req, target, logits[row : row + n])
+                block_writes, verdict = self._block_writes(req, target, logits[row : row + n])
                 req_writes.extend(block_writes)
-                req.sampled_blocks[target.block.index] = finished
+                req.sampled_blocks[target.block.index] = verdict
                 row += n
         return PendingWrites(writes)
 
@@ -96,8 +96,8 @@ class EditSampler:
 
     def _block_writes(
         self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
-    ) -> tuple[list[tuple[int, int]], bool]:
-        """The block's writes, and whether it is finished."""
+    ) -> tuple[list[tuple[int, int]], BlockVerdict]:
+        """The block's writes, and the verdict on the block."""
         s = self.settings
         positions = target.positions
         current = [req.token_ids[p] for p in positions]
@@ -125,4 +125,7 @@ class EditSampler:
             chosen = []
         else:
             chosen = fill + edit
-        return [(positions[i], tokens[i]) for i in sorted(chosen)], finished
+        decoded = [i for i, token in enumerate(current) if token != s.mask_token_id]
+        agree = sum(tokens[i] == current[i] for i in decoded)
+        stable = 1.0 if timed_out or not decoded else agree / len(decoded)
+        return [(positions[i], tokens[i]) for i in sorted(chosen)], BlockVerdict(finished, stable)

@@ -74,11 +74,11 @@ def test_the_slow_path_reads_every_confidence():
     step(req, sampler, [5, 6, 7, 5], [0.6] * 4)
     logits = peaked([5, 6, 3, 5], [0.95, 0.95, 0.5, 0.95])
     sampler(logits, [(req, req.sample_targets())])
-    assert req.sampled_blocks == {1: False}  # changed and not all confident
+    assert not req.sampled_blocks[1].finished  # changed and not all confident
     req.sampled_blocks = {}
     fast = DMaxSampler(dataclasses.replace(sampler.settings, dmax_fast_path=True))
     fast(torch.clone(logits), [(req, req.sample_targets())])
-    assert req.sampled_blocks == {1: True}
+    assert req.sampled_blocks[1].finished
 
 
 def test_decoded_positions_get_their_token_at_its_confidence_for_the_next_forward():
@@ -97,3 +97,10 @@ def test_decoded_positions_get_their_token_at_its_confidence_for_the_next_forwar
     step(req, sampler, [5, 6, 7, 5], [0.95] * 4)  # full and settled: the block commits
     assert req.running[0].status is BlockStatus.TO_CACHE
     assert req.soft_inputs() == {}  # a committed block's K/V comes from its final tokens
+
+
+def test_the_share_of_unchanged_tokens_is_reported():
+    req, sampler = dmax()
+    step(req, sampler, [5, 6, 7, 5], [0.6] * 4)
+    sampler(peaked([5, 6, 3, 2], [0.6] * 4), [(req, req.sample_targets())])
+    assert req.sampled_blocks[1].stable_share == 0.5  # positions 6 and 7 change

@@ -116,3 +116,18 @@ def test_a_request_of_the_naive_mode_is_refused():
     _, sampler = make()
     with pytest.raises(TypeError, match="EditRequest"):
         sampler(peaked([5] * 4, [0.9] * 4), [(req, req.sample_targets())])
+
+
+def test_a_new_block_waits_until_the_newest_is_stable_enough():
+    """``token_stability_threshold``: the newest block's decoded tokens must mostly be proposed again unchanged."""
+    settings = dataclasses.replace(SETTINGS, buffer_size=2, add_block_threshold=0.75, token_stability_threshold=0.75)
+    req = EditRequest(0, [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), settings)
+    req.maybe_activate_block()
+    _, sampler = make(edit_threshold=0.0)
+    step(req, sampler, [5, 6, 7, 5], [0.95, 0.95, 0.5, 0.5])  # half decoded: not far enough along yet
+    assert not req.maybe_activate_block()
+    step(req, sampler, [5, 1, 7, 5], [0.95] * 4)  # full, but one of its two decoded tokens changed: 0.5 stable
+    assert req.progress_of(req.running[0]).stable_share == 0.5
+    assert not req.maybe_activate_block()
+    step(req, sampler, [5, 1, 7, 5], [0.95] * 4)  # nothing changes: 1.0
+    assert req.maybe_activate_block()
