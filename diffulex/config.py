@@ -112,6 +112,41 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     logger.warning(message)
 
 
+# Fields that validate (so that the original's configs load) but that this version does not act on, and why. A
+# value other than the default is reported once, when an engine is built (`inert_settings`).
+INERT_FIELDS: dict[str, str] = {
+    "k_cache_hdim_split_factor_x": "it shapes the 'distinct' KV layout, which is not implemented",
+    "enable_vllm_layers": "vLLM is not a dependency; the layers are this package's own",
+    "enable_prefill_cudagraph": "prefill steps run eagerly",
+    "prefill_cudagraph_max_len": "prefill steps run eagerly",
+    "skip_warmup": "the warm-up always runs: it compiles the kernels so that no step pays a compile",
+    "moe_dispatcher_backend": "expert parallelism is not implemented; experts run on one device",
+    "deepep_mode": "expert parallelism is not implemented; experts run on one device",
+    "deepep_num_max_dispatch_tokens_per_rank": "expert parallelism is not implemented; experts run on one device",
+    "dmax_force_prefill_active": "a profiling switch of the original; DMax steps run as every other step",
+    "enable_vectorized_sampler": "the sampler always handles the whole batch on the device",
+    "enable_vectorized_sampler_compile": "the sampler always handles the whole batch on the device",
+    "master_addr": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
+    "master_port": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
+    "distributed_backend": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
+    "distributed_timeout_seconds": "it configures torch.distributed, used only by tensor/expert parallelism",
+    "shm_name": "it names the rank-0 to worker channel of tensor parallelism (not implemented)",
+    "remask_threshold": "no sampler re-masks decoded tokens (the original does not read it either)",
+}
+
+
+def inert_settings(config: Config) -> list[str]:
+    """One line per field of `INERT_FIELDS` that ``config`` sets to something other than its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    defaults.update({f.name: f.default for f in dataclasses.fields(DecodingThresholds)})
+    lines = []
+    for name, why in INERT_FIELDS.items():
+        value, default = getattr(config, name), defaults.get(name, dataclasses.MISSING)
+        if default is not dataclasses.MISSING and value != default:
+            lines.append(f"{name}={value!r} has no effect in this version of Diffulex: {why}")
+    return lines
+
+
 def _format_choices(choices: Sequence[Any]) -> str:
     return ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
 

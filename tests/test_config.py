@@ -799,3 +799,13 @@ def test_load_format_is_a_cli_flag_and_a_yaml_key(tmp_path):
     yaml_file.write_text("engine:\n  load_format: dummy\n")
     assert load_yaml_engine_fields(str(yaml_file)) == {"load_format": "dummy"}
     assert make_quiet(tmp_path / "m", load_format="dummy").to_dict()["load_format"] == "dummy"
+
+
+def test_every_inert_field_is_listed_in_the_configuration_docs():
+    from pathlib import Path
+
+    from diffulex.config import INERT_FIELDS
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    section = docs.split("## Fields this version accepts but does not act on")[1].split("\n## ")[0]
+    assert all(f"| `{name}` |" in section for name in INERT_FIELDS)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffulex.config import EDIT_MODEL_NAMES, Config
+from diffulex.config import EDIT_MODEL_NAMES, Config, inert_settings, warn
 from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.edit_request import EditRequest
@@ -209,6 +209,8 @@ class DiffulexEngine:
 
         _reject_unsupported(config)
         self.config = config
+        for line in inert_settings(config):
+            warn(line)
         self.device = _resolve_device(config)
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)

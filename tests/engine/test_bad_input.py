@@ -128,3 +128,16 @@ def test_stop_strings_end_the_answer_before_them(sdar_dir: Path) -> None:
     assert cut.completion_reason == "stop_string_matched"
     assert cut.text == free.text[: free.text.find(stop)]
     assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
+
+
+def test_settings_this_version_does_not_act_on_are_named_when_set(sdar_dir: Path) -> None:
+    with pytest.warns(UserWarning, match="enable_vllm_layers=False has no effect in this version of Diffulex"):
+        engine(sdar_dir, enable_vllm_layers=False).exit()
+
+
+def test_settings_left_at_their_defaults_raise_no_such_warning(sdar_dir: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine(sdar_dir).exit()
