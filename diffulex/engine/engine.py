@@ -25,6 +25,7 @@ from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
+from diffulex.engine.step_profiler import StepProfiler
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.registry import (
@@ -228,6 +229,7 @@ class DiffulexEngine:
         self._num_launches = 0
         self._in_flight: deque[_InFlightStep] = deque()
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
+        self._profiler = StepProfiler(config.profiler_config) if config.profiler_config.enabled else None
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self._closed = False
         # Everything built so far (model, tokenizer tables, graphs) lives as long as the engine: move it out of
@@ -522,6 +524,8 @@ class DiffulexEngine:
         while the host finishes, schedules and collects the other. Each request sees exactly the steps it would
         see alone; only the interleaving with other requests changes.
         """
+        if self._profiler is not None:
+            self._profiler.before_step()
         self._launch_until_full()
         if not self._in_flight:
             if self.scheduler.waiting:
@@ -531,6 +535,8 @@ class DiffulexEngine:
         applied = self._apply(self._in_flight.popleft())
         self._check_continuation()
         self._launch_until_full()
+        if self._profiler is not None:
+            self._profiler.after_step()
         return self._report(applied)
 
     def _launch_until_full(self) -> None:
@@ -748,6 +754,8 @@ class DiffulexEngine:
             for req in list(queue):
                 self.scheduler.finish(req, CompletionReason.ABORTED)
         self.runner.release_kv_cache()
+        if getattr(self, "_profiler", None) is not None:
+            self._profiler.close()
         self._closed = True
 
     def __enter__(self) -> DiffulexEngine:
