@@ -64,3 +64,26 @@ def test_the_server_refuses_replicas_by_name(ckpt):
     args = build_parser().parse_args(["--model", str(ckpt), "--data-parallel-size", "2"])
     with pytest.raises(ValueError, match="data_parallel_size=2 is invalid for the server"):
         serve(args)
+
+
+def test_the_benchmark_harness_runs_on_replicas(ckpt, tmp_path):
+    """`diffulex bench` with ``data_parallel_size: 2``: the harness reads the replicas' device, dtype, tokenizer
+    and config, and the run writes its metrics."""
+    import json
+
+    import yaml
+
+    from diffulex.cli import main
+
+    config = tmp_path / "dp.yml"
+    config.write_text(yaml.safe_dump({
+        "engine": {"model_path": str(ckpt), "data_parallel_size": 2, "block_size": 4, "max_model_len": 256},
+        "eval": {"dataset_name": "gsm8k_diffulex", "dataset_limit": 3, "max_tokens": 8, "use_tqdm": False,
+                 "output_dir": str(tmp_path / "out")},
+    }))  # fmt: skip
+    assert main(["bench", "--config", str(config)]) == 0
+    (run_dir,) = (tmp_path / "out").iterdir()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["engine_resolved"]["data_parallel_size"] == 2
+    assert metrics["metrics"]["num_requests"] + metrics["metrics"]["num_rejected"] == 3  # a long prompt may not fit
+    assert len((run_dir / "trajectories.jsonl").read_text().splitlines()) == 3
