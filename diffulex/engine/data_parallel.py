@@ -131,14 +131,25 @@ class DataParallelEngine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(prompts), desc=f"Generating ({dp} replicas)", unit="req", dynamic_ncols=True)
-        for rank, (conn, share) in enumerate(zip(self._conns, shares, strict=True)):
-            out: GenerationOutputs = self._receive(rank, conn)
+        # every replica's answer is read before any error is raised, so that none is left in a pipe for the next call
+        answers = []
+        for rank, conn in enumerate(self._conns):
+            try:
+                answers.append(self._receive(rank, conn))
+            except RuntimeError as err:
+                answers.append(err)
+            if bar is not None:
+                bar.update(len(shares[rank]))
+        failed = [a for a in answers if isinstance(a, RuntimeError)]
+        if failed:
+            if bar is not None:
+                bar.close()
+            raise failed[0]
+        for out, share in zip(answers, shares, strict=True):
             steps += out.num_engine_steps
             for i, trajectory in zip(share, out.trajectories, strict=True):
                 trajectory.index = i
                 results[i] = trajectory
-            if bar is not None:
-                bar.update(len(share))
         if bar is not None:
             bar.close()
         return GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0, steps)
