@@ -87,3 +87,39 @@ def test_the_benchmark_harness_runs_on_replicas(ckpt, tmp_path):
     assert metrics["engine_resolved"]["data_parallel_size"] == 2
     assert metrics["metrics"]["num_requests"] + metrics["metrics"]["num_rejected"] == 3  # a long prompt may not fit
     assert len((run_dir / "trajectories.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_bad_sampling_params_entry_rejects_its_prompt_only(ckpt):
+    with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128) as llm:
+        out = llm.generate(["one", "two", "three"], [GREEDY, "not sampling params", GREEDY], use_tqdm=False)
+    assert out[1].completion_reason == "rejected" and "sampling_params" in out[1].error
+    assert out[0].token_ids and out[2].token_ids
+
+
+class FakeReplica:
+    """A pipe end that answers each ``generate`` with the next of its scripted answers."""
+
+    def __init__(self, answers):
+        self.answers, self.sent = list(answers), []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def recv(self):
+        return self.answers.pop(0)
+
+
+def test_a_failed_call_leaves_no_answer_behind_for_the_next():
+    from diffulex.outputs import GenerationOutputs, Trajectory
+
+    def answer(*indices):
+        return "ok", GenerationOutputs([Trajectory(i, i, [], [i], str(i), "max_new_tokens_reached", 1)
+                                        for i in indices], 0.0, 1)  # fmt: skip
+
+    llm = object.__new__(DataParallelEngine)
+    llm._conns = [FakeReplica([("error", "boom"), answer(0)]), FakeReplica([answer(0), answer(0)])]
+    with pytest.raises(RuntimeError, match="replica 0 failed:\nboom"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False)
+    assert len(llm._conns[1].answers) == 1  # replica 1's answer to the failed call was read and dropped
+    out = llm.generate(["c", "d"], GREEDY, use_tqdm=False)
+    assert [t.index for t in out] == [0, 1]
