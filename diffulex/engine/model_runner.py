@@ -307,9 +307,10 @@ class ModelRunner:
             offset = len(ids)
             ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
-            step.soft_rows.extend(
-                (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
-            )
+            if s.token_merge is not None:
+                step.soft_rows.extend(
+                    (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
+                )
             for block in req.blocks[start // size : -(-end // size)]:
                 lo, hi = max(start, block.start), min(end, block.end)
                 if block.status is BlockStatus.TO_CACHE:
