@@ -11,10 +11,12 @@ if [ "$1" = a ]; then
   timeout 240 python bench/llada2_mini_step.py --out $OUT/llada2_mini_step.json 2>&1 | quiet | tail -12
   timeout 120 python bench/moe_smoke.py --family llada2 --out $OUT/moe_smoke_llada2.json 2>&1 | grep -E "agreement|ms_per"
 fi
-#   b: the SDAR-30B-A3B geometry through the throughput harness (MoE-aware floor), batch 1 and 8
+#   b: the MoE geometries through the throughput harness (MoE-aware floor): LLaDA2.0-mini (block 32) and
+#      SDAR-30B-A3B (block 4), batch 1 and 8
 if [ "$1" = b ]; then
-  timeout 540 python -m diffulex.cli bench throughput --data-dir tests/data/sdar-4b-chat --models 30b-a3b \
-    --batch-sizes 1 8 --buffer-sizes 1 --max-seconds 5 --out $OUT/tp_30b_a3b.json 2>&1 | quiet | tail -8
+  TP="python -m diffulex.cli bench throughput --data-dir tests/data/sdar-4b-chat --buffer-sizes 1 --max-seconds 5"
+  timeout 250 $TP --models llada2-mini --block-size 32 --batch-sizes 1 8 --out $OUT/tp_llada2_mini.json 2>&1 | quiet | tail -6
+  timeout 280 $TP --models 30b-a3b --batch-sizes 1 8 --out $OUT/tp_30b_a3b.json 2>&1 | quiet | tail -6
 fi
 #   c: (a two-GPU machine, kind nvidia-h100-x2) data-parallel replicas: the tests, then one replica against two on
 #      the same prompts

@@ -103,11 +103,13 @@ def add_parser(subparsers: Any) -> None:
 
 def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``diffulex bench throughput``; unset ones stay None so other actions can reject them."""
-    from diffulex.bench.throughput import SDAR_SIZES
+    from diffulex.bench.throughput import LLADA2_SIZES, SDAR_SIZES
 
     group = parser.add_argument_group("throughput (diffulex bench throughput; see docs/benchmarks.md)")
-    group.add_argument("--models", dest="tp__models", nargs="+", type=str.lower, choices=tuple(SDAR_SIZES),
-                       help="SDAR geometries with random weights (default: 1.7b 4b 8b unless --model is given)")
+    group.add_argument("--models", dest="tp__models", nargs="+", type=str.lower,
+                       choices=(*SDAR_SIZES, *LLADA2_SIZES),
+                       help="SDAR (and LLaDA2) geometries with random weights (default: 1.7b 4b 8b unless --model is "
+                            "given); LLaDA2 is trained with --block-size 32")
     group.add_argument("--batch-sizes", dest="tp__batch_sizes", nargs="+", type=int, metavar="N",
                        help="requests decoded at once (default: 1 8 32 128)")
     group.add_argument("--buffer-sizes", dest="tp__buffer_sizes", nargs="+", type=int, metavar="N",

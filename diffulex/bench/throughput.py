@@ -96,6 +96,17 @@ SDAR_SIZES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+# LLaDA2 geometries with random weights: the tiny LLaDA2 tokenizer (the Ling one is not available offline) and the
+# real sizes; `write_llada2_checkpoint` writes them.
+LLADA2_SIZES: dict[str, dict[str, Any]] = {
+    "llada2-mini": {
+        "hidden_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 5120, "moe_intermediate_size": 512, "num_experts": 256,
+        "num_experts_per_tok": 8, "num_shared_experts": 1, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "rotary_dim": 64,
+        "vocab_size": 157184, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+    },
+}  # fmt: skip
 STRATEGY = "multi_bd"
 DEFAULT_BLOCK_SIZE = 4
 
@@ -197,6 +208,9 @@ class ThroughputSettings:
         check_number("max_seconds", self.max_seconds, low=0.0, low_open=True)
         if "buffer_size" in self.engine_overrides:
             raise ValueError("--buffer-size is set by the sweep: use --buffer-sizes")
+        if self.engine_overrides.get("block_size") is not None:  # --block-size: the engine's and the floors' block
+            self.block_size = self.engine_overrides["block_size"]
+        check_int("block_size", self.block_size, low=1)
 
     @property
     def max_model_len(self) -> int:
@@ -718,6 +732,26 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def write_llada2_checkpoint(path: str | Path, size: str) -> Path:
+    """Write a weightless LLaDA2 checkpoint folder of `size` (`LLADA2_SIZES`) into `path`; returns it. The config
+    keys are LLaDA2.0-mini's; load it with ``load_format="dummy"``."""
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    if size not in LLADA2_SIZES:
+        raise ValueError(f"size={size!r} is invalid: must be one of {', '.join(LLADA2_SIZES)}")
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = write_tiny_checkpoint(Path(tmp) / "tiny", family="llada2")
+        path.mkdir(parents=True, exist_ok=True)
+        for item in tiny.iterdir():
+            if item.suffix != ".safetensors":
+                (path / item.name).write_bytes(item.read_bytes())
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    config.update(LLADA2_SIZES[size])
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
 # ----- entry point -------------------------------------------------------------------------------------------
 
 
@@ -743,6 +777,10 @@ def run(
         if model_dir is not None:
             models.append(ModelEntry(Path(model_dir).name, str(model_dir), load_format or "safetensors"))
         for size in sizes:
+            if size in LLADA2_SIZES:
+                path = write_llada2_checkpoint(Path(tmp) / size, size)
+                models.append(ModelEntry(size, str(path), load_format or "dummy", size))
+                continue
             path = write_sdar_checkpoint(Path(tmp) / f"sdar-{size}", size, data_dir)
             models.append(ModelEntry(f"sdar-{size}", str(path), load_format or "dummy", size))
         if not models:

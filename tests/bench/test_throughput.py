@@ -322,3 +322,25 @@ def test_rounds_join_steps_over_disjoint_requests_only():
     halves, times = _rounds(raw((0, 1), (2, 3), (0, 1), (2,)), [1.0, 2.0, 3.0, 4.0], micro_batches=2)
     assert [sorted(rid for rid, _ in records) for records, _ in halves] == [[0, 1, 2, 3], [0, 1, 2]]
     assert [before for _, before in halves] == [[0], [2]] and times == [3.0, 7.0]
+
+
+def test_the_llada2_mini_folder_has_the_real_geometry(tmp_path):
+    """16.26B parameters (LLaDA2.0-mini); a step of one 32-token block reads about 20.8 GB (163 of 256 experts
+    per layer, the figure peers quote)."""
+    from diffulex.models.hf_config import load_hf_config
+    from diffulex.models.llada2 import LLaDA2ForDiffusionLM
+
+    folder = throughput.write_llada2_checkpoint(tmp_path / "mini", "llada2-mini")
+    assert not list(folder.glob("*.safetensors"))
+    with torch.device("meta"):
+        model = LLaDA2ForDiffusionLM(load_hf_config(folder, "llada2"))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(16.26, abs=0.01)
+    cost = cost_model_from_module(model, 2)
+    work = StepWork(query_tokens=32, logit_rows=32, context_tokens=0, written_tokens=0, attn_pairs=0)
+    assert step_bytes(cost, work) / 1e9 == pytest.approx(20.8, abs=0.1)
+
+
+def test_block_size_given_to_the_engine_is_the_sweeps_block_size():
+    settings = throughput.ThroughputSettings(engine_overrides={"block_size": 32})
+    assert settings.block_size == 32
+    assert settings.engine_fields(throughput.ModelEntry("m", "/x", "dummy"), 1)["block_size"] == 32
