@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from diffulex.config import Config, invalid_value
+from diffulex.engine.engine import generation_inputs
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.sampling_params import SamplingParams
 from diffulex.tokenizer import load_tokenizer
@@ -108,17 +109,7 @@ class DataParallelEngine:
         use_tqdm: bool = True,
     ) -> GenerationOutputs:
         """`DiffulexEngine.generate` over the replicas: prompt ``i`` goes to replica ``i % data_parallel_size``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
-                )
+        prompts, params = generation_inputs(prompts, sampling_params)
         t0 = time.perf_counter()
         dp = len(self._conns)
         shares = [list(range(rank, len(prompts), dp)) for rank in range(dp)]

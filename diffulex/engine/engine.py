@@ -125,6 +125,25 @@ def _resolve_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def generation_inputs(
+    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[str | Sequence[int]], list[SamplingParams]]:
+    """``generate``'s arguments as one list of prompts (a single prompt, text or token ids, becomes a list of one)
+    and one `SamplingParams` per prompt (one given for all, or one each)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    prompts = list(prompts)
+    if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+        return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    params = list(sampling_params)
+    if len(params) != len(prompts):
+        raise ValueError(
+            f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
+        )
+    return prompts, params
+
+
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str) -> None:
     """``moe_gemm_impl`` on the model's MoE layers: ``triton`` (the default) leaves each layer its own choice (the
     grouped GEMM on Hopper in bf16, else every expert; a Triton MoE kernel is to come), ``naive`` takes the
@@ -695,17 +714,7 @@ class DiffulexEngine:
         use_tqdm: bool = True,
     ) -> GenerationOutputs:
         """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
-                )
+        prompts, params = generation_inputs(prompts, sampling_params)
         t0 = time.perf_counter()
         results: list[Trajectory | None] = [None] * len(prompts)
         index_of: dict[int, int] = {}
