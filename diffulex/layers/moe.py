@@ -20,6 +20,8 @@ Three ways to run the experts, all giving the result of `SparseMoE.reference` up
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,13 +158,24 @@ class ExpertStack(JoinedWeights):
         return True
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether this torch has a grouped GEMM for `x`'s device and dtype: CUDA from compute capability 9.0 in
-    bfloat16 (the kernels torch ships); the CPU where this torch runs it (tests)."""
+    bfloat16 (the kernels torch ships); on the CPU, where a tiny probe runs (some supported torch versions have
+    no CPU kernel)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return _cpu_grouped_mm(x.dtype)
+
+
+@functools.cache
+def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 8, dtype=dtype), torch.ones(1, 8, 8, dtype=dtype),
+                          offs=torch.tensor([2], dtype=torch.int32))  # fmt: skip
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
     return True
 
 
@@ -204,7 +217,7 @@ class SparseMoE(nn.Module):
         CUDA graph can capture."""
         if not x.is_cuda:
             return "loop"
-        return "grouped" if self.stack.gate_up is not None and _grouped_mm_supported(x) else "dense"
+        return "grouped" if self.stack.gate_up is not None and grouped_mm_supported(x) else "dense"
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stack.gate_up is None or self.stack.down is None:
