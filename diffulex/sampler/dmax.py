@@ -30,12 +30,11 @@ CONFIDENT = 0.9
 
 class DMaxSampler(EditSampler):
     def _block_writes(
-        self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
+        self, req: EditRequest, target: SampleTarget, tokens: list[int], conf: list[float], logits: torch.Tensor
     ) -> tuple[list[tuple[int, int]], BlockVerdict]:
         s = self.settings
         positions = target.positions
         current = [req.token_ids[p] for p in positions]
-        tokens, conf = (t.tolist() for t in self._propose(req, logits))
         was_mask = [token == s.mask_token_id for token in current]
         if s.dmax_fast_path:
             conf = [c if m else 1.0 for c, m in zip(conf, was_mask, strict=True)]

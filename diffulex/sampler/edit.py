@@ -40,6 +40,10 @@ class EditSettings:
     token_merge: TokenMergeSettings | None = None  # DMax: soft inputs for the next forward
 
 
+# Rows whose logits are converted to float32 at once when proposing (bounds the temporary: rows x vocab x 4 bytes).
+_ROW_CHUNK = 256
+
+
 class _HostLayout(RowLayout):
     """A row layout that never takes the greedy graph path."""
 
@@ -69,44 +73,80 @@ class EditSampler:
         self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]], layout: RowLayout | None = None
     ) -> PendingWrites:
         """``logits`` has one row per target position, in the order of ``work``; the writes are computed at once
-        (the caller waits for nothing more)."""
+        (the caller waits for nothing more). Proposals for every row come first, in row chunks and with one copy to
+        the host; the decisions then run per block on host lists."""
+        for req, _ in work:
+            if not isinstance(req, EditRequest):
+                raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
+        if self.settings.penalty_lambda > 0:
+            logits = self._penalize(logits, work)
+        tokens, conf = self._propose(logits, work)
         writes: dict[int, list[tuple[int, int]]] = {}
         row = 0
         for req, targets in work:
             req_writes = writes.setdefault(req.req_id, [])
-            if not isinstance(req, EditRequest):
-                raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
             for target in targets:
                 n = len(target.positions)
-                block_writes, verdict = self._block_writes(req, target, logits[row : row + n])
+                rows = slice(row, row + n)
+                block_writes, verdict = self._block_writes(req, target, tokens[rows], conf[rows], logits[rows])
                 req_writes.extend(block_writes)
-                req.sampled_blocks[target.block.index] = verdict
+                req.sampled_blocks[target.block.index] = verdict  # type: ignore[union-attr]
                 row += n
         return PendingWrites(writes)
 
-    def _propose(self, req: EditRequest, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s, sp = self.settings, req.sampling_params
-        logits = ban_tokens(logits.float(), s.vocab_limit, s.mask_token_id)
-        if sp.temperature > 0:
-            seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
-            return sample(logits, sp.temperature, sp.top_k, sp.top_p, step_generator(seed, req.nfe, logits.device))
-        probs = logits.softmax(dim=-1)
-        conf, tokens = probs.max(dim=-1)
-        return tokens, conf
+    def _penalize(self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]) -> torch.Tensor:
+        """Each row's logit of the token at the position before it lowered by ``penalty_lambda`` (within a block,
+        where that position holds a token)."""
+        s = self.settings
+        logits = logits.float().clone()
+        rows, ids, row = [], [], 0
+        for req, targets in work:
+            for target in targets:
+                positions = target.positions
+                for i in range(1, len(positions)):
+                    before = req.token_ids[positions[i - 1]]
+                    if positions[i] - 1 == positions[i - 1] and before != s.mask_token_id:
+                        rows.append(row + i)
+                        ids.append(before)
+                row += len(positions)
+        if rows:
+            index = torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)
+            logits[index] -= s.penalty_lambda
+        return logits
+
+    def _propose(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
+    ) -> tuple[list[int], list[float]]:
+        """Every row's proposal and its probability: the top-1, or a draw for requests at ``temperature > 0``."""
+        s = self.settings
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        conf = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for lo in range(0, logits.shape[0], _ROW_CHUNK):  # float32 copies of a chunk at a time
+            chunk = ban_tokens(logits[lo : lo + _ROW_CHUNK], s.vocab_limit, s.mask_token_id)
+            best, index = chunk.max(dim=-1)
+            conf[lo : lo + _ROW_CHUNK] = torch.exp(best - torch.logsumexp(chunk, dim=-1))
+            tokens[lo : lo + _ROW_CHUNK] = index
+        row = 0
+        for req, targets in work:
+            n = sum(len(t.positions) for t in targets)
+            sp = req.sampling_params
+            if sp.temperature > 0 and n:
+                seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
+                banned = ban_tokens(logits[row : row + n], s.vocab_limit, s.mask_token_id)
+                generator = step_generator(seed, req.nfe, logits.device)
+                drawn, drawn_conf = sample(banned, sp.temperature, sp.top_k, sp.top_p, generator)
+                tokens[row : row + n], conf[row : row + n] = drawn, drawn_conf
+            row += n
+        return tokens.tolist(), conf.tolist()
 
     def _block_writes(
-        self, req: EditRequest, target: SampleTarget, logits: torch.Tensor
+        self, req: EditRequest, target: SampleTarget, tokens: list[int], conf: list[float], logits: torch.Tensor
     ) -> tuple[list[tuple[int, int]], BlockVerdict]:
-        """The block's writes, and the verdict on the block."""
+        """The block's writes and the verdict on it, from its rows' proposals (``logits``: its rows, for samplers
+        that read more than the top-1)."""
         s = self.settings
         positions = target.positions
         current = [req.token_ids[p] for p in positions]
-        if s.penalty_lambda > 0:
-            logits = logits.float().clone()
-            for i in range(1, len(positions)):
-                if positions[i] - 1 == positions[i - 1] and current[i - 1] != s.mask_token_id:
-                    logits[i, current[i - 1]] -= s.penalty_lambda
-        tokens, conf = (t.tolist() for t in self._propose(req, logits))
         masks = [i for i, token in enumerate(current) if token == s.mask_token_id]
         fill = [i for i in masks if conf[i] > s.accept_threshold]
         if masks and not fill:

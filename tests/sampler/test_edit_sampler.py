@@ -131,3 +131,16 @@ def test_a_new_block_waits_until_the_newest_is_stable_enough():
     assert not req.maybe_activate_block()
     step(req, sampler, [5, 1, 7, 5], [0.95] * 4)  # nothing changes: 1.0
     assert req.maybe_activate_block()
+
+
+def test_a_drawing_request_draws_reproducibly_from_its_seed():
+    def draws(seed: int):
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        req = EditRequest(0, [1, 2, 3, 4], sp, SETTINGS)
+        req.maybe_activate_block()
+        _, sampler = make()
+        logits = torch.zeros(4, VOCAB)  # uniform: every allowed id equally likely
+        return sampler(logits, [(req, req.sample_targets())])[0]
+
+    assert draws(7) == draws(7)
+    assert any(draws(7) != draws(s) for s in range(8, 12))
