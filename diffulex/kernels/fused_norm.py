@@ -247,17 +247,17 @@ def _heads_norm_rope(
     offs_p,
     pass_mask,
     head_dim,
-    BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr,
 ):
     """RMSNorm (optional) then rotate-half rotation of ``heads`` of token ``t``; returns the stored parts: the two
-    rotated halves (``half`` wide each) and, with partial rotary (``BLOCK_PASS > 0``), the unrotated rest of the
-    head (``head_dim - 2 * half`` wide; without it, the first half again, unused)."""
+    rotated halves (``half`` wide each) and, with partial rotary (``HAS_PASS``), the unrotated rest of the head
+    (``head_dim - 2 * half`` wide; without it, the first half again, unused)."""
     src = src_ptr + t * stride_t + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
-    if BLOCK_PASS > 0:
+    if HAS_PASS:
         src_p = src_ptr + t * stride_t + heads[:, None] * stride_h + 2 * half + offs_p[None, :]
         ap = tl.load(src_p, mask=pass_mask, other=0.0).to(tl.float32)
     else:
@@ -265,7 +265,7 @@ def _heads_norm_rope(
     out_dtype = dst_ptr.dtype.element_ty
     if HAS_WEIGHT:
         mean_sq = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
-        if BLOCK_PASS > 0:
+        if HAS_PASS:
             mean_sq += tl.sum(ap * ap, axis=1)
         rstd = tl.math.rsqrt(mean_sq * inv_d + eps)[:, None]
         w1 = tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -273,7 +273,7 @@ def _heads_norm_rope(
         # RMSNorm's roundings: normed value to the input dtype, weight product to the output dtype
         a1 = cast_rne(w1 * cast_rne(a1 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
         a2 = cast_rne(w2 * cast_rne(a2 * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
-        if BLOCK_PASS > 0:
+        if HAS_PASS:
             p_ok = offs_p < head_dim - 2 * half
             wp = tl.load(w_ptr + 2 * half + offs_p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
             ap = cast_rne(wp * cast_rne(ap * rstd, x1.dtype).to(tl.float32), out_dtype).to(tl.float32)
@@ -283,7 +283,7 @@ def _heads_norm_rope(
     tl.store(dst, o1, mask=mask)
     tl.store(dst + half, o2, mask=mask)
     op = o1
-    if BLOCK_PASS > 0:
+    if HAS_PASS:
         op = cast_rne(ap, out_dtype)
         dst_p = dst_ptr + (t * n_heads + heads[:, None]) * head_dim + 2 * half + offs_p[None, :]
         tl.store(dst_p, op, mask=pass_mask)
@@ -325,7 +325,7 @@ def _store_heads(
     PAGE_SIZE: tl.constexpr,
     offs_p,
     pass_mask,
-    BLOCK_PASS: tl.constexpr,
+    HAS_PASS: tl.constexpr,
 ):
     """`_store_kv_kernel` for these heads of token ``t``: the rotated k halves (and with partial rotary its
     unrotated rest) and v's row, at cache slot ``slot``."""
@@ -343,7 +343,7 @@ def _store_heads(
     tl.store(kc + half, _to_cache_dtype(k2, k_dtype), mask=mask)
     tl.store(vc, _to_cache_dtype(tl.load(v_src, mask=mask), v_dtype), mask=mask)
     tl.store(vc + half, _to_cache_dtype(tl.load(v_src + half, mask=mask), v_dtype), mask=mask)
-    if BLOCK_PASS > 0:
+    if HAS_PASS:
         rest = 2 * half + offs_p[None, :]
         tl.store(kc_head + rest, _to_cache_dtype(kp, k_dtype), mask=pass_mask)
         tl.store(vc_head + rest, _to_cache_dtype(tl.load(v_head + rest, mask=pass_mask), v_dtype), mask=pass_mask)
@@ -389,14 +389,15 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
-    BLOCK_PASS: tl.constexpr = 0,  # the unrotated rest of a head (partial rotary), padded; 0: whole heads rotate
+    BLOCK_PASS: tl.constexpr = 1,  # the unrotated rest of a head (partial rotary), padded to a power of two
+    HAS_PASS: tl.constexpr = False,  # partial rotary: part of each head is not rotated
 ):
     release_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < half
-    offs_p = tl.arange(0, max(BLOCK_PASS, 1))
+    offs_p = tl.arange(0, BLOCK_PASS)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if STORE_KV:  # the slots are step metadata
         slot = tl.load(slot_ptr + t, mask=block >= q_blocks, other=-1).to(tl.int64)  # only k programs store
@@ -411,7 +412,7 @@ def _qk_norm_rope_kernel(
         pass_mask = (heads < n_q_heads)[:, None] & (offs_p < head_dim - 2 * half)[None, :]
         _heads_norm_rope(
             q_ptr, stride_qt, stride_qh, q_out_ptr, q_w_ptr, t, heads, mask, n_q_heads, cos, sin, offs, d_ok,
-            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, BLOCK_PASS,
+            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, HAS_PASS,
         )
     else:
         heads = (block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -419,14 +420,14 @@ def _qk_norm_rope_kernel(
         pass_mask = (heads < n_k_heads)[:, None] & (offs_p < head_dim - 2 * half)[None, :]
         k1, k2, kp = _heads_norm_rope(
             k_ptr, stride_kt, stride_kh, k_out_ptr, k_w_ptr, t, heads, mask, n_k_heads, cos, sin, offs, d_ok,
-            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, BLOCK_PASS,
+            half, inv_d, eps, HAS_WEIGHT, offs_p, pass_mask, head_dim, HAS_PASS,
         )
         if STORE_KV:
             if slot >= 0:
                 _store_heads(
                     k1, k2, kp, v_ptr, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, stride_kc_p, stride_kc_s,
                     stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, slot, t, heads, mask, offs, half, PAGE_SIZE,
-                    offs_p, pass_mask, BLOCK_PASS,
+                    offs_p, pass_mask, HAS_PASS,
                 )
 
 
@@ -559,7 +560,8 @@ def _launch_qk_norm_rope(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         USE_PDL=use_pdl,
-        BLOCK_PASS=block_pass,
+        BLOCK_PASS=max(block_pass, 1),
+        HAS_PASS=n_pass > 0,
         num_warps=_QK_NORM_ROPE_WARPS,
         enable_fp_fusion=False,
         **launch_kwargs(use_pdl),
