@@ -108,12 +108,16 @@ class EditRequest(Request):
         return filled
 
     def _find_stop(self) -> None:
-        """The first stop token among the generated positions: an edit may write or remove one."""
-        self.stop_pos = None
+        """The first stop token among the generated positions: an edit may write or remove one. Committed
+        tokens never change, so one found there stays the first, and the search starts after them."""
         if self.sampling_params.ignore_eos:
             return
+        committed = max(self.prompt_len, self.committed_len)
+        if self.stop_pos is not None and self.stop_pos < committed:
+            return
+        self.stop_pos = None
         stops = self.settings.stop_token_ids
-        for pos in range(self.prompt_len, len(self.token_ids)):
+        for pos in range(committed, len(self.token_ids)):
             if self.token_ids[pos] in stops:
                 self.stop_pos = pos
                 return

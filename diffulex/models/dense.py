@@ -108,6 +108,26 @@ def run_decoder(
     return add_and_norm(final_norm, hidden, residual)[0]
 
 
+def pre_norm_layer(
+    input_norm: RMSNorm,
+    attention: nn.Module,
+    post_attention_norm: RMSNorm,
+    mlp: nn.Module,
+    hidden: torch.Tensor | UnsummedProduct,
+    residual: torch.Tensor | None,
+    rope: Rope,
+    attn_meta: AttentionMetadata,
+    readers: torch.Tensor | None,
+) -> tuple[torch.Tensor | UnsummedProduct, torch.Tensor]:
+    """One pre-norm decoder layer over ``(hidden, residual)``, whatever the family calls its modules (the dense
+    layouts, LLaDA2). The attention's and the MLP's outputs go straight into the next norm (the residual add
+    folded in), which can sum their K splits itself: they may come unsummed."""
+    hidden, residual = add_and_norm(input_norm, hidden, residual)
+    hidden = attention(hidden, rope, attn_meta, unsummed=True, readers=readers)
+    hidden, residual = post_attention_norm(hidden, residual)
+    return mlp(hidden, unsummed=True, readers=readers), residual
+
+
 class DenseAttention(nn.Module):
     """q/k/v projections, optional per-head RMSNorm of q and k, NeoX RoPE, attention, o_proj.
 
@@ -197,12 +217,8 @@ class DenseDecoderLayer(nn.Module):
         readers: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``readers``: `run_decoder` (the rows of this layer's output anyone reads; None: all)."""
-        # o_proj's and down_proj's outputs go straight into the next norm (the residual add folded in), which can
-        # sum their K splits itself: they may come unsummed
-        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, rope, attn_meta, unsummed=True, readers=readers)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, unsummed=True, readers=readers), residual
+        parts = (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+        return pre_norm_layer(*parts, hidden, residual, rope, attn_meta, readers)
 
 
 class DenseModel(nn.Module):
@@ -287,8 +303,6 @@ class DenseForDiffusionLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]``; ``readers`` (the rows anyone reads, -1 for none; None: all) and ``merge``
         (soft inputs): see `run_decoder`."""
-        if merge is None:
-            return self.model(input_ids, positions, attn_meta, readers)
         return self.model(input_ids, positions, attn_meta, readers, merge)
 
     def compute_logits(self, hidden: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:

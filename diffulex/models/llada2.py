@@ -29,7 +29,7 @@ from diffulex.layers import (
 from diffulex.layers.moe import Expert, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_merge import TokenMerge
-from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, add_and_norm, run_decoder
+from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, pre_norm_layer, run_decoder
 from diffulex.models.hf_config import LLaDA2Config
 from diffulex.registry import AutoModelForDiffusionLM
 
@@ -102,10 +102,8 @@ class LLaDA2DecoderLayer(nn.Module):
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | UnsummedProduct, torch.Tensor]:
-        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.attention(hidden, rope, attn_meta, unsummed=True, readers=readers)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, unsummed=True, readers=readers), residual
+        parts = (self.input_layernorm, self.attention, self.post_attention_layernorm, self.mlp)
+        return pre_norm_layer(*parts, hidden, residual, rope, attn_meta, readers)
 
 
 class LLaDA2Model(nn.Module):

@@ -62,7 +62,7 @@ class ConfidenceSampler:
         result = _new_result(logits.shape[0], logits.device)
         tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, tokens_out=result[1])
         for req, lo, hi in layout.sampled:
-            tokens[lo:hi], conf[lo:hi] = self._draw(logits[lo:hi], req)
+            tokens[lo:hi], conf[lo:hi] = draw(logits[lo:hi], req, s.vocab_limit, s.mask_token_id, s.base_seed)
         accept_segments(conf, segment, force, starts, s.accept_threshold, layout.max_block_rows, out=result[0])
         ready = None
         if result.is_cuda:
@@ -112,12 +112,17 @@ class ConfidenceSampler:
         warm_up_top1(device, vocab_size, dtype, s.vocab_limit, s.mask_token_id, max_rows)
         warm_up_acceptance(device, s.accept_threshold, max_rows)
 
-    def _draw(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
-        """One request's rows at ``temperature > 0``: a draw from the generator of its seed and step."""
-        s, sp = self.settings, req.sampling_params
-        seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
-        g = step_generator(seed, req.nfe, logits.device)
-        return sample(ban_tokens(logits, s.vocab_limit, s.mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
+
+
+def draw(
+    logits: torch.Tensor, req: Request, vocab_limit: int, mask_token_id: int, base_seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's rows at ``temperature > 0``: a draw from the generator of its seed (``base_seed + req_id``
+    when it brings none) and step, so that a request draws the same tokens whatever it is batched with."""
+    sp = req.sampling_params
+    seed = sp.seed if sp.seed is not None else base_seed + req.req_id
+    g = step_generator(seed, req.nfe, logits.device)
+    return sample(ban_tokens(logits, vocab_limit, mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
 
 
 @dataclass

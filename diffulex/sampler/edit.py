@@ -21,9 +21,10 @@ import torch
 
 from diffulex.engine.edit_request import BlockVerdict, EditRequest
 from diffulex.engine.request import Request, SampleTarget
+from diffulex.layers.dispatch import triton_available
 from diffulex.layers.token_merge import TokenMergeSettings
-from diffulex.sampler.confidence import PendingWrites, RowLayout
-from diffulex.sampler.token_sampling import ban_tokens, sample, step_generator
+from diffulex.sampler.confidence import PendingWrites, RowLayout, draw
+from diffulex.sampler.token_sampling import propose_greedy
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,6 @@ class EditSettings:
     base_seed: int
     dmax_fast_path: bool = True  # DMax: exact confidences only where a mask was
     token_merge: TokenMergeSettings | None = None  # DMax: soft inputs for the next forward
-
-
-# Rows whose logits are converted to float32 at once when proposing (bounds the temporary: rows x vocab x 4 bytes).
-_ROW_CHUNK = 256
 
 
 class _HostLayout(RowLayout):
@@ -62,7 +59,13 @@ class EditSampler:
         return _HostLayout.of(work, force_every_block=True)
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None:
-        """Nothing to compile: torch operations only."""
+        """Compile the top-1 kernel for every row count up to `max_rows` (CUDA), as the naive sampler does."""
+        if not triton_available():
+            return
+        from diffulex.kernels.top1 import warm_up as warm_up_top1
+
+        s = self.settings
+        warm_up_top1(device, vocab_size, dtype, s.vocab_limit, s.mask_token_id, max_rows)
 
     def __call__(
         self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
@@ -73,8 +76,8 @@ class EditSampler:
         self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]], layout: RowLayout | None = None
     ) -> PendingWrites:
         """``logits`` has one row per target position, in the order of ``work``; the writes are computed at once
-        (the caller waits for nothing more). Proposals for every row come first, in row chunks and with one copy to
-        the host; the decisions then run per block on host lists."""
+        (the caller waits for nothing more). Proposals for every row come first, with one copy to the host; the
+        decisions then run per block on host lists."""
         for req, _ in work:
             if not isinstance(req, EditRequest):
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
@@ -117,25 +120,16 @@ class EditSampler:
     def _propose(
         self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]]
     ) -> tuple[list[int], list[float]]:
-        """Every row's proposal and its probability: the top-1, or a draw for requests at ``temperature > 0``."""
+        """Every row's proposal and its probability: the top-1 (`propose_greedy`, the Triton kernel on CUDA), or
+        a draw for requests at ``temperature > 0``; one copy to the host."""
         s = self.settings
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        conf = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for lo in range(0, logits.shape[0], _ROW_CHUNK):  # float32 copies of a chunk at a time
-            chunk = ban_tokens(logits[lo : lo + _ROW_CHUNK], s.vocab_limit, s.mask_token_id)
-            best, index = chunk.max(dim=-1)
-            conf[lo : lo + _ROW_CHUNK] = torch.exp(best - torch.logsumexp(chunk, dim=-1))
-            tokens[lo : lo + _ROW_CHUNK] = index
+        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id)
         row = 0
         for req, targets in work:
             n = sum(len(t.positions) for t in targets)
-            sp = req.sampling_params
-            if sp.temperature > 0 and n:
-                seed = sp.seed if sp.seed is not None else s.base_seed + req.req_id
-                banned = ban_tokens(logits[row : row + n], s.vocab_limit, s.mask_token_id)
-                generator = step_generator(seed, req.nfe, logits.device)
-                drawn, drawn_conf = sample(banned, sp.temperature, sp.top_k, sp.top_p, generator)
-                tokens[row : row + n], conf[row : row + n] = drawn, drawn_conf
+            if req.sampling_params.temperature > 0 and n:
+                rows = slice(row, row + n)
+                tokens[rows], conf[rows] = draw(logits[rows], req, s.vocab_limit, s.mask_token_id, s.base_seed)
             row += n
         return tokens.tolist(), conf.tolist()
 
