@@ -20,10 +20,52 @@ def test_temperature_zero_means_greedy():
     assert isinstance(SamplingParams(temperature=0).temperature, float)
 
 
-@pytest.mark.parametrize("value", [-0.1, float("nan"), "0.5", None, True])
-def test_temperature_must_be_a_non_negative_number(value):
-    with pytest.raises(ValueError, match="^temperature=.* is invalid: must be a number >= 0$"):
+@pytest.mark.parametrize(
+    "value", [-0.1, float("nan"), float("inf"), 1e308, 100.5, 10**400, "0.5", "Infinity", None, True]
+)
+def test_temperature_must_be_a_number_from_zero_to_the_maximum(value):
+    with pytest.raises(ValueError, match=r"^temperature=.* is invalid: must be a number in \[0, 100\]$"):
         SamplingParams(temperature=value)
+
+
+@pytest.mark.parametrize("value", [1e-40, 1e-320, 5e-324, 9.9e-6])
+def test_temperatures_too_small_to_draw_with_are_greedy(value):
+    sp = SamplingParams(temperature=value)
+    assert sp.temperature == 0.0 and sp.greedy
+
+
+def test_the_smallest_drawing_temperature_and_the_maximum_are_kept():
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    assert SamplingParams(temperature=100).temperature == 100.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("temperature", -1, "temperature=-1 is invalid"),
+        ("top_k", "x", "top_k='x' is invalid"),
+        ("max_tokens", 0, "max_tokens=0 is invalid"),
+        ("stop", "", "stop='' is invalid"),
+    ],
+)
+def test_assigning_a_field_after_construction_is_validated_too(field, value, pattern):
+    sp = SamplingParams()
+    with pytest.raises(ValueError, match=pattern):
+        setattr(sp, field, value)
+    assert getattr(sp, field) == getattr(SamplingParams(), field)  # the bad value never landed
+
+
+def test_assigning_a_valid_value_normalizes_it_like_the_constructor():
+    sp = SamplingParams()
+    sp.top_k = -1
+    sp.temperature = 1e-30
+    assert (sp.top_k, sp.temperature, sp.greedy) == (0, 0.0, True)
+
+
+def test_a_misspelled_field_is_refused_naming_the_real_ones():
+    sp = SamplingParams()
+    with pytest.raises(AttributeError, match="no field 'temprature'.*temperature"):
+        sp.temprature = 0.5  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("value", [0, -0.5, 1.01])
@@ -82,9 +124,9 @@ def test_ignore_eos_must_be_a_bool(value):
         SamplingParams(ignore_eos=value)
 
 
-@pytest.mark.parametrize("value", [-1, 1.0, True])
-def test_seed_must_be_a_non_negative_integer(value):
-    with pytest.raises(ValueError, match="^seed=.* is invalid: must be an integer >= 0$"):
+@pytest.mark.parametrize("value", [-1, 1.0, True, 2**63])
+def test_seed_must_be_a_non_negative_64_bit_integer(value):
+    with pytest.raises(ValueError, match=r"^seed=.* is invalid: must be an integer in \[0, 9223372036854775807\]$"):
         SamplingParams(seed=value)
 
 

@@ -26,6 +26,7 @@ from diffulex.engine.model_runner import RunnerSettings
 from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
 from diffulex.engine.step_profiler import StepProfiler
+from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.registry import (
@@ -43,6 +44,7 @@ from diffulex.sampler.edit import EditSampler, EditSettings
 from diffulex.sampling_params import SamplingParams
 
 logger = logging.getLogger("diffulex")
+
 
 # Without a GPU there is no memory to plan against: give the page pool at most this much host memory.
 CPU_KV_CACHE_BYTES = 2 << 30
@@ -130,18 +132,76 @@ def generation_inputs(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
 ) -> tuple[list[str | Sequence[int]], list[SamplingParams]]:
     """``generate``'s arguments as one list of prompts (a single prompt, text or token ids, becomes a list of one)
-    and one `SamplingParams` per prompt (one given for all, or one each)."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    and one `SamplingParams` per prompt (one given for all, or one each).
+
+    The shapes are checked here, before anything is queued, with an error naming the argument (and the prompt's
+    index): a malformed call is a programming error, not a prompt to reject among others.
+    """
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
         prompts = [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            f"prompts={_preview(prompts)} is invalid: must be a string, a list of token ids, or a list of those"
+            + (" (decode bytes to str first)" if isinstance(prompts, (bytes, bytearray)) else "")
+        )
     prompts = list(prompts)
+    for i, prompt in enumerate(prompts):
+        check_prompt_type(prompt, f"prompts[{i}]")
     if isinstance(sampling_params, SamplingParams) or sampling_params is None:
         return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    if not isinstance(sampling_params, (list, tuple)):  # a bad entry of a list rejects its prompt only
+        raise ValueError(
+            f"sampling_params={_preview(sampling_params)} is invalid: must be a SamplingParams, or a list of them "
+            "with one per prompt"
+        )
     params = list(sampling_params)
     if len(params) != len(prompts):
         raise ValueError(
             f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
         )
     return prompts, params
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_prompt_type(prompt: object, name: str = "prompt") -> None:
+    """A prompt is a string or a list (or tuple) of integer token ids; anything else is refused with its name, so
+    that e.g. bytes are never read as a list of small integers."""
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, (list, tuple)):
+        bad = next((t for t in prompt if not _is_token_id(t)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name} is invalid: token ids must all be integers, got {_preview(bad)} ({type(bad).__name__})"
+            )
+        return
+    hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
+    raise ValueError(
+        f"{name}={_preview(prompt)} is invalid: must be a string or a list of token ids, not "
+        f"{type(prompt).__name__}{hint}"
+    )
+
+
+def check_prompt(prompt: object, name: str = "prompt") -> None:
+    """`check_prompt_type`, and the prompt is not empty and is valid Unicode (a lone surrogate cannot be encoded)."""
+    check_prompt_type(prompt, name)
+    if not prompt:
+        raise ValueError(f"{name}={prompt!r} is invalid: must be a non-empty string or list of token ids")
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"{name} is invalid: it is not valid Unicode text ({err.reason} at character {err.start})"
+            ) from None
 
 
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str) -> None:
@@ -251,6 +311,9 @@ class DiffulexEngine:
         self._profiler = StepProfiler(config.profiler_config) if config.profiler_config.enabled else None
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self._closed = False
+        self._dead: str | None = None  # why the device stopped working, once it has
+        self._launching: list[Request] = []  # the batch whose launch is under way (for a failure inside it)
+        self._applying: _InFlightStep | None = None  # the step whose result is being applied (likewise)
         # Everything built so far (model, tokenizer tables, graphs) lives as long as the engine: move it out of
         # the collector's reach, or every full collection during generation rescans it (tens of ms per pause).
         gc.collect()
@@ -508,6 +571,8 @@ class DiffulexEngine:
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises ValueError for bad input without touching engine state."""
+        self._check_open()
+        check_prompt(prompt)
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
@@ -542,21 +607,101 @@ class DiffulexEngine:
         With ``micro_batches=2`` the running requests form two micro-batches that take turns: one is in flight
         while the host finishes, schedules and collects the other. Each request sees exactly the steps it would
         see alone; only the interleaving with other requests changes.
+
+        A failure inside the step finishes the requests it can be traced to (a `RequestFailure` names them, else
+        every request of the failed step) with ``CompletionReason.ERROR`` and the error in their trajectory; the
+        other requests go on, and so does the engine. Only a device that no longer works raises
+        (`EngineDeadError`): nothing can be served on it any more.
         """
+        self._check_open()
         if self._profiler is not None:
             self._profiler.before_step()
-        self._launch_until_full()
-        if not self._in_flight:
-            if self.scheduler.waiting:
-                raise RuntimeError("no request could be scheduled although requests are waiting")
-            return []
-        self._maybe_continue()
-        applied = self._apply(self._in_flight.popleft())
-        self._check_continuation()
-        self._launch_until_full()
+        applied: _AppliedStep | None = None
+        try:
+            self._launch_until_full()
+            if not self._in_flight:
+                if self.scheduler.waiting:
+                    raise RequestFailure(
+                        [req.req_id for req in self.scheduler.waiting],
+                        "no request could be scheduled although requests are waiting",
+                    )
+                return []
+            self._maybe_continue()
+            self._applying = self._in_flight.popleft()
+            applied = self._apply(self._applying)
+            self._applying = None
+            self._check_continuation()
+            self._launch_until_full()
+            updates = self._report(applied)
+        except Exception as err:  # noqa: BLE001  (any failure of a step is contained, see the docstring)
+            return self._recover(err, applied)
         if self._profiler is not None:
             self._profiler.after_step()
-        return self._report(applied)
+        return updates
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine cannot serve any more: its device failed ({self._dead})")
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down (exit() was called); build a new Diffulex engine")
+
+    def _recover(self, err: Exception, applied: _AppliedStep | None) -> list[RequestUpdate]:
+        """Contain a failed step: finish the requests it is traced to with the error, drop every launched step
+        (a continuation's inputs come from the failed one, and a dropped step's rows are launched again when its
+        requests are next scheduled, as for a dropped continuation), and report what was applied before the
+        failure, so that no finished request goes unreported."""
+        if not self._device_works():
+            self._dead = f"{type(err).__name__}: {err}"
+            logger.error("the device failed; the engine stops serving", exc_info=err)
+            raise EngineDeadError(f"the engine cannot serve any more: its device failed ({self._dead})") from err
+        if isinstance(err, RequestFailure):
+            queued = {req.req_id: req for req in (*self.scheduler.running, *self.scheduler.waiting)}
+            victims = [queued[rid] for rid in err.req_ids if rid in queued]
+            message = f"{err}"
+        else:  # the batch of the step that failed: being launched, being applied, applied, else all in flight
+            if self._launching:
+                victims = list(self._launching)
+            elif self._applying is not None:
+                victims = list(self._applying.batch)
+            elif applied is not None:
+                victims = [req for req, _, _ in applied.requests]
+            else:
+                victims = [req for step in self._in_flight for req in step.batch]
+            message = f"the engine step failed: {type(err).__name__}: {err}"
+        logger.error("a step failed; %d request(s) finish with an error: %s", len(victims), message, exc_info=err)
+        self._in_flight.clear()
+        self._applying, self._launching = None, []
+        self.runner.forget_launches()
+        updates = self._safe_report(applied) if applied is not None else []
+        reported = {update.req_id for update in updates}
+        for req in victims:
+            if req.is_finished:
+                continue
+            self.scheduler.finish(req, CompletionReason.ERROR)
+            req.error = message
+            trajectory = self._trajectory(req)
+            if req.req_id in reported:  # it advanced in the applied step: replace that update with the failure
+                updates = [u for u in updates if u.req_id != req.req_id]
+            updates.append(RequestUpdate.of_request(req, None, trajectory))
+        return updates
+
+    def _safe_report(self, applied: _AppliedStep) -> list[RequestUpdate]:
+        try:
+            return self._report(applied)
+        except Exception:  # noqa: BLE001  (a report that failed once fails again: its requests are failed)
+            logger.exception("reporting the applied step failed")
+            return []
+
+    def _device_works(self) -> bool:
+        """Whether the device still runs work: a CUDA error that poisons the context fails every later call."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.zeros(1, device=self.device).add_(1).item()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
 
     def _launch_until_full(self) -> None:
         """Launch steps until ``micro_batches`` are in flight or nothing more can be scheduled."""
@@ -577,7 +722,9 @@ class DiffulexEngine:
             return None
         # the forward's view of each request, for its step record: its query range and its running set
         views = [(req.query_range(), tuple(b.index for b in req.running)) for req in batch]
+        self._launching = batch
         pending = self.runner.launch(batch, self._num_launches % self._staging_buffers)
+        self._launching = []
         self._num_launches += 1
         return _InFlightStep(batch, views, pending, t0)
 
@@ -703,6 +850,7 @@ class DiffulexEngine:
             nfe=req.nfe,
             steps=req.steps,
             num_preemptions=req.num_preemptions,
+            error=req.error,
         )
 
     # ----- offline generation --------------------------------------------------------------------------------
@@ -714,6 +862,7 @@ class DiffulexEngine:
         use_tqdm: bool = True,
     ) -> GenerationOutputs:
         """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run."""
+        self._check_open()
         prompts, params = generation_inputs(prompts, sampling_params)
         t0 = time.perf_counter()
         results: list[Trajectory | None] = [None] * len(prompts)
@@ -758,7 +907,10 @@ class DiffulexEngine:
         if self._closed:
             return
         while self._in_flight:  # the device may still write into the cache these steps were given
-            self._in_flight.popleft().pending.result()
+            try:
+                self._in_flight.popleft().pending.result()
+            except Exception:  # noqa: BLE001  (shutting down: a failed step's result is not needed)
+                logger.exception("a step in flight failed during exit()")
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for req in list(queue):
                 self.scheduler.finish(req, CompletionReason.ABORTED)

@@ -197,6 +197,10 @@ class ModelRunner:
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
 
+    def forget_launches(self) -> None:
+        """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
+        self._replayed = None
+
     @property
     def can_continue(self) -> bool:
         """Whether the last launch may be followed by `launch_continuation`: it was replayed and sampled by the

@@ -32,6 +32,7 @@ class CompletionReason(enum.StrEnum):
     REPETITION = "max_repetition_run_reached"
     STOP_STRING = "stop_string_matched"
     ABORTED = "aborted"
+    ERROR = "error"  # a step the request took part in failed (`Request.error` says how); the engine went on
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Request:
     page_table: list[int] = field(init=False, default_factory=list)  # owned by the KV cache manager
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
     steps: list[StepRecord] = field(init=False, default_factory=list)
+    error: str | None = field(init=False, default=None)  # why it finished with CompletionReason.ERROR
     # Fixed at creation and read many times per step, so stored rather than derived.
     prompt_len: int = field(init=False)
     generation_end: int = field(init=False)  # positions at or after this are never decoded

@@ -8,6 +8,7 @@ from itertools import compress
 import torch
 
 from diffulex.engine.request import Request, SampleTarget
+from diffulex.errors import RequestFailure
 from diffulex.layers.dispatch import triton_available
 from diffulex.registry import AutoSampler
 from diffulex.sampler.acceptance import accept_segments
@@ -122,7 +123,10 @@ def draw(
     sp = req.sampling_params
     seed = sp.seed if sp.seed is not None else base_seed + req.req_id
     g = step_generator(seed, req.nfe, logits.device)
-    return sample(ban_tokens(logits, vocab_limit, mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
+    try:
+        return sample(ban_tokens(logits, vocab_limit, mask_token_id), sp.temperature, sp.top_k, sp.top_p, g)
+    except RuntimeError as err:  # e.g. a model that produced non-finite logits: this request cannot draw
+        raise RequestFailure([req.req_id], f"sampling failed for request {req.req_id}: {err}") from err
 
 
 @dataclass
@@ -179,7 +183,7 @@ class RowLayout:
                 layout.max_block_rows = max(layout.max_block_rows, n)
             hi = len(positions)
             owners.extend([req.req_id] * (hi - lo))
-            if req.sampling_params.temperature > 0 and hi > lo:
+            if not req.sampling_params.greedy and hi > lo:
                 layout.sampled.append((req, lo, hi))
         starts.append(len(positions))
         layout.req_ids = [req.req_id for req, _ in work]

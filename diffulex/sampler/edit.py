@@ -127,7 +127,7 @@ class EditSampler:
         row = 0
         for req, targets in work:
             n = sum(len(t.positions) for t in targets)
-            if req.sampling_params.temperature > 0 and n:
+            if not req.sampling_params.greedy and n:
                 rows = slice(row, row + n)
                 tokens[rows], conf[rows] = draw(logits[rows], req, s.vocab_limit, s.mask_token_id, s.base_seed)
             row += n

@@ -83,10 +83,21 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 def sample(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from the tempered, filtered distribution; confidence = its probability there."""
-    filtered = filter_top_k_top_p(logits / temperature, top_k, top_p)
+    """Draw one token per row from the tempered, filtered distribution; confidence = its probability there.
+
+    The row maximum is subtracted before dividing by the temperature: every tempered logit is then <= 0 and the
+    best is exactly 0, so no temperature that `SamplingParams` accepts can overflow to ``inf`` (or turn a row into
+    NaN), however small or large the model's logits are.
+    """
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    filtered = filter_top_k_top_p(shifted / temperature, top_k, top_p)
     probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # The exponential race: argmax of p_i / E_i with E_i ~ Exp(1) is distributed as p. Unlike `torch.multinomial`
+    # it has no invalid input (a NaN row yields some token instead of a device-side assert, which would end every
+    # later CUDA call of the process), and it reads the probabilities once.
+    # E_i = 0 has a small but real chance in float32; the clamp keeps 0 / E_i at 0 instead of NaN.
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+    tokens = (probs / race).argmax(dim=-1)
     conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, conf
 

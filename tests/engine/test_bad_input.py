@@ -141,3 +141,46 @@ def test_settings_left_at_their_defaults_raise_no_such_warning(sdar_dir: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         engine(sdar_dir).exit()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "pattern"),
+    [
+        (None, r"prompts=None is invalid: must be a string, a list of token ids, or a list of those"),
+        (123, r"prompts=123 is invalid"),
+        (b"To be", r"prompts=b'To be' is invalid.*decode bytes to str first"),
+        ([b"To be"], r"prompts\[0\]=b'To be' is invalid.*not bytes \(decode bytes to str first\)"),
+        ([1.5], r"prompts\[0\]=1.5 is invalid: must be a string or a list of token ids, not float"),
+        (["ok", None], r"prompts\[1\]=None is invalid"),
+        ([[1, 2, "3"]], r"prompts\[0\] is invalid: token ids must all be integers, got '3' \(str\)"),
+        ([[1, True]], r"prompts\[0\] is invalid: token ids must all be integers, got True \(bool\)"),
+    ],
+)
+def test_malformed_generate_calls_name_the_prompt_before_anything_runs(sdar_dir: Path, prompts, pattern) -> None:
+    with engine(sdar_dir) as llm:
+        with pytest.raises(ValueError, match=pattern):
+            llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert llm.is_finished() and llm.scheduler.kv_cache.num_used_pages == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "pattern"),
+    [
+        (None, r"prompt=None is invalid: must be a string or a list of token ids, not NoneType"),
+        (b"To be", r"decode bytes to str first"),
+        ("To \ud800be", r"prompt is invalid: it is not valid Unicode text \(surrogates not allowed at character 3\)"),
+        ([], r"prompt=\[\] is invalid: must be a non-empty"),
+    ],
+)
+def test_add_request_names_a_malformed_prompt(sdar_dir: Path, prompt, pattern) -> None:
+    with engine(sdar_dir) as llm:
+        with pytest.raises(ValueError, match=pattern):
+            llm.add_request(prompt, SamplingParams(max_tokens=4))
+        assert llm.is_finished()
+
+
+@pytest.mark.parametrize("params", ["notparams", {"temperature": 0}, SamplingParams])
+def test_sampling_params_of_the_wrong_type_are_named(sdar_dir: Path, params) -> None:
+    with engine(sdar_dir) as llm:
+        with pytest.raises(ValueError, match="sampling_params=.* is invalid: must be a SamplingParams, or a list"):
+            llm.generate(["a", "b"], params, use_tqdm=False)

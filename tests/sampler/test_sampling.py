@@ -140,6 +140,41 @@ def test_temperature_sharpens_the_distribution():
     assert conf_hot.item() == pytest.approx(0.6 if tokens.item() == 0 else 0.4, rel=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 1.0, 100.0])
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e30])
+def test_every_accepted_temperature_draws_valid_tokens_from_any_finite_logits(temperature, scale):
+    """The tempered logits are shifted so the best is 0 before dividing: nothing overflows or turns into NaN."""
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(1)) * scale
+    banned = ban_tokens(logits.clone(), VOCAB_LIMIT, MASK)
+    tokens, conf = sample(banned, temperature, 0, 1.0, torch.Generator().manual_seed(0))
+    assert torch.isfinite(conf).all() and (conf > 0).all() and (conf <= 1).all()
+    assert ((tokens >= 0) & (tokens < VOCAB_LIMIT) & (tokens != MASK)).all()
+
+
+def test_the_smallest_drawing_temperature_picks_the_top_1():
+    logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(2))
+    tokens, conf = sample(logits, 1e-5, 0, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert torch.allclose(conf, torch.ones(32))
+
+
+def test_draws_follow_the_distribution():
+    """The exponential race draws each token with its probability (within a 5-sigma band over 20k draws)."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.log(probs).expand(20_000, 4).contiguous()
+    tokens, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(5))
+    freq = torch.bincount(tokens, minlength=4).double() / tokens.numel()
+    sigma = (probs.double() * (1 - probs.double()) / tokens.numel()).sqrt()
+    assert ((freq - probs.double()).abs() < 5 * sigma).all()
+
+
+def test_a_row_of_non_finite_logits_does_not_raise():
+    """A model that produced NaN is answered with some token (the engine reports the model, not a crash)."""
+    logits = torch.full((2, 8), float("nan"))
+    tokens, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
+    assert tokens.shape == (2,)
+
+
 def test_step_generator_is_reproducible_from_seed_and_step():
     logits = torch.zeros(8, 64)
     a, _ = sample(logits, 1.0, 0, 1.0, step_generator(7, 3, torch.device("cpu")))

@@ -1,0 +1,21 @@
+"""The engine's own exception types, importable from every layer (a sampler raises what the engine catches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class RequestFailure(RuntimeError):
+    """A failure inside a step that is traced to particular requests: only they finish with the error."""
+
+    def __init__(self, req_ids: Sequence[int], message: str) -> None:
+        super().__init__(message)
+        self.req_ids = list(req_ids)
+
+
+class EngineDeadError(RuntimeError):
+    """The device failed: no step can run on it any more. A server exits on it so that a supervisor restarts it."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down with `exit()`."""
