@@ -59,9 +59,31 @@ class PagedAttentionMetadata:
 
 @dataclass
 class DenseAttentionMetadata:
-    """One sequence, no cache: ``allowed[i, j]`` says whether query row ``i`` may attend to key row ``j``."""
+    """One sequence, no cache: ``allowed[i, j]`` says whether query row ``i`` may attend to key row ``j``.
+
+    A reference decoder can also model a cache that holds K/V computed from an earlier state of the sequence
+    (Fast-dLLM v2's block cache) without a cache: with ``recorded_kv`` a list, every attention call of the forward
+    appends its (K, V); with ``stale_kv`` (one such list from an earlier forward) the rows of ``stale_rows`` use
+    that K/V instead of the one computed now, call by call. Attention calls happen in layer order, so the i-th
+    call of a forward meets the i-th entry.
+    """
 
     allowed: torch.Tensor  # [T, T] bool
+    recorded_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    stale_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    stale_rows: torch.Tensor | None = None  # [T] bool
+    _calls: int = 0
+
+    def exchange_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V this attention call attends to: the stale rows swapped in, then recorded if asked."""
+        if self.stale_kv is not None:
+            old_k, old_v = self.stale_kv[self._calls]
+            rows = self.stale_rows.to(k.device).view(-1, *([1] * (k.dim() - 1)))
+            k, v = torch.where(rows, old_k, k), torch.where(rows, old_v, v)
+        self._calls += 1
+        if self.recorded_kv is not None:
+            self.recorded_kv.append((k, v))
+        return k, v
 
 
 AttentionMetadata = PagedAttentionMetadata | DenseAttentionMetadata

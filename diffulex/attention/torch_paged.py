@@ -79,4 +79,5 @@ def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseAttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention over one whole sequence with an explicit mask; no cache (the reference decoder's path)."""
+    k, v = meta.exchange_kv(k, v)
     return _attend(q, k, v, meta.allowed.to(q.device), scale)

@@ -90,7 +90,7 @@ def build_attention_mask(seq_len: int, block_size: int, prefix_full: bool, promp
     return visibility_mask(positions, positions, block_size, prefix_full, prompt_len)
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
     return torch.device("cpu")
@@ -291,7 +291,7 @@ def reference_generate(
     end = min(prompt_len + max_tokens, max_model_len)
     end_set_by_model_len = max_model_len < prompt_len + max_tokens
     req = _Request(prompt_ids, mask_token_id, block_size, end, frozenset(stop_token_ids), ignore_eos)
-    device = _model_device(model)
+    device = model_device(model)
 
     nfe = 0
     tokens_per_step: list[int] = []

@@ -1,25 +1,20 @@
 """Tests of the naive reference decoder on its own: the oracle must itself follow ``docs/strategies.md``.
 
-Two kinds of models drive it:
-
-* `StandInModel`, a tiny real transformer layer (embedding + one `diffulex.attention.Attention` over the dense
-  mask + a peaky linear head), for end-to-end behaviour, with optional per-position logit overrides;
-* `ScriptedModel`, whose logits at each position are chosen by a Python function of the current sequence, for
-  hand-made schedules whose every step can be worked out on paper.
+It is driven by the models of `stand_in_models`: a tiny real attention layer, and a scripted model whose logits
+are a Python function of the sequence.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from stand_in_models import MASK, ScriptedModel, StandInModel
 from torch import nn
 
-from diffulex.attention import Attention, DenseAttentionMetadata
+from diffulex.attention import DenseAttentionMetadata
 from diffulex.testing.reference_decoder import (
     ACTIVE,
     TO_CACHE,
@@ -28,91 +23,8 @@ from diffulex.testing.reference_decoder import (
     reference_generate,
 )
 
-VOCAB = 32
-MASK = VOCAB - 1
 EOS = 2
 NEVER = 1.5  # an accept threshold no confidence can exceed: every accepted token is forced
-
-
-class StandInModel(nn.Module):
-    """One attention layer over the dense mask, with a head scaled so that many confidences exceed 0.9.
-
-    The position of each row travels as the last hidden channel, so that `compute_logits` can apply
-    per-position overrides: ``forced[p] = t`` makes ``t`` the argmax at ``p``; ``suppressed`` tokens lose.
-    """
-
-    def __init__(
-        self, seed: int = 0, hidden: int = 32, heads: int = 4, kv_heads: int = 2, max_len: int = 256
-    ):
-        super().__init__()
-        head_dim = hidden // heads
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.embed = nn.Embedding(VOCAB, hidden)
-            self.pos = nn.Embedding(max_len, hidden)
-            self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
-            self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
-            self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-            self.head = nn.Linear(hidden, VOCAB, bias=False)
-        self.logit_scale = 15.0
-        self.forced: dict[int, int] = {}
-        self.suppressed: set[int] = set()
-        self.seen_masks: list[torch.Tensor] = []
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: DenseAttentionMetadata):
-        self.seen_masks.append(attn_meta.allowed.clone())
-        n = input_ids.shape[0]
-        x = self.embed(input_ids) + self.pos(positions)
-        q, k, v = self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
-        out = self.attn(
-            q.view(n, self.heads, self.head_dim),
-            k.view(n, self.kv_heads, self.head_dim),
-            v.view(n, self.kv_heads, self.head_dim),
-            attn_meta,
-        )
-        h = x + self.o_proj(out)
-        return torch.cat([h, positions.unsqueeze(1).to(h.dtype)], dim=1)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        h, pos = hidden[:, :-1], hidden[:, -1].long().tolist()
-        logits = self.head(F.layer_norm(h, h.shape[-1:])) * self.logit_scale
-        for row, p in enumerate(pos):
-            for token in self.suppressed:
-                logits[row, token] -= 100.0
-            if p in self.forced:
-                logits[row, self.forced[p]] += 200.0
-        return logits
-
-
-Script = Callable[[list[int], int], tuple[int, float]]
-
-
-def peak_logits(token: int, confidence: float) -> torch.Tensor:
-    """Logits whose softmax over the allowed ids (all but the mask) gives ``token`` ``confidence``."""
-    logits = torch.zeros(VOCAB)
-    allowed = VOCAB - 1
-    logits[token] = math.log(confidence * (allowed - 1) / (1.0 - confidence))
-    return logits
-
-
-class ScriptedModel(nn.Module):
-    """Hidden states are the logits themselves: ``script(tokens, q) -> (token, confidence)`` at position q."""
-
-    def __init__(self, script: Script) -> None:
-        super().__init__()
-        self.script = script
-        self.seen_inputs: list[list[int]] = []
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: DenseAttentionMetadata):
-        tokens = input_ids.tolist()
-        self.seen_inputs.append(tokens)
-        return torch.stack([peak_logits(*self.script(tokens, q)) for q in positions.tolist()])
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
 
 
 def generate(model: nn.Module, prompt: list[int], **kwargs):
