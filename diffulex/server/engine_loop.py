@@ -37,15 +37,19 @@ class QueueFullError(Exception):
     """The server holds as many requests as it may; the client should retry later (HTTP 429)."""
 
 
+class RequestTooLargeError(ValueError):
+    """The request asks for more completions than the server can ever hold at once (HTTP 400: retrying is futile)."""
+
+
 class EngineUnavailableError(Exception):
     """The engine is shutting down or has failed (HTTP 503)."""
 
 
 @dataclass
 class GenerationInput:
-    """One completion to run: a prompt (text, already chat-rendered, or token ids) and its parameters."""
+    """One completion to run: its prompt, tokenized by the handler (never on the engine thread), and its parameters."""
 
-    prompt: str | list[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
 
 
@@ -120,6 +124,7 @@ class EngineLoop:
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.mask_token_id: int = engine.mask_token_id
+        self.vocab_limit: int = engine.vocab_limit
         self.block_size: int = engine.config.block_size
         self.max_model_len: int = engine.config.max_model_len
         self.capacity = engine.config.max_num_reqs + max_waiting
@@ -200,7 +205,8 @@ class EngineLoop:
         """Queue ``inputs`` as one unit (all accepted or none); their emissions go to ``sink``.
 
         Raises QueueFullError (429), EngineUnavailableError (503), or ValueError for input the engine rejects
-        (400). If the caller is cancelled while waiting, the requests are aborted as soon as they exist.
+        or a request larger than the server's capacity (400). If the caller is cancelled while waiting, the
+        requests are aborted as soon as they exist.
         """
         if self._draining or not self.running:
             raise EngineUnavailableError(self.failure or "the server is shutting down")
@@ -224,7 +230,10 @@ class EngineLoop:
 
     async def _reserve(self, count: int) -> None:
         if count > self.capacity:
-            raise QueueFullError(f"a request of {count} completions exceeds the server's capacity {self.capacity}")
+            raise RequestTooLargeError(
+                f"a request of {count} completions can never run here: the server holds at most {self.capacity} "
+                "requests at once"
+            )
         if self._in_flight + count <= self.capacity:
             self._in_flight += count
             return
@@ -315,13 +324,6 @@ class EngineLoop:
             if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineUnavailableError(self.failure or "the server is shutting down"))
 
-    def _encode(self, prompt: str | list[int]) -> str | list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return prompt
-
     def _add(self, command: _Add) -> None:
         engine = self.engine
         if not command.future.set_running_or_notify_cancel():
@@ -329,9 +331,8 @@ class EngineLoop:
         added: list[tuple[int, Submitted]] = []
         try:
             for inp, rid, index in zip(command.inputs, command.rids, command.indices, strict=True):
-                ids = self._encode(inp.prompt)
-                req_id = engine.add_request(ids, inp.params)
-                added.append((req_id, Submitted(rid, index, list(ids))))
+                req_id = engine.add_request(inp.prompt_token_ids, inp.params)
+                added.append((req_id, Submitted(rid, index, inp.prompt_token_ids)))
         except Exception as err:
             for req_id, _ in added:
                 engine.abort_request(req_id)

@@ -139,11 +139,15 @@ class SamplingFields(_Strict):
                 stop=self.stop,
             )
         except ValueError as err:
-            raise APIError(400, str(err), param=_param_of(str(err))) from None
+            raise APIError(400, str(err), param=param_of(str(err))) from None
 
 
-def _param_of(message: str) -> str | None:
-    """SamplingParams messages start with ``field=value``; name the field in the error body."""
+def param_of(message: str) -> str | None:
+    """The field an engine message is about: they start with ``field=value`` or ``prompt ...``."""
+    if message.startswith("prompt"):
+        return "prompt"
+    if "KV pages" in message:  # the one request-size refusal the engine makes: the answer budget is too large
+        return "max_tokens"
     head = message.split("=", 1)[0].strip()
     return head if head.isidentifier() else None
 
@@ -190,7 +194,7 @@ class GenerateRequest(SamplingFields):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     stream: bool | None = None
-    stream_mode: Literal["denoise", "block_append"] = "denoise"
+    stream_mode: Literal["denoise", "block_append"] | None = None  # None: denoise
     user: str | None = None
 
 

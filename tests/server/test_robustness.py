@@ -52,6 +52,23 @@ BAD_REQUESTS = [
     ("/generate", json.dumps({"prompt": "hi", "stream_mode": "sideways"}), 400, "stream_mode"),
     ("/generate", json.dumps({"max_tokens": 4}), 400, "prompt"),
     ("/generate", json.dumps({"prompt": "hi", "max_tokens": 1.5}), 400, "max_tokens"),
+    # Text no encoder can write (a lone surrogate), in every field that carries text.
+    ("/v1/completions", json.dumps({**GOOD, "model": "\ud800"}), 400, "model"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": "To be \udfff"}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": ["ok", "\ud800"]}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": ["\ud83d"]}), 400, "stop"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}), 400, "messages"),
+    ("/generate", json.dumps({"prompt": "hi", "user": "\udc00"}), 400, "user"),
+    # Numbers outside what any field can mean.
+    ("/v1/completions", json.dumps({**GOOD, "max_tokens": 10**400}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({**GOOD, "seed": 2**64}), 400, "seed"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": [1, -(2**70)]}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "temperature": float("inf")}), 400, "temperature"),
+    ("/v1/completions", json.dumps({**GOOD, "top_p": float("nan")}), 400, "top_p"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', 400,
+     "temperature"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": "x" * 100_000}), 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
 ]
 
 
@@ -63,6 +80,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server: RunningServer
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["message"]
+        response.content.decode("utf-8")  # whatever the input, the answer is valid UTF-8 (nothing echoed raw)
         if param is not None:
             assert error["param"] == param, error
         good = http.post("/v1/completions", json=GOOD)
@@ -141,6 +159,12 @@ def _aborted(server: RunningServer) -> int:
 def test_full_queue_answers_429_then_recovers(sdar_dir: Path) -> None:
     running = start_server(sdar_dir, max_waiting=1, max_num_reqs=1)  # capacity: 1 running + 1 waiting
     try:
+        # More completions than the server can ever hold is a 400 (a retry cannot succeed), not a 429.
+        for body, param in (({**GOOD, "n": 3}, "n"), ({**GOOD, "prompt": ["a", "b", "c"]}, "prompt")):
+            never = httpx.post(running.base_url + "/v1/completions", json=body, timeout=10)
+            assert never.status_code == 400, never.text
+            assert never.json()["error"]["param"] == param
+            assert "at most 2" in never.json()["error"]["message"]
         slow = {**GOOD, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=running.base_url, timeout=30) as a, httpx.Client(base_url=running.base_url,
                                                                                      timeout=30) as b:
@@ -152,7 +176,9 @@ def test_full_queue_answers_429_then_recovers(sdar_dir: Path) -> None:
                 assert refused.json()["error"]["type"] == "rate_limit_error"
         running.wait_idle()
         assert httpx.post(running.base_url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
-        assert 'diffulex_requests_rejected_total{status="429"} 1' in httpx.get(running.base_url + "/metrics").text
+        rejected = httpx.get(running.base_url + "/metrics").text
+        assert 'diffulex_requests_rejected_total{status="429"} 1' in rejected
+        assert 'diffulex_requests_rejected_total{status="400"} 2' in rejected
     finally:
         running.stop()
 
@@ -201,3 +227,13 @@ def test_nulls_mean_defaults_as_in_openai(server: RunningServer) -> None:
         response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1
+
+
+def test_a_null_stream_mode_streams_the_default_denoise_snapshots(server: RunningServer) -> None:
+    body = {"prompt": "The baker", "max_tokens": 8, "temperature": 0, "stream": True, "stream_mode": None}
+    with server.client() as http, http.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    kinds = [json.loads(e)["event"] for e in events[:-1]]
+    assert kinds[-1] == "final" and set(kinds[:-1]) == {"denoise"}
