@@ -250,7 +250,7 @@ def create_app(
 
     async def start_job(
         request: Request, texts: list[str | list[int]], fields: SamplingFields, default_max_tokens: int,
-        rid_prefix: str,
+        rid_prefix: str, prompt_param: str = "prompt",
     ) -> _Job:
         arrived = time.monotonic()
         n = fields.num_choices
@@ -266,7 +266,7 @@ def create_app(
         if engine_loop.draining:  # refuse before tokenizing anything
             raise APIError(503, engine_loop.failure or "the server is shutting down", type="server_error",
                            code="unavailable")
-        token_ids = await asyncio.gather(*(encoder.encode(text) for text in texts))
+        token_ids = await asyncio.gather(*(encoder.encode(text, prompt_param) for text in texts))
         inputs = [GenerationInput(ids, params[j]) for ids in token_ids for j in range(n)]
         sink: asyncio.Queue[Emission] = asyncio.Queue()
         try:
@@ -383,7 +383,7 @@ def create_app(
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins
             body.max_tokens = body.max_completion_tokens
         prompt = await encoder.render_chat(body.messages)
-        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl")
+        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl", "messages")
         cid = job.subs[0].rid
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -435,7 +435,7 @@ def create_app(
         if body.num_choices != 1:
             raise APIError(400, f"n={body.n} is not supported on /generate (use /v1/completions)", param="n")
         prompt = await encoder.render_chat(body.messages) if body.messages is not None else body.prompt
-        job = await start_job(request, [prompt], body, 512, "gen")
+        job = await start_job(request, [prompt], body, 512, "gen", "prompt" if body.messages is None else "messages")
         rid = job.subs[0].rid
         choice = job.choices[0]
 

@@ -48,7 +48,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": [{"content": "hi"}]}), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": LONG_PROMPT}]}),
-     400, "prompt"),
+     400, "messages"),
     ("/generate", json.dumps({"prompt": "hi", "stream_mode": "sideways"}), 400, "stream_mode"),
     ("/generate", json.dumps({"max_tokens": 4}), 400, "prompt"),
     ("/generate", json.dumps({"prompt": "hi", "max_tokens": 1.5}), 400, "max_tokens"),
