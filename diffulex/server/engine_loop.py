@@ -169,6 +169,11 @@ class EngineLoop:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def num_tracked(self) -> int:
+        """Requests the engine thread is tracking (exact only while it is idle; for tests and diagnostics)."""
+        return len(self._tracked)
+
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuse new requests, let in-flight ones finish for up to ``grace_s``, abort the rest, release the engine."""
         self._draining = True
