@@ -44,10 +44,11 @@ from diffulex.server.protocol import (
     ModelList,
     SamplingFields,
     error_body,
+    escaped,
     openai_finish_reason,
     param_of,
 )
-from diffulex.server.request_body import BodyGuard, escaped
+from diffulex.server.request_body import BodyGuard
 from diffulex.server.streams import DenoiseView, TextStream
 
 logger = logging.getLogger("diffulex.server")
@@ -208,7 +209,6 @@ def create_app(
 
     def error_response(err: APIError) -> JSONResponse:
         metrics.observe_rejected(err.status)
-        err.message = escaped(err.message, limit=None)  # nothing unencodable ever reaches the response
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(APIError)

@@ -143,6 +143,10 @@ class EngineLoop:
         self._draining = False
         self.failure: str | None = None  # set when the engine raised; the loop stops serving
         self._rid_counter = itertools.count()
+        # Taken around "is the thread still taking commands?" and the put of an add, so that no add is queued
+        # after the thread's last look at the queue (it would wait forever).
+        self._accepting_lock = threading.Lock()
+        self._accepting = True
 
     # ----- lifetime ---------------------------------------------------------------------------------------
 
@@ -218,7 +222,13 @@ class EngineLoop:
         await self._reserve(len(inputs))
         rids = [self.new_rid(rid_prefix) for _ in inputs]
         command = _Add(list(inputs), rids, list(range(len(inputs))), sink)
-        self._commands.put(command)
+        with self._accepting_lock:
+            accepting = self._accepting and not self._draining
+            if accepting:
+                self._commands.put(command)
+        if not accepting:
+            self._release(len(inputs))
+            raise EngineUnavailableError(self.failure or "the server is shutting down")
         try:
             return await asyncio.wrap_future(command.future)
         except asyncio.CancelledError:
@@ -248,7 +258,9 @@ class EngineLoop:
         assert self._slot_freed is not None
         while self._in_flight + count > self.capacity:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._draining:
+            if self._draining:
+                raise EngineUnavailableError(self.failure or "the server is shutting down")
+            if remaining <= 0:
                 raise QueueFullError(f"no capacity became free within {self.queue_timeout:g} s; retry later")
             self._slot_freed.clear()
             try:
@@ -307,7 +319,9 @@ class EngineLoop:
             except Exception:  # pragma: no cover  (nothing more to do at this point)
                 logger.exception("engine.exit() failed")
             self._refresh_state()
-            # Commands that arrive from now on are answered here so no caller waits forever.
+            # No add is queued from now on; those already queued are answered here so no caller waits forever.
+            with self._accepting_lock:
+                self._accepting = False
             self._drain_after_stop()
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:

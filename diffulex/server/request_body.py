@@ -18,12 +18,11 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from diffulex.server.protocol import APIError
+from diffulex.server.protocol import APIError, escaped
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # An integer literal longer than this cannot be within the 64-bit range: it is kept as text, never converted.
 MAX_INT_DIGITS = len(str(INT64_MIN))
-SHOWN_CHARS = 40  # how much of a bad value an error message quotes
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,6 @@ def _parse_int(literal: str) -> int | _OversizedInt:
     if len(literal) > MAX_INT_DIGITS:
         return _OversizedInt(literal)
     return int(literal)
-
-
-def escaped(text: str, limit: int | None = SHOWN_CHARS) -> str:
-    """``text`` safe to put in any response: unencodable characters as ``\\udXXX`` escapes, optionally shortened."""
-    shown = text if limit is None or len(text) <= limit else text[:limit] + "..."
-    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _walk(value: Any, path: str) -> Iterator[tuple[str, Any]]:

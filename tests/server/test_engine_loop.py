@@ -164,6 +164,21 @@ def test_capacity_rejects_or_waits() -> None:
     run(scenario())
 
 
+def test_a_request_waiting_for_a_slot_at_shutdown_is_told_the_server_is_going_away() -> None:
+    async def scenario():
+        loop = EngineLoop(FakeEngine(), max_waiting=0, queue_policy="wait", queue_timeout=30.0)
+        loop.start()
+        sink: asyncio.Queue[Emission] = asyncio.Queue()
+        await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10**6))] * 4, sink)
+        waiter = asyncio.create_task(loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))], sink))
+        await asyncio.sleep(0.05)
+        await loop.shutdown(grace_s=0.0)
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await asyncio.wait_for(waiter, 5)
+
+    run(scenario())
+
+
 def test_shutdown_aborts_what_does_not_finish_in_the_grace_period() -> None:
     async def scenario():
         engine = FakeEngine()

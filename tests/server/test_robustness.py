@@ -36,6 +36,8 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({**GOOD, "max_repetition_run": -1}), 400, "max_repetition_run"),
     ("/v1/completions", json.dumps({**GOOD, "seed": -1}), 400, "seed"),
     ("/v1/completions", json.dumps({**GOOD, "stop": [""]}), 400, "stop"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": ["x"] * 17}), 400, "stop"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": "x" * 257}), 400, "stop"),
     ("/v1/completions", json.dumps({**GOOD, "n": 0}), 400, "n"),
     ("/v1/completions", json.dumps({**GOOD, "n": 1000}), 400, "n"),
     ("/v1/completions", json.dumps({**GOOD, "logprobs": 3}), 400, "logprobs"),
