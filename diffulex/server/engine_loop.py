@@ -3,11 +3,12 @@
 The engine is not thread-safe, so exactly one thread touches it. HTTP handlers talk to that thread through a
 command queue (add, abort, stop) and get results back through per-request asyncio queues ("sinks") that the
 thread fills with ``loop.call_soon_threadsafe``. Between two steps the thread takes every queued command, so
-requests join and leave the batch at step granularity; it blocks only while the engine has nothing to do.
+requests join and leave the batch at step granularity; it blocks only while the engine has nothing to do. An add
+carries token ids, tokenized by the handler: nothing whose cost grows with one client's input runs on this thread.
 
 Admission control lives on the asyncio side: at most ``max_num_reqs + max_waiting`` requests are in flight; past
-that a submission is refused (HTTP 429) or waits for a free slot, as configured. This bounds memory no matter how
-many clients connect.
+that a submission is refused (HTTP 429) or waits for a free slot, as configured; one larger than that bound can
+never run and is refused as a bad request. This bounds memory no matter how many clients connect.
 """
 
 from __future__ import annotations
