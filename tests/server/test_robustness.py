@@ -199,16 +199,16 @@ def test_wait_policy_queues_instead_of_refusing(sdar_dir: Path) -> None:
         running.stop()
 
 
-def test_shutdown_aborts_in_flight_requests_cleanly(sdar_dir: Path) -> None:
-    running = start_server(sdar_dir)
-    body = {**GOOD, "max_tokens": 480, "ignore_eos": True, "stream": True}
+def test_shutdown_lets_in_flight_requests_finish_within_the_grace_period(sdar_dir: Path) -> None:
+    running = start_server(sdar_dir, shutdown_grace_s=60.0)  # far more than the request needs, even on a busy CPU
+    body = {**GOOD, "max_tokens": 240, "ignore_eos": True, "stream": True}
     events = []
     with httpx.Client(base_url=running.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             events.append(next(lines))
             t0 = time.monotonic()
-            running.server.should_exit = True  # like SIGTERM: uvicorn waits (up to 5 s here), then cancels
+            running.server.should_exit = True  # like SIGTERM
             events.extend(lines)
     running.thread.join(30)
     assert not running.thread.is_alive()
@@ -216,7 +216,7 @@ def test_shutdown_aborts_in_flight_requests_cleanly(sdar_dir: Path) -> None:
     assert events[-1] == "data: [DONE]", "the in-flight request should finish within the grace period"
     final = json.loads([e for e in events if e.startswith("data: {")][-1][6:])
     assert final["choices"][0]["finish_reason"] == "length"
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60
     assert not running.loop.running
     assert running.loop.engine._closed
 
