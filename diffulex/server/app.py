@@ -23,32 +23,38 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffulex.sampling_params import SamplingParams
+from diffulex.server.cli import DEFAULT_MAX_BODY_BYTES
 from diffulex.server.engine_loop import (
     Emission,
     EngineLoop,
     EngineUnavailableError,
     GenerationInput,
     QueueFullError,
+    RequestTooLargeError,
     Submitted,
 )
+from diffulex.server.prompts import PromptEncoder
 from diffulex.server.protocol import (
     MAX_CHOICES_PER_REQUEST,
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     GenerateRequest,
     ModelCard,
     ModelList,
     SamplingFields,
     error_body,
+    escaped,
     openai_finish_reason,
+    param_of,
 )
+from diffulex.server.request_body import BodyGuard
 from diffulex.server.streams import DenoiseView, TextStream
 
 logger = logging.getLogger("diffulex.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 DISCONNECT_POLL_S = 0.25
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -144,11 +150,22 @@ def _trajectory(choice: _Choice) -> Any:
     return final.update.trajectory if final is not None and final.update is not None else None
 
 
-def _end_error(emission: Emission) -> APIError:
-    """The error for a request that ended without an answer (only engine failures and shutdown reach clients)."""
+def _end_error(emission: Emission) -> APIError | None:
+    """The error of a request that ended without an answer, or None while it runs or once it has its answer.
+
+    A request ends without an answer when the server aborts it (shutdown), when the engine fails as a whole, or
+    when the engine fails the step it was part of (its trajectory then carries the error; the engine goes on).
+    """
     if emission.error == "aborted":
         return APIError(503, "the request was aborted (server shutting down)", type="server_error", code="aborted")
-    return APIError(503, emission.error or "unknown engine error", type="server_error", code="engine_error")
+    if emission.error is not None:
+        return APIError(503, emission.error, type="server_error", code="engine_error")
+    update = emission.update
+    traj = update.trajectory if update is not None and update.finished else None
+    if traj is not None and traj.error is not None:
+        return APIError(500, f"the engine failed this request: {traj.error}", type="server_error",
+                        code="engine_error")
+    return None
 
 
 def create_app(
@@ -157,15 +174,18 @@ def create_app(
     *,
     shutdown_grace_s: float = 30.0,
     manage_engine_loop: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Build the app around ``engine_loop``.
 
     With ``manage_engine_loop`` the app's lifespan starts the loop's engine thread and shuts it down gracefully
-    (in-flight requests get ``shutdown_grace_s`` to finish, then are aborted).
+    (in-flight requests get ``shutdown_grace_s`` to finish, then are aborted). A request body over
+    ``max_body_bytes`` is refused (413) before it is parsed.
     """
     model_name = served_model_name or Path(engine_loop.config.model).name
     metrics = engine_loop.metrics
     tokenizer = engine_loop.tokenizer
+    encoder = PromptEncoder(tokenizer, engine_loop.max_model_len, engine_loop.vocab_limit)
     started = int(time.time())
 
     @asynccontextmanager
@@ -177,8 +197,11 @@ def create_app(
         finally:
             if manage_engine_loop:
                 await engine_loop.shutdown(shutdown_grace_s)
+            encoder.close()
 
     app = FastAPI(title="Diffulex", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes, json_paths=GENERATION_ROUTES,
+                       on_reject=metrics.observe_rejected)
     app.state.engine_loop = engine_loop
     app.state.served_model_name = model_name
 
@@ -222,44 +245,41 @@ def create_app(
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (model_name, engine_loop.config.model):
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
+            raise APIError(404, f"The model '{escaped(name)}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
-    def render_chat(messages: list[ChatMessage]) -> str:
-        if not messages:
-            raise APIError(400, "messages must not be empty", param="messages")
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-            except Exception as err:  # a template may raise on roles or orders it does not support
-                raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
-
     async def start_job(
-        request: Request, prompts: list[str | list[int]], fields: SamplingFields, default_max_tokens: int,
-        rid_prefix: str,
+        request: Request, texts: list[str | list[int]], fields: SamplingFields, default_max_tokens: int,
+        rid_prefix: str, prompt_param: str = "prompt",
     ) -> _Job:
         arrived = time.monotonic()
         n = fields.num_choices
         if n < 1:
             raise APIError(400, f"n={n} is invalid: must be an integer >= 1", param="n")
-        if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
-            raise APIError(400, f"{len(prompts)} prompt(s) x n={n} is too many completions for one request "
-                           f"(at most {MAX_CHOICES_PER_REQUEST})", param="n")
-        inputs = [GenerationInput(p, fields.sampling_params(default_max_tokens, choice=j)) for p in prompts
-                  for j in range(n)]
+        count = len(texts) * n
+        limit = min(MAX_CHOICES_PER_REQUEST, engine_loop.capacity)
+        if count > limit:
+            param = "n" if n > 1 else "prompt"
+            raise APIError(400, f"{len(texts)} prompt(s) x n={n} is too many completions for one request: this "
+                           f"server runs at most {limit} per request", param=param, code="too_many_completions")
+        params = [fields.sampling_params(default_max_tokens, choice=j) for j in range(n)]
+        if engine_loop.draining:  # refuse before tokenizing anything
+            raise APIError(503, engine_loop.failure or "the server is shutting down", type="server_error",
+                           code="unavailable")
+        token_ids = await asyncio.gather(*(encoder.encode(text, prompt_param) for text in texts))
+        inputs = [GenerationInput(ids, params[j]) for ids in token_ids for j in range(n)]
         sink: asyncio.Queue[Emission] = asyncio.Queue()
         try:
             subs = await engine_loop.submit(inputs, sink, rid_prefix)
+        except RequestTooLargeError as err:
+            raise APIError(400, str(err), param="n" if n > 1 else "prompt", code="too_many_completions") from None
         except QueueFullError as err:
             raise APIError(429, str(err), type="rate_limit_error", code="queue_full") from None
         except EngineUnavailableError as err:
             raise APIError(503, str(err), type="server_error", code="unavailable") from None
         except ValueError as err:
             message = str(err)
-            param = "prompt" if message.startswith("prompt") else None
-            raise APIError(400, message, param=param) from None
+            raise APIError(400, message, param=param_of(message)) from None
         choices = [
             _Choice(len(s.prompt_token_ids), inp.params, TextStream(tokenizer, inp.params.stop))
             for s, inp in zip(subs, inputs, strict=True)
@@ -275,8 +295,8 @@ def create_app(
                 emission = await job.next()
                 if emission is _DISCONNECTED:
                     raise APIError(499, "client disconnected", code="client_disconnected")
-                if emission.error is not None:
-                    raise _end_error(emission)
+                if (error := _end_error(emission)) is not None:
+                    raise error
         finally:
             job.close()
 
@@ -362,8 +382,8 @@ def create_app(
         check_model(body.model)
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins
             body.max_tokens = body.max_completion_tokens
-        prompt = render_chat(body.messages)
-        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl")
+        prompt = await encoder.render_chat(body.messages)
+        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl", "messages")
         cid = job.subs[0].rid
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -414,8 +434,8 @@ def create_app(
             raise APIError(400, "exactly one of prompt or messages must be given", param="prompt")
         if body.num_choices != 1:
             raise APIError(400, f"n={body.n} is not supported on /generate (use /v1/completions)", param="n")
-        prompt = render_chat(body.messages) if body.messages is not None else body.prompt
-        job = await start_job(request, [prompt], body, 512, "gen")
+        prompt = await encoder.render_chat(body.messages) if body.messages is not None else body.prompt
+        job = await start_job(request, [prompt], body, 512, "gen", "prompt" if body.messages is None else "messages")
         rid = job.subs[0].rid
         choice = job.choices[0]
 
@@ -436,7 +456,7 @@ def create_app(
             await run_to_end(job)
             return final_payload()
 
-        if body.stream_mode == "block_append":
+        if body.stream_mode == "block_append":  # None: the default, denoise
             async def events() -> AsyncIterator[str]:
                 async for _, text, final in _text_deltas(job):
                     if final is not None:
@@ -456,8 +476,8 @@ def create_app(
                     emission = await job.next()
                     if emission is _DISCONNECTED:
                         return
-                    if emission.error is not None:
-                        raise _end_error(emission)
+                    if (error := _end_error(emission)) is not None:
+                        raise error
                     update = emission.update
                     if update.record is not None and not update.finished:
                         note_first_text(job, choice)
@@ -516,8 +536,8 @@ async def _text_deltas(job: _Job) -> AsyncIterator[tuple[int, str, Emission | No
         emission = await job.next()
         if emission is _DISCONNECTED:
             return
-        if emission.error is not None:
-            raise _end_error(emission)
+        if (error := _end_error(emission)) is not None:
+            raise error
         choice = job.choices[emission.index]
         update = emission.update
         if update.finished:

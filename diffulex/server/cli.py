@@ -12,6 +12,8 @@ import signal
 import sys
 from typing import Any
 
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # the largest request body the server reads (413 beyond)
+
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (the engine fields are added by `diffulex.cli.add_engine_flags`)."""
@@ -30,6 +32,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                      help="seconds a request may wait for a slot with --queue-policy wait (default 30)")
     net.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds in-flight requests get to finish at shutdown before they are aborted (default 30)")
+    net.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="largest request body accepted; larger ones get 413 before they are parsed "
+                     f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB)")
     net.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="log level of the server and uvicorn (default info)")
 
@@ -69,6 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     from diffulex.server.app import create_app
     from diffulex.server.engine_loop import EngineLoop
     from diffulex.server.metrics import ServerMetrics
+    from diffulex.server.runner import GracefulServer
 
     level = getattr(logging, args.log_level.upper())
     logging.getLogger("diffulex").setLevel(level)
@@ -83,6 +89,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"no --model given: serving the built-in demo checkpoint at {model} (random weights)", file=sys.stderr)
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes={args.max_body_bytes} is invalid: must be an integer >= 1")
     if int(fields.get("data_parallel_size") or 1) > 1:
         raise ValueError(
             f"data_parallel_size={fields['data_parallel_size']} is invalid for the server: it drives one engine "
@@ -97,21 +105,17 @@ def serve(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         metrics=ServerMetrics(name or ""),
     )
-    app = create_app(loop, name, shutdown_grace_s=args.shutdown_grace)
+    app = create_app(loop, name, shutdown_grace_s=args.shutdown_grace, max_body_bytes=args.max_body_bytes)
     print(f"serving {app.state.served_model_name} on http://{args.host}:{args.port}/", file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = GracefulServer(config, loop, args.shutdown_grace)
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it found
     # installed. Install a no-op one so that a requested, completed shutdown ends the process with exit code 0.
     stop_signals = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals}
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=max(int(args.shutdown_grace), 1),
-        )
+        server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
+    return server.exit_code

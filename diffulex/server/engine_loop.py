@@ -3,11 +3,12 @@
 The engine is not thread-safe, so exactly one thread touches it. HTTP handlers talk to that thread through a
 command queue (add, abort, stop) and get results back through per-request asyncio queues ("sinks") that the
 thread fills with ``loop.call_soon_threadsafe``. Between two steps the thread takes every queued command, so
-requests join and leave the batch at step granularity; it blocks only while the engine has nothing to do.
+requests join and leave the batch at step granularity; it blocks only while the engine has nothing to do. An add
+carries token ids, tokenized by the handler: nothing whose cost grows with one client's input runs on this thread.
 
 Admission control lives on the asyncio side: at most ``max_num_reqs + max_waiting`` requests are in flight; past
-that a submission is refused (HTTP 429) or waits for a free slot, as configured. This bounds memory no matter how
-many clients connect.
+that a submission is refused (HTTP 429) or waits for a free slot, as configured; one larger than that bound can
+never run and is refused as a bad request. This bounds memory no matter how many clients connect.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ class QueueFullError(Exception):
     """The server holds as many requests as it may; the client should retry later (HTTP 429)."""
 
 
+class RequestTooLargeError(ValueError):
+    """The request asks for more completions than the server can ever hold at once (HTTP 400: retrying is futile)."""
+
+
 class EngineUnavailableError(Exception):
     """The engine is shutting down or has failed (HTTP 503)."""
 
 
 @dataclass
 class GenerationInput:
-    """One completion to run: a prompt (text, already chat-rendered, or token ids) and its parameters."""
+    """One completion to run: its prompt, tokenized by the handler (never on the engine thread), and its parameters."""
 
-    prompt: str | list[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
 
 
@@ -120,6 +125,7 @@ class EngineLoop:
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.mask_token_id: int = engine.mask_token_id
+        self.vocab_limit: int = engine.vocab_limit
         self.block_size: int = engine.config.block_size
         self.max_model_len: int = engine.config.max_model_len
         self.capacity = engine.config.max_num_reqs + max_waiting
@@ -138,6 +144,10 @@ class EngineLoop:
         self._draining = False
         self.failure: str | None = None  # set when the engine raised; the loop stops serving
         self._rid_counter = itertools.count()
+        # Taken around "is the thread still taking commands?" and the put of an add, so that no add is queued
+        # after the thread's last look at the queue (it would wait forever).
+        self._accepting_lock = threading.Lock()
+        self._accepting = True
 
     # ----- lifetime ---------------------------------------------------------------------------------------
 
@@ -163,6 +173,11 @@ class EngineLoop:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests the engine thread is tracking (exact only while it is idle; for tests and diagnostics)."""
+        return len(self._tracked)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuse new requests, let in-flight ones finish for up to ``grace_s``, abort the rest, release the engine."""
@@ -200,14 +215,21 @@ class EngineLoop:
         """Queue ``inputs`` as one unit (all accepted or none); their emissions go to ``sink``.
 
         Raises QueueFullError (429), EngineUnavailableError (503), or ValueError for input the engine rejects
-        (400). If the caller is cancelled while waiting, the requests are aborted as soon as they exist.
+        or a request larger than the server's capacity (400). If the caller is cancelled while waiting, the
+        requests are aborted as soon as they exist.
         """
         if self._draining or not self.running:
             raise EngineUnavailableError(self.failure or "the server is shutting down")
         await self._reserve(len(inputs))
         rids = [self.new_rid(rid_prefix) for _ in inputs]
         command = _Add(list(inputs), rids, list(range(len(inputs))), sink)
-        self._commands.put(command)
+        with self._accepting_lock:
+            accepting = self._accepting and not self._draining
+            if accepting:
+                self._commands.put(command)
+        if not accepting:
+            self._release(len(inputs))
+            raise EngineUnavailableError(self.failure or "the server is shutting down")
         try:
             return await asyncio.wrap_future(command.future)
         except asyncio.CancelledError:
@@ -224,7 +246,10 @@ class EngineLoop:
 
     async def _reserve(self, count: int) -> None:
         if count > self.capacity:
-            raise QueueFullError(f"a request of {count} completions exceeds the server's capacity {self.capacity}")
+            raise RequestTooLargeError(
+                f"a request of {count} completions can never run here: the server holds at most {self.capacity} "
+                "requests at once"
+            )
         if self._in_flight + count <= self.capacity:
             self._in_flight += count
             return
@@ -234,7 +259,9 @@ class EngineLoop:
         assert self._slot_freed is not None
         while self._in_flight + count > self.capacity:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._draining:
+            if self._draining:
+                raise EngineUnavailableError(self.failure or "the server is shutting down")
+            if remaining <= 0:
                 raise QueueFullError(f"no capacity became free within {self.queue_timeout:g} s; retry later")
             self._slot_freed.clear()
             try:
@@ -293,7 +320,9 @@ class EngineLoop:
             except Exception:  # pragma: no cover  (nothing more to do at this point)
                 logger.exception("engine.exit() failed")
             self._refresh_state()
-            # Commands that arrive from now on are answered here so no caller waits forever.
+            # No add is queued from now on; those already queued are answered here so no caller waits forever.
+            with self._accepting_lock:
+                self._accepting = False
             self._drain_after_stop()
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
@@ -315,13 +344,6 @@ class EngineLoop:
             if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineUnavailableError(self.failure or "the server is shutting down"))
 
-    def _encode(self, prompt: str | list[int]) -> str | list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return prompt
-
     def _add(self, command: _Add) -> None:
         engine = self.engine
         if not command.future.set_running_or_notify_cancel():
@@ -329,9 +351,8 @@ class EngineLoop:
         added: list[tuple[int, Submitted]] = []
         try:
             for inp, rid, index in zip(command.inputs, command.rids, command.indices, strict=True):
-                ids = self._encode(inp.prompt)
-                req_id = engine.add_request(ids, inp.params)
-                added.append((req_id, Submitted(rid, index, list(ids))))
+                req_id = engine.add_request(inp.prompt_token_ids, inp.params)
+                added.append((req_id, Submitted(rid, index, inp.prompt_token_ids)))
         except Exception as err:
             for req_id, _ in added:
                 engine.abort_request(req_id)

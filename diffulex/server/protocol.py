@@ -27,6 +27,10 @@ FINISH_REASONS = {
 
 # Most completions one HTTP request may ask for (prompts x n): one request must not be able to fill the queue.
 MAX_CHOICES_PER_REQUEST = 16
+# Stop strings are searched on the engine thread after every step, so their number and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+SHOWN_CHARS = 40  # how much of a client's value an error message quotes
 
 
 def openai_finish_reason(completion_reason: str | None) -> str:
@@ -57,7 +61,15 @@ class APIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The error object; its text is escaped, since a message may quote what a client sent."""
+    return {"error": {"message": escaped(message, limit=None), "type": type,
+                      "param": None if param is None else escaped(param), "code": code}}
+
+
+def escaped(text: str, limit: int | None = SHOWN_CHARS) -> str:
+    """``text`` safe to put in any response: unencodable characters as ``\\udXXX`` escapes, optionally shortened."""
+    shown = text if limit is None or len(text) <= limit else text[:limit] + "..."
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Strict(BaseModel):
@@ -117,12 +129,22 @@ class SamplingFields(_Strict):
             if bad:
                 raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
 
+    def _check_stop_size(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop has {len(stops)} strings: at most {MAX_STOP_STRINGS} are allowed", param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(400, f"stop has a string of {longest} characters: at most {MAX_STOP_CHARS} are allowed",
+                           param="stop")
+
     def sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """Validated engine parameters for one choice; a ValueError from SamplingParams becomes a 400 naming the field.
 
         With ``n > 1`` and a seed, choice ``i`` uses ``seed + i`` so that the choices differ yet stay reproducible.
         """
         self.reject_unsupported()
+        self._check_stop_size()
         if self.num_choices < 1:
             raise APIError(400, f"n={self.n} is invalid: must be an integer >= 1", param="n")
         seed = None if self.seed is None else self.seed + choice
@@ -139,11 +161,15 @@ class SamplingFields(_Strict):
                 stop=self.stop,
             )
         except ValueError as err:
-            raise APIError(400, str(err), param=_param_of(str(err))) from None
+            raise APIError(400, str(err), param=param_of(str(err))) from None
 
 
-def _param_of(message: str) -> str | None:
-    """SamplingParams messages start with ``field=value``; name the field in the error body."""
+def param_of(message: str) -> str | None:
+    """The field an engine message is about: they start with ``field=value`` or ``prompt ...``."""
+    if message.startswith("prompt"):
+        return "prompt"
+    if "KV pages" in message:  # the one request-size refusal the engine makes: the answer budget is too large
+        return "max_tokens"
     head = message.split("=", 1)[0].strip()
     return head if head.isidentifier() else None
 
@@ -190,7 +216,7 @@ class GenerateRequest(SamplingFields):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     stream: bool | None = None
-    stream_mode: Literal["denoise", "block_append"] = "denoise"
+    stream_mode: Literal["denoise", "block_append"] | None = None  # None: denoise
     user: str | None = None
 
 

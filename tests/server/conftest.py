@@ -19,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from diffulex import Diffulex  # noqa: E402
 from diffulex.server.app import create_app  # noqa: E402
 from diffulex.server.engine_loop import EngineLoop  # noqa: E402
+from diffulex.server.runner import GracefulServer  # noqa: E402
 
 MODEL_NAME = "tiny-sdar"
 ENGINE_FIELDS: dict[str, Any] = dict(
@@ -56,17 +57,19 @@ class RunningServer:
 
 
 def start_server(
-    model_dir: Path, *, max_waiting: int = 64, queue_policy: str = "reject", **fields: Any
+    model_dir: Path, *, max_waiting: int = 64, queue_policy: str = "reject", max_body_bytes: int | None = None,
+    shutdown_grace_s: float = 5.0, **fields: Any,
 ) -> RunningServer:
     engine = Diffulex(str(model_dir), **{**ENGINE_FIELDS, **fields})
     loop = EngineLoop(engine, max_waiting=max_waiting, queue_policy=queue_policy, queue_timeout=5.0)
-    app = create_app(loop, MODEL_NAME, shutdown_grace_s=5.0)
+    limits = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+    app = create_app(loop, MODEL_NAME, shutdown_grace_s=shutdown_grace_s, **limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_level="warning")
+    server = GracefulServer(config, loop, shutdown_grace_s=shutdown_grace_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

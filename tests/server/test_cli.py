@@ -11,15 +11,24 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from diffulex.cli import build_parser
+from diffulex.server.cli import DEFAULT_MAX_BODY_BYTES
 
 
 def test_serve_is_a_diffulex_subcommand_with_engine_flags() -> None:
     args = build_parser().parse_args(["serve", "--port", "9001", "--block-size", "8", "--queue-policy", "wait"])
     assert args.port == 9001 and args.host == "127.0.0.1" and args.queue_policy == "wait"
     assert args.block_size == 8 and args.model is None
+    assert args.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 * 1024 * 1024
     assert callable(args.func)
+
+
+def test_a_body_limit_below_one_byte_is_refused_naming_the_flag() -> None:
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "0"])
+    with pytest.raises(ValueError, match=r"--max-body-bytes=0 is invalid"):
+        args.func(args)
 
 
 def _free_port() -> int:

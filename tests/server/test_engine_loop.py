@@ -22,6 +22,7 @@ from diffulex.server.engine_loop import (
     EngineUnavailableError,
     GenerationInput,
     QueueFullError,
+    RequestTooLargeError,
 )
 from diffulex.server.metrics import ServerMetrics
 
@@ -35,6 +36,7 @@ class FakeEngine:
         self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False: [1] * len(text.split()))
         self.config = SimpleNamespace(block_size=4, max_model_len=64, max_num_reqs=4, model="/fake")
         self.mask_token_id = 0
+        self.vocab_limit = 100
         kv = SimpleNamespace(num_used_pages=0, num_pages=100)
         self.scheduler = SimpleNamespace(waiting=deque(), running=deque(), kv_cache=kv)
         self.requests: dict[int, dict] = {}
@@ -102,10 +104,10 @@ def test_requests_join_a_running_batch_between_steps() -> None:
         loop = EngineLoop(engine, max_waiting=4)
         loop.start()
         sink: asyncio.Queue[Emission] = asyncio.Queue()
-        await loop.submit([GenerationInput("a b", SamplingParams(max_tokens=400))], sink)
+        await loop.submit([GenerationInput([1, 1], SamplingParams(max_tokens=400))], sink)
         while engine.steps < 3:
             await asyncio.sleep(0.001)
-        await loop.submit([GenerationInput("c", SamplingParams(max_tokens=3))], sink)
+        await loop.submit([GenerationInput([3], SamplingParams(max_tokens=3))], sink)
         emissions = await drain(sink, 2)
         await loop.shutdown(1.0)
         return engine, emissions
@@ -123,11 +125,9 @@ def test_bad_input_rejects_the_whole_submission_and_leaves_nothing_behind() -> N
         loop = EngineLoop(engine)
         loop.start()
         sink: asyncio.Queue[Emission] = asyncio.Queue()
-        good = GenerationInput("a", SamplingParams(max_tokens=5))
+        good = GenerationInput([1], SamplingParams(max_tokens=5))
         with pytest.raises(ValueError, match="too long"):
             await loop.submit([good, GenerationInput(list(range(100)), SamplingParams())], sink)
-        with pytest.raises(ValueError, match="prompt=''"):
-            await loop.submit([GenerationInput("", SamplingParams())], sink)
         assert loop.in_flight == 0 and engine.is_finished()
         await loop.submit([good], sink)
         await drain(sink, 1)
@@ -142,13 +142,13 @@ def test_capacity_rejects_or_waits() -> None:
         loop = EngineLoop(engine, max_waiting=0, queue_policy="reject")
         loop.start()
         sink: asyncio.Queue[Emission] = asyncio.Queue()
-        long = await loop.submit([GenerationInput("a", SamplingParams(max_tokens=10**6))] * 4, sink)
+        long = await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10**6))] * 4, sink)
         with pytest.raises(QueueFullError):
-            await loop.submit([GenerationInput("b", SamplingParams(max_tokens=1))], sink)
-        with pytest.raises(QueueFullError, match="exceeds"):
-            await loop.submit([GenerationInput("b", SamplingParams(max_tokens=1))] * 5, sink)
+            await loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))], sink)
+        with pytest.raises(RequestTooLargeError, match="can never run"):
+            await loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))] * 5, sink)
         loop.queue_policy, loop.queue_timeout = "wait", 10.0
-        waiter = asyncio.create_task(loop.submit([GenerationInput("b", SamplingParams(max_tokens=1))], sink))
+        waiter = asyncio.create_task(loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))], sink))
         await asyncio.sleep(0.05)
         assert not waiter.done()
         loop.abort([long[0].rid])  # frees one slot: the waiter gets it
@@ -158,8 +158,23 @@ def test_capacity_rejects_or_waits() -> None:
             "aborted", "max_new_tokens_reached"]
         loop.queue_timeout = 0.05
         with pytest.raises(QueueFullError, match="within"):
-            await loop.submit([GenerationInput("b", SamplingParams(max_tokens=1))] * 2, sink)
+            await loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))] * 2, sink)
         await loop.shutdown(0.0)
+
+    run(scenario())
+
+
+def test_a_request_waiting_for_a_slot_at_shutdown_is_told_the_server_is_going_away() -> None:
+    async def scenario():
+        loop = EngineLoop(FakeEngine(), max_waiting=0, queue_policy="wait", queue_timeout=30.0)
+        loop.start()
+        sink: asyncio.Queue[Emission] = asyncio.Queue()
+        await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10**6))] * 4, sink)
+        waiter = asyncio.create_task(loop.submit([GenerationInput([2], SamplingParams(max_tokens=1))], sink))
+        await asyncio.sleep(0.05)
+        await loop.shutdown(grace_s=0.0)
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await asyncio.wait_for(waiter, 5)
 
     run(scenario())
 
@@ -171,11 +186,11 @@ def test_shutdown_aborts_what_does_not_finish_in_the_grace_period() -> None:
         loop = EngineLoop(engine, metrics=metrics)
         loop.start()
         sink: asyncio.Queue[Emission] = asyncio.Queue()
-        await loop.submit([GenerationInput("a", SamplingParams(max_tokens=10**6))], sink)
+        await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10**6))], sink)
         await loop.shutdown(grace_s=0.05)
         emissions = await drain(sink, 1)
         with pytest.raises(EngineUnavailableError):
-            await loop.submit([GenerationInput("a", SamplingParams(max_tokens=1))], sink)
+            await loop.submit([GenerationInput([1], SamplingParams(max_tokens=1))], sink)
         return engine, emissions, loop
 
     engine, emissions, loop = run(scenario())
@@ -189,14 +204,14 @@ def test_engine_failure_fails_requests_and_stops_serving() -> None:
         loop = EngineLoop(engine)
         loop.start()
         sink: asyncio.Queue[Emission] = asyncio.Queue()
-        await loop.submit([GenerationInput("a", SamplingParams(max_tokens=10))], sink)
+        await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10))], sink)
         emissions = await drain(sink, 1)
         for _ in range(100):
             if not loop.running:
                 break
             await asyncio.sleep(0.01)
         with pytest.raises(EngineUnavailableError, match="device lost"):
-            await loop.submit([GenerationInput("a", SamplingParams(max_tokens=1))], sink)
+            await loop.submit([GenerationInput([1], SamplingParams(max_tokens=1))], sink)
         return emissions, loop
 
     emissions, loop = run(scenario())

@@ -36,6 +36,8 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({**GOOD, "max_repetition_run": -1}), 400, "max_repetition_run"),
     ("/v1/completions", json.dumps({**GOOD, "seed": -1}), 400, "seed"),
     ("/v1/completions", json.dumps({**GOOD, "stop": [""]}), 400, "stop"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": ["x"] * 17}), 400, "stop"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": "x" * 257}), 400, "stop"),
     ("/v1/completions", json.dumps({**GOOD, "n": 0}), 400, "n"),
     ("/v1/completions", json.dumps({**GOOD, "n": 1000}), 400, "n"),
     ("/v1/completions", json.dumps({**GOOD, "logprobs": 3}), 400, "logprobs"),
@@ -48,10 +50,27 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": [{"content": "hi"}]}), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": LONG_PROMPT}]}),
-     400, "prompt"),
+     400, "messages"),
     ("/generate", json.dumps({"prompt": "hi", "stream_mode": "sideways"}), 400, "stream_mode"),
     ("/generate", json.dumps({"max_tokens": 4}), 400, "prompt"),
     ("/generate", json.dumps({"prompt": "hi", "max_tokens": 1.5}), 400, "max_tokens"),
+    # Text no encoder can write (a lone surrogate), in every field that carries text.
+    ("/v1/completions", json.dumps({**GOOD, "model": "\ud800"}), 400, "model"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": "To be \udfff"}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": ["ok", "\ud800"]}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": ["\ud83d"]}), 400, "stop"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}), 400, "messages"),
+    ("/generate", json.dumps({"prompt": "hi", "user": "\udc00"}), 400, "user"),
+    # Numbers outside what any field can mean.
+    ("/v1/completions", json.dumps({**GOOD, "max_tokens": 10**400}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({**GOOD, "seed": 2**64}), 400, "seed"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": [1, -(2**70)]}), 400, "prompt"),
+    ("/v1/completions", json.dumps({**GOOD, "temperature": float("inf")}), 400, "temperature"),
+    ("/v1/completions", json.dumps({**GOOD, "top_p": float("nan")}), 400, "top_p"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', 400,
+     "temperature"),
+    ("/v1/completions", json.dumps({**GOOD, "prompt": "x" * 100_000}), 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
 ]
 
 
@@ -63,6 +82,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server: RunningServer
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["message"]
+        response.content.decode("utf-8")  # whatever the input, the answer is valid UTF-8 (nothing echoed raw)
         if param is not None:
             assert error["param"] == param, error
         good = http.post("/v1/completions", json=GOOD)
@@ -141,6 +161,12 @@ def _aborted(server: RunningServer) -> int:
 def test_full_queue_answers_429_then_recovers(sdar_dir: Path) -> None:
     running = start_server(sdar_dir, max_waiting=1, max_num_reqs=1)  # capacity: 1 running + 1 waiting
     try:
+        # More completions than the server can ever hold is a 400 (a retry cannot succeed), not a 429.
+        for body, param in (({**GOOD, "n": 3}, "n"), ({**GOOD, "prompt": ["a", "b", "c"]}, "prompt")):
+            never = httpx.post(running.base_url + "/v1/completions", json=body, timeout=10)
+            assert never.status_code == 400, never.text
+            assert never.json()["error"]["param"] == param
+            assert "at most 2" in never.json()["error"]["message"]
         slow = {**GOOD, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=running.base_url, timeout=30) as a, httpx.Client(base_url=running.base_url,
                                                                                      timeout=30) as b:
@@ -152,7 +178,9 @@ def test_full_queue_answers_429_then_recovers(sdar_dir: Path) -> None:
                 assert refused.json()["error"]["type"] == "rate_limit_error"
         running.wait_idle()
         assert httpx.post(running.base_url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
-        assert 'diffulex_requests_rejected_total{status="429"} 1' in httpx.get(running.base_url + "/metrics").text
+        rejected = httpx.get(running.base_url + "/metrics").text
+        assert 'diffulex_requests_rejected_total{status="429"} 1' in rejected
+        assert 'diffulex_requests_rejected_total{status="400"} 2' in rejected
     finally:
         running.stop()
 
@@ -171,16 +199,16 @@ def test_wait_policy_queues_instead_of_refusing(sdar_dir: Path) -> None:
         running.stop()
 
 
-def test_shutdown_aborts_in_flight_requests_cleanly(sdar_dir: Path) -> None:
-    running = start_server(sdar_dir)
-    body = {**GOOD, "max_tokens": 480, "ignore_eos": True, "stream": True}
+def test_shutdown_lets_in_flight_requests_finish_within_the_grace_period(sdar_dir: Path) -> None:
+    running = start_server(sdar_dir, shutdown_grace_s=60.0)  # far more than the request needs, even on a busy CPU
+    body = {**GOOD, "max_tokens": 240, "ignore_eos": True, "stream": True}
     events = []
     with httpx.Client(base_url=running.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             events.append(next(lines))
             t0 = time.monotonic()
-            running.server.should_exit = True  # like SIGTERM: uvicorn waits (up to 5 s here), then cancels
+            running.server.should_exit = True  # like SIGTERM
             events.extend(lines)
     running.thread.join(30)
     assert not running.thread.is_alive()
@@ -188,7 +216,7 @@ def test_shutdown_aborts_in_flight_requests_cleanly(sdar_dir: Path) -> None:
     assert events[-1] == "data: [DONE]", "the in-flight request should finish within the grace period"
     final = json.loads([e for e in events if e.startswith("data: {")][-1][6:])
     assert final["choices"][0]["finish_reason"] == "length"
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60
     assert not running.loop.running
     assert running.loop.engine._closed
 
@@ -201,3 +229,13 @@ def test_nulls_mean_defaults_as_in_openai(server: RunningServer) -> None:
         response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1
+
+
+def test_a_null_stream_mode_streams_the_default_denoise_snapshots(server: RunningServer) -> None:
+    body = {"prompt": "The baker", "max_tokens": 8, "temperature": 0, "stream": True, "stream_mode": None}
+    with server.client() as http, http.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    kinds = [json.loads(e)["event"] for e in events[:-1]]
+    assert kinds[-1] == "final" and set(kinds[:-1]) == {"denoise"}

@@ -1,0 +1,91 @@
+"""Prompts to token ids in the request handler, off the engine thread and bounded before any work is done.
+
+The engine thread is shared by every request, so nothing that grows with one client's input may run there: chat
+rendering and tokenization run on a small worker pool, and the engine receives token ids. Before a text is
+tokenized at all it is measured against the longest prompt the model accepts: no token covers more than the
+longest vocabulary entry, so a text longer than ``max_model_len`` such entries cannot fit, whatever it holds.
+The bound is loosened by `NORMALIZATION_SLACK` because a tokenizer's normalizer may shorten text before splitting
+it (NFC composes up to three code points into one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from typing import Any
+
+from diffulex.server.protocol import APIError, ChatMessage
+
+NORMALIZATION_SLACK = 4
+TOKENIZER_WORKERS = 2
+
+
+class PromptEncoder:
+    """Renders chat messages and tokenizes prompts for the handlers; every refusal is a 400 naming ``prompt``."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_limit: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_limit = vocab_limit
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest_token = max((len(token) for token in vocab), default=1)
+        self.max_prompt_chars = NORMALIZATION_SLACK * longest_token * max_model_len
+        self._workers = concurrent.futures.ThreadPoolExecutor(TOKENIZER_WORKERS, thread_name_prefix="diffulex-tokenize")
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400, f"{param} of {num_chars} characters is too long: this server's max_model_len={self.max_model_len} "
+                f"tokens cannot hold more than {self.max_prompt_chars} characters", param=param,
+                code="prompt_too_long",
+            )
+
+    async def render_chat(self, messages: list[ChatMessage]) -> str:
+        """The conversation as one prompt text, through the tokenizer's chat template when it has one."""
+        if not messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_chars(sum(len(m["role"]) + len(m["content"]) for m in plain), "messages")
+        if getattr(self.tokenizer, "chat_template", None):
+            return await self._off_loop(self._apply_template, plain)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+
+    def _apply_template(self, plain: list[dict[str, str]]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # a template may raise on roles or orders it does not support
+            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+
+    async def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """Token ids the engine will accept as they are: in the vocabulary, shorter than ``max_model_len``."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, f"{param}='' is invalid: must be a non-empty string or list of token ids",
+                               param=param)
+            self._check_chars(len(prompt), param)
+            ids = await self._off_loop(self._tokenize, prompt)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_limit), None)
+            if bad is not None:
+                raise APIError(400, f"{param} token id {bad} is invalid: must be within [0, {self.vocab_limit})",
+                               param=param)
+        if not ids:
+            raise APIError(400, f"{param} is invalid: it encodes to zero tokens", param=param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(
+                400, f"{param} of {len(ids)} tokens is too long: must be shorter than max_model_len="
+                f"{self.max_model_len} so that at least one token can be generated", param=param,
+                code="prompt_too_long",
+            )
+        return ids
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
