@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU test suite in one device call: the tests that run real kernels (kernels, layers, model families, CUDA
+# graphs, continuations), spread over pytest-xdist workers so that Triton's first compiles run in parallel.
+# Usage (on a GPU machine, from the repository root): tools/gpu_tests.sh [LOG_DIR] [WORKERS]
+# Writes LOG_DIR/gpu_tests.log (default: $OUT, else the current folder) and prints the verdict, the wall time and
+# the slowest tests.
+set -uo pipefail
+log_dir=${1:-${OUT:-.}}
+workers=${2:-8}
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+nvidia-smi --query-gpu=name --format=csv,noheader
+start=$(date +%s)
+python -m pytest -n "$workers" --durations=12 -q -p no:warnings \
+  tests/kernels tests/layers tests/models tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
+  > "$log_dir/gpu_tests.log" 2>&1
+rc=$?
+echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers"
+grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -3
+sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -16
+exit $rc
