@@ -112,7 +112,6 @@ class GroupLimitedRouter(nn.Module):
                 f"topk_group={self.topk_group}, scaling={self.scaling}")  # fmt: skip
 
 
-
 class ScaledSoftmaxRouter(nn.Module):
     """DiffusionGemma's router: the input RMS-normalized without a learned weight, times a learned per-channel
     ``scale`` and ``hidden_size ** -0.5``, scored by a bias-free ``proj``; then `route` (float32 softmax, top-k,
@@ -134,6 +133,7 @@ class ScaledSoftmaxRouter(nn.Module):
         normed = (x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
         weights, experts = route(self.proj(normed * self.scale * self.input_scale), self.top_k, normalize=True)
         return weights * self.per_expert_scale[experts], experts
+
 
 # Added to the sum of the chosen experts' sigmoid scores before dividing by it, as LLaDA2's router does.
 _WEIGHT_SUM_FLOOR = 1e-20

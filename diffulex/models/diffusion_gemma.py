@@ -322,16 +322,16 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         """Refuse ids outside the vocabulary, and image placeholders (only text inputs are supported)."""
         if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{field} must be an integer tensor [batch, length], got {ids.dtype} {list(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"{field} must hold token ids in [0, {self.config.vocab_size}), got values in "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
         image = self.config.image_token_id
         if image is not None and bool((ids == image).any()):
             raise ValueError(
                 f"{field} contains image_token_id {image}: image inputs are not supported (text only; the "
                 "checkpoint's vision tower is not loaded)"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"{field} must hold token ids in [0, {self.config.vocab_size}), got values in "
+                f"[{int(ids.min())}, {int(ids.max())}]"
             )
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -418,6 +418,13 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
                 raise ValueError(
                     f"self_conditioning_logits must have shape {list(expected)}, got "
                     f"{list(self_conditioning_logits.shape)}"
+                )
+            if self_conditioning_mask is not None and (
+                self_conditioning_mask.dtype != torch.bool or tuple(self_conditioning_mask.shape) != (B,)
+            ):
+                raise ValueError(
+                    f"self_conditioning_mask must be a bool tensor of shape [{B}], got "
+                    f"{self_conditioning_mask.dtype} {list(self_conditioning_mask.shape)}"
                 )
             soft = self.soft_embeddings(self_conditioning_logits, self_conditioning_mask)
         h = self.model.decoder.self_conditioning(self.embed(canvas_ids), soft)

@@ -98,7 +98,10 @@ class DiffusionGemmaConfig:
         text = d.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"config field 'text_config' must be an object, got {type(text).__name__}")
-        if _bool(d, "tie_word_embeddings", True) is not True or _bool(text, "tie_word_embeddings", True, "text_config.") is not True:
+        if (
+            _bool(d, "tie_word_embeddings", True) is not True
+            or _bool(text, "tie_word_embeddings", True, "text_config.") is not True
+        ):
             raise ValueError(
                 "config field 'tie_word_embeddings' must be true: the checkpoint format stores the encoder, decoder "
                 "and LM head as one set of tied weights; untied checkpoints are not supported"
@@ -263,9 +266,7 @@ def _layer_geometry(text: dict[str, Any], layer_types: tuple[str, ...], num_head
             if not str(key).isdigit() or int(key) >= len(layer_types):
                 raise ValueError(f"config field {field!r}: keys must be layer indices in [0, {len(layer_types)})")
             if not isinstance(entry, dict) or set(entry) - set(PER_LAYER_KEYS):
-                raise ValueError(
-                    f"config field {field!r} may only set {', '.join(PER_LAYER_KEYS)}, got {entry!r}"
-                )
+                raise ValueError(f"config field {field!r} may only set {', '.join(PER_LAYER_KEYS)}, got {entry!r}")
             overrides[int(key)] = {name: _int(entry, name, field + ".") for name in entry}
     else:
         global_override = {"head_dim": _int(text, "global_head_dim", t, default=DEFAULT_GLOBAL_HEAD_DIM)}
@@ -306,8 +307,7 @@ def _rope(text: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, RopeS
         rope_type = entry.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"config field '{field}.rope_type' must be one of {', '.join(SUPPORTED_ROPE_TYPES)}, "
-                f"got {rope_type!r}"
+                f"config field '{field}.rope_type' must be one of {', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}"
             )
         partial = _positive_float(entry, "partial_rotary_factor", field + ".", 1.0)
         if partial > 1.0 or (rope_type == "default" and partial != 1.0):

@@ -1160,6 +1160,7 @@ def write_tiny_diffusion_gemma_checkpoint(
     top_k_experts: int = 2,
     moe_intermediate_size: int = 32,
     init_std: float = 0.02,
+    layer_output_scale: float = 1.0,
     published_config_format: bool = True,
 ) -> Path:
     """Write a random-weight ``DiffusionGemmaForBlockDiffusion`` checkpoint made by transformers itself
@@ -1168,9 +1169,13 @@ def write_tiny_diffusion_gemma_checkpoint(
 
     transformers initializes every norm weight, ``layer_scalar``, router ``scale`` and ``per_expert_scale`` to 1,
     which would hide a wrong or missing use of any of them; they are redrawn uniformly in [0.5, 1.5] (the encoder's
-    layer scalars apart from the decoder's) before saving. ``published_config_format`` rewrites ``config.json`` the
-    way the published checkpoint spells the global layers (``global_head_dim``, ``num_global_key_value_heads``)
-    instead of transformers' ``per_layer_config``; transformers reads both to the same model."""
+    layer scalars apart from the decoder's) before saving. ``layer_output_scale`` then multiplies the weights of the
+    norms that close each layer's attention and feed-forward parts (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``): below 1 the layers only nudge the residual, so the argmax canvases of a greedy
+    run settle after a few steps and adaptive stopping is exercised. ``published_config_format`` rewrites
+    ``config.json`` the way the published checkpoint spells the global layers (``global_head_dim``,
+    ``num_global_key_value_heads``) instead of transformers' ``per_layer_config``; transformers reads both to the
+    same model."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     path = Path(path)
@@ -1207,6 +1212,12 @@ def write_tiny_diffusion_gemma_checkpoint(
             if tensor.dim() <= 1 and tensor.is_floating_point() and id(tensor) not in seen:
                 seen.add(id(tensor))
                 tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+        scaled: set[int] = set()
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            closing_norm = name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
+            if closing_norm and id(tensor) not in scaled:  # tied encoder/decoder names: scale once
+                scaled.add(id(tensor))
+                tensor.mul_(layer_output_scale)
     model.save_pretrained(str(path))
     if published_config_format:
         data = json.loads((path / "config.json").read_text(encoding="utf-8"))
