@@ -1229,3 +1229,22 @@ def write_tiny_diffusion_gemma_checkpoint(
                   "bos_token_id": ids["<bos>"]}  # fmt: skip
     _write_json(path / "generation_config.json", generation)
     return path
+# The published DiffusionGemma-26B-A4B-it config.json (model-families spec §1.11; vision config left out): for
+# geometry tests and random-weight GPU runs of the real shapes.
+DIFFUSION_GEMMA_26B_TEXT_CONFIG = {
+    "model_type": "diffusion_gemma_text", "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "intermediate_size": 2112, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "vocab_size": 262144, "sliding_window": 1024, "max_position_embeddings": 262144,
+    "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2,
+    "use_bidirectional_attention": "vision", "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
+DIFFUSION_GEMMA_26B_CONFIG = {
+    "model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"], "canvas_length": 256,
+    "eos_token_id": [1, 106, 50], "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": 258880,
+    "tie_word_embeddings": True, "text_config": DIFFUSION_GEMMA_26B_TEXT_CONFIG,
+}  # fmt: skip
