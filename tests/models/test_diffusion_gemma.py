@@ -182,32 +182,53 @@ def _greedy_with_transformers(
         del reference._prepare_denoiser_inputs
 
 
-@pytest.mark.parametrize("stability_threshold", [1, 2])
-def test_greedy_generation_equals_transformers_generate(settling_folder: Path, stability_threshold: int) -> None:
-    """At temperature 0, from the same canvas noise, `greedy_generate` over our model gives transformers'
-    ``generate`` tokens exactly (2 rows, up to 4 canvases of 16, at most 8 steps each). The checkpoint's canvases
-    settle at different steps, so adaptive stopping (a canvas equal to the ``stability_threshold`` before it) ends
-    some canvases early, rows of one batch at different steps, while others run all 8 steps; a second run stops
-    on a token the first produced, so the stop-token cut and the padding of finished rows are compared too."""
-    reference, ours = _pair(settling_folder)
+@pytest.fixture(scope="module")
+def settling_models(settling_folder: Path) -> tuple[DiffusionGemmaForBlockDiffusion, DiffusionGemmaForDiffusionLM]:
+    return _pair(settling_folder)
+
+
+GREEDY_SETTINGS = {"max_new_tokens": 64, "max_denoising_steps": 8}
+
+
+def _greedy_inputs(canvas_length: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
     prompt = _tokens(g, 2, 11)
-    noise = [_tokens(g, 2, ours.config.canvas_length, low=0, high=384) for _ in range(4)]
-    settings = {"max_new_tokens": 64, "max_denoising_steps": 8, "stability_threshold": stability_threshold}
+    return prompt, [_tokens(g, 2, canvas_length, low=0, high=384) for _ in range(4)]
+
+
+@pytest.mark.parametrize("stability_threshold", [1, 2])
+def test_greedy_generation_equals_transformers_generate(settling_models, stability_threshold: int) -> None:
+    """At temperature 0, from the same canvas noise, `greedy_generate` over our model gives transformers'
+    ``generate`` tokens exactly (2 rows, 4 canvases of 16, at most 8 steps each). The checkpoint's canvases settle
+    at different steps, so adaptive stopping (an argmax canvas equal to the ``stability_threshold`` before it) ends
+    some canvases early, rows of one batch at different steps, while others run all 8 steps."""
+    reference, ours = settling_models
+    prompt, noise = _greedy_inputs(ours.config.canvas_length)
     ours_run = greedy_generate(ours, prompt, noise, 64, 8, stability_threshold, (), pad_token_id=0)
-    theirs = _greedy_with_transformers(reference, prompt, noise, eos_token_id=None, **settings)
+    theirs = _greedy_with_transformers(
+        reference, prompt, noise, eos_token_id=None, stability_threshold=stability_threshold, **GREEDY_SETTINGS
+    )
     assert torch.equal(ours_run.tokens, theirs)
     steps = [s for canvas in ours_run.steps for s in canvas]
     assert len(ours_run.steps) == 4 and min(steps) < 8 and max(steps) == 8
     assert any(rows[0] != rows[1] for rows in ours_run.steps)
 
-    stop = int(ours_run.tokens[0, 11 + 16 + 5])  # a token of row 0's second canvas
-    ours_stopped = greedy_generate(ours, prompt, noise, 64, 8, stability_threshold, (stop,), pad_token_id=0)
-    theirs_stopped = _greedy_with_transformers(reference, prompt, noise, eos_token_id=[stop], **settings)
-    assert torch.equal(ours_stopped.tokens, theirs_stopped)
-    generated = ours_stopped.tokens[0, 11:]
+
+def test_greedy_generation_stops_on_a_stop_token_like_transformers(settling_models) -> None:
+    """With a stop token that row 0 produces in its second canvas, both cut each row after its first stop token
+    and pad the rest of it and every later canvas of it: the same tokens, row 0 all padding after the stop."""
+    reference, ours = settling_models
+    prompt, noise = _greedy_inputs(ours.config.canvas_length)
+    free_run = greedy_generate(ours, prompt, noise, 64, 8, 1, (), pad_token_id=0)
+    stop = int(free_run.tokens[0, 11 + 16 + 5])
+    ours_run = greedy_generate(ours, prompt, noise, 64, 8, 1, (stop,), pad_token_id=0)
+    theirs = _greedy_with_transformers(
+        reference, prompt, noise, eos_token_id=[stop], stability_threshold=1, **GREEDY_SETTINGS
+    )
+    assert torch.equal(ours_run.tokens, theirs)
+    generated = ours_run.tokens[0, 11:]
     first_stop = int((generated == stop).nonzero()[0])
-    assert first_stop < 16 + 5 + 1 and (generated[first_stop + 1 :] == 0).all()
+    assert first_stop <= 16 + 5 and (generated[first_stop + 1 :] == 0).all()
 
 
 def test_published_geometry_gives_transformers_tensor_names_and_shapes() -> None:
