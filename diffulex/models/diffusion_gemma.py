@@ -353,6 +353,8 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         needed, so the last layer stops after its projections."""
         self.check_token_ids(input_ids, "input_ids")
         B, n = input_ids.shape
+        if n == 0:
+            raise ValueError("input_ids has no tokens: the encoder needs at least one position per row")
         if context is not None and context.batch_size != B:
             raise ValueError(f"input_ids has {B} rows but the encoder context holds {context.batch_size}")
         start = context.length if context is not None else 0

@@ -275,7 +275,8 @@ def test_vision_weights_are_skipped_and_loading_is_otherwise_strict(folder: Path
 
 
 def test_bad_inputs_are_refused_with_the_field_named(models) -> None:
-    """Image placeholders (text only), ids outside the vocabulary and a canvas of the wrong length."""
+    """Image placeholders (text only), ids outside the vocabulary, an empty prompt, a canvas of the wrong length
+    and a malformed self-conditioning mask."""
     _, ours = models
     image = ours.config.image_token_id
     assert image is not None
@@ -283,6 +284,11 @@ def test_bad_inputs_are_refused_with_the_field_named(models) -> None:
         ours.encode(torch.tensor([[FIRST_TOKEN, image]]))
     with pytest.raises(ValueError, match=r"input_ids must hold token ids in \[0, 384\)"):
         ours.encode(torch.tensor([[FIRST_TOKEN, 384]]))
+    with pytest.raises(ValueError, match="input_ids has no tokens"):
+        ours.encode(torch.zeros(1, 0, dtype=torch.long))
     context = ours.encode(torch.tensor([[FIRST_TOKEN, FIRST_TOKEN + 1]]))
     with pytest.raises(ValueError, match="canvas_length is 16"):
         ours.denoise_step(torch.zeros(1, 8, dtype=torch.long), context)
+    canvas, previous = torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 16, ours.config.vocab_size)
+    with pytest.raises(ValueError, match=r"self_conditioning_mask must be a bool tensor of shape \[1\]"):
+        ours.denoise_step(canvas, context, previous, self_conditioning_mask=torch.ones(1))
