@@ -112,6 +112,29 @@ class GroupLimitedRouter(nn.Module):
                 f"topk_group={self.topk_group}, scaling={self.scaling}")  # fmt: skip
 
 
+class ScaledSoftmaxRouter(nn.Module):
+    """DiffusionGemma's router: the input RMS-normalized without a learned weight, times a learned per-channel
+    ``scale`` and ``hidden_size ** -0.5``, scored by a bias-free ``proj``; then `route` (float32 softmax, top-k,
+    renormalized), and each chosen weight times its expert's learned ``per_expert_scale``. The scaling happens
+    before the projection so that the router sees a normalized input whatever the residual's magnitude.
+    Checkpoint names ``router.proj.weight``, ``router.scale``, ``router.per_expert_scale``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+        super().__init__()
+        _check_top_k(top_k, num_experts)
+        self.num_experts, self.top_k, self.eps = num_experts, top_k, eps
+        self.input_scale = hidden_size**-0.5
+        self.proj = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x32 = x.float()
+        normed = (x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        weights, experts = route(self.proj(normed * self.scale * self.input_scale), self.top_k, normalize=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
 # Added to the sum of the chosen experts' sigmoid scores before dividing by it, as LLaDA2's router does.
 _WEIGHT_SUM_FLOOR = 1e-20
 Router = SoftmaxRouter | GroupLimitedRouter

@@ -1103,3 +1103,148 @@ def write_tiny_lora_adapter(
     }
     _write_json(path / "adapter_config.json", config)
     return path
+
+
+# ----- DiffusionGemma: written by transformers' own classes ---------------------------------------------------
+
+# Gemma's special ids come first (<pad> 0, <eos> 1, <bos> 2, <mask> 4, as in the real tokenizer), then the turn
+# markers; the published checkpoint's eos list is [<eos>, <turn|>, 50], the tiny one's [<eos>, <turn|>].
+DIFFUSION_GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|turn>' + message['role'] + '\\n' + message['content'] + '<turn|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}{%- endif %}"
+)
+TINY_TOKENIZERS["diffusion_gemma"] = TinyTokenizerSpec(
+    ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"),
+    "<eos>",
+    "<pad>",
+    bos_token="<bos>",
+    mask_token="<mask>",
+    additional_special_tokens=("<|turn>", "<turn|>"),
+    specials_first=True,
+    chat_template=DIFFUSION_GEMMA_CHAT_TEMPLATE,
+)
+# Both attention kinds, twice a sliding layer before a full one, the last layer full (as the model requires).
+DIFFUSION_GEMMA_LAYER_TYPES = (
+    "sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+)  # fmt: skip
+# The published generation_config.json's denoising settings (DiffusionGemma-26B-A4B-it).
+DIFFUSION_GEMMA_GENERATION = {
+    "max_denoising_steps": 48,
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+    "max_new_tokens": 256,
+}
+
+
+def write_tiny_diffusion_gemma_checkpoint(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    num_global_key_value_heads: int = 1,
+    global_head_dim: int = 32,
+    layer_types: tuple[str, ...] = DIFFUSION_GEMMA_LAYER_TYPES,
+    sliding_window: int = 8,
+    canvas_length: int = 16,
+    num_experts: int = 4,
+    top_k_experts: int = 2,
+    moe_intermediate_size: int = 32,
+    init_std: float = 0.02,
+    layer_output_scale: float = 1.0,
+    published_config_format: bool = True,
+) -> Path:
+    """Write a random-weight ``DiffusionGemmaForBlockDiffusion`` checkpoint made by transformers itself
+    (`DiffusionGemmaConfig`, the model's ``save_pretrained``; float32, a one-layer vision tower included), with
+    the tiny Gemma-flavoured tokenizer (`TINY_TOKENIZERS["diffusion_gemma"]`, vocabulary padded to 384 rows).
+
+    transformers initializes every norm weight, ``layer_scalar``, router ``scale`` and ``per_expert_scale`` to 1,
+    which would hide a wrong or missing use of any of them; they are redrawn uniformly in [0.5, 1.5] (the encoder's
+    layer scalars apart from the decoder's) before saving. ``layer_output_scale`` then multiplies the weights of the
+    norms that close each layer's attention and feed-forward parts (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``): below 1 the layers only nudge the residual, so the argmax canvases of a greedy
+    run settle after a few steps and adaptive stopping is exercised. ``published_config_format`` rewrites
+    ``config.json`` the way the published checkpoint spells the global layers (``global_head_dim``,
+    ``num_global_key_value_heads``) instead of transformers' ``per_layer_config``; transformers reads both to the
+    same model."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in _tiny_tokenizer_files("diffusion_gemma").items():
+        (path / name).write_bytes(data)
+    ids = tiny_special_token_ids("diffusion_gemma")
+    vocab_size = math.ceil(tiny_tokenizer_len("diffusion_gemma") / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    eos_ids = [ids["<eos>"], ids["<turn|>"]]
+    text_config = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": len(layer_types), "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads, "head_dim": head_dim, "global_head_dim": global_head_dim,
+        "num_global_key_value_heads": num_global_key_value_heads, "layer_types": list(layer_types),
+        "sliding_window": sliding_window, "num_experts": num_experts, "top_k_experts": top_k_experts,
+        "moe_intermediate_size": moe_intermediate_size, "max_position_embeddings": 4096,
+        "use_bidirectional_attention": "vision", "initializer_range": init_std, "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"], "eos_token_id": eos_ids,
+    }  # fmt: skip
+    vision_config = {
+        "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+    }  # fmt: skip
+    config = DiffusionGemmaConfig(
+        text_config=text_config, vision_config=vision_config, canvas_length=canvas_length,
+        initializer_range=init_std, eos_token_id=eos_ids, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(config).float().eval()
+    generator = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for tensor in model.state_dict(keep_vars=True).values():
+            if tensor.dim() <= 1 and tensor.is_floating_point() and id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+        scaled: set[int] = set()
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            closing_norm = name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
+            if closing_norm and id(tensor) not in scaled:  # tied encoder/decoder names: scale once
+                scaled.add(id(tensor))
+                tensor.mul_(layer_output_scale)
+    model.save_pretrained(str(path))
+    if published_config_format:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        data["text_config"].pop("per_layer_config", None)
+        data["text_config"]["global_head_dim"] = global_head_dim
+        data["text_config"]["num_global_key_value_heads"] = num_global_key_value_heads
+        _write_json(path / "config.json", data)
+    generation = {**DIFFUSION_GEMMA_GENERATION, "eos_token_id": eos_ids, "pad_token_id": ids["<pad>"],
+                  "bos_token_id": ids["<bos>"]}  # fmt: skip
+    _write_json(path / "generation_config.json", generation)
+    return path
+# The published DiffusionGemma-26B-A4B-it config.json (model-families spec §1.11; vision config left out): for
+# geometry tests and random-weight GPU runs of the real shapes.
+DIFFUSION_GEMMA_26B_TEXT_CONFIG = {
+    "model_type": "diffusion_gemma_text", "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "intermediate_size": 2112, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "vocab_size": 262144, "sliding_window": 1024, "max_position_embeddings": 262144,
+    "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2,
+    "use_bidirectional_attention": "vision", "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
+DIFFUSION_GEMMA_26B_CONFIG = {
+    "model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"], "canvas_length": 256,
+    "eos_token_id": [1, 106, 50], "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": 258880,
+    "tie_word_embeddings": True, "text_config": DIFFUSION_GEMMA_26B_TEXT_CONFIG,
+}  # fmt: skip

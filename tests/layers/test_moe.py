@@ -10,6 +10,7 @@ from diffulex.layers.moe import (
     MOE_IMPLS,
     Expert,
     GroupLimitedRouter,
+    ScaledSoftmaxRouter,
     SoftmaxRouter,
     SparseMoE,
     grouped_mm_supported,
@@ -213,3 +214,25 @@ def test_the_shared_expert_is_added_for_every_token():
     both.experts = routed.experts
     x = torch.randn(6, HIDDEN)
     torch.testing.assert_close(both(x), routed(x) + shared(x), atol=1e-6, rtol=1e-6)
+
+
+def test_scaled_softmax_router_normalizes_scales_then_weights_each_expert():
+    """DiffusionGemma's router, against its definition in float64: the input RMS-normalized (no weight), times
+    ``scale`` and ``hidden ** -0.5``, projected; softmax, top-k renormalized to 1, then each chosen weight times
+    its expert's ``per_expert_scale`` (so the weights no longer sum to 1)."""
+    torch.manual_seed(0)
+    router = ScaledSoftmaxRouter(hidden_size=16, num_experts=6, top_k=2, eps=1e-6)
+    with torch.no_grad():
+        router.proj.weight.normal_()
+        router.scale.uniform_(0.5, 1.5)
+        router.per_expert_scale.uniform_(0.5, 1.5)
+    x = torch.randn(5, 16) * 7
+    weights, experts = router.route(x)
+    x64 = x.double()
+    normed = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    probs = (normed * router.scale.double() * 16**-0.5 @ router.proj.weight.double().T).softmax(-1)
+    top, chosen = probs.topk(2, dim=-1)
+    assert torch.equal(experts, chosen)
+    expected = top / top.sum(-1, keepdim=True) * router.per_expert_scale.double()[chosen]
+    torch.testing.assert_close(weights.double(), expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(weights.sum(-1), torch.ones(5))

@@ -145,3 +145,26 @@ def test_an_unknown_family_is_an_error_naming_the_families(tmp_path):
     with pytest.raises(ValueError, match="llada"):
         write_tiny_checkpoint(tmp_path, family="nope")
 
+
+
+def test_the_tiny_diffusion_gemma_folder_is_transformers_format_with_no_weight_left_at_one(tmp_path):
+    """Written by transformers' own classes: its tokenizer has Gemma's special ids, the folder holds a vision
+    tower, and no norm weight, layer scalar or router scale is left at its initial 1 (the encoder's layer scalars
+    differ from the decoder's), so a model that skipped or confused one of them could not match."""
+    from transformers import AutoTokenizer
+
+    from diffulex.testing.checkpoints import write_tiny_diffusion_gemma_checkpoint
+
+    folder = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.mask_token_id) == (
+        0, 1, 2, 4,
+    )  # fmt: skip
+    assert _config(folder)["text_config"]["global_head_dim"] == 32
+    assert json.loads((folder / "generation_config.json").read_text())["max_denoising_steps"] == 48
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert any(name.startswith("model.encoder.vision_tower.") for name in tensors)
+    small = {name: t for name, t in tensors.items() if t.dim() <= 1 and "vision" not in name}
+    assert small and all(not torch.all(t == 1) for t in small.values())
+    encoder = tensors["model.encoder.language_model.layers.0.layer_scalar"]
+    assert not torch.equal(encoder, tensors["model.decoder.layers.0.layer_scalar"])

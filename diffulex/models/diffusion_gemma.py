@@ -1,0 +1,467 @@
+"""DiffusionGemma (``DiffusionGemmaForBlockDiffusion``, text part): a causal encoder and a canvas-denoising decoder
+that share one stack of Gemma-4 MoE layers.
+
+The encoder turns the prompt, and later every finished canvas, into per-layer K/V (`encode`); it writes no logits.
+The decoder refines a canvas of ``canvas_length`` tokens (`denoise_step`): the canvas attends bidirectionally to
+itself and to the encoder's K/V, reading none of it back into the cache. Its input embeddings are mixed with the
+previous step's prediction (self-conditioning): the soft embedding ``softmax(previous logits) @ E * sqrt(hidden)``
+goes through a gated MLP and is added to the canvas embeddings before an unscaled RMSNorm.
+
+Per layer (both passes): pre/post-normed attention, then a dense gated MLP and a mixture of experts side by side,
+each with its own post-norm, summed, post-normed again, added to the residual and scaled by ``layer_scalar``
+(the encoder and decoder keep separate scalars; all other weights are shared). Attention kinds alternate:
+``sliding_attention`` layers (``head_dim``, ``num_key_value_heads``, full rotary, a window) and
+``full_attention`` layers (``global_head_dim``, ``num_global_key_value_heads``, rotary on a quarter of the
+frequencies, no ``v_proj``: values are the key projection before its norm and rotary). Queries and keys are
+RMS-normed per head, values normed without a weight, and the attention scale is 1. Every RMSNorm multiplies by
+its weight ``w`` (not ``1 + w``). Logits are the tied embedding's, soft-capped by ``final_logit_softcapping``.
+
+Window semantics follow transformers' cache: in the encoder a sliding layer's query at position ``p`` sees keys
+``(p - window, p]``; in the decoder it sees the last ``window - 1`` encoded positions and the whole canvas.
+
+This module is the dense PyTorch path (no paged cache, no Triton): the reference the engine's strategy will be
+held to. Weights load under the checkpoint's names with the strict loader (`load_diffusion_gemma`); the vision
+tower in the folder is skipped and image tokens are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
+from diffulex.layers.moe import ScaledSoftmaxRouter
+from diffulex.layers.rotary import apply_rotary
+from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
+from diffulex.models.loader import load_checkpoint, materialize, resolve_dtype
+
+# Checkpoint tensors of the vision tower and its projection into the text model: present in the folder, unused.
+VISION_CHECKPOINT_KEYS = (r"^model\.encoder\.vision_tower\.", r"^model\.encoder\.embed_vision\.")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` in float32, cast back to ``x.dtype`` last (Gemma's rounding)."""
+    x32 = x.float()
+    normed = x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.float()
+    return normed.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaled by its weight ``w`` (ones at init), or unscaled (``with_scale=False``: no parameter)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def rotary_inv_freq(spec: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
+    """``[head_dim / 2]`` angular frequencies. ``proportional`` keeps exponents over the whole ``head_dim`` for its
+    rotated pairs and gives the rest frequency 0 (cos 1, sin 0: passed through unchanged)."""
+    if spec.rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        return 1.0 / (spec.theta**exponents)
+    rotated = int(spec.partial_rotary_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32, device=device)
+    inv_freq[:rotated] = 1.0 / (spec.theta**exponents)
+    return inv_freq / spec.factor
+
+
+def rotary_angles(spec: RopeSpec, head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[n, head_dim / 2]`` float32, for integer ``positions [n]``."""
+    angles = positions.float()[:, None] * rotary_inv_freq(spec, head_dim, positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+@dataclass(frozen=True)
+class EncoderKV:
+    """What the encoder hands the decoder: per layer the keys and values ``[batch, kept, kv_heads, head_dim]`` of
+    the last ``kept`` of the ``length`` encoded positions (all of them for full-attention layers, at most
+    ``window - 1`` for sliding ones, which is all any later query of that layer can see). Immutable: `encode`
+    returns a new one, so a finished canvas can be appended without touching what other callers hold."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    length: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+
+def _sliding_causal_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """``[n_query, n_key]`` bool, True where the query may attend: causal, and within ``window`` when given."""
+    q = query_positions[:, None]
+    k = key_positions[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+class GemmaAttention(nn.Module):
+    """One layer's attention; which kind (sliding or full) and its head geometry come from `LayerGeometry`."""
+
+    def __init__(self, config: DiffusionGemmaConfig, geometry: LayerGeometry) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, geometry.num_kv_heads, geometry.head_dim
+        self.is_sliding = geometry.is_sliding
+        self.eps = config.rms_norm_eps
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = (
+            ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim, bias=False) if self.is_sliding else None
+        )
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, self.eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, self.eps)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, n, hidden]`` -> ``q [B, n, H, D]``, ``k, v [B, n, Hkv, D]``, rotated and normed."""
+        B, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, n, self.num_heads, self.head_dim))
+        k_raw = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)
+        v_raw = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        k = self.k_norm(k_raw)
+        v = rms_norm(v_raw, None, self.eps)
+        q = apply_rotary(q.view(B * n, self.num_heads, self.head_dim), cos.repeat(B, 1), sin.repeat(B, 1))
+        k = apply_rotary(k.reshape(B * n, self.num_kv_heads, self.head_dim), cos.repeat(B, 1), sin.repeat(B, 1))
+        return q.view(B, n, self.num_heads, self.head_dim), k.view(B, n, self.num_kv_heads, self.head_dim), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Dense attention, scale 1 (the q/k norms set the logits' scale); ``mask [n, S]`` True = visible."""
+        B, n = q.shape[:2]
+        groups = self.num_heads // self.num_kv_heads
+        keys = k.transpose(1, 2).repeat_interleave(groups, dim=1)
+        values = v.transpose(1, 2).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=1.0)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+
+
+class GemmaMLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StackedExperts(nn.Module):
+    """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
+    then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP.
+
+    This is the exact path (each chosen expert over its own tokens, accumulated in expert order as transformers
+    does); it asks the host which experts were chosen, so no CUDA graph can capture it."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` -> ``[T, hidden]``."""
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class DiffusionGemmaLayer(nn.Module):
+    """One layer, under the checkpoint's names (``model.decoder.layers.N.*``); the encoder runs the same module
+    with its own ``layer_scalar``."""
+
+    def __init__(self, config: DiffusionGemmaConfig, geometry: LayerGeometry) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = GemmaAttention(config, geometry)
+        self.mlp = GemmaMLP(hidden, config.intermediate_size)
+        self.router = ScaledSoftmaxRouter(hidden, config.num_experts, config.top_k_experts, eps)
+        self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size)
+        for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2",
+        ):  # fmt: skip
+            self.add_module(name, GemmaRMSNorm(hidden, eps))
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def attention_inputs(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(h), cos, sin)
+
+    def finish(
+        self, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+        mask: torch.Tensor | None, layer_scalar: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rest of the layer once the visible keys/values are known: attention, the two MLPs, the scalar."""
+        attn = self.self_attn.attend(q, keys, values, mask)
+        residual = h + self.post_attention_layernorm(attn)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
+        flat = residual.reshape(-1, residual.shape[-1])
+        weights, experts = self.router.route(flat)
+        routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
+        routed = self.post_feedforward_layernorm_2(routed.view(residual.shape))
+        out = residual + self.post_feedforward_layernorm(dense + routed)
+        return out * layer_scalar
+
+
+class SelfConditioning(nn.Module):
+    """Mixes the previous step's soft prediction into the canvas embeddings:
+    ``post_norm(e + down(gelu_tanh(gate(pre_norm(s))) * up(pre_norm(s))))``, ``post_norm`` without a weight."""
+
+    def __init__(self, config: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.eps = eps
+        self.pre_norm = GemmaRMSNorm(hidden, eps)
+        self.gate_proj = ColumnParallelLinear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, hidden, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None) -> torch.Tensor:
+        """``soft_embeds`` None: no previous prediction (first step); the MLP of zeros is zero, so it is skipped."""
+        if soft_embeds is not None:
+            s = self.pre_norm(soft_embeds)
+            embeds = embeds + self.down_proj(gelu_tanh(self.gate_proj(s)) * self.up_proj(s))
+        return rms_norm(embeds, None, self.eps)
+
+
+class DiffusionGemmaDecoder(nn.Module):
+    """``model.decoder``: the token embedding, the layer stack, the final norm and the self-conditioning block
+    (every text weight of the checkpoint)."""
+
+    def __init__(self, config: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DiffusionGemmaLayer(config, geometry) for geometry in config.layers)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+
+
+class LayerScalar(nn.Module):
+    """The encoder's own ``layer_scalar`` of one layer (its other weights are the decoder's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+
+class EncoderLayerScalars(nn.Module):
+    """``model.encoder.language_model``: the checkpoint keeps only the encoder's layer scalars under it."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LayerScalar() for _ in range(num_layers))
+
+
+class DiffusionGemmaEncoder(nn.Module):
+    """``model.encoder``."""
+
+    def __init__(self, config: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.language_model = EncoderLayerScalars(config.num_hidden_layers)
+
+
+class DiffusionGemmaModel(nn.Module):
+    """``model.``; the decoder is registered first so that its names own the shared weights."""
+
+    def __init__(self, config: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.decoder = DiffusionGemmaDecoder(config)
+        self.encoder = DiffusionGemmaEncoder(config)
+
+
+class DiffusionGemmaForDiffusionLM(nn.Module):
+    """``encode(prompt ids) -> EncoderKV`` and ``denoise_step(canvas ids, EncoderKV, previous logits) -> logits``.
+
+    Batches are rows of equal length (one `EncoderKV` per batch); the strategy's paged path will lift that."""
+
+    ignored_checkpoint_keys = VISION_CHECKPOINT_KEYS
+    load_error_hint = "a DiffusionGemmaForBlockDiffusion checkpoint keeps its text weights under model.decoder."
+
+    def __init__(self, config: DiffusionGemmaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DiffusionGemmaModel(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head.tie_to(self.model.decoder.embed_tokens)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.decoder.layers
+
+    def check_token_ids(self, ids: torch.Tensor, field: str) -> None:
+        """Refuse ids outside the vocabulary, and image placeholders (only text inputs are supported)."""
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{field} must be an integer tensor [batch, length], got {ids.dtype} {list(ids.shape)}")
+        image = self.config.image_token_id
+        if image is not None and bool((ids == image).any()):
+            raise ValueError(
+                f"{field} contains image_token_id {image}: image inputs are not supported (text only; the "
+                "checkpoint's vision tower is not loaded)"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"{field} must hold token ids in [0, {self.config.vocab_size}), got values in "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.decoder.embed_tokens.weight
+        return self.model.decoder.embed_tokens(ids) * self._embed_scale(weight.dtype, weight.device)
+
+    def _embed_scale(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``sqrt(hidden)`` rounded to the model dtype first, as the checkpoint was trained with."""
+        return torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
+
+    def _angles(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        head_dims = {g.layer_type: g.head_dim for g in self.config.layers}
+        return {kind: rotary_angles(self.config.rope[kind], dim, positions) for kind, dim in head_dims.items()}
+
+    @torch.no_grad()
+    def encode(self, input_ids: torch.Tensor, context: EncoderKV | None = None) -> EncoderKV:
+        """Run the causal encoder over ``input_ids [B, n]`` (positions continue after `context`) and return the
+        K/V of everything encoded so far. The encoder's hidden states past the last layer's K/V are never
+        needed, so the last layer stops after its projections."""
+        self.check_token_ids(input_ids, "input_ids")
+        B, n = input_ids.shape
+        if n == 0:
+            raise ValueError("input_ids has no tokens: the encoder needs at least one position per row")
+        if context is not None and context.batch_size != B:
+            raise ValueError(f"input_ids has {B} rows but the encoder context holds {context.batch_size}")
+        start = context.length if context is not None else 0
+        device = input_ids.device
+        positions = torch.arange(start, start + n, device=device)
+        angles = self._angles(positions)
+        window = self.config.sliding_window
+        scalars = self.model.encoder.language_model.layers
+        h = self.embed(input_ids)
+        keys, values = [], []
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h, *angles[self.config.layers[i].layer_type])
+            if context is not None:
+                k = torch.cat([context.keys[i], k], dim=1)
+                v = torch.cat([context.values[i], v], dim=1)
+            kept = window - 1 if layer.self_attn.is_sliding else k.shape[1]
+            keys.append(k[:, -kept:] if kept > 0 else k[:, :0])
+            values.append(v[:, -kept:] if kept > 0 else v[:, :0])
+            if i == last:
+                break
+            key_positions = torch.arange(start + n - k.shape[1], start + n, device=device)
+            mask = _sliding_causal_mask(positions, key_positions, window if layer.self_attn.is_sliding else None)
+            h = layer.finish(h, q, k, v, mask, scalars[i].layer_scalar)
+        return EncoderKV(tuple(keys), tuple(values), start + n)
+
+    def soft_embeddings(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(logits) @ E * sqrt(hidden)`` (softmax in float32); rows where ``mask [B]`` is False are 0."""
+        weight = self.model.decoder.embed_tokens.weight
+        probs = logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+        soft = torch.matmul(probs, weight) * self._embed_scale(weight.dtype, weight.device)
+        if mask is not None:
+            soft = soft * mask.to(soft.dtype)[:, None, None]
+        return soft
+
+    @torch.no_grad()
+    def denoise_step(
+        self,
+        canvas_ids: torch.Tensor,
+        context: EncoderKV,
+        self_conditioning_logits: torch.Tensor | None = None,
+        self_conditioning_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decoder pass: ``canvas_ids [B, canvas_length]`` -> soft-capped logits ``[B, canvas_length, vocab]``
+        float32.
+
+        ``self_conditioning_logits [B, canvas_length, vocab]``: the logits the previous step sampled from (after
+        its temperature; ``-inf`` entries allowed, so a one-hot row is ``0`` at the token and ``-inf`` elsewhere),
+        None on a canvas's first step. ``self_conditioning_mask [B]`` bool: rows with False are treated as first
+        steps (their logits are ignored), so canvases at different steps can share a batch."""
+        self.check_token_ids(canvas_ids, "canvas_ids")
+        B, C = canvas_ids.shape
+        if C != self.config.canvas_length:
+            raise ValueError(
+                f"canvas_ids has {C} positions per row; the checkpoint's canvas_length is {self.config.canvas_length}"
+            )
+        if context.batch_size != B:
+            raise ValueError(f"canvas_ids has {B} rows but the encoder context holds {context.batch_size}")
+        soft = None
+        if self_conditioning_logits is not None:
+            expected = (B, C, self.config.vocab_size)
+            if tuple(self_conditioning_logits.shape) != expected:
+                raise ValueError(
+                    f"self_conditioning_logits must have shape {list(expected)}, got "
+                    f"{list(self_conditioning_logits.shape)}"
+                )
+            if self_conditioning_mask is not None and (
+                self_conditioning_mask.dtype != torch.bool or tuple(self_conditioning_mask.shape) != (B,)
+            ):
+                raise ValueError(
+                    f"self_conditioning_mask must be a bool tensor of shape [{B}], got "
+                    f"{self_conditioning_mask.dtype} {list(self_conditioning_mask.shape)}"
+                )
+            soft = self.soft_embeddings(self_conditioning_logits, self_conditioning_mask)
+        h = self.model.decoder.self_conditioning(self.embed(canvas_ids), soft)
+        positions = torch.arange(context.length, context.length + C, device=canvas_ids.device)
+        angles = self._angles(positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h, *angles[self.config.layers[i].layer_type])
+            keys = torch.cat([context.keys[i], k], dim=1)
+            values = torch.cat([context.values[i], v], dim=1)
+            h = layer.finish(h, q, keys, values, None, layer.layer_scalar)
+        return self.logits(self.model.decoder.norm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head in the model dtype, then float32 and ``cap * tanh(logits / cap)``."""
+        logits = F.linear(hidden, self.lm_head.weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def load_diffusion_gemma(
+    model_dir: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+) -> DiffusionGemmaForDiffusionLM:
+    """Build the model of a ``DiffusionGemmaForBlockDiffusion`` folder and load its weights strictly (every text
+    tensor used, none missing; the vision tower skipped). Reads only ``config.json`` and ``.safetensors`` files:
+    nothing in the folder is executed. Built on the meta device, so no memory goes to a random init."""
+    config = DiffusionGemmaConfig.from_pretrained(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = DiffusionGemmaForDiffusionLM(config)
+    model.to(torch_dtype)
+    materialize(model, device)
+    load_checkpoint(model, model_dir)
+    return model.eval()
+
+
+__all__ = ["DiffusionGemmaForDiffusionLM", "EncoderKV", "load_diffusion_gemma"]
