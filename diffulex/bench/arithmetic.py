@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from pathlib import Path
 SPLIT_SEED = 30  # the seed of the training / held-out template split (see the module docstring)
 HELD_OUT_FRACTION = 0.25
 TEMPLATE_SETS = ("train", "held-out", "all")
+ALTERNATIVES = re.compile(r"\[([^\[\]]*)\]")  # "[now|in all]" in a template: one of the wordings
 
 NAMES = ("Ada", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
          "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Viktor", "Wen", "Yara", "Zoe", "Aisha",
@@ -67,8 +69,9 @@ Problem = dict[str, str]
 
 @dataclass(frozen=True)
 class Template:
-    """One sentence structure of one kind: the question (a format string over the kind's slots) and the unit
-    the solution counts in (a format string too: ``"{items}"``, ``"pages"``, ...)."""
+    """One sentence structure of one kind: the question (a format string over the kind's slots, where
+    ``[a|b]`` picks one wording per problem) and the unit the solution counts in (a format string too:
+    ``"{items}"``, ``"pages"``, ...)."""
 
     kind: str
     question: str
@@ -180,10 +183,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 _T = Template
 TEMPLATES: tuple[Template, ...] = (
-    _T("add", "{name} has {a} {items} and {gain} {b} more. How many {items} does {name} have now?"),
-    _T("add", "{name} had {a} {items}. Then {name} {gain_past} {b} more {items}. How many {items} does {name} have?"),
+    _T("add", "{name} has {a} {items} and {gain} {b} more. How many {items} does {name} have [now|in all]?"),
+    _T("add", "{name} had {a} {items}. Then {name} {gain_past} {b} more {items}. "
+              "How many {items} does {name} have [now|altogether]?"),
     _T("add", "How many {items} does {name} have after starting with {a} and {gain_ing} {b} more?"),
-    _T("add", "If {name} has {a} {items} and {gain} {b} more, how many {items} is that in total?"),
+    _T("add", "If {name} has {a} {items} and {gain} {b} more, how many {items} [is that in total|does {name} have]?"),
     _T("add", "There are {a} {items} in a {container}. {name} puts {b} more {items} in it. "
               "How many {items} are in the {container} now?"),
     _T("add", "{name} {gain_past} {b} {items}, adding them to the {a} {items} {name} already had. "
@@ -191,9 +195,12 @@ TEMPLATES: tuple[Template, ...] = (
     _T("add", "Find the number of {items} {name} has now: {name} had {a} and then {gain_past} {b} more."),
     _T("add", "{name} starts the day with {a} {items}. During the day {name} {gain_past} another {b}. "
               "What is the total number of {items} {name} has at the end of the day?"),
+    _T("add", "{name}'s collection has {a} {items}. After {name} {gain} {b} more, how big is the collection?"),
+    _T("add", "{a} {items} were in the shop this morning and {b} more arrived in the afternoon. "
+              "How many {items} [are in the shop now|does the shop have now]?"),
     _T("subtract", "{name} had {a} {items} and {lose_past} {b} of them. How many {items} does {name} have left?"),
     _T("subtract", "{name} has {a} {items}. {name} gives {b} of them to {friend}. "
-                   "How many {items} does {name} have left?"),
+                   "How many {items} does {name} have [left|now]?"),
     _T("subtract", "How many {items} are left if {name} starts with {a} {items} and {lose} {b}?"),
     _T("subtract", "After {lose_ing} {b} of the {a} {items} {name} had, how many {items} does {name} still have?"),
     _T("subtract", "A {container} holds {a} {items}. {name} takes {b} {items} out of the {container}. "
@@ -201,11 +208,12 @@ TEMPLATES: tuple[Template, ...] = (
     _T("subtract", "There were {a} {items} on the table. {b} of them were taken away. "
                    "How many {items} are on the table now?"),
     _T("subtract", "Work out how many {items} {name} keeps when {name} has {a} {items} and {lose} {b}."),
-    _T("subtract", "Out of {a} {items}, {name} {lose_past} {b}. What number of {items} remain?"),
+    _T("subtract", "Out of {a} {items}, {name} {lose_past} {b}. [What number of|How many] {items} remain?"),
+    _T("subtract", "{name} needs to get rid of {b} {items} from a pile of {a}. How many {items} stay in the pile?"),
     _T("multiply", "There are {a} {containers} with {b} {items} in each {container}. "
                    "How many {items} are there in all?"),
     _T("multiply", "{name} has {a} {containers}. Each {container} holds {b} {items}. "
-                   "How many {items} does {name} have?"),
+                   "How many {items} does {name} have [in total|altogether]?"),
     _T("multiply", "How many {items} are in {a} {containers} if every {container} has {b} {items}?"),
     _T("multiply", "Each {container} contains {b} {items}. {name} fills {a} {containers}. "
                    "How many {items} is that?"),
@@ -213,6 +221,7 @@ TEMPLATES: tuple[Template, ...] = (
     _T("multiply", "A shop sells {items} in {containers} of {b}. {name} buys {a} {containers}. "
                    "How many {items} does {name} buy?"),
     _T("multiply", "Find the total number of {items} in {a} {containers} holding {b} {items} each."),
+    _T("multiply", "{a} children each bring {b} {items} to school. How many {items} do they bring [in all|together]?"),
     _T("divide", "{name} shares {total} {items} equally among {k} friends. How many {items} does each friend get?"),
     _T("divide", "{total} {items} are split evenly into {k} {containers}. How many {items} go in each {container}?"),
     _T("divide", "How many {items} does each of {k} children get if {name} divides {total} {items} "
@@ -222,6 +231,8 @@ TEMPLATES: tuple[Template, ...] = (
     _T("divide", "There are {total} {items} and {k} friends. If the friends share the {items} equally, "
                  "how many does each one get?"),
     _T("divide", "Divide {total} {items} equally among {k} {containers}. How many {items} end up in each one?"),
+    _T("divide", "A teacher hands out {total} {items} so that each of {k} students gets the same number. "
+                 "How many {items} does each student get?"),
     _T("difference", "{name} has {a} {items} and {friend} has {b}. How many more {items} does {name} have "
                      "than {friend}?"),
     _T("difference", "{friend} has {b} {items}. {name} has {a} {items}. How many fewer {items} does {friend} have?"),
@@ -230,8 +241,9 @@ TEMPLATES: tuple[Template, ...] = (
                      "How many more {items} are in the bigger one?"),
     _T("difference", "{name} collected {a} {items} while {friend} collected only {b}. "
                      "By how many {items} did {name} beat {friend}?"),
+    _T("difference", "What is the difference between {name}'s {a} {items} and {friend}'s {b} {items}?"),
     _T("gain-then-lose", "{name} has {a} {items}, {gain} {b} more and then {lose} {c}. "
-                         "How many {items} does {name} have now?"),
+                         "How many {items} does {name} have [now|left]?"),
     _T("gain-then-lose", "{name} had {a} {items}. {name} {gain_past} {b} more {items} and later gave {c} to "
                          "{friend}. How many {items} does {name} have left?"),
     _T("gain-then-lose", "How many {items} does {name} have left after starting with {a}, {gain_ing} {b} "
@@ -242,6 +254,8 @@ TEMPLATES: tuple[Template, ...] = (
                          "How many {items} are in the {container} now?"),
     _T("gain-then-lose", "If {name} starts with {a} {items}, {gain} {b} more and {lose} {c}, "
                          "how many {items} does {name} end up with?"),
+    _T("gain-then-lose", "On Monday {name} had {a} {items}. On Tuesday {name} {gain_past} {b}, and on Wednesday "
+                         "{name} {lose_past} {c}. How many {items} [does {name} have now|are left]?"),
     _T("packs-then-lose", "{name} buys {p} {containers} of {items} with {q} in each {container} and then "
                           "gives away {c}. How many {items} are left?"),
     _T("packs-then-lose", "{name} has {p} {containers} of {items}. Each {container} has {q} {items}. "
@@ -252,6 +266,8 @@ TEMPLATES: tuple[Template, ...] = (
                           "how many {items} remain?"),
     _T("packs-then-lose", "{name} packed {q} {items} into each of {p} {containers}, then took {c} {items} back "
                           "out. How many {items} are still packed?"),
+    _T("packs-then-lose", "A shop gets {p} {containers} of {items}, {q} {items} per {container}, and sells {c} "
+                          "of them. How many {items} [does the shop have left|are not sold]?"),
     _T("packs-then-share", "{name} buys {p} {containers} of {items} with {q} in each {container} and shares "
                            "them equally among {k} friends. How many {items} does each friend get?"),
     _T("packs-then-share", "There are {p} {containers} with {q} {items} in each. The {items} are split evenly "
@@ -262,6 +278,8 @@ TEMPLATES: tuple[Template, ...] = (
                            "all the {items} equally into {k} piles, how many {items} are in each pile?"),
     _T("packs-then-share", "{k} friends share {p} {containers} of {items} equally. Each {container} has {q} "
                            "{items}. How many {items} does each friend get?"),
+    _T("packs-then-share", "{name} fills {p} {containers} with {q} {items} each, then empties them and makes "
+                           "{k} equal groups. How many {items} are in one group?"),
     _T("change", "A {thing} costs ${price}. {name} buys {count} of them and pays with ${paid}. "
                  "How much change does {name} get?", "dollars"),
     _T("change", "{name} pays for {count} {things} with ${paid}. Each {thing} costs ${price}. "
@@ -274,6 +292,8 @@ TEMPLATES: tuple[Template, ...] = (
                  "how many dollars come back as change?", "dollars"),
     _T("change", "{name} had ${paid} and spent some of it on {count} {things} priced at ${price} each. "
                  "How much money is left?", "dollars"),
+    _T("change", "With ${paid} in [a wallet|a pocket], {name} goes shopping and gets {count} {things} for "
+                 "${price} apiece. How many dollars does {name} still have?", "dollars"),
     _T("rate", "{vehicle} travels {r} {dist_unit} every hour. How many {dist_unit} does it travel in {n} hours?",
        "{dist_unit}"),
     _T("rate", "{name} reads {r} pages a day. How many pages does {name} read in {n} days?", "pages"),
@@ -284,6 +304,7 @@ TEMPLATES: tuple[Template, ...] = (
     _T("rate", "{name} saves {r} dollars each week. How much money has {name} saved after {n} weeks?", "dollars"),
     _T("rate", "A machine makes {r} {items} per minute. How many {items} does it make in {n} minutes?"),
     _T("rate", "In {n} days, how many {items} does {name} collect when collecting {r} {items} a day?"),
+    _T("rate", "For {n} weeks {name} swims {r} laps every week. What is the total number of laps?", "laps"),
     _T("sum-of-three", "{name} reads {a} pages on {d1}, {b} pages on {d2} and {c} pages on {d3}. "
                        "How many pages is that in total?", "pages"),
     _T("sum-of-three", "{name} picked {a} {items} on {d1}, {b} on {d2} and {c} on {d3}. "
@@ -296,8 +317,10 @@ TEMPLATES: tuple[Template, ...] = (
                        "What is the total?"),
     _T("sum-of-three", "On three days {name} ran {a}, {b} and {c} {dist_unit}. "
                        "What is the total distance in {dist_unit}?", "{dist_unit}"),
+    _T("sum-of-three", "A class made {a} {items}, then {b} more, then another {c}. "
+                       "How many {items} did the class make [in all|altogether]?"),
     _T("half-then-gain", "{name} has {total} {items}, gives half of them away and then finds {extra} more. "
-                         "How many {items} now?"),
+                         "How many {items} [now|does {name} have now]?"),
     _T("half-then-gain", "{name} had {total} {items} and lost half of them. Later {name} {gain_past} {extra} "
                          "more. How many {items} does {name} have?"),
     _T("half-then-gain", "How many {items} does {name} have after giving away half of {total} {items} and then "
@@ -306,6 +329,8 @@ TEMPLATES: tuple[Template, ...] = (
                          "are put in. How many {items} are in the {container}?"),
     _T("half-then-gain", "{name} splits {total} {items} into two equal halves, keeps one half and then {gain} "
                          "{extra} more. How many {items} does {name} have now?"),
+    _T("half-then-gain", "Of {total} {items}, {name} sells half. Then {name} {gain_past} {extra} more. "
+                         "What number of {items} does {name} own now?"),
     _T("more-than-together", "{name} has {a} {items}. {friend} has {b} more {items} than {name}. "
                              "How many {items} do they have together?"),
     _T("more-than-together", "{friend} has {b} more {items} than {name}, who has {a}. "
@@ -316,6 +341,8 @@ TEMPLATES: tuple[Template, ...] = (
                              "What is the total number of {items} they collected?"),
     _T("more-than-together", "A red {container} holds {a} {items}. A blue {container} holds {b} {items} more "
                              "than the red one. How many {items} are in both {containers}?"),
+    _T("more-than-together", "On {d1} {name} baked {a} {items}, and on {d2} {name} baked {b} more than on {d1}. "
+                             "How many {items} did {name} bake on the two days?"),
 )  # fmt: skip
 
 
@@ -352,12 +379,18 @@ def _slots(r: random.Random, template: Template) -> dict[str, object]:
     return slots
 
 
+def _choose_wording(r: random.Random, text: str) -> str:
+    """Each ``[a|b|...]`` of a template replaced by one of its alternatives (same structure, other words)."""
+    return ALTERNATIVES.sub(lambda m: r.choice(m.group(1).split("|")), text)
+
+
 def make_problem(r: random.Random, template: Template) -> Problem:
     """One problem of `template` with fresh numbers and words drawn from `r`."""
     kind = KINDS[template.kind]
     slots = _slots(r, template)
     lines = [line.format(**slots) for line in kind.lines]
-    return {"question": template.question.format(**slots), "answer": "\n".join([*lines, f"#### {slots[kind.answer]}"])}
+    question = _choose_wording(r, template.question).format(**slots)
+    return {"question": question, "answer": "\n".join([*lines, f"#### {slots[kind.answer]}"])}
 
 
 def templates_of(which: str) -> list[Template]:

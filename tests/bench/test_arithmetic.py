@@ -25,9 +25,21 @@ EQUATION = re.compile(r"^(\d+) ([-+*/]) (\d+) = (\d+) [a-z ]+\.$")
 APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
 
 
+def regex_of(text: str) -> str:
+    """A template's question as a regex: a slot matches words without punctuation, ``[a|b]`` either wording."""
+    out = []
+    for piece in re.split(r"(\{[a-z_0-9]+\}|\[[^\]]*\])", text):
+        if piece.startswith("{"):
+            out.append("([^,.?:]+?)")  # slot values hold no punctuation
+        elif piece.startswith("["):
+            out.append("(?:" + "|".join(regex_of(alt) for alt in piece[1:-1].split("|")) + ")")
+        else:
+            out.append(re.escape(piece))
+    return "".join(out)
+
+
 def template_pattern(t: Template) -> re.Pattern[str]:
-    parts = re.split(r"\{[a-z_0-9]+\}", t.question)
-    return re.compile("^" + "(.+?)".join(re.escape(p) for p in parts) + "$")
+    return re.compile("^" + regex_of(t.question) + "$")
 
 
 PATTERNS = [(t, template_pattern(t)) for t in TEMPLATES]
@@ -43,7 +55,7 @@ def test_every_template_gives_a_true_worked_solution_with_a_small_answer() -> No
         for _ in range(40):
             p = make_problem(r, template)
             *lines, last = p["answer"].splitlines()
-            assert "{" not in p["question"] and "}" not in p["question"], p["question"]
+            assert not set("{}[]|") & set(p["question"]), p["question"]
             assert last.startswith("#### ")
             answer = int(last[5:])
             assert 0 <= answer <= 200, p
