@@ -10,10 +10,11 @@
 #    that training and evaluation fit in 10 minutes), in $RUN_DIR (default runs/train_builtin);
 # 3. `python -m diffulex.train eval` on the new checkpoint: $EVAL_N problems per test set (default 200),
 #    buffer sizes 1,2 x accept thresholds 0.5,0.7,0.9 in the chat format, and buffer sizes 1,2 at 0.9 in the
-#    `Question: ... Answer:` format.
+#    `Question: ... Answer:` format (skipped when the script has run past $QA_EVAL_AFTER_S, default 540 s:
+#    a GPU job ends at 600 s; eval.json is rewritten after every setting, so a cut-short run keeps its rows).
 #
 # PREPARE_ARGS, TRAIN_ARGS and EVAL_ARGS (words) are appended to those commands (the last value of a flag
-# wins): tests/train/test_train_builtin.py runs the whole script on a tiny model that way.
+# wins): tests/train/test_train_builtin_script.py runs the whole script on a tiny model that way.
 #
 # OUT_DIR receives at most eight files, none in a subfolder: checkpoint.tar (the SDAR folder: unpack with
 # `tar -xf OUT_DIR/checkpoint.tar -C diffulex/builtin_model`), train.log, loss.png, eval.json, eval.png,
@@ -31,6 +32,7 @@ MAX_MINUTES=${MAX_MINUTES:-7.5}
 STEPS=${STEPS:-30000}
 BATCH_SIZE=${BATCH_SIZE:-512}
 EVAL_N=${EVAL_N:-200}
+QA_EVAL_AFTER_S=${QA_EVAL_AFTER_S:-540}  # the second evaluation starts only before this many seconds
 PYTHON=${PYTHON:-python}
 read -ra prepare_extra <<< "${PREPARE_ARGS:-}"
 read -ra train_extra <<< "${TRAIN_ARGS:-}"
@@ -72,7 +74,11 @@ stamp "evaluating $RUN_DIR/checkpoint"
 {
     "$PYTHON" -m diffulex.train eval --model "$RUN_DIR/checkpoint" --n "$EVAL_N" --buffer-sizes 1,2 \
         --thresholds 0.9,0.7,0.5 --out "$OUT_DIR/eval.json" --plot "$OUT_DIR/eval.png" "${eval_extra[@]}"
-    "$PYTHON" -m diffulex.train eval --model "$RUN_DIR/checkpoint" --n "$EVAL_N" --buffer-sizes 1,2 \
-        --thresholds 0.9 --prompt-format qa --out "$OUT_DIR/eval_qa.json" "${eval_extra[@]}"
+    if [ $(( $(date +%s) - start )) -gt "$QA_EVAL_AFTER_S" ]; then
+        stamp "skipping the Question/Answer-format evaluation: past ${QA_EVAL_AFTER_S}s (QA_EVAL_AFTER_S)"
+    else
+        "$PYTHON" -m diffulex.train eval --model "$RUN_DIR/checkpoint" --n "$EVAL_N" --buffer-sizes 1,2 \
+            --thresholds 0.9 --prompt-format qa --out "$OUT_DIR/eval_qa.json" "${eval_extra[@]}"
+    fi
 } 2>&1 | tee "$OUT_DIR/eval.log"
 stamp "done: $OUT_DIR"

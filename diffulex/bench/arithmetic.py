@@ -341,8 +341,8 @@ TEMPLATES: tuple[Template, ...] = (
                              "What is the total number of {items} they collected?"),
     _T("more-than-together", "A red {container} holds {a} {items}. A blue {container} holds {b} {items} more "
                              "than the red one. How many {items} are in both {containers}?"),
-    _T("more-than-together", "On {d1} {name} baked {a} {items}, and on {d2} {name} baked {b} more than on {d1}. "
-                             "How many {items} did {name} bake on the two days?"),
+    _T("more-than-together", "On {d1} {name} made {a} {items}, and on {d2} {name} made {b} more than on {d1}. "
+                             "How many {items} did {name} make on the two days?"),
 )  # fmt: skip
 
 

@@ -54,15 +54,18 @@ def test_script_prepares_trains_and_evaluates_into_at_most_eight_flat_files(tmp_
     assert meta["text_tokens"] == 0 and meta["templates"] == "train"
 
 
-def test_script_reuses_a_prepared_folder_and_refuses_prose_training_without_prose(tmp_path: Path) -> None:
+def test_script_reuses_a_prepared_folder_keeps_its_time_budget_and_needs_prose_only_if_asked(tmp_path: Path) -> None:
     from diffulex.train.data import prepare
 
     prepare(tmp_path / "data", n_problems=200, vocab_size=512, texts=[])
     # a folder without prose: the script trains with --text-fraction 0 on its own
+    # past its time budget (QA_EVAL_AFTER_S) the script leaves the second evaluation out
     proc = run_script(tmp_path, TRAIN_ARGS=TINY_TRAIN, EVAL_ARGS="--n 2 --max-tokens 8 --buffer-sizes 1 "
-                      "--thresholds 0.9")  # fmt: skip
+                      "--thresholds 0.9", QA_EVAL_AFTER_S="0")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "using the prepared data folder" in proc.stdout and "preparing" not in proc.stdout
+    assert "skipping the Question/Answer-format evaluation" in proc.stdout
+    assert (tmp_path / "out" / "eval.json").is_file() and not (tmp_path / "out" / "eval_qa.json").exists()
     # asking for prose anyway is a clear error naming the flag, the value and the fix
     proc = run_script(tmp_path, TRAIN_ARGS=TINY_TRAIN + " --text-fraction 0.2", EVAL_ARGS="--n 2")
     assert proc.returncode != 0
