@@ -135,3 +135,15 @@ def test_lr_schedule_warms_up_and_decays_to_the_floor() -> None:
     assert lr_at(10, args) == pytest.approx(1.0)
     assert lr_at(100, args) == pytest.approx(0.1)
     assert lr_at(20, args, time_fraction=1.0) == pytest.approx(0.1)
+
+
+def test_prepare_command_reports_each_stage_and_can_leave_the_prose_out(tmp_path: Path, capsys) -> None:
+    from diffulex.train.__main__ import main
+
+    out = tmp_path / "data"
+    assert main(["prepare", "--out", str(out), "--n-problems", "200", "--vocab-size", "512", "--no-text"]) == 0
+    err = capsys.readouterr().err
+    for stage in ("generated", "arithmetic problems", "trained the 512-id tokenizer", "tokenizing examples", "wrote"):
+        assert stage in err, stage
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["text_tokens"] == 0 and meta["n_problems"] > 190 and meta["templates"] == "train"
