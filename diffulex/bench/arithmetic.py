@@ -329,7 +329,7 @@ TEMPLATES: tuple[Template, ...] = (
                          "are put in. How many {items} are in the {container}?"),
     _T("half-then-gain", "{name} splits {total} {items} into two equal halves, keeps one half and then {gain} "
                          "{extra} more. How many {items} does {name} have now?"),
-    _T("half-then-gain", "Of {total} {items}, {name} sells half. Then {name} {gain_past} {extra} more. "
+    _T("half-then-gain", "Of {total} {items}, {name} sold half. Then {name} {gain_past} {extra} more. "
                          "What number of {items} does {name} own now?"),
     _T("more-than-together", "{name} has {a} {items}. {friend} has {b} more {items} than {name}. "
                              "How many {items} do they have together?"),
