@@ -161,7 +161,7 @@ def _half(r: random.Random) -> dict[str, int]:
 
 
 def _more_than(r: random.Random) -> dict[str, int]:
-    a, b = r.randint(2, 40), r.randint(1, 30)
+    a, b = r.randint(2, 40), r.randint(2, 30)
     return {"a": a, "b": b, "y": a + b, "t": 2 * a + b}
 
 
