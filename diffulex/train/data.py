@@ -1,6 +1,6 @@
 """Training data of the built-in model: arithmetic word problems, Shakespeare, a byte-level BPE tokenizer.
 
-`prepare` runs once, offline (about 45 s on two cores), and writes a data folder of about 9 MiB:
+`prepare` runs once, offline (under 80 s on two busy cores), and writes a data folder of about 9 MiB:
 
 * ``tokenizer/``: a normal tokenizer folder (byte-level BPE, ``vocab_size`` ids in all: the BPE ids, then
   ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|MASK|>``) with the chat template;
@@ -211,7 +211,7 @@ def prepare(
 ) -> dict:
     """Write the data folder (see the module docstring); returns the meta dict. `texts` replaces the
     Shakespeare corpus (tests use a small text; ``[]`` leaves prose out). `progress` reports each stage on
-    stderr (about 30 s in all on one core, most of it tokenizing)."""
+    stderr (35-40 s of CPU time in all, most of it tokenizing)."""
     start = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
