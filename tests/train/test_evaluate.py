@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from diffulex.bench.arithmetic import split_templates
 from diffulex.train.evaluate import check_targets, evaluate_setting, evaluation_sets
 
 
@@ -19,9 +18,8 @@ def test_the_two_test_sets_are_unseen_problems_and_unseen_structures() -> None:
     assert set(sets) == {"train-templates", "held-out-templates"} and all(len(v) == 100 for v in sets.values())
     trained = {p["question"] for p in training_problems(5000)}
     assert not trained & {p["question"] for v in sets.values() for p in v}
-    held_starts = {t.question.split("{")[0] for t in split_templates()["held-out"]}
-    assert held_starts  # the sets differ in structure, not only in numbers
-    assert sets["train-templates"] != sets["held-out-templates"]
+    # same seed, other templates: problems of the same kind share their numbers but not their sentences
+    assert not {p["question"] for p in sets["train-templates"]} & {p["question"] for p in sets["held-out-templates"]}
 
 
 def test_targets_hold_only_when_both_accuracies_and_the_tpf_hold_at_one_buffer_size_1_setting() -> None:
