@@ -101,6 +101,11 @@ def train(args: TrainArgs) -> dict:
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     data = TrainData.load(args.data)
+    if args.text_fraction > 0 and len(data.text_tokens) <= args.text_len:
+        raise ValueError(
+            f"text_fraction={args.text_fraction} needs prose, but the data folder {args.data} has "
+            f"{len(data.text_tokens)} text tokens (prepared with --no-text?): pass --text-fraction 0"
+        )
     meta = json.loads((Path(args.data) / "meta.json").read_text(encoding="utf-8"))
     special = meta["special_ids"]
     cfg_dict = model_config(

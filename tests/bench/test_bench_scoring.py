@@ -1,4 +1,4 @@
-"""Answer extraction and scoring of the bundled tasks, sandboxed code execution, the arithmetic generator."""
+"""Answer extraction and scoring of the bundled tasks, sandboxed code execution."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import json
 import pytest
 
 from diffulex.bench import DATA_DIR, TASKS_DIR
-from diffulex.bench.arithmetic import generate_problems
-from diffulex.bench.arithmetic import main as arithmetic_main
 from diffulex.bench.scoring import (
     CODE_EXECUTION_ENV,
     answers_match,
@@ -113,24 +111,6 @@ def test_read_split(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         read_split(tmp_path / "missing.json")
     assert len(read_split("GSM8K.json")) == 1319  # bare names resolve to the bundled data folder
-
-
-def test_arithmetic_generator_is_deterministic_and_well_formed(tmp_path):
-    a = generate_problems(300, seed=7)
-    assert a == generate_problems(300, seed=7)
-    assert a != generate_problems(300, seed=8)
-    assert len({p["question"] for p in a}) == 300
-    for p in a:
-        assert set(p) == {"question", "answer"}
-        last = p["answer"].splitlines()[-1]
-        assert last.startswith("#### ") and int(last[5:]) >= 0
-        assert process_arithmetic(p, [p["answer"]]) == {"exact_match": 1.0}
-    out = tmp_path / "a.json"
-    assert arithmetic_main(["--n", "200", "--seed", "1234", "--out", str(out)]) == 0
-    shipped = json.loads((DATA_DIR / "arithmetic_test.json").read_text())
-    assert json.loads(out.read_text()) == shipped == generate_problems(200, 1234)
-    with pytest.raises(ValueError, match="n="):
-        generate_problems(-1, 0)
 
 
 def test_every_task_yaml_has_its_data_file():

