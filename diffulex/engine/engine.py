@@ -22,7 +22,7 @@ import torch
 
 from diffulex.config import EDIT_MODEL_NAMES, Config, inert_settings, warn
 from diffulex.engine.block import BlockStatus
-from diffulex.engine.cpu_resources import available_memory, choose_cpu_threads, usable_cores
+from diffulex.engine.cpu_resources import available_memory, choose_cpu_threads, default_cpu_threads, usable_cores
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
@@ -204,14 +204,19 @@ def _checkpoint_num_params(config: Config) -> int | None:
         return None
 
 
-def _set_cpu_threads(config: Config) -> None:
-    """The CPU thread count for this model (`diffulex.engine.cpu_resources.choose_cpu_threads`), process-wide."""
-    threads, why = choose_cpu_threads(config.cpu_threads, _checkpoint_num_params(config))
+def _cpu_threads(config: Config) -> tuple[int, int]:
+    """The CPU thread count of this model's steps (`diffulex.engine.cpu_resources.choose_cpu_threads`), and the
+    count its build runs with: no more than the default for its size, since a small model's load is many small
+    copies that a second thread only slows down where another process holds a core (the built-in model: 0.1 s on
+    one thread, up to 1.4 s on two of a busy 2-core machine)."""
+    num_params = _checkpoint_num_params(config)
+    threads, why = choose_cpu_threads(config.cpu_threads, num_params)
     cores = usable_cores()
     if threads > cores:
         warn(f"{why} asks for {threads} CPU threads but this process may use {cores} cores: steps will wait")
-    torch.set_num_threads(threads)
     logger.info("CPU threads: %d (%s)", threads, why)
+    build_threads = threads if num_params is None else min(threads, default_cpu_threads(num_params, cores))
+    return threads, build_threads
 
 
 def _reject_unsupported(config: Config) -> None:
@@ -280,8 +285,10 @@ class DiffulexEngine:
         for line in inert_settings(config):
             warn(line)
         self.device = _resolve_device(config)
+        step_threads = None
         if self.device.type == "cpu":
-            _set_cpu_threads(config)  # before loading, which already runs parallel copies
+            step_threads, build_threads = _cpu_threads(config)
+            torch.set_num_threads(build_threads)  # process-wide, as torch has it
         with _collector_paused():
             self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
             self.dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), self.device)
@@ -295,6 +302,8 @@ class DiffulexEngine:
             self.vocab_limit = min(len(self.tokenizer), self.model.config.vocab_size)
             self.settings = self._decode_settings()
             self._build_components()
+        if step_threads is not None:
+            torch.set_num_threads(step_threads)
         self._next_req_id = 0
         self._num_steps = 0
         self._num_launches = 0
