@@ -19,7 +19,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
-# One thread per this many parameters. The built-in model (7.3M) gains little from a second thread on two idle
+# One thread per this many parameters. The built-in model (7.3M) gains little from a second thread on two quiet
 # cores (a batch-1 step 8.8 ms against 9.7 ms) and loses many times that when another process holds one of them,
 # so it, and anything up to this size, runs on one thread; billion-parameter models get every usable core.
 PARAMS_PER_THREAD = 25_000_000
