@@ -51,7 +51,8 @@ logger = logging.getLogger("diffulex")
 CPU_KV_MEMORY_FRACTION = 0.5
 GIB = float(1 << 30)
 # The build's garbage is all in the youngest generation (the collector is paused while it is built): collecting
-# that one before freezing frees it without rescanning every object the process holds.
+# that one before freezing frees it without rescanning every object the process holds (a full collection there
+# took 0.4-0.6 s of the built-in model's build on a busy 2-core machine; older garbage, if any, is frozen too).
 GC_BUILD_GENERATION = 0
 
 
