@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
 MEMINFO = Path("/proc/meminfo")
 # One thread per this many parameters. The built-in model (7.3M) gains little from a second thread on two quiet
 # cores (a batch-1 step 8.8 ms against 9.7 ms) and loses many times that when another process holds one of them,
@@ -35,9 +36,20 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+def _own_cgroup_v2_dir(root: Path, proc_cgroup: Path) -> Path:
+    """This process's cgroup v2 folder (``0::/path`` in ``/proc/self/cgroup``) under ``root``; ``root`` itself in
+    a container, where the process's cgroup is mounted there, or when there is nothing to read."""
+    for line in (_read(proc_cgroup) or "").splitlines():
+        if line.startswith("0::"):
+            own = root / line[3:].lstrip("/")
+            if (own / "cpu.max").is_file():
+                return own
+    return root
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The cgroup CPU quota in cores (``2.5`` = 250 ms per 100 ms period), or None when there is none to read."""
-    v2 = _read(root / "cpu.max")
+    v2 = _read(_own_cgroup_v2_dir(root, proc_cgroup) / "cpu.max")
     if v2 is not None:
         quota, _, period = v2.partition(" ")
         if quota == "max":

@@ -45,6 +45,14 @@ def test_the_cgroup_quota_is_read_in_cores_from_either_version(tmp_path):
     assert cgroup_cpu_limit(cgroup_v2(tmp_path / "e", "garbage")) is None
 
 
+def test_the_quota_of_the_processs_own_cgroup_is_found_below_the_root(tmp_path):
+    cgroup_v2(tmp_path / "root" / "user.slice" / "job.scope", "300000 100000")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user.slice/job.scope\n")
+    assert cgroup_cpu_limit(tmp_path / "root", proc) == 3.0
+    assert cgroup_cpu_limit(tmp_path / "root", tmp_path / "unreadable") is None
+
+
 def test_usable_cores_are_the_affinity_mask_cut_to_the_rounded_up_quota(tmp_path):
     affinity = len(os.sched_getaffinity(0))
     assert usable_cores(tmp_path / "no-cgroup") == affinity
