@@ -384,7 +384,16 @@ class Config:
     max_model_len: int = _field(2048, "Longest prompt + output; clamped to the checkpoint's position limit.")
     max_num_batched_tokens: int = _field(4096, "Token budget for the prefill requests admitted in one step.")
     max_num_reqs: int = _field(128, "Most requests running at once (and scheduled in one step).")
-    num_pages: int = _field(-1, "KV cache pages; <= 0 = sized from free GPU memory.")
+    num_pages: int = _field(
+        -1,
+        "KV cache pages; <= 0 = max_num_reqs x max_model_len worth, capped by the memory left (GPU: "
+        "gpu_memory_utilization after weights and activations; CPU: half the host's available memory).",
+    )
+    cpu_threads: int | None = _field(
+        None,
+        "Threads of CPU compute (set process-wide when the engine runs on a CPU); None = OMP_NUM_THREADS if set, "
+        "else one per 25M parameters, never more than the cores this process may use (affinity, cgroup quota).",
+    )
 
     # Blocks and KV cache
     block_size: int | None = _field(
@@ -697,6 +706,8 @@ class Config:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("max_num_reqs", self.max_num_reqs, low=1)
         check_int("num_pages", self.num_pages)
+        if self.cpu_threads is not None:
+            check_int("cpu_threads", self.cpu_threads, low=1)
 
         check_choice("kv_cache_layout", self.kv_cache_layout, KV_CACHE_LAYOUTS)
         check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)

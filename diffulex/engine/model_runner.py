@@ -7,10 +7,12 @@ of committed blocks, and runs the LM head only on the rows the sampler needs.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,8 +77,8 @@ class ModelRunner:
         s = self.settings
         for layer in self.attention_layers:
             shape = (num_pages, s.page_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=s.kv_dtype, device=s.device)
-            layer.v_cache = torch.zeros(shape, dtype=s.kv_dtype, device=s.device)
+            layer.k_cache = _zeros(shape, s.kv_dtype, s.device)
+            layer.v_cache = _zeros(shape, s.kv_dtype, s.device)
             layer.attn_impl = s.attn_impl
         self.num_pages = num_pages
 
@@ -246,13 +248,15 @@ class ModelRunner:
     def warm_up_attention(self) -> None:
         """Compile now the paged-attention variants eager steps (prefill, eager decode) may launch: CUDA graphs
         compile theirs at capture, but a prompt's first step runs eagerly with shapes of its own. Once per distinct
-        layer geometry; nothing on other backends or off CUDA."""
+        layer geometry; nothing on other backends or off CUDA (where Triton need not be installed: the kernels are
+        imported only past that check)."""
         from diffulex.attention.layer import TRITON_IMPLS
-        from diffulex.kernels import paged_attention
 
         s = self.settings
         if s.device.type != "cuda" or s.attn_impl not in TRITON_IMPLS:
             return
+        from diffulex.kernels import paged_attention
+
         done = set()
         for layer in self.attention_layers:
             if layer.k_cache is None or layer.v_cache is None:
@@ -372,6 +376,16 @@ class ModelRunner:
             prefix_lens_cpu=step.prefix_lens,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU from ``calloc``, whose large blocks are pages the kernel zeroes on first touch, so
+    that a page pool sized for the request limits costs neither build time nor memory until its pages are used
+    (``torch.zeros`` writes every byte: 5.6 s and 2 GiB resident for the default pool of the built-in model)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _slot(req: Request, position: int, page_size: int) -> int:

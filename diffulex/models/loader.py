@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from diffulex.config import LOAD_FORMATS, check_choice
 from diffulex.layers import merge_projections
@@ -193,6 +194,31 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+class _SkipMetaInit(TorchFunctionMode):
+    """Random initializers on meta tensors are dropped: they have no data to fill, but torch runs them through
+    Python decompositions whose first use imports ``torch._dynamo`` (1-2 s of every CPU engine build)."""
+
+    _INITIALIZERS = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            nn.init.normal_,
+            nn.init.uniform_,
+            nn.init.trunc_normal_,
+            nn.init.kaiming_uniform_,
+            nn.init.kaiming_normal_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._INITIALIZERS:
+            target = args[0] if args else kwargs.get("tensor")  # `nn.init` passes its tensor by keyword
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {
     "float": "float32",
@@ -230,7 +256,8 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             ties.append((name, first_name[id(param)]))
         else:
             first_name[id(param)] = name
-    model.to_empty(device=device)
+    # `Module.to_empty` without its `empty_like`, whose meta-tensor path imports torch's symbolic shapes (about 1 s)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for alias, canonical in ties:
         owner_name, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner_name), leaf, model.get_parameter(canonical))
@@ -261,7 +288,7 @@ def build_model(
     hf_config = load_hf_config(model_dir, model_name)
     model_cls = AutoModelForDiffusionLM.get(model_name)
     torch_dtype = resolve_dtype(dtype, hf_config)
-    with _default_dtype(torch_dtype), torch.device("meta"):
+    with _default_dtype(torch_dtype), torch.device("meta"), _SkipMetaInit():
         model = model_cls(hf_config)
     materialize(model, device)
     if load_format == "dummy":
