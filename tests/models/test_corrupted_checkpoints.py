@@ -401,3 +401,47 @@ def test_a_corrupted_folder_shipping_code_never_runs_it(tmp_path):
         load(ckpt)
     assert not marker.exists()
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# ----- through the engine ---------------------------------------------------------------------------------
+
+
+def _engine(ckpt: Path):
+    from diffulex import Diffulex
+
+    return Diffulex(str(ckpt), block_size=4, page_size=8, buffer_size=2, max_model_len=64, max_num_batched_tokens=256)
+
+
+def test_the_engine_refuses_a_shard_outside_the_folder_naming_it(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "a" / "ckpt", shards=2)
+    shutil.move(ckpt / SHARD_2, tmp_path / "outside.safetensors")
+    edit_index(ckpt, SHARD_2, "../../outside.safetensors")
+    with pytest.raises(ValueError, match=r"outside\.safetensors.*outside the checkpoint folder"):
+        _engine(ckpt)
+
+
+def test_the_engine_refuses_a_config_linked_outside_the_folder(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    shutil.copyfile(ckpt / "config.json", tmp_path / "other.json")
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").symlink_to(tmp_path / "other.json")
+    with pytest.raises(ValueError, match=r"config\.json.*outside the checkpoint folder"):
+        _engine(ckpt)
+
+
+def test_the_engine_refuses_a_million_layers_at_once(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    edit_config(ckpt, num_hidden_layers=1_000_000)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="'num_hidden_layers' is 1000000, but the weights"):
+        _engine(ckpt)
+    assert time.perf_counter() - start < REFUSAL_SECONDS
+
+
+def test_the_engine_refuses_nan_weights_instead_of_generating_nothing(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    tensors = load_file(str(ckpt / WEIGHTS))
+    tensors["model.layers.0.mlp.down_proj.weight"].fill_(float("nan"))
+    save_file(tensors, str(ckpt / WEIGHTS))
+    with pytest.raises(ValueError, match=r"non-finite weights.*model\.layers\.0\.mlp\.down_proj\.weight in model"):
+        _engine(ckpt)
