@@ -221,9 +221,10 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
 def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str | Path) -> None:
     """Copy every target's tensor from its file, then refuse non-finite values.
 
-    The finiteness check is one float32 sum per tensor, taken on the copied (cast) tensor on its device and read
-    back once per file: a NaN or Inf anywhere makes the sum non-finite. A non-finite sum is then confirmed by
-    counting the non-finite values (a float32 sum of finite values can overflow only for absurdly large weights).
+    The finiteness check is the minimum and maximum of each copied (cast) tensor, on its device, read back once per
+    file: NaN propagates to both, +Inf shows in the maximum, -Inf in the minimum, so the check is exact, and one
+    reduction in the tensor's own dtype costs about half a copy (``isfinite`` or a float32 sum of a bf16 tensor
+    cost 25-50 copies on CPU). Only a tensor found non-finite is scanned again, to count its bad values.
     """
     targets, _ = _load_targets(model)
     by_file: dict[Path, list[str]] = {}
@@ -232,20 +233,20 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
     non_finite: list[str] = []
     with torch.no_grad():
         for path, names in by_file.items():
-            sums: dict[str, torch.Tensor] = {}
+            extremes: dict[str, torch.Tensor] = {}
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in names:
                         target = targets[name]
                         target.copy_(f.get_tensor(name))
-                        if target.is_floating_point():
-                            sums[name] = target.sum(dtype=torch.float32)
+                        if target.is_floating_point() and target.numel() > 0:
+                            extremes[name] = torch.stack(torch.aminmax(target)).float()
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{path}: cannot be read as safetensors: {e}") from None
-            if not sums:
+            if not extremes:
                 continue
-            finite = torch.stack(list(sums.values())).isfinite().tolist()
-            for name, ok in zip(sums, finite, strict=True):
+            finite = torch.stack(list(extremes.values())).isfinite().all(dim=1).tolist()
+            for name, ok in zip(extremes, finite, strict=True):
                 bad = 0 if ok else int((~torch.isfinite(targets[name])).sum())
                 if bad:
                     non_finite.append(f"{name} in {path.name} ({bad} of {targets[name].numel()} values)")

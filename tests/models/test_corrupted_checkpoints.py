@@ -345,7 +345,7 @@ def test_a_weight_that_overflows_the_model_dtype_is_reported(tmp_path):
 def test_large_finite_weights_are_not_mistaken_for_non_finite(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
     tensors = load_file(str(ckpt / WEIGHTS))
-    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], 3e38)  # their sum overflows
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], 3e38)  # near the float32 limit
     save_file(tensors, str(ckpt / WEIGHTS))
     assert torch.all(load(ckpt).model.norm.weight == torch.tensor(3e38))
 
