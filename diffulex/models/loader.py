@@ -69,7 +69,7 @@ def _weight_files(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
         if missing:
             raise ValueError(f"{index} lists shards that are not in {folder}: {', '.join(missing)}")
         return shards, shard_of
-    files = [checkpoint_path(folder, p.name) for p in sorted(folder.glob("*.safetensors"))]
+    files = [checkpoint_path(folder, p.name) for p in sorted(folder.glob("*.safetensors")) if p.is_file()]
     if files:
         return files, None
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
