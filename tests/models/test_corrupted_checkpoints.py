@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from diffulex.models.hf_config import load_hf_config
 from diffulex.models.loader import build_model, checkpoint_files, load_checkpoint
 from diffulex.testing import write_tiny_checkpoint
+from diffulex.testing.checkpoints import FAMILIES
 from diffulex.tokenizer import build_qwen2_tokenizer, load_tokenizer
 
 WEIGHTS = "model.safetensors"
@@ -358,6 +359,21 @@ def test_load_checkpoint_into_a_built_model_reports_nan_too(tmp_path):
     save_file(tensors, str(bad / WEIGHTS))
     with pytest.raises(ValueError, match=r"lm_head\.weight in model\.safetensors \(1 of"):
         load_checkpoint(model, bad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_names_a_truncated_shard_and_a_nan_tensor(tmp_path, family):
+    truncated = write_tiny_checkpoint(tmp_path / "truncated", family=family, shards=2)
+    _cut(truncated / SHARD_2, (truncated / SHARD_2).stat().st_size // 2)
+    message = refusal(truncated, family)
+    assert str(truncated / SHARD_2) in message and "truncated" in message
+
+    poisoned = write_tiny_checkpoint(tmp_path / "poisoned", family=family)
+    tensors = load_file(str(poisoned / WEIGHTS))
+    name = max(tensors, key=lambda n: tensors[n].numel())
+    tensors[name].view(-1)[-1] = float("nan")
+    save_file(tensors, str(poisoned / WEIGHTS))
+    assert f"{name} in {WEIGHTS} (1 of {tensors[name].numel()} values)" in refusal(poisoned, family)
 
 
 # ----- checkpoint code is never executed ------------------------------------------------------------------
