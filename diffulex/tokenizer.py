@@ -8,6 +8,10 @@ itself, and if that ever fails we build the same byte-level BPE with the ``token
 The stop set and the mask id are spread over several files whose contents disagree in real checkpoints
 (SDAR's ``added_tokens.json`` spells id 151669 ``<MASK>``, its ``tokenizer_config.json`` ``<|MASK|>``), so the
 rules that combine them are written down here once.
+
+Every tokenizer file is confined to its folder (`diffulex.checkpoint_folder`): a link out of the folder is refused
+before transformers opens anything. When loading fails, the error names the file at fault (invalid JSON, a
+``tokenizer.json`` the tokenizers library rejects) rather than the generic "no tokenizer found".
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from diffulex.checkpoint_folder import check_entries_inside, checkpoint_path
+
 # The pre-tokenization regex of Qwen2/Qwen2.5/Qwen3 (digits split one by one).
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -28,12 +34,34 @@ QWEN2_SPLIT_PATTERN = (
 )
 
 
+# Files transformers or `build_qwen2_tokenizer` may read from a tokenizer folder (the last one a folder).
+JSON_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "chat_template.json",
+    "config.json",
+    "generation_config.json",
+)
+TOKENIZER_FILES = (
+    *JSON_TOKENIZER_FILES,
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "additional_chat_templates",
+)
+
+
 def _read_json(path: Path) -> Any:
+    """The parsed JSON file `path` of a checkpoint folder, None if absent; refused if it leads out of the folder."""
+    path = checkpoint_path(path.parent, path.name)
     if not path.is_file():
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
@@ -53,15 +81,44 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(previous)
 
 
+def _broken_tokenizer_file(folder: Path) -> str | None:
+    """Why a tokenizer file of `folder` cannot be read, naming it, or None if every one parses: JSON files must be
+    valid JSON and ``tokenizer.json`` must be accepted by the tokenizers library. Asked only after a failed load,
+    so a good folder never pays for the second parse."""
+    from tokenizers import Tokenizer
+
+    for name in JSON_TOKENIZER_FILES:
+        try:
+            _read_json(folder / name)
+        except ValueError as e:
+            return str(e)
+    tokenizer_json = folder / "tokenizer.json"
+    if tokenizer_json.is_file():
+        try:
+            Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            return f"{tokenizer_json} is not a valid tokenizer file: {e}"
+    return None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a checkpoint folder (never running code from the folder)."""
+    """The tokenizer of a checkpoint folder (never running code from the folder, never reading outside it).
+
+    Raises ``ValueError`` naming the file when a tokenizer file leads outside the folder, is not valid JSON, or is
+    a ``tokenizer.json`` the tokenizers library rejects; else naming what the folder holds when it has no
+    tokenizer at all.
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
+    check_entries_inside(folder, TOKENIZER_FILES)
     try:
         with _quiet_transformers():
             return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as auto_error:
+        broken = _broken_tokenizer_file(folder)
+        if broken is not None:
+            raise ValueError(f"cannot load a tokenizer from {folder}: {broken}") from auto_error
         if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             return build_qwen2_tokenizer(folder)
         present = sorted(p.name for p in folder.iterdir())
@@ -92,12 +149,17 @@ def build_qwen2_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     folder = Path(folder)
+    check_entries_inside(folder, TOKENIZER_FILES)
     missing = [name for name in ("vocab.json", "merges.txt") if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"cannot build a BPE tokenizer from {folder}: missing {', '.join(missing)}")
-    tok = Tokenizer(
-        models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=None)
-    )
+    try:
+        bpe = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=None)
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ValueError(
+            f"cannot build a BPE tokenizer from {folder}: vocab.json + merges.txt are not a valid BPE model: {e}"
+        ) from None
+    tok = Tokenizer(bpe)
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -107,13 +169,16 @@ def build_qwen2_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     )
     tok.decoder = decoders.ByteLevel()
 
-    config = _read_json(folder / "tokenizer_config.json") or {}
+    config = _json_object(folder / "tokenizer_config.json")
     added: dict[int, dict[str, Any]] = {}
-    for id_str, entry in (config.get("added_tokens_decoder") or {}).items():
+    decoder = config.get("added_tokens_decoder") or {}
+    for id_str, entry in (decoder if isinstance(decoder, dict) else {}).items():
         if _token_content(entry) is not None:
-            added[int(id_str)] = entry if isinstance(entry, dict) else {"content": entry}
-    for content, token_id in (_read_json(folder / "added_tokens.json") or {}).items():
-        added.setdefault(int(token_id), {"content": content})
+            added[_added_id(folder / "tokenizer_config.json", id_str)] = (
+                entry if isinstance(entry, dict) else {"content": entry}
+            )
+    for content, token_id in _json_object(folder / "added_tokens.json").items():
+        added.setdefault(_added_id(folder / "added_tokens.json", token_id), {"content": content})
     for token_id in sorted(added):
         entry = added[token_id]
         content, special = entry["content"], bool(entry.get("special", True))
@@ -138,18 +203,37 @@ def build_qwen2_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
         else:
             tok.add_tokens([token])
 
-    special_map = _read_json(folder / "special_tokens_map.json") or {}
+    special_map = _json_object(folder / "special_tokens_map.json")
     kwargs: dict[str, Any] = {}
     for key in ("eos_token", "pad_token", "bos_token", "unk_token", "mask_token"):
         content = _token_content(config.get(key)) or _token_content(special_map.get(key))
         if content is not None:
             kwargs[key] = content
-    chat_template = folder / "chat_template.jinja"
+    chat_template = checkpoint_path(folder, "chat_template.jinja")
     if chat_template.is_file():
         kwargs["chat_template"] = chat_template.read_text(encoding="utf-8")
     elif isinstance(config.get("chat_template"), str):
         kwargs["chat_template"] = config["chat_template"]
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kwargs)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A tokenizer JSON file that must hold an object ({} when absent)."""
+    data = _read_json(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _added_id(path: Path, value: Any) -> int:
+    """An added token's id as written in `path` (an int, or a decimal string as a JSON key)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    raise ValueError(f"{path}: added token id {value!r} is not a non-negative integer")
 
 
 def _config_token_ids(value: Any) -> set[int]:

@@ -4,7 +4,9 @@ Real diffusion-LM checkpoints ship their config class as Python code (``auto_map
 ``configuration_*.py``); loading it through ``transformers.AutoConfig`` would need ``trust_remote_code=True``,
 i.e. executing files from the checkpoint folder. Instead each family declares the fields it uses in a
 dataclass here and reads the JSON itself: unknown keys are ignored, missing or invalid required fields are a
-``ValueError`` naming the field.
+``ValueError`` naming the field. Sizes are also bounded above (`MAX_LAYERS`, `MAX_EXPERTS`, `MAX_WIDTH`,
+`MAX_POSITIONS`): the model is built from them before any weight is read, so an enormous value must be refused
+here rather than turn into minutes of module construction or an allocation the machine cannot make.
 
 The dense families (SDAR, Dream, DiffuCoder, Dream reasoner, Stable-DiffCoder, Fast-dLLM v2) share one reader,
 `DenseDecoderConfig`, for the HF-style (Qwen2 / Qwen3 / Llama) field names; each family's subclass states only
@@ -17,24 +19,49 @@ what differs (defaults, extra fields, its mask token string). LLaDA has OLMo fie
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from diffulex.checkpoint_folder import checkpoint_path
 from diffulex.registry import Registry
 
 HFConfigReaders: Registry[Callable[[str | Path], Any]] = Registry("HF config reader for model")
 
 
+# Upper bounds on the sizes a config.json may state: far above any published model, low enough that the model built
+# from them (before its weights are read) cannot take minutes or exhaust memory by itself.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_WIDTH = 1 << 20  # hidden, intermediate and head sizes, head counts, vocabulary
+MAX_POSITIONS = 1 << 24  # the rotary table holds this many positions
+
+# The upper bound of each size field (by its JSON name, in every family); other integer fields get MAX_WIDTH.
+SIZE_LIMITS = {
+    "num_hidden_layers": MAX_LAYERS,
+    "n_layers": MAX_LAYERS,
+    "first_k_dense_replace": MAX_LAYERS,
+    "decoder_sparse_step": MAX_LAYERS,
+    "num_experts": MAX_EXPERTS,
+    "num_experts_per_tok": MAX_EXPERTS,
+    "num_shared_experts": MAX_EXPERTS,
+    "n_group": MAX_EXPERTS,
+    "topk_group": MAX_EXPERTS,
+    "max_position_embeddings": MAX_POSITIONS,
+    "max_sequence_length": MAX_POSITIONS,
+}
+
+
 def read_config_dict(model_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a checkpoint folder."""
-    path = Path(model_dir) / "config.json"
+    """The parsed ``config.json`` of a checkpoint folder (which must not lead outside it: `checkpoint_path`)."""
+    path = checkpoint_path(model_dir, "config.json")
     if not path.is_file():
         raise FileNotFoundError(f"{Path(model_dir)} has no config.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
@@ -52,6 +79,13 @@ def _int(d: dict[str, Any], key: str, *, required: bool = True, default: int | N
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"config field {key!r} must be a positive integer, got {value!r}")
+    return _bounded(key, value)
+
+
+def _bounded(key: str, value: int) -> int:
+    limit = SIZE_LIMITS.get(key, MAX_WIDTH)
+    if value > limit:
+        raise ValueError(f"config field {key!r} must be at most {limit}, got {value}")
     return value
 
 
@@ -78,8 +112,8 @@ def _float(d: dict[str, Any], key: str, default: float) -> float:
     value = d.get(key, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"config field {key!r} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"config field {key!r} must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -151,7 +185,7 @@ def find_added_token_id(model_dir: str | Path, content: str) -> int | None:
     folder = Path(model_dir)
 
     def load(name: str) -> Any:
-        path = folder / name
+        path = checkpoint_path(folder, name)
         if not path.is_file():
             return None
         try:
@@ -185,6 +219,13 @@ class HFConfig:
 
     # The family's mask token string (None = do not look it up).
     mask_token: ClassVar[str | None] = None
+    # config.json's name of a field the engine reads under its HF-style name, where the family spells it otherwise.
+    json_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def json_name(cls, attr: str) -> str:
+        """The key in the family's ``config.json`` that sets `attr`, for error messages."""
+        return cls.json_names.get(attr, attr)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
@@ -425,7 +466,7 @@ def _count(d: dict[str, Any], key: str) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"config field {key!r} must be a non-negative integer, got {value!r}")
-    return value
+    return _bounded(key, value)
 
 
 @dataclass
@@ -506,6 +547,11 @@ class LLaDAConfig(HFConfig):
     architectures: list[str] = field(default_factory=list)
 
     mask_token: ClassVar[str | None] = "<|mdm_mask|>"
+    json_names: ClassVar[dict[str, str]] = {
+        "num_hidden_layers": "n_layers",
+        "hidden_size": "d_model",
+        "vocab_size": "embedding_size",
+    }
 
     # The HF-style names the rest of the engine reads.
     @property
@@ -578,6 +624,11 @@ class LLaDAConfig(HFConfig):
             ratio = _int(d, "mlp_ratio", required=False, default=4)
             assert ratio is not None
             mlp_hidden = ratio * d_model
+            if mlp_hidden > MAX_WIDTH:
+                raise ValueError(
+                    f"config field 'mlp_ratio' ({ratio}) times 'd_model' ({d_model}) gives an MLP width of "
+                    f"{mlp_hidden}, more than {MAX_WIDTH}"
+                )
         vocab_size = _int(d, "vocab_size")
         embedding_size = _int(d, "embedding_size", required=False, default=vocab_size)
         assert vocab_size is not None and embedding_size is not None

@@ -18,45 +18,62 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from diffulex.checkpoint_folder import checkpoint_path
 from diffulex.config import LOAD_FORMATS, check_choice
 from diffulex.layers import merge_projections
-from diffulex.models.hf_config import load_hf_config
+from diffulex.models.hf_config import load_hf_config, read_config_dict
+from diffulex.models.safetensors_header import TensorHeader, read_safetensors_header
 from diffulex.registry import AutoModelForDiffusionLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+# Repeated modules whose count a config states, found in checkpoint tensor names by their index: the config.json
+# keys that state the count (in any family) and the pattern whose group is the index. ``.experts.`` does not match
+# ``shared_experts``.
+COUNTED_MODULES = (
+    (("num_hidden_layers", "n_layers"), re.compile(r"\.(?:layers|blocks)\.(\d+)\.")),
+    (("num_experts",), re.compile(r"\.experts\.(\d+)\.")),
+)
+
+# name -> (the file holding it, its header entry)
+CheckpointTensors = dict[str, tuple[Path, TensorHeader]]
 
 
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: ``model.safetensors``, else the shards named by the index file,
-    else every ``*.safetensors`` in the folder (sorted)."""
-    folder = Path(model_dir)
+def _weight_files(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The weight files, and the index's tensor -> shard map when the checkpoint is sharded with an index."""
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    single = folder / SINGLE_FILE
+    single = checkpoint_path(folder, SINGLE_FILE)
     if single.is_file():
-        return [single]
-    index = folder / INDEX_FILE
+        return [single], None
+    index = checkpoint_path(folder, INDEX_FILE)
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} has no valid 'weight_map': {e}") from None
-        shards = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [p.name for p in shards if not p.is_file()]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        shard_of = {name: checkpoint_path(folder, shard) for name, shard in weight_map.items()}
+        shards = sorted(set(shard_of.values()))
+        missing = [str(p.relative_to(folder)) for p in shards if not p.is_file()]
         if missing:
             raise ValueError(f"{index} lists shards that are not in {folder}: {', '.join(missing)}")
-        return shards
-    files = sorted(folder.glob("*.safetensors"))
+        return shards, shard_of
+    files = [checkpoint_path(folder, p.name) for p in sorted(folder.glob("*.safetensors")) if p.is_file()]
     if files:
-        return files
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        return files, None
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     hint = (
         f" (found {', '.join(pickles)}: pickle checkpoints are not loaded because unpickling can execute "
         "code; convert them to safetensors)"
@@ -66,16 +83,54 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise ValueError(f"{folder} has no safetensors weights{hint}")
 
 
-def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """name -> (file, shape) from the file headers only (no tensor data is read)."""
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors``, else the shards named by the index file,
+    else every ``*.safetensors`` in the folder (sorted). Each is confined to the folder (`checkpoint_path`): an
+    index naming ``../x.safetensors`` or an absolute path, or a link out of the folder, is a ``ValueError``."""
+    return _weight_files(Path(model_dir))[0]
+
+
+def checkpoint_tensors(model_dir: str | Path) -> CheckpointTensors:
+    """Every tensor of the checkpoint with its file, dtype and shape, from the file headers only (no tensor data
+    is read). Each header is checked (`read_safetensors_header`), a tensor may appear in one file only, and every
+    tensor the index maps to a shard must be in that shard."""
+    folder = Path(model_dir)
+    files, shard_of = _weight_files(folder)
+    found: CheckpointTensors = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in found:
-                    raise ValueError(f"tensor {name!r} appears in both {found[name][0].name} and {path.name}")
-                found[name] = (path, tuple(f.get_slice(name).get_shape()))
+        for name, header in read_safetensors_header(path).items():
+            if name in found:
+                raise ValueError(f"tensor {name!r} appears in both {found[name][0]} and {path}")
+            found[name] = (path, header)
+    for name, shard in (shard_of or {}).items():
+        if found.get(name, (None,))[0] != shard:
+            raise ValueError(
+                f"{folder / INDEX_FILE} maps tensor {name!r} to {shard.relative_to(folder)}, which does not hold it"
+            )
     return found
+
+
+def check_config_against_weights(config: dict[str, Any], tensors: CheckpointTensors, model_dir: str | Path) -> None:
+    """Refuse a ``config.json`` (`config`, as parsed) that asks for more layers or experts than the weights hold.
+
+    Runs before the config is even validated: building the model costs time and memory in proportion to those
+    counts (a ``num_hidden_layers`` of 10**6 takes minutes even on the meta device), the strict loader would refuse
+    the result anyway, and counting the indices in the checkpoint's tensor names is free, so the message can give
+    the weights' value. A config asking for fewer is left to the strict loader, which names the surplus tensors (or
+    ignores them where the model says so); a value that is not an integer is left to the config reader.
+    """
+    for keys, pattern in COUNTED_MODULES:
+        field = next((key for key in keys if key in config), None)
+        wanted = config.get(field) if field is not None else None
+        indices = {int(m.group(1)) for name in tensors if (m := pattern.search(name))}
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or not indices or wanted <= len(indices):
+            continue
+        files = sorted({str(path.name) for path, _ in tensors.values()})
+        raise ValueError(
+            f"{Path(model_dir) / CONFIG_FILE}: config field {field!r} is {wanted}, but the weights "
+            f"({', '.join(files)}) hold {len(indices)} (indices {min(indices)}..{max(indices)}); the config does "
+            "not describe these weights"
+        )
 
 
 def _load_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -93,34 +148,67 @@ def _load_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     return targets, aliases
 
 
-def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
-    """Copy the checkpoint's tensors into `model` (casting to each parameter's dtype and device).
+def _check_embedding(model: nn.Module, tensors: CheckpointTensors, model_dir: str | Path) -> None:
+    """A token embedding of another width or vocabulary than the config's is reported as that config field, with
+    the weights' value: it is the one mismatch whose cause is always the config's size, not a single tensor."""
+    embedding = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None or f"{embedding[0]}.weight" not in tensors:
+        return
+    name = f"{embedding[0]}.weight"
+    path, header = tensors[name]
+    if len(header.shape) != 2:
+        return
+    config = getattr(model, "config", None)
+    json_name = config.json_name if hasattr(config, "json_name") else str
+    rows, width = embedding[1].weight.shape
+    for attr, model_value, weight_value in (
+        ("hidden_size", width, header.shape[1]),
+        ("vocab_size", rows, header.shape[0]),
+    ):
+        if model_value != weight_value:
+            raise ValueError(
+                f"{Path(model_dir) / CONFIG_FILE}: config field {json_name(attr)!r} is {model_value}, but the weights "
+                f"say {weight_value} ({name} in {path.name} has shape {list(header.shape)})"
+            )
 
-    Raises ``ValueError`` listing tensors the model needs that the checkpoint lacks, tensors whose shapes
-    differ (both shapes given), and checkpoint tensors the model has no place for, except those matching a
-    regex in the model's ``ignored_checkpoint_keys`` and aliases of tied weights.
+
+def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model_dir: str | Path) -> None:
+    """Compare the checkpoint's tensors with the model's, from shapes alone (a meta-device model will do).
+
+    Raises ``ValueError`` listing tensors the model needs that the checkpoint lacks, tensors whose shapes differ
+    (both shapes and the file given), tensors of the wrong kind of dtype (integer data for a floating-point
+    parameter or the reverse), and checkpoint tensors the model has no place for, except those matching a regex
+    in the model's ``ignored_checkpoint_keys`` and aliases of tied weights. A token embedding that disagrees is
+    reported first, as the config field it contradicts.
     """
-    files = checkpoint_files(model_dir)
-    available = _checkpoint_shapes(files)
+    _check_embedding(model, tensors, model_dir)
     targets, aliases = _load_targets(model)
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_keys", ())]
 
-    missing = sorted(set(targets) - set(available))
+    missing = sorted(set(targets) - set(tensors))
     mismatched = [
-        f"{name}: checkpoint {list(shape)} vs model {list(targets[name].shape)}"
-        for name, (_, shape) in sorted(available.items())
-        if name in targets and tuple(targets[name].shape) != shape
+        f"{name} in {path.name}: checkpoint {list(header.shape)} vs model {list(targets[name].shape)}"
+        for name, (path, header) in sorted(tensors.items())
+        if name in targets and tuple(targets[name].shape) != header.shape
+    ]
+    wrong_dtype = [
+        f"{name} in {path.name}: checkpoint {header.dtype} vs model {targets[name].dtype}"
+        for name, (path, header) in sorted(tensors.items())
+        if name in targets and header.is_floating_point != targets[name].is_floating_point()
     ]
     unexpected = sorted(
         name
-        for name in available
+        for name in tensors
         if name not in targets and name not in aliases and not any(p.search(name) for p in ignored)
     )
     problems = []
     if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
+        files = sorted({path.name for path, _ in tensors.values()})
+        problems.append(f"missing tensors: {', '.join(missing)} (in none of {', '.join(files)})")
     if mismatched:
         problems.append(f"shape mismatches: {'; '.join(mismatched)}")
+    if wrong_dtype:
+        problems.append(f"dtype mismatches (integer vs floating point): {'; '.join(wrong_dtype)}")
     if unexpected:
         problems.append(f"unexpected tensors: {', '.join(unexpected)}")
     if problems:
@@ -130,14 +218,57 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
             problems.append(f"hint: {hint}")
         raise ValueError(f"{where}: " + " | ".join(problems))
 
+
+def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str | Path) -> None:
+    """Copy every target's tensor from its file, then refuse non-finite values.
+
+    The finiteness check is the minimum and maximum of each copied (cast) tensor, on its device, read back once per
+    file: NaN propagates to both, +Inf shows in the maximum, -Inf in the minimum, so the check is exact, and one
+    reduction in the tensor's own dtype costs about half a copy (``isfinite`` or a float32 sum of a bf16 tensor
+    cost 25-50 copies on CPU). Only a tensor found non-finite is scanned again, to count its bad values.
+    """
+    targets, _ = _load_targets(model)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
-        by_file.setdefault(available[name][0], []).append(name)
+        by_file.setdefault(tensors[name][0], []).append(name)
+    non_finite: list[str] = []
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in names:
-                    targets[name].copy_(f.get_tensor(name))
+            extremes: dict[str, torch.Tensor] = {}
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in names:
+                        target = targets[name]
+                        target.copy_(f.get_tensor(name))
+                        if target.is_floating_point() and target.numel() > 0:
+                            extremes[name] = torch.stack(torch.aminmax(target)).float()
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path}: cannot be read as safetensors: {e}") from None
+            if not extremes:
+                continue
+            finite = torch.stack(list(extremes.values())).isfinite().all(dim=1).tolist()
+            for name, ok in zip(extremes, finite, strict=True):
+                bad = 0 if ok else int((~torch.isfinite(targets[name])).sum())
+                if bad:
+                    non_finite.append(f"{name} in {path.name} ({bad} of {targets[name].numel()} values)")
+    if non_finite:
+        raise ValueError(
+            f"checkpoint {Path(model_dir)} has non-finite weights (NaN or Inf), which make the model's output "
+            f"meaningless: {'; '.join(non_finite)}"
+        )
+
+
+def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
+    """Copy the checkpoint's tensors into `model` (casting to each parameter's dtype and device).
+
+    Everything that can be checked from the file headers is checked before any tensor is copied
+    (`check_checkpoint_matches`; a problem leaves the model untouched). NaN or Inf in a weight is found while
+    copying and raised as a ``ValueError`` naming the tensors and files after the copy (the model is then not fit
+    for use). Unreadable files are a ``ValueError`` naming the file.
+    """
+    tensors = checkpoint_tensors(model_dir)
+    check_checkpoint_matches(model, tensors, model_dir)
+    _copy_tensors(model, tensors, model_dir)
 
 
 DEFAULT_INIT_STD = 0.02
@@ -146,7 +277,7 @@ DEFAULT_INIT_STD = 0.02
 def _initializer_range(model_dir: str | Path) -> float:
     """The checkpoint's ``initializer_range`` (top level or ``text_config``), else 0.02 (the HF default)."""
     try:
-        data = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        data = json.loads(checkpoint_path(model_dir, CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return DEFAULT_INIT_STD
     for section in (data, data.get("text_config")):
@@ -277,24 +408,31 @@ def build_model(
 
     The model is first built on the meta device (no memory, no random init, which takes minutes for a
     multi-billion-parameter model on CPU), then materialized on `device` in `dtype` and filled by the strict
-    loader, which guarantees every parameter is overwritten. ``load_format="dummy"`` fills it instead with
-    random weights drawn on `device` from `seed` (`init_dummy_weights`, std = the config's ``initializer_range``),
-    reading no weight file. With `lora_path`, the PEFT adapter in that folder is then applied
-    (`diffulex.lora.apply_lora`): merged into the weights if `merge_lora`, else added at every forward. Last,
-    projections of the same input are joined for one-GEMM execution (`diffulex.layers.merge_projections`; names
-    and values unchanged). Returned in eval mode.
+    loader, which guarantees every parameter is overwritten. The checkpoint is compared with the config
+    (`check_config_against_weights`) before the model is built, and with the built meta model
+    (`check_checkpoint_matches`) before any memory is allocated, both from the file headers alone.
+    ``load_format="dummy"`` fills it instead with random weights drawn on `device` from `seed`
+    (`init_dummy_weights`, std = the config's ``initializer_range``), reading no weight file. With
+    `lora_path`, the PEFT adapter in that folder is then applied (`diffulex.lora.apply_lora`): merged into the
+    weights if `merge_lora`, else added at every forward. Last, projections of the same input are joined for
+    one-GEMM execution (`diffulex.layers.merge_projections`; names and values unchanged). Returned in eval mode.
     """
     check_choice("load_format", load_format, LOAD_FORMATS)
+    tensors = None if load_format == "dummy" else checkpoint_tensors(model_dir)
+    if tensors is not None:
+        check_config_against_weights(read_config_dict(model_dir), tensors, model_dir)
     hf_config = load_hf_config(model_dir, model_name)
     model_cls = AutoModelForDiffusionLM.get(model_name)
     torch_dtype = resolve_dtype(dtype, hf_config)
     with _default_dtype(torch_dtype), torch.device("meta"), _SkipMetaInit():
         model = model_cls(hf_config)
+    if tensors is not None:
+        check_checkpoint_matches(model, tensors, model_dir)
     materialize(model, device)
-    if load_format == "dummy":
+    if tensors is None:
         init_dummy_weights(model, _initializer_range(model_dir), seed)
     else:
-        load_checkpoint(model, model_dir)
+        _copy_tensors(model, tensors, model_dir)
     if lora_path is not None:
         from diffulex.lora import apply_lora
 

@@ -70,12 +70,14 @@ def test_a_missing_tensor_is_named(tmp_path):
         build_model("sdar", ckpt, torch.float32, "cpu")
 
 
-def test_a_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
+def test_a_shape_mismatch_names_the_tensor_its_file_and_both_shapes(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path)
     _rewrite_weights(ckpt, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 64)}))
     with pytest.raises(ValueError) as err:
         build_model("sdar", ckpt, torch.float32, "cpu")
-    assert "model.layers.0.mlp.up_proj.weight: checkpoint [96, 64] vs model [128, 64]" in str(err.value)
+    assert "model.layers.0.mlp.up_proj.weight in model.safetensors: checkpoint [96, 64] vs model [128, 64]" in str(
+        err.value
+    )
 
 
 def test_an_unexpected_tensor_is_named(tmp_path):
