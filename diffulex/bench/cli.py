@@ -137,8 +137,8 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--roofline-batches", dest="tp__roofline_batches", nargs="+", type=int, metavar="N",
                        help="batch sizes of the linear roofline, M = batch x block size (default: 32 128)")
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
-                       help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: "
-                            "DIFFULEX_SHARED_DATA, else ../shared/data/sdar-4b-chat)")
+                       help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
+                            "checkout's tests/data/sdar-4b-chat)")
 
 
 def throughput_options(args: argparse.Namespace) -> dict[str, Any]:
