@@ -20,7 +20,7 @@ travel with the step's inputs, padded with -1), the acceptance of every block (p
 ``[2, rows]`` result stored into pinned host memory by a kernel (`diffulex.kernels.host_publish`; one sampling
 graph per staging buffer, each storing into that buffer's home; without triton, a copy instead, which costs the
 GPU several microseconds more per step). That replaces a dozen host-side launches and small
-copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host, session 6), by one
+copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host), by one
 graph launch. A step with a request that draws at ``temperature > 0`` (a seeded generator per request) runs the
 eager sampler after the forward graph instead. For most buckets the sampling graph is a graph of its own, which
 reads the forward graph's output, so those steps need no second capture of the forward; buckets of at most

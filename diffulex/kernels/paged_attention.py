@@ -426,7 +426,7 @@ _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Software-pipeline depth of the key loops. A split program folds only a few tiles, where the pipeline's prologue
 # costs more than it hides: one stage replayed the SDAR-1.7B batch-1 graph 0.012 ms faster on an H100 (1.478 against
-# 1.490 ms, `bench/device_session10.sh d`). Unsplit launches (large grids, long key loops) keep two.
+# 1.490 ms). Unsplit launches (large grids, long key loops) keep two.
 _STAGES_UNSPLIT = 2
 _STAGES_SPLIT = 1
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready

@@ -22,7 +22,7 @@ Design:
   copy into shared memory, rows past ``N`` and columns past ``K`` come back as zeros) for the 1.7B geometry's
   qkv, o and gate_up: alone, in graph replay on an H100, 14-19% faster on the 8-17 MB matrices and 4% on the
   50 MB one, no gain on larger ones; in the engine's PDL chain, where the L2 prefetch already hides most of the
-  fixed cost, the SDAR-1.7B batch-1 forward is 0.8% faster (1.728 -> 1.715 ms, two runs each, session 5).
+  fixed cost, the SDAR-1.7B batch-1 forward is 0.8% faster (1.728 -> 1.715 ms, two runs each).
 * Split-K when ``N / BLOCK_N`` programs cannot fill the SMs (o_proj and down_proj have N = hidden): each split
   writes fp32 partials, bumps a per-tile counter (acq_rel atomic), and the last split to arrive sums the
   partials in split order (deterministic, independent of arrival order), adds the bias, writes the output and
@@ -289,14 +289,14 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 # (LM heads). Under CUDA-graph capture the launch cost is gone and every table entry wins.
 _EAGER_MIN_BYTES = 256 << 20
 # With programmatic dependent launch a GEMM starts while the kernels before it finish; it prefetches its weights
-# into L2 meanwhile, at most this much per matrix. Measured in the SDAR-1.7B batch-1 chain on an H200 (session 13),
+# into L2 meanwhile, at most this much per matrix. Measured in the SDAR-1.7B batch-1 chain on an H200,
 # with the large GEMMs releasing early (below): 2-4 MB per matrix 1.150 ms per replay, 8 MB 1.164, 16 MB 1.229,
 # 24 MB 1.261; without any prefetch 1.175. More than a few MB competes with the GEMM still streaming and evicts
 # lines before they are read.
 _PREFETCH_BUDGET_BYTES = 4 << 20
 # A GEMM streaming at least this many weight bytes lets the kernels after it start at its beginning (as
 # ``release_early`` does) rather than after its stream: the next GEMM's prologue and prefetch then overlap this
-# stream instead of its tail. Measured on an H200 (session 13, SDAR-1.7B batch 1, 4 MB prefetch budget): replay
+# stream instead of its tail. Measured on an H200 (SDAR-1.7B batch 1, 4 MB prefetch budget): replay
 # 1.255 ms with every release after the stream, 1.143 with gate_up's (50 MB) and down_proj's (25 MB) at the start
 # (q/k/v's already was), 1.151 with o_proj's (8 MB) too, which is too short to hide its successors' start.
 _EARLY_RELEASE_MIN_BYTES = 16 << 20
@@ -307,7 +307,7 @@ _L2_LINE_BYTES = 128
 # SMs, rounded to what SDAR's column-tile counts divide (measured at batch 1: o_proj 4 splits of 32 tiles).
 UNSUMMED_PROGRAMS = 128
 MAX_UNSUMMED_SPLITS = 8
-# Narrowest column tile per half of a gated launch. Measured (session 8): SDAR-1.7B's gate_up (128-column plain
+# Narrowest column tile per half of a gated launch. Measured: SDAR-1.7B's gate_up (128-column plain
 # tiles, so 64 per half) replays 1% faster gated on an H100; SDAR-8B's (64-column tiles, 32 per half) made batch-1
 # steps 4-5% slower on an H200 (4.48 -> 4.64-4.70 ms), so it keeps the separate activation launch.
 MIN_GATED_BLOCK_N = 64
