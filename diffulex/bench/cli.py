@@ -83,7 +83,6 @@ def add_parser(subparsers: Any) -> None:
         "bench",
         help="run a benchmark from a YAML config, compare two runs, or measure decode throughput",
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput"), default="run",
                         help="run (default), compare, or throughput")
@@ -257,7 +256,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m diffulex.bench.cli ...`` (the same as ``diffulex bench ...``)."""
-    parser = argparse.ArgumentParser(prog="diffulex")
+    from diffulex.cli import CommandParser, report_warnings_once
+
+    report_warnings_once()
+    parser = CommandParser(prog="diffulex")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])

@@ -742,7 +742,9 @@ class DiffulexEngine:
                             bar.update(1)
                 if bar is not None:
                     done_tokens = sum(t.num_generated_tokens for t in results if t is not None)
-                    bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
+                    if done_tokens:  # no rate to show before the first request finishes
+                        rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
