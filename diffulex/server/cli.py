@@ -80,8 +80,8 @@ def serve(args: argparse.Namespace) -> int:
     fields.pop("model", None)
     if model is None:
         model = str(default_model_dir())
-        print(f"no --model given: serving the built-in model at {model} (a small model trained on arithmetic "
-              "word problems, see docs/training.md)", file=sys.stderr)
+        print(f"no --model given: serving the built-in model at {model} (the model the project "
+              "trained, docs/training.md)", file=sys.stderr)
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
     if int(fields.get("data_parallel_size") or 1) > 1:
