@@ -23,7 +23,7 @@ from diffulex.engine.block import BlockStatus
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
-from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
+from diffulex.engine.request import CompletionReason, DecodeSettings, Request, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
 from diffulex.engine.step_profiler import StepProfiler
 from diffulex.layers.token_merge import TokenMergeSettings
@@ -774,6 +774,3 @@ class DiffulexEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.exit()
-
-    def num_running(self) -> int:
-        return sum(1 for r in self.scheduler.running if r.status is RequestStatus.RUNNING)
