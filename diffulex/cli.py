@@ -90,7 +90,8 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"usage: {self.short_usage()}\n{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
 
 
-def _field_default(f: Field) -> Any:
+def field_default(f: Field) -> Any:
+    """A dataclass field's default, for help texts (None when it has none)."""
     if f.default is not MISSING:
         return f.default
     if f.default_factory is not MISSING:
@@ -133,7 +134,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices = f.metadata.get("choices")
         if choices:
             help_text += f" (one of: {', '.join(map(str, choices))})"
-        default = _field_default(f)
+        default = field_default(f)
         if default is not None and "default" not in help_text.lower():
             help_text += f" (default: {default})".replace("%", "%%")
         kind = _base_type(hints.get(f.name, str))

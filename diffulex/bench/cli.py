@@ -41,10 +41,15 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per eval key (``--dataset-limit``); unset flags stay out of the overrides."""
     import dataclasses
 
+    from diffulex.cli import field_default
+
     group = parser.add_argument_group("eval keys (see docs/benchmarks.md)")
     for f in dataclasses.fields(EvalConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        default = field_default(f)
+        if default is not None and "default" not in help_text.lower():
+            help_text += f" (default: {default})".replace("%", "%%")
         if f.type == "bool":
             group.add_argument(flag, dest=f"eval__{f.name}", action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
