@@ -146,7 +146,7 @@ def test_memory_profile_forward_stays_within_the_models_positions(tmp_path: Path
 
 class TestKernelStoreHome:
     """The sampling graphs store their result home by a kernel only where a probe store lands; anything else
-    (a launch that fails, a store that does not arrive, the A/B switch) falls back to the copy."""
+    (a launch that fails, a store that does not arrive) falls back to the copy."""
 
     def test_a_failing_store_falls_back_to_the_copy(self, monkeypatch, caplog):
         def fails(src, dst):
