@@ -7,12 +7,15 @@ dataclass so the CLI, YAML files and Python accept the same names, types and val
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import logging
 import sys
 import types
 import typing
+import warnings
+from dataclasses import MISSING, Field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,79 @@ _SUBCOMMAND_MODULES = (("diffulex.server.cli", "serve", "serve"), ("diffulex.ben
 
 # Fields the CLI sets itself (positional / dedicated flags) or that are not plain values.
 _SPECIAL_FIELDS = {"model"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that states every flag's default, unless its text already does or there is none to state (an unset
+    flag that leaves the value to the config file, the checkpoint or the engine)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are short, and whose positionals may come between options.
+
+    argparse's own error prints the whole usage block first, which for a command with every engine field as a
+    flag is about a hundred lines above the one line that matters. Positionals after an option
+    (``bench compare --json A B``) are parsed as if they came first.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._parsing_intermixed = False
+
+    def add_subparsers(self, **kwargs: Any) -> argparse._SubParsersAction:
+        kwargs.setdefault("parser_class", CommandParser)
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._subparsers is not None or self._parsing_intermixed:
+            return super().parse_known_args(args, namespace)
+        self._parsing_intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._parsing_intermixed = False
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _chosen_command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The subcommand's parser when one was chosen, so that an error names the command that was run."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
+
+    def short_usage(self) -> str:
+        formatter = self._get_formatter()
+        parts = [self.prog, "[options]"]
+        for action in self._get_positional_actions():
+            if action.nargs == argparse.SUPPRESS:  # switched off while intermixed options are parsed
+                action = copy.copy(action)
+                action.nargs = getattr(action, "save_nargs", None)
+            parts.append(formatter._format_args(action, formatter._get_default_metavar_for_positional(action)))
+        return " ".join(parts)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"usage: {self.short_usage()}\n{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+
+def field_default(f: Field) -> Any:
+    """A dataclass field's default, for help texts (None when it has none)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None
 
 
 def _base_type(annotation: Any) -> Any:
@@ -54,18 +130,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if f.name in _SPECIAL_FIELDS:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        choices = f.metadata.get("choices")
+        if choices:
+            help_text += f" (one of: {', '.join(map(str, choices))})"
+        default = field_default(f)
+        if default is not None and "default" not in help_text.lower():
+            help_text += f" (default: {default})".replace("%", "%%")
         kind = _base_type(hints.get(f.name, str))
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            choices = f.metadata.get("choices")
+            # Choices are checked by Config, which also accepts deprecated aliases and registered names.
             group.add_argument(
                 flag,
                 dest=f.name,
                 type=lambda s, k=kind: _parse_value(k, s),
                 default=None,
-                choices=choices,
                 metavar=f.name.upper(),
                 help=help_text,
             )
@@ -149,20 +230,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffulex", description="Diffusion language model serving engine")
+    parser = CommandParser(prog="diffulex", description="Diffusion language model serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="*", help="prompts (default: a short demo prompt)")
     gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
     gen.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
     sampling = gen.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0)
-    sampling.add_argument("--max-tokens", type=int, default=64)
-    sampling.add_argument("--max-nfe", type=int, default=None)
-    sampling.add_argument("--max-repetition-run", type=int, default=None)
-    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 decodes greedily; the Python API and the server default to 1.0")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    sampling.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt at most")
+    sampling.add_argument("--max-nfe", type=int, default=None,
+                          help="forward passes per prompt at most (default: no limit)")
+    sampling.add_argument("--max-repetition-run", type=int, default=None,
+                          help="stop a prompt once one token repeats this many times in a row (default: no limit)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(gen)
@@ -189,8 +273,15 @@ def _add_unavailable(sub: argparse._SubParsersAction, command: str, message: str
     sub.add_parser(command, help=f"(unavailable: {message})", add_help=False).set_defaults(func=fail)
 
 
-def main(argv: list[str] | None = None) -> int:
+def report_warnings_once() -> None:
+    """Log each of the engine's warnings once: `diffulex.config.warn` both logs a message and raises it as a Python
+    warning (for notebooks and tests), which on a command line would print every message twice."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", module="diffulex")
+
+
+def main(argv: list[str] | None = None) -> int:
+    report_warnings_once()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -92,8 +92,6 @@ DEEPEP_MODES = ("normal", "low_latency", "auto")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo")
 PROFILERS = (None, "torch")
 
-FDV2_BLOCK_CACHE_ENV = "DIFFULEX_FDV2_USE_BLOCK_CACHE"
-_FALSE_STRINGS = ("0", "false", "no", "off")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -461,7 +459,7 @@ class Config:
 
     # Fast-dLLM v2
     fdv2_use_block_cache: bool = _field(
-        True, f"Reuse KV of refined sub-blocks; env {FDV2_BLOCK_CACHE_ENV}=0 forces False."
+        True, "Reuse KV of refined sub-blocks; False recomputes every sub-block."
     )
 
     # DiffusionGemma
@@ -527,7 +525,6 @@ class Config:
         self._clamp_lengths()
         self.profiler_config = ProfilerConfig.from_value(self.profiler_config)
         self._build_thresholds()
-        self._apply_env_overrides()
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> Config:
@@ -826,12 +823,6 @@ class Config:
         self.decoding_thresholds = thresholds
         for name in DecodingThresholds.names():
             setattr(self, name, getattr(thresholds, name))
-
-    def _apply_env_overrides(self) -> None:
-        if os.environ.get(FDV2_BLOCK_CACHE_ENV, "").strip().lower() in _FALSE_STRINGS:
-            if self.fdv2_use_block_cache:
-                logger.info("fdv2_use_block_cache forced to False by %s", FDV2_BLOCK_CACHE_ENV)
-            self.fdv2_use_block_cache = False
 
 
 def engine_fields() -> list[dataclasses.Field]:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from diffulex.testing.checkpoints import write_tiny_checkpoint
-
-# The real SDAR/Qwen tokenizer files ship with the tests, so they never depend on ../shared being present.
-os.environ.setdefault("DIFFULEX_SHARED_DATA", str(Path(__file__).parent / "data" / "sdar-4b-chat"))
 
 
 @pytest.fixture(scope="session")

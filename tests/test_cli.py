@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from diffulex.cli import main
 from diffulex.engine import engine as engine_module
 
+REPO = Path(__file__).resolve().parents[1]
 BASE = ["--max-tokens", "8", "--block-size", "4", "--buffer-size", "2", "--json", "--quiet"]
 
 
@@ -63,7 +68,7 @@ def test_block_size_outside_the_choices_exits_with_code_2_naming_it(sdar_dir, ca
     rc = run_cli(["generate", "--model", str(sdar_dir), "--block-size", "12", "--json", "--quiet", "hello"])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "block-size" in err and "12" in err
+    assert err == "error: block_size=12 is invalid: must be one of 4, 8, 16, 32"
 
 
 def test_block_size_rejected_by_the_config_returns_2_naming_the_field(sdar_dir, capsys):
@@ -137,3 +142,54 @@ def test_unknown_yaml_field_is_an_error_naming_it(sdar_dir, tmp_path, capsys):
         rc = run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"])
     assert rc == 2
     assert "acept_threshold" in capsys.readouterr().err
+
+
+# --- presentation: short errors, defaults in --help, one line per warning -------------------------------------
+
+
+def test_an_argument_error_is_a_short_usage_line_the_error_and_where_to_look(capsys):
+    assert run_cli(["generate", "--max-tokens", "many", "hello"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: diffulex generate [options] [prompts ...]",
+        "diffulex generate: error: argument --max-tokens: invalid int value: 'many'",
+        "see 'diffulex generate --help'",
+    ]
+
+
+def test_an_unknown_flag_names_the_subcommand_it_was_given_to(capsys):
+    assert run_cli(["generate", "--no-such-flag", "hello"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and err[1] == "diffulex generate: error: unrecognized arguments: --no-such-flag"
+
+
+def test_help_shows_the_defaults_of_sampling_flags_and_engine_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-tokens MAX_TOKENS tokens generated per prompt at most (default: 64)" in text
+    assert "--temperature TEMPERATURE 0 decodes greedily; the Python API and the server default to 1.0" in text
+    assert "(default: 0.0)" in text
+    assert "(default: 0.9)" in text  # accept_threshold, an engine field
+
+
+def test_a_deprecated_strategy_name_and_an_override_each_print_one_line(sdar_dir):
+    """Run as a user runs it (a fresh process, logging as the console script sets it up): the deprecated name is
+    accepted, and each warning appears once on stderr, not once as a log line and again as a Python warning."""
+    argv = ["generate", "--model", str(sdar_dir), *BASE, "--decoding-strategy", "block_diffusion",
+            "--multi-block-prefix-full", "hello"]
+    done = subprocess.run([sys.executable, "-m", "diffulex.cli", *argv], capture_output=True, text=True,
+                          cwd=REPO, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["outputs"][0]["error"] is None
+    warnings_seen = [line for line in done.stderr.splitlines() if "WARNING" in line or "Warning" in line]
+    assert len(warnings_seen) == 2, done.stderr
+    assert "decoding_strategy='block_diffusion' is deprecated; use 'multi_bd'" in warnings_seen[0]
+    assert "multi_block_prefix_full=True is overridden to False" in warnings_seen[1]
+
+
+def test_the_progress_bar_shows_a_rate_only_once_there_is_one(sdar_dir, capsys):
+    argv = ["generate", "--model", str(sdar_dir), "--max-tokens", "8", "--block-size", "4", "--json", "hi", "there"]
+    assert main(argv) == 0
+    bar = capsys.readouterr().err
+    assert "tok/s" in bar
+    assert " 0 tok/s" not in bar

@@ -686,21 +686,6 @@ def test_thresholds_of_the_wrong_type_are_rejected(tmp_path):
         make(tmp_path, decoding_thresholds=0.9)
 
 
-# --- environment ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("value", ["0", "false", "NO", " off "])
-def test_fdv2_block_cache_env_var_forces_it_off(tmp_path, monkeypatch, value):
-    monkeypatch.setenv("DIFFULEX_FDV2_USE_BLOCK_CACHE", value)
-    assert make(tmp_path).fdv2_use_block_cache is False
-
-
-@pytest.mark.parametrize("value", ["1", "true", ""])
-def test_fdv2_block_cache_env_var_other_values_keep_the_setting(tmp_path, monkeypatch, value):
-    monkeypatch.setenv("DIFFULEX_FDV2_USE_BLOCK_CACHE", value)
-    assert make(tmp_path).fdv2_use_block_cache is True
-
-
 # --- from_kwargs, to_dict, engine_fields ----------------------------------------------------------
 
 
@@ -793,8 +778,9 @@ def test_load_format_is_a_cli_flag_and_a_yaml_key(tmp_path):
 
     args = build_parser().parse_args(["generate", "--load-format", "dummy"])
     assert engine_overrides(args) == {"load_format": "dummy"}
-    with pytest.raises(SystemExit):  # argparse rejects values outside the choices
-        build_parser().parse_args(["generate", "--load-format", "pt"])
+    args = build_parser().parse_args(["generate", "--load-format", "pt"])  # Config, not argparse, checks choices
+    with pytest.raises(ValueError, match="load_format='pt' is invalid"):
+        make_quiet(tmp_path / "m", **engine_overrides(args))
     yaml_file = tmp_path / "engine.yml"
     yaml_file.write_text("engine:\n  load_format: dummy\n")
     assert load_yaml_engine_fields(str(yaml_file)) == {"load_format": "dummy"}

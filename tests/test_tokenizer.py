@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
-from diffulex.testing.checkpoints import shared_sdar_data_dir
+from diffulex.testing.checkpoints import sdar_reference_dir
 from diffulex.tokenizer import build_qwen2_tokenizer, load_tokenizer, resolve_mask_token_id, stop_token_ids
 
 HELLO = "Hello world, 你好<|im_end|>"
@@ -17,7 +17,7 @@ HELLO_IDS = [9707, 1879, 11, 220, 108386, 151645]
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (shared_sdar_data_dir() / "vocab.json").is_file():
+    if not (sdar_reference_dir() / "vocab.json").is_file():
         pytest.skip("the real SDAR tokenizer files are not available")
     return write_qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
 
@@ -49,7 +49,7 @@ def test_the_real_sdar_mask_id_is_151669(qwen, qwen_dir):
 
 
 def test_the_real_sdar_config_gives_mask_and_stop_ids():
-    real = shared_sdar_data_dir()
+    real = sdar_reference_dir()
     if not (real / "config.json").is_file():
         pytest.skip("the real SDAR files are not available")
     from diffulex.models.hf_config import load_hf_config
@@ -77,10 +77,9 @@ def test_the_real_chat_template_renders_qwen_turns(qwen):
     assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_write_qwen_tokenizer_names_the_folder_when_the_files_are_absent(tmp_path, monkeypatch):
-    monkeypatch.setenv("DIFFULEX_SHARED_DATA", str(tmp_path / "nowhere"))
+def test_write_qwen_tokenizer_names_the_folder_when_the_files_are_absent(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        write_qwen_tokenizer(tmp_path / "out")
+        write_qwen_tokenizer(tmp_path / "out", source=tmp_path / "nowhere")
 
 
 # ----- the tiny tokenizer ---------------------------------------------------------------------------------

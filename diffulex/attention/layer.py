@@ -4,8 +4,7 @@ slice, then attention.
 Rotary (and Qwen3's per-head q/k norm) belongs here rather than in the model because on the paged Triton path the
 kernel that rotates k is also the one that writes it to the cache: one launch instead of a rotary launch and a
 store launch on every layer of every step, which at decode batch sizes is latency, not bandwidth. Everywhere else
-the layer runs `rotate_qk` and then the separate store and attention, exactly as the model used to; both orders
-give the same bits.
+the layer runs `rotate_qk` and then the separate store and attention; both orders give the same bits.
 """
 
 from __future__ import annotations

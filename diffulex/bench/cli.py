@@ -41,10 +41,15 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per eval key (``--dataset-limit``); unset flags stay out of the overrides."""
     import dataclasses
 
+    from diffulex.cli import field_default
+
     group = parser.add_argument_group("eval keys (see docs/benchmarks.md)")
     for f in dataclasses.fields(EvalConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        default = field_default(f)
+        if default is not None and "default" not in help_text.lower():
+            help_text += f" (default: {default})".replace("%", "%%")
         if f.type == "bool":
             group.add_argument(flag, dest=f"eval__{f.name}", action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
@@ -83,7 +88,6 @@ def add_parser(subparsers: Any) -> None:
         "bench",
         help="run a benchmark from a YAML config, compare two runs, or measure decode throughput",
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput"), default="run",
                         help="run (default), compare, or throughput")
@@ -137,8 +141,8 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--roofline-batches", dest="tp__roofline_batches", nargs="+", type=int, metavar="N",
                        help="batch sizes of the linear roofline, M = batch x block size (default: 32 128)")
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
-                       help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: "
-                            "DIFFULEX_SHARED_DATA, else ../shared/data/sdar-4b-chat)")
+                       help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
+                            "checkout's tests/data/sdar-4b-chat)")
 
 
 def throughput_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,7 +261,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m diffulex.bench.cli ...`` (the same as ``diffulex bench ...``)."""
-    parser = argparse.ArgumentParser(prog="diffulex")
+    from diffulex.cli import CommandParser, report_warnings_once
+
+    report_warnings_once()
+    parser = CommandParser(prog="diffulex")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])

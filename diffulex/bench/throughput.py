@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,45 +113,28 @@ DEFAULT_BLOCK_SIZE = 4
 # ----- checkpoint folders ------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _shared_data(source: str | Path | None) -> Iterator[None]:
-    """Point `diffulex.testing.checkpoints` at `source` (the folder with SDAR-4B-Chat's config and tokenizer)."""
-    if source is None:
-        yield
-        return
-    previous = os.environ.get("DIFFULEX_SHARED_DATA")
-    os.environ["DIFFULEX_SHARED_DATA"] = str(source)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("DIFFULEX_SHARED_DATA", None)
-        else:
-            os.environ["DIFFULEX_SHARED_DATA"] = previous
-
-
 def write_sdar_checkpoint(path: str | Path, size: str, data_dir: str | Path | None = None) -> Path:
     """Write a weightless SDAR checkpoint folder of `size` (``1.7b``, ``4b``, ``8b``) into `path`; returns it.
 
     ``config.json`` is the real SDAR-4B-Chat config with the geometry of `size` (`SDAR_SIZES`), and the tokenizer
-    files are the real Qwen ones (`diffulex.testing.write_qwen_tokenizer`), both read from `data_dir`, else
-    ``DIFFULEX_SHARED_DATA``, else ``../shared/data/sdar-4b-chat``. Load it with ``load_format="dummy"``.
+    files are the real Qwen ones (`diffulex.testing.write_qwen_tokenizer`), both read from `data_dir`, else from
+    the source checkout's ``tests/data/sdar-4b-chat``. Load it with ``load_format="dummy"``.
     """
-    from diffulex.testing.checkpoints import shared_sdar_data_dir, write_qwen_tokenizer
+    from diffulex.testing.checkpoints import sdar_reference_dir, write_qwen_tokenizer
 
     if size not in SDAR_SIZES:
         raise ValueError(f"size={size!r} is invalid: must be one of {', '.join(SDAR_SIZES)}")
     path = Path(path)
-    with _shared_data(data_dir):
-        source = shared_sdar_data_dir()
-        try:
-            template = json.loads((source / "config.json").read_text(encoding="utf-8"))
-            write_qwen_tokenizer(path, "sdar")
-        except FileNotFoundError as err:
-            raise ValueError(
-                f"the real SDAR-4B-Chat config.json and tokenizer are needed from {source} ({err}); pass --data-dir "
-                "DIR or set DIFFULEX_SHARED_DATA (in a source checkout: tests/data/sdar-4b-chat)"
-            ) from None
+    source = Path(data_dir) if data_dir is not None else sdar_reference_dir()
+    try:
+        template = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        write_qwen_tokenizer(path, "sdar", source)
+    except FileNotFoundError:
+        raise ValueError(
+            f"data_dir={str(source)!r} holds no SDAR-4B-Chat config.json and tokenizer files: pass --data-dir DIR, "
+            "a folder with them (a download of JetLM/SDAR-4B-Chat without its weights, or a source checkout's "
+            "tests/data/sdar-4b-chat)"
+        ) from None
     if (source / "generation_config.json").is_file():
         (path / "generation_config.json").write_bytes((source / "generation_config.json").read_bytes())
     config = {**template, **SDAR_SIZES[size]}

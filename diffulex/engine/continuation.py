@@ -1,7 +1,7 @@
 """Continuation steps: the next decode step launched before the host has seen this one's result.
 
-At batch 1 the GPU used to idle between steps while the host read a step's result, applied it, scheduled and
-staged the next step and launched it (about 0.1 ms of a 1.8 ms step on an H100 host). With ``async_scheduling``
+Without them, at batch 1 the GPU idles between steps while the host reads a step's result, applies it, schedules and
+stages the next step and launches it (about 0.1 ms of a 1.8 ms step on an H100 host). With ``async_scheduling``
 the engine queues the next step first whenever its rows are already known: a request whose running set is a
 single active block right after its cache (``buffer_size=1``) computes the same rows next step whatever this
 step accepts (`diffulex.engine.request.Request.next_step_has_same_rows`). Only two things differ, and the

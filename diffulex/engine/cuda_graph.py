@@ -20,7 +20,7 @@ travel with the step's inputs, padded with -1), the acceptance of every block (p
 ``[2, rows]`` result stored into pinned host memory by a kernel (`diffulex.kernels.host_publish`; one sampling
 graph per staging buffer, each storing into that buffer's home; without triton, a copy instead, which costs the
 GPU several microseconds more per step). That replaces a dozen host-side launches and small
-copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host, session 6), by one
+copies per step, whose host cost did not shrink with the batch (about 0.6 ms on an H100 host), by one
 graph launch. A step with a request that draws at ``temperature > 0`` (a seeded generator per request) runs the
 eager sampler after the forward graph instead. For most buckets the sampling graph is a graph of its own, which
 reads the forward graph's output, so those steps need no second capture of the forward; buckets of at most
@@ -50,7 +50,6 @@ staging buffers (the copy in is not part of the graph, and each step's result go
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,8 +70,6 @@ MAX_GRAPH_REQUESTS = 512
 # Buckets of at most this many rows capture their forward into each sampling graph (`DecodeGraphs.fuses_forward`):
 # the decode sizes whose kernels chain by programmatic dependent launch (`diffulex.kernels.pdl.PDL_MAX_ROWS`).
 FUSED_STEP_MAX_ROWS = 16
-_FUSED_STEP_ENABLED = os.environ.get("DIFFULEX_FUSED_STEP_GRAPH", "1") != "0"  # A/B runs
-_FORWARD_READERS = os.environ.get("DIFFULEX_FORWARD_READERS", "1") != "0"  # A/B runs: the last layer never skips
 
 # (input ids [T], positions [T], metadata, readers [T]: the rows whose hidden states anyone reads, -1 for none;
 # None: all) -> hidden [T, H]: the model's forward (`diffulex.models.dense.run_decoder` says what readers allow)
@@ -87,10 +84,10 @@ Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     """`diffulex.kernels.host_publish.publish_to_host` when triton is there and a probe store into pinned memory
-    lands (``DIFFULEX_KERNEL_PUBLISH=0`` turns it off for A/B runs), else None: the sampling graphs then copy their
+    lands, else None: the sampling graphs then copy their
     result home. The probe guards setups whose pinned memory a kernel cannot address: a failed store there would
     otherwise fail the graph capture, and with it the engine."""
-    if os.environ.get("DIFFULEX_KERNEL_PUBLISH", "1") == "0" or not triton_available():
+    if not triton_available():
         return None
     from diffulex.kernels import host_publish
 
@@ -220,7 +217,7 @@ class DecodeGraphs:
         start under the final norm (programmatic dependent launch works within a graph): at batch 1 that is
         worth a second capture of the forward per staging buffer. Larger buckets keep one forward graph, which
         their sampling graphs read."""
-        return _FUSED_STEP_ENABLED and self.samples and bucket * self.shape.max_query_len <= FUSED_STEP_MAX_ROWS
+        return self.samples and bucket * self.shape.max_query_len <= FUSED_STEP_MAX_ROWS
 
     @property
     def samples(self) -> bool:
@@ -423,7 +420,7 @@ class DecodeGraphs:
         finished block) lets the last layer skip what only the LM head would read."""
         n = bucket * self.shape.max_query_len
         ids, positions, _ = self._token_views(n)
-        readers = self._row_section(self._tokens, 3, n) if _FORWARD_READERS else None
+        readers = self._row_section(self._tokens, 3, n)
         return self.forward(ids, positions, self._metas[bucket], readers)
 
     def _sample(self, hidden: torch.Tensor, bucket: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ position: masks are filled as in the naive mode (those above the threshold, else
 already decoded positions whose proposal differs take it when confident enough (token-to-token edits). A block
 is finished, and commits like any complete block, when a step writes nothing into it, when it has spent
 ``max_post_edit_steps`` steps without a mask, or when it times out (``block_size + max_post_edit_steps`` steps,
-after which the sampler fills every mask left). reference-engine §7.4 is the rule; its deviations are listed
-in docs/strategies.md ("Edit mode").
+after which the sampler fills every mask left). This is LLaDA2.1's edit rule; where this version departs from
+the original implementation is listed in docs/strategies.md ("Edit mode").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from diffulex.engine.cpu_resources import available_memory, choose_cpu_threads, 
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.model_runner import RunnerSettings
-from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus, StepRecord
+from diffulex.engine.request import CompletionReason, DecodeSettings, Request, StepRecord
 from diffulex.engine.scheduler import SchedulerLimits
 from diffulex.engine.step_profiler import StepProfiler
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
@@ -966,7 +966,9 @@ class DiffulexEngine:
                             bar.update(1)
                 if bar is not None:
                     done_tokens = sum(t.num_generated_tokens for t in results if t is not None)
-                    bar.set_postfix_str(f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
+                    if done_tokens:  # no rate to show before the first request finishes
+                        rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
@@ -999,6 +1001,3 @@ class DiffulexEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.exit()
-
-    def num_running(self) -> int:
-        return sum(1 for r in self.scheduler.running if r.status is RequestStatus.RUNNING)

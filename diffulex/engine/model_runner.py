@@ -8,7 +8,6 @@ of committed blocks, and runs the LM head only on the rows the sampler needs.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,10 +24,6 @@ from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.confidence import PendingWrites, RowLayout
-
-# Greedy steps sample inside a captured graph (`DecodeGraphs`); ``DIFFULEX_GRAPH_SAMPLING=0`` keeps the eager
-# sampler after the forward graph (A/B runs).
-_GRAPH_SAMPLING = os.environ.get("DIFFULEX_GRAPH_SAMPLING", "1") != "0"
 
 
 @dataclass
@@ -131,7 +126,7 @@ class ModelRunner:
             prefix_full=s.prefix_full,
         )
         # a sampler that samples on the host (edit mode) has no greedy graph step
-        samples_in_graph = _GRAPH_SAMPLING and getattr(self.sampler, "samples_in_graph", True)
+        samples_in_graph = getattr(self.sampler, "samples_in_graph", True)
         greedy_sample = self.greedy_sample if samples_in_graph else None
         advance = None
         if continuations and greedy_sample is not None:

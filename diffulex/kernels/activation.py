@@ -91,9 +91,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         **launch_kwargs(use_pdl),
     )
     return out
-
-
-def silu_mul_split(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a concatenated ``[..., 2 * I]`` tensor (gate first), read in place."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return silu_mul(gate, up)

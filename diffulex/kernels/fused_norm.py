@@ -120,7 +120,7 @@ def _norm_warps(block_n: int) -> int:
 
     At decode sizes a norm is a few programs whose time is the serial load -> reduce -> store after their PDL
     wait; more warps put more loads in flight per row and leave each thread fewer partials to add. Measured in
-    the SDAR-1.7B batch-1 graph on an H100 (2048-wide rows, session 14): 16 warps 1.345 / 1.346 ms per replay,
+    the SDAR-1.7B batch-1 graph on an H100 (2048-wide rows): 16 warps 1.345 / 1.346 ms per replay,
     8 warps 1.372 / 1.370, 4 warps 1.376, 2 warps 1.364.
     """
     return 16 if block_n >= 2048 else 4

@@ -3,7 +3,7 @@
 Why: a decode step's result (``[2, rows]`` int64: accepted flags and tokens) must reach the host every step. A
 copy into pinned memory (``Tensor.copy_``) is a copy-engine operation: a memcpy node inside a graph, a stream
 operation of its own outside one. On an H100 at batch 1 the GPU spent 3-6 us before that copy and 9-13 us after
-it before the next step's first kernel (`bench/what_if.py --step-sequence`, session 16), against about a
+it before the next step's first kernel (measured in the batch-1 graph), against about a
 microsecond for the same few bytes stored by a kernel. Pinned host memory is mapped into the device's address
 space (unified virtual addressing), so a kernel's stores reach it directly; the host reads it once the stream
 has synchronized, exactly as after the copy.

@@ -32,8 +32,6 @@ Design:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -428,14 +426,12 @@ _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 # Software-pipeline depth of the key loops. A split program folds only a few tiles, where the pipeline's prologue
 # costs more than it hides: one stage replayed the SDAR-1.7B batch-1 graph 0.012 ms faster on an H100 (1.478 against
-# 1.490 ms, `bench/device_session10.sh d`). Unsplit launches (large grids, long key loops) keep two.
+# 1.490 ms). Unsplit launches (large grids, long key loops) keep two.
 _STAGES_UNSPLIT = 2
 _STAGES_SPLIT = 1
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
-# A split program loads its first cached tile before its PDL wait (registers, not just L2).
-_PRELOAD_ENABLED = os.environ.get("DIFFULEX_ATTN_PRELOAD", "1") != "0"
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -559,7 +555,7 @@ def triton_paged_attention(
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
-        PRELOAD_TILE=split_slots > 1 and _PRELOAD_ENABLED,
+        PRELOAD_TILE=split_slots > 1,  # a split program loads its first cached tile before its PDL wait
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),

@@ -25,7 +25,7 @@ The protocol every kernel here keeps, which makes the chain safe:
 
 Kernels take a ``USE_PDL`` constexpr and are launched with `launch_kwargs`; with the flag off both helpers
 compile to nothing and the launch is an ordinary one. Off on the CPU, under the Triton interpreter (which has
-no grid dependency control), before Hopper, and when ``DIFFULEX_PDL=0`` (A/B runs). A launch after a kernel
+no grid dependency control), and before Hopper. A launch after a kernel
 that is not PDL-aware (cuBLAS, PyTorch's own) simply waits for it as usual.
 """
 
@@ -43,7 +43,6 @@ try:
 except ImportError:  # a Triton without grid dependency control: PDL stays off (see `_triton_has_gdc`)
     gdc_launch_dependents = gdc_wait = None
 
-_ENABLED = os.environ.get("DIFFULEX_PDL", "1") != "0"
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU
 _MIN_CAPABILITY = 9  # griddepcontrol is a Hopper (sm_90) instruction
 # Launches over more rows than this run without PDL. PDL pays where a step is a chain of latency-bound kernels and
@@ -64,7 +63,7 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def pdl_enabled(device: torch.device, rows: int) -> bool:
     """Whether a kernel over `rows` token rows launched on `device` should use programmatic dependent launch."""
-    if not _ENABLED or INTERPRETING or gdc_wait is None or device.type != "cuda" or rows > PDL_MAX_ROWS:
+    if INTERPRETING or gdc_wait is None or device.type != "cuda" or rows > PDL_MAX_ROWS:
         return False
     return device_capability(device)[0] >= _MIN_CAPABILITY
 

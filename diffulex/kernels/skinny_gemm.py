@@ -22,7 +22,7 @@ Design:
   copy into shared memory, rows past ``N`` and columns past ``K`` come back as zeros) for the 1.7B geometry's
   qkv, o and gate_up: alone, in graph replay on an H100, 14-19% faster on the 8-17 MB matrices and 4% on the
   50 MB one, no gain on larger ones; in the engine's PDL chain, where the L2 prefetch already hides most of the
-  fixed cost, the SDAR-1.7B batch-1 forward is 0.8% faster (1.728 -> 1.715 ms, two runs each, session 5).
+  fixed cost, the SDAR-1.7B batch-1 forward is 0.8% faster (1.728 -> 1.715 ms, two runs each).
 * Split-K when ``N / BLOCK_N`` programs cannot fill the SMs (o_proj and down_proj have N = hidden): each split
   writes fp32 partials, bumps a per-tile counter (acq_rel atomic), and the last split to arrive sums the
   partials in split order (deterministic, independent of arrival order), adds the bias, writes the output and
@@ -43,7 +43,6 @@ Design:
 from __future__ import annotations
 
 import enum
-import os
 from typing import NamedTuple
 
 import torch
@@ -289,20 +288,18 @@ _GENERIC_MIN_WEIGHTS = 4 << 20
 # which a host-bound eager decode step pays in full; the kernel's gain covers that only on matrices this large
 # (LM heads). Under CUDA-graph capture the launch cost is gone and every table entry wins.
 _EAGER_MIN_BYTES = 256 << 20
-_ENABLED = os.environ.get("DIFFULEX_SKINNY_GEMM", "1") != "0"
 # With programmatic dependent launch a GEMM starts while the kernels before it finish; it prefetches its weights
-# into L2 meanwhile, at most this much per matrix. Measured in the SDAR-1.7B batch-1 chain on an H200 (session 13),
+# into L2 meanwhile, at most this much per matrix. Measured in the SDAR-1.7B batch-1 chain on an H200,
 # with the large GEMMs releasing early (below): 2-4 MB per matrix 1.150 ms per replay, 8 MB 1.164, 16 MB 1.229,
 # 24 MB 1.261; without any prefetch 1.175. More than a few MB competes with the GEMM still streaming and evicts
 # lines before they are read.
 _PREFETCH_BUDGET_BYTES = 4 << 20
 # A GEMM streaming at least this many weight bytes lets the kernels after it start at its beginning (as
 # ``release_early`` does) rather than after its stream: the next GEMM's prologue and prefetch then overlap this
-# stream instead of its tail. Measured on an H200 (session 13, SDAR-1.7B batch 1, 4 MB prefetch budget): replay
+# stream instead of its tail. Measured on an H200 (SDAR-1.7B batch 1, 4 MB prefetch budget): replay
 # 1.255 ms with every release after the stream, 1.143 with gate_up's (50 MB) and down_proj's (25 MB) at the start
 # (q/k/v's already was), 1.151 with o_proj's (8 MB) too, which is too short to hide its successors' start.
 _EARLY_RELEASE_MIN_BYTES = 16 << 20
-_EARLY_RELEASE_ENABLED = os.environ.get("DIFFULEX_SKINNY_EARLY_RELEASE", "1") != "0"  # A/B runs
 _PREFETCH_MAX_ADDRESSES = 4096
 _L2_LINE_BYTES = 128
 
@@ -310,21 +307,17 @@ _L2_LINE_BYTES = 128
 # SMs, rounded to what SDAR's column-tile counts divide (measured at batch 1: o_proj 4 splits of 32 tiles).
 UNSUMMED_PROGRAMS = 128
 MAX_UNSUMMED_SPLITS = 8
-_UNSUMMED_ENABLED = os.environ.get("DIFFULEX_UNSUMMED", "1") != "0"  # A/B runs
-# Narrowest column tile per half of a gated launch. Measured (session 8): SDAR-1.7B's gate_up (128-column plain
+# Narrowest column tile per half of a gated launch. Measured: SDAR-1.7B's gate_up (128-column plain
 # tiles, so 64 per half) replays 1% faster gated on an H100; SDAR-8B's (64-column tiles, 32 per half) made batch-1
 # steps 4-5% slower on an H200 (4.48 -> 4.64-4.70 ms), so it keeps the separate activation launch.
 MIN_GATED_BLOCK_N = 64
-_GATED_ENABLED = os.environ.get("DIFFULEX_GATED_GEMM", "1") != "0"  # A/B runs: SiLU-and-mul in gate_up's epilogue
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
 _READER_DTYPES = (torch.int32, torch.int64)
-_READERS_ENABLED = os.environ.get("DIFFULEX_SKINNY_READERS", "1") != "0"  # A/B runs: skip products nobody reads
 # TMA: Hopper's copy engine; it needs 16-byte aligned addresses and strides.
 _TMA_MIN_CAPABILITY = 9
 _TMA_ALIGN = 16
 _TMA_MAX_BOX_BYTES = 256
-_TMA_ENABLED = os.environ.get("DIFFULEX_SKINNY_TMA", "1") != "0"  # A/B runs
 
 
 def config_for(n: int, k: int, m: int) -> SkinnyConfig | None:
@@ -343,7 +336,7 @@ def config_for(n: int, k: int, m: int) -> SkinnyConfig | None:
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Everything `use_skinny` asks except the shape table, compilation and the launch-cost gate."""
-    if not _ENABLED or not x.is_cuda or x.dim() != 2 or x.dtype not in _SUPPORTED:
+    if not x.is_cuda or x.dim() != 2 or x.dtype not in _SUPPORTED:
         return False
     m, k = x.shape
     if m < 1 or m > MAX_ROWS or x.stride(1) != 1:
@@ -364,7 +357,7 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     weight (and bias) of the same dtype, no autograd recording (the kernel has no backward), no
     ``torch.compile`` tracing (inductor plans its own GEMMs; an opaque call would split its graph), and a shape
     with a config (`config_for`). Outside CUDA-graph capture only very large weights qualify (launch cost).
-    Always False on the CPU; ``DIFFULEX_SKINNY_GEMM=0`` turns it off for A/B runs.
+    Always False on the CPU.
     """
     if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
         return False
@@ -411,9 +404,7 @@ def maybe_skinny_linear(
     mode = Output(output)
     if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
         return None
-    if (mode is Output.PARTIALS and (bias is not None or not _UNSUMMED_ENABLED)) or (
-        mode is Output.SILU_MUL and not _GATED_ENABLED
-    ):
+    if mode is Output.PARTIALS and bias is not None:
         return None
     m, k = x.shape
     cfg = output_config(mode, weight.shape[0], k, m)
@@ -458,7 +449,7 @@ def unsummed_config(cfg: SkinnyConfig, n: int, k: int) -> SkinnyConfig | None:
 
 def _reader_slots(readers: torch.Tensor | None) -> int:
     """The launch's ``READER_SLOTS``: the reader indices it checks, padded to a power of two (0: no check)."""
-    if readers is None or readers.numel() == 0 or not _READERS_ENABLED:
+    if readers is None or readers.numel() == 0:
         return 0
     return _next_pow2(readers.numel())
 
@@ -661,7 +652,7 @@ def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:
     """Whether the config asks for TMA weight loads and the weight and hardware allow them: Hopper or later (or
     the interpreter), 16-byte aligned base and rows, and a box row of at most 256 bytes (wider boxes gave wrong
     products on Triton 3.6)."""
-    if not cfg.tma or not _TMA_ENABLED or TensorDescriptor is None:
+    if not cfg.tma or TensorDescriptor is None:
         return False
     if weight.is_cuda and device_capability(weight.device)[0] < _TMA_MIN_CAPABILITY:
         return False
@@ -678,7 +669,7 @@ def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:
 def _releases_early(weight: torch.Tensor) -> bool:
     """Whether a launch streaming `weight` lets its successors start at its beginning, whatever its caller asked
     (see `_EARLY_RELEASE_MIN_BYTES`)."""
-    return _EARLY_RELEASE_ENABLED and weight.numel() * weight.element_size() >= _EARLY_RELEASE_MIN_BYTES
+    return weight.numel() * weight.element_size() >= _EARLY_RELEASE_MIN_BYTES
 
 
 def _prefetch_lines(n: int, splits: int, lines_per_row: int, block_n: int) -> int:

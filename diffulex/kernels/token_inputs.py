@@ -2,7 +2,7 @@
 
 Why: a decode step's forward starts with two row gathers, the token embedding (``weight[input_ids]``) and the
 rotary table (``table[positions]``). At decode sizes each is a launch of about 1.5 us plus a graph-internal gap of
-about 1.6 us before it (H100, `bench/what_if.py --step-sequence`, session 16), on the critical path of every step.
+about 1.6 us before it (measured on an H100 in the batch-1 graph), on the critical path of every step.
 Here program ``(t, 0)`` copies token ``t``'s embedding row and program ``(t, 1)`` its angle row. The copies are
 exact (no arithmetic), so the result equals the two gathers bit for bit. An index outside its table gives a row
 of zeros rather than a device-side assert that would poison the CUDA context.

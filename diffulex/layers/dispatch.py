@@ -4,20 +4,17 @@ of its PyTorch code.
 The PyTorch code stays the CPU path and the reference; the kernels reproduce it on CUDA in fewer launches. They
 are skipped where they cannot help or would be wrong: off CUDA, without triton, for dtypes they do not handle,
 while autograd records (training needs the differentiable torch ops), and while ``torch.compile`` traces
-(inductor fuses the torch code itself; an opaque Triton call would only split its graph). Setting
-``DIFFULEX_FUSED_KERNELS=0`` turns them off, for A/B comparisons on a GPU.
+(inductor fuses the torch code itself; an opaque Triton call would only split its graph).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ENABLED = os.environ.get("DIFFULEX_FUSED_KERNELS", "1") != "0"
 
 
 @functools.cache
@@ -28,8 +25,6 @@ def triton_available() -> bool:
 
 def use_fused_kernels(*tensors: torch.Tensor | None) -> bool:
     """True when the Triton path may replace the torch code for these operands (None entries are ignored)."""
-    if not _ENABLED:
-        return False
     present = [t for t in tensors if t is not None]
     if not present or not all(t.is_cuda and t.dtype in _DTYPES for t in present):
         return False

@@ -1,7 +1,7 @@
 """Token merge (DMax's soft inputs): a decoded but unsettled position enters the next forward as a mix of its
 candidate tokens' embeddings instead of one token's embedding.
 
-Two modes (reference-engine §8.4), for a position with candidates ``ids`` of probabilities ``probs`` and the
+Two modes (DMax's own), for a position with candidates ``ids`` of probabilities ``probs`` and the
 rest ``residual = 1 - sum(probs)``:
 
 * ``dmax_topk``: ``e = sum_k probs_k * E[ids_k] + residual * E[mask]``; with ``renormalize``, rescaled to the

@@ -224,5 +224,5 @@ class RowLayout:
 def _new_result(rows: int, device: torch.device) -> torch.Tensor:
     """The ``[2, rows]`` int64 result (accepted flag, token) that the top-1 and the acceptance write into row by
     row: assembling it from separate tensors took a fill, two conversions and a stack, four launches of about a
-    microsecond each on the critical path of every decode step (H100, session 16)."""
+    microsecond each on the critical path of every decode step (H100)."""
     return torch.empty((2, rows), dtype=torch.int64, device=device)

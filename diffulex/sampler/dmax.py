@@ -1,4 +1,4 @@
-"""DMax sampling (``decoding_strategy="dmax"``, LLaDA2 in edit mode; reference-engine §7.5).
+"""DMax sampling (``decoding_strategy="dmax"``, LLaDA2 in edit mode).
 
 Per active block, every generated position gets its top-1 (or a draw at ``temperature > 0``):
 

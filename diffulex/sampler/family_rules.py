@@ -1,6 +1,6 @@
 """The acceptance rule of every dense family, registered under its ``model_name``.
 
-From the original's per-family samplers (reference-engine §7.2), with ``H = {positions with confidence >
+The original implementation's per-family rules, with ``H = {positions with confidence >
 accept_threshold}``:
 
 * ``sdar``, ``sdar_moe``, ``llada``: ``H``; if ``H`` is empty, force the top-1 position when the block has no

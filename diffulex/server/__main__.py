@@ -8,6 +8,9 @@ from diffulex.server.cli import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diffulex.cli import report_warnings_once
+
+    report_warnings_once()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

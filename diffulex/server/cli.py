@@ -51,9 +51,9 @@ def add_parser(subparsers: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m diffulex.server`` (same flags as ``diffulex serve``)."""
-    from diffulex.cli import add_engine_flags
+    from diffulex.cli import CommandParser, add_engine_flags
 
-    parser = argparse.ArgumentParser(prog="python -m diffulex.server", description="Serve a Diffulex model over HTTP")
+    parser = CommandParser(prog="python -m diffulex.server", description="Serve a Diffulex model over HTTP")
     add_serve_flags(parser)
     add_engine_flags(parser)
     parser.set_defaults(func=serve)
@@ -86,7 +86,8 @@ def serve(args: argparse.Namespace) -> int:
     fields.pop("model", None)
     if model is None:
         model = str(default_model_dir())
-        print(f"no --model given: serving the built-in demo checkpoint at {model} (random weights)", file=sys.stderr)
+        print(f"no --model given: serving the built-in model at {model} (the model the project "
+              "trained, docs/training.md)", file=sys.stderr)
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
     if args.max_body_bytes < 1:

@@ -9,7 +9,7 @@ run unchanged on it, fast, on CPU.
 The other families (``llada``, ``dream``, ``diffucoder``, ``dream_reasoner``, ``stable_diffcoder``,
 ``fast_dllm_v2``) are written the same way in their own formats: ``write_tiny_checkpoint(path, family=...)``.
 
-`write_qwen_tokenizer` copies the real Qwen2 tokenizer files of SDAR-4B-Chat from the shared data folder (with a
+`write_qwen_tokenizer` copies the real Qwen2 tokenizer files of SDAR-4B-Chat from a folder holding them (with a
 Qwen-based family's own added tokens), for the tests that must see real token ids. `write_tiny_lora_adapter`
 writes a PEFT LoRA adapter folder for a tiny checkpoint.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -901,13 +900,11 @@ def _checkpoint_format(family: str) -> _CheckpointFormat:
     return CHECKPOINT_FORMATS[family]
 
 
-def shared_sdar_data_dir() -> Path:
-    """The shared folder holding the real SDAR-4B-Chat config and Qwen2 tokenizer files."""
-    override = os.environ.get("DIFFULEX_SHARED_DATA")
-    if override:
-        base = Path(override)
-        return base if (base / "vocab.json").is_file() else base / "sdar-4b-chat"
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "sdar-4b-chat"
+def sdar_reference_dir() -> Path:
+    """The source checkout's copy of the real SDAR-4B-Chat config and Qwen2 tokenizer files (``tests/data``).
+
+    An installed package has no such folder: callers then take an explicit one."""
+    return Path(__file__).resolve().parents[2] / "tests" / "data" / "sdar-4b-chat"
 
 
 QWEN_TOKENIZER_FILES = (
@@ -942,7 +939,7 @@ def qwen_special_token_ids(family: str = "sdar") -> dict[str, int]:
     raise ValueError(f"family {family!r} has no Qwen tokenizer; Qwen-based: {', '.join(QWEN_FAMILY_VOCAB)}")
 
 
-def write_qwen_tokenizer(path: str | Path, family: str = "sdar") -> Path:
+def write_qwen_tokenizer(path: str | Path, family: str = "sdar", source: str | Path | None = None) -> Path:
     """Write the real Qwen2 tokenizer files of a Qwen-based `family` into `path`, rebuilt offline from the
     SDAR-4B-Chat copy; returns the folder.
 
@@ -955,18 +952,18 @@ def write_qwen_tokenizer(path: str | Path, family: str = "sdar") -> Path:
     * ``fast_dllm_v2``: the Qwen2.5 added tokens, then ``|<MASK>|`` 151665 as an additional special token (no
       declared mask token); eos ``<|im_end|>``.
 
-    The BPE files (``vocab.json``, ``merges.txt``) are identical for Qwen2, Qwen2.5 and Qwen3. The source is
-    ``DIFFULEX_SHARED_DATA`` (the ``sdar-4b-chat`` folder itself or its parent) or
-    ``<repo>/../shared/data/sdar-4b-chat``. Raises FileNotFoundError naming the folder if a file is missing.
+    The BPE files (``vocab.json``, ``merges.txt``) are identical for Qwen2, Qwen2.5 and Qwen3. The files are read
+    from `source`, else from the source checkout's `sdar_reference_dir`. Raises FileNotFoundError naming the
+    folder if a file is missing.
     """
     if family not in QWEN_FAMILY_VOCAB:
         raise ValueError(f"family {family!r} has no Qwen tokenizer; Qwen-based: {', '.join(QWEN_FAMILY_VOCAB)}")
-    source = shared_sdar_data_dir()
+    source = Path(source) if source is not None else sdar_reference_dir()
     missing = [name for name in QWEN_TOKENIZER_FILES[:3] if not (source / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"the real Qwen tokenizer files are not in {source} (missing {', '.join(missing)}); "
-            "set DIFFULEX_SHARED_DATA to the folder holding sdar-4b-chat"
+            "pass the folder holding SDAR-4B-Chat's tokenizer files as source"
         )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,8 @@ def test_compare_prints_the_differences(bench_run: Path, tmp_path, capsys):
     cmp = json.loads(capsys.readouterr().out)
     row = next(r for r in cmp["rows"] if r["key"] == "aggregate_tps")
     assert row["rel_pct"] == pytest.approx(100.0)
+    assert main(["bench", "compare", "--json", str(bench_run), str(other)]) == 0  # the flag before the runs
+    assert json.loads(capsys.readouterr().out) == cmp
     assert main(["bench", "compare", str(bench_run)]) == 2
     assert "two runs" in capsys.readouterr().err
     assert main(["bench", "compare", str(bench_run), str(tmp_path / "nothing")]) == 2

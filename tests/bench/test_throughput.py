@@ -4,6 +4,7 @@ activity summary, and an end-to-end CPU run on a tiny checkpoint that writes the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,7 +158,7 @@ EXPECTED = {  # hidden, layers, heads, kv heads, head_dim, MLP, tied, total para
 @pytest.mark.parametrize("size", list(EXPECTED))
 def test_sdar_folders_carry_the_real_geometry_and_tokenizer(tmp_path, size):
     from diffulex.config import Config
-    from diffulex.testing.checkpoints import shared_sdar_data_dir
+    from diffulex.testing.checkpoints import sdar_reference_dir
     from diffulex.tokenizer import load_tokenizer
 
     folder = throughput.write_sdar_checkpoint(tmp_path / size, size)
@@ -171,7 +172,7 @@ def test_sdar_folders_carry_the_real_geometry_and_tokenizer(tmp_path, size):
     params = cost.trunk_linear_params + cost.lm_head_params * (1 if tied else 2) + cost.other_params
     assert params / 1e9 == pytest.approx(billions, abs=0.01)
     if size == "4b":
-        assert config == json.loads((shared_sdar_data_dir() / "config.json").read_text())
+        assert config == json.loads((sdar_reference_dir() / "config.json").read_text())
     assert not list(folder.glob("*.safetensors"))
     assert len(load_tokenizer(str(folder))) == 151670
     assert Config(str(folder), load_format="dummy").model_name == "sdar"
@@ -344,3 +345,14 @@ def test_block_size_given_to_the_engine_is_the_sweeps_block_size():
     settings = throughput.ThroughputSettings(engine_overrides={"block_size": 32})
     assert settings.block_size == 32
     assert settings.engine_fields(throughput.ModelEntry("m", "/x", "dummy"), 1)["block_size"] == 32
+
+
+def test_an_sdar_folder_without_its_config_and_tokenizer_names_the_flag_to_pass(tmp_path):
+    """Without the real SDAR files the harness refuses with the flag to pass, and never looks outside the
+    source checkout for them."""
+    from diffulex.testing.checkpoints import sdar_reference_dir
+
+    with pytest.raises(ValueError, match=r"data_dir='.*empty' holds no SDAR-4B-Chat .*pass --data-dir DIR"):
+        throughput.write_sdar_checkpoint(tmp_path / "out", "1.7b", data_dir=tmp_path / "empty")
+    checkout = Path(throughput.__file__).resolve().parents[2]
+    assert sdar_reference_dir().is_relative_to(checkout)

@@ -146,7 +146,7 @@ def test_memory_profile_forward_stays_within_the_models_positions(tmp_path: Path
 
 class TestKernelStoreHome:
     """The sampling graphs store their result home by a kernel only where a probe store lands; anything else
-    (a launch that fails, a store that does not arrive, the A/B switch) falls back to the copy."""
+    (a launch that fails, a store that does not arrive) falls back to the copy."""
 
     def test_a_failing_store_falls_back_to_the_copy(self, monkeypatch, caplog):
         def fails(src, dst):
@@ -161,29 +161,24 @@ class TestKernelStoreHome:
         monkeypatch.setattr(host_publish, "publish_to_host", lambda src, dst: None)
         assert cuda_graph._host_publisher(torch.device("cpu")) is None
 
-    def test_a_store_that_lands_is_used_unless_switched_off(self, monkeypatch):
+    def test_a_store_that_lands_is_used(self, monkeypatch):
         def copies(src, dst):
             dst.copy_(src)
 
         monkeypatch.setattr(host_publish, "publish_to_host", copies)
         assert cuda_graph._host_publisher(torch.device("cpu")) is copies
-        monkeypatch.setenv("DIFFULEX_KERNEL_PUBLISH", "0")
-        assert cuda_graph._host_publisher(torch.device("cpu")) is None
 
 
 def test_small_buckets_capture_the_forward_into_their_sampling_graphs(peaky_sdar_dir: Path, monkeypatch) -> None:
     """A greedy step of a bucket with at most `FUSED_STEP_MAX_ROWS` rows is one graph (forward and sampling),
     larger buckets replay their forward graph and then a sampling graph that reads it; without a sampling graph
-    nothing fuses, and the A/B switch turns fusing off."""
+    nothing fuses."""
     with make_engine(peaky_sdar_dir, block_size=4, buffer_size=1, max_num_reqs=8) as llm:
         graphs = with_static_decode(llm).runner.graphs
         rows = graphs.shape.max_query_len
         assert graphs.samples and rows == 4
         fused = [b for b in graphs.buckets if graphs.fuses_forward(b)]
         assert fused == [b for b in graphs.buckets if b * rows <= cuda_graph.FUSED_STEP_MAX_ROWS] == [1, 2, 4]
-        monkeypatch.setattr(cuda_graph, "_FUSED_STEP_ENABLED", False)
-        assert not any(graphs.fuses_forward(b) for b in graphs.buckets)
-        monkeypatch.setattr(cuda_graph, "_FUSED_STEP_ENABLED", True)
         monkeypatch.setattr(graphs, "greedy_sample", None)
         assert not any(graphs.fuses_forward(b) for b in graphs.buckets)
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from diffulex.models.hf_config import SDARConfig, load_hf_config, model_type_to_model_name
 from diffulex.models.loader import build_model, checkpoint_files, load_checkpoint
 from diffulex.testing import write_tiny_checkpoint
-from diffulex.testing.checkpoints import shared_sdar_data_dir
+from diffulex.testing.checkpoints import sdar_reference_dir
 
-REAL_SDAR = shared_sdar_data_dir()
+REAL_SDAR = sdar_reference_dir()
 
 
 def _rewrite_weights(ckpt: Path, edit) -> None:

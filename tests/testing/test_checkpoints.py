@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffulex.testing import tiny_special_token_ids, write_tiny_checkpoint
-from diffulex.testing.checkpoints import shared_sdar_data_dir
+from diffulex.testing.checkpoints import sdar_reference_dir
 
 
 def _config(path: Path) -> dict:
@@ -27,7 +27,7 @@ def test_the_folder_has_the_files_of_a_real_checkpoint(tmp_path):
 
 
 def test_config_json_has_every_key_of_the_real_sdar_config(tmp_path):
-    real = shared_sdar_data_dir() / "config.json"
+    real = sdar_reference_dir() / "config.json"
     if not real.is_file():
         pytest.skip("the real SDAR config is not available")
     tiny = _config(write_tiny_checkpoint(tmp_path))
