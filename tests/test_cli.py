@@ -82,7 +82,7 @@ def test_bad_buffer_size_returns_2_naming_the_field(sdar_dir, capsys):
 def test_yaml_engine_section_is_applied(sdar_dir, tmp_path, capsys, seen_configs):
     config = write_yaml(tmp_path, "engine:\n  buffer_size: 3\n  block_size: 4\n  max_model_len: 6\n")
     rc = main(["generate", "--model", str(sdar_dir), "--config", config, "--max-tokens", "8", "--json", "--quiet",
-               "hello"])
+               "--raw", "hello"])
     assert rc == 0
     assert (seen_configs[0].buffer_size, seen_configs[0].max_model_len) == (3, 6)
     (row,) = json.loads(capsys.readouterr().out)["outputs"]

@@ -47,12 +47,7 @@ def evaluate(
         buffer_size=buffer_size,
         accept_threshold=accept_threshold,
     )
-    prompts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p["question"]}], tokenize=False, add_generation_prompt=True
-        )
-        for p in problems
-    ]
+    prompts = [p["question"] for p in problems]  # generate asks a chat model through its template
     start = time.time()
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     seconds = time.time() - start

@@ -28,6 +28,7 @@ from diffulex.engine.scheduler import SchedulerLimits
 from diffulex.engine.step_profiler import StepProfiler
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.prompts import Prompt, encode_prompt, is_conversation
 from diffulex.registry import (
     AutoKVCacheManager,
     AutoModelForDiffusionLM,
@@ -126,22 +127,33 @@ def _resolve_device(config: Config) -> torch.device:
 
 
 def generation_inputs(
-    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    prompts: Prompt | Sequence[Prompt],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[str | Sequence[int]], list[SamplingParams]]:
-    """``generate``'s arguments as one list of prompts (a single prompt, text or token ids, becomes a list of one)
-    and one `SamplingParams` per prompt (one given for all, or one each)."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]  # type: ignore[list-item]
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """``generate``'s arguments as one list of prompts (a single prompt, text, token ids or a conversation, becomes a
+    list of one) and one `SamplingParams` per prompt (one given for all, or one each)."""
+    if not _is_prompt_list(prompts):
+        prompts = [prompts]  # type: ignore[list-item]  (one prompt; a bad one is refused by `encode_prompt`)
     prompts = list(prompts)
     if isinstance(sampling_params, SamplingParams) or sampling_params is None:
         return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+        raise ValueError(
+            f"sampling_params={sampling_params!r:.60} is invalid: must be a SamplingParams or a list of them"
+        )
     params = list(sampling_params)
     if len(params) != len(prompts):
         raise ValueError(
             f"sampling_params has {len(params)} entries: must be one, or one per prompt ({len(prompts)})"
         )
     return prompts, params
+
+
+def _is_prompt_list(prompts: object) -> bool:
+    """Whether ``generate`` was given a list of prompts rather than one prompt (text, token ids, a conversation)."""
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence) or is_conversation(prompts):
+        return False
+    return not prompts or not isinstance(prompts[0], int)
 
 
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str) -> None:
@@ -485,20 +497,8 @@ class DiffulexEngine:
 
     # ----- requests -----------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ValueError("prompt token ids are invalid: must all be integers")
-            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is invalid: must be within [0, {self.vocab_limit})")
-        if not ids:
-            raise ValueError("prompt is invalid: it encodes to zero tokens")
+    def _encode(self, prompt: Prompt) -> list[int]:
+        ids = encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len="
@@ -709,21 +709,35 @@ class DiffulexEngine:
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        apply_chat_template: bool = True,
+        parse_special_tokens: bool = False,
     ) -> GenerationOutputs:
-        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run."""
+        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run.
+
+        A prompt is text, token ids or a conversation (a list of ``{"role", "content"}`` messages). A chat model
+        (its tokenizer has a chat template) is asked the way it was trained: a text prompt becomes the user message
+        of its chat template; ``apply_chat_template=False`` sends text as it is. Special-token text inside text and
+        messages (``<|im_end|>``) is plain text unless ``parse_special_tokens``: see `diffulex.prompts`.
+        """
         prompts, params = generation_inputs(prompts, sampling_params)
         t0 = time.perf_counter()
         results: list[Trajectory | None] = [None] * len(prompts)
         index_of: dict[int, int] = {}
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
-                index_of[self.add_request(prompt, sp)] = i
+                ids = encode_prompt(
+                    self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
+                    apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+                )
+                index_of[self.add_request(ids, sp)] = i
             except ValueError as err:
                 logger.warning("prompt %d rejected: %s", i, err)
-                ids = list(prompt) if not isinstance(prompt, str) else []
+                token_list = isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt)
+                ids = list(prompt) if token_list else []
                 results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
         steps_before = self._num_steps
         bar = None

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffulex.prompts import encode_prompt
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.engine_loop import (
     Emission,
@@ -225,16 +226,15 @@ def create_app(
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
 
-    def render_chat(messages: list[ChatMessage]) -> str:
+    def render_chat(messages: list[ChatMessage]) -> list[int]:
+        """The conversation's token ids: only the chat template's markup becomes special tokens, never content."""
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-            except Exception as err:  # a template may raise on roles or orders it does not support
-                raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        try:
+            return encode_prompt(tokenizer, plain, mask_token_id=engine_loop.mask_token_id)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
 
     async def start_job(
         request: Request, prompts: list[str | list[int]], fields: SamplingFields, default_max_tokens: int,
