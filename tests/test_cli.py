@@ -137,3 +137,27 @@ def test_unknown_yaml_field_is_an_error_naming_it(sdar_dir, tmp_path, capsys):
         rc = run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"])
     assert rc == 2
     assert "acept_threshold" in capsys.readouterr().err
+
+
+def test_generate_help_shows_the_sampling_defaults_and_the_raw_switch(capsys):
+    assert run_cli(["generate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.0 here; the Python API and the server default to 1.0)" in out
+    assert "(default: 64)" in out and "(default: 1.0)" in out
+    assert "--raw, --no-chat-template" in out and "--parse-special-tokens" in out
+
+
+@pytest.mark.parametrize(("flags", "templated"), [([], True), (["--raw"], False), (["--no-chat-template"], False)])
+def test_generate_asks_a_chat_model_through_its_template_unless_raw(sdar_dir, capsys, monkeypatch, flags, templated):
+    seen = []
+    original = engine_module.DiffulexEngine.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        out = original(self, prompts, *args, **kwargs)
+        seen.extend(t.prompt_token_ids for t in out.trajectories)
+        return out
+
+    monkeypatch.setattr(engine_module.DiffulexEngine, "generate", spy)
+    assert main(["generate", "--model", str(sdar_dir), *BASE, *flags, "hello"]) == 0
+    im_start = 377  # the tiny SDAR tokenizer's <|im_start|>
+    assert (seen[0][0] == im_start) is templated
