@@ -112,7 +112,7 @@ def default_model_dir() -> Path:
 
 
 # What `diffulex generate` asks when given no prompt: a question of the kind the built-in model was trained on.
-DEMO_PROMPT = "Mia has 12 apples and gets 30 more. How many apples does Mia have now?"
+DEMO_PROMPT = "There are 6 boxes with 7 pencils in each box. How many pencils are there in all?"
 
 
 def _build_engine(args: argparse.Namespace) -> Any:

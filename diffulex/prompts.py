@@ -81,11 +81,14 @@ _special_tokens_lock = threading.Lock()
 
 
 def _special_tokens(tokenizer: Any) -> _SpecialTokens:
-    with _special_tokens_lock:
-        found = _special_tokens_of.get(tokenizer)
-        if found is None:
-            found = _special_tokens_of[tokenizer] = _build_special_tokens(tokenizer)
-        return found
+    try:
+        with _special_tokens_lock:
+            found = _special_tokens_of.get(tokenizer)
+            if found is None:
+                found = _special_tokens_of[tokenizer] = _build_special_tokens(tokenizer)
+            return found
+    except TypeError:  # an object that cannot be weakly referenced (a stand-in tokenizer): nothing to remember
+        return _build_special_tokens(tokenizer)
 
 
 def _build_special_tokens(tokenizer: Any) -> _SpecialTokens:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffulex.engine.engine import RequestUpdate
+from diffulex.prompts import encode_prompt
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.metrics import ServerMetrics
 
@@ -315,12 +316,8 @@ class EngineLoop:
             if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineUnavailableError(self.failure or "the server is shutting down"))
 
-    def _encode(self, prompt: str | list[int]) -> str | list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return prompt
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id)
 
     def _add(self, command: _Add) -> None:
         engine = self.engine
