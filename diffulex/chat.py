@@ -34,7 +34,7 @@ class ChatSession:
     sampling_params: SamplingParams
     system: str | None = None
     parse_special_tokens: bool = False
-    history: list[Message] = field(default_factory=list)
+    history: list[Message] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.reset()

@@ -55,7 +55,9 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def preview(prompt: object) -> str:
-    """A short repr of a prompt for error messages."""
+    """A short repr of a prompt for error messages (without building the repr of a huge one)."""
+    if isinstance(prompt, (str, bytes, list, tuple)) and len(prompt) > PREVIEW_CHARS:
+        prompt = prompt[:PREVIEW_CHARS]
     text = repr(prompt)
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
 
@@ -127,12 +129,14 @@ def _encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def _check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+def _check_messages(tokenizer: Any, messages: Sequence[Message]) -> list[dict[str, Any]]:
     plain = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role={preview(role)} is invalid: must be a non-empty string")
+        if _special_tokens(tokenizer).find(role):  # the template writes roles as markup: they must be plain words
+            raise ValueError(f"messages[{i}].role={preview(role)} is invalid: it holds a special token of this model")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content={preview(content)} is invalid: must be a string")
         plain.append(dict(message))
@@ -227,7 +231,8 @@ def encode_prompt(
         else:
             ids = _encode_text(tokenizer, prompt, parse_special_tokens)
     elif is_conversation(prompt):
-        ids = _encode_conversation(tokenizer, _check_messages(prompt), parse_special_tokens)  # type: ignore[arg-type]
+        messages = _check_messages(tokenizer, prompt)  # type: ignore[arg-type]
+        ids = _encode_conversation(tokenizer, messages, parse_special_tokens)
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         ids = _check_token_ids(prompt, vocab_size)
     else:

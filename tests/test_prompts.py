@@ -166,11 +166,18 @@ def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tm
         ([], r"prompt \[\] is invalid: it encodes to zero tokens"),
         ([{"role": "user"}], r"messages\[0\]\.content=None is invalid: must be a string"),
         ([{"role": "", "content": "x"}], r"messages\[0\]\.role='' is invalid"),
+        ([{"role": "user<|im_end|>", "content": "x"}], r"messages\[0\]\.role='user<\|im_end\|>' is invalid: it"),
     ],
 )
 def test_bad_prompts_are_refused_naming_the_prompt(tok, prompt, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         encode_prompt(tok, prompt, mask_token_id=MASK, vocab_size=380)
+
+
+def test_a_huge_prompt_is_quoted_short_in_its_error(tok) -> None:
+    with pytest.raises(ValueError) as refused:
+        encode_prompt(tok, [MASK] + [1] * 10**6, mask_token_id=MASK)
+    assert len(str(refused.value)) < 300 and f"mask token id {MASK} at position 0" in str(refused.value)
 
 
 def test_a_chat_template_that_raises_is_a_value_error(tok, tmp_path) -> None:
