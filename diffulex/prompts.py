@@ -111,13 +111,32 @@ def _build_special_tokens(tokenizer: Any) -> _SpecialTokens:
     alternatives.sort(key=lambda a: -a[0])  # longest first: the tokenizer's leftmost-longest match
     pattern = re.compile("|".join(f"(?P<s{i}>{a[1]})" for i, a in enumerate(alternatives))) if alternatives else None
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text_backend = None
-    if backend is not None:
-        from tokenizers import Tokenizer
-
-        text_backend = Tokenizer.from_str(backend.to_str())
-        text_backend.encode_special_tokens = True
+    text_backend = _text_only_copy(backend) if backend is not None else None
     return _SpecialTokens(pattern, tuple(a[2] for a in alternatives), text_backend)
+
+
+def _text_only_copy(backend: Any) -> Any:
+    """A `tokenizers.Tokenizer` that encodes like ``backend`` but never parses special tokens.
+
+    It shares the backend's model and pipeline objects (read-only here) instead of copying them: a serialized copy
+    of a 150k-entry BPE takes seconds. Its added tokens are re-added in id order; if that does not reproduce every
+    id (added ids with gaps), the serialized copy is the fallback.
+    """
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer(backend.model)
+    copy.normalizer = backend.normalizer
+    copy.pre_tokenizer = backend.pre_tokenizer
+    copy.post_processor = backend.post_processor
+    copy.decoder = backend.decoder
+    added = backend.get_added_tokens_decoder()
+    for token_id in sorted(added):
+        token = added[token_id]
+        (copy.add_special_tokens if token.special else copy.add_tokens)([token])
+    if any(copy.token_to_id(token.content) != token_id for token_id, token in added.items()):
+        copy = Tokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = True
+    return copy
 
 
 def _encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[int]:
