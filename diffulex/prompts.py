@@ -142,9 +142,11 @@ def _text_only_copy(backend: Any) -> Any:
 def _encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[int]:
     if parse_special_tokens:
         return list(tokenizer.encode(text, add_special_tokens=False))
-    backend = _special_tokens(tokenizer).text_backend
-    if backend is not None:
-        return list(backend.encode(text, add_special_tokens=False).ids)
+    specials = _special_tokens(tokenizer)
+    if specials.text_backend is not None:
+        return list(specials.text_backend.encode(text, add_special_tokens=False).ids)
+    if specials.pattern is None:  # a tokenizer without special tokens has none to parse
+        return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 

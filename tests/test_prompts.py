@@ -219,3 +219,16 @@ def test_the_builtin_model_tokenizer_has_a_chat_template() -> None:
     import diffulex
 
     assert has_chat_template(load_tokenizer(Path(diffulex.BUILTIN_MODEL)))
+
+
+class CharTokenizer:
+    """A tokenizer with no special tokens and no `tokenizers` backend: one id per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_a_tokenizer_without_special_tokens_encodes_text_its_own_way() -> None:
+    assert encode_prompt(CharTokenizer(), "a<|x|>", mask_token_id=0) == [ord(c) for c in "a<|x|>"]
+    conversation = encode_prompt(CharTokenizer(), [{"role": "user", "content": "hi"}], mask_token_id=0)
+    assert conversation == [ord(c) for c in "user: hi\nassistant:"]

@@ -32,7 +32,7 @@ class FakeEngine:
     """Each request takes ``max_tokens`` steps, one token (id 7) per step; records every batch it ran."""
 
     def __init__(self, fail_at_step: int | None = None, step_delay: float = 0.0005) -> None:
-        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False, **_: [1] * len(text.split()))
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False: [1] * len(text.split()))
         self.config = SimpleNamespace(block_size=4, max_model_len=64, max_num_reqs=4, model="/fake")
         self.mask_token_id = 0
         kv = SimpleNamespace(num_used_pages=0, num_pages=100)
