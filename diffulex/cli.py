@@ -1,4 +1,5 @@
-"""Command line: ``diffulex generate [--model DIR] [--config FILE.yml] [--<engine field> VALUE ...] PROMPT...``.
+"""Command line: ``diffulex generate [--model DIR] [--config FILE.yml] [--<engine field> VALUE ...] PROMPT...`` and
+``diffulex chat`` (same flags, an interactive session: `diffulex.chat`).
 
 Every engine field of `diffulex.config.Config` is a flag (underscores become dashes), generated from the
 dataclass so the CLI, YAML files and Python accept the same names, types and validation.
@@ -191,8 +192,13 @@ def default_model_dir() -> Path:
     return Path(BUILTIN_MODEL)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from diffulex import Diffulex, SamplingParams
+# What `diffulex generate` asks when given no prompt: a question of the kind the built-in model was trained on.
+DEMO_PROMPT = "There are 6 boxes with 7 pencils in each box. How many pencils are there in all?"
+
+
+def _build_engine(args: argparse.Namespace) -> Any:
+    """The engine the command line describes: ``--model`` (else the YAML's, else the built-in model) and fields."""
+    from diffulex import Diffulex
 
     fields: dict[str, Any] = load_yaml_engine_fields(args.config) if args.config else {}
     fields.update(engine_overrides(args))
@@ -201,7 +207,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if model is None:
         model = str(default_model_dir())
         print(f"no --model given: using the built-in model at {model}", file=sys.stderr)
-    sp = SamplingParams(
+    return Diffulex(model, **fields)
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from diffulex import SamplingParams
+
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -210,9 +222,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         max_repetition_run=args.max_repetition_run,
     )
-    prompts = args.prompts or ["The quick brown fox"]
-    with Diffulex(model, **fields) as llm:
-        outputs = llm.generate(prompts, sp, use_tqdm=not args.quiet)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    sp = _sampling_params(args)
+    prompts = args.prompts or [DEMO_PROMPT]
+    with _build_engine(args) as llm:
+        outputs = llm.generate(prompts, sp, use_tqdm=not args.quiet, apply_chat_template=args.apply_chat_template,
+                               parse_special_tokens=args.parse_special_tokens)
     if args.json:
         rows = [
             {"prompt": p, "text": t.text, "token_ids": t.token_ids, "completion_reason": t.completion_reason,
@@ -229,28 +246,76 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from diffulex.chat import ChatSession, run_chat
+
+    sp = _sampling_params(args)
+    with _build_engine(args) as llm:
+        if not hasattr(llm, "add_request"):
+            raise ValueError("data_parallel_size > 1 is for offline generate; chat runs one engine")
+        session = ChatSession(llm, sp, system=args.system, parse_special_tokens=args.parse_special_tokens)
+        return run_chat(session, sys.stdin, sys.stdout, sys.stderr)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the built-in model)")
+    parser.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy: each position takes its most likely token (default: %(default)s here; "
+                               "the Python API and the server default to 1.0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default: %(default)s)")
+    sampling.add_argument("--max-tokens", type=int, default=64, help="answer length limit (default: %(default)s)")
+    sampling.add_argument("--max-nfe", type=int, default=None,
+                          help="limit on model forwards per request (default: none)")
+    sampling.add_argument("--max-repetition-run", type=int, default=None,
+                          help="stop after this many repeats of one token (default: none)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+
+
+def _add_prompt_flags(parser: argparse.ArgumentParser, *, chat: bool) -> None:
+    prompts = parser.add_argument_group("prompts")
+    if not chat:
+        prompts.add_argument(
+            "--raw", "--no-chat-template", dest="apply_chat_template", action="store_false",
+            help="send each prompt as it is; by default a chat model (one whose tokenizer has a chat template) gets "
+                 "it as the user message of its chat template",
+        )
+    prompts.add_argument(
+        "--parse-special-tokens", action="store_true",
+        help="let special-token text typed in a prompt (<|im_end|>, ...) act as that special token; by default it "
+             "is plain text",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="diffulex", description="Diffusion language model serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    gen.add_argument("prompts", nargs="*", help="prompts (default: a short demo prompt)")
-    gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
-    gen.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
-    sampling = gen.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="0 decodes greedily; the Python API and the server default to 1.0")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    sampling.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt at most")
-    sampling.add_argument("--max-nfe", type=int, default=None,
-                          help="forward passes per prompt at most (default: no limit)")
-    sampling.add_argument("--max-repetition-run", type=int, default=None,
-                          help="stop a prompt once one token repeats this many times in a row (default: no limit)")
-    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {DEMO_PROMPT!r})")
+    _add_model_flags(gen)
+    _add_sampling_flags(gen)
+    _add_prompt_flags(gen, chat=False)
     gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+    chat = sub.add_parser(
+        "chat", help="talk with a model; each answer is shown while it is denoised",
+        description="An interactive conversation: one line is one message, the conversation so far is the context of "
+                    "every answer. /exit or Ctrl-D leaves, /reset starts over, Ctrl-C stops an answer. On a terminal "
+                    "the blocks being denoised are drawn live; through a pipe each answer is one plain-text line.",
+    )
+    _add_model_flags(chat)
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _add_sampling_flags(chat)
+    _add_prompt_flags(chat, chat=True)
+    add_engine_flags(chat)
+    chat.set_defaults(func=_cmd_chat)
     for module, command, extra in _SUBCOMMAND_MODULES:
         try:
             add_parser = importlib.import_module(module).add_parser

@@ -87,7 +87,7 @@ def test_bad_buffer_size_returns_2_naming_the_field(sdar_dir, capsys):
 def test_yaml_engine_section_is_applied(sdar_dir, tmp_path, capsys, seen_configs):
     config = write_yaml(tmp_path, "engine:\n  buffer_size: 3\n  block_size: 4\n  max_model_len: 6\n")
     rc = main(["generate", "--model", str(sdar_dir), "--config", config, "--max-tokens", "8", "--json", "--quiet",
-               "hello"])
+               "--raw", "hello"])
     assert rc == 0
     assert (seen_configs[0].buffer_size, seen_configs[0].max_model_len) == (3, 6)
     (row,) = json.loads(capsys.readouterr().out)["outputs"]
@@ -166,9 +166,8 @@ def test_help_shows_the_defaults_of_sampling_flags_and_engine_fields(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--max-tokens MAX_TOKENS tokens generated per prompt at most (default: 64)" in text
-    assert "--temperature TEMPERATURE 0 decodes greedily; the Python API and the server default to 1.0" in text
-    assert "(default: 0.0)" in text
+    assert "--max-tokens MAX_TOKENS answer length limit (default: 64)" in text
+    assert "(default: 0.0 here; the Python API and the server default to 1.0)" in text
     assert "(default: 0.9)" in text  # accept_threshold, an engine field
 
 
@@ -193,3 +192,27 @@ def test_the_progress_bar_shows_a_rate_only_once_there_is_one(sdar_dir, capsys):
     bar = capsys.readouterr().err
     assert "tok/s" in bar
     assert " 0 tok/s" not in bar
+
+
+def test_generate_help_shows_the_sampling_defaults_and_the_raw_switch(capsys):
+    assert run_cli(["generate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.0 here; the Python API and the server default to 1.0)" in out
+    assert "(default: 64)" in out and "(default: 1.0)" in out
+    assert "--raw, --no-chat-template" in out and "--parse-special-tokens" in out
+
+
+@pytest.mark.parametrize(("flags", "templated"), [([], True), (["--raw"], False), (["--no-chat-template"], False)])
+def test_generate_asks_a_chat_model_through_its_template_unless_raw(sdar_dir, capsys, monkeypatch, flags, templated):
+    seen = []
+    original = engine_module.DiffulexEngine.generate
+
+    def spy(self, prompts, *args, **kwargs):
+        out = original(self, prompts, *args, **kwargs)
+        seen.extend(t.prompt_token_ids for t in out.trajectories)
+        return out
+
+    monkeypatch.setattr(engine_module.DiffulexEngine, "generate", spy)
+    assert main(["generate", "--model", str(sdar_dir), *BASE, *flags, "hello"]) == 0
+    im_start = 377  # the tiny SDAR tokenizer's <|im_start|>
+    assert (seen[0][0] == im_start) is templated

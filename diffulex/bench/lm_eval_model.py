@@ -147,7 +147,10 @@ class DiffulexLM(LM):
             prompts.append(context)
             params.append(sp)
             stops.append(until)
-        outputs = self.engine.generate(prompts, params, use_tqdm=self.use_tqdm and not disable_tqdm)
+        # lm-eval hands over finished contexts (rendered by `apply_chat_template` when the run asks for it): they are
+        # sent as they are, their chat markup acting as special tokens.
+        outputs = self.engine.generate(prompts, params, use_tqdm=self.use_tqdm and not disable_tqdm,
+                                       apply_chat_template=False, parse_special_tokens=True)
         self.batches.append(outputs)
         texts = []
         for req, prompt, until, traj in zip(requests, prompts, stops, outputs.trajectories, strict=True):

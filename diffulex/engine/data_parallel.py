@@ -59,8 +59,8 @@ def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
             conn.send(("closed", None))
             return
         try:
-            prompts, params = payload
-            conn.send(("ok", engine.generate(prompts, params, use_tqdm=False)))
+            prompts, params, prompt_options = payload
+            conn.send(("ok", engine.generate(prompts, params, use_tqdm=False, **prompt_options)))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
@@ -107,14 +107,18 @@ class DataParallelEngine:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        apply_chat_template: bool = True,
+        parse_special_tokens: bool = False,
     ) -> GenerationOutputs:
         """`DiffulexEngine.generate` over the replicas: prompt ``i`` goes to replica ``i % data_parallel_size``."""
         prompts, params = generation_inputs(prompts, sampling_params)
+        prompt_options = {"apply_chat_template": apply_chat_template, "parse_special_tokens": parse_special_tokens}
         t0 = time.perf_counter()
         dp = len(self._conns)
         shares = [list(range(rank, len(prompts), dp)) for rank in range(dp)]
         for conn, share in zip(self._conns, shares, strict=True):
-            conn.send(("generate", ([prompts[i] for i in share], [params[i] for i in share])))
+            conn.send(("generate", ([prompts[i] for i in share], [params[i] for i in share], prompt_options)))
         results: list[Trajectory | None] = [None] * len(prompts)
         steps = 0
         bar = None

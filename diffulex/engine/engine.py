@@ -32,6 +32,7 @@ from diffulex.engine.step_profiler import StepProfiler
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.prompts import Prompt, encode_prompt, is_conversation
 from diffulex.registry import (
     AutoKVCacheManager,
     AutoModelForDiffusionLM,
@@ -135,16 +136,17 @@ def _resolve_device(config: Config) -> torch.device:
 
 
 def generation_inputs(
-    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    prompts: Prompt | Sequence[Prompt],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[str | Sequence[int]], list[SamplingParams]]:
-    """``generate``'s arguments as one list of prompts (a single prompt, text or token ids, becomes a list of one)
-    and one `SamplingParams` per prompt (one given for all, or one each).
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """``generate``'s arguments as one list of prompts (a single prompt, text, token ids or a
+    conversation, becomes a list of one) and one `SamplingParams` per prompt (one given for all, or one each).
 
     The shapes are checked here, before anything is queued, with an error naming the argument (and the prompt's
     index): a malformed call is a programming error, not a prompt to reject among others.
     """
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
+    single = isinstance(prompts, str) or is_conversation(prompts)
+    if single or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
         prompts = [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(
@@ -179,9 +181,9 @@ def _preview(value: object, limit: int = 60) -> str:
 
 
 def check_prompt_type(prompt: object, name: str = "prompt") -> None:
-    """A prompt is a string or a list (or tuple) of integer token ids; anything else is refused with its name, so
-    that e.g. bytes are never read as a list of small integers."""
-    if isinstance(prompt, str):
+    """A prompt is a string, a list (or tuple) of integer token ids or a conversation; anything else is refused with
+    its name, so that e.g. bytes are never read as a list of small integers."""
+    if isinstance(prompt, str) or is_conversation(prompt):  # a conversation's messages: `encode_prompt` checks them
         return
     if isinstance(prompt, (list, tuple)):
         bad = next((t for t in prompt if not _is_token_id(t)), None)
@@ -623,20 +625,8 @@ class DiffulexEngine:
 
     # ----- requests -----------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt='' is invalid: must be a non-empty string or list of token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ValueError("prompt token ids are invalid: must all be integers")
-            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is invalid: must be within [0, {self.vocab_limit})")
-        if not ids:
-            raise ValueError("prompt is invalid: it encodes to zero tokens")
+    def _encode(self, prompt: Prompt) -> list[int]:
+        ids = encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len="
@@ -932,11 +922,20 @@ class DiffulexEngine:
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        apply_chat_template: bool = True,
+        parse_special_tokens: bool = False,
     ) -> GenerationOutputs:
-        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run."""
+        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run.
+
+        A prompt is text, token ids or a conversation (a list of ``{"role", "content"}`` messages). A chat model
+        (its tokenizer has a chat template) is asked the way it was trained: a text prompt becomes the user message
+        of its chat template; ``apply_chat_template=False`` sends text as it is. Special-token text inside text and
+        messages (``<|im_end|>``) is plain text unless ``parse_special_tokens``: see `diffulex.prompts`.
+        """
         self._check_open()
         prompts, params = generation_inputs(prompts, sampling_params)
         t0 = time.perf_counter()
@@ -944,10 +943,15 @@ class DiffulexEngine:
         index_of: dict[int, int] = {}
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
-                index_of[self.add_request(prompt, sp)] = i
+                ids = encode_prompt(
+                    self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
+                    apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+                )
+                index_of[self.add_request(ids, sp)] = i
             except ValueError as err:
                 logger.warning("prompt %d rejected: %s", i, err)
-                ids = list(prompt) if not isinstance(prompt, str) else []
+                token_list = isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt)
+                ids = list(prompt) if token_list else []
                 results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
         steps_before = self._num_steps
         bar = None

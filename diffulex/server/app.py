@@ -185,7 +185,7 @@ def create_app(
     model_name = served_model_name or Path(engine_loop.config.model).name
     metrics = engine_loop.metrics
     tokenizer = engine_loop.tokenizer
-    encoder = PromptEncoder(tokenizer, engine_loop.max_model_len, engine_loop.vocab_limit)
+    encoder = PromptEncoder(tokenizer, engine_loop.max_model_len, engine_loop.vocab_limit, engine_loop.mask_token_id)
     started = int(time.time())
 
     @asynccontextmanager

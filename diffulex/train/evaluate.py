@@ -58,8 +58,10 @@ def evaluate_setting(
     try:
         for name, problems in sets.items():
             start = time.time()
+            # the prompts are rendered here in the training formats, so generate must not template them again
             out = llm.generate([make_prompt(p["question"]) for p in problems],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)  # fmt: skip
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False,
+                               apply_chat_template=False)  # fmt: skip
             seconds = time.time() - start
             correct = sum(
                 process_arithmetic(p, [text])["exact_match"] for p, text in zip(problems, out.texts, strict=True)

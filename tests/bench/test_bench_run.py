@@ -140,8 +140,9 @@ class FakeEngine:
         self.config = SimpleNamespace(model="/fake", tokenizer_path=None)
         self.calls = []
 
-    def generate(self, prompts, params, use_tqdm=True):
+    def generate(self, prompts, params, use_tqdm=True, **prompt_options):
         self.calls.append((prompts, params))
+        self.prompt_options = prompt_options
         trajs = [
             Trajectory(i, i, [1, 2], [5, 6], " 42\nQuestion: more", "max_new_tokens_reached", 1,
                        [StepRecord(0, 3, 2, (0,), (), 0.1)])
@@ -164,6 +165,8 @@ def test_lm_eval_model_batches_requests_and_applies_settings(sdar_dir):
     assert lm.generate_until(reqs) == [" 42", " 42\nQuestion: more"]
     (prompts, params), = engine.calls  # one engine call for the whole batch
     assert prompts == ["Q1", "Q2"]
+    # lm-eval's contexts are finished prompts: sent as they are, their chat markup read as special tokens.
+    assert engine.prompt_options == {"apply_chat_template": False, "parse_special_tokens": True}
     assert [p.max_tokens for p in params] == [64, 256]  # the task's length, else the default
     assert params[0].stop == ["\nQuestion:"] and params[1].stop == ["\n\n"]
     assert all(p.temperature == 0.0 and p.max_nfe == 5 for p in params)

@@ -21,7 +21,7 @@ def llada2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(path: Path, **fields):
     fields = {"block_size": 4, "buffer_size": 1, "max_model_len": 256, "accept_threshold": 0.9, **fields}
     with Diffulex(str(path), **fields) as llm:
-        return llm.generate(PROMPTS, GREEDY, use_tqdm=False), llm.mask_token_id
+        return llm.generate(PROMPTS, GREEDY, use_tqdm=False, apply_chat_template=False), llm.mask_token_id
 
 
 def test_without_edits_the_tokens_are_the_naive_modes(llada2):

@@ -70,11 +70,9 @@ def test_page_streams_the_denoising_buffer(page_server: RunningServer, browser, 
     assert "NFE" in stats and "TPF" in stats
     assert page.inner_text("#status") == "done"
 
-    prompt = server.loop.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], tokenize=False,
-        add_generation_prompt=True)
     expected = httpx.post(server.base_url + "/generate",
-                          json={"prompt": prompt, "max_tokens": 96, "temperature": 0}, timeout=30).json()
+                          json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0},
+                          timeout=30).json()
     assert shown.strip() == expected["text"].strip()
     if os.environ.get("DIFFULEX_UPDATE_SCREENSHOTS") == "1":
         DOCS_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

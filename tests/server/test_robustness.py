@@ -99,7 +99,7 @@ def test_unknown_route_and_method(server: RunningServer) -> None:
 
 def test_stop_string_cuts_the_answer_and_the_stream(server: RunningServer, reference_engine) -> None:
     free = reference_engine.generate(["One, two, three"], SamplingParams(temperature=0, max_tokens=24),
-                                     use_tqdm=False).trajectories[0].text
+                                     use_tqdm=False, apply_chat_template=False).trajectories[0].text
     stop = free[5:7]
     assert stop and stop in free
     body = {**GOOD, "prompt": "One, two, three", "max_tokens": 24, "stop": stop}

@@ -45,7 +45,8 @@ def test_concurrent_streams_each_equal_generate_alone(server: RunningServer, ref
     results = asyncio.run(run_all())
     after = _metric(server, "diffulex_step_batch_size_sum"), _metric(server, "diffulex_engine_steps_total")
     for prompt, n, (text, _) in zip(prompts, lengths, results, strict=True):
-        expected = reference_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+        expected = reference_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False,
+                                             apply_chat_template=False)
         assert text == expected.trajectories[0].text, prompt
     mean_batch = (after[0] - before[0]) / (after[1] - before[1])
     assert mean_batch > 2, f"requests should share steps (mean batch {mean_batch:.2f})"
@@ -65,7 +66,7 @@ def test_generate_denoise_stream_shows_the_block_buffer(server: RunningServer, r
         events = sse_payloads(response.iter_lines())
     snapshots, final = events[:-1], events[-1]
     expected = reference_engine.generate(["A good question"], SamplingParams(temperature=0, max_tokens=20),
-                                         use_tqdm=False).trajectories[0]
+                                         use_tqdm=False, apply_chat_template=False).trajectories[0]
     assert final["event"] == "final" and final["text"] == expected.text and final["token_ids"] == expected.token_ids
     assert final["nfe"] == expected.nfe == len(snapshots) + 1
     assert all(s["event"] == "denoise" for s in snapshots)
