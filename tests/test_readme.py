@@ -46,6 +46,6 @@ def test_the_demo_command_answers_its_question(capsys) -> None:
     from diffulex.cli import main
 
     prompt = demo_prompt()
-    assert prompt == "A train travels 60 kilometers every hour. How many kilometers does it travel in 3 hours?"
+    assert prompt == "There are 6 bags with 8 marbles in each bag. How many marbles are there in all?"
     assert main(["generate", "--quiet", "--num-pages", "64", prompt]) == 0
-    assert final_answer(capsys.readouterr().out) == 60 * 3
+    assert final_answer(capsys.readouterr().out) == 6 * 8

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from diffulex.train.data import TEST_SEED, chat_prompt, qa_prompt
+from diffulex.train.data import TEST_SEED, qa_prompt
 
 TEST_SETS = {"train-templates": "train", "held-out-templates": "held-out"}  # set name -> template set
 PROMPT_FORMATS = ("chat", "qa")
@@ -51,17 +51,18 @@ def evaluate_setting(
 
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format={prompt_format!r} is invalid: must be one of {', '.join(PROMPT_FORMATS)}")
-    make_prompt = chat_prompt if prompt_format == "chat" else qa_prompt
+    # chat: the question is the user message of the model's own chat template (what generate applies);
+    # qa: the plain `Question: ... Answer:` text, sent as it is
+    chat = prompt_format == "chat"
     llm = Diffulex(model=model, decoding_strategy="multi_bd", buffer_size=buffer_size,
                    accept_threshold=accept_threshold)  # fmt: skip
     rows = []
     try:
         for name, problems in sets.items():
             start = time.time()
-            # the prompts are rendered here in the training formats, so generate must not template them again
-            out = llm.generate([make_prompt(p["question"]) for p in problems],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False,
-                               apply_chat_template=False)  # fmt: skip
+            prompts = [p["question"] if chat else qa_prompt(p["question"]) for p in problems]
+            out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False,
+                               apply_chat_template=chat)  # fmt: skip
             seconds = time.time() - start
             correct = sum(
                 process_arithmetic(p, [text])["exact_match"] for p, text in zip(problems, out.texts, strict=True)
