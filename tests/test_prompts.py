@@ -10,7 +10,7 @@ import pytest
 
 from diffulex.prompts import encode_prompt, has_chat_template
 from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
-from diffulex.testing.checkpoints import shared_sdar_data_dir
+from diffulex.testing.checkpoints import sdar_reference_dir
 from diffulex.tokenizer import load_tokenizer
 
 SPECIAL = tiny_special_token_ids("sdar")  # <|endoftext|> 376, <|im_start|> 377, <|im_end|> 378, <|MASK|> 379
@@ -41,7 +41,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory):
-    if not (shared_sdar_data_dir() / "vocab.json").is_file():
+    if not (sdar_reference_dir() / "vocab.json").is_file():
         pytest.skip("the real SDAR tokenizer files are not available")
     return load_tokenizer(write_qwen_tokenizer(tmp_path_factory.mktemp("qwen")))
 

@@ -20,6 +20,11 @@ from diffulex.layers.rotary import fused_rope_args, rotate_qk
 TRITON_IMPLS = ("triton", "triton_grouped")
 
 
+def triton_supports_head_dim(head_dim: int) -> bool:
+    """The Triton attention kernels tile a head in one power-of-two block of at least 16 lanes."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 class Attention(nn.Module):
     """Paged attention for one layer.
 

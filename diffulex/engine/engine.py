@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.config import EDIT_MODEL_NAMES, Config, inert_settings, warn
 from diffulex.engine.block import BlockStatus
 from diffulex.engine.cpu_resources import available_memory, choose_cpu_threads, default_cpu_threads, usable_cores
@@ -588,6 +589,8 @@ class DiffulexEngine:
             and self._token_merge() is None  # soft inputs are an eager-step feature
             and config.enable_full_static_runner
             and config.attn_impl in ("triton", "triton_grouped")
+            # a captured step replays its launches: the PyTorch attention path reads the layout on the host
+            and all(triton_supports_head_dim(layer.head_dim) for layer in self.runner.attention_layers)
         )
 
     def _maybe_compile(self) -> None:

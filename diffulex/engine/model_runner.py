@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
+from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.block import BlockStatus
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
@@ -74,7 +75,8 @@ class ModelRunner:
             shape = (num_pages, s.page_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = _zeros(shape, s.kv_dtype, s.device)
             layer.v_cache = _zeros(shape, s.kv_dtype, s.device)
-            layer.attn_impl = s.attn_impl
+            # a head the Triton kernels cannot tile (tiny test models) takes the PyTorch path; same result
+            layer.attn_impl = s.attn_impl if triton_supports_head_dim(layer.head_dim) else "naive"
         self.num_pages = num_pages
 
     def release_kv_cache(self) -> None:
@@ -254,7 +256,7 @@ class ModelRunner:
 
         done = set()
         for layer in self.attention_layers:
-            if layer.k_cache is None or layer.v_cache is None:
+            if layer.k_cache is None or layer.v_cache is None or layer.attn_impl not in TRITON_IMPLS:
                 continue
             geometry = (layer.num_heads, tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype)
             if geometry not in done:

@@ -15,6 +15,7 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
+from diffulex.prompts import encode_prompt
 from diffulex.server.protocol import APIError, ChatMessage
 
 NORMALIZATION_SLACK = 4
@@ -24,8 +25,9 @@ TOKENIZER_WORKERS = 2
 class PromptEncoder:
     """Renders chat messages and tokenizes prompts for the handlers; every refusal is a 400 naming ``prompt``."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_limit: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_limit: int, mask_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.mask_token_id = mask_token_id
         self.max_model_len = max_model_len
         self.vocab_limit = vocab_limit
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -47,21 +49,19 @@ class PromptEncoder:
                 code="prompt_too_long",
             )
 
-    async def render_chat(self, messages: list[ChatMessage]) -> str:
-        """The conversation as one prompt text, through the tokenizer's chat template when it has one."""
+    async def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """The conversation's token ids (`encode_prompt`: only the chat template's markup is special tokens)."""
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         self._check_chars(sum(len(m["role"]) + len(m["content"]) for m in plain), "messages")
-        if getattr(self.tokenizer, "chat_template", None):
-            return await self._off_loop(self._apply_template, plain)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        return await self._off_loop(self._encode, plain, "messages")
 
-    def _apply_template(self, plain: list[dict[str, str]]) -> str:
+    def _encode(self, prompt: Any, param: str) -> list[int]:
         try:
-            return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # a template may raise on roles or orders it does not support
-            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+            return encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param) from None
 
     async def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
         """Token ids the engine will accept as they are: in the vocabulary, shorter than ``max_model_len``."""
@@ -70,13 +70,9 @@ class PromptEncoder:
                 raise APIError(400, f"{param}='' is invalid: must be a non-empty string or list of token ids",
                                param=param)
             self._check_chars(len(prompt), param)
-            ids = await self._off_loop(self._tokenize, prompt)
+            ids = await self._off_loop(self._encode, prompt, param)
         else:
-            ids = list(prompt)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_limit), None)
-            if bad is not None:
-                raise APIError(400, f"{param} token id {bad} is invalid: must be within [0, {self.vocab_limit})",
-                               param=param)
+            ids = self._encode(prompt, param)
         if not ids:
             raise APIError(400, f"{param} is invalid: it encodes to zero tokens", param=param)
         if len(ids) >= self.max_model_len:
@@ -86,6 +82,3 @@ class PromptEncoder:
                 code="prompt_too_long",
             )
         return ids
-
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -79,14 +79,15 @@ def test_a_prompt_holding_the_mask_id_is_refused_and_the_others_run(llm) -> None
     assert llm.is_finished()
 
 
-def test_bad_prompts_are_rejected_naming_them(llm) -> None:
-    out = llm.generate([b"To be", "fine"], GREEDY, use_tqdm=False)
-    assert out[0].completion_reason == "rejected" and "prompt b'To be' is invalid" in out[0].error
-    assert out[1].error is None
-    (none,) = llm.generate(None, GREEDY, use_tqdm=False)
-    assert none.completion_reason == "rejected" and "prompt None is invalid" in none.error
+def test_bad_prompts_are_refused_naming_them(llm) -> None:
+    with pytest.raises(ValueError, match=r"prompts\[0\]=b'To be' is invalid"):
+        llm.generate([b"To be", "fine"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts=None is invalid"):
+        llm.generate(None, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params='notparams' is invalid: must be a SamplingParams"):
         llm.generate(["a"], "notparams", use_tqdm=False)
+    (bad_message,) = llm.generate([[{"role": "user"}]], GREEDY, use_tqdm=False)
+    assert bad_message.completion_reason == "rejected" and "messages[0].content=None" in bad_message.error
 
 
 def test_the_engine_and_the_shared_function_agree(llm) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import DiffusionGemmaConfig as HFDiffusionGemmaConfig
 from transformers import DiffusionGemmaForBlockDiffusion
@@ -27,6 +29,14 @@ from diffulex.testing.diffusion_gemma_reference import greedy_generate
 ATOL = 1e-5
 PROMPT_LEN = 13  # longer than the tiny sliding window (8), so the window masks something
 FIRST_TOKEN = 7  # prompts avoid the special ids (0-6)
+
+
+# The direct calls into transformers' encoder/decoder and its cache layout were verified against 5.24; 5.17 (the
+# GPU machine's) has another calling convention for them. Its generation loop is compared on every version.
+current_transformers = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"),
+    reason=f"the direct encoder/decoder calls follow transformers >= 5.24 (installed: {transformers.__version__})",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,6 +88,7 @@ def _assert_kv_equal(cache: DynamicCache, context: EncoderKV, window: int) -> No
         torch.testing.assert_close(ours_v, layer.values.transpose(1, 2), atol=ATOL, rtol=0)
 
 
+@current_transformers
 def test_encoder_kv_equals_transformers_cache_for_prompt_and_appended_canvas(models) -> None:
     """What the encoder produces is per-layer K/V, so that is what is compared: after encoding a 13-token prompt
     (2 rows), and again after appending a 16-token canvas, every layer's keys and values equal the
@@ -98,6 +109,7 @@ def test_encoder_kv_equals_transformers_cache_for_prompt_and_appended_canvas(mod
     _assert_kv_equal(cache, extended, ours.config.sliding_window)
 
 
+@current_transformers
 @pytest.mark.parametrize("self_conditioning", ["none", "logits", "per-row mask"])
 def test_decoder_logits_equal_transformers(models, self_conditioning: str) -> None:
     """One decoder pass over a random canvas after the same encoded prompt: ours equals
@@ -231,6 +243,7 @@ def test_greedy_generation_stops_on_a_stop_token_like_transformers(settling_mode
     assert first_stop <= 16 + 5 and (generated[first_stop + 1 :] == 0).all()
 
 
+@current_transformers
 def test_published_geometry_gives_transformers_tensor_names_and_shapes() -> None:
     """Built on the meta device from the DiffusionGemma-26B-A4B-it config, our model's tensors are exactly the
     names and shapes transformers' model of that config saves: its decoder's text weights and the encoder's layer
