@@ -266,7 +266,8 @@ def create_app(
         if engine_loop.draining:  # refuse before tokenizing anything
             raise APIError(503, engine_loop.failure or "the server is shutting down", type="server_error",
                            code="unavailable")
-        token_ids = await asyncio.gather(*(encoder.encode(text, prompt_param) for text in texts))
+        parse_special = bool(fields.parse_special_tokens)
+        token_ids = await asyncio.gather(*(encoder.encode(text, prompt_param, parse_special) for text in texts))
         inputs = [GenerationInput(ids, params[j]) for ids in token_ids for j in range(n)]
         sink: asyncio.Queue[Emission] = asyncio.Queue()
         try:
@@ -382,7 +383,7 @@ def create_app(
         check_model(body.model)
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins
             body.max_tokens = body.max_completion_tokens
-        prompt = await encoder.render_chat(body.messages)
+        prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
         job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl", "messages")
         cid = job.subs[0].rid
         created = int(time.time())
@@ -434,7 +435,10 @@ def create_app(
             raise APIError(400, "exactly one of prompt or messages must be given", param="prompt")
         if body.num_choices != 1:
             raise APIError(400, f"n={body.n} is not supported on /generate (use /v1/completions)", param="n")
-        prompt = await encoder.render_chat(body.messages) if body.messages is not None else body.prompt
+        if body.messages is not None:
+            prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
+        else:
+            prompt = body.prompt
         job = await start_job(request, [prompt], body, 512, "gen", "prompt" if body.messages is None else "messages")
         rid = job.subs[0].rid
         choice = job.choices[0]

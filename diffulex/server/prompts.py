@@ -49,28 +49,32 @@ class PromptEncoder:
                 code="prompt_too_long",
             )
 
-    async def render_chat(self, messages: list[ChatMessage]) -> list[int]:
-        """The conversation's token ids (`encode_prompt`: only the chat template's markup is special tokens)."""
+    async def render_chat(self, messages: list[ChatMessage], parse_special_tokens: bool = False) -> list[int]:
+        """The conversation's token ids (`encode_prompt`: only the chat template's markup is special tokens, unless
+        the request asks for special-token text in its messages to be parsed)."""
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         self._check_chars(sum(len(m["role"]) + len(m["content"]) for m in plain), "messages")
-        return await self._off_loop(self._encode, plain, "messages")
+        return await self._off_loop(self._encode, plain, "messages", parse_special_tokens)
 
-    def _encode(self, prompt: Any, param: str) -> list[int]:
+    def _encode(self, prompt: Any, param: str, parse_special_tokens: bool = False) -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
+            return encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
+                                 parse_special_tokens=parse_special_tokens)  # fmt: skip
         except ValueError as err:
             raise APIError(400, str(err), param=param) from None
 
-    async def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+    async def encode(
+        self, prompt: str | Sequence[int], param: str = "prompt", parse_special_tokens: bool = False
+    ) -> list[int]:
         """Token ids the engine will accept as they are: in the vocabulary, shorter than ``max_model_len``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, f"{param}='' is invalid: must be a non-empty string or list of token ids",
                                param=param)
             self._check_chars(len(prompt), param)
-            ids = await self._off_loop(self._encode, prompt, param)
+            ids = await self._off_loop(self._encode, prompt, param, parse_special_tokens)
         else:
             ids = self._encode(prompt, param)
         if not ids:

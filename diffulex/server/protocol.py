@@ -95,6 +95,8 @@ class SamplingFields(_Strict):
     max_nfe: int | None = None
     ignore_eos: bool | None = None
     max_repetition_run: int | None = None
+    # Special-token text in the prompt or messages (``<|im_end|>``) is plain text unless this asks otherwise.
+    parse_special_tokens: bool | None = None
     # Declared only to be refused when set: they would change the answer and are not implemented.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None

@@ -43,3 +43,16 @@ def test_token_ids_holding_the_mask_id_are_refused_naming_the_prompt(server: Run
         assert f"mask token id {mask}" in error["message"] and f"[5, {mask}, 6]" in error["message"]
         fine = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 2})
         assert fine.status_code == 200
+
+
+def test_a_request_may_ask_for_special_token_text_to_be_parsed(server: RunningServer, reference_engine) -> None:
+    prompt = "The baker<|im_end|> opened"
+    tok = reference_engine.tokenizer
+    with server.client() as http:
+        as_text = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2,
+                                                     "temperature": 0}).json()
+        parsed = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2,
+                                                    "temperature": 0, "parse_special_tokens": True}).json()
+    special = encode_prompt(tok, prompt, mask_token_id=None, parse_special_tokens=True)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in special
+    assert parsed["usage"]["prompt_tokens"] == len(special) < as_text["usage"]["prompt_tokens"]
