@@ -13,7 +13,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from diffulex.engine.engine import RequestUpdate
+    from diffulex.engine.request_update import RequestUpdate
 
 MASK_GLYPH = "_"
 NEWLINE_GLYPH = "\u21b5"  # a newline inside the live blocks, kept on one line so redrawing stays simple

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from diffulex.config import Config, invalid_value
-from diffulex.engine.engine import generation_inputs
+from diffulex.engine.generation_inputs import generation_inputs
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.sampling_params import SamplingParams
 from diffulex.tokenizer import load_tokenizer

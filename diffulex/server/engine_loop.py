@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from diffulex.engine.engine import RequestUpdate
+from diffulex.engine.request_update import RequestUpdate
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.metrics import ServerMetrics
 

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffulex.engine.engine import RequestUpdate
+from diffulex.engine.request_update import RequestUpdate
 
 logger = logging.getLogger("diffulex.server")
 

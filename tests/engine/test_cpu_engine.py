@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffulex.engine.engine as engine_module
+import diffulex.engine.memory_plan as memory_plan
 from diffulex import Diffulex, SamplingParams
 from diffulex.engine.cpu_resources import usable_cores
 
@@ -72,10 +72,10 @@ def test_the_page_pool_holds_the_request_limits(sdar_dir):
 def test_the_page_pool_is_capped_by_the_hosts_available_memory(sdar_dir, monkeypatch):
     fields = dict(block_size=4, page_size=8, max_model_len=40, max_num_reqs=100)
     page_bytes = Diffulex(str(sdar_dir), **fields).runner.page_bytes()
-    share = engine_module.CPU_KV_MEMORY_FRACTION
-    monkeypatch.setattr(engine_module, "available_memory", lambda: int(12 * page_bytes / share))
+    share = memory_plan.CPU_KV_MEMORY_FRACTION
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: int(12 * page_bytes / share))
     assert Diffulex(str(sdar_dir), **fields).runner.num_pages == 12
-    monkeypatch.setattr(engine_module, "available_memory", lambda: int(2 * page_bytes / share))
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: int(2 * page_bytes / share))
     with pytest.raises(ValueError, match="not enough memory for the KV cache.*host memory available"):
         Diffulex(str(sdar_dir), **fields)
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from diffulex import SamplingParams
-from diffulex.engine.engine import RequestUpdate
 from diffulex.engine.request import StepRecord
+from diffulex.engine.request_update import RequestUpdate
 from diffulex.outputs import Trajectory
 from diffulex.server.engine_loop import (
     Emission,

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
-from diffulex.engine.engine import RequestUpdate
+from diffulex.engine.request_update import RequestUpdate
 from diffulex.outputs import Trajectory
 from diffulex.server.app import create_app
 from diffulex.server.engine_loop import EngineLoop

@@ -1,0 +1,88 @@
+"""How an engine's decode steps run: captured as CUDA graphs or eager, continued on the device or not, and the
+static shape the graphs take. Decided once, when the engine is built, from the config and the model's layers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
+from diffulex.config import Config
+from diffulex.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("diffulex")
+
+
+@dataclass(frozen=True)
+class GraphPolicy:
+    cuda_graphs: bool  # decode steps replay captured CUDA graphs
+    # steps may be continued on the device (`diffulex.engine.continuation`): ``async_scheduling`` with one batch per
+    # step, greedy graph sampling and a single-block running set; with two micro-batches the other half already
+    # hides the host's work
+    continues: bool
+    staging_buffers: int  # host staging buffers of the graphs: one per step that may be in flight
+    # the most rows one request adds to a decode step: its running set, plus the recomputed row of a shifted family;
+    # bounds the graphs' query length, the sampled rows and the profiled logits
+    max_rows_per_request: int
+    logits_shift: bool
+
+    @classmethod
+    def decide(
+        cls, config: Config, device: torch.device, runner: ModelRunner, logits_shift: bool, token_merge: bool
+    ) -> GraphPolicy:
+        cuda_graphs = (
+            device.type == "cuda"
+            and not config.enforce_eager
+            and not token_merge  # soft inputs are an eager-step feature
+            and config.enable_full_static_runner
+            and config.attn_impl in TRITON_IMPLS
+            # a captured step replays its launches: the PyTorch attention path reads the layout on the host
+            and all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers)
+        )
+        continues = (
+            config.async_scheduling
+            and config.micro_batches == 1
+            and config.buffer_size == 1
+            and config.sampling_mode == "naive"  # edit mode samples on the host
+        )
+        return cls(
+            cuda_graphs=cuda_graphs,
+            continues=continues,
+            staging_buffers=2 if continues else config.micro_batches,
+            max_rows_per_request=config.buffer_size * config.block_size + int(logits_shift),
+            logits_shift=logits_shift,
+        )
+
+    def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
+        """``enable_torch_compile`` with ``enable_cudagraph_torch_compile``: compile the forward the graphs capture."""
+        if self.cuda_graphs and config.enable_torch_compile and config.enable_cudagraph_torch_compile:
+            runner.compile_forward(config.torch_compile_mode)
+
+    def maybe_capture(self, runner: ModelRunner, config: Config, device: torch.device) -> None:
+        if device.type == "cuda" and not self.cuda_graphs and not config.enforce_eager:
+            logger.info(
+                "CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' with heads its kernels tile, the "
+                "static runner, and no token merge (dmax with token_merge_weight > 0)"
+            )
+        if not self.cuda_graphs:
+            return
+        t0 = time.perf_counter()
+        self.enable_static_decode(runner, config, capture=True)
+        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
+
+    def enable_static_decode(self, runner: ModelRunner, config: Config, capture: bool) -> None:
+        """Serve decode steps from the padded static buffers of the graph path, captured as CUDA graphs or (CPU
+        tests, ``capture=False``) run through the eager forward: one place for the shape the engine's graphs
+        take."""
+        runner.enable_decode_graphs(
+            max_requests=config.max_num_reqs,
+            max_query_len=self.max_rows_per_request,
+            max_model_len=config.max_model_len,
+            capture=capture,
+            staging_buffers=self.staging_buffers,
+            continuations=self.continues,
+            logits_shift=self.logits_shift,
+        )

@@ -1,0 +1,97 @@
+"""How many KV pages an engine gets: the explicit ``num_pages``, else what memory leaves after the weights, the
+measured activation peak and the CUDA graphs (GPU), or a share of the host's available memory (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diffulex.config import Config
+from diffulex.engine.cpu_resources import available_memory
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
+from diffulex.engine.graph_policy import GraphPolicy
+from diffulex.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("diffulex")
+
+# Share of the host's available memory a CPU page pool may take at most (the rest: activations, other processes).
+CPU_KV_MEMORY_FRACTION = 0.5
+GIB = float(1 << 30)
+
+
+def plan_num_pages(
+    config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
+) -> int:
+    """Pages that fit; a clear error when not even one request of ``max_model_len`` does."""
+    if config.num_pages > 0:
+        return config.num_pages
+    page_bytes = runner.page_bytes()
+    pages_per_req = -(-config.max_model_len // config.page_size)
+    wanted = pages_per_req * config.max_num_reqs
+    if device.type == "cuda":
+        budget, report = gpu_kv_budget(config, runner, device, dtype, policy)
+    else:
+        budget, report = cpu_kv_budget(wanted * page_bytes)
+    affordable = max(budget, 0) // page_bytes
+    if affordable < pages_per_req:
+        raise ValueError(
+            f"not enough memory for the KV cache: one request of max_model_len={config.max_model_len} needs "
+            f"{pages_per_req} pages of {page_bytes} bytes ({pages_per_req * page_bytes / GIB:.2f} GiB) but "
+            f"only {affordable} fit ({report}); lower max_model_len, max_num_batched_tokens or max_num_reqs, "
+            "raise gpu_memory_utilization, or use a smaller model"
+        )
+    return int(min(wanted, affordable))
+
+
+def cpu_kv_budget(wanted_bytes: int) -> tuple[int, str]:
+    """Bytes a CPU page pool may take: `CPU_KV_MEMORY_FRACTION` of the memory the host has available (cgroup
+    limit included). The pool is allocated as untouched zero pages, so it costs memory only as pages fill."""
+    available = available_memory()
+    if available is None:
+        return wanted_bytes, "the host's available memory is unknown"
+    budget = int(available * CPU_KV_MEMORY_FRACTION)
+    report = f"{available / GIB:.2f} GiB of host memory available x {CPU_KV_MEMORY_FRACTION} = {budget / GIB:.2f} GiB"
+    return budget, report
+
+
+def gpu_kv_budget(
+    config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
+) -> tuple[int, str]:
+    """Bytes left for pages: ``total * gpu_memory_utilization`` minus what the process and others already hold,
+    minus the measured activation peak of the largest forward, minus the CUDA graphs' pool.
+
+    The peak is measured, not estimated: one eager forward over the largest step the scheduler can build
+    (``max(max_num_batched_tokens, max_model_len)`` rows) and the sampler's logits for every running row.
+    """
+    num_tokens = max(config.max_num_batched_tokens, config.max_model_len)
+    sample_rows = config.max_num_reqs * policy.max_rows_per_request
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    runner.allocate_kv_cache(1)  # attention needs a bound cache; the profile stores nothing
+    runner.profile_run(num_tokens, config.max_model_len, sample_rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    runner.release_kv_cache()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = (total - free) - torch.cuda.memory_reserved(device)  # other processes, CUDA context, NCCL
+    activations = peak - weights
+    graphs = 0
+    if policy.cuda_graphs:
+        # the graphs' pool holds one decode forward of the largest bucket (scale the measured peak) and its
+        # sampling graph's logits, which cover every row of the bucket
+        graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * policy.max_rows_per_request
+        graphs = int(activations * min(1.0, graph_tokens / num_tokens))
+        graphs += graph_tokens * runner.token_embedding().num_embeddings * dtype.itemsize
+    budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
+    report = (
+        f"{total / GIB:.1f} GiB x gpu_memory_utilization={config.gpu_memory_utilization} = "
+        f"{total * config.gpu_memory_utilization / GIB:.1f} GiB; weights {weights / GIB:.2f} GiB, activation "
+        f"peak {activations / GIB:.2f} GiB ({num_tokens} tokens), CUDA graphs {graphs / GIB:.2f} GiB, other "
+        f"processes and the CUDA context {others / GIB:.2f} GiB; {max(budget, 0) / GIB:.2f} GiB left"
+    )
+    logger.info("memory plan: %s", report)
+    return budget, report
