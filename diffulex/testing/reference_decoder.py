@@ -227,7 +227,7 @@ class _Request:
                 self.status[b] = TO_CACHE
 
 
-def _greedy(
+def greedy_proposals(
     logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None
 ) -> tuple[list[int], torch.Tensor]:
     """Argmax over the allowed vocabulary and its float32 softmax probability, one per row."""
@@ -326,7 +326,7 @@ def reference_generate(
         for _b, positions, forcing in to_sample:
             shift = 1 if logits_shift else 0
             rows = torch.tensor([p - shift for p in positions], dtype=torch.long, device=hidden.device)
-            token_ids, confidences = _greedy(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
+            token_ids, confidences = greedy_proposals(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
             above = (confidences > accept_threshold).tolist()
             chosen = [i for i in range(len(positions)) if above[i]]
             if not chosen and forcing:

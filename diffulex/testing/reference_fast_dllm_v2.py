@@ -53,6 +53,7 @@ from diffulex.testing.reference_decoder import (
     MAX_NEW_TOKENS_REACHED,
     MAX_NFE_REACHED,
     build_attention_mask,
+    greedy_proposals,
     model_device,
 )
 
@@ -77,17 +78,6 @@ class FDv2Result:
     nfe: int
     steps: list[FDv2Step] = field(default_factory=list)
     final_sequence: list[int] = field(default_factory=list)
-
-
-def _greedy(logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None) -> tuple[list[int], list[float]]:
-    logits = logits.float().clone()
-    if vocab_limit is not None:
-        logits[:, vocab_limit:] = float("-inf")
-    logits[:, mask_token_id] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    conf = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return [int(t) for t in tokens.tolist()], conf.tolist()
 
 
 @torch.no_grad()
@@ -147,7 +137,7 @@ def reference_generate_fast_dllm_v2(
     def commit(block_end: int) -> None:
         """The commit forward of the complete block ending at ``block_end``: predict the next block's first token."""
         hidden = forward(block_end, None, None)
-        token, _ = _greedy(model.compute_logits(hidden[block_end - 1 : block_end]), mask_token_id, vocab_limit)
+        token, _ = greedy_proposals(model.compute_logits(hidden[block_end - 1 : block_end]), mask_token_id, vocab_limit)
         tokens.append(token[0])  # block_end < end: a block reaching end finishes the request before its commit
         steps.append(FDv2Step(COMMIT, None, [(block_end, token[0])]))
 
@@ -179,8 +169,8 @@ def reference_generate_fast_dllm_v2(
                     stale_rows[sub_start : sub_start + sub_block_size] = False
                     hidden = forward(block_end, (kept, stale_rows), None)
                 rows = torch.tensor([q - 1 for q in masks], dtype=torch.long, device=hidden.device)
-                guesses, confidences = _greedy(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
-                confident = torch.tensor(confidences, dtype=torch.float32) > threshold
+                guesses, conf = greedy_proposals(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
+                confident, confidences = (conf > threshold).tolist(), conf.tolist()
                 best = max(range(len(masks)), key=lambda i: (confidences[i], -i))  # the first among equals
                 chosen = sorted({best, *(i for i in range(len(masks)) if confident[i])})
                 for i in chosen:
