@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +40,28 @@ from diffulex.sampler.edit import EditSampler, EditSettings
 logger = logging.getLogger("diffulex")
 
 
+class BuildPhases:
+    """Wall time of each phase of an engine's build, logged as one line when the engine is ready: a server's restart
+    is a user's wait, and the line says where it goes (weights, kernel compiles, graph capture, ...)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = self._mark = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    @property
+    def total(self) -> float:
+        return self._mark - self._start
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())
+        return f"engine ready in {self.total:.2f} s: {parts}"
+
+
 @dataclass
 class EngineParts:
     """Everything an engine serves with, built once."""
@@ -54,6 +77,7 @@ class EngineParts:
     scheduler: Scheduler
     request_cls: type[Request]
     policy: GraphPolicy
+    build: BuildPhases
 
 
 def assemble(config: Config) -> EngineParts:
@@ -63,6 +87,7 @@ def assemble(config: Config) -> EngineParts:
     from diffulex.models.loader import build_model
     from diffulex.tokenizer import load_tokenizer
 
+    build = BuildPhases()
     _reject_unsupported(config)
     for line in inert_settings(config):
         warn(line)
@@ -73,6 +98,7 @@ def assemble(config: Config) -> EngineParts:
         torch.set_num_threads(build_threads)  # process-wide, as torch has it
     with _collector_paused():
         tokenizer = load_tokenizer(config.tokenizer_path or config.model)
+        build.done("tokenizer")
         dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), device)
         model = build_model(
             config.model_name, config.model, dtype, device, load_format=config.load_format,
@@ -80,12 +106,16 @@ def assemble(config: Config) -> EngineParts:
             merge_lora=config.pre_merge_lora,
         )  # fmt: skip
         _select_moe_path(model, config.moe_gemm_impl)
+        build.done("weights")
         mask_token_id = _resolve_mask_token_id(config, tokenizer, model)
         vocab_limit = min(len(tokenizer), model.config.vocab_size)
         settings = _decode_settings(config, tokenizer, mask_token_id)
-        parts = _build_components(config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings)
+        parts = _build_components(
+            config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, build
+        )  # fmt: skip
     if step_threads is not None:
         torch.set_num_threads(step_threads)
+    logger.info(build.summary())
     return parts
 
 
@@ -98,6 +128,7 @@ def _build_components(
     mask_token_id: int,
     vocab_limit: int,
     settings: DecodeSettings,
+    build: BuildPhases,
 ) -> EngineParts:
     """The strategy's runner, page pool and scheduler, and the family's sampler."""
     strategy = config.decoding_strategy
@@ -124,11 +155,16 @@ def _build_components(
     runner = AutoModelRunner.get(strategy)(runner_settings, model, sampler)
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)
     policy.maybe_compile(runner, config)
+    build.done("runner")
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
+    build.done("memory plan and KV cache")
     runner.warm_up_attention()
+    build.done("attention kernels")
     policy.maybe_capture(runner, config, device)
+    build.done("CUDA graphs")
     runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
+    build.done("sampling kernels")
     kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, policy.continues)
     scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
@@ -140,8 +176,9 @@ def _build_components(
         num_pages, config.page_size, device,
     )  # fmt: skip
     return EngineParts(
-        device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, runner, scheduler, request_cls, policy
-    )
+        device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, runner, scheduler, request_cls, policy,
+        build,
+    )  # fmt: skip
 
 
 def _resolve_mask_token_id(config: Config, tokenizer: object, model: torch.nn.Module) -> int:

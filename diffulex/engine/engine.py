@@ -72,6 +72,7 @@ class DiffulexEngine:
         self.mask_token_id, self.vocab_limit, self.settings = parts.mask_token_id, parts.vocab_limit, parts.settings
         self.runner, self.scheduler, self.request_cls = parts.runner, parts.scheduler, parts.request_cls
         self.policy = parts.policy
+        self.build_seconds = dict(parts.build.seconds)  # where the build's time went, phase by phase
         self._next_req_id = 0
         self._num_steps = 0
         self._num_launches = 0
