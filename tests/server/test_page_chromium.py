@@ -13,12 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from diffulex import BUILTIN_MODEL
+
 from .conftest import RunningServer, start_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync"]
 PROMPT = "Write a short story about the old lighthouse keeper."
+QUESTION = "There are 6 bags with 8 marbles in each bag. How many marbles are there in all?"
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "serving-page.png"
 
 
@@ -74,6 +77,36 @@ def test_page_streams_the_denoising_buffer(page_server: RunningServer, browser, 
                           json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0},
                           timeout=30).json()
     assert shown.strip() == expected["text"].strip()
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def builtin_server():
+    running = start_server(Path(BUILTIN_MODEL), block_size=8, buffer_size=1)
+    yield running
+    running.stop()
+
+
+def test_the_built_in_model_answers_on_the_page_while_its_blocks_denoise(
+    builtin_server: RunningServer, browser, tmp_path: Path
+) -> None:
+    """What docs/images/serving-page.png shows: the built-in model answering a question, caught between steps (it
+    decodes most blocks of this answer in one forward, so the page shows each block arriving whole)."""
+    page = browser.new_page(viewport={"width": 1200, "height": 640})
+    page.set_default_timeout(20_000)
+    page.goto(builtin_server.base_url + "/")
+    page.wait_for_function("document.getElementById('meta').textContent.includes('block size')")
+    page.fill("#max_tokens", "64")
+    page.fill("#temperature", "0")
+    page.fill("#delay", "400")  # slow the page's rendering so a step between masks and answer can be caught
+    page.fill("#prompt", QUESTION)
+    page.click("#send")
+    page.wait_for_function("Number(document.querySelector('.msg.assistant').dataset.steps || 0) >= 3")
+    page.wait_for_selector(".msg.assistant .block .cell.new")
+    mid = tmp_path / "builtin-mid.png"
+    page.screenshot(path=str(mid))
+    page.wait_for_selector(".msg.assistant[data-done='1']")
+    assert "#### 48" in page.inner_text(".msg.assistant .final")
     if os.environ.get("DIFFULEX_UPDATE_SCREENSHOTS") == "1":
         DOCS_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(mid, DOCS_SCREENSHOT)
