@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffulex.checkpoint_folder import checkpoint_path
 from diffulex.registry import StrategyConfigRegistry
 
 logger = logging.getLogger(__name__)
@@ -563,7 +564,7 @@ class Config:
 
     def _load_model_dir(self) -> None:
         self.model = _check_dir("model", self.model)
-        config_path = os.path.join(self.model, "config.json")
+        config_path = checkpoint_path(self.model, "config.json")  # never a link out of the folder
         if not os.path.isfile(config_path):
             raise ValueError(f"model={self.model!r} has no config.json")
         try:

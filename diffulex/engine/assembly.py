@@ -276,21 +276,15 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _checkpoint_num_params(config: Config) -> int | None:
-    """Parameters in the checkpoint's safetensors files, read from their headers (no weight is read); None for
-    ``load_format="dummy"`` or a folder the loader will reject anyway (it reports why)."""
-    from safetensors import safe_open
-
-    from diffulex.models.loader import checkpoint_files
+    """Parameters in the checkpoint's safetensors files, read from their headers (`checkpoint_tensors`: no weight
+    is read); None for ``load_format="dummy"`` or a folder the loader will reject anyway (it reports why)."""
+    from diffulex.models.loader import checkpoint_tensors
 
     if config.load_format != "safetensors":
         return None
     try:
-        total = 0
-        for path in checkpoint_files(config.model):
-            with safe_open(str(path), framework="pt") as f:
-                total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-        return total
-    except (OSError, ValueError, RuntimeError):
+        return sum(math.prod(header.shape) for _, header in checkpoint_tensors(config.model).values())
+    except (OSError, ValueError):
         return None
 
 

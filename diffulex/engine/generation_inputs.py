@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diffulex.prompts import Prompt, is_conversation
+from diffulex.prompts import Prompt, is_conversation, preview
 from diffulex.sampling_params import SamplingParams
 
 
@@ -24,7 +24,7 @@ def generation_inputs(
         prompts = [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(
-            f"prompts={_preview(prompts)} is invalid: must be a string, a list of token ids, or a list of those"
+            f"prompts={preview(prompts)} is invalid: must be a string, a list of token ids, or a list of those"
             + (" (decode bytes to str first)" if isinstance(prompts, (bytes, bytearray)) else "")
         )
     prompts = list(prompts)
@@ -34,7 +34,7 @@ def generation_inputs(
         return prompts, [sampling_params or SamplingParams()] * len(prompts)
     if not isinstance(sampling_params, (list, tuple)):  # a bad entry of a list rejects its prompt only
         raise ValueError(
-            f"sampling_params={_preview(sampling_params)} is invalid: must be a SamplingParams, or a list of them "
+            f"sampling_params={preview(sampling_params)} is invalid: must be a SamplingParams, or a list of them "
             "with one per prompt"
         )
     params = list(sampling_params)
@@ -49,11 +49,6 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _preview(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check_prompt_type(prompt: object, name: str = "prompt") -> None:
     """A prompt is a string, a list (or tuple) of integer token ids or a conversation; anything else is refused with
     its name, so that e.g. bytes are never read as a list of small integers."""
@@ -63,12 +58,12 @@ def check_prompt_type(prompt: object, name: str = "prompt") -> None:
         bad = next((t for t in prompt if not _is_token_id(t)), None)
         if bad is not None:
             raise ValueError(
-                f"{name} is invalid: token ids must all be integers, got {_preview(bad)} ({type(bad).__name__})"
+                f"{name} is invalid: token ids must all be integers, got {preview(bad)} ({type(bad).__name__})"
             )
         return
     hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
     raise ValueError(
-        f"{name}={_preview(prompt)} is invalid: must be a string or a list of token ids, not "
+        f"{name}={preview(prompt)} is invalid: must be a string or a list of token ids, not "
         f"{type(prompt).__name__}{hint}"
     )
 

@@ -21,6 +21,7 @@ Three ways to run the experts, all giving the result of `SparseMoE.reference` up
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,17 +141,24 @@ _WEIGHT_SUM_FLOOR = 1e-20
 Router = SoftmaxRouter | GroupLimitedRouter
 
 
-class Expert(nn.Module):
-    """One SwiGLU expert, under the checkpoint's names: ``down(silu(gate(x)) * up(x))``."""
+class GatedMLP(nn.Module):
+    """A gated MLP under the checkpoint's names, ``down(act(gate(x)) * up(x))`` (SiLU: SwiGLU): one expert of a
+    mixture, a shared expert, or a dense MLP beside the experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    ) -> None:
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ExpertStack(JoinedWeights):
@@ -214,7 +222,7 @@ class SparseMoE(nn.Module):
         self.num_experts = gate.num_experts
         self.top_k = gate.top_k
         self.gate = gate
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(self.num_experts))
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(self.num_experts))
         self.shared_experts = shared_experts
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
-from diffulex.layers.moe import ScaledSoftmaxRouter
+from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
 from diffulex.models.loader import load_checkpoint, materialize, resolve_dtype
@@ -157,19 +157,6 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
 
 
-class GemmaMLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
-
-
 class StackedExperts(nn.Module):
     """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
     then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP.
@@ -202,7 +189,7 @@ class DiffusionGemmaLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = GemmaAttention(config, geometry)
-        self.mlp = GemmaMLP(hidden, config.intermediate_size)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, activation=gelu_tanh)
         self.router = ScaledSoftmaxRouter(hidden, config.num_experts, config.top_k_experts, eps)
         self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size)
         for name in (

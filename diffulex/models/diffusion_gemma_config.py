@@ -14,10 +14,11 @@ with an error naming the field, the value and what is allowed, instead of being 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from diffulex.models.hf_config import read_config_dict
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -158,20 +159,13 @@ class DiffusionGemmaConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> DiffusionGemmaConfig:
-        """Read ``<model_dir>/config.json`` as JSON (nothing in the folder is executed); errors name the file."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{Path(model_dir)} has no config.json")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} does not hold a JSON object")
+        """Read ``<model_dir>/config.json`` as JSON, inside the folder (`read_config_dict`; nothing in the folder is
+        executed); errors name the file."""
+        data = read_config_dict(model_dir)
         try:
             return cls.from_dict(data)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
 def _int(d: dict[str, Any], key: str, prefix: str, default: int | None = None, required: bool = False) -> int:

@@ -26,7 +26,7 @@ from diffulex.layers import (
     UnsummedProduct,
     VocabEmbedding,
 )
-from diffulex.layers.moe import Expert, GroupLimitedRouter, SparseMoE
+from diffulex.layers.moe import GatedMLP, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_merge import TokenMerge
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, pre_norm_layer, run_decoder
@@ -80,7 +80,7 @@ def _mlp(config: LLaDA2Config, index: int) -> nn.Module:
     )  # fmt: skip
     shared = None
     if config.num_shared_experts:
-        shared = Expert(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+        shared = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
     return SparseMoE(config.hidden_size, config.moe_intermediate_size, gate, shared)
 
 

@@ -277,7 +277,7 @@ DEFAULT_INIT_STD = 0.02
 def _initializer_range(model_dir: str | Path) -> float:
     """The checkpoint's ``initializer_range`` (top level or ``text_config``), else 0.02 (the HF default)."""
     try:
-        data = json.loads(checkpoint_path(model_dir, CONFIG_FILE).read_text(encoding="utf-8"))
+        data = read_config_dict(model_dir)
     except (OSError, ValueError):
         return DEFAULT_INIT_STD
     for section in (data, data.get("text_config")):

@@ -8,7 +8,7 @@ import torch
 from diffulex.layers import merge_projections
 from diffulex.layers.moe import (
     MOE_IMPLS,
-    Expert,
+    GatedMLP,
     GroupLimitedRouter,
     ScaledSoftmaxRouter,
     SoftmaxRouter,
@@ -175,7 +175,7 @@ def group_router(scaling: float = 1.0, **kwargs) -> GroupLimitedRouter:
 
 
 def test_group_limited_routing_picks_only_inside_the_best_group():
-    """Expert 0 scores highest alone, but group 3 (experts 6, 7) has the best pair: both come from group 3."""
+    """GatedMLP 0 scores highest alone, but group 3 (experts 6, 7) has the best pair: both come from group 3."""
     x = torch.tensor([[3.0, -3.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0]])
     weights, experts = group_router().route(x)
     assert sorted(experts[0].tolist()) == [6, 7]
@@ -210,7 +210,7 @@ def test_group_settings_that_cannot_hold_the_experts_are_refused():
 
 def test_the_shared_expert_is_added_for_every_token():
     routed = make_moe()
-    shared = Expert(HIDDEN, 4)
+    shared = GatedMLP(HIDDEN, 4)
     with torch.no_grad():
         for param in shared.parameters():
             param.normal_(0.0, 0.5)

@@ -60,6 +60,13 @@ class ServerProcess:
     def in_flight(self) -> int:
         return httpx.get(self.url + "/health", timeout=5).json()["in_flight"]
 
+    def wait_in_flight(self, n: int, timeout_s: float = 30) -> None:
+        """Until the server holds at least ``n`` requests in flight."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight() < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -102,10 +109,7 @@ def test_past_the_grace_period_every_open_request_gets_the_documented_error(serv
 
     plain, plain_out = _in_background(waiting)
     stream, stream_out = _in_background(streaming)
-    deadline = time.monotonic() + 30
-    while server_process.in_flight() < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server_process.wait_in_flight(2)
     server_process.proc.send_signal(signal.SIGTERM)
     plain.join(30)
     stream.join(30)
@@ -124,10 +128,7 @@ def test_past_the_grace_period_every_open_request_gets_the_documented_error(serv
 @pytest.mark.parametrize("server_process", [120.0], indirect=True)
 def test_a_second_signal_exits_at_once(server_process: ServerProcess) -> None:
     client, out = _in_background(lambda: httpx.post(server_process.url + "/v1/completions", json=LONG, timeout=60))
-    deadline = time.monotonic() + 30
-    while server_process.in_flight() < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server_process.wait_in_flight(1)
     server_process.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert server_process.proc.poll() is None, "the first signal waits for the grace period"
