@@ -123,7 +123,7 @@ def _parse_value(kind: Any, text: str) -> Any:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per engine field; booleans get ``--x/--no-x``. Unset flags stay out of the overrides."""
-    from diffulex.config import Config, engine_fields
+    from diffulex.config import Config, engine_fields, field_choices
 
     hints = typing.get_type_hints(Config)
     group = parser.add_argument_group("engine fields (see docs/configuration.md)")
@@ -132,7 +132,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "").replace("%", "%%")
-        choices = f.metadata.get("choices")
+        choices = field_choices(f)
         if choices:
             help_text += f" (one of: {', '.join(map(str, choices))})"
         default = field_default(f)
@@ -141,6 +141,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         kind = _base_type(hints.get(f.name, str))
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name == "plugins":  # one module per flag, as many flags as modules
+            group.add_argument(
+                "--plugin", dest=f.name, action="append", metavar="MODULE", help=f"{help_text} Repeatable."
+            )
         else:
             # Choices are checked by Config, which also accepts deprecated aliases and registered names.
             group.add_argument(
@@ -178,7 +182,8 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
         fields["model"] = fields.pop("model_path")
     if "num_kvcache_blocks" in fields:
         fields["num_pages"] = fields.pop("num_kvcache_blocks")
-    from diffulex.config import engine_fields, reject_unknown_keys
+    from diffulex.config import engine_fields
+    from diffulex.validation import reject_unknown_keys
 
     # A misspelled key in a file is an error, not a setting silently ignored.
     reject_unknown_keys(f"config {path!r} engine", fields, sorted(f.name for f in engine_fields()))

@@ -7,13 +7,19 @@ loader and the HTTP server can all be generated from this one dataclass instead 
 
 ``__post_init__`` order (later steps rely on earlier ones):
 
+0. the ``plugins`` modules, so that the families and strategies they register count;
 1. model directory, ``config.json`` (read once into ``model_config_dict``), tokenizer directory;
-2. ``model_name`` (given or inferred), ``decoding_strategy`` (aliases, family default, model-driven rules),
-   ``sampling_mode``;
+2. ``model_name`` (given or inferred) and its `Family`, ``decoding_strategy`` (aliases, family default, the
+   family's rules) and its `Strategy`, ``sampling_mode`` (the strategy's variant for it);
 3. defaults taken from the checkpoint (``mask_token_id``, ``block_size``), then the checks of single fields;
-4. the strategy normalizer (``diffulex/strategy/<name>/config.py``), which may rewrite sizes and prefix flags;
-5. checks that span several fields (``block_size <= page_size``, ``max_model_len`` clamp, batch budget, ...);
-6. profiler, decoding thresholds, environment overrides.
+4. the strategy normalizer (`Strategy.normalize`, ``diffulex/strategy/<name>/``), which may rewrite sizes and flags;
+5. checks that span several fields (``block_size <= page_size``, the strategies' options, ``max_model_len`` clamp,
+   batch budget);
+6. profiler, decoding thresholds.
+
+Model names and strategy names are whatever the registries hold (`diffulex.models.family.FAMILIES`,
+`diffulex.strategy.strategy.STRATEGIES`): a family or strategy a plugin registers is valid here like the
+package's own. This module imports no engine code.
 """
 
 from __future__ import annotations
@@ -22,71 +28,42 @@ import dataclasses
 import json
 import logging
 import os
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from diffulex.checkpoint_folder import checkpoint_path
-from diffulex.registry import StrategyConfigRegistry
+from diffulex.models.family import FAMILIES, Family, model_type_to_model_name
+from diffulex.models.loader import LOAD_FORMATS
+from diffulex.plugins import import_plugins
+from diffulex.strategy.dmax import TOKEN_MERGE_MODES
+from diffulex.strategy.strategy import STRATEGIES, Strategy
+from diffulex.validation import (
+    check_bool,
+    check_choice,
+    check_dir,
+    check_int,
+    check_nonempty_str,
+    check_number,
+    format_choices,
+    invalid_value,
+    is_int,
+    reject_unknown_keys,
+    warn,
+)
 
 logger = logging.getLogger(__name__)
 
-MODEL_NAMES = (
-    "dream",
-    "diffucoder",
-    "dream_reasoner",
-    "llada",
-    "llada2",
-    "llada2_moe",
-    "llada2_mini",
-    "llada2dot1_mini",
-    "llada2_mini_dmax",
-    "sdar",
-    "sdar_moe",
-    "fast_dllm_v2",
-    "stable_diffcoder",
-    "diffusion_gemma",
-)
-# Families whose sampler implements token-to-token edits (sampling_mode="edit", strategy dmax).
-EDIT_MODEL_NAMES = ("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax")
-
-DECODING_STRATEGIES = ("d2f", "multi_bd", "fast_dllm_v2", "dmax", "diffusion_gemma")
-# Old names of multi_bd still found in benchmark configs.
-STRATEGY_ALIASES = dict.fromkeys(("multi_block_diffusion", "block_diffusion", "fast_dllm"), "multi_bd")
-DEFAULT_STRATEGY = {
-    **dict.fromkeys(
-        (
-            "sdar",
-            "sdar_moe",
-            "dream_reasoner",
-            "stable_diffcoder",
-            "llada2",
-            "llada2_moe",
-            "llada2_mini",
-            "llada2dot1_mini",
-            "llada2_mini_dmax",
-        ),
-        "multi_bd",
-    ),
-    **dict.fromkeys(("dream", "diffucoder", "llada"), "d2f"),
-    "fast_dllm_v2": "fast_dllm_v2",
-    "diffusion_gemma": "diffusion_gemma",
-}
-
 BLOCK_SIZES = (4, 8, 16, 32)
-DIFFUSION_GEMMA_CANVAS = 256  # DiffusionGemma denoises whole 256-token canvases.
 DEFAULT_BLOCK_SIZE = 32
 
 SAMPLING_MODES = ("naive", "edit")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOAD_FORMATS = ("safetensors", "dummy")
 KV_CACHE_LAYOUTS = ("unified", "distinct")
 ATTN_IMPLS = ("triton_grouped", "triton", "naive")
 # More micro-batches than two buy nothing: one is on the GPU while the host prepares the other.
 MAX_MICRO_BATCHES = 2
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
 MOE_GEMM_IMPLS = ("triton", "vllm", "vllm_modular", "naive")
 MOE_DISPATCHER_BACKENDS = ("standard", "naive", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
@@ -98,17 +75,6 @@ PROFILERS = (None, "torch")
 # ----------------------------------------------------------------------------------------------------------
 # Validation helpers, shared with SamplingParams and the strategy normalizers so every error reads the same.
 # ----------------------------------------------------------------------------------------------------------
-
-
-def invalid_value(name: str, value: Any, requirement: str) -> ValueError:
-    """The one error format for a rejected setting, e.g. ``block_size=12 is invalid: must be one of 4, 8``."""
-    return ValueError(f"{name}={value!r} is invalid: {requirement}")
-
-
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """Report a setting we changed: as a Python warning (tests, notebooks) and in the log (servers)."""
-    warnings.warn(message, category, stacklevel=3)
-    logger.warning(message)
 
 
 # Fields that validate (so that the original's configs load) but that this version does not act on, and why. A
@@ -146,111 +112,12 @@ def inert_settings(config: Config) -> list[str]:
     return lines
 
 
-def _format_choices(choices: Sequence[Any]) -> str:
-    return ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
-
-
-def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    """Return ``value`` if it is one of ``choices``; bools never match numeric choices."""
-    ok = any(value == c and type(value) is type(c) for c in choices)
-    if not ok:
-        raise invalid_value(name, value, f"must be one of {_format_choices(choices)}")
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) within ``[low, high]``."""
-    if low is not None and high is not None:
-        requirement = f"must be an integer in [{low}, {high}]"
-    elif low == 1:
-        requirement = "must be an integer > 0"
-    elif low is not None:
-        requirement = f"must be an integer >= {low}"
-    else:
-        requirement = "must be an integer"
-    if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
-        raise invalid_value(name, value, requirement)
-    return value
-
-
-def check_number(
-    name: str, value: Any, low: float | None = None, high: float | None = None, low_open: bool = False
-) -> float:
-    """Return ``value`` as a float if it is a real number within the bounds (NaN never is)."""
-    if low is not None and high is not None:
-        requirement = f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
-    elif low is not None:
-        requirement = f"must be a number {'>' if low_open else '>='} {low:g}"
-    else:
-        requirement = "must be a number"
-    ok = _is_number(value) and value == value  # value == value rules out NaN
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        raise invalid_value(name, value, requirement)
-    return float(value)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """Return ``value`` if it is a real bool: a YAML/HTTP string like "false" must not silently mean True."""
-    if not isinstance(value, bool):
-        raise invalid_value(name, value, "must be True or False")
-    return value
-
-
-def _check_nonempty_str(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise invalid_value(name, value, "must be a non-empty string")
-    return value
-
-
-def _check_dir(name: str, value: Any) -> str:
-    try:
-        path = os.fspath(value)
-    except TypeError:
-        raise invalid_value(name, value, "must be a path to a directory") from None
-    if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"{name}={path!r} is not an existing directory")
-    return path
-
-
-def force_setting(config: Config, name: str, value: Any, reason: str) -> None:
-    """Set a field a strategy cannot work without; warn only when that overrides a value the user chose.
-
-    A value equal to the field's declared default counts as "not chosen", because the dataclass cannot tell
-    ``page_size=32`` given explicitly from the default 32.
-    """
-    current = getattr(config, name)
-    default = Config.__dataclass_fields__[name].default
-    if current is not None and current != default and current != value:
-        warn(f"{name}={current!r} is overridden to {value!r}: {reason}")
-    setattr(config, name, value)
-
-
-def reject_unknown_keys(name: str, values: Mapping[str, Any], allowed: Sequence[str]) -> None:
-    """A misspelled key in a YAML/HTTP dict is an error, not a silently ignored setting."""
-    unknown = sorted(set(values) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"{name} has unknown keys {', '.join(map(repr, unknown))}; allowed keys: {', '.join(allowed)}"
-        )
-
-
-def _field(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
-    """A dataclass field with the metadata the CLI/YAML/HTTP front ends are generated from."""
+def _field(default: Any, help: str, choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None) -> Any:
+    """A dataclass field with the metadata the CLI/YAML/HTTP front ends are generated from. ``choices`` is the closed
+    set of values, or a function giving it where registrations (plugins included) decide (`field_choices`)."""
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
-        metadata["choices"] = list(choices)
+        metadata["choices"] = choices if callable(choices) else list(choices)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -315,7 +182,7 @@ class ProfilerConfig:
         check_int("profiler_config.delay_iterations", self.delay_iterations, low=0)
         check_int("profiler_config.max_iterations", self.max_iterations, low=0)
         if self.run_id is not None:
-            _check_nonempty_str("profiler_config.run_id", self.run_id)
+            check_nonempty_str("profiler_config.run_id", self.run_id)
 
     @property
     def enabled(self) -> bool:
@@ -339,13 +206,16 @@ class ProfilerConfig:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _import_strategy_configs() -> None:
-    """Register every strategy normalizer, whatever the caller happened to import before."""
-    import diffulex.strategy.d2f.config  # noqa: F401
-    import diffulex.strategy.diffusion_gemma.config  # noqa: F401
-    import diffulex.strategy.dmax.config  # noqa: F401
-    import diffulex.strategy.fast_dllm_v2.config  # noqa: F401
-    import diffulex.strategy.multi_bd.config  # noqa: F401
+def field_choices(f: dataclasses.Field) -> list[Any] | None:
+    """The values a field allows, as its metadata states them (asking the registries where they decide)."""
+    choices = f.metadata.get("choices")
+    return list(choices()) if callable(choices) else choices
+
+
+def _block_size_choices() -> list[int]:
+    """The diffusion block sizes, and the canvas of every family whose model fixes one."""
+    canvases = sorted({f.canvas_size for f in FAMILIES.values() if f.canvas_size is not None} - set(BLOCK_SIZES))
+    return [*BLOCK_SIZES, *canvases]
 
 
 @dataclass
@@ -355,10 +225,20 @@ class Config:
     model: str = field(metadata={"help": "Local checkpoint directory (must contain config.json)."})
     tokenizer_path: str | None = _field(None, "Tokenizer directory; None = the model directory.")
     model_name: str | None = _field(
-        None, "Model family (adapter and sampler); None = inferred from config.json.", MODEL_NAMES
+        None, "Model family (adapter and sampler); None = inferred from config.json.", FAMILIES.names
     )
     decoding_strategy: str | None = _field(
-        None, "Decoding strategy; None = the default of the model family.", DECODING_STRATEGIES
+        None, "Decoding strategy; None = the default of the model family.", STRATEGIES.names
+    )
+    strategy_options: dict[str, Any] | None = _field(
+        None,
+        "Options of the decoding strategy (a dict: a plugin strategy's own settings); a key here wins over the engine "
+        "field of the same name. Once validated, the strategy's options object.",
+    )
+    plugins: list[str] = _field(
+        [],
+        "Python modules to import first, which register strategies or model families (docs/architecture.md); "
+        "installed `diffulex.plugins` entry points load anyway.",
     )
     sampling_mode: str = _field(
         "naive", "Sampler behaviour; 'edit' allows token-to-token edits.", SAMPLING_MODES
@@ -398,11 +278,11 @@ class Config:
     block_size: int | None = _field(
         None,
         "Tokens per diffusion block; None = config.json block_size if supported, else 32.",
-        (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS),
+        _block_size_choices,
     )
     buffer_size: int = _field(4, "Most blocks of one request decoded at the same time.")
     page_size: int = _field(
-        32, "Tokens per KV cache page; must be >= block_size.", (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS)
+        32, "Tokens per KV cache page; must be >= block_size.", _block_size_choices
     )
     multi_block_prefix_full: bool | None = _field(
         None, "Prompt attends bidirectionally (d2f); set by the strategy normalizer."
@@ -510,19 +390,29 @@ class Config:
         default_factory=dict,
         metadata={"help": "Raw config.json of the checkpoint.", "internal": True},
     )
+    family: Family = field(
+        init=False, repr=False, default=None, metadata={"help": "The model family of model_name.", "internal": True}
+    )
+    strategy: Strategy = field(
+        init=False,
+        repr=False,
+        default=None,
+        metadata={"help": "The decoding strategy, in its sampling_mode variant.", "internal": True},
+    )
 
     # ------------------------------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
-        _import_strategy_configs()
+        self._load_plugins()
         self._load_model_dir()
         self._resolve_model_name()
         self._resolve_strategy()
         self._check_sampling_mode()
         self._resolve_checkpoint_defaults()
         self._check_fields()
-        StrategyConfigRegistry.get(self.decoding_strategy)(self)
+        self.strategy.normalize(self)
         self._check_after_strategy()
+        self._resolve_strategy_options()
         self._clamp_lengths()
         self.profiler_config = ProfilerConfig.from_value(self.profiler_config)
         self._build_thresholds()
@@ -560,10 +450,19 @@ class Config:
             out[f.name] = value
         return out
 
+    # --- step 0: plugins -----------------------------------------------------------------------------------
+
+    def _load_plugins(self) -> None:
+        """Import the user's plugin modules before any name is looked up, so their registrations count."""
+        if not isinstance(self.plugins, (list, tuple)) or not all(isinstance(m, str) and m for m in self.plugins):
+            raise invalid_value("plugins", self.plugins, "must be a list of module names")
+        self.plugins = list(self.plugins)
+        import_plugins(self.plugins)
+
     # --- step 1: model directory ---------------------------------------------------------------------------
 
     def _load_model_dir(self) -> None:
-        self.model = _check_dir("model", self.model)
+        self.model = check_dir("model", self.model)
         config_path = checkpoint_path(self.model, "config.json")  # never a link out of the folder
         if not os.path.isfile(config_path):
             raise ValueError(f"model={self.model!r} has no config.json")
@@ -576,7 +475,7 @@ class Config:
             raise ValueError(f"model={self.model!r} has a config.json that is not a JSON object")
         self.model_config_dict = data
         self.tokenizer_path = (
-            self.model if self.tokenizer_path is None else _check_dir("tokenizer_path", self.tokenizer_path)
+            self.model if self.tokenizer_path is None else check_dir("tokenizer_path", self.tokenizer_path)
         )
 
     def _checkpoint_value(self, key: str) -> Any:
@@ -592,8 +491,6 @@ class Config:
 
     def _resolve_model_name(self) -> None:
         if self.model_name is None:
-            from diffulex.models.hf_config import model_type_to_model_name
-
             model_type = self.model_config_dict.get("model_type")
             architectures = self.model_config_dict.get("architectures") or []
             name = model_type_to_model_name(
@@ -604,77 +501,61 @@ class Config:
                 raise ValueError(
                     f"model_name could not be inferred from model_type={model_type!r} "
                     f"(architectures={architectures!r}); "
-                    f"pass model_name, one of {_format_choices(MODEL_NAMES)}"
+                    f"pass model_name, one of {format_choices(FAMILIES.names())}"
                 )
             self.model_name = name
-        check_choice("model_name", self.model_name, MODEL_NAMES)
+        self.family = FAMILIES.get(self.model_name)
 
     def _resolve_strategy(self) -> None:
-        requested = self.decoding_strategy
-        strategy = requested
-        if isinstance(strategy, str) and strategy in STRATEGY_ALIASES:
+        """The strategy asked for (an old spelling warns), else the family's; a family that runs only with some
+        strategies gets its default instead of another one; the strategy must accept the family."""
+        family, requested = self.family, self.decoding_strategy
+        name = family.default_strategy if requested is None else requested
+        strategy = STRATEGIES.get(name)
+        if strategy.name != name:
+            warn(f"decoding_strategy={name!r} is deprecated; use {strategy.name!r}", DeprecationWarning)
+        if family.strategies is not None and strategy.name not in family.strategies:
             warn(
-                f"decoding_strategy={strategy!r} is deprecated; use {STRATEGY_ALIASES[strategy]!r}",
-                DeprecationWarning,
+                f"decoding_strategy={requested!r} is replaced by {family.default_strategy!r}: "
+                f"model_name={self.model_name!r} runs with {' or '.join(map(repr, family.strategies))}"
             )
-            strategy = STRATEGY_ALIASES[strategy]
-        if strategy is None:
-            strategy = DEFAULT_STRATEGY[self.model_name]
-        check_choice("decoding_strategy", strategy, DECODING_STRATEGIES)
-        if self.model_name == "diffusion_gemma" and strategy != "diffusion_gemma":
-            warn(
-                f"decoding_strategy={requested!r} is replaced by 'diffusion_gemma': "
-                "model_name='diffusion_gemma' runs only with its own strategy"
-            )
-            strategy = "diffusion_gemma"
-        elif self.model_name == "fast_dllm_v2" and strategy not in ("fast_dllm_v2", "multi_bd"):
-            warn(
-                f"decoding_strategy={requested!r} is replaced by 'fast_dllm_v2': "
-                "model_name='fast_dllm_v2' runs with 'fast_dllm_v2' or 'multi_bd'"
-            )
-            strategy = "fast_dllm_v2"
-        elif strategy == "diffusion_gemma" and self.model_name != "diffusion_gemma":
-            raise invalid_value(
-                "decoding_strategy",
-                strategy,
-                f"requires model_name='diffusion_gemma', got model_name={self.model_name!r}",
-            )
-        self.decoding_strategy = strategy
+            strategy = STRATEGIES.get(family.default_strategy)
+        strategy.check_family(family)
+        self.decoding_strategy = strategy.name
+        self.strategy = strategy
 
     def _check_sampling_mode(self) -> None:
+        """The family and the strategy must both support the mode; the strategy may run a variant under it."""
         check_choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
-        if self.sampling_mode == "edit" and self.model_name not in EDIT_MODEL_NAMES:
-            raise invalid_value(
-                "sampling_mode",
-                "edit",
-                f"requires an edit-capable model_name ({_format_choices(EDIT_MODEL_NAMES)}), "
-                f"got {self.model_name!r}",
-            )
-        if self.model_name == "llada2dot1_mini" and self.sampling_mode != "edit":
-            raise invalid_value(
-                "sampling_mode", self.sampling_mode, "model_name='llada2dot1_mini' requires 'edit'"
-            )
+        modes = self.family.sampling_modes
+        if self.sampling_mode not in modes:
+            if self.sampling_mode == "edit":
+                capable = [name for name in FAMILIES.names() if "edit" in FAMILIES.get(name).sampling_modes]
+                requirement = f"requires an edit-capable model_name ({format_choices(capable)})"
+            else:
+                requirement = f"model_name={self.model_name!r} requires {format_choices(modes)}"
+            raise invalid_value("sampling_mode", self.sampling_mode, f"{requirement}, got {self.model_name!r}")
+        self.strategy = self.strategy.for_sampling_mode(self.sampling_mode)
 
     # --- step 3: checkpoint defaults and single-field checks -----------------------------------------------
 
     def _resolve_checkpoint_defaults(self) -> None:
         if self.mask_token_id is None:
             value = self._checkpoint_value("mask_token_id")
-            if _is_int(value) and value >= 0:
+            if is_int(value) and value >= 0:
                 self.mask_token_id = value
         else:
             check_int("mask_token_id", self.mask_token_id, low=0)
         if self.block_size is None:
-            if self.model_name == "diffusion_gemma":
-                self.block_size = DIFFUSION_GEMMA_CANVAS
+            if self.family.canvas_size is not None:
+                self.block_size = self.family.canvas_size
             else:
                 value = self.model_config_dict.get("block_size")
-                self.block_size = value if _is_int(value) and value in BLOCK_SIZES else DEFAULT_BLOCK_SIZE
+                self.block_size = value if is_int(value) and value in BLOCK_SIZES else DEFAULT_BLOCK_SIZE
 
     def _allowed_sizes(self) -> tuple[int, ...]:
-        if self.model_name == "diffusion_gemma":
-            return (*BLOCK_SIZES, DIFFUSION_GEMMA_CANVAS)
-        return BLOCK_SIZES
+        canvas = self.family.canvas_size
+        return BLOCK_SIZES if canvas is None else (*BLOCK_SIZES, canvas)
 
     def _check_fields(self) -> None:
         """Type and range of every field that does not depend on the strategy normalizer."""
@@ -710,7 +591,7 @@ class Config:
         check_choice("kv_cache_layout", self.kv_cache_layout, KV_CACHE_LAYOUTS)
         check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         x = self.k_cache_hdim_split_factor_x
-        if not _is_int(x) or x <= 0 or x & (x - 1):
+        if not is_int(x) or x <= 0 or x & (x - 1):
             raise invalid_value("k_cache_hdim_split_factor_x", x, "must be a positive power of two")
 
         check_choice("torch_compile_mode", self.torch_compile_mode, TORCH_COMPILE_MODES)
@@ -721,11 +602,6 @@ class Config:
             "auto_max_nfe_tpf_floor", self.auto_max_nfe_tpf_floor, low=0.0, low_open=True
         )
 
-        check_choice("token_merge_mode", self.token_merge_mode, TOKEN_MERGE_MODES)
-        check_int("token_merge_top_k", self.token_merge_top_k, low=1)
-        self.token_merge_weight = check_number("token_merge_weight", self.token_merge_weight, low=0.0)
-        check_int("max_post_edit_steps", self.max_post_edit_steps, low=0)
-        self.penalty_lambda = check_number("penalty_lambda", self.penalty_lambda, low=0.0)
 
         check_choice("moe_gemm_impl", self.moe_gemm_impl, MOE_GEMM_IMPLS)
         check_choice("moe_dispatcher_backend", self.moe_dispatcher_backend, MOE_DISPATCHER_BACKENDS)
@@ -734,24 +610,24 @@ class Config:
             "deepep_num_max_dispatch_tokens_per_rank", self.deepep_num_max_dispatch_tokens_per_rank, low=1
         )
 
-        _check_nonempty_str("master_addr", self.master_addr)
+        check_nonempty_str("master_addr", self.master_addr)
         check_int("master_port", self.master_port, 1, 65535)
         check_choice("distributed_backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
         check_int("distributed_timeout_seconds", self.distributed_timeout_seconds, low=1)
         check_int("device_start", self.device_start, low=0)
         if not isinstance(self.device_ids, (list, tuple)) or not all(
-            _is_int(d) and d >= 0 for d in self.device_ids
+            is_int(d) and d >= 0 for d in self.device_ids
         ):
             raise invalid_value("device_ids", self.device_ids, "must be a list of non-negative integers")
         self.device_ids = list(self.device_ids)
-        _check_nonempty_str("shm_name", self.shm_name)
+        check_nonempty_str("shm_name", self.shm_name)
 
         if not isinstance(self.lora_path, str):
             raise invalid_value("lora_path", self.lora_path, "must be a directory path string")
         if self.use_lora and not self.lora_path:
             raise ValueError("use_lora=True requires lora_path")
         if self.lora_path:
-            _check_dir("lora_path", self.lora_path)
+            check_dir("lora_path", self.lora_path)
 
     # --- step 5: checks after the strategy normalizer ------------------------------------------------------
 
@@ -765,28 +641,20 @@ class Config:
         if self.block_size > self.page_size:
             raise invalid_value("block_size", self.block_size, f"must be <= page_size={self.page_size}")
 
-        check_int("diffusion_gemma_max_denoising_steps", self.diffusion_gemma_max_denoising_steps, low=1)
-        check_int("diffusion_gemma_stability_threshold", self.diffusion_gemma_stability_threshold, low=1)
-        self.diffusion_gemma_confidence_threshold = check_number(
-            "diffusion_gemma_confidence_threshold", self.diffusion_gemma_confidence_threshold, low=0.0
-        )
-        self.diffusion_gemma_t_min = check_number("diffusion_gemma_t_min", self.diffusion_gemma_t_min)
-        self.diffusion_gemma_t_max = check_number("diffusion_gemma_t_max", self.diffusion_gemma_t_max)
-        if self.diffusion_gemma_t_min > self.diffusion_gemma_t_max:
-            raise invalid_value(
-                "diffusion_gemma_t_min",
-                self.diffusion_gemma_t_min,
-                f"must be <= diffusion_gemma_t_max={self.diffusion_gemma_t_max:g}",
-            )
-        self.diffusion_gemma_entropy_bound = check_number(
-            "diffusion_gemma_entropy_bound", self.diffusion_gemma_entropy_bound, low=0.0
-        )
+    def _resolve_strategy_options(self) -> None:
+        """The strategy's options object (from ``strategy_options`` and the engine fields of its options' names).
+        The engine fields that other strategies own are checked too: a bad value is an error whatever the strategy."""
+        chosen = self.strategy
+        self.strategy_options = chosen.options(self, self.strategy_options)
+        for other in STRATEGIES.values():
+            if type(other).Options is not type(chosen).Options:
+                other.options(self)
 
     def _clamp_lengths(self) -> None:
         """Never plan for more positions than the checkpoint was trained with."""
         for key in ("max_position_embeddings", "max_sequence_length"):
             limit = self._checkpoint_value(key)
-            if _is_int(limit) and limit > 0:
+            if is_int(limit) and limit > 0:
                 if self.max_model_len > limit:
                     warn(
                         f"max_model_len={self.max_model_len} exceeds the checkpoint's {key}={limit}; "
@@ -794,8 +662,7 @@ class Config:
                     )
                     self.max_model_len = limit
                 break
-        # DiffusionGemma schedules whole canvases, not prompt tokens: its budget is checked per request.
-        if self.decoding_strategy != "diffusion_gemma" and self.max_num_batched_tokens < self.max_model_len:
+        if self.strategy.budgets_prompt_tokens and self.max_num_batched_tokens < self.max_model_len:
             raise invalid_value(
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,

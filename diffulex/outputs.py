@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from diffulex.engine.request import StepRecord
+from diffulex.strategy.request import StepRecord
 
 
 @dataclass

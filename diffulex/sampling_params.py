@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from diffulex.config import check_bool, check_int, check_number, invalid_value
+from diffulex.validation import check_bool, check_int, check_number, invalid_value
 
 # Temperatures below this draw like greedy decoding up to float32 resolution (the tempered distribution puts all
 # of its mass on the top-1), so they are normalized to 0 and take the greedy path. Above ``MAX_TEMPERATURE`` every

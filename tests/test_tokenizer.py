@@ -52,7 +52,7 @@ def test_the_real_sdar_config_gives_mask_and_stop_ids():
     real = sdar_reference_dir()
     if not (real / "config.json").is_file():
         pytest.skip("the real SDAR files are not available")
-    from diffulex.models.hf_config import load_hf_config
+    from diffulex.models.family import load_hf_config
 
     tok = load_tokenizer(real)
     assert resolve_mask_token_id(tok, load_hf_config(real, "sdar"), real, 151669) == 151669

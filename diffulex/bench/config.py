@@ -29,15 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffulex.config import (
-    STRATEGY_ALIASES,
-    Config,
-    check_bool,
-    check_int,
-    check_number,
-    engine_fields,
-    invalid_value,
-)
+from diffulex.config import Config, engine_fields
+from diffulex.strategy.strategy import STRATEGIES
+from diffulex.validation import check_bool, check_int, check_number, invalid_value
 
 logger = logging.getLogger(__name__)
 
@@ -244,9 +238,10 @@ def normalize_engine_fields(fields: Mapping[str, Any], where: str = "engine") ->
     if model is not None and (not isinstance(model, str) or not model):
         raise invalid_value(f"{where}.model_path", model, "must be a path to a checkpoint directory")
     strategy = out.get("decoding_strategy")
-    if isinstance(strategy, str) and strategy in STRATEGY_ALIASES:
-        logger.warning("%s.decoding_strategy=%r is an old name of %r", where, strategy, STRATEGY_ALIASES[strategy])
-        out["decoding_strategy"] = STRATEGY_ALIASES[strategy]
+    if isinstance(strategy, str) and strategy in STRATEGIES and STRATEGIES.canonical(strategy) != strategy:
+        canonical = STRATEGIES.canonical(strategy)
+        logger.warning("%s.decoding_strategy=%r is an old name of %r", where, strategy, canonical)
+        out["decoding_strategy"] = canonical
     check_engine_types(out, where)
     return model, out
 

@@ -173,7 +173,7 @@ class ThroughputSettings:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from diffulex.config import check_int, check_number
+        from diffulex.validation import check_int, check_number
 
         for name in ("batch_sizes", "buffer_sizes", *(("roofline_batches",) if self.roofline_batches else ())):
             values = getattr(self, name)
@@ -239,7 +239,7 @@ def _greedy(max_tokens: int) -> Any:
 
 def _admit_until_decoding(engine: Any, requests: Sequence[Any], step_limit: int) -> int:
     """Step until every request has done its first forward (its prompt is cached); returns the steps taken."""
-    from diffulex.engine.request import RequestStatus
+    from diffulex.strategy.request import RequestStatus
 
     steps = 0
     while not all(r.nfe >= 1 and r.status is RequestStatus.RUNNING for r in requests):

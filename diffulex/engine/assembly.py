@@ -16,26 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from diffulex.config import EDIT_MODEL_NAMES, Config, inert_settings, warn
+from diffulex.config import Config, inert_settings
 from diffulex.engine.cpu_resources import choose_cpu_threads, default_cpu_threads, usable_cores
-from diffulex.engine.edit_request import EditRequest
 from diffulex.engine.graph_policy import GraphPolicy
+from diffulex.engine.kv_cache_manager import KVCacheManager
 from diffulex.engine.memory_plan import plan_num_pages
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
-from diffulex.engine.request import DecodeSettings, Request
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
-from diffulex.layers.token_merge import TokenMergeSettings
-from diffulex.registry import (
-    AutoKVCacheManager,
-    AutoModelForDiffusionLM,
-    AutoModelRunner,
-    AutoReq,
-    AutoSampler,
-    AutoScheduler,
-)
-from diffulex.sampler import SamplerSettings
-from diffulex.sampler.dmax import DMaxSampler
-from diffulex.sampler.edit import EditSampler, EditSettings
+from diffulex.strategy.request import DecodeSettings, Request
+from diffulex.strategy.strategy import SamplerContext
+from diffulex.validation import warn
 
 logger = logging.getLogger("diffulex")
 
@@ -82,8 +72,6 @@ class EngineParts:
 
 def assemble(config: Config) -> EngineParts:
     """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture."""
-    import diffulex.models  # noqa: F401  (registers the model families)
-    import diffulex.strategy  # noqa: F401  (registers the strategies)
     from diffulex.models.loader import build_model
     from diffulex.tokenizer import load_tokenizer
 
@@ -105,7 +93,7 @@ def assemble(config: Config) -> EngineParts:
             seed=config.seed, lora_path=config.lora_path if config.use_lora else None,
             merge_lora=config.pre_merge_lora,
         )  # fmt: skip
-        _select_moe_path(model, config.moe_gemm_impl)
+        _select_moe_path(model, config.moe_gemm_impl, config.model_name)
         build.done("weights")
         mask_token_id = _resolve_mask_token_id(config, tokenizer, model)
         vocab_limit = min(len(tokenizer), model.config.vocab_size)
@@ -130,19 +118,16 @@ def _build_components(
     settings: DecodeSettings,
     build: BuildPhases,
 ) -> EngineParts:
-    """The strategy's runner, page pool and scheduler, and the family's sampler."""
-    strategy = config.decoding_strategy
-    token_merge = _token_merge(config, mask_token_id)
-    if config.sampling_mode == "edit":
-        edit_settings = EditSettings(
-            vocab_limit, mask_token_id, settings.accept_threshold, config.decoding_thresholds.edit_threshold,
-            config.penalty_lambda, config.seed, config.dmax_sampler_fast_path, token_merge,
-        )  # fmt: skip
-        sampler = DMaxSampler(edit_settings) if strategy == "dmax" else EditSampler(edit_settings)
-    else:
-        sampler = AutoSampler.get(config.model_name)(
-            SamplerSettings(vocab_limit, mask_token_id, settings.accept_threshold, config.seed)
+    """The runner with the strategy's sampler for the family, the page pool and the scheduler."""
+    strategy = config.strategy
+    thresholds = config.decoding_thresholds
+    sampler = strategy.make_sampler(
+        SamplerContext(
+            config.family, vocab_limit, mask_token_id, thresholds.accept_threshold, thresholds.edit_threshold,
+            config.seed, config.strategy_options,
         )
+    )  # fmt: skip
+    token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner_settings = RunnerSettings(
         block_size=config.block_size,
         page_size=config.page_size,
@@ -151,8 +136,9 @@ def _build_components(
         kv_dtype=dtype,
         attn_impl=config.attn_impl,
         token_merge=token_merge,
+        samples_in_graph=strategy.samples_in_graph,
     )
-    runner = AutoModelRunner.get(strategy)(runner_settings, model, sampler)
+    runner = ModelRunner(runner_settings, model, sampler)
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)
     policy.maybe_compile(runner, config)
     build.done("runner")
@@ -165,14 +151,13 @@ def _build_components(
     build.done("CUDA graphs")
     runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
     build.done("sampling kernels")
-    kv_cache = AutoKVCacheManager.get(strategy)(num_pages, config.page_size, bool(config.enable_prefix_caching))
+    kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, policy.continues)
-    scheduler = AutoScheduler.get(strategy)(limits, kv_cache)
-    # edit mode keeps the strategy's scheduling with requests whose decoded tokens stay editable
-    request_cls = EditRequest if config.sampling_mode == "edit" else AutoReq.get(strategy)
+    scheduler = Scheduler(limits, kv_cache)
+    request_cls = strategy.request_class
     logger.info(
         "Diffulex engine: model=%s (%s, %s) strategy=%s block=%d buffer=%d pages=%d x %d on %s",
-        config.model, config.model_name, dtype, strategy, config.block_size, config.buffer_size,
+        config.model, config.model_name, dtype, strategy.name, config.block_size, config.buffer_size,
         num_pages, config.page_size, device,
     )  # fmt: skip
     return EngineParts(
@@ -187,9 +172,7 @@ def _resolve_mask_token_id(config: Config, tokenizer: object, model: torch.nn.Mo
 
     mask_id = config.mask_token_id
     if mask_id is None:
-        model_cls = AutoModelForDiffusionLM.get(config.model_name)
-        family_mask = getattr(model_cls, "family_defaults", {}).get("mask_token_id")
-        mask_id = resolve_mask_token_id(tokenizer, model.config, config.model, family_mask)
+        mask_id = resolve_mask_token_id(tokenizer, model.config, config.model, config.family.mask_token_id)
     if mask_id is None:
         raise ValueError(
             f"could not determine the mask token of {config.model}: the checkpoint config, tokenizer and "
@@ -205,7 +188,6 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
     from diffulex.tokenizer import stop_token_ids
 
     thresholds = config.decoding_thresholds
-    model_cls = AutoModelForDiffusionLM.get(config.model_name)
     return DecodeSettings(
         block_size=config.block_size,
         buffer_size=config.buffer_size,
@@ -217,20 +199,10 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
         semi_complete_threshold=thresholds.semi_complete_threshold,
         auto_max_nfe_warmup_steps=config.auto_max_nfe_warmup_steps,
         auto_max_nfe_tpf_floor=config.auto_max_nfe_tpf_floor,
-        logits_shift=bool(getattr(model_cls, "logits_shift", False)),
-        max_post_edit_steps=config.max_post_edit_steps,
+        logits_shift=config.family.logits_shift,
         token_stability_threshold=thresholds.token_stability_threshold,
+        options=config.strategy_options,
     )
-
-
-def _token_merge(config: Config, mask_token_id: int) -> TokenMergeSettings | None:
-    """DMax's soft inputs, when the strategy is dmax and ``token_merge_weight > 0``."""
-    if config.decoding_strategy != "dmax" or config.token_merge_weight <= 0:
-        return None
-    return TokenMergeSettings(
-        config.token_merge_mode, config.token_merge_top_k, config.token_merge_weight,
-        config.token_merge_renormalize, mask_token_id,
-    )  # fmt: skip
 
 
 def _resolve_device(config: Config) -> torch.device:
@@ -240,17 +212,23 @@ def _resolve_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str) -> None:
+def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str, model_name: str) -> None:
     """``moe_gemm_impl`` on the model's MoE layers: ``triton`` (the default) leaves each layer its own choice (the
     grouped GEMM on Hopper in bf16, else every expert; a Triton MoE kernel is to come), ``naive`` takes the
-    reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` is refused earlier."""
+    reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` names kernels that are not
+    a dependency: refused for a model with MoE layers (a dense model has nothing it would change)."""
     from diffulex.layers.moe import SparseMoE
 
+    layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    if layers and moe_gemm_impl.startswith("vllm"):
+        raise ValueError(
+            f"not supported yet in this version of Diffulex: moe_gemm_impl={moe_gemm_impl!r} for "
+            f"model_name={model_name!r} (vLLM's MoE kernels are not a dependency)"
+        )
     if moe_gemm_impl != "naive":
         return
-    for module in model.modules():
-        if isinstance(module, SparseMoE):
-            module.impl = "dense" if next(module.parameters()).is_cuda else "loop"
+    for module in layers:
+        module.impl = "dense" if next(module.parameters()).is_cuda else "loop"
 
 
 def _resolve_dtype(config: Config, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -315,18 +293,9 @@ def _reject_unsupported(config: Config) -> None:
         )
     if config.expert_parallel_size > 1:
         unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
-    if config.sampling_mode == "edit" and config.decoding_strategy not in ("multi_bd", "dmax"):
-        unsupported.append(
-            f"sampling_mode='edit' with decoding_strategy={config.decoding_strategy!r} (edit mode runs under "
-            "multi_bd and dmax)"
-        )
-    if config.moe_gemm_impl.startswith("vllm") and config.model_name in ("sdar_moe", *EDIT_MODEL_NAMES):
-        unsupported.append(f"moe_gemm_impl={config.moe_gemm_impl!r} (vLLM's MoE kernels are not a dependency)")
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
-    if config.decoding_strategy not in AutoReq:
-        unsupported.append(f"decoding_strategy={config.decoding_strategy!r} (available: {AutoReq.names()})")
-    if config.model_name not in AutoModelForDiffusionLM:
-        unsupported.append(f"model_name={config.model_name!r} (available: {AutoModelForDiffusionLM.names()})")
+    if config.strategy.request_class is None:
+        unsupported.append(f"decoding_strategy={config.decoding_strategy!r} (its engine step is still to come)")
     if unsupported:
         raise ValueError("not supported yet in this version of Diffulex: " + ", ".join(unsupported))

@@ -4,7 +4,7 @@ Without them, at batch 1 the GPU idles between steps while the host reads a step
 stages the next step and launches it (about 0.1 ms of a 1.8 ms step on an H100 host). With ``async_scheduling``
 the engine queues the next step first whenever its rows are already known: a request whose running set is a
 single active block right after its cache (``buffer_size=1``) computes the same rows next step whatever this
-step accepts (`diffulex.engine.request.Request.next_step_has_same_rows`). Only two things differ, and the
+step accepts (`diffulex.strategy.request.Request.next_step_has_same_rows`). Only two things differ, and the
 device can derive both from the step's own result:
 
 * the input tokens: the accepted tokens replace their masks;

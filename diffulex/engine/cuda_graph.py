@@ -137,7 +137,7 @@ class GraphShape:
 
 @dataclass(frozen=True)
 class SampledRows:
-    """The device half of a greedy step's sampling (`diffulex.sampler.confidence.RowLayout` plus the logits row of
+    """The device half of a greedy step's sampling (`diffulex.sampler.rows.RowLayout` plus the logits row of
     each sampled row), staged with the step's inputs. Plain lists, so the graphs need not know the sampler."""
 
     rows: list[int]  # logits row of each sampled row, in the sampler's order

@@ -44,10 +44,10 @@ def replica_devices(config: Config) -> list[int | None]:
 
 def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
     """A replica's process: build the engine, then answer ``generate`` and ``close`` messages."""
-    from diffulex import Diffulex
+    from diffulex.engine.engine import DiffulexEngine
 
     try:
-        engine = Diffulex(model, **kwargs)
+        engine = DiffulexEngine(Config.from_kwargs(model, **kwargs))
     except Exception:  # noqa: BLE001  (reported to the parent, which raises it)
         conn.send(("error", traceback.format_exc()))
         return

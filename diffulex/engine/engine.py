@@ -20,16 +20,16 @@ import torch
 
 from diffulex.config import Config
 from diffulex.engine.assembly import assemble
-from diffulex.engine.block import BlockStatus
 from diffulex.engine.generation_inputs import check_prompt, generation_inputs
-from diffulex.engine.request import CompletionReason, Request, StepRecord
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.engine.step_profiler import StepProfiler
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
-from diffulex.sampler.confidence import PendingWrites
+from diffulex.sampler.rows import PendingWrites
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.request import CompletionReason, Request, StepRecord
 
 logger = logging.getLogger("diffulex")
 

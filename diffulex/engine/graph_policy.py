@@ -46,7 +46,8 @@ class GraphPolicy:
             config.async_scheduling
             and config.micro_batches == 1
             and config.buffer_size == 1
-            and config.sampling_mode == "naive"  # edit mode samples on the host
+            and config.strategy.continues_on_device
+            and config.strategy.samples_in_graph  # a continuation replays the graph's own sampling
         )
         return cls(
             cuda_graphs=cuda_graphs,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from diffulex.engine.request import Request
+from diffulex.strategy.request import Request
 
 
 def page_hash(prev_hash: bytes | None, tokens: list[int]) -> bytes:

@@ -17,14 +17,14 @@ from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
-from diffulex.engine.block import BlockStatus
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
-from diffulex.engine.request import Request
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
-from diffulex.sampler.confidence import PendingWrites, RowLayout
+from diffulex.sampler.rows import PendingWrites, RowLayout
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.request import Request
 
 
 @dataclass
@@ -36,6 +36,7 @@ class RunnerSettings:
     kv_dtype: torch.dtype
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
     token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (eager steps only: no CUDA graphs then)
+    samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,7 @@ class ModelRunner:
             page_size=s.page_size,
             prefix_full=s.prefix_full,
         )
-        # a sampler that samples on the host (edit mode) has no greedy graph step
-        samples_in_graph = getattr(self.sampler, "samples_in_graph", True)
-        greedy_sample = self.greedy_sample if samples_in_graph else None
+        greedy_sample = self.greedy_sample if s.samples_in_graph else None
         advance = None
         if continuations and greedy_sample is not None:
             advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)
@@ -205,7 +204,7 @@ class ModelRunner:
         """Whether the last launch may be followed by `launch_continuation`: it was replayed and sampled by the
         graphs, those prepare continuations, and each of its sampled blocks has the page it would be stored in.
         Whether its requests' next step really has the same rows is the engine's question
-        (`diffulex.engine.request.Request.next_step_has_same_rows`)."""
+        (`diffulex.strategy.request.Request.next_step_has_same_rows`)."""
         replayed = self._replayed
         return replayed is not None and replayed.storable and self.graphs.advance is not None
 

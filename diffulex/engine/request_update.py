@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from diffulex.engine.request import Request, StepRecord
 from diffulex.outputs import Trajectory
+from diffulex.strategy.request import Request, StepRecord
 
 
 class RequestUpdate:

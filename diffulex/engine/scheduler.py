@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.request import CompletionReason, Request, RequestStatus
+from diffulex.strategy.request import CompletionReason, Request, RequestStatus
 
 
 @dataclass

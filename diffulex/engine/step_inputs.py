@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffulex.engine.request import Request, SampleTarget
 from diffulex.layers.token_merge import SoftInput
+from diffulex.strategy.request import Request, SampleTarget
 
 
 @dataclass

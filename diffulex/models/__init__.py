@@ -1,10 +1,20 @@
-"""Model families. Importing this package registers every family's model class and config reader."""
+"""Model families. Importing this package registers every family (`diffulex.models.family.FAMILIES`)."""
 
-from diffulex.models import dream, dream_reasoner, fast_dllm_v2, llada, llada2, sdar, sdar_moe, stable_diffcoder  # noqa: F401
+from diffulex.models import (  # noqa: F401  (each module registers its family)
+    diffusion_gemma,
+    dream,
+    dream_reasoner,
+    fast_dllm_v2,
+    llada,
+    llada2,
+    sdar,
+    sdar_moe,
+    stable_diffcoder,
+)
 from diffulex.models.dream import DreamForDiffusionLM
 from diffulex.models.dream_reasoner import DreamReasonerForDiffusionLM
+from diffulex.models.family import FAMILIES, Family, load_hf_config, model_type_to_model_name, register_family
 from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
-from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
 from diffulex.models.llada import LLaDAForDiffusionLM
 from diffulex.models.llada2 import LLaDA2ForDiffusionLM
 from diffulex.models.sdar import SDARForDiffusionLM
@@ -12,8 +22,10 @@ from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
 from diffulex.models.stable_diffcoder import StableDiffCoderForDiffusionLM
 
 __all__ = [
+    "FAMILIES",
     "DreamForDiffusionLM",
     "DreamReasonerForDiffusionLM",
+    "Family",
     "FastdLLMV2ForDiffusionLM",
     "LLaDA2ForDiffusionLM",
     "LLaDAForDiffusionLM",
@@ -22,4 +34,5 @@ __all__ = [
     "StableDiffCoderForDiffusionLM",
     "load_hf_config",
     "model_type_to_model_name",
+    "register_family",
 ]

@@ -260,15 +260,13 @@ class DenseForDiffusionLM(nn.Module):
     """Base of the dense families: ``forward(input_ids [T], positions [T], attn_meta) -> hidden [T, H]`` over a
     flat batch, ``compute_logits(hidden [N, H]) -> [N, vocab_size]``.
 
-    A family is a subclass that says what differs: `arch_for` (its layout, one of the `DenseArch` constructors),
-    ``family_defaults`` (what the engine assumes when neither the user nor the checkpoint says otherwise), and
-    ``logits_shift`` (True when the hidden state at ``p - 1`` predicts the token at ``p``). ``load_error_hint`` is
-    appended to a strict loading error, to point at the family the checkpoint probably belongs to.
+    A family's model is a subclass that says what differs in the network: `arch_for` (its layout, one of the
+    `DenseArch` constructors); ``load_error_hint`` is appended to a strict loading error, to point at the family the
+    checkpoint probably belongs to. What the engine must know beyond the network is the family's registration
+    (`diffulex.models.family.Family`).
     """
 
     arch_for: ClassVar[Callable[[DenseDecoderConfig], DenseArch]]
-    family_defaults: ClassVar[dict[str, object]] = {}
-    logits_shift: ClassVar[bool] = False
     # Checkpoint tensors that are derived state, not weights (old HF exports saved the RoPE frequencies).
     ignored_checkpoint_keys: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
     load_error_hint: ClassVar[str] = ""

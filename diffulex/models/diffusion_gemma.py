@@ -37,6 +37,7 @@ from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, Voc
 from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
+from diffulex.models.family import Family, register_family
 from diffulex.models.loader import load_checkpoint, materialize, resolve_dtype
 
 # Checkpoint tensors of the vision tower and its projection into the text model: present in the folder, unused.
@@ -450,5 +451,21 @@ def load_diffusion_gemma(
     load_checkpoint(model, model_dir)
     return model.eval()
 
+
+CANVAS_SIZE = 256  # tokens of the canvas DiffusionGemma denoises as a whole
+
+register_family(
+    Family(
+        name="diffusion_gemma",
+        model=DiffusionGemmaForDiffusionLM,
+        read_config=DiffusionGemmaConfig.from_pretrained,
+        mask_token_id=None,
+        default_strategy="diffusion_gemma",
+        model_types=("diffusion_gemma",),
+        architectures=("DiffusionGemma",),
+        strategies=("diffusion_gemma",),
+        canvas_size=CANVAS_SIZE,
+    )
+)
 
 __all__ = ["DiffusionGemmaForDiffusionLM", "EncoderKV", "load_diffusion_gemma"]

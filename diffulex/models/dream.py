@@ -10,16 +10,27 @@ have the same format and run under the same class (``model_name="diffucoder"`` i
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.models.family import Family, register_family
+from diffulex.models.hf_config import DreamConfig
 
 
-@AutoModelForDiffusionLM.register("diffucoder")
-@AutoModelForDiffusionLM.register("dream")
 class DreamForDiffusionLM(DenseForDiffusionLM):
     arch_for = DenseArch.qwen2
-    family_defaults = {"mask_token_id": 151666, "decoding_strategy": "d2f"}
-    logits_shift = True
     load_error_hint = (
         "checkpoints with self_attn.q_norm / k_norm tensors are the Qwen3-style Dream reasoner: pass "
         "model_name='dream_reasoner'"
     )
+
+
+register_family(
+    Family(
+        name="dream",
+        model=DreamForDiffusionLM,
+        read_config=DreamConfig.from_pretrained,
+        mask_token_id=151666,
+        default_strategy="d2f",
+        model_types=("Dream",),
+        aliases=("diffucoder",),
+        logits_shift=True,
+    )
+)

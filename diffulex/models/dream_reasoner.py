@@ -9,15 +9,25 @@ Dream-v0 its logits are not shifted: the hidden state at ``p`` predicts the toke
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.models.family import Family, register_family
+from diffulex.models.hf_config import DreamReasonerConfig
 
 
-@AutoModelForDiffusionLM.register("dream_reasoner")
 class DreamReasonerForDiffusionLM(DenseForDiffusionLM):
     arch_for = DenseArch.qwen3
-    family_defaults = {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
-    logits_shift = False
     load_error_hint = (
         "checkpoints without self_attn.q_norm / k_norm tensors and with q/k/v biases are Qwen2.5-style Dream-v0 "
         "or DiffuCoder: pass model_name='dream'"
     )
+
+
+register_family(
+    Family(
+        name="dream_reasoner",
+        model=DreamReasonerForDiffusionLM,
+        read_config=DreamReasonerConfig.from_pretrained,
+        mask_token_id=151669,
+        default_strategy="multi_bd",
+        architectures=("DreamForCausalLM",),
+    )
+)

@@ -9,11 +9,24 @@ dual cache) is a separate runtime.
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.models.family import Family, register_family
+from diffulex.models.hf_config import FastdLLMV2Config
 
 
-@AutoModelForDiffusionLM.register("fast_dllm_v2")
 class FastdLLMV2ForDiffusionLM(DenseForDiffusionLM):
     arch_for = DenseArch.qwen2
-    family_defaults = {"mask_token_id": 151665, "decoding_strategy": "fast_dllm_v2"}
-    logits_shift = True
+
+
+register_family(
+    Family(
+        name="fast_dllm_v2",
+        model=FastdLLMV2ForDiffusionLM,
+        read_config=FastdLLMV2Config.from_pretrained,
+        mask_token_id=151665,
+        default_strategy="fast_dllm_v2",
+        model_types=("Fast_dLLM_Qwen", "fast_dllm_v2"),
+        architectures=("Fast_dLLM_Qwen", "FastdLLMV2"),
+        logits_shift=True,
+        strategies=("fast_dllm_v2", "multi_bd"),
+    )
+)

@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from diffulex.checkpoint_folder import checkpoint_path
-from diffulex.registry import Registry
-
-HFConfigReaders: Registry[Callable[[str | Path], Any]] = Registry("HF config reader for model")
-
 
 # Upper bounds on the sizes a config.json may state: far above any published model, low enough that the model built
 # from them (before its weights are read) cannot take minutes or exhaust memory by itself.
@@ -658,66 +653,3 @@ class LLaDAConfig(HFConfig):
             model_type=str(d.get("model_type", "llada")),
             architectures=_architectures(d),
         )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Which reader serves which engine model_name, and which model_name a config.json names.
-# ----------------------------------------------------------------------------------------------------------
-
-_READERS: dict[str, type[HFConfig]] = {
-    "sdar": SDARConfig,
-    "sdar_moe": SDARMoeConfig,
-    "dream": DreamConfig,
-    "diffucoder": DreamConfig,
-    "dream_reasoner": DreamReasonerConfig,
-    "stable_diffcoder": StableDiffCoderConfig,
-    "fast_dllm_v2": FastdLLMV2Config,
-    "llada": LLaDAConfig,
-    **dict.fromkeys(("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax"), LLaDA2Config),
-}
-for _name, _config_cls in _READERS.items():
-    HFConfigReaders.register(_name)(_config_cls.from_pretrained)
-
-
-def load_hf_config(model_dir: str | Path, model_name: str) -> Any:
-    """The typed config of the checkpoint in `model_dir`, read by the reader registered for `model_name`."""
-    return HFConfigReaders.get(model_name)(model_dir)
-
-
-# model_type (as written in config.json) -> engine model_name, for types that identify the family alone.
-_MODEL_TYPE_TO_NAME = {
-    "sdar": "sdar",
-    "sdar_moe": "sdar_moe",
-    "Dream": "dream",
-    "llada": "llada",
-    "llada2_moe": "llada2",
-    "diffusion_gemma": "diffusion_gemma",
-    "Fast_dLLM_Qwen": "fast_dllm_v2",
-    "fast_dllm_v2": "fast_dllm_v2",
-}
-
-# Substring of an architecture name -> model_name; checked first, because some families reuse a generic
-# model_type (Stable-DiffCoder says "llama"; the Qwen3-style Dream reasoner says "Dream" like Dream-v0, whose
-# checkpoints say "DreamModel"; see docs/models.md).
-_ARCHITECTURE_TO_NAME = {
-    "StableDiffcoder": "stable_diffcoder",
-    "Fast_dLLM_Qwen": "fast_dllm_v2",
-    "FastdLLMV2": "fast_dllm_v2",
-    "SDARMoe": "sdar_moe",
-    "SDARFor": "sdar",
-    "LLaDA2Moe": "llada2",
-    "DiffusionGemma": "diffusion_gemma",
-    "DreamForCausalLM": "dream_reasoner",
-    "LLaDAModelLM": "llada",
-}
-
-
-def model_type_to_model_name(model_type: str | None, architectures: list[str] | None) -> str | None:
-    """The engine ``model_name`` for a checkpoint's ``model_type``/``architectures``; None if unknown."""
-    for arch in architectures or []:
-        for needle, name in _ARCHITECTURE_TO_NAME.items():
-            if needle in arch:
-                return name
-    if model_type is None:
-        return None
-    return _MODEL_TYPE_TO_NAME.get(model_type)

@@ -41,8 +41,8 @@ from diffulex.layers import (
     VocabEmbedding,
 )
 from diffulex.models.dense import Rope, add_and_norm, run_decoder
+from diffulex.models.family import Family, register_family
 from diffulex.models.hf_config import LLaDAConfig
-from diffulex.registry import AutoModelForDiffusionLM
 
 
 class LLaDABlock(nn.Module):
@@ -121,7 +121,6 @@ class LLaDAModel(nn.Module):
         self.transformer = LLaDATransformer(config)
 
 
-@AutoModelForDiffusionLM.register("llada")
 class LLaDAForDiffusionLM(nn.Module):
     """LLaDA-8B Base/Instruct (and D2F-LLaDA, which is LLaDA-8B-Instruct plus a PEFT adapter).
 
@@ -129,8 +128,6 @@ class LLaDAForDiffusionLM(nn.Module):
     ``compute_logits(hidden [N, d_model]) -> [N, embedding_size]``.
     """
 
-    family_defaults = {"mask_token_id": 126336, "decoding_strategy": "d2f"}
-    logits_shift = False
     ignored_checkpoint_keys = (r"rotary_emb\.inv_freq$",)
 
     def __init__(self, config: LLaDAConfig) -> None:
@@ -153,3 +150,16 @@ class LLaDAForDiffusionLM(nn.Module):
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         return logits
+
+
+register_family(
+    Family(
+        name="llada",
+        model=LLaDAForDiffusionLM,
+        read_config=LLaDAConfig.from_pretrained,
+        mask_token_id=126336,
+        default_strategy="d2f",
+        model_types=("llada",),
+        architectures=("LLaDAModelLM",),
+    )
+)

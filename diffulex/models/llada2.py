@@ -14,6 +14,8 @@ On the GPU the q/k norm, the partial rotary and the KV store are one Triton laun
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -30,10 +32,8 @@ from diffulex.layers.moe import GatedMLP, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_merge import TokenMerge
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, pre_norm_layer, run_decoder
+from diffulex.models.family import Family, register_family
 from diffulex.models.hf_config import LLaDA2Config
-from diffulex.registry import AutoModelForDiffusionLM
-
-MODEL_NAMES = ("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax")
 
 
 class LLaDA2Attention(nn.Module):
@@ -137,8 +137,6 @@ class LLaDA2ForDiffusionLM(DenseForDiffusionLM):
     ``compute_logits(hidden [N, hidden]) -> [N, vocab_size]``. The dense families' model class with the Ling
     decoder in place of the dense one."""
 
-    family_defaults = {"mask_token_id": 156895, "decoding_strategy": "multi_bd"}
-
     def build_decoder(self, config: LLaDA2Config) -> nn.Module:  # type: ignore[override]
         return LLaDA2Model(config)
 
@@ -146,5 +144,20 @@ class LLaDA2ForDiffusionLM(DenseForDiffusionLM):
         return self.model.word_embeddings
 
 
-for _name in MODEL_NAMES:
-    AutoModelForDiffusionLM.register(_name)(LLaDA2ForDiffusionLM)
+LLADA2 = register_family(
+    Family(
+        name="llada2",
+        model=LLaDA2ForDiffusionLM,
+        read_config=LLaDA2Config.from_pretrained,
+        mask_token_id=156895,
+        default_strategy="multi_bd",
+        model_types=("llada2_moe",),
+        architectures=("LLaDA2Moe",),
+        aliases=("llada2_moe", "llada2_mini", "llada2_mini_dmax"),
+        sampling_modes=("naive", "edit"),
+    )
+)
+# LLaDA2.1 is trained for edit decoding only (its checkpoints say llada2_moe too: it is chosen by name).
+register_family(
+    dataclasses.replace(LLADA2.renamed("llada2dot1_mini"), sampling_modes=("edit",))
+)

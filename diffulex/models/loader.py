@@ -26,11 +26,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from diffulex.checkpoint_folder import checkpoint_path
-from diffulex.config import LOAD_FORMATS, check_choice
 from diffulex.layers import merge_projections
-from diffulex.models.hf_config import load_hf_config, read_config_dict
+from diffulex.models.family import FAMILIES
+from diffulex.models.hf_config import read_config_dict
 from diffulex.models.safetensors_header import TensorHeader, read_safetensors_header
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.validation import check_choice
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,6 +47,9 @@ COUNTED_MODULES = (
 
 # name -> (the file holding it, its header entry)
 CheckpointTensors = dict[str, tuple[Path, TensorHeader]]
+
+# How weights are obtained: the safetensors files, or random weights of the checkpoint's shapes (benchmarks).
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 def _weight_files(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
@@ -421,8 +424,9 @@ def build_model(
     tensors = None if load_format == "dummy" else checkpoint_tensors(model_dir)
     if tensors is not None:
         check_config_against_weights(read_config_dict(model_dir), tensors, model_dir)
-    hf_config = load_hf_config(model_dir, model_name)
-    model_cls = AutoModelForDiffusionLM.get(model_name)
+    family = FAMILIES.get(model_name)
+    hf_config = family.read_config(model_dir)
+    model_cls = family.model
     torch_dtype = resolve_dtype(dtype, hf_config)
     with _default_dtype(torch_dtype), torch.device("meta"), _SkipMetaInit():
         model = model_cls(hf_config)

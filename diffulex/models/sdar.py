@@ -10,15 +10,27 @@ that same position.
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseAttention, DenseForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.models.family import Family, register_family
+from diffulex.models.hf_config import SDARConfig
 
 # The name `diffulex.train.model` gives SDAR's attention modules, whose submodules its batched forward runs.
 SDARAttention = DenseAttention
 
 
-@AutoModelForDiffusionLM.register("sdar")
 class SDARForDiffusionLM(DenseForDiffusionLM):
     """The SDAR family (``model_type: "sdar"``; SDAR-1.7B/4B/8B-Chat and their ``-bN`` block-size variants)."""
 
-    family_defaults = {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
     arch_for = DenseArch.qwen3
+
+
+register_family(
+    Family(
+        name="sdar",
+        model=SDARForDiffusionLM,
+        read_config=SDARConfig.from_pretrained,
+        mask_token_id=151669,
+        default_strategy="multi_bd",
+        model_types=("sdar",),
+        architectures=("SDARFor",),
+    )
+)

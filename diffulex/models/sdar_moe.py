@@ -12,15 +12,13 @@ from torch import nn
 
 from diffulex.layers.moe import SoftmaxRouter, SparseMoE
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
+from diffulex.models.family import Family, register_family
 from diffulex.models.hf_config import SDARMoeConfig
-from diffulex.registry import AutoModelForDiffusionLM
 
 
-@AutoModelForDiffusionLM.register("sdar_moe")
 class SDARMoeForDiffusionLM(DenseForDiffusionLM):
     """The SDAR-MoE family (``model_type: "sdar_moe"``, ``SDARMoeForCausalLM``)."""
 
-    family_defaults = {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
     arch_for = DenseArch.qwen3
 
     def make_mlp(self, layer_index: int) -> nn.Module | None:
@@ -34,3 +32,16 @@ class SDARMoeForDiffusionLM(DenseForDiffusionLM):
             config.hidden_size, config.num_experts, config.num_experts_per_tok, normalize=config.norm_topk_prob
         )
         return SparseMoE(config.hidden_size, config.moe_intermediate_size, gate)
+
+
+register_family(
+    Family(
+        name="sdar_moe",
+        model=SDARMoeForDiffusionLM,
+        read_config=SDARMoeConfig.from_pretrained,
+        mask_token_id=151669,
+        default_strategy="multi_bd",
+        model_types=("sdar_moe",),
+        architectures=("SDARMoe",),
+    )
+)

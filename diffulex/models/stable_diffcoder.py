@@ -8,10 +8,22 @@ shift. The mask token ``<[MASK_TOKEN]>`` (id 5 in the published tokenizer) comes
 from __future__ import annotations
 
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
+from diffulex.models.family import Family, register_family
+from diffulex.models.hf_config import StableDiffCoderConfig
 
 
-@AutoModelForDiffusionLM.register("stable_diffcoder")
 class StableDiffCoderForDiffusionLM(DenseForDiffusionLM):
     arch_for = DenseArch.llama
-    family_defaults = {"mask_token_id": 5, "decoding_strategy": "multi_bd"}
+
+
+register_family(
+    Family(
+        name="stable_diffcoder",
+        model=StableDiffCoderForDiffusionLM,
+        read_config=StableDiffCoderConfig.from_pretrained,
+        mask_token_id=5,
+        default_strategy="multi_bd",
+        architectures=("StableDiffcoder",),
+        force_every_block=True,
+    )
+)

@@ -1,7 +1,3 @@
-"""Samplers: candidate tokens from logits, and the per-family rules that decide what is written."""
-
-from diffulex.sampler import family_rules  # noqa: F401  (registers the rules of every family)
-from diffulex.sampler.confidence import ConfidenceSampler, SamplerSettings
-from diffulex.sampler.family_rules import AlwaysForceSampler
-
-__all__ = ["AlwaysForceSampler", "ConfidenceSampler", "SamplerSettings"]
+"""Sampling machinery every strategy shares: proposals, top-1 and drawing (`token_sampling`), the confidence
+acceptance of a whole step on the device (`acceptance`), a step's row layout and writes (`rows`), and samplers
+whose rule is decided on the host (`host`). The rules themselves belong to the strategies (`diffulex.strategy`)."""

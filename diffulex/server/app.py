@@ -23,7 +23,6 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffulex.sampling_params import SamplingParams
-from diffulex.server.cli import DEFAULT_MAX_BODY_BYTES
 from diffulex.server.engine_loop import (
     Emission,
     EngineLoop,
@@ -33,6 +32,7 @@ from diffulex.server.engine_loop import (
     RequestTooLargeError,
     Submitted,
 )
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 from diffulex.server.prompts import PromptEncoder
 from diffulex.server.protocol import (
     MAX_CHOICES_PER_REQUEST,

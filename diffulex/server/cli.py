@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # the largest request body the server reads (413 beyond)
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,3 @@
-"""Built-in decoding strategies. Importing this package registers every one of them.
-
-Each strategy is a small package: ``config.py`` registers the config normalizer (its invariants), and
-``__init__.py`` registers the runtime components it uses — the shared ones unless it changes them.
-"""
-
-from diffulex.strategy import d2f, diffusion_gemma, dmax, fast_dllm_v2, multi_bd  # noqa: F401
+"""Decoding strategies. `diffulex.strategy.strategy` says what a strategy is to the engine; each folder here is one
+strategy (its options, normalizer, request class and sampler rules); `diffulex.strategy.builtin` lists the
+package's own. Shared block state is `diffulex.strategy.request` and `diffulex.strategy.block`."""

@@ -264,13 +264,16 @@ def reference_generate(
     auto_max_nfe_tpf_floor: float = 1.0,
     logits_shift: bool = False,
     force_always: bool = False,
+    tokens_per_block: int | None = None,
 ) -> ReferenceResult:
     """Decode one request greedily by full recomputation, following ``docs/strategies.md`` step by step.
 
     ``model(input_ids, positions, attn_meta)`` returns hidden states and ``model.compute_logits(rows)`` the
     logits of some of their rows. Position ``q`` predicts the token at ``q``, or, with ``logits_shift``
     (Dream-style families), the token at ``q + 1``. ``force_always`` makes forcing always allowed (the
-    Stable-DiffCoder rule: every sampled block takes at least its most confident position).
+    Stable-DiffCoder rule: every sampled block takes at least its most confident position). ``tokens_per_block``
+    replaces the threshold rule: every sampled block takes its ``tokens_per_block`` most confident positions (the
+    earlier position first among equal confidences).
     """
     prompt_len = len(prompt_ids)
     if prompt_len == 0:
@@ -329,7 +332,11 @@ def reference_generate(
             token_ids, confidences = greedy_proposals(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
             above = (confidences > accept_threshold).tolist()
             chosen = [i for i in range(len(positions)) if above[i]]
-            if not chosen and forcing:
+            if tokens_per_block is not None:
+                confidence_list = confidences.tolist()
+                ranked = sorted(range(len(positions)), key=lambda i: (-confidence_list[i], i))
+                chosen = sorted(ranked[:tokens_per_block])
+            elif not chosen and forcing:
                 confidence_list = confidences.tolist()
                 best = 0  # strict ">" keeps the first position among equals
                 for i in range(1, len(positions)):
@@ -378,7 +385,9 @@ def _completion_reason(
     return None
 
 
-def reference_for_engine(llm, prompt_ids: list[int], params, *, force_always: bool = False) -> ReferenceResult:
+def reference_for_engine(
+    llm, prompt_ids: list[int], params, *, force_always: bool = False, tokens_per_block: int | None = None
+) -> ReferenceResult:
     """Decode ``prompt_ids`` with the reference decoder under exactly the settings of engine ``llm``.
 
     The one place that maps an engine's config, tokenizer-derived ids and SamplingParams onto the oracle's
@@ -404,4 +413,5 @@ def reference_for_engine(llm, prompt_ids: list[int], params, *, force_always: bo
         max_repetition_run=params.max_repetition_run,
         logits_shift=llm.settings.logits_shift,
         force_always=force_always,
+        tokens_per_block=tokens_per_block,
     )

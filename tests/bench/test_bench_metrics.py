@@ -13,8 +13,8 @@ from diffulex.bench.metrics import (
     request_timings,
     step_clock,
 )
-from diffulex.engine.request import StepRecord
 from diffulex.outputs import Trajectory
+from diffulex.strategy.request import StepRecord
 
 STEP_TIMES = {0: 0.5, 1: 0.1, 2: 0.1, 3: 0.1}  # engine step -> wall time of the whole step
 

@@ -12,8 +12,8 @@ import yaml
 
 from diffulex.bench.metrics import METRIC_LABELS, Batch, compute_metrics
 from diffulex.cli import main
-from diffulex.engine.request import StepRecord
 from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.strategy.request import StepRecord
 
 HEADLINE = ("aggregate_tps", "mean_request_tps", "decode_tps", "tpf", "mean_nfe", "ttft_mean_s", "ttft_p50_s",
             "ttft_p99_s", "latency_mean_s", "latency_p50_s", "latency_p99_s")

@@ -181,7 +181,7 @@ def test_sdar_folders_carry_the_real_geometry_and_tokenizer(tmp_path, size):
 def test_the_moe_folder_is_sdar_30b_a3b(tmp_path):
     """30.5B parameters (Qwen3-30B-A3B), detected as SDAR-MoE; a batch-1 step of 4 rows reads about 29 of the 128
     experts of each layer, 15.7 GB in all."""
-    from diffulex.models.hf_config import load_hf_config, model_type_to_model_name
+    from diffulex.models.family import load_hf_config, model_type_to_model_name
     from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
 
     folder = throughput.write_sdar_checkpoint(tmp_path / "moe", "30b-a3b")
@@ -328,7 +328,7 @@ def test_rounds_join_steps_over_disjoint_requests_only():
 def test_the_llada2_mini_folder_has_the_real_geometry(tmp_path):
     """16.26B parameters (LLaDA2.0-mini); a step of one 32-token block reads about 20.8 GB (163 of 256 experts
     per layer, the figure peers quote)."""
-    from diffulex.models.hf_config import load_hf_config
+    from diffulex.models.family import load_hf_config
     from diffulex.models.llada2 import LLaDA2ForDiffusionLM
 
     folder = throughput.write_llada2_checkpoint(tmp_path / "mini", "llada2-mini")

@@ -52,7 +52,7 @@ def test_features_that_arrive_later_fail_clearly_where_used(sdar_dir: Path, tmp_
 def test_a_family_without_an_implementation_fails_clearly(tmp_path: Path) -> None:
     config = {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not supported yet.*model_name='diffusion_gemma'"):
+    with pytest.raises(ValueError, match="not supported yet.*decoding_strategy='diffusion_gemma'"):
         Diffulex(str(tmp_path))
 
 

@@ -57,7 +57,9 @@ def _block_tokens(record):
 
 
 def test_edit_mode_under_another_strategy_is_refused_by_name(llada2):
-    with pytest.raises(ValueError, match="sampling_mode='edit' with decoding_strategy='d2f'"):
+    with pytest.raises(
+        ValueError, match="^sampling_mode='edit' is invalid: decoding_strategy='d2f' runs with 'naive'$"
+    ):
         Diffulex(str(llada2), sampling_mode="edit", decoding_strategy="d2f")
 
 

@@ -3,12 +3,14 @@ reference decoder, which recomputes the whole sequence every step with an explic
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.models.family import FAMILIES, Family, register_family
 from diffulex.testing.reference_decoder import reference_for_engine
 
 
@@ -41,6 +43,14 @@ def make_engine(model_dir: Path, **overrides):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def shifted_sdar_family() -> Family:
+    """SDAR's network read Dream-style (the hidden state at p - 1 predicts p), registered once under its own name."""
+    name = "sdar_read_shifted"
+    if name not in FAMILIES:
+        register_family(dataclasses.replace(FAMILIES.get("sdar").renamed(name), logits_shift=True))
+    return FAMILIES.get(name)
 
 
 def test_one_request_matches_reference(sdar_dir: Path) -> None:
@@ -112,12 +122,12 @@ def test_stop_tokens_and_limits_match_reference(peaky_sdar_dir: Path) -> None:
         assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
 
 
-def test_shifted_logits_read_the_previous_position_and_match_reference(peaky_sdar_dir: Path, monkeypatch) -> None:
+def test_shifted_logits_read_the_previous_position_and_match_reference(peaky_sdar_dir: Path) -> None:
     """Dream-style families predict position p from the hidden state at p - 1, across the cache boundary."""
-    from diffulex.models.sdar import SDARForDiffusionLM
-
-    monkeypatch.setattr(SDARForDiffusionLM, "logits_shift", True, raising=False)
-    with make_engine(peaky_sdar_dir, buffer_size=2, accept_threshold=0.7, num_pages=12, max_model_len=72) as llm:
+    family = shifted_sdar_family()
+    with make_engine(
+        peaky_sdar_dir, model_name=family.name, buffer_size=2, accept_threshold=0.7, num_pages=12, max_model_len=72
+    ) as llm:
         assert llm.settings.logits_shift
         prompts = random_prompts(llm, [4, 7, 13, 9, 2, 16], seed=10)
         trajectories = assert_matches_reference(llm, prompts, SamplingParams(temperature=0, max_tokens=30))

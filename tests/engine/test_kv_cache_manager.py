@@ -6,10 +6,10 @@ blocks were stored) then `register_cached_pages`.
 
 from __future__ import annotations
 
-from diffulex.engine.block import BlockStatus
 from diffulex.engine.kv_cache_manager import KVCacheManager, page_hash
-from diffulex.engine.request import DecodeSettings, Request
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.request import DecodeSettings, Request
 
 MASK = 379
 BLOCK = 4

@@ -6,11 +6,11 @@ calling `Scheduler.finish_step`, exactly what the engine does with the sampler's
 
 from __future__ import annotations
 
-from diffulex.engine.block import BlockStatus
 from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.request import CompletionReason, DecodeSettings, Request, RequestStatus
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.request import CompletionReason, DecodeSettings, Request, RequestStatus
 
 MASK = 379
 BLOCK = 4

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import diffulex.sampler.confidence as confidence
+import diffulex.sampler.rows as confidence
 from diffulex import Diffulex, SamplingParams
 from diffulex.errors import EngineClosedError, EngineDeadError
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffulex.models.hf_config import load_hf_config
+from diffulex.models.family import load_hf_config
 from diffulex.models.loader import build_model, checkpoint_files, load_checkpoint
 from diffulex.testing import write_tiny_checkpoint
 from diffulex.testing.checkpoints import FAMILIES

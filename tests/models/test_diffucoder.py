@@ -11,7 +11,7 @@ from family_harness import make_engine, write_real_vocab_checkpoint
 from safetensors.torch import load_file
 
 from diffulex.models.dream import DreamForDiffusionLM
-from diffulex.models.hf_config import model_type_to_model_name
+from diffulex.models.family import model_type_to_model_name
 from diffulex.models.loader import build_model
 
 FAMILY = "diffucoder"

@@ -13,10 +13,9 @@ from safetensors.torch import load_file
 
 from diffulex import SamplingParams
 from diffulex.models.dream import DreamForDiffusionLM
-from diffulex.models.hf_config import DreamConfig, load_hf_config, model_type_to_model_name
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import DreamConfig
 from diffulex.models.loader import build_model
-from diffulex.registry import AutoModelForDiffusionLM, AutoSampler
-from diffulex.sampler import ConfidenceSampler
 from diffulex.testing.checkpoints import tiny_special_token_ids, write_tiny_checkpoint
 
 FAMILY = "dream"
@@ -30,10 +29,10 @@ def test_config_is_read_without_remote_code_and_names_the_family(ckpt):
     assert isinstance(config, DreamConfig)
     assert config.mask_token_id == tiny_special_token_ids("dream")["<|mask|>"]
     assert config.head_dim == 16 and config.rope_theta == 1e6
-    assert AutoModelForDiffusionLM.get("diffucoder") is AutoModelForDiffusionLM.get("dream") is DreamForDiffusionLM
-    assert AutoSampler.get("dream") is AutoSampler.get("diffucoder") is ConfidenceSampler
-    assert DreamForDiffusionLM.logits_shift is True
-    assert DreamForDiffusionLM.family_defaults == {"mask_token_id": 151666, "decoding_strategy": "d2f"}
+    family = FAMILIES.get("dream")
+    assert FAMILIES.get("diffucoder") is family and family.model is DreamForDiffusionLM
+    assert family.logits_shift is True and not family.force_every_block
+    assert (family.mask_token_id, family.default_strategy) == (151666, "d2f")
 
 
 def test_the_checkpoint_is_qwen2_shaped_biases_on_q_k_v_only_and_no_qk_norm(ckpt):

@@ -11,10 +11,9 @@ from family_harness import make_engine, write_real_vocab_checkpoint
 from safetensors.torch import load_file
 
 from diffulex.models.dream_reasoner import DreamReasonerForDiffusionLM
-from diffulex.models.hf_config import DreamReasonerConfig, load_hf_config, model_type_to_model_name
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import DreamReasonerConfig
 from diffulex.models.loader import build_model
-from diffulex.registry import AutoSampler
-from diffulex.sampler import ConfidenceSampler
 from diffulex.testing.checkpoints import tiny_special_token_ids, write_tiny_checkpoint
 
 FAMILY = "dream_reasoner"
@@ -29,9 +28,10 @@ def test_architectures_tell_the_reasoner_from_dream_v0(ckpt):
     config = load_hf_config(ckpt, "dream_reasoner")
     assert isinstance(config, DreamReasonerConfig) and config.attention_bias
     assert config.mask_token_id == tiny_special_token_ids("dream_reasoner")["<|MASK|>"]
-    assert DreamReasonerForDiffusionLM.logits_shift is False
-    assert DreamReasonerForDiffusionLM.family_defaults == {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
-    assert AutoSampler.get("dream_reasoner") is ConfidenceSampler
+    family = FAMILIES.get("dream_reasoner")
+    assert family.model is DreamReasonerForDiffusionLM
+    assert family.logits_shift is False and not family.force_every_block
+    assert (family.mask_token_id, family.default_strategy) == (151669, "multi_bd")
 
 
 def test_the_checkpoint_has_qk_norms_and_biases_on_all_four_projections(ckpt):

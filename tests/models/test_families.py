@@ -22,8 +22,8 @@ from family_harness import (
 )
 from safetensors.torch import load_file
 
+from diffulex.models.family import FAMILIES, Family
 from diffulex.models.loader import build_model
-from diffulex.registry import AutoModelForDiffusionLM
 from diffulex.testing.checkpoints import tiny_special_token_ids, tiny_tokenizer_len
 
 
@@ -31,15 +31,15 @@ def _cases(keep: Callable[[FamilyCase], bool] = lambda case: True) -> list:
     return [pytest.param(case, id=case.name) for case in CASES if keep(case)]
 
 
-def _model_class(case: FamilyCase) -> type:
-    return AutoModelForDiffusionLM.get(case.name)
+def _family(case: FamilyCase) -> Family:
+    return FAMILIES.get(case.name)
 
 
 DECODED = _cases(lambda case: case.decodes_here)
 SHIFTED = [
     pytest.param(case, strategy, id=f"{case.name}-{strategy}")
     for case in CASES
-    if _model_class(case).logits_shift
+    if _family(case).logits_shift
     for strategy in ("multi_bd", "d2f")[: 2 if case.runs_d2f else 1]
 ]
 
@@ -69,13 +69,13 @@ def test_forward_equals_the_transformers_model_of_the_same_tensors(case, family_
 
 
 @pytest.mark.parametrize(
-    "case", _cases(lambda case: _model_class(case).family_defaults["decoding_strategy"] in ("multi_bd", "d2f"))
+    "case", _cases(lambda case: _family(case).default_strategy in ("multi_bd", "d2f"))
 )
 def test_the_engine_takes_the_family_strategy_logit_shift_and_mask_token(case, family_checkpoint):
-    model_class = _model_class(case)
+    family = _family(case)
     with make_engine(family_checkpoint(case.name, "peaky"), decoding_strategy=None, **case.engine) as llm:
-        assert llm.config.decoding_strategy == model_class.family_defaults["decoding_strategy"]
-        assert llm.settings.logits_shift == model_class.logits_shift
+        assert llm.config.decoding_strategy == family.default_strategy
+        assert llm.settings.logits_shift == family.logits_shift
         assert llm.mask_token_id == tiny_special_token_ids(case.name)[case.mask_token]
 
 

@@ -10,10 +10,9 @@ import pytest
 from family_harness import make_engine, write_real_vocab_checkpoint
 from safetensors.torch import load_file
 
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
 from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
-from diffulex.models.hf_config import FastdLLMV2Config, load_hf_config, model_type_to_model_name
-from diffulex.registry import AutoSampler
-from diffulex.sampler import ConfidenceSampler
+from diffulex.models.hf_config import FastdLLMV2Config
 from diffulex.testing.checkpoints import tiny_special_token_ids
 
 FAMILY = "fast_dllm_v2"
@@ -27,9 +26,10 @@ def test_config_names_the_family_and_the_mask_comes_from_the_tokenizer_files(ckp
     config = load_hf_config(ckpt, "fast_dllm_v2")
     assert isinstance(config, FastdLLMV2Config) and config.bd_size == 32
     assert config.mask_token_id == tiny_special_token_ids("fast_dllm_v2")["|<MASK>|"]
-    assert FastdLLMV2ForDiffusionLM.logits_shift is True
-    assert FastdLLMV2ForDiffusionLM.family_defaults["mask_token_id"] == 151665
-    assert AutoSampler.get("fast_dllm_v2") is ConfidenceSampler
+    family = FAMILIES.get("fast_dllm_v2")
+    assert family.model is FastdLLMV2ForDiffusionLM
+    assert family.logits_shift is True and not family.force_every_block
+    assert family.mask_token_id == 151665
 
 
 def test_the_checkpoint_is_qwen2_shaped_biases_on_q_k_v_only(ckpt):

@@ -10,11 +10,10 @@ import torch
 from family_harness import assert_forward_matches_reference, assert_matches_transformers, make_engine
 from safetensors.torch import load_file
 
-from diffulex.models.hf_config import LLaDAConfig, load_hf_config, model_type_to_model_name
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import LLaDAConfig
 from diffulex.models.llada import LLaDAForDiffusionLM
 from diffulex.models.loader import build_model
-from diffulex.registry import AutoSampler
-from diffulex.sampler import ConfidenceSampler
 from diffulex.testing.checkpoints import tiny_special_token_ids, write_tiny_checkpoint
 
 FAMILY = "llada"
@@ -31,9 +30,10 @@ def test_config_uses_olmo_names_and_names_the_family(ckpt):
     assert isinstance(config, LLaDAConfig)
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 4)  # MHA
     assert config.mask_token_id == tiny_special_token_ids("llada")["<|mdm_mask|>"]
-    assert LLaDAForDiffusionLM.family_defaults == {"mask_token_id": 126336, "decoding_strategy": "d2f"}
-    assert getattr(LLaDAForDiffusionLM, "logits_shift", False) is False
-    assert AutoSampler.get("llada") is ConfidenceSampler
+    family = FAMILIES.get("llada")
+    assert family.model is LLaDAForDiffusionLM
+    assert (family.mask_token_id, family.default_strategy) == (126336, "d2f")
+    assert family.logits_shift is False and not family.force_every_block
 
 
 def test_the_mask_id_comes_from_the_tokenizer_files_when_the_config_has_none(tmp_path):

@@ -11,10 +11,10 @@ import torch
 
 from diffulex.layers.moe import GroupLimitedRouter, SparseMoE
 from diffulex.models.dense import DenseMLP
-from diffulex.models.hf_config import LLaDA2Config, load_hf_config, model_type_to_model_name
-from diffulex.models.llada2 import MODEL_NAMES
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import LLaDA2Config
+from diffulex.models.llada2 import LLaDA2ForDiffusionLM
 from diffulex.models.loader import build_model
-from diffulex.registry import AutoModelForDiffusionLM
 
 FAMILY = "llada2"
 
@@ -44,7 +44,9 @@ def test_rotary_covers_half_of_each_head(ckpt: Path):
 
 
 def test_every_llada2_name_runs_the_same_model():
-    assert {AutoModelForDiffusionLM.get(name) for name in MODEL_NAMES} == {AutoModelForDiffusionLM.get("llada2")}
+    names = ("llada2", "llada2_moe", "llada2_mini", "llada2dot1_mini", "llada2_mini_dmax")
+    assert {FAMILIES.get(name).model for name in names} == {LLaDA2ForDiffusionLM}
+    assert FAMILIES.get("llada2dot1_mini").sampling_modes == ("edit",)
     assert model_type_to_model_name("llada2_moe", ["LLaDA2MoeModelLM"]) == "llada2"
 
 

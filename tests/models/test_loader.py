@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffulex.models.hf_config import SDARConfig, load_hf_config, model_type_to_model_name
+from diffulex.models.family import load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import SDARConfig
 from diffulex.models.loader import build_model, checkpoint_files, load_checkpoint
 from diffulex.testing import write_tiny_checkpoint
 from diffulex.testing.checkpoints import sdar_reference_dir

@@ -10,10 +10,10 @@ import torch
 from family_harness import reference_forward
 
 from diffulex.attention import Attention, DenseAttentionMetadata, PagedAttentionMetadata, visibility_mask
+from diffulex.models.family import FAMILIES
 from diffulex.models.hf_config import SDARConfig
 from diffulex.models.loader import build_model
 from diffulex.models.sdar import SDARForDiffusionLM
-from diffulex.registry import AutoModelForDiffusionLM
 from diffulex.testing import write_tiny_checkpoint
 
 FAMILY = "sdar"
@@ -119,9 +119,10 @@ def test_bfloat16_model_gives_bfloat16_logits(ckpt):
 
 
 def test_sdar_is_registered_with_its_family_defaults():
-    assert AutoModelForDiffusionLM.get("sdar") is SDARForDiffusionLM
-    assert SDARForDiffusionLM.family_defaults == {"mask_token_id": 151669, "decoding_strategy": "multi_bd"}
-    assert SDARForDiffusionLM.logits_shift is False
+    family = FAMILIES.get("sdar")
+    assert family.model is SDARForDiffusionLM
+    assert (family.mask_token_id, family.default_strategy) == (151669, "multi_bd")
+    assert family.logits_shift is False
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, {"type": "default"}])

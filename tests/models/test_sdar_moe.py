@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from diffulex.layers.moe import SparseMoE
 from diffulex.models.dense import DenseMLP
-from diffulex.models.hf_config import SDARMoeConfig, model_type_to_model_name
+from diffulex.models.family import model_type_to_model_name
+from diffulex.models.hf_config import SDARMoeConfig
 from diffulex.models.loader import build_model
 from diffulex.testing import write_tiny_checkpoint
 from diffulex.testing.checkpoints import tiny_tokenizer_len

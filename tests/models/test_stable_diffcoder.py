@@ -9,10 +9,9 @@ import json
 from family_harness import GREEDY, assert_engine_matches_reference, make_engine, random_prompts
 from safetensors.torch import load_file
 
-from diffulex.models.hf_config import StableDiffCoderConfig, load_hf_config, model_type_to_model_name
+from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
+from diffulex.models.hf_config import StableDiffCoderConfig
 from diffulex.models.stable_diffcoder import StableDiffCoderForDiffusionLM
-from diffulex.registry import AutoSampler
-from diffulex.sampler import AlwaysForceSampler
 from diffulex.testing.reference_decoder import reference_generate
 
 FAMILY = "stable_diffcoder"
@@ -28,8 +27,10 @@ def test_architectures_select_the_family_and_the_mask_comes_from_the_tokenizer(c
     assert isinstance(config, StableDiffCoderConfig)
     assert config.mask_token_id == 5 and (config.bos_token_id, config.pad_token_id, config.eos_token_id) == (0, 1, 2)
     assert config.attention_bias and config.mlp_bias and config.head_dim == 8
-    assert StableDiffCoderForDiffusionLM.family_defaults == {"mask_token_id": 5, "decoding_strategy": "multi_bd"}
-    assert AutoSampler.get("stable_diffcoder") is AlwaysForceSampler
+    family = FAMILIES.get("stable_diffcoder")
+    assert family.model is StableDiffCoderForDiffusionLM
+    assert (family.mask_token_id, family.default_strategy) == (5, "multi_bd")
+    assert family.force_every_block is True
 
 
 def test_the_checkpoint_has_attention_and_mlp_biases(ckpt):

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from diffulex import Diffulex, SamplingParams
-from diffulex.engine.request import DecodeSettings, Request
-from diffulex.sampler import ConfidenceSampler, SamplerSettings
 from diffulex.sampler.acceptance import accept_confident
+from diffulex.sampler.rows import SamplerSettings
 from diffulex.sampler.token_sampling import ban_tokens, filter_top_k_top_p, greedy, sample, step_generator
+from diffulex.strategy.multi_bd.sampler import ConfidenceSampler
+from diffulex.strategy.request import DecodeSettings, Request
 
 VOCAB = 384  # config vocab_size of the tiny checkpoint
 VOCAB_LIMIT = 380  # len(tokenizer): 380..383 are padding rows

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from diffulex.cli import build_parser
-from diffulex.server.cli import DEFAULT_MAX_BODY_BYTES
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 
 
 def test_serve_is_a_diffulex_subcommand_with_engine_flags() -> None:

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 
 from diffulex import SamplingParams
-from diffulex.engine.request import StepRecord
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.outputs import Trajectory
 from diffulex.server.engine_loop import (
@@ -25,6 +24,7 @@ from diffulex.server.engine_loop import (
     RequestTooLargeError,
 )
 from diffulex.server.metrics import ServerMetrics
+from diffulex.strategy.request import StepRecord
 
 from .conftest import RunningServer
 

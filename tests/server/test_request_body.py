@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from diffulex.server.cli import DEFAULT_MAX_BODY_BYTES
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 from diffulex.server.protocol import APIError, escaped
 from diffulex.server.request_body import INT64_MAX, check_values, parse_json_body
 

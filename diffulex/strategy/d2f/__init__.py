@@ -1,19 +1,21 @@
 """Discrete Diffusion Forcing: multi-block decoding with a bidirectionally encoded prompt.
 
-The only differences from ``multi_bd`` are set by its config normalizer: prefix-full attention (prompt rows see
-the whole prompt) and prefix caching off (a prompt page's K/V depends on later prompt tokens). The runtime
-components are the shared ones.
+The only difference from ``multi_bd``: prompt rows see the whole prompt. A prompt page's K/V then depends on the
+prompt tokens after it, so a page cannot be reused by a request whose prompt continues differently: prefix caching
+is off. Requests, acceptance and everything else are multi_bd's.
 """
 
-from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.model_runner import ModelRunner
-from diffulex.engine.request import Request
-from diffulex.engine.scheduler import Scheduler
-from diffulex.registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoScheduler
-from diffulex.strategy.d2f import config  # noqa: F401
+from __future__ import annotations
 
-NAME = "d2f"
-AutoReq.register(NAME)(Request)
-AutoScheduler.register(NAME)(Scheduler)
-AutoKVCacheManager.register(NAME)(KVCacheManager)
-AutoModelRunner.register(NAME)(ModelRunner)
+from diffulex.strategy.multi_bd import MultiBD
+from diffulex.strategy.strategy import register_strategy
+
+
+class D2F(MultiBD):
+    name = "d2f"
+    aliases = ()
+    bidirectional_prompt = True
+    sampling_modes = ("naive",)
+
+
+register_strategy(D2F())

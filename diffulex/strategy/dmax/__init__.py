@@ -1,19 +1,63 @@
 """DMax: LLaDA2 edit decoding where every decoded token of an active block is refreshed each step and masks are
-filled as a left-to-right run of confident positions (`diffulex.sampler.dmax`); a block commits once a step
-changes nothing or everything is confident; with token merge, decoded positions enter the next forward as soft
-inputs (`diffulex.layers.token_merge`). Requests are edit-mode requests; scheduler, cache manager and runner are
-the shared ones.
+filled as a left-to-right run of confident positions (`diffulex.strategy.dmax.sampler`); a block commits once a
+step changes nothing or everything is confident. With token merge (``token_merge_weight > 0``) decoded positions
+enter the next forward as soft inputs (`diffulex.layers.token_merge`), which only eager steps take: no CUDA graphs
+then. Requests are edit-mode requests; attention is block-causal, so prefix caching defaults to on.
 """
 
-from diffulex.engine.edit_request import EditRequest
-from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.model_runner import ModelRunner
-from diffulex.engine.scheduler import Scheduler
-from diffulex.registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoScheduler
-from diffulex.strategy.dmax import config  # noqa: F401
+from __future__ import annotations
 
-NAME = "dmax"
-AutoReq.register(NAME)(EditRequest)
-AutoScheduler.register(NAME)(Scheduler)
-AutoKVCacheManager.register(NAME)(KVCacheManager)
-AutoModelRunner.register(NAME)(ModelRunner)
+import dataclasses
+from dataclasses import dataclass
+
+from diffulex.layers.token_merge import TokenMergeSettings
+from diffulex.strategy.dmax.sampler import DMaxSampler
+from diffulex.strategy.edit import EditDecoding, EditOptions
+from diffulex.strategy.strategy import SamplerContext, register_strategy
+from diffulex.validation import check_bool, check_choice, check_int, check_number
+
+# How the candidates of a soft input are built: the decoded token at its confidence, or the top-k of the position.
+TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
+
+
+@dataclass(frozen=True)
+class DMaxOptions(EditOptions):
+    token_merge_mode: str = "dmax_topk"
+    token_merge_top_k: int = 1  # candidates kept per position
+    token_merge_renormalize: bool = True  # renormalize the candidates' probabilities after filtering
+    token_merge_weight: float = 1.0  # interpolation weight of the soft inputs; 0 turns token merge off
+    dmax_sampler_fast_path: bool = True  # a decoded position's confidence counts as 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("token_merge_mode", self.token_merge_mode, TOKEN_MERGE_MODES)
+        check_int("token_merge_top_k", self.token_merge_top_k, low=1)
+        check_bool("token_merge_renormalize", self.token_merge_renormalize)
+        weight = check_number("token_merge_weight", self.token_merge_weight, low=0.0)
+        object.__setattr__(self, "token_merge_weight", weight)
+        check_bool("dmax_sampler_fast_path", self.dmax_sampler_fast_path)
+
+
+class DMax(EditDecoding):
+    name = "dmax"
+    Options = DMaxOptions
+
+    def make_sampler(self, context: SamplerContext) -> DMaxSampler:
+        options = context.options
+        settings = dataclasses.replace(
+            self.edit_settings(context),
+            dmax_fast_path=options.dmax_sampler_fast_path,
+            token_merge=self.soft_inputs(options, context.mask_token_id),
+        )
+        return DMaxSampler(settings)
+
+    def soft_inputs(self, options: DMaxOptions, mask_token_id: int) -> TokenMergeSettings | None:
+        if options.token_merge_weight <= 0:
+            return None
+        return TokenMergeSettings(
+            options.token_merge_mode, options.token_merge_top_k, options.token_merge_weight,
+            options.token_merge_renormalize, mask_token_id,
+        )  # fmt: skip
+
+
+register_strategy(DMax())

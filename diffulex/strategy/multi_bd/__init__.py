@@ -1,18 +1,34 @@
 """Multi-Block Diffusion: a running set of up to ``buffer_size`` blocks, block-causal attention, prefix caching.
 
-With ``buffer_size=1`` this is SingleBD, the semi-autoregressive block diffusion SDAR and LLaDA2 were trained
-for. It uses the shared request, scheduler, cache manager and runner unchanged.
+With ``buffer_size=1`` this is SingleBD, the semi-autoregressive block diffusion SDAR and LLaDA2 were trained for.
+Every block, prompt blocks included, sees only itself and earlier blocks, so committed pages never change and can be
+shared between requests: prefix caching is on unless turned off. Acceptance is the confidence rule
+(`diffulex.strategy.multi_bd.sampler`); under ``sampling_mode="edit"`` it runs as edit decoding
+(`diffulex.strategy.edit`).
 """
 
-from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.model_runner import ModelRunner
-from diffulex.engine.request import Request
-from diffulex.engine.scheduler import Scheduler
-from diffulex.registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoScheduler
-from diffulex.strategy.multi_bd import config  # noqa: F401
+from __future__ import annotations
 
-NAME = "multi_bd"
-AutoReq.register(NAME)(Request)
-AutoScheduler.register(NAME)(Scheduler)
-AutoKVCacheManager.register(NAME)(KVCacheManager)
-AutoModelRunner.register(NAME)(ModelRunner)
+from diffulex.sampler.rows import SamplerSettings
+from diffulex.strategy.edit import EditDecoding
+from diffulex.strategy.multi_bd.sampler import ConfidenceSampler
+from diffulex.strategy.strategy import SamplerContext, Strategy, register_strategy
+
+
+class MultiBD(Strategy):
+    name = "multi_bd"
+    aliases = ("multi_block_diffusion", "block_diffusion", "fast_dllm")  # names of it in older configs
+    sampling_modes = ("naive", "edit")
+
+    def for_sampling_mode(self, mode: str) -> Strategy:
+        if mode == "edit" and mode in self.sampling_modes:
+            return EditDecoding(self.name)
+        return super().for_sampling_mode(mode)
+
+    def make_sampler(self, context: SamplerContext) -> ConfidenceSampler:
+        c = context
+        settings = SamplerSettings(c.vocab_limit, c.mask_token_id, c.accept_threshold, c.base_seed)
+        return ConfidenceSampler(settings, force_every_block=c.family.force_every_block)
+
+
+register_strategy(MultiBD())

@@ -1,8 +1,8 @@
 """A request decoded in edit mode (``sampling_mode="edit"``, LLaDA2.1): a block's decoded tokens may still be
 rewritten while it is active, and it commits only when the sampler stops changing it.
 
-Per step and active block the sampler (`diffulex.sampler.edit.EditSampler`) proposes a token for every generated
-position: masks are filled as in the naive mode (those above the threshold, else the most confident one), and
+Per step and active block the sampler (`diffulex.strategy.edit.sampler.EditSampler`) proposes a token for every
+generated position: masks are filled as in the naive mode (those above the threshold, else the most confident one), and
 already decoded positions whose proposal differs take it when confident enough (token-to-token edits). A block
 is finished, and commits like any complete block, when a step writes nothing into it, when it has spent
 ``max_post_edit_steps`` steps without a mask, or when it times out (``block_size + max_post_edit_steps`` steps,
@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diffulex.engine.block import Block, BlockStatus
-from diffulex.engine.request import CompletionReason, Request, SampleTarget
 from diffulex.layers.token_merge import SoftInput
+from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.request import CompletionReason, Request, SampleTarget
 
 
 @dataclass
@@ -51,14 +51,14 @@ class EditRequest(Request):
     def _max_nfe(self) -> int:
         """The naive bound plus every block's post-edit steps."""
         blocks = math.ceil(self.sampling_params.max_tokens / self.settings.block_size)
-        return super()._max_nfe() + blocks * (self.settings.max_post_edit_steps + 1)
+        return super()._max_nfe() + blocks * (self.settings.options.max_post_edit_steps + 1)
 
     def progress_of(self, block: Block) -> EditProgress:
         return self.edits.setdefault(block.index, EditProgress())
 
     def times_out(self, block: Block) -> bool:
         """Whether this step is the block's last chance: it has had its steps and post-edit steps."""
-        return self.progress_of(block).steps + 1 >= block.size + self.settings.max_post_edit_steps
+        return self.progress_of(block).steps + 1 >= block.size + self.settings.options.max_post_edit_steps
 
     def maybe_activate_block(self) -> bool:
         """As in the naive mode, and the newest block's tokens must also be stable enough
@@ -79,9 +79,6 @@ class EditRequest(Request):
             if lo < hi:
                 targets.append(SampleTarget(block, list(range(lo, hi)), force_allowed=True))
         return targets
-
-    def next_step_has_same_rows(self) -> bool:
-        return False  # edits are applied on the host between steps: no continuation on the device
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
         """Write the step's tokens, edits included; returns how many masks were filled. Each block sampled in

@@ -8,17 +8,18 @@ import dataclasses
 import pytest
 import torch
 
-from diffulex.engine.block import BlockStatus
-from diffulex.engine.edit_request import EditRequest
-from diffulex.engine.request import DecodeSettings
-from diffulex.sampler.edit import EditSampler, EditSettings
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.edit import EditOptions
+from diffulex.strategy.edit.request import EditRequest
+from diffulex.strategy.edit.sampler import EditSampler, EditSettings
+from diffulex.strategy.request import DecodeSettings
 
 MASK, EOS, VOCAB = 9, 8, 10
 SETTINGS = DecodeSettings(
     block_size=4, buffer_size=1, mask_token_id=MASK, max_model_len=100, stop_token_ids=frozenset({EOS}),
     accept_threshold=0.9, add_block_threshold=1.0, semi_complete_threshold=0.9, auto_max_nfe_warmup_steps=4,
-    auto_max_nfe_tpf_floor=1.0, max_post_edit_steps=2,
+    auto_max_nfe_tpf_floor=1.0, options=EditOptions(max_post_edit_steps=2),
 )  # fmt: skip
 
 
@@ -78,7 +79,7 @@ def test_a_block_that_keeps_changing_stops_after_its_post_edit_steps():
     req, sampler = make(edit_threshold=0.0)
     step(req, sampler, [5, 6, 7, 5], [0.95] * 4)
     flips = ([1, 6, 7, 5], [5, 6, 7, 5])
-    for n in range(SETTINGS.max_post_edit_steps):
+    for n in range(SETTINGS.options.max_post_edit_steps):
         assert step(req, sampler, flips[n % 2], [0.95] * 4) != []
     assert step(req, sampler, [2, 6, 7, 5], [0.95] * 4) == []  # its post-edit steps are used up: no write
     assert req.running[0].status is BlockStatus.TO_CACHE
@@ -86,7 +87,7 @@ def test_a_block_that_keeps_changing_stops_after_its_post_edit_steps():
 
 def test_at_its_time_out_a_block_fills_every_mask_left():
     req2, sampler2 = make()
-    req2.progress_of(req2.running[0]).steps = SETTINGS.block_size + SETTINGS.max_post_edit_steps - 1
+    req2.progress_of(req2.running[0]).steps = SETTINGS.block_size + SETTINGS.options.max_post_edit_steps - 1
     assert step(req2, sampler2, [5, 6, 7, 5], [0.2, 0.3, 0.2, 0.2]) == [(4, 5), (5, 6), (6, 7), (7, 5)]
     assert req2.running[0].status is BlockStatus.TO_CACHE
 
@@ -109,7 +110,7 @@ def test_the_repetition_penalty_moves_a_proposal_off_the_previous_token():
 
 
 def test_a_request_of_the_naive_mode_is_refused():
-    from diffulex.engine.request import Request
+    from diffulex.strategy.request import Request
 
     req = Request(0, [1, 2, 3, 4], SamplingParams(max_tokens=4), dataclasses.replace(SETTINGS))
     req.maybe_activate_block()

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from diffulex.engine.edit_request import BlockVerdict, EditRequest
-from diffulex.engine.request import SampleTarget
 from diffulex.layers.token_merge import SoftInput
-from diffulex.sampler.edit import EditSampler
 from diffulex.sampler.token_sampling import ban_tokens
+from diffulex.strategy.edit.request import BlockVerdict, EditRequest
+from diffulex.strategy.edit.sampler import EditSampler
+from diffulex.strategy.request import SampleTarget
 
 # Confidence at which every position of a block counts as settled (the original's constant, not accept_threshold).
 CONFIDENT = 0.9

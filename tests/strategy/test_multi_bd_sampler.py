@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
-from diffulex.engine.block import Block, BlockStatus
-from diffulex.engine.request import DecodeSettings, Request, SampleTarget
-from diffulex.sampler import AlwaysForceSampler, ConfidenceSampler, SamplerSettings
 from diffulex.sampler.acceptance import accept_confident, accept_confident_segments
+from diffulex.sampler.rows import SamplerSettings
 from diffulex.sampler.token_sampling import ban_tokens, greedy, sample, step_generator
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.multi_bd.sampler import ConfidenceSampler
+from diffulex.strategy.request import DecodeSettings, Request, SampleTarget
 
 VOCAB, VOCAB_LIMIT, MASK = 64, 60, 59
 DECODE = DecodeSettings(4, 2, MASK, 4096, frozenset({0}), 0.9, 0.1, 0.9, 8, 1.0)
@@ -112,18 +113,18 @@ def test_segment_acceptance_forces_the_first_of_tied_best_rows_only_where_nothin
 # ----- the sampler ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampler_cls", [ConfidenceSampler, AlwaysForceSampler])
+@pytest.mark.parametrize("force_every_block", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(15))
-def test_writes_equal_the_per_request_sampler_on_random_batches(seed, dtype, sampler_cls):
+def test_writes_equal_the_per_request_sampler_on_random_batches(seed, dtype, force_every_block):
     rng = random.Random(seed)
     work = random_work(rng, rng.choice([1, 3, 8, 20]))
     num_rows = sum(len(t.positions) for _, targets in work for t in targets)
     logits = random_logits(rng, num_rows, dtype)
     settings = SamplerSettings(VOCAB_LIMIT, MASK, rng.choice([0.5, 0.9, 0.99]), base_seed=3)
 
-    expected = per_request_writes(settings, logits, work, sampler_cls is AlwaysForceSampler)
-    got = sampler_cls(settings)(logits.clone(), work)
+    expected = per_request_writes(settings, logits, work, force_every_block)
+    got = ConfidenceSampler(settings, force_every_block)(logits.clone(), work)
 
     assert got == expected
     assert list(got) == [req.req_id for req, _ in work]  # every request has an entry, in batch order
@@ -138,7 +139,7 @@ def test_always_force_takes_the_best_position_of_every_block_even_where_forcing_
     logits[1, 7] = 3.0  # the best of block a, not confident
     logits[2, 8] = logits[3, 9] = 2.0  # tied best of block b: the first position wins
     assert ConfidenceSampler(settings)(logits.clone(), work) == {0: []}
-    assert AlwaysForceSampler(settings)(logits.clone(), work) == {0: [(5, 7), (9, 8)]}
+    assert ConfidenceSampler(settings, force_every_block=True)(logits.clone(), work) == {0: [(5, 7), (9, 8)]}
 
 
 def test_sampled_requests_draw_from_their_own_seeded_generator():
@@ -171,7 +172,7 @@ def test_a_batch_without_targets_writes_nothing():
 def test_device_layout_sections_start_16_byte_aligned_whatever_the_row_counts(seed):
     """Triton compiles a kernel per pointer alignment: sections that moved with the parity of the row or block count
     would make the acceptance kernel compile again while serving."""
-    from diffulex.sampler.confidence import RowLayout
+    from diffulex.sampler.rows import RowLayout
 
     layout = RowLayout.of(random_work(random.Random(seed), num_requests=1 + seed), force_every_block=False)
     segment, force, starts = layout.to_device(torch.device("cpu"))
@@ -180,9 +181,9 @@ def test_device_layout_sections_start_16_byte_aligned_whatever_the_row_counts(se
     assert all(t.data_ptr() % 16 == 0 for t in (segment, force, starts))
 
 
-@pytest.mark.parametrize("sampler_cls", [ConfidenceSampler, AlwaysForceSampler])
+@pytest.mark.parametrize("force_every_block", [False, True])
 @pytest.mark.parametrize("seed", range(10))
-def test_the_device_only_greedy_step_on_padded_rows_and_blocks_writes_what_the_sampler_writes(seed, sampler_cls):
+def test_the_device_only_greedy_step_on_padded_rows_and_blocks_writes_what_the_sampler_writes(seed, force_every_block):
     """`greedy_result` is what a captured graph runs: logits of every row of a padded step, the rows to sample
     picked by index and padded with -1, blocks padded with empty ones, padded rows in one more block that may not
     force. Read back like the eager result, it gives the sampler's writes."""
@@ -190,7 +191,8 @@ def test_the_device_only_greedy_step_on_padded_rows_and_blocks_writes_what_the_s
     work = [(req, targets) for req, targets in random_work(rng, rng.choice([1, 3, 8]))]
     for req, _ in work:
         req.sampling_params = SamplingParams(temperature=0.0)
-    sampler = sampler_cls(SamplerSettings(VOCAB_LIMIT, MASK, rng.choice([0.5, 0.9]), base_seed=3))
+    settings = SamplerSettings(VOCAB_LIMIT, MASK, rng.choice([0.5, 0.9]), base_seed=3)
+    sampler = ConfidenceSampler(settings, force_every_block)
     layout = sampler.row_layout(work)
     n, blocks = len(layout.positions), len(layout.force)
     logits = random_logits(rng, n, torch.float32)
@@ -209,4 +211,4 @@ def test_the_device_only_greedy_step_on_padded_rows_and_blocks_writes_what_the_s
     assert result.shape == (2, n + pad_rows)
     got = layout.pending(result[:, :n]).result()
     assert got == sampler(logits.clone(), work)
-    assert got == per_request_writes(sampler.settings, logits, work, sampler_cls is AlwaysForceSampler)
+    assert got == per_request_writes(sampler.settings, logits, work, force_every_block)

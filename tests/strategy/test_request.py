@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from diffulex.engine.block import BlockStatus
-from diffulex.engine.request import CompletionReason, DecodeSettings, Request
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.request import CompletionReason, DecodeSettings, Request
 
 MASK = 379
 EOS = 376

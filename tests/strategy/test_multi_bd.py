@@ -1,16 +1,17 @@
-"""Each family's acceptance rule: which sampled positions of a block are written."""
+"""multi_bd's acceptance rule, as each family specialises it: which sampled positions of a block are written."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import diffulex.sampler  # noqa: F401  (registers every family's rule)
-from diffulex.engine.block import Block, BlockStatus
-from diffulex.engine.request import DecodeSettings, Request, SampleTarget
-from diffulex.registry import AutoSampler
-from diffulex.sampler import AlwaysForceSampler, ConfidenceSampler, SamplerSettings
+from diffulex.models.family import FAMILIES
+from diffulex.sampler.rows import SamplerSettings
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.multi_bd.sampler import ConfidenceSampler
+from diffulex.strategy.request import DecodeSettings, Request, SampleTarget
+from diffulex.strategy.strategy import STRATEGIES, SamplerContext
 
 VOCAB, MASK = 16, 15
 
@@ -35,13 +36,16 @@ def logits_with_confidences(best: list[tuple[int, float]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("name", "cls"),
-    [("sdar", ConfidenceSampler), ("llada", ConfidenceSampler), ("dream", ConfidenceSampler),
-     ("diffucoder", ConfidenceSampler), ("dream_reasoner", ConfidenceSampler), ("fast_dllm_v2", ConfidenceSampler),
-     ("stable_diffcoder", AlwaysForceSampler)],
+    ("name", "force_every_block"),
+    [("sdar", False), ("llada", False), ("dream", False), ("diffucoder", False), ("dream_reasoner", False),
+     ("fast_dllm_v2", False), ("llada2", False), ("stable_diffcoder", True)],
 )  # fmt: skip
-def test_every_family_has_its_rule(name, cls):
-    assert AutoSampler.get(name) is cls
+@pytest.mark.parametrize("strategy", ["multi_bd", "d2f"])
+def test_the_strategy_gives_each_family_its_rule(strategy, name, force_every_block):
+    context = SamplerContext(FAMILIES.get(name), VOCAB, MASK, 0.9, 0.0, 0, None)
+    sampler = STRATEGIES.get(strategy).make_sampler(context)
+    assert isinstance(sampler, ConfidenceSampler)
+    assert sampler.force_every_block is force_every_block
 
 
 @pytest.mark.parametrize("force_allowed", [False, True])
@@ -54,7 +58,7 @@ def test_the_rules_differ_only_when_nothing_is_confident_and_forcing_is_not_allo
     for logits, expect_confident in ((unsure, []), (sure, [(4, 3), (6, 7)])):
         work = [(req, [SampleTarget(block, [4, 5, 6], force_allowed)])]
         sdar = ConfidenceSampler(settings)(logits, work)[0]
-        stable = AlwaysForceSampler(settings)(logits, work)[0]
+        stable = ConfidenceSampler(settings, force_every_block=True)(logits, work)[0]
         if expect_confident:
             assert sdar == stable == expect_confident
         else:

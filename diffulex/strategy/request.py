@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from diffulex.engine.block import Block, BlockStatus
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.block import Block, BlockStatus
 
 
 class RequestStatus(enum.Enum):
@@ -50,8 +51,8 @@ class DecodeSettings:
     auto_max_nfe_warmup_steps: int
     auto_max_nfe_tpf_floor: float
     logits_shift: bool = False  # the family predicts the token at p from the hidden state at p - 1
-    max_post_edit_steps: int = 16  # edit mode: steps a block may keep editing once it holds no mask
     token_stability_threshold: float = 0.0  # edit mode: stable share the newest block needs before another opens
+    options: Any = None  # the strategy's options object (`diffulex.strategy.strategy.Strategy.Options`)
 
 
 @dataclass

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from diffulex.engine.block import BlockStatus
-from diffulex.sampler.dmax import DMaxSampler
-from tests.sampler.test_edit_sampler import MASK, make, peaked
+from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.dmax.sampler import DMaxSampler
+from tests.strategy.test_edit_sampler import MASK, make, peaked
 
 
 def dmax(fast_path: bool = True):

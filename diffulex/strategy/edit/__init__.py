@@ -1,0 +1,49 @@
+"""Edit decoding (LLaDA2.1): multi-block decoding in which an active block's decoded tokens may still be rewritten.
+
+Reached through ``multi_bd`` with ``sampling_mode="edit"`` (the family must support it: `Family.sampling_modes`).
+Requests are `diffulex.strategy.edit.request.EditRequest` (a block commits once the sampler stops changing it), the
+rule is `diffulex.strategy.edit.sampler.EditSampler`, decided on the host after every step: so no step samples in
+a CUDA graph or is continued on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffulex.strategy.edit.request import EditRequest
+from diffulex.strategy.edit.sampler import EditSampler, EditSettings
+from diffulex.strategy.strategy import SamplerContext, Strategy
+from diffulex.validation import check_int, check_number
+
+
+@dataclass(frozen=True)
+class EditOptions:
+    max_post_edit_steps: int = 16  # steps a block may keep editing once it holds no mask
+    penalty_lambda: float = 0.0  # lowers the logit of the token at the position before (repetition)
+
+    def __post_init__(self) -> None:
+        check_int("max_post_edit_steps", self.max_post_edit_steps, low=0)
+        object.__setattr__(self, "penalty_lambda", check_number("penalty_lambda", self.penalty_lambda, low=0.0))
+
+
+class EditDecoding(Strategy):
+    name = "edit"
+    Options = EditOptions
+    request_class = EditRequest
+    sampling_modes = ("edit",)
+    samples_in_graph = False
+    continues_on_device = False
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None:
+            self.name = name  # the registered strategy this is the edit mode of
+
+    def edit_settings(self, context: SamplerContext) -> EditSettings:
+        options = context.options
+        return EditSettings(
+            context.vocab_limit, context.mask_token_id, context.accept_threshold, context.edit_threshold,
+            options.penalty_lambda, context.base_seed,
+        )  # fmt: skip
+
+    def make_sampler(self, context: SamplerContext) -> EditSampler:
+        return EditSampler(self.edit_settings(context))

@@ -1,0 +1,163 @@
+"""What a decoding strategy is to the engine: one object that answers every question the engine has about it.
+
+The engine never branches on a strategy's name. It asks the strategy (resolved once by `diffulex.config.Config`):
+
+* its **options**: a dataclass of the strategy's own settings (`Strategy.Options`), filled from the engine fields of
+  the same names and the ``strategy_options`` dict, and validated there;
+* its **normalizer**: the settings it cannot work without (attention visibility, prefix caching, sizes);
+* its **request class**: the block state of one request (`diffulex.strategy.request.Request` or a subclass);
+* its **sampler** for a model family: the acceptance rule, which a strategy may specialise per family;
+* what it needs of the runner: soft inputs (`Strategy.soft_inputs`), and which fast paths it supports (greedy
+  sampling inside the CUDA graph, continuing a step on the device before its predecessor's result is read).
+
+Shared machinery stays shared: block state (`diffulex.strategy.request`), proposals, top-1 and drawing
+(`diffulex.sampler`), and the scheduler, KV cache manager and runner of `diffulex.engine`. A strategy is one
+`register_strategy` call, in the package (`diffulex/strategy/<name>/`) or in a plugin (`diffulex.plugins`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from diffulex.layers.token_merge import TokenMergeSettings
+from diffulex.models.family import Family
+from diffulex.registry import Registry
+from diffulex.sampler.rows import PendingWrites, RowLayout
+from diffulex.strategy.request import Request, SampleTarget
+from diffulex.validation import force_setting, format_choices, invalid_value, reject_unknown_keys
+
+if TYPE_CHECKING:
+    from diffulex.config import Config
+
+
+class Sampler(Protocol):
+    """What the model runner calls on a strategy's sampler (`diffulex.sampler.host.HostSampler` implements it for
+    rules decided on the host; `diffulex.strategy.multi_bd.sampler.ConfidenceSampler` also samples in a graph)."""
+
+    def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout: ...
+
+    def launch(
+        self, logits: torch.Tensor, work: list[tuple[Request, list[SampleTarget]]], layout: RowLayout | None = None
+    ) -> PendingWrites: ...
+
+    def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a strategy that has no settings of its own."""
+
+
+@dataclass(frozen=True)
+class SamplerContext:
+    """What a strategy may read when it builds its sampler."""
+
+    family: Family
+    vocab_limit: int  # ids at or above this are padding rows of the embedding: never proposed
+    mask_token_id: int
+    accept_threshold: float
+    edit_threshold: float
+    base_seed: int  # the seed of requests that bring none
+    options: Any  # the strategy's options object
+
+
+class Strategy:
+    """A decoding strategy. Subclass it, set the class attributes that differ, implement `make_sampler`."""
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()  # old spellings of the name, accepted with a deprecation warning
+    Options: ClassVar[type] = NoOptions  # a dataclass; __post_init__ validates
+    # The block state of one request; None for a strategy whose configuration exists but that the engine cannot run.
+    request_class: ClassVar[type[Request] | None] = Request
+    # The prompt attends to itself bidirectionally (else block-causally, like generated blocks). A prompt page's K/V
+    # then depends on later prompt tokens, so prefix caching is off.
+    bidirectional_prompt: ClassVar[bool] = False
+    requires_prefix_caching: ClassVar[bool] = False  # committed blocks live in shared pages: prefix caching always on
+    sampling_modes: ClassVar[tuple[str, ...]] = ("naive",)  # the Config.sampling_mode values it runs with
+    families: ClassVar[tuple[str, ...] | None] = None  # the model families it runs (None: every one)
+    samples_in_graph: ClassVar[bool] = True  # greedy steps may sample inside the decode CUDA graph
+    continues_on_device: ClassVar[bool] = True  # a step may be continued on the device (`engine.continuation`)
+    # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
+    budgets_prompt_tokens: ClassVar[bool] = True
+
+    # ----- configuration -----------------------------------------------------------------------------------
+
+    def for_sampling_mode(self, mode: str) -> Strategy:
+        """The strategy that runs under ``sampling_mode=mode`` (itself, or a variant of it)."""
+        if mode not in self.sampling_modes:
+            modes = format_choices(self.sampling_modes)
+            raise invalid_value("sampling_mode", mode, f"decoding_strategy={self.name!r} runs with {modes}")
+        return self
+
+    def check_family(self, family: Family) -> None:
+        """The family must be one the strategy runs, in a sampling mode both support."""
+        if self.families is not None and family.name not in self.families:
+            raise invalid_value(
+                "decoding_strategy",
+                self.name,
+                f"requires model_name {format_choices(self.families)}, got model_name={family.name!r}",
+            )
+        if not set(self.sampling_modes) & set(family.sampling_modes):
+            raise invalid_value(
+                "decoding_strategy",
+                self.name,
+                f"runs with sampling_mode {format_choices(self.sampling_modes)}, which model_name={family.name!r} "
+                "does not support",
+            )
+
+    def normalize(self, config: Config) -> None:
+        """Set what the strategy cannot work without; override to add more (call this one too)."""
+        name = self.name
+        if self.bidirectional_prompt:
+            force_setting(config, "multi_block_prefix_full", True, f"{name} attends the whole prompt bidirectionally")
+            force_setting(config, "enable_prefix_caching", False, f"{name} prompt pages depend on the whole prompt")
+            return
+        force_setting(config, "multi_block_prefix_full", False, f"{name} uses block-causal attention")
+        if self.requires_prefix_caching:
+            force_setting(config, "enable_prefix_caching", True, f"{name} keeps committed blocks in shared pages")
+        elif config.enable_prefix_caching is None:
+            config.enable_prefix_caching = True
+
+    def options(self, config: Config, given: Any = None) -> Any:
+        """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the
+        engine field of the same name, else its default. Unknown keys of ``given`` are an error."""
+        if isinstance(given, self.Options):
+            return given
+        if given is None:
+            given = {}
+        names = [f.name for f in dataclasses.fields(self.Options)]
+        if not isinstance(given, Mapping):
+            raise invalid_value("strategy_options", given, f"must be a dict of the options of {self.name!r}")
+        reject_unknown_keys(f"strategy_options of decoding_strategy={self.name!r}", given, names)
+        values = {name: getattr(config, name) for name in names if hasattr(config, name)}
+        values.update(given)
+        return self.Options(**values)
+
+    # ----- runtime -----------------------------------------------------------------------------------------
+
+    def make_sampler(self, context: SamplerContext) -> Sampler:
+        raise NotImplementedError(f"decoding_strategy={self.name!r} has no sampler")
+
+    def soft_inputs(self, options: Any, mask_token_id: int) -> TokenMergeSettings | None:
+        """Soft inputs (a mix of candidate embeddings instead of a token's) the next forward takes; None: none."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<decoding strategy {self.name!r}>"
+
+
+# Reading the table imports the package's strategies (`diffulex.strategy.builtin`).
+STRATEGIES: Registry[Strategy] = Registry("decoding_strategy", builtins="diffulex.strategy.builtin")
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` known under its name (and its old spellings)."""
+    STRATEGIES.add(strategy.name, strategy)
+    for alias in strategy.aliases:
+        STRATEGIES.add_alias(alias, strategy.name)
+    return strategy
