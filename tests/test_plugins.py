@@ -136,6 +136,7 @@ def test_the_cli_loads_plugins_named_by_flag(peaky_sdar_dir: Path, python_answer
 
 
 def test_a_yaml_bench_config_loads_plugins_for_the_strategy_and_the_family(toy_sdar_dir: Path, tmp_path: Path):
+    pytest.importorskip("lm_eval")  # the bench extra
     config = tmp_path / "bench.yml"
     config.write_text(yaml.safe_dump({
         "engine": {"model_path": str(toy_sdar_dir), "plugins": ["fixed_k", "toy_sdar"], "decoding_strategy": "fixed_k",

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from diffulex.config import Config, invalid_value
+from diffulex.config import Config
 from diffulex.engine.generation_inputs import generation_inputs
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.sampling_params import SamplingParams
 from diffulex.tokenizer import load_tokenizer
+from diffulex.validation import invalid_value
 
 
 def replica_devices(config: Config) -> list[int | None]:

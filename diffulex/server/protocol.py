@@ -222,15 +222,6 @@ class GenerateRequest(SamplingFields):
     user: str | None = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    # Diffulex extras: forwards taken and tokens per forward (ratio of sums over the request's choices).
-    nfe: int = 0
-    tpf: float = 0.0
-
-
 class ModelCard(BaseModel):
     id: str
     object: str = "model"
