@@ -56,6 +56,7 @@ from diffulex.bench.arithmetic import (
 PIECE_SETS = ("train", "held-out")
 HELD_OUT_FRACTION = 0.25
 HELD_OUT_FACT_PROBABILITY = 0.5  # a held-out problem tells each fact by a held-out wording this often
+QUESTION_FIRST_PROBABILITY = 0.5  # the "after" frame puts the question before its gerund clauses this often
 PRESENT, PAST = "P", "D"  # the tense tag that starts a piece ("P:..." / "D:..."); untagged pieces fit both
 IMPERATIVES = ("Find", "Work", "Count", "Tell", "Calculate", "Give")  # question forms that end with "."
 
@@ -532,7 +533,7 @@ def compose_problem(r: random.Random, scenario: Scenario, pieces: str = "train")
         text = _capitalize(question) + " if " + _join(clauses, scenario.sequence, r) + end
     elif frame == "after":
         joined = _join(clauses, scenario.sequence, r)
-        if r.random() < 0.5:
+        if r.random() < QUESTION_FIRST_PROBABILITY:
             text = _capitalize(question) + " after " + joined + end
         else:
             text = "After " + joined + ", " + _lower_first(question) + end

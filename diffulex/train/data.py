@@ -1,6 +1,6 @@
 """Training data of the built-in model: arithmetic word problems, Shakespeare, a byte-level BPE tokenizer.
 
-`prepare` runs once, offline (under 80 s on two busy cores), and writes a data folder of about 9 MiB:
+`prepare` runs once, offline (under 80 s on two busy cores), and writes a data folder of about 15 MiB:
 
 * ``tokenizer/``: a normal tokenizer folder (byte-level BPE, ``vocab_size`` ids in all: the BPE ids, then
   ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|MASK|>``) with the chat template;
@@ -221,7 +221,7 @@ def prepare(
 ) -> dict:
     """Write the data folder (see the module docstring); returns the meta dict. `texts` replaces the
     Shakespeare corpus (tests use a small text; ``[]`` leaves prose out). `progress` reports each stage on
-    stderr (35-40 s of CPU time in all, most of it tokenizing)."""
+    stderr (40-60 s of CPU time in all, most of it tokenizing)."""
     start = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
