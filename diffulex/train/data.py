@@ -1,6 +1,6 @@
 """Training data of the built-in model: arithmetic word problems, Shakespeare, a byte-level BPE tokenizer.
 
-`prepare` runs once, offline (under 80 s on two busy cores), and writes a data folder of about 9 MiB:
+`prepare` runs once, offline (under 80 s on two busy cores), and writes a data folder of about 15 MiB:
 
 * ``tokenizer/``: a normal tokenizer folder (byte-level BPE, ``vocab_size`` ids in all: the BPE ids, then
   ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|MASK|>``) with the chat template;
@@ -9,9 +9,11 @@
 * ``meta.json``: counts, seeds and the special ids.
 
 The trainer only reads ``data.npz`` (numpy + torch), so the GPU machine needs neither ``shakespeare`` nor the
-tokenizer libraries. Arithmetic problems come from `diffulex.bench.arithmetic.generate_problems` over the
-TRAINING templates only, with a seed disjoint from the held-out test seed; any training question that also
-appears in a test set is dropped. ``prepare(..., texts=[])`` (``--no-text``) leaves the prose part out, for
+tokenizer libraries. Arithmetic problems come from two generators, both restricted to their training parts and
+drawn with a seed disjoint from the held-out test seed: `diffulex.bench.composed_problems.compose_problems`
+(problems assembled from the TRAINING clause and question pieces, `COMPOSED_FRACTION` of them) and
+`diffulex.bench.arithmetic.generate_problems` over the TRAINING templates (the rest). Any training question
+that also appears in a test set is dropped. ``prepare(..., texts=[])`` (``--no-text``) leaves the prose part out, for
 a machine without the ``shakespeare`` package; train such a folder with ``--text-fraction 0``.
 """
 
@@ -31,6 +33,7 @@ DEFAULT_VOCAB_SIZE = 4096
 TRAIN_SEED = 20250501  # arithmetic training problems
 TEST_SEED = 1234  # the held-out set of diffulex.bench.arithmetic (never trained on)
 TEST_SEED_SIZE = 2000  # questions of the test seed excluded from training
+COMPOSED_FRACTION = 0.6  # of the training problems composed from pieces; the rest told by whole templates
 
 # The chat template of the built-in model (Qwen style, optional system message, generation prompt).
 CHAT_TEMPLATE = (
@@ -118,17 +121,24 @@ def special_ids(tokenizer) -> dict[str, int]:
 
 
 def training_problems(n: int, seed: int = TRAIN_SEED) -> list[dict[str, str]]:
-    """``n``-ish arithmetic problems of the training templates; none of them is among the first
-    `TEST_SEED_SIZE` test problems of the test seed, drawn from the training templates (the report's
-    ``train-templates`` set) or from all templates (the ``arithmetic_diffulex`` benchmark file)."""
+    """``n``-ish arithmetic problems, shuffled: ``COMPOSED_FRACTION`` of them composed from the training pieces,
+    the rest told by the training templates. None of them is among the first `TEST_SEED_SIZE` test problems of
+    the test seed: of the training templates (the report's ``train-templates`` set), of all templates (the
+    ``arithmetic_diffulex`` benchmark file) or composed from either piece set."""
+    import random
+
     from diffulex.bench.arithmetic import generate_problems
+    from diffulex.bench.composed_problems import compose_problems
 
     if seed == TEST_SEED:
         raise ValueError(f"seed={seed} is invalid: it is the held-out test seed")
-    held_out = {
-        p["question"] for which in ("train", "all") for p in generate_problems(TEST_SEED_SIZE, TEST_SEED, which)
-    }
-    return [p for p in generate_problems(n, seed, "train") if p["question"] not in held_out]
+    tests = [generate_problems(TEST_SEED_SIZE, TEST_SEED, which) for which in ("train", "all")]
+    tests += [compose_problems(TEST_SEED_SIZE, TEST_SEED, pieces) for pieces in ("train", "held-out")]
+    held_out = {p["question"] for test in tests for p in test}
+    n_composed = round(COMPOSED_FRACTION * n)
+    problems = compose_problems(n_composed, seed, "train") + generate_problems(n - n_composed, seed, "train")
+    random.Random(seed).shuffle(problems)
+    return [p for p in problems if p["question"] not in held_out]
 
 
 ENCODE_CHUNK = 10_000  # problems per tokenizer call (one progress-bar tick)
@@ -203,7 +213,7 @@ def encode_text(tokenizer, texts: list[str]) -> np.ndarray:
 def prepare(
     out: str | Path,
     *,
-    n_problems: int = 200_000,
+    n_problems: int = 300_000,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = TRAIN_SEED,
     texts: list[str] | None = None,
@@ -211,7 +221,7 @@ def prepare(
 ) -> dict:
     """Write the data folder (see the module docstring); returns the meta dict. `texts` replaces the
     Shakespeare corpus (tests use a small text; ``[]`` leaves prose out). `progress` reports each stage on
-    stderr (35-40 s of CPU time in all, most of it tokenizing)."""
+    stderr (40-60 s of CPU time in all, most of it tokenizing)."""
     start = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +231,7 @@ def prepare(
             _log(f"read {len(texts)} Shakespeare texts ({sum(map(len, texts)) / 1e6:.1f} M characters)", start)
     problems = training_problems(n_problems, seed)
     if progress:
-        _log(f"generated {len(problems)} arithmetic problems (training templates, seed {seed})", start)
+        _log(f"generated {len(problems)} arithmetic problems (training pieces and templates, seed {seed})", start)
     sample = problems[: min(len(problems), 20_000)]
     corpus = [*texts]
     corpus += [chat_prompt(p["question"]) + p["answer"] + "<|im_end|>" for p in sample]
@@ -243,6 +253,8 @@ def prepare(
         "train_seed": seed,
         "excluded_test_seed": TEST_SEED,
         "templates": "train",
+        "composed_pieces": "train",
+        "composed_fraction": COMPOSED_FRACTION,
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     if progress:

