@@ -77,6 +77,12 @@ class ReferenceResult:
     tokens_per_step: list[int]  # number of tokens accepted in each forward
     final_sequence: list[int] = field(default_factory=list)  # the whole sequence at the end, masks included
     trace: list[StepTrace] = field(default_factory=list)
+    # The smallest distance, over every decision taken, between what decided it and what would have flipped it: a
+    # confidence and the threshold, a forced (or k-th ranked) position's confidence and the runner-up's, a written
+    # token's probability and the next token's. Another correct implementation rounds differently (other kernels,
+    # other summation orders: about 1e-6 in float32) and can disagree only where this is at that level, so a test
+    # comparing tokens is well posed only when it is clearly larger (`decision_margin`).
+    min_margin: float = float("inf")
 
 
 def derived_max_nfe(max_tokens: int, block_size: int, warmup_steps: int = 8, tpf_floor: float = 1.0) -> int:
@@ -227,6 +233,23 @@ class _Request:
                 self.status[b] = TO_CACHE
 
 
+def decision_margin(confidences: list[float], threshold: float, chosen: list[int], forced: bool, ranked_k: int | None,
+                    token_gaps: list[float]) -> float:
+    """`ReferenceResult.min_margin` of one block's decision (``token_gaps``: each position's top-1 minus top-2
+    probability)."""
+    margins = [token_gaps[i] for i in chosen]
+    if ranked_k is not None:
+        ordered = sorted(confidences, reverse=True)
+        if len(ordered) > ranked_k:
+            margins.append(ordered[ranked_k - 1] - ordered[ranked_k])
+    else:
+        margins += [abs(c - threshold) for c in confidences]
+        if forced and len(confidences) > 1:
+            ordered = sorted(confidences, reverse=True)
+            margins.append(ordered[0] - ordered[1])
+    return min(margins, default=float("inf"))
+
+
 def greedy_proposals(
     logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None
 ) -> tuple[list[int], torch.Tensor]:
@@ -239,6 +262,16 @@ def greedy_proposals(
     token_ids = torch.argmax(logits, dim=-1)
     confidences = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return [int(t) for t in token_ids.tolist()], confidences
+
+
+def top2_gaps(logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None) -> list[float]:
+    """Per row, the top-1 minus the top-2 probability over the allowed vocabulary."""
+    logits = logits.float().clone()
+    if vocab_limit is not None:
+        logits[:, vocab_limit:] = float("-inf")
+    logits[:, mask_token_id] = float("-inf")
+    top = torch.softmax(logits, dim=-1).topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 @torch.no_grad()
@@ -297,6 +330,7 @@ def reference_generate(
     device = model_device(model)
 
     nfe = 0
+    min_margin = float("inf")
     tokens_per_step: list[int] = []
     trace: list[StepTrace] = []
     while True:
@@ -329,7 +363,8 @@ def reference_generate(
         for _b, positions, forcing in to_sample:
             shift = 1 if logits_shift else 0
             rows = torch.tensor([p - shift for p in positions], dtype=torch.long, device=hidden.device)
-            token_ids, confidences = greedy_proposals(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
+            logits = model.compute_logits(hidden[rows])
+            token_ids, confidences = greedy_proposals(logits, mask_token_id, vocab_limit)
             above = (confidences > accept_threshold).tolist()
             chosen = [i for i in range(len(positions)) if above[i]]
             if tokens_per_block is not None:
@@ -343,6 +378,10 @@ def reference_generate(
                     if confidence_list[i] > confidence_list[best]:
                         best = i
                 chosen = [best]
+            forced = tokens_per_block is None and not any(above) and forcing
+            gaps = top2_gaps(logits, mask_token_id, vocab_limit)
+            margin = decision_margin(confidences.tolist(), accept_threshold, chosen, forced, tokens_per_block, gaps)
+            min_margin = min(min_margin, margin)
             writes.extend((positions[i], token_ids[i]) for i in chosen)
         for q, token in writes:
             req.tokens[q] = token
@@ -363,6 +402,7 @@ def reference_generate(
                 tokens_per_step=tokens_per_step,
                 final_sequence=list(req.tokens),
                 trace=trace,
+                min_margin=min_margin,
             )
 
 

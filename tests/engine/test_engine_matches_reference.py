@@ -12,6 +12,7 @@ import pytest
 from diffulex import Diffulex, SamplingParams
 from diffulex.models.family import FAMILIES, Family, register_family
 from diffulex.testing.reference_decoder import reference_for_engine
+from tests.models.family_harness import assert_well_posed
 
 
 def random_prompts(llm, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -26,6 +27,7 @@ def assert_matches_reference(llm, prompts: list[list[int]], params: SamplingPara
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, traj in zip(prompts, outputs.trajectories, strict=True):
         ref = reference_for_engine(llm, prompt, params)
+        assert_well_posed(ref, f"prompt of length {len(prompt)}")
         assert traj.token_ids == ref.token_ids, f"prompt of length {len(prompt)}"
         assert traj.completion_reason == ref.completion_reason
         assert traj.nfe == ref.nfe
@@ -53,8 +55,8 @@ def shifted_sdar_family() -> Family:
     return FAMILIES.get(name)
 
 
-def test_one_request_matches_reference(sdar_dir: Path) -> None:
-    with make_engine(sdar_dir) as llm:
+def test_one_request_matches_reference(peaky_sdar_dir: Path) -> None:
+    with make_engine(peaky_sdar_dir) as llm:
         assert_matches_reference(llm, random_prompts(llm, [9]), GREEDY)
 
 

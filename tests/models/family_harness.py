@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from diffulex import Diffulex, SamplingParams
 from diffulex.attention import DenseAttentionMetadata, visibility_mask
 from diffulex.testing.checkpoints import write_tiny_checkpoint
-from diffulex.testing.reference_decoder import reference_for_engine
+from diffulex.testing.reference_decoder import ReferenceResult, reference_for_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -331,6 +331,20 @@ def random_prompts(llm: Diffulex, lengths: list[int], seed: int = 0) -> list[lis
     return [[rng.choice(allowed) for _ in range(n)] for n in lengths]
 
 
+# On the GPU the engine's kernels sum in other orders than the reference's PyTorch ops (about 1e-6 apart in
+# float32), so a comparison of tokens tests the engine only where no decision of the reference hangs on rounding
+# (`ReferenceResult.min_margin`). Checked on every machine, so that a comparison that would be a coin toss on the
+# GPU is caught by the CPU tests, where both sides round alike and it would pass by construction.
+WELL_POSED_MARGIN = 1e-5
+
+
+def assert_well_posed(ref: ReferenceResult, what: str) -> None:
+    assert ref.min_margin > WELL_POSED_MARGIN, (
+        f"{what}: a decision of the reference is {ref.min_margin:.2e} from flipping, below the rounding of other "
+        "kernels; the comparison would be a coin toss on the GPU: choose other prompts"
+    )
+
+
 def assert_engine_matches_reference(
     llm: Diffulex, prompts: list[list[int]], params: SamplingParams, force_always: bool = False
 ) -> list:
@@ -338,6 +352,7 @@ def assert_engine_matches_reference(
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, traj in zip(prompts, outputs.trajectories, strict=True):
         ref = reference_for_engine(llm, prompt, params, force_always=force_always)
+        assert_well_posed(ref, f"prompt of length {len(prompt)}")
         assert traj.token_ids == ref.token_ids, f"prompt of length {len(prompt)}"
         assert traj.completion_reason == ref.completion_reason
         assert traj.nfe == ref.nfe
@@ -351,7 +366,7 @@ def check_multi_bd_batch_with_preemption(model_dir: Path, force_always: bool = F
     fields = dict(num_pages=10, max_model_len=64, accept_threshold=0.8)
     fields.update(overrides)
     with make_engine(model_dir, **fields) as llm:
-        prompts = random_prompts(llm, [3, 6, 9, 12, 14, 5, 7, 2], seed=8)
+        prompts = random_prompts(llm, [3, 6, 9, 12, 14, 5, 7, 2], seed=22)
         params = SamplingParams(temperature=0, max_tokens=30)
         trajectories = assert_engine_matches_reference(llm, prompts, params, force_always)
     assert sum(t.num_preemptions for t in trajectories) > 0, "the page pool should have forced a preemption"
@@ -374,7 +389,7 @@ def check_prefix_cache_hit(model_dir: Path, force_always: bool = False, **overri
 def check_d2f(model_dir: Path, force_always: bool = False, **overrides) -> None:
     with make_engine(model_dir, decoding_strategy="d2f", **overrides) as llm:
         assert llm.config.enable_prefix_caching is False and llm.config.multi_block_prefix_full is True
-        prompts = random_prompts(llm, [3, 10, 17, 8], seed=4)
+        prompts = random_prompts(llm, [3, 10, 17, 8], seed=16)
         assert_engine_matches_reference(llm, prompts, GREEDY, force_always)
 
 

@@ -153,6 +153,21 @@ def test_forcing_picks_the_most_confident_position_first_lowest_on_ties() -> Non
     assert [step.accepted for step in result.trace] == [[(5, 20)], [(6, 20)], [(4, 14)], [(7, 17)]]
 
 
+def test_the_decision_margin_is_the_distance_of_the_closest_decision_from_flipping() -> None:
+    """A tie in the forced choice has no margin; otherwise the margin is the smallest gap a decision rested on (here
+    the forced position's confidence against the runner-up's, or a confidence against the threshold)."""
+
+    def tied(tokens: list[int], q: int) -> tuple[int, float]:
+        return {5: (20, 0.6), 6: (20, 0.6), 7: (17, 0.2)}.get(q, (14, 0.3))
+
+    def apart(tokens: list[int], q: int) -> tuple[int, float]:
+        return {5: (20, 0.6), 6: (20, 0.45), 7: (17, 0.2)}.get(q, (14, 0.3))
+
+    assert generate(ScriptedModel(tied), prompt_of(4), max_tokens=4, accept_threshold=NEVER).min_margin == 0.0
+    margin = generate(ScriptedModel(apart), prompt_of(4), max_tokens=4, accept_threshold=0.55).min_margin
+    assert margin == pytest.approx(0.05, abs=1e-6)  # 0.6 just above the threshold 0.55
+
+
 def test_low_threshold_accepts_several_tokens_per_forward() -> None:
     result = generate(StandInModel(), prompt_of(8), buffer_size=2, max_tokens=16, accept_threshold=0.5)
     assert max(result.tokens_per_step) > 1
