@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-import diffulex.sampler.confidence as confidence
+import diffulex.sampler.rows as rows
 from diffulex import Diffulex
 from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
 
@@ -71,11 +71,11 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
     _wrap(runner.sampler, "row_layout", phases, "sampler row layout", saved)
     _wrap(runner.sampler, "launch", phases, "sampler launch", saved)
-    _wrap(confidence.PendingWrites, "result", phases, "wait for the result (+ writes)", saved)
+    _wrap(rows.PendingWrites, "result", phases, "wait for the result (+ writes)", saved)
     _wrap(engine.scheduler, "finish_step", phases, "finish_step (all requests)", saved)
     # the GPU's wait between steps: from a result reaching the host to the next replay call
     result_done = [None]
-    inner_result = confidence.PendingWrites.result
+    inner_result = rows.PendingWrites.result
 
     def result_marked(self, *args, **kwargs):
         try:
@@ -83,7 +83,7 @@ def host_phases(engine, steps: int) -> dict[str, float]:
         finally:
             result_done[0] = time.perf_counter()
 
-    confidence.PendingWrites.result = result_marked
+    rows.PendingWrites.result = result_marked
     if runner.graphs is not None:
         inner_run = runner.graphs.run
 
@@ -101,7 +101,7 @@ def host_phases(engine, steps: int) -> dict[str, float]:
             engine.step()
             totals.append(time.perf_counter() - t0)
     finally:
-        confidence.PendingWrites.result = inner_result
+        rows.PendingWrites.result = inner_result
         if runner.graphs is not None:
             runner.graphs.run = inner_run
         _unwrap(saved)

@@ -1,28 +1,42 @@
 """Data parallelism: ``data_parallel_size`` independent engine replicas, one per device, each in its own process.
 
 A replica is an ordinary `DiffulexEngine` with ``data_parallel_size=1`` on its own GPU (``device_ids``, else
-``device_start + rank``; on a machine without CUDA every replica runs on the CPU). `generate` deals the prompts out
-round-robin, the replicas decode their shares at the same time, and the trajectories come back in prompt order.
-Replicas share nothing, so no collective communication is needed; the processes are started with ``spawn`` (CUDA
-cannot be forked). Offline ``generate`` only (the benchmark harness included, which reads ``config``, ``tokenizer``,
-``device`` and ``dtype`` too): the HTTP server drives one engine step by step and refuses it.
+``device_start + rank``; on a machine without CUDA every replica runs on the CPU) that steps on its own while it
+has requests and sends back what each step did. `DataParallelEngine` has the engine's step interface: `add_request`
+checks and encodes the prompt here (a bad one is refused before any replica sees it) and hands it to the replica
+with the fewest requests, `step` returns the updates the replicas have sent since the last call, `abort_request`,
+`is_finished` and `load` (every replica's figures). So the HTTP server's engine loop drives N replicas the way it
+drives one, and `generate` is the engine's own offline loop (`diffulex.engine.offline`).
+
+A replica that dies (its process killed, its engine broken) fails the requests it held: they finish with completion
+reason ``"error"`` and a message naming the replica; the others keep serving and take the new requests. Only when
+every replica is gone does `step` raise `EngineDeadError`. Replicas share nothing, so no collective communication
+is needed; the processes are started with ``spawn`` (CUDA cannot be forked).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import multiprocessing as mp
-import time
 import traceback
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 
 from diffulex.config import Config
-from diffulex.engine.generation_inputs import generation_inputs
+from diffulex.engine.engine_load import EngineLoad
+from diffulex.engine.generation_inputs import check_prompt
+from diffulex.engine.offline import generate_offline
+from diffulex.engine.request_update import RequestUpdate
+from diffulex.errors import EngineClosedError, EngineDeadError
 from diffulex.outputs import GenerationOutputs, Trajectory
+from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampling_params import SamplingParams
+from diffulex.strategy.request import CompletionReason
 from diffulex.tokenizer import load_tokenizer
 from diffulex.validation import invalid_value
 
@@ -32,7 +46,7 @@ def replica_devices(config: Config) -> list[int | None]:
     dp = config.data_parallel_size
     if not torch.cuda.is_available():
         return [None] * dp
-    devices = list(config.device_ids) if config.device_ids else [config.device_start + r for r in range(dp)]
+    devices = list(config.device_ids) or list(range(config.device_start, config.device_start + dp))
     if len(devices) < dp:
         raise invalid_value("device_ids", config.device_ids, f"must name one device per replica ({dp})")
     count = torch.cuda.device_count()
@@ -43,8 +57,38 @@ def replica_devices(config: Config) -> list[int | None]:
     return devices[:dp]
 
 
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica reports once its engine is built."""
+
+    device: str
+    dtype: str
+    mask_token_id: int
+    vocab_limit: int
+    num_pages: int
+    page_size: int
+    load: EngineLoad
+
+
+def _for_parent(update: RequestUpdate, req_id: int) -> RequestUpdate:
+    """The update under the parent's request id, its answers copied out of the request's token list."""
+    trajectory = update.trajectory
+    if trajectory is not None:
+        trajectory = dataclasses.replace(trajectory, req_id=req_id)
+    return RequestUpdate(
+        req_id, update.record, update.finished, list(update.committed_token_ids), list(update.answer_token_ids),
+        trajectory,
+    )  # fmt: skip
+
+
 def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
-    """A replica's process: build the engine, then answer ``generate`` and ``close`` messages."""
+    """A replica's process: build the engine, then take adds and aborts between steps and step while busy.
+
+    Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
+    ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then ``("updates", updates, load, stepped)`` after
+    every step (and after commands taken while idle), ``("rejected", id, message)``, ``("dead", traceback)`` when
+    the engine breaks, ``("closed", None)``.
+    """
     from diffulex.engine.engine import DiffulexEngine
 
     try:
@@ -52,117 +96,289 @@ def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
     except Exception:  # noqa: BLE001  (reported to the parent, which raises it)
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", (str(engine.device), str(engine.dtype).removeprefix("torch."))))
-    while True:
-        command, payload = conn.recv()
-        if command == "close":
-            engine.exit()
-            conn.send(("closed", None))
-            return
-        try:
-            prompts, params, prompt_options = payload
-            conn.send(("ok", engine.generate(prompts, params, use_tqdm=False, **prompt_options)))
-        except Exception:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+    kv = engine.scheduler.kv_cache
+    conn.send(("ready", ReplicaInfo(
+        str(engine.device), str(engine.dtype).removeprefix("torch."), engine.mask_token_id, engine.vocab_limit,
+        kv.num_pages, engine.config.page_size, engine.load(),
+    )))  # fmt: skip
+    parent_id: dict[int, int] = {}  # engine req_id -> the parent's id
+    engine_id: dict[int, int] = {}
+    try:
+        while True:
+            messages = [] if not engine.is_finished() else [conn.recv()]  # idle: wait for work
+            while conn.poll():
+                messages.append(conn.recv())
+            for kind, *payload in messages:
+                if kind == "close":
+                    engine.exit()
+                    conn.send(("closed", None))
+                    return
+                if kind == "add":
+                    rid, ids, params = payload
+                    try:
+                        local = engine.add_request(ids, params)
+                    except ValueError as err:
+                        conn.send(("rejected", rid, str(err)))
+                        continue
+                    parent_id[local], engine_id[rid] = rid, local
+                elif kind == "abort":
+                    local = engine_id.pop(payload[0], None)
+                    if local is not None:
+                        parent_id.pop(local, None)
+                        engine.abort_request(local)
+            if engine.is_finished():
+                conn.send(("updates", [], engine.load(), False))
+                continue
+            out = []
+            for update in engine.step():
+                rid = parent_id.get(update.req_id)
+                if rid is None:
+                    continue  # aborted by the parent
+                out.append(_for_parent(update, rid))
+                if update.finished:
+                    del parent_id[update.req_id], engine_id[rid]
+            conn.send(("updates", out, engine.load(), True))
+    except (EOFError, BrokenPipeError, OSError):
+        return  # the parent is gone
+    except Exception:  # noqa: BLE001  (the engine broke: the parent fails this replica's requests)
+        conn.send(("dead", traceback.format_exc()))
+
+
+@dataclass
+class _Replica:
+    rank: int
+    conn: Connection
+    process: Any
+    info: ReplicaInfo | None = None
+    load: EngineLoad = field(default_factory=lambda: EngineLoad(0, 0, 0, 0))
+    alive: bool = True
+    held: set[int] = field(default_factory=set)  # ids of the requests it runs
 
 
 class DataParallelEngine:
-    """``data_parallel_size`` replicas behind one ``generate``."""
+    """``data_parallel_size`` replicas behind the engine's step interface and one ``generate``."""
 
     def __init__(self, model: str, kwargs: dict[str, Any], config: Config) -> None:
         self.config = config
         context = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []
-        for device in replica_devices(config):
+        self._replicas: list[_Replica] = []
+        for rank, device in enumerate(replica_devices(config)):
             replica = {**kwargs, "data_parallel_size": 1}
             if device is not None:
                 replica["device_ids"] = [device]
             parent, child = context.Pipe()
-            proc = context.Process(target=_serve, args=(model, replica, child), daemon=True)
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
+            process = context.Process(target=_serve, args=(model, replica, child), daemon=True)
+            process.start()
+            child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
+            self._replicas.append(_Replica(rank, parent, process))
         try:
-            ready = [self._receive(rank, conn) for rank, conn in enumerate(self._conns)]
+            for replica in self._replicas:
+                replica.info = self._ready(replica)
+                replica.load = replica.info.load
         except Exception:
             self.exit()
             raise
-        self.devices = [torch.device(device) for device, _ in ready]
+        first = self._replicas[0].info
+        assert first is not None
+        self.devices = [torch.device(r.info.device) for r in self._replicas if r.info is not None]
         self.device = self.devices[0]  # what reports name (the replicas' devices are `devices`)
-        self.dtype = getattr(torch, ready[0][1])
+        self.dtype = getattr(torch, first.dtype)
+        self.mask_token_id, self.vocab_limit = first.mask_token_id, first.vocab_limit
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
+        self._ids = itertools.count()
+        self._owner: dict[int, _Replica] = {}  # request id -> the replica running it
+        self._prompts: dict[int, list[int]] = {}
+        self._early: list[RequestUpdate] = []  # updates known before the next step (replica deaths)
+        self._num_steps = 0
+        self._closed = False
 
     @staticmethod
-    def _receive(rank: int, conn: Connection) -> Any:
+    def _ready(replica: _Replica) -> ReplicaInfo:
         try:
-            status, payload = conn.recv()
+            status, payload = replica.conn.recv()
         except EOFError:
-            raise RuntimeError(f"data-parallel replica {rank} exited without answering") from None
+            raise RuntimeError(f"data-parallel replica {replica.rank} exited without answering") from None
         if status == "error":
-            raise RuntimeError(f"data-parallel replica {rank} failed:\n{payload}")
+            raise RuntimeError(f"data-parallel replica {replica.rank} failed:\n{payload}")
         return payload
+
+    # ----- the engine's step interface ------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Check and encode the prompt, then queue it on the replica holding the fewest requests; returns its id.
+        Raises ValueError for bad input (no replica sees it) and EngineDeadError when no replica is left."""
+        self._check_open()
+        check_prompt(prompt)
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
+        ids = encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len={max_len} so that at "
+                "least one token can be generated"
+            )
+        alive = [r for r in self._replicas if r.alive]
+        if not alive:
+            raise EngineDeadError("every data-parallel replica has died")
+        replica = min(alive, key=lambda r: (len(r.held), r.rank))
+        info = replica.info
+        assert info is not None
+        needed = -(-min(len(ids) + sp.max_tokens, max_len) // info.page_size)
+        if needed > info.num_pages:
+            raise ValueError(
+                f"request needs up to {needed} KV pages but a replica's pool has {info.num_pages}; raise num_pages "
+                "or lower max_tokens"
+            )
+        req_id = next(self._ids)
+        try:
+            replica.conn.send(("add", req_id, ids, sp))
+        except (BrokenPipeError, OSError):
+            self._lose(replica, "its process is gone")
+            return self.add_request(ids, sp)
+        replica.held.add(req_id)
+        self._owner[req_id] = replica
+        self._prompts[req_id] = ids
+        return req_id
+
+    def abort_request(self, req_id: int) -> bool:
+        """Stop a request now; False if it is unknown or finished."""
+        replica = self._owner.pop(req_id, None)
+        if replica is None:
+            return False
+        replica.held.discard(req_id)
+        self._prompts.pop(req_id, None)
+        try:
+            replica.conn.send(("abort", req_id))
+        except (BrokenPipeError, OSError):
+            pass
+        return True
+
+    def is_finished(self) -> bool:
+        return not self._owner and not self._early
+
+    def step(self) -> list[RequestUpdate]:
+        """The updates the replicas have sent since the last call, waiting for the first one if there is none."""
+        self._check_open()
+        out, self._early = self._early, []
+        busy = [r for r in self._replicas if r.alive and r.held]
+        if out or not busy:
+            return out
+        ready = wait([r.conn for r in busy])
+        for replica in busy:
+            if replica.conn not in ready:
+                continue
+            while replica.alive and replica.conn.poll():
+                out.extend(self._receive(replica))
+        if not any(r.alive for r in self._replicas):
+            out.extend(self._early)
+            self._early = []
+            if self._owner:
+                raise EngineDeadError("every data-parallel replica has died")
+        out.extend(self._early)
+        self._early = []
+        return out
+
+    def _receive(self, replica: _Replica) -> list[RequestUpdate]:
+        try:
+            kind, *payload = replica.conn.recv()
+        except (EOFError, OSError):
+            self._lose(replica, "its process exited")
+            return []
+        if kind == "updates":
+            updates, replica.load, stepped = payload
+            self._num_steps += stepped
+            out = []
+            for update in updates:
+                if self._owner.get(update.req_id) is not replica:
+                    continue  # aborted here meanwhile
+                out.append(update)
+                if update.finished:
+                    self._finish(update.req_id)
+            return out
+        if kind == "rejected":
+            req_id, message = payload
+            return [self._failed(req_id, f"rejected by data-parallel replica {replica.rank}: {message}")]
+        if kind == "dead":
+            self._lose(replica, f"its engine failed:\n{payload[0]}")
+        return []
+
+    def _finish(self, req_id: int) -> None:
+        replica = self._owner.pop(req_id, None)
+        if replica is not None:
+            replica.held.discard(req_id)
+        self._prompts.pop(req_id, None)
+
+    def _failed(self, req_id: int, message: str) -> RequestUpdate:
+        """The final update of a request that ends with an error instead of an answer."""
+        prompt = self._prompts.get(req_id, [])
+        self._finish(req_id)
+        trajectory = Trajectory(0, req_id, prompt, [], "", CompletionReason.ERROR.value, 0, error=message)
+        return RequestUpdate(req_id, None, True, [], [], trajectory)
+
+    def _lose(self, replica: _Replica, why: str) -> None:
+        """A replica is gone: its requests end with an error (reported at the next `step`), it takes no more."""
+        if not replica.alive:
+            return
+        replica.alive = False
+        replica.load = dataclasses.replace(replica.load, alive=False)
+        message = f"data-parallel replica {replica.rank} died ({why})"
+        self._early.extend(self._failed(req_id, message) for req_id in sorted(replica.held))
+        replica.held.clear()
+
+    @property
+    def replica_pids(self) -> list[int]:
+        """The process id of each replica, in rank order (for operators and fault-injection tests)."""
+        return [r.process.pid for r in self._replicas]
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far, summed over the replicas."""
+        return self._num_steps
+
+    def load(self) -> EngineLoad:
+        """Every replica's last reported figures (a dead one marked), and their sum over the living ones."""
+        return EngineLoad.total([dataclasses.replace(r.load, alive=r.alive) for r in self._replicas])
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
         apply_chat_template: bool = True,
         parse_special_tokens: bool = False,
     ) -> GenerationOutputs:
-        """`DiffulexEngine.generate` over the replicas: prompt ``i`` goes to replica ``i % data_parallel_size``."""
-        prompts, params = generation_inputs(prompts, sampling_params)
-        prompt_options = {"apply_chat_template": apply_chat_template, "parse_special_tokens": parse_special_tokens}
-        t0 = time.perf_counter()
-        dp = len(self._conns)
-        shares = [list(range(rank, len(prompts), dp)) for rank in range(dp)]
-        for conn, share in zip(self._conns, shares, strict=True):
-            conn.send(("generate", ([prompts[i] for i in share], [params[i] for i in share], prompt_options)))
-        results: list[Trajectory | None] = [None] * len(prompts)
-        steps = 0
-        bar = None
-        if use_tqdm and prompts:
-            from tqdm.auto import tqdm
+        """`DiffulexEngine.generate` over the replicas: each prompt runs on the replica with the fewest requests
+        when it is queued; the trajectories come back in prompt order."""
+        self._check_open()
+        return generate_offline(
+            self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
+            parse_special_tokens=parse_special_tokens,
+        )  # fmt: skip
 
-            bar = tqdm(total=len(prompts), desc=f"Generating ({dp} replicas)", unit="req", dynamic_ncols=True)
-        # every replica's answer is read before any error is raised, so that none is left in a pipe for the next call
-        answers = []
-        for rank, conn in enumerate(self._conns):
-            try:
-                answers.append(self._receive(rank, conn))
-            except RuntimeError as err:
-                answers.append(err)
-            if bar is not None:
-                bar.update(len(shares[rank]))
-        failed = [a for a in answers if isinstance(a, RuntimeError)]
-        if failed:
-            if bar is not None:
-                bar.close()
-            raise failed[0]
-        for out, share in zip(answers, shares, strict=True):
-            steps += out.num_engine_steps
-            for i, trajectory in zip(share, out.trajectories, strict=True):
-                trajectory.index = i
-                results[i] = trajectory
-        if bar is not None:
-            bar.close()
-        return GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0, steps)
+    # ----- lifetime --------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down (exit() was called)")
 
     def exit(self) -> None:
         """Close every replica. Safe to call twice."""
-        for conn in self._conns:
+        for replica in self._replicas:
             try:
-                conn.send(("close", None))
-                conn.recv()
+                replica.conn.send(("close", None))
+                while replica.conn.recv()[0] != "closed":
+                    pass
             except (BrokenPipeError, EOFError, OSError):
                 pass
-        for proc in self._procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-        self._conns, self._procs = [], []
+        for replica in self._replicas:
+            replica.process.join(timeout=30)
+            if replica.process.is_alive():
+                replica.process.kill()
+        self._replicas, self._owner, self._prompts = [], {}, {}
+        self._closed = True
 
     def __enter__(self) -> DataParallelEngine:
         return self

@@ -20,7 +20,9 @@ import torch
 
 from diffulex.config import Config
 from diffulex.engine.assembly import assemble
-from diffulex.engine.generation_inputs import check_prompt, generation_inputs
+from diffulex.engine.engine_load import EngineLoad
+from diffulex.engine.generation_inputs import check_prompt
+from diffulex.engine.offline import generate_offline
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.engine.step_profiler import StepProfiler
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
@@ -29,7 +31,7 @@ from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampler.rows import PendingWrites
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
-from diffulex.strategy.request import CompletionReason, Request, StepRecord
+from diffulex.strategy.request import CompletionReason, Request, RequestStatus, StepRecord
 
 logger = logging.getLogger("diffulex")
 
@@ -402,57 +404,27 @@ class DiffulexEngine:
         apply_chat_template: bool = True,
         parse_special_tokens: bool = False,
     ) -> GenerationOutputs:
-        """Generate for every prompt; a rejected prompt gets a trajectory with ``error`` set, the rest run.
-
-        A prompt is text, token ids or a conversation (a list of ``{"role", "content"}`` messages). A chat model
-        (its tokenizer has a chat template) is asked the way it was trained: a text prompt becomes the user message
-        of its chat template; ``apply_chat_template=False`` sends text as it is. Special-token text inside text and
-        messages (``<|im_end|>``) is plain text unless ``parse_special_tokens``: see `diffulex.prompts`.
-        """
+        """Generate for every prompt (`diffulex.engine.offline.generate_offline`): a rejected prompt gets a
+        trajectory with ``error`` set, the rest run. A prompt is text, token ids or a conversation; a chat model's
+        template is applied to text unless ``apply_chat_template=False``; special-token text is plain text unless
+        ``parse_special_tokens`` (`diffulex.prompts`)."""
         self._check_open()
-        prompts, params = generation_inputs(prompts, sampling_params)
-        t0 = time.perf_counter()
-        results: list[Trajectory | None] = [None] * len(prompts)
-        index_of: dict[int, int] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                ids = encode_prompt(
-                    self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
-                    apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
-                )
-                index_of[self.add_request(ids, sp)] = i
-            except ValueError as err:
-                logger.warning("prompt %d rejected: %s", i, err)
-                token_list = isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt)
-                ids = list(prompt) if token_list else []
-                results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
-        steps_before = self._num_steps
-        bar = None
-        if use_tqdm and index_of:
-            from tqdm.auto import tqdm
+        return generate_offline(
+            self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
+            parse_special_tokens=parse_special_tokens,
+        )  # fmt: skip
 
-            bar = tqdm(total=len(index_of), desc="Generating", unit="req", dynamic_ncols=True)
-        try:
-            while index_of and any(results[i] is None for i in index_of.values()):
-                for update in self.step():
-                    if update.finished and update.req_id in index_of:
-                        traj = update.trajectory
-                        traj.index = index_of[update.req_id]
-                        results[traj.index] = traj
-                        if bar is not None:
-                            bar.update(1)
-                if bar is not None:
-                    done_tokens = sum(t.num_generated_tokens for t in results if t is not None)
-                    if done_tokens:  # no rate to show before the first request finishes
-                        rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
-                        bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-        finally:
-            if bar is not None:
-                bar.close()
-        outputs = GenerationOutputs([t for t in results if t is not None], time.perf_counter() - t0,
-                                    self._num_steps - steps_before)
-        logger.info("generate: %s", outputs.summary())
-        return outputs
+    @property
+    def num_steps(self) -> int:
+        """Engine steps run so far."""
+        return self._num_steps
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting, KV pages in use (what the server reports)."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache
+        running = sum(1 for r in scheduler.running if r.status is RequestStatus.RUNNING)
+        return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages)
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

@@ -92,11 +92,6 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes={args.max_body_bytes} is invalid: must be an integer >= 1")
-    if int(fields.get("data_parallel_size") or 1) > 1:
-        raise ValueError(
-            f"data_parallel_size={fields['data_parallel_size']} is invalid for the server: it drives one engine "
-            "(run one server per device behind a load balancer; data_parallel_size > 1 is for offline generate)"
-        )
     engine = Diffulex(str(model), **fields)
     name = args.served_model_name
     loop = EngineLoop(

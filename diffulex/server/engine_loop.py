@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diffulex.engine.request_update import RequestUpdate
+from diffulex.errors import EngineDeadError
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.metrics import ServerMetrics
 
@@ -353,6 +354,11 @@ class EngineLoop:
             for inp, rid, index in zip(command.inputs, command.rids, command.indices, strict=True):
                 req_id = engine.add_request(inp.prompt_token_ids, inp.params)
                 added.append((req_id, Submitted(rid, index, inp.prompt_token_ids)))
+        except EngineDeadError as err:  # no replica left to run it: the engine has failed
+            for req_id, _ in added:
+                engine.abort_request(req_id)
+            command.future.set_exception(EngineUnavailableError(str(err)))
+            raise
         except Exception as err:
             for req_id, _ in added:
                 engine.abort_request(req_id)
@@ -425,15 +431,12 @@ class EngineLoop:
             pass
 
     def _refresh_state(self) -> None:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache
-        running = sum(1 for r in scheduler.running if r.status.name == "RUNNING")
-        self.metrics.set_state(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages)
+        self.metrics.set_state(self.engine.load())
 
     def state(self) -> dict[str, Any]:
         """What /health reports (read from the metrics snapshot, never from the engine: wrong thread)."""
         m = self.metrics
-        return {
+        state: dict[str, Any] = {
             "running": m.running,
             "waiting": m.waiting,
             "in_flight": self._in_flight,
@@ -441,3 +444,10 @@ class EngineLoop:
             "kv_pages_used": m.kv_pages_used,
             "kv_pages_total": m.kv_pages_total,
         }
+        if m.replicas:  # data-parallel replicas: each one's figures, and whether it is alive
+            state["replicas"] = [
+                {"replica": rank, "alive": r.alive, "running": r.running, "waiting": r.waiting,
+                 "kv_pages_used": r.kv_pages_used, "kv_pages_total": r.kv_pages_total}
+                for rank, r in enumerate(m.replicas)
+            ]  # fmt: skip
+        return state

@@ -12,6 +12,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from diffulex.engine.engine_load import EngineLoad
+
 # Step times on CPU test models are milliseconds, on a GPU under load up to seconds.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -54,6 +56,7 @@ class ServerMetrics:
         self.waiting = 0
         self.kv_pages_used = 0
         self.kv_pages_total = 0
+        self.replicas: tuple[EngineLoad, ...] = ()  # data-parallel replicas, in rank order
         self.engine_steps = 0
         self.decoded_tokens = 0  # mask positions filled, summed over steps
         self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
@@ -80,10 +83,11 @@ class ServerMetrics:
             self._recent.append((now, num_tokens))
             self._trim(now)
 
-    def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
+    def set_state(self, load: EngineLoad) -> None:
         with self._lock:
-            self.running, self.waiting = running, waiting
-            self.kv_pages_used, self.kv_pages_total = kv_used, kv_total
+            self.running, self.waiting = load.running, load.waiting
+            self.kv_pages_used, self.kv_pages_total = load.kv_pages_used, load.kv_pages_total
+            self.replicas = load.replicas
 
     def observe_admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -140,6 +144,17 @@ class ServerMetrics:
             scalar("diffulex_kv_pages_total", "gauge", "KV cache pages in the pool.", self.kv_pages_total)
             scalar("diffulex_kv_cache_usage_ratio", "gauge", "Share of KV cache pages in use.",
                    self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0)
+            if self.replicas:
+                per_replica = (
+                    ("diffulex_replica_up", "Whether the data-parallel replica is alive (1) or has died (0).",
+                     lambda r: int(r.alive)),
+                    ("diffulex_replica_requests_running", "Requests the replica runs.", lambda r: r.running),
+                    ("diffulex_replica_requests_waiting", "Requests queued on the replica.", lambda r: r.waiting),
+                    ("diffulex_replica_kv_pages_used", "KV cache pages the replica uses.", lambda r: r.kv_pages_used),
+                )
+                for name, help_text, value in per_replica:
+                    labelled(name, "gauge", help_text, "replica",
+                             {str(rank): value(r) for rank, r in enumerate(self.replicas)})
             scalar("diffulex_tokens_per_second", "gauge",
                    f"Tokens decoded per second over the last {RATE_WINDOW_S:g} s.", tps)
             scalar("diffulex_tpf", "gauge", "Tokens decoded per request forward since start (TPF).", tpf)

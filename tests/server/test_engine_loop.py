@@ -6,13 +6,13 @@ import asyncio
 import importlib.util
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from diffulex import SamplingParams
+from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.outputs import Trajectory
 from diffulex.server.engine_loop import (
@@ -37,8 +37,6 @@ class FakeEngine:
         self.config = SimpleNamespace(block_size=4, max_model_len=64, max_num_reqs=4, model="/fake")
         self.mask_token_id = 0
         self.vocab_limit = 100
-        kv = SimpleNamespace(num_used_pages=0, num_pages=100)
-        self.scheduler = SimpleNamespace(waiting=deque(), running=deque(), kv_cache=kv)
         self.requests: dict[int, dict] = {}
         self.batches: list[list[int]] = []
         self.steps = 0
@@ -58,6 +56,9 @@ class FakeEngine:
 
     def is_finished(self) -> bool:
         return not self.requests
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.requests), 0, 0, 100)
 
     def step(self) -> list[RequestUpdate]:
         time.sleep(self.step_delay)

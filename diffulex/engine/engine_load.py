@@ -1,0 +1,25 @@
+"""What an engine holds right now: the figures the server reports (/health, /metrics) and routes by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int  # requests in the running set
+    waiting: int  # requests queued, not running yet
+    kv_pages_used: int
+    kv_pages_total: int
+    alive: bool = True  # False for a data-parallel replica whose process has died
+    # one entry per data-parallel replica, in rank order (empty for a single engine)
+    replicas: tuple[EngineLoad, ...] = ()
+
+    @classmethod
+    def total(cls, replicas: list[EngineLoad]) -> EngineLoad:
+        """The sum over the replicas that are alive, with every replica's own figures kept."""
+        alive = [r for r in replicas if r.alive]
+        return cls(
+            sum(r.running for r in alive), sum(r.waiting for r in alive), sum(r.kv_pages_used for r in alive),
+            sum(r.kv_pages_total for r in alive), bool(alive), tuple(replicas),
+        )  # fmt: skip
