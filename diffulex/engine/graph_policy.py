@@ -34,7 +34,8 @@ class GraphPolicy:
         cls, config: Config, device: torch.device, runner: ModelRunner, logits_shift: bool, token_merge: bool
     ) -> GraphPolicy:
         cuda_graphs = (
-            device.type == "cuda"
+            isinstance(runner, ModelRunner)  # the graphs capture the engine runner's forward
+            and device.type == "cuda"
             and not config.enforce_eager
             and not token_merge  # soft inputs are an eager-step feature
             and config.enable_full_static_runner
