@@ -204,3 +204,15 @@ def test_abort_and_a_bad_request_leave_the_others_untouched(folder: Path, model,
     assert drop not in finished
     assert finished[bad].completion_reason == "error"
     assert "image_token_id" in finished[bad].error
+
+
+def test_top_p_and_top_k_are_refused_by_name(folder: Path) -> None:
+    """The canvas sampler has no top-p/top-k: such a request is refused when added, naming the field, and the
+    engine serves the next one."""
+    with engine(folder) as llm:
+        assert (llm.config.model_name, llm.config.decoding_strategy) == ("diffusion_gemma", "diffusion_gemma")
+        for bad in (SamplingParams(top_p=0.9), SamplingParams(top_k=5)):
+            with pytest.raises(ValueError, match="top_p=0.9 is not supported|top_k=5 is not supported"):
+                llm.add_request(prompts(1)[0], bad)
+        out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=8, seed=1), use_tqdm=False)
+        assert out.trajectories[0].error is None and len(out.trajectories[0].token_ids) <= 8

@@ -35,6 +35,13 @@ class CanvasRequest(Request):
     context_canvases: int = field(init=False, default=0)  # committed canvases inside ``context``
 
     def __post_init__(self) -> None:
+        sp, strategy = self.sampling_params, "decoding_strategy='diffusion_gemma'"
+        for name, neutral in (("top_p", 1.0), ("top_k", 0)):
+            if getattr(sp, name) != neutral:
+                raise ValueError(
+                    f"{name}={getattr(sp, name)} is not supported with {strategy}: its canvases are sampled by the "
+                    f"entropy-bound rule of the checkpoint (leave {name} at {neutral})"
+                )
         s = self.settings
         self.canvas_length = s.block_size
         self.prompt_len = len(self.prompt_token_ids)
