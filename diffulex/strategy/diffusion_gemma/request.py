@@ -131,6 +131,12 @@ class CanvasRequest(Request):
         """Nothing to do: a canvas commits in `apply_tokens`, when its denoising ends."""
 
     def check_completion(self) -> CompletionReason | None:
+        reason = self._completion()
+        if reason is not None:  # a finished request's K/V and canvas state are never read again: free them now
+            self.context, self.canvas = None, None
+        return reason
+
+    def _completion(self) -> CompletionReason | None:
         if self.stop_pos is not None:
             return CompletionReason.EOS
         if self.canvases_done >= self.num_canvases:
