@@ -360,10 +360,15 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         return {kind: rotary_angles(self.config.rope[kind], dim, positions) for kind, dim in head_dims.items()}
 
     @torch.no_grad()
-    def encode(self, input_ids: torch.Tensor, context: EncoderKV | None = None) -> EncoderKV:
+    def encode(
+        self, input_ids: torch.Tensor, context: EncoderKV | None = None, keep_all_positions: bool = False
+    ) -> EncoderKV:
         """Run the causal encoder over ``input_ids [B, n]`` (positions continue after `context`) and return the
         K/V of everything encoded so far. The encoder's hidden states past the last layer's K/V are never
-        needed, so the last layer stops after its projections."""
+        needed, so the last layer stops after its projections.
+
+        Sliding layers keep only the last ``window - 1`` positions, unless ``keep_all_positions`` (a paged cache
+        stores every position, since a later request sharing a prefix reads the window before its own start)."""
         self.check_token_ids(input_ids, "input_ids")
         B, n = input_ids.shape
         if n == 0:
@@ -384,7 +389,7 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
             if context is not None:
                 k = torch.cat([context.keys[i], k], dim=1)
                 v = torch.cat([context.values[i], v], dim=1)
-            kept = window - 1 if layer.self_attn.is_sliding else k.shape[1]
+            kept = window - 1 if layer.self_attn.is_sliding and not keep_all_positions else k.shape[1]
             keys.append(k[:, -kept:] if kept > 0 else k[:, :0])
             values.append(v[:, -kept:] if kept > 0 else v[:, :0])
             if i == last:

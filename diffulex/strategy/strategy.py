@@ -55,8 +55,8 @@ class StepRunner(Protocol):
     """What the engine calls on a runner: `diffulex.engine.model_runner.ModelRunner` implements it for every
     strategy that brings none (`Strategy.make_runner`). ``launch`` runs one step for a batch of requests the
     scheduler formed; its writes are applied by each request's ``apply_tokens`` when the engine applies the step.
-    Pages count the K/V a request holds: ``page_bytes`` is what one page costs, ``allocate_kv_cache`` gets their
-    number."""
+    The runner owns the K/V pages: ``page_bytes`` is what one page costs, ``allocate_kv_cache`` allocates the
+    number the memory plan chose; the engine's KV cache manager hands them to requests (``Request.page_table``)."""
 
     can_continue: bool
 

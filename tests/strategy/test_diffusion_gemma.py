@@ -137,26 +137,39 @@ def test_a_stop_token_ends_the_answer_at_the_canvas_that_holds_it(folder: Path, 
     assert traj.nfe == sum(s[0] for s in steps[:2])
 
 
+def run_requests(llm, batch: list[list[int]], params: list[SamplingParams]) -> tuple[list, list]:
+    """Add every request, step until all finish; their trajectories and request objects, in order."""
+    ids = [llm.add_request(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
+    requests = {req.req_id: req for req in llm.scheduler.waiting}
+    finished = {}
+    while not llm.is_finished():
+        finished.update({u.req_id: u.trajectory for u in llm.step() if u.finished})
+    return [finished[i] for i in ids], [requests[i] for i in ids]
+
+
 def test_mixed_batch_prefix_hit_and_preemption_give_the_tokens_of_single_runs(folder: Path) -> None:
-    """Eight requests (greedy and sampled, different lengths and budgets, two with the same prompt) in one
-    engine whose page pool is too small for all of them at once: one request is preempted and encodes its
-    context again, the repeated prompt is found in the prompt cache, and every answer equals the answer of the
-    same request run alone in an engine of its own."""
-    batch = prompts(7)
-    batch.append(list(batch[2]))  # the same prompt again: its encoded K/V is reused
+    """Eight requests (greedy and sampled, different lengths and budgets) in one engine whose page pool is too
+    small for all of them at once, after a request whose 30-token prompt left its first page in the prefix cache:
+    the request with the same prompt and one that shares its first 16 tokens find that page, at least one request
+    is preempted and encodes its K/V again, and every answer equals the answer of the same request run alone in
+    an engine of its own, without prefix caching."""
+    batch = prompts(8)
+    cached = batch[7]  # 30 tokens: one full page of 16
+    batch[0] = list(cached)
+    batch[1] = cached[:16] + batch[1]
     params = [
         SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=[40, 24, 33, 16, 48, 20, 30, 40][i], seed=i,
                        ignore_eos=True)
         for i in range(8)
     ]  # fmt: skip
-    params[7] = SamplingParams(temperature=1.0, max_tokens=40, seed=70, ignore_eos=True)
     alone = []
     for prompt, sp in zip(batch, params, strict=True):
         with engine(folder, enable_prefix_caching=False) as llm:
             alone.append(llm.generate([prompt], sp, use_tqdm=False).trajectories[0])
     with engine(folder, num_pages=9) as llm:
-        together = llm.generate(batch, params, use_tqdm=False).trajectories
-        assert llm.runner.prompt_cache.hits >= 1
+        llm.generate([cached], SamplingParams(max_tokens=8, seed=99), use_tqdm=False)
+        together, requests = run_requests(llm, batch, params)
+    assert [req.prefix_hit_len for req in requests[:2]] == [16, 16]
     assert sum(t.num_preemptions for t in together) >= 1
     for single, joint in zip(alone, together, strict=True):
         assert joint.token_ids == single.token_ids

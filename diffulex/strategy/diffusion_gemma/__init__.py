@@ -4,8 +4,9 @@ Block and page are the canvas; the running set is one canvas. Its sampler settin
 ``generation_config.json``.
 
 The model's forward is an encoder and a canvas decoder, so the strategy brings its own runner
-(`runner.CanvasRunner`, via `Strategy.make_runner`); the request (`request.CanvasRequest`) holds the canvases and
-the encoder K/V, and `canvas` is the denoising rule of one step (docs/strategies.md, "diffusion_gemma").
+(`runner.CanvasRunner`, via `Strategy.make_runner`), which keeps the encoder K/V in pages of the engine's pool;
+the request (`request.CanvasRequest`) holds the canvases, and `canvas` is the denoising rule of one step
+(docs/strategies.md, "DiffusionGemma").
 """
 
 from __future__ import annotations
@@ -124,7 +125,6 @@ class DiffusionGemma(Strategy):
             vocab_limit=context.vocab_limit,
             base_seed=context.base_seed,
             schedule=context.options.schedule,
-            prompt_cache_entries=context.max_num_reqs if context.enable_prefix_caching else 0,
         )
         return CanvasRunner(settings, context.model)
 

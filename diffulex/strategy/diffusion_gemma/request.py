@@ -1,5 +1,5 @@
 """The state of one DiffusionGemma request: its prompt, the canvases it has finished, the canvas it is denoising,
-and the encoder K/V of everything finished so far.
+and how much of it the encoder has written into its KV pages.
 
 Token list: the prompt, then every canvas in order; the running canvas's span shows its latest argmax (what a
 viewer sees while it is denoised). A canvas is one block of ``canvas_length`` positions that starts right after
@@ -7,10 +7,11 @@ the tokens before it (canvases are not aligned to the block grid of other strate
 whole when its denoising ends. The answer is the committed canvases, cut before the first stop token and at
 ``max_tokens`` (and ``max_model_len``).
 
-The runner (`diffulex.strategy.diffusion_gemma.runner`) writes the encoder K/V here (``context``: the K/V of the
-prompt and of the first ``context_canvases`` canvases; a cache, so it may be written while a step is launched)
-and proposes each step's outcome (``proposed``), which `apply_tokens` adopts when the engine applies the step:
-a step that is dropped leaves the request as it was.
+The encoder K/V lives in the request's pages (``page_table``, given by the KV cache manager): positions
+``[0, encoded_len)`` are written (by the runner, `diffulex.strategy.diffusion_gemma.runner`, or found by a
+prefix-cache hit), and the full pages among them are registered for reuse, like every strategy's committed blocks.
+The runner also proposes each step's outcome (``proposed``), which `apply_tokens` adopts when the engine applies
+the step: a step that is dropped leaves the request as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diffulex.models.diffusion_gemma import EncoderKV
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.diffusion_gemma.canvas import CanvasState, CanvasStep
 from diffulex.strategy.request import CompletionReason, Request, SampleTarget, _trailing_run
@@ -31,8 +31,8 @@ class CanvasRequest(Request):
     canvases_done: int = field(init=False, default=0)  # committed canvases
     canvas: CanvasState | None = field(init=False, default=None)  # the running canvas's state, None before step 1
     proposed: CanvasStep | None = field(init=False, default=None)  # the launched step's outcome, until applied
-    context: EncoderKV | None = field(init=False, default=None)  # encoder K/V; None: nothing encoded (or preempted)
-    context_canvases: int = field(init=False, default=0)  # committed canvases inside ``context``
+    encoded_len: int = field(init=False, default=0)  # positions whose encoder K/V is in the request's pages
+    prefix_hit_len: int = field(init=False, default=0)  # of those, supplied by a prefix-cache hit at admission
 
     def __post_init__(self) -> None:
         sp, strategy = self.sampling_params, "decoding_strategy='diffusion_gemma'"
@@ -61,9 +61,9 @@ class CanvasRequest(Request):
         return self.prompt_len + self.canvases_done * self.canvas_length
 
     @property
-    def encoded_len(self) -> int:
-        """Positions whose K/V ``context`` holds."""
-        return self.prompt_len + self.context_canvases * self.canvas_length if self.context is not None else 0
+    def num_cached_tokens(self) -> int:
+        """Positions whose K/V is in the cache (what the KV cache manager registers, in whole pages)."""
+        return self.encoded_len
 
     @property
     def answer_end(self) -> int:
@@ -132,8 +132,8 @@ class CanvasRequest(Request):
 
     def check_completion(self) -> CompletionReason | None:
         reason = self._completion()
-        if reason is not None:  # a finished request's K/V and canvas state are never read again: free them now
-            self.context, self.canvas = None, None
+        if reason is not None:  # never read again: free it now
+            self.canvas = None
         return reason
 
     def _completion(self) -> CompletionReason | None:
@@ -152,10 +152,19 @@ class CanvasRequest(Request):
     # ----- preemption ------------------------------------------------------------------------------------
 
     def forget_cache(self) -> None:
-        """The request lost its pages: its encoder K/V is dropped and encoded again (prompt, then each committed
-        canvas, in the same pieces, so with the same values) when it runs next. The running canvas keeps its
-        state, so the request's tokens do not change."""
-        self.context = None
-        self.context_canvases = 0
+        """The request lost its pages: its encoder K/V is encoded again (prompt, then each committed canvas, in the
+        same pieces, so with the same values) when it runs next, but for what a prefix-cache hit supplies. The
+        running canvas keeps its state, so the request's tokens do not change."""
+        for block in self.blocks:
+            if block.status is BlockStatus.IN_CACHE:
+                block.status = BlockStatus.TO_CACHE
+        self.encoded_len = 0
         self.proposed = None
         self.num_preemptions += 1
+
+    def mark_prefix_cached(self, num_tokens: int) -> None:
+        """A prefix-cache hit supplied the K/V of the first ``num_tokens`` positions (whole pages)."""
+        self.encoded_len = self.prefix_hit_len = num_tokens
+        for block in self.blocks:
+            if block.end <= num_tokens and block.is_committed:
+                block.status = BlockStatus.IN_CACHE

@@ -1,25 +1,30 @@
 """The engine step of DiffusionGemma: the model is an encoder and a canvas decoder, not the block-causal forward
-over paged K/V the engine's `ModelRunner` drives, so the strategy brings its own runner (`Strategy.make_runner`).
+the engine's `ModelRunner` drives, so the strategy brings its own runner (`Strategy.make_runner`).
+
+The encoder K/V lives in a page pool like every strategy's K/V: per layer ``[num_pages, page_size, kv_heads,
+head_dim]`` (each layer its own head geometry; sliding layers store every position too, since a request that
+shares a prefix reads the window before its own start). A request's position ``p`` is in page
+``page_table[p // page_size]``; the KV cache manager hands out pages, registers full pages of final tokens and
+finds them again for a later request with the same prefix (prompts, and prompts followed by finished canvases).
 
 One step, for a batch of requests that each have a running canvas:
 
-1. each request's encoder context is brought up to date, one piece at a time: the prompt (or the K/V another
-   request with the same prompt encoded, when prefix caching is on), then every canvas it has committed since;
+1. each request's missing K/V is encoded and stored, one piece at a time, the pieces a request that was never
+   preempted encoded: the rest of its prompt, then every canvas it has committed since; each piece reads the K/V
+   before it from the pages (full layers: all of it; sliding layers: the last ``window - 1`` positions);
 2. one decoder pass over every request's canvas together (`DiffusionGemmaForDiffusionLM.denoise_hidden`: rows of
-   equal shape, each after its own context);
+   equal shape, each after its own context read from its pages);
 3. per request: logits, then its canvas step (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvas`) with
    its own temperature and random streams; the outcome is proposed to the request and adopted when the engine
    applies the step.
 
-The encoder K/V lives in per-request tensors (`EncoderKV`), not in the engine's page pool: the pool's pages only
-account for it (one page per canvas of positions), so admission and preemption work as for every strategy. A
-preempted request drops its K/V and encodes it again in the same pieces, so its tokens do not change.
+The pages are read by gathering them into dense tensors (the PyTorch path; a paged attention kernel would read
+them in place).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from diffulex.errors import RequestFailure
 from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM, EncoderKV
 from diffulex.sampler.rows import PendingWrites
+from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.diffusion_gemma.canvas import (
     CanvasSchedule,
     CanvasState,
@@ -47,35 +53,6 @@ class CanvasRunnerSettings:
     vocab_limit: int  # ids at or above this are never drawn
     base_seed: int  # the seed of requests that bring none (``base_seed + req_id``)
     schedule: CanvasSchedule
-    prompt_cache_entries: int  # encoded prompts kept for reuse; 0: prefix caching off
-
-
-class PromptCache:
-    """Encoded prompts by their tokens, least recently used dropped first. An `EncoderKV` is immutable, so
-    requests with the same prompt share one (the same tensors, hence the same values as encoding it again)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, ...], EncoderKV] = OrderedDict()
-        self.hits = 0
-
-    def get(self, tokens: tuple[int, ...]) -> EncoderKV | None:
-        context = self._entries.get(tokens)
-        if context is not None:
-            self._entries.move_to_end(tokens)
-            self.hits += 1
-        return context
-
-    def put(self, tokens: tuple[int, ...], context: EncoderKV) -> None:
-        if self.capacity <= 0:
-            return
-        self._entries[tokens] = context
-        self._entries.move_to_end(tokens)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self._entries.clear()
 
 
 class CanvasRunner:
@@ -87,23 +64,29 @@ class CanvasRunner:
         self.settings = settings
         self.model = model
         self.num_pages = 0
-        self.prompt_cache = PromptCache(settings.prompt_cache_entries)
+        self.k_cache: list[torch.Tensor] = []  # per layer [num_pages, page_size, kv_heads, head_dim]
+        self.v_cache: list[torch.Tensor] = []
+        self.window = model.config.sliding_window
 
     # ----- memory ---------------------------------------------------------------------------------------
 
     def page_bytes(self) -> int:
-        """Bytes of encoder K/V one page of positions may take, over all layers (an upper bound: a sliding layer
-        keeps only its window)."""
+        """Bytes of encoder K/V one page of positions takes, over all layers."""
         itemsize = torch.empty((), dtype=self.settings.kv_dtype).element_size()
         per_position = sum(2 * g.num_kv_heads * g.head_dim for g in self.model.config.layers)
         return per_position * self.settings.page_size * itemsize
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """The K/V is held per request; the pages only count it."""
+        s = self.settings
+        self.k_cache, self.v_cache = [], []
+        for geometry in self.model.config.layers:
+            shape = (num_pages, s.page_size, geometry.num_kv_heads, geometry.head_dim)
+            self.k_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
+            self.v_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
         self.num_pages = num_pages
 
     def release_kv_cache(self) -> None:
-        self.prompt_cache.clear()
+        self.k_cache, self.v_cache = [], []
         self.num_pages = 0
 
     def warm_up_attention(self) -> None:
@@ -153,7 +136,8 @@ class CanvasRunner:
         if any(state.soft_embeds is not None for state in states):
             zeros = torch.zeros(req.canvas_length, model.config.hidden_size, dtype=s.kv_dtype, device=s.device)
             soft = torch.stack([zeros if state.soft_embeds is None else state.soft_embeds for state in states])
-        hidden = model.denoise_hidden(canvas_ids, [req.context for req in batch], soft)
+        contexts = [self._context(req, req.encoded_len) for req in batch]
+        hidden = model.denoise_hidden(canvas_ids, contexts, soft)
         writes: dict[int, list[tuple[int, int]]] = {}
         for row, (req, state) in enumerate(zip(batch, states, strict=True)):
             step = self._canvas_step(req, state, model.logits(hidden[row]))
@@ -183,23 +167,49 @@ class CanvasRunner:
             raise RequestFailure([req.req_id], f"denoising its canvas failed: {err}") from err
 
     def _encode_missing(self, req: CanvasRequest) -> None:
-        """Bring ``req.context`` up to its committed canvases, in the pieces a request that was never preempted
-        encoded them: the prompt, then one canvas at a time."""
-        if req.context is None:
-            prompt = tuple(req.prompt_token_ids)
-            context = self.prompt_cache.get(prompt)
-            if context is None:
-                context = self._encode(req, list(prompt), None)
-                self.prompt_cache.put(prompt, context)
-            req.context, req.context_canvases = context, 0
-        while req.context_canvases < req.canvases_done:
-            tokens = req.canvas_tokens(req.context_canvases)
-            req.context = self._encode(req, tokens, req.context)
-            req.context_canvases += 1
+        """Encode and store ``req``'s positions ``[encoded_len, committed_len)`` in the pieces a request that was
+        never preempted encoded them: the prompt, then one canvas at a time (a piece already partly in the cache,
+        from a prefix-cache hit, is encoded from where the cache ends)."""
+        bounds = [req.prompt_len + c * req.canvas_length for c in range(req.canvases_done + 1)]
+        for lo, hi in zip([0, *bounds], bounds, strict=False):
+            if hi <= req.encoded_len:
+                continue
+            lo = max(lo, req.encoded_len)
+            self._encode_piece(req, lo, hi)
+            req.encoded_len = hi
+        for block in req.blocks[: req.canvases_done]:
+            if block.end <= req.encoded_len:
+                block.status = BlockStatus.IN_CACHE
 
-    def _encode(self, req: CanvasRequest, tokens: list[int], context: EncoderKV | None) -> EncoderKV:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.settings.device)
+    def _encode_piece(self, req: CanvasRequest, lo: int, hi: int) -> None:
+        ids = torch.tensor([req.token_ids[lo:hi]], dtype=torch.long, device=self.settings.device)
         try:
-            return self.model.encode(ids, context)
+            encoded = self.model.encode(ids, self._context(req, lo), keep_all_positions=True)
         except ValueError as err:  # e.g. an image placeholder in the prompt: this request alone fails
             raise RequestFailure([req.req_id], f"its input cannot be encoded: {err}") from err
+        slots = self._slots(req, lo, hi)
+        for layer, (keys, values) in enumerate(zip(encoded.keys, encoded.values, strict=True)):
+            self.k_cache[layer].view(-1, *keys.shape[2:])[slots] = keys[0, lo - hi :]
+            self.v_cache[layer].view(-1, *values.shape[2:])[slots] = values[0, lo - hi :]
+
+    def _context(self, req: CanvasRequest, length: int) -> EncoderKV | None:
+        """The K/V of ``req``'s positions ``[0, length)`` read from its pages, as the decoder and the encoder's next
+        piece see them: every position for full-attention layers, the last ``window - 1`` for sliding ones."""
+        if length == 0:
+            return None
+        keys, values = [], []
+        for layer, geometry in enumerate(self.model.config.layers):
+            kept = min(self.window - 1, length) if geometry.is_sliding else length
+            slots = self._slots(req, length - kept, length)
+            keys.append(self.k_cache[layer].view(-1, *self.k_cache[layer].shape[2:])[slots][None])
+            values.append(self.v_cache[layer].view(-1, *self.v_cache[layer].shape[2:])[slots][None])
+        return EncoderKV(tuple(keys), tuple(values), length)
+
+    def _slots(self, req: CanvasRequest, lo: int, hi: int) -> torch.Tensor:
+        """Cache rows of ``req``'s positions ``[lo, hi)``."""
+        page_size = self.settings.page_size
+        table = torch.tensor(req.page_table, dtype=torch.long, device=self.settings.device)
+        positions = torch.arange(lo, hi, device=self.settings.device)
+        if hi > len(req.page_table) * page_size:
+            raise RuntimeError(f"request {req.req_id}: positions up to {hi} have no page")
+        return table[positions // page_size] * page_size + positions % page_size
