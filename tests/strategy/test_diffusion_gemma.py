@@ -177,6 +177,23 @@ def test_mixed_batch_prefix_hit_and_preemption_give_the_tokens_of_single_runs(fo
         assert joint.error is None
 
 
+def test_a_conversation_that_continues_an_answer_reuses_its_encoded_canvases(folder: Path) -> None:
+    """A 13-token prompt answered with three canvases leaves its prompt and first two canvases (45 positions, the
+    third is never encoded) in its pages; a follow-up whose prompt is that prompt and answer finds the two full
+    pages (32 positions: prompt and canvas K/V) and answers as it does without prefix caching."""
+    first = prompts(2)[1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, seed=1, ignore_eos=True)
+    with engine(folder) as llm:
+        answer = llm.generate([first], greedy, use_tqdm=False).trajectories[0].token_ids
+        follow_up = [*first, *answer, 7, 8, 9]
+        params = SamplingParams(temperature=0.0, max_tokens=20, seed=2, ignore_eos=True)
+        (traj,), (req,) = run_requests(llm, [follow_up], [params])
+    with engine(folder, enable_prefix_caching=False) as llm:
+        expected = llm.generate([follow_up], params, use_tqdm=False).trajectories[0]
+    assert req.prefix_hit_len == 32
+    assert traj.token_ids == expected.token_ids
+
+
 def test_sampled_canvases_follow_the_request_seed(folder: Path) -> None:
     """At temperature > 0 a request's answer depends on its seed only: the same seed gives the same answer in
     another batch, another seed (almost surely) another answer."""
