@@ -4,6 +4,7 @@ stable-and-confident stopping criterion, on random logits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     EntropyBoundSampler,
@@ -12,6 +13,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
+from diffulex.strategy.diffusion_gemma import DiffusionGemmaOptions
 from diffulex.strategy.diffusion_gemma.canvas import (
     CanvasSchedule,
     denoise_canvas,
@@ -113,3 +115,21 @@ def test_sampled_step_draws_from_the_request_stream_and_renoises_below_the_limit
     assert int(one.state.tokens.max()) < limit
     cpu = torch.device("cpu")
     assert not torch.equal(initial_canvas(5, 0, CANVAS, limit, cpu), initial_canvas(5, 1, CANVAS, limit, cpu))
+
+
+def test_a_schedule_at_zero_is_the_greedy_limit() -> None:
+    """With ``t_max = t_min = 0`` every step's temperature is 0: a request at temperature 1 denoises exactly as
+    one at temperature 0 (no division by zero, no draw)."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(CANVAS, VOCAB, generator=g)
+    state = fresh_state(seed=7, canvas=0, length=CANVAS, vocab_limit=VOCAB, device=torch.device("cpu"))
+    cold = schedule(t_min=0.0, t_max=0.0)
+    sampled = denoise_canvas(logits, state, cold, 1.0, VOCAB, 7, _no_soft, lambda t: t)
+    greedy = denoise_canvas(logits, state, schedule(), 0.0, VOCAB, 7, _no_soft, lambda t: t)
+    assert torch.equal(sampled.state.tokens, greedy.state.tokens) and sampled.mean_entropy == 0.0
+
+
+def test_negative_schedule_temperatures_are_refused_by_name() -> None:
+    for name in ("diffusion_gemma_t_min", "diffusion_gemma_t_max"):
+        with pytest.raises(ValueError, match=f"{name}=-0.5 is invalid"):
+            DiffusionGemmaOptions(**{name: -0.5})

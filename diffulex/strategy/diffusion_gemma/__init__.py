@@ -50,8 +50,8 @@ class DiffusionGemmaOptions:
         check_int("diffusion_gemma_stability_threshold", self.diffusion_gemma_stability_threshold, low=1)
         for name, low in (
             ("diffusion_gemma_confidence_threshold", 0.0),
-            ("diffusion_gemma_t_min", None),
-            ("diffusion_gemma_t_max", None),
+            ("diffusion_gemma_t_min", 0.0),
+            ("diffusion_gemma_t_max", 0.0),
             ("diffusion_gemma_entropy_bound", 0.0),
         ):
             object.__setattr__(self, name, check_number(name, getattr(self, name), low=low))

@@ -126,7 +126,8 @@ def denoise_canvas(
     soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
     token_soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
 ) -> CanvasStep:
-    """One step of one canvas from its decoder logits ``[C, vocab]`` (float32, soft-capped).
+    """One step of one canvas from its decoder logits ``[C, vocab]`` (float32, soft-capped); ``temperature`` is
+    the request's, which multiplies the schedule's (a product of 0 is the greedy limit).
 
     ``soft_embeddings(logits [1, C, vocab]) -> [1, C, hidden]`` and ``token_soft_embeddings(tokens [C])`` are the
     model's, for the next step's self-conditioning input."""
@@ -134,12 +135,13 @@ def denoise_canvas(
         logits = logits.clone()
         logits[:, vocab_limit:] = float("-inf")
     step = state.steps
+    temperature = temperature * schedule.temperature(step)
     if temperature == 0.0:
         argmax = logits.argmax(dim=-1)
         tokens, mean_entropy, confident = argmax, 0.0, schedule.confidence_threshold > 0.0
         soft = None
     else:
-        scaled = logits / (temperature * schedule.temperature(step))
+        scaled = logits / temperature
         entropy = token_entropy(scaled)
         mean_entropy = float(entropy.mean())
         confident = mean_entropy < schedule.confidence_threshold

@@ -134,7 +134,8 @@ class CanvasRunner:
         canvas_ids = torch.stack([state.tokens for state in states])
         soft = None
         if any(state.soft_embeds is not None for state in states):
-            zeros = torch.zeros(req.canvas_length, model.config.hidden_size, dtype=s.kv_dtype, device=s.device)
+            shape = (model.config.canvas_length, model.config.hidden_size)
+            zeros = torch.zeros(shape, dtype=model.model.decoder.embed_tokens.weight.dtype, device=s.device)
             soft = torch.stack([zeros if state.soft_embeds is None else state.soft_embeds for state in states])
         contexts = [self._context(req, req.encoded_len) for req in batch]
         hidden = model.denoise_hidden(canvas_ids, contexts, soft)
