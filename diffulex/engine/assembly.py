@@ -123,11 +123,8 @@ def _build_components(
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
-        RunnerContext(
-            model, device, dtype, config.page_size, vocab_limit, config.seed, bool(config.enable_prefix_caching),
-            config.max_num_reqs, config.strategy_options,
-        )
-    )  # fmt: skip
+        RunnerContext(model, device, dtype, config.page_size, vocab_limit, config.seed, config.strategy_options)
+    )
     if runner is None:
         runner = _model_runner(config, device, dtype, model, mask_token_id, vocab_limit, token_merge)
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)

@@ -89,8 +89,6 @@ class RunnerContext:
     page_size: int
     vocab_limit: int  # ids at or above this are padding rows of the embedding: never proposed
     base_seed: int  # the seed of requests that bring none
-    enable_prefix_caching: bool
-    max_num_reqs: int
     options: Any  # the strategy's options object
 
 
