@@ -26,6 +26,9 @@ from diffulex.strategy.request import CompletionReason, Request, SampleTarget, _
 
 @dataclass(eq=False)
 class CanvasRequest(Request):
+    """A `Request` whose blocks are canvases: the scheduler, KV cache manager and engine read it as any request
+    (query range, committed length, running set, answer), while what a step does to it is DiffusionGemma's."""
+
     canvas_length: int = field(init=False)
     num_canvases: int = field(init=False)  # canvases needed to reach the generation end
     canvases_done: int = field(init=False, default=0)  # committed canvases
@@ -69,10 +72,6 @@ class CanvasRequest(Request):
     def answer_end(self) -> int:
         """The committed canvases, up to the first stop token and the generation end."""
         return max(self.prompt_len, min(self.committed_len, self.decode_limit))
-
-    def canvas_tokens(self, canvas: int) -> list[int]:
-        start = self.prompt_len + canvas * self.canvas_length
-        return self.token_ids[start : start + self.canvas_length]
 
     # ----- running-set policy --------------------------------------------------------------------------
 

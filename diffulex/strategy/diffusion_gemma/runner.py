@@ -109,14 +109,7 @@ class CanvasRunner:
         hidden = self.model.denoise_hidden(canvas, [context] * rows)
         self.model.logits(hidden[:1])
 
-    def token_embedding(self) -> torch.nn.Embedding:
-        return self.model.model.decoder.embed_tokens
-
     # ----- one step ---------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def run(self, batch: list[CanvasRequest]) -> dict[int, list[tuple[int, int]]]:
-        return self.launch(batch).result()
 
     @torch.inference_mode()
     def launch(self, batch: list[CanvasRequest], micro_batch: int = 0) -> PendingWrites:
