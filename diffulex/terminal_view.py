@@ -89,7 +89,9 @@ class TerminalDenoiseView:
         record = update.record
         if record is None or not record.running_block_ids:
             return ""
-        start = record.running_block_ids[0] * self.block_size
+        start = record.running_start
+        if start is None:
+            start = record.running_block_ids[0] * self.block_size
         first = self.prompt_len + len(update.committed_token_ids)
         end = self.prompt_len + self.max_tokens
         pieces: list[str] = []

@@ -120,7 +120,7 @@ def test_display_width_counts_wide_characters_twice() -> None:
 
 def scripted_update(committed: list[int], start_block: int, running: list[int]) -> SimpleNamespace:
     """What the view reads of a `RequestUpdate`: the committed answer ids and the step's running blocks."""
-    record = SimpleNamespace(running_block_ids=(start_block,), running_token_ids=tuple(running))
+    record = SimpleNamespace(running_block_ids=(start_block,), running_token_ids=tuple(running), running_start=None)
     return SimpleNamespace(committed_token_ids=committed, record=record)
 
 

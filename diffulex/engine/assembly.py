@@ -24,7 +24,7 @@ from diffulex.engine.memory_plan import plan_num_pages
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.strategy.request import DecodeSettings, Request
-from diffulex.strategy.strategy import SamplerContext
+from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import warn
 
 logger = logging.getLogger("diffulex")
@@ -63,7 +63,7 @@ class EngineParts:
     mask_token_id: int
     vocab_limit: int  # ids at or past this are padding rows of the embedding: never proposed
     settings: DecodeSettings
-    runner: ModelRunner
+    runner: StepRunner
     scheduler: Scheduler
     request_cls: type[Request]
     policy: GraphPolicy
@@ -118,27 +118,15 @@ def _build_components(
     settings: DecodeSettings,
     build: BuildPhases,
 ) -> EngineParts:
-    """The runner with the strategy's sampler for the family, the page pool and the scheduler."""
+    """The strategy's runner (or the engine's, with the strategy's sampler for the family), the page pool and the
+    scheduler."""
     strategy = config.strategy
-    thresholds = config.decoding_thresholds
-    sampler = strategy.make_sampler(
-        SamplerContext(
-            config.family, vocab_limit, mask_token_id, thresholds.accept_threshold, thresholds.edit_threshold,
-            config.seed, config.strategy_options,
-        )
-    )  # fmt: skip
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
-    runner_settings = RunnerSettings(
-        block_size=config.block_size,
-        page_size=config.page_size,
-        prefix_full=bool(config.multi_block_prefix_full),
-        device=device,
-        kv_dtype=dtype,
-        attn_impl=config.attn_impl,
-        token_merge=token_merge,
-        samples_in_graph=strategy.samples_in_graph,
+    runner = strategy.make_runner(
+        RunnerContext(model, device, dtype, config.page_size, vocab_limit, config.seed, config.strategy_options)
     )
-    runner = ModelRunner(runner_settings, model, sampler)
+    if runner is None:
+        runner = _model_runner(config, device, dtype, model, mask_token_id, vocab_limit, token_merge)
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)
     policy.maybe_compile(runner, config)
     build.done("runner")
@@ -164,6 +152,37 @@ def _build_components(
         device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, runner, scheduler, request_cls, policy,
         build,
     )  # fmt: skip
+
+
+def _model_runner(
+    config: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    model: torch.nn.Module,
+    mask_token_id: int,
+    vocab_limit: int,
+    token_merge: object,
+) -> ModelRunner:
+    """The engine's runner: the block-causal forward over paged K/V, with the strategy's sampler."""
+    strategy = config.strategy
+    thresholds = config.decoding_thresholds
+    sampler = strategy.make_sampler(
+        SamplerContext(
+            config.family, vocab_limit, mask_token_id, thresholds.accept_threshold, thresholds.edit_threshold,
+            config.seed, config.strategy_options,
+        )
+    )  # fmt: skip
+    runner_settings = RunnerSettings(
+        block_size=config.block_size,
+        page_size=config.page_size,
+        prefix_full=bool(config.multi_block_prefix_full),
+        device=device,
+        kv_dtype=dtype,
+        attn_impl=config.attn_impl,
+        token_merge=token_merge,
+        samples_in_graph=strategy.samples_in_graph,
+    )
+    return ModelRunner(runner_settings, model, sampler)
 
 
 def _resolve_mask_token_id(config: Config, tokenizer: object, model: torch.nn.Module) -> int:

@@ -353,6 +353,7 @@ class DiffulexEngine:
             lo = req.blocks[ids[0]].start if ids else end
             record = StepRecord(applied.index, end - start, filled, ids, tuple(req.token_ids[lo:end]))
             record.step_time = applied.step_time
+            record.running_start = lo
             req.steps.append(record)
             trajectory = self._trajectory(req) if req.is_finished else None
             updates.append(RequestUpdate.of_request(req, record, trajectory))

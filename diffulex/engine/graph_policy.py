@@ -12,6 +12,7 @@ import torch
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
 from diffulex.engine.model_runner import ModelRunner
+from diffulex.strategy.strategy import StepRunner
 
 logger = logging.getLogger("diffulex")
 
@@ -31,10 +32,11 @@ class GraphPolicy:
 
     @classmethod
     def decide(
-        cls, config: Config, device: torch.device, runner: ModelRunner, logits_shift: bool, token_merge: bool
+        cls, config: Config, device: torch.device, runner: StepRunner, logits_shift: bool, token_merge: bool
     ) -> GraphPolicy:
         cuda_graphs = (
-            device.type == "cuda"
+            isinstance(runner, ModelRunner)  # the graphs capture the engine runner's forward
+            and device.type == "cuda"
             and not config.enforce_eager
             and not token_merge  # soft inputs are an eager-step feature
             and config.enable_full_static_runner

@@ -19,13 +19,15 @@ its weight ``w`` (not ``1 + w``). Logits are the tied embedding's, soft-capped b
 Window semantics follow transformers' cache: in the encoder a sliding layer's query at position ``p`` sees keys
 ``(p - window, p]``; in the decoder it sees the last ``window - 1`` encoded positions and the whole canvas.
 
-This module is the dense PyTorch path (no paged cache, no Triton): the reference the engine's strategy will be
-held to. Weights load under the checkpoint's names with the strict loader (`load_diffusion_gemma`); the vision
-tower in the folder is skipped and image tokens are refused.
+This module is the dense PyTorch path (no paged cache, no Triton), which the engine's ``diffusion_gemma`` strategy
+runs (`denoise_hidden` batches the canvases of requests whose contexts differ in length). Weights load under the
+checkpoint's names with the strict loader (`load_diffusion_gemma`); the vision tower in the folder is skipped and
+image tokens are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +116,28 @@ def _sliding_causal_mask(
     if window is not None:
         allowed &= k > q - window
     return allowed
+
+
+def _ragged_context(
+    context_keys: list[torch.Tensor], context_values: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each row's context K/V (``[1, S_b, kv_heads, head_dim]``) followed by its canvas K/V (``[B, C, ...]``) as
+    one batch ``[B, max S_b + C, ...]``, and the ``[B, 1, C, max S_b + C]`` mask that hides each row's padding
+    (None when every row's context has the same length: nothing is padded)."""
+    B, C = keys.shape[:2]
+    lengths = [k.shape[1] for k in context_keys]
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        joined_keys = torch.cat([torch.cat(context_keys), keys], dim=1)
+        return joined_keys, torch.cat([torch.cat(context_values), values], dim=1), None
+    shape = (B, longest + C, *keys.shape[2:])
+    all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
+    mask = torch.ones(B, 1, C, longest + C, dtype=torch.bool, device=keys.device)
+    for row, n in enumerate(lengths):
+        all_keys[row, :n], all_values[row, :n] = context_keys[row][0], context_values[row][0]
+        mask[row, :, :, n:longest] = False
+    all_keys[:, longest:], all_values[:, longest:] = keys, values
+    return all_keys, all_values, mask
 
 
 class GemmaAttention(nn.Module):
@@ -290,7 +314,8 @@ class DiffusionGemmaModel(nn.Module):
 class DiffusionGemmaForDiffusionLM(nn.Module):
     """``encode(prompt ids) -> EncoderKV`` and ``denoise_step(canvas ids, EncoderKV, previous logits) -> logits``.
 
-    Batches are rows of equal length (one `EncoderKV` per batch); the strategy's paged path will lift that."""
+    `encode` and `denoise_step` take rows of equal length (one `EncoderKV` per batch); `denoise_hidden` batches
+    canvases whose contexts differ in length (the engine's ``diffusion_gemma`` strategy)."""
 
     ignored_checkpoint_keys = VISION_CHECKPOINT_KEYS
     load_error_hint = "a DiffusionGemmaForBlockDiffusion checkpoint keeps its text weights under model.decoder."
@@ -335,10 +360,15 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         return {kind: rotary_angles(self.config.rope[kind], dim, positions) for kind, dim in head_dims.items()}
 
     @torch.no_grad()
-    def encode(self, input_ids: torch.Tensor, context: EncoderKV | None = None) -> EncoderKV:
+    def encode(
+        self, input_ids: torch.Tensor, context: EncoderKV | None = None, keep_all_positions: bool = False
+    ) -> EncoderKV:
         """Run the causal encoder over ``input_ids [B, n]`` (positions continue after `context`) and return the
         K/V of everything encoded so far. The encoder's hidden states past the last layer's K/V are never
-        needed, so the last layer stops after its projections."""
+        needed, so the last layer stops after its projections.
+
+        Sliding layers keep only the last ``window - 1`` positions, unless ``keep_all_positions`` (a paged cache
+        stores every position, since a later request sharing a prefix reads the window before its own start)."""
         self.check_token_ids(input_ids, "input_ids")
         B, n = input_ids.shape
         if n == 0:
@@ -359,7 +389,7 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
             if context is not None:
                 k = torch.cat([context.keys[i], k], dim=1)
                 v = torch.cat([context.values[i], v], dim=1)
-            kept = window - 1 if layer.self_attn.is_sliding else k.shape[1]
+            kept = window - 1 if layer.self_attn.is_sliding and not keep_all_positions else k.shape[1]
             keys.append(k[:, -kept:] if kept > 0 else k[:, :0])
             values.append(v[:, -kept:] if kept > 0 else v[:, :0])
             if i == last:
@@ -426,6 +456,55 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
             values = torch.cat([context.values[i], v], dim=1)
             h = layer.finish(h, q, keys, values, None, layer.layer_scalar)
         return self.logits(self.model.decoder.norm(h))
+
+    def token_soft_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`soft_embeddings` of logits that are one-hot at ``tokens`` (a temperature-0 step's prediction): the
+        embedding rows times ``sqrt(hidden)``, without the vocabulary-wide softmax. Bit for bit the same: the
+        product of a one-hot row with ``E`` adds exact zeros to the one selected row."""
+        weight = self.model.decoder.embed_tokens.weight
+        return weight[tokens] * self._embed_scale(weight.dtype, weight.device)
+
+    @torch.no_grad()
+    def denoise_hidden(
+        self,
+        canvas_ids: torch.Tensor,
+        contexts: Sequence[EncoderKV],
+        soft_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decoder pass over the canvases of several requests, each after its own encoded context: row ``b``
+        of ``canvas_ids [B, canvas_length]`` attends to ``contexts[b]`` (a one-row `EncoderKV` of any length) and
+        to its own canvas. Returns the final-normed hidden states ``[B, canvas_length, hidden]``; `logits` turns
+        them into logits, one request at a time if memory asks for it.
+
+        ``soft_embeds [B, canvas_length, hidden]``: each row's self-conditioning input (`soft_embeddings` of its
+        previous step's logits); a row of zeros is a canvas's first step (the self-conditioning MLP of zeros adds
+        exactly zero), None: every row's first step. Contexts of different lengths are padded between the
+        context and the canvas, and the padding is masked; equal lengths need no mask, as in `denoise_step`."""
+        self.check_token_ids(canvas_ids, "canvas_ids")
+        B, C = canvas_ids.shape
+        if C != self.config.canvas_length:
+            raise ValueError(
+                f"canvas_ids has {C} positions per row; the checkpoint's canvas_length is {self.config.canvas_length}"
+            )
+        if len(contexts) != B or any(context.batch_size != 1 for context in contexts):
+            raise ValueError(f"canvas_ids has {B} rows: denoise_hidden needs {B} one-row encoder contexts")
+        if soft_embeds is not None and tuple(soft_embeds.shape) != (B, C, self.config.hidden_size):
+            raise ValueError(
+                f"soft_embeds must have shape {[B, C, self.config.hidden_size]}, got {list(soft_embeds.shape)}"
+            )
+        device = canvas_ids.device
+        h = self.model.decoder.self_conditioning(self.embed(canvas_ids), soft_embeds)
+        offsets = torch.arange(C, device=device)
+        positions = torch.cat([offsets + context.length for context in contexts])
+        angles = self._angles(positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h.reshape(1, B * C, -1), *angles[self.config.layers[i].layer_type])
+            q, k, v = q.view(B, C, *q.shape[2:]), k.view(B, C, *k.shape[2:]), v.view(B, C, *v.shape[2:])
+            keys, values, mask = _ragged_context(
+                [context.keys[i] for context in contexts], [context.values[i] for context in contexts], k, v
+            )
+            h = layer.finish(h, q, keys, values, mask, layer.layer_scalar)
+        return self.model.decoder.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in the model dtype, then float32 and ``cap * tanh(logits / cap)``."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffulex.engine.request_update import RequestUpdate
+from diffulex.strategy.request import StepRecord
 
 logger = logging.getLogger("diffulex.server")
 
@@ -137,7 +138,7 @@ class DenoiseView:
         record = update.record
         assert record is not None
         mask = self.mask_token_id
-        start = record.running_block_ids[0] * self.block_size if record.running_block_ids else self.prompt_len
+        start = _running_start(record, self.block_size, self.prompt_len)
         generation_end = self.prompt_len + self.max_tokens
         committed_end = self.prompt_len + len(update.committed_token_ids)
         stable_ids = update.answer_token_ids[: max(start - self.prompt_len, 0)]
@@ -147,7 +148,7 @@ class DenoiseView:
             pos = start + offset
             if pos >= generation_end:
                 break
-            block_index = pos // self.block_size
+            block_index = record.running_block_ids[(pos - start) // self.block_size]
             if not blocks or blocks[-1]["index"] != block_index:
                 blocks.append({"index": block_index, "cells": []})
             if pos < self.prompt_len:
@@ -170,3 +171,10 @@ class DenoiseView:
             "blocks": blocks,
             "num_new_tokens": record.num_new_tokens,
         }
+
+
+def _running_start(record: StepRecord, block_size: int, prompt_len: int) -> int:
+    """The position of a record's first running token."""
+    if record.running_start is not None:
+        return record.running_start
+    return record.running_block_ids[0] * block_size if record.running_block_ids else prompt_len

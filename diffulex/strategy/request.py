@@ -77,6 +77,9 @@ class StepRecord:
     running_block_ids: tuple[int, ...]  # the running set during the forward
     running_token_ids: tuple[int, ...]  # its tokens after this step's writes (masks still shown)
     step_time: float = 0.0  # wall time of the whole engine step, seconds
+    # position of running_token_ids[0]; None: the first running block's index times the block size (blocks on the
+    # block grid), which a strategy whose blocks start elsewhere (DiffusionGemma's canvases) does not satisfy
+    running_start: int | None = None
 
 
 @dataclass

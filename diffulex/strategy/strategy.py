@@ -8,7 +8,10 @@ The engine never branches on a strategy's name. It asks the strategy (resolved o
 * its **request class**: the block state of one request (`diffulex.strategy.request.Request` or a subclass);
 * its **sampler** for a model family: the acceptance rule, which a strategy may specialise per family;
 * what it needs of the runner: soft inputs (`Strategy.soft_inputs`), and which fast paths it supports (greedy
-  sampling inside the CUDA graph, continuing a step on the device before its predecessor's result is read).
+  sampling inside the CUDA graph, continuing a step on the device before its predecessor's result is read);
+* its **runner**, for a model whose forward is not the engine's block-causal forward over paged K/V
+  (`Strategy.make_runner`; DiffusionGemma's encoder and canvas decoder): None, the default, keeps the engine's
+  `diffulex.engine.model_runner.ModelRunner` with the strategy's sampler.
 
 Shared machinery stays shared: block state (`diffulex.strategy.request`), proposals, top-1 and drawing
 (`diffulex.sampler`), and the scheduler, KV cache manager and runner of `diffulex.engine`. A strategy is one
@@ -46,6 +49,47 @@ class Sampler(Protocol):
     ) -> PendingWrites: ...
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, vocab_size: int, max_rows: int) -> None: ...
+
+
+class StepRunner(Protocol):
+    """What the engine calls on a runner: `diffulex.engine.model_runner.ModelRunner` implements it for every
+    strategy that brings none (`Strategy.make_runner`). ``launch`` runs one step for a batch of requests the
+    scheduler formed; its writes are applied by each request's ``apply_tokens`` when the engine applies the step.
+    The runner owns the K/V pages: ``page_bytes`` is what one page costs, ``allocate_kv_cache`` allocates the
+    number the memory plan chose; the engine's KV cache manager hands them to requests (``Request.page_table``)."""
+
+    can_continue: bool
+
+    def page_bytes(self) -> int: ...
+
+    def allocate_kv_cache(self, num_pages: int) -> None: ...
+
+    def release_kv_cache(self) -> None: ...
+
+    def warm_up_attention(self) -> None: ...
+
+    def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None: ...
+
+    def profile_run(self, num_tokens: int, max_model_len: int, num_sample_rows: int) -> None: ...
+
+    def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites: ...
+
+    def launch_continuation(self, micro_batch: int) -> PendingWrites: ...
+
+    def forget_launches(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunnerContext:
+    """What a strategy may read when it builds a runner of its own."""
+
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    vocab_limit: int  # ids at or above this are padding rows of the embedding: never proposed
+    base_seed: int  # the seed of requests that bring none
+    options: Any  # the strategy's options object
 
 
 @dataclass(frozen=True)
@@ -142,6 +186,11 @@ class Strategy:
 
     def make_sampler(self, context: SamplerContext) -> Sampler:
         raise NotImplementedError(f"decoding_strategy={self.name!r} has no sampler")
+
+    def make_runner(self, context: RunnerContext) -> StepRunner | None:
+        """A runner of the strategy's own, for a model the engine's `ModelRunner` cannot drive; None (the
+        default): the engine's runner with `make_sampler`'s sampler."""
+        return None
 
     def soft_inputs(self, options: Any, mask_token_id: int) -> TokenMergeSettings | None:
         """Soft inputs (a mix of candidate embeddings instead of a token's) the next forward takes; None: none."""

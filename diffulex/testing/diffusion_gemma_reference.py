@@ -8,7 +8,8 @@ is re-noised, each step's entropy is 0 (always "confident"), and the next step i
 prediction. A canvas stops when its argmax equals the argmax of each of the ``stability_threshold`` steps before
 it, or after ``max_denoising_steps`` steps. After each canvas, a row that produced a stop token keeps the tokens up
 to and including the first one and gets ``pad_token_id`` after it (and in every later canvas); generation ends when
-every row has stopped or ``ceil(max_new_tokens / canvas_length)`` canvases are done.
+every row has stopped or ``ceil(max_new_tokens / canvas_length)`` canvases are done. With ``vocab_limit`` the ids
+at or above it are never predicted (their logits are ``-inf``), as the engine treats the embedding's padding rows.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def greedy_generate(
     stability_threshold: int,
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
+    vocab_limit: int | None = None,
 ) -> GreedyGeneration:
     """Temperature-0 generation; ``canvas_noise[c] [B, canvas_length]`` is canvas ``c``'s starting tokens."""
     canvas_length = model.config.canvas_length
@@ -60,7 +62,9 @@ def greedy_generate(
     for index in range(num_canvases):
         if index > 0:
             context = model.encode(tokens[:, -canvas_length:], context)
-        canvas, canvas_steps = _denoise(model, context, canvas_noise[index], max_denoising_steps, stability_threshold)
+        canvas, canvas_steps = _denoise(
+            model, context, canvas_noise[index], max_denoising_steps, stability_threshold, vocab_limit
+        )
         steps.append(canvas_steps)
         canvas = torch.where(stopped[:, None], torch.full_like(canvas, pad_token_id), canvas)
         is_stop = torch.isin(canvas, stops)
@@ -79,6 +83,7 @@ def _denoise(
     noise: torch.Tensor,
     max_steps: int,
     stability_threshold: int,
+    vocab_limit: int | None,
 ) -> tuple[torch.Tensor, list[int]]:
     """One canvas: ``(argmax canvas, steps per row)``; a row that has stopped keeps its canvas while others go on."""
     batch = noise.shape[0]
@@ -89,6 +94,8 @@ def _denoise(
     steps = [0] * batch
     for _ in range(max_steps):
         logits = model.denoise_step(canvas, context, previous)  # type: ignore[arg-type]
+        if vocab_limit is not None:
+            logits[..., vocab_limit:] = float("-inf")
         argmax = torch.where(done[:, None], canvas, logits.argmax(dim=-1))
         recent = history[-stability_threshold:] if stability_threshold else []
         stable = torch.ones(batch, dtype=torch.bool, device=noise.device)

@@ -49,10 +49,10 @@ def test_features_that_arrive_later_fail_clearly_where_used(sdar_dir: Path, tmp_
         engine(sdar_dir, **fields)
 
 
-def test_a_family_without_an_implementation_fails_clearly(tmp_path: Path) -> None:
+def test_a_checkpoint_folder_without_weights_fails_clearly(tmp_path: Path) -> None:
     config = {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not supported yet.*decoding_strategy='diffusion_gemma'"):
+    with pytest.raises(ValueError, match=f"{tmp_path} has no safetensors weights"):
         Diffulex(str(tmp_path))
 
 

@@ -305,3 +305,23 @@ def test_bad_inputs_are_refused_with_the_field_named(models) -> None:
     canvas, previous = torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 16, ours.config.vocab_size)
     with pytest.raises(ValueError, match=r"self_conditioning_mask must be a bool tensor of shape \[1\]"):
         ours.denoise_step(canvas, context, previous, self_conditioning_mask=torch.ones(1))
+
+
+def test_batched_denoising_over_contexts_of_different_lengths_equals_one_row_at_a_time(models) -> None:
+    """`denoise_hidden` (the engine's batched decoder pass) over three canvases whose prompts differ in length
+    (one shorter than the sliding window, two longer), with self-conditioning on for two rows and off for one,
+    gives each row the logits `denoise_step` gives it alone."""
+    _, ours = models
+    g = torch.Generator().manual_seed(5)
+    C = ours.config.canvas_length
+    contexts = [ours.encode(_tokens(g, 1, n)) for n in (5, 13, 21)]
+    canvases = _tokens(g, 3, C)
+    vocab = ours.config.vocab_size
+    previous = [None, torch.randn(1, C, vocab, generator=g), torch.randn(1, C, vocab, generator=g)]
+    soft = torch.cat([
+        torch.zeros(1, C, ours.config.hidden_size) if p is None else ours.soft_embeddings(p) for p in previous
+    ])  # fmt: skip
+    batched = ours.logits(ours.denoise_hidden(canvases, contexts, soft))
+    for row, (context, logits) in enumerate(zip(contexts, previous, strict=True)):
+        alone = ours.denoise_step(canvases[row : row + 1], context, logits)
+        torch.testing.assert_close(batched[row : row + 1], alone, atol=ATOL, rtol=0)

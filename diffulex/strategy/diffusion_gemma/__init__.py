@@ -1,9 +1,12 @@
-"""DiffusionGemma canvas denoising: the model denoises one whole canvas (256 tokens) at a time, conditioned on the
-encoded prompt, so block, page and running set are fixed by the model. Its sampler settings default from the
-checkpoint's ``generation_config.json``.
+"""DiffusionGemma canvas denoising: canvases of the checkpoint's ``canvas_length`` tokens are produced one after
+another, each denoised as a whole, conditioned on the encoder's K/V of the prompt and of the canvases before it.
+Block and page are the canvas; the running set is one canvas. Its sampler settings default from the checkpoint's
+``generation_config.json``.
 
-Its configuration is complete (options, invariants, checkpoint defaults); the engine's canvas step is still to
-come, so the engine refuses to run it (``request_class`` is None).
+The model's forward is an encoder and a canvas decoder, so the strategy brings its own runner
+(`runner.CanvasRunner`, via `Strategy.make_runner`), which keeps the encoder K/V in pages of the engine's pool;
+the request (`request.CanvasRequest`) holds the canvases, and `canvas` is the denoising rule of one step
+(docs/strategies.md, "DiffusionGemma").
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffulex.checkpoint_folder import checkpoint_path
-from diffulex.strategy.strategy import Strategy, register_strategy
+from diffulex.strategy.diffusion_gemma.canvas import CanvasSchedule
+from diffulex.strategy.diffusion_gemma.request import CanvasRequest
+from diffulex.strategy.diffusion_gemma.runner import CanvasRunner, CanvasRunnerSettings
+from diffulex.strategy.strategy import RunnerContext, StepRunner, Strategy, register_strategy
 from diffulex.validation import check_int, check_number, force_setting, invalid_value
 
 if TYPE_CHECKING:
@@ -37,15 +43,15 @@ class DiffusionGemmaOptions:
     diffusion_gemma_confidence_threshold: float = 0.1  # mean-entropy bound for convergence
     diffusion_gemma_t_min: float = 0.0  # lowest temperature of the denoising schedule
     diffusion_gemma_t_max: float = 1.0  # highest (first) temperature of the schedule
-    diffusion_gemma_entropy_bound: float = 1.0  # entropy bound of stochastic re-masking
+    diffusion_gemma_entropy_bound: float = 1.0  # entropy bound of stochastic re-noising
 
     def __post_init__(self) -> None:
         check_int("diffusion_gemma_max_denoising_steps", self.diffusion_gemma_max_denoising_steps, low=1)
         check_int("diffusion_gemma_stability_threshold", self.diffusion_gemma_stability_threshold, low=1)
         for name, low in (
             ("diffusion_gemma_confidence_threshold", 0.0),
-            ("diffusion_gemma_t_min", None),
-            ("diffusion_gemma_t_max", None),
+            ("diffusion_gemma_t_min", 0.0),
+            ("diffusion_gemma_t_max", 0.0),
             ("diffusion_gemma_entropy_bound", 0.0),
         ):
             object.__setattr__(self, name, check_number(name, getattr(self, name), low=low))
@@ -55,6 +61,17 @@ class DiffusionGemmaOptions:
                 self.diffusion_gemma_t_min,
                 f"must be <= diffusion_gemma_t_max={self.diffusion_gemma_t_max:g}",
             )
+
+    @property
+    def schedule(self) -> CanvasSchedule:
+        return CanvasSchedule(
+            max_steps=self.diffusion_gemma_max_denoising_steps,
+            stability_threshold=self.diffusion_gemma_stability_threshold,
+            confidence_threshold=self.diffusion_gemma_confidence_threshold,
+            t_min=self.diffusion_gemma_t_min,
+            t_max=self.diffusion_gemma_t_max,
+            entropy_bound=self.diffusion_gemma_entropy_bound,
+        )
 
 
 def _read_generation_config(model: str) -> dict[str, Any]:
@@ -72,17 +89,21 @@ def _read_generation_config(model: str) -> dict[str, Any]:
 class DiffusionGemma(Strategy):
     name = "diffusion_gemma"
     Options = DiffusionGemmaOptions
-    request_class = None
+    request_class = CanvasRequest
     families = ("diffusion_gemma",)
     budgets_prompt_tokens = False  # it schedules whole canvases; its budget is checked per request
+    samples_in_graph = False  # its steps run on its own runner, eagerly
+    continues_on_device = False
 
     def normalize(self, config: Config) -> None:
-        """Block and page are the canvas, the running set one canvas. The checkpoint's own sampler settings replace
-        the defaults (a value the user changed is kept)."""
-        canvas = config.family.canvas_size
+        """Block and page are the checkpoint's canvas, the running set one canvas. The checkpoint's own sampler
+        settings replace the defaults (a value the user changed is kept)."""
+        canvas = config.model_config_dict.get("canvas_length", config.family.canvas_size)
         reason = f"diffusion_gemma denoises one {canvas}-token canvas at a time"
-        force_setting(config, "block_size", canvas, reason)
-        force_setting(config, "page_size", canvas, reason)
+        for name in ("block_size", "page_size"):
+            if getattr(config, name) == config.family.canvas_size:  # the family's default: no user choice to warn of
+                setattr(config, name, canvas)
+            force_setting(config, name, canvas, reason)
         force_setting(config, "buffer_size", 1, reason)
         super().normalize(config)
 
@@ -95,6 +116,17 @@ class DiffusionGemma(Strategy):
         for field, value in overrides.items():
             if getattr(config, field) == defaults[field].default:
                 setattr(config, field, value)
+
+    def make_runner(self, context: RunnerContext) -> StepRunner:
+        settings = CanvasRunnerSettings(
+            device=context.device,
+            kv_dtype=context.dtype,
+            page_size=context.page_size,
+            vocab_limit=context.vocab_limit,
+            base_seed=context.base_seed,
+            schedule=context.options.schedule,
+        )
+        return CanvasRunner(settings, context.model)
 
 
 register_strategy(DiffusionGemma())
