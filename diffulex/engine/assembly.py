@@ -129,7 +129,7 @@ def _build_components(
     )  # fmt: skip
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner_settings = RunnerSettings(
-        block_size=config.block_size,
+        block_size=settings.block_size,
         page_size=config.page_size,
         prefix_full=bool(config.multi_block_prefix_full),
         device=device,
@@ -189,7 +189,7 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
     thresholds = config.decoding_thresholds
     return DecodeSettings(
-        block_size=config.block_size,
+        block_size=config.strategy.attention_block_size(config),
         buffer_size=config.buffer_size,
         mask_token_id=mask_token_id,
         max_model_len=config.max_model_len,

@@ -38,7 +38,7 @@ def test_two_replicas_give_each_prompt_the_single_engines_answer_in_order(ckpt):
 
 def test_a_replica_that_cannot_start_is_reported_with_its_error(ckpt):
     with pytest.raises(RuntimeError, match="data-parallel replica 0 failed"):
-        Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, decoding_strategy="fast_dllm_v2")
+        Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, kv_cache_layout="distinct")
 
 
 def test_a_bad_request_is_answered_without_harming_the_replicas(ckpt):
