@@ -28,7 +28,8 @@ TRAINED_BLOCK_SIZE = 32
 
 @dataclass(frozen=True)
 class FastDllmV2Options:
-    fdv2_use_block_cache: bool = True  # reuse the K/V of refined sub-blocks; False recomputes every sub-block
+    # keep the open block's K/V and recompute only the current sub-block; False computes the whole block every forward
+    fdv2_use_block_cache: bool = True
 
     def __post_init__(self) -> None:
         check_bool("fdv2_use_block_cache", self.fdv2_use_block_cache)
