@@ -205,3 +205,33 @@ def test_the_strategy_runs_its_steps_eagerly_and_asks_shifted_logits(fdv2_dir: P
     with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2' is invalid: requires a model family with "
                                          "shifted logits"):  # fmt: skip
         Diffulex(str(sdar_dir), decoding_strategy="fast_dllm_v2", block_size=8, buffer_size=4)
+
+
+def test_two_micro_batches_and_the_static_step_buffers_give_the_reference_tokens(fdv2_dir: Path) -> None:
+    """Micro-batches interleave the requests' steps; with the graphs' static buffers (replayed eagerly on the CPU),
+    commit and whole-block forwards take the static path while refinements, whose keys go on past their rows,
+    run eagerly. Each request still decodes as the oracle says."""
+    with make_engine(fdv2_dir, 4, 2, accept_threshold=0.7, micro_batches=2) as llm:
+        llm.enable_static_decode(capture=False)
+        static_steps = []
+        run = llm.runner.graphs.run
+
+        def counting_run(step, *args, **kwargs):
+            static_steps.append(step.has_cached_tail)
+            return run(step, *args, **kwargs)
+
+        llm.runner.graphs.run = counting_run
+        assert_matches_reference(llm, random_prompts(llm, MIXED_LENGTHS, seed=12))
+    assert static_steps and not any(static_steps)
+
+
+def test_a_seeded_request_at_a_temperature_draws_the_same_answer_twice(fdv2_dir: Path) -> None:
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24)
+    with make_engine(fdv2_dir, 4, 2, accept_threshold=0.7) as llm:
+        prompts = random_prompts(llm, [5, 11], seed=13)
+        first = llm.generate(prompts, params, use_tqdm=False).trajectories
+        second = llm.generate(prompts[::-1], params, use_tqdm=False).trajectories[::-1]
+        greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False).trajectories
+    assert [t.token_ids for t in first] == [t.token_ids for t in second]
+    assert all(len(t.token_ids) == 24 or t.completion_reason == "eos_token_generated" for t in first)
+    assert [t.token_ids for t in first] != [t.token_ids for t in greedy]
