@@ -4,9 +4,9 @@ A request needs pages for committed blocks (their K/V is written once, by the fo
 blocks are recomputed every step and never stored, except where a strategy keeps one's K/V (`Request.stored_len`).
 With continuation steps the scheduler also lends free pages to the blocks of the running sets
 (`reserve_running_pages`), and takes them back before it plans the next step (`release_reserved_pages`), so a loan
-never changes admission or preemption. Page ``i`` of a request holds
-positions ``[i*P, (i+1)*P)``. A block lies within one page (``block_size`` divides ``page_size``), or, where a
-strategy's blocks are wider than a page (Fast-dLLM v2), covers whole pages.
+never changes admission or preemption. Page ``i`` of a request holds positions ``[i*P, (i+1)*P)``. A block lies
+within one page (``block_size`` divides ``page_size``), or, where a strategy's blocks are wider than a page
+(Fast-dLLM v2), covers whole pages.
 
 Prefix caching: a page whose positions all hold final tokens and whose K/V has been written is registered under
 a hash of its tokens chained with the hash of the page before it. A later request whose committed prefix has
@@ -96,7 +96,7 @@ class KVCacheManager:
     # ----- running ----------------------------------------------------------------------------------------
 
     def pages_missing(self, req: Request) -> int:
-        """Fresh pages ``req`` needs before its next forward can store its committed blocks (`Request.stored_len`)."""
+        """Fresh pages ``req`` needs before its next forward can store what it stores (`Request.stored_len`)."""
         return max(0, self.pages_for(req.stored_len) - len(req.page_table))
 
     def grow(self, req: Request) -> None:

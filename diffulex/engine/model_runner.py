@@ -1,8 +1,9 @@
 """Turns a batch of requests into one forward: flat inputs, attention metadata, logits, sampled writes.
 
 The runner owns the model, the KV cache tensors and the sampler. For every request it computes the query
-range chosen by the request (uncached committed blocks, then the running set), asks the cache to store the K/V
-of committed blocks, and runs the LM head only on the rows the sampler needs.
+range chosen by the request (uncached committed blocks, then the running set, unless the request's strategy
+chooses otherwise), asks the cache to store the K/V of the blocks the request stores (committed ones), and runs
+the LM head only on the rows the sampler needs.
 """
 
 from __future__ import annotations
