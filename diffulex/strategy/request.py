@@ -40,7 +40,7 @@ class CompletionReason(enum.StrEnum):
 class DecodeSettings:
     """Engine-wide decoding constants, resolved once from the config, the checkpoint and the tokenizer."""
 
-    block_size: int
+    block_size: int  # the span of a request's blocks (`Strategy.attention_block_size`)
     buffer_size: int
     mask_token_id: int
     max_model_len: int

@@ -118,9 +118,11 @@ def test_after_a_preemption_the_kept_kv_is_rebuilt_from_the_tokens_it_was_comput
     assert req.input_token_ids(0, 8) == [10, 11, 12, 13, 14, MASK, MASK, MASK]
     assert req.token_ids[5] == TOK  # the sequence itself keeps the decoded token
     assert req.stores_kv(req.blocks[0]) and req.sample_targets() == []
+    cap = req.max_nfe
     req.apply_tokens([])
     req.retire_and_commit()
     assert req.forward_kind() is ForwardKind.REFINE  # the step the preemption interrupted
+    assert req.max_nfe == cap + 1  # the automatic cap on forwards does not count the rebuild
 
 
 def test_a_stop_token_ends_the_request_once_its_sub_block_is_complete() -> None:

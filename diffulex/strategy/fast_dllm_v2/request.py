@@ -165,6 +165,8 @@ class FastDllmV2Request(Request):
             self.kept_in_cache = True
         elif kind is ForwardKind.REBUILD:
             self.kept_in_cache = True
+            if self.sampling_params.max_nfe is None:  # the automatic cap counts decoding forwards
+                self.max_nfe += 1
         return super().apply_tokens(writes)
 
     def check_completion(self) -> CompletionReason | None:
