@@ -135,6 +135,7 @@ def test_a_stop_token_ends_the_request_once_its_sub_block_is_complete() -> None:
     step(req)
     assert req.completion_reason is CompletionReason.EOS
     assert req.answer_token_ids() == []
+    assert req.sample_targets() == []  # its sub-blocks after the stop are never decoded
 
 
 def test_the_generation_end_is_never_decoded_and_the_pages_cover_its_whole_block() -> None:

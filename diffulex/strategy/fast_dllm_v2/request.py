@@ -79,10 +79,13 @@ class FastDllmV2Request(Request):
         return block.end
 
     def forward_kind(self) -> ForwardKind:
+        """The forward this request's next step runs (the module docstring says when each one does)."""
         block = self.open_block
         if block is None or self.token_ids[block.start] == self.settings.mask_token_id:
             return ForwardKind.COMMIT
         sub_start = self.current_sub_block(block)
+        if sub_start == block.end:  # nothing left to decode: the request has finished
+            return ForwardKind.INIT
         if self.kept_tokens is None or self.token_ids[sub_start] == self.settings.mask_token_id:
             return ForwardKind.INIT
         return ForwardKind.REFINE if self.kept_in_cache else ForwardKind.REBUILD
@@ -152,7 +155,8 @@ class FastDllmV2Request(Request):
             return []
         if kind is ForwardKind.COMMIT:
             return [SampleTarget(block, [block.start], True)]
-        return [SampleTarget(block, self.sub_block_masks(self.current_sub_block(block)), True)]
+        sub_start = self.current_sub_block(block)
+        return [SampleTarget(block, self.sub_block_masks(sub_start), True)] if sub_start < block.end else []
 
     # ----- after the forward -----------------------------------------------------------------------------
 
