@@ -53,7 +53,7 @@ class ChatSession:
         )
         req_id = engine.add_request(ids, self.sampling_params)
         view = TerminalDenoiseView(
-            out, engine.tokenizer, mask_token_id=engine.mask_token_id, block_size=engine.config.block_size,
+            out, engine.tokenizer, mask_token_id=engine.mask_token_id, block_size=engine.settings.block_size,
             prompt_len=len(ids), max_tokens=self.sampling_params.max_tokens,
             stop_token_ids=engine.settings.stop_token_ids, live=live,
             columns=shutil.get_terminal_size((FALLBACK_COLUMNS, 24)).columns,

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         keeps attention in its custom op, and `fused_rope_args` hands rotary to inductor), hooked norms, and
         layouts the kernel does not cover (the unfused path then raises or handles them as before).
         """
-        if not isinstance(meta, PagedAttentionMetadata) or not self._triton_backend(q):
+        if not isinstance(meta, PagedAttentionMetadata) or not self._triton_backend(q) or meta.key_lens_cpu is not None:
             return None
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache is None or v_cache is None or torch.compiler.is_compiling():
@@ -109,7 +109,9 @@ class Attention(nn.Module):
         return rope_store_and_attend(q, k, v, cos, sin, *args, k_cache, v_cache, meta, self.scale, grouped)
 
     def _triton_backend(self, q: torch.Tensor) -> bool:
-        """Whether paged steps run the Triton kernels: the configured backend, on CUDA tensors."""
+        """Whether paged steps run the Triton kernels: the configured backend, on CUDA tensors. A step whose keys go
+        on past a request's rows (`PagedAttentionMetadata.key_lens_cpu`) takes the PyTorch path all the same: the
+        kernels read no cached keys after the rows."""
         return self.attn_impl in TRITON_IMPLS and q.is_cuda
 
     def paged_forward(
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         """Store this step's committed K/V (q/k already rotated), then attend over cache and new rows."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("the KV cache is not bound to this attention layer")
-        if self._triton_backend(q):
+        if self._triton_backend(q) and meta.key_lens_cpu is None:
             from diffulex.kernels.attention_op import store_and_attend
 
             grouped = self.attn_impl == "triton_grouped"

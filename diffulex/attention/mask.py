@@ -10,8 +10,9 @@ absolute position ``j`` of the same request:
   generated token sees what it would see block-causally. The prompt is encoded bidirectionally, as the D2F
   models were trained, and its K/V depends on the whole prompt, so prompt pages are not sharable.
 
-Cached keys are always visible to new queries: the runner only ever caches whole committed blocks that precede
-every query row of the step, and under both rules such keys are visible.
+The rule applies to cached keys as to new ones: a request's committed blocks precede its rows and are visible
+under both rules; cached keys after its rows (Fast-dLLM v2 refining one sub-block inside its cached block) lie in
+the rows' own block, visible block-causally.
 """
 
 from __future__ import annotations

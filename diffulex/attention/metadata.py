@@ -5,7 +5,8 @@ Two kinds of metadata exist:
 * `PagedAttentionMetadata` is built by the model runner once per engine step. The batch is a flat stream of
   query rows from several requests; each request contributes one contiguous chunk of new tokens at absolute
   positions ``[context_len, context_len + query_len)``, whose first ``context_len`` positions already have K/V in
-  the paged cache.
+  the paged cache. A request may also attend to cached keys after its rows (``key_lens_cpu``): a refinement of a
+  few rows inside a block whose K/V the cache already holds (Fast-dLLM v2's block cache).
 * `DenseAttentionMetadata` carries an explicit boolean mask over one whole sequence with no cache. Only the
   naive reference decoder uses it; it is the oracle the paged path is tested against.
 
@@ -38,6 +39,10 @@ class PagedAttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    # Per request, the end of the keys it attends to when that lies past its rows: keys ``[0, context_len)`` and
+    # ``[context_len + query_len, key_len)`` come from the cache, the rows' own from this step. None: every
+    # request's keys end with its rows. Only the PyTorch path reads it (`Attention` routes such steps there).
+    key_lens_cpu: list[int] | None = None
     # Launch-shape bounds for the kernels: the longest query chunk and the longest key range of any request.
     # Derived from the host lists when left at 0; a CUDA graph fixes them to its bucket's capacity instead, so
     # one captured launch serves every batch that fits.
@@ -51,6 +56,8 @@ class PagedAttentionMetadata:
             self.max_kv_len = max(
                 (c + n for c, n in zip(self.context_lens_cpu, self.query_lens_cpu, strict=True)), default=0
             )
+            if self.key_lens_cpu is not None:
+                self.max_kv_len = max(self.max_kv_len, *self.key_lens_cpu)
 
     @property
     def num_requests(self) -> int:

@@ -49,7 +49,8 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of each request's new rows over its cached prefix plus its own new rows (mask: `mask.py`)."""
+    """Attention of each request's new rows over its cached prefix, its own new rows and, where the metadata says
+    so, the cached keys after them (mask: `mask.py`)."""
     out = torch.empty_like(q)
     page_size = meta.page_size
     row = 0
@@ -58,17 +59,20 @@ def paged_attention(
         if q_len == 0:
             continue
         q_r, k_new, v_new = q[row : row + q_len], k[row : row + q_len], v[row : row + q_len]
-        if ctx > 0:
-            num_pages = (ctx + page_size - 1) // page_size
+        key_len = ctx + q_len if meta.key_lens_cpu is None else max(ctx + q_len, meta.key_lens_cpu[r])
+        cached_len = ctx if key_len == ctx + q_len else key_len  # a tail of cached keys reads the pages past the rows
+        if cached_len > 0:
+            num_pages = (cached_len + page_size - 1) // page_size
             pages = meta.page_tables[r, :num_pages].long()
-            k_old = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:ctx]
-            v_old = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:ctx]
-            k_r = torch.cat([k_old.to(k_new.dtype), k_new])
-            v_r = torch.cat([v_old.to(v_new.dtype), v_new])
+            k_old = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:cached_len].to(k_new.dtype)
+            v_old = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:cached_len].to(v_new.dtype)
+            # this step's rows take their place among the cached keys (theirs are the fresh ones)
+            k_r = torch.cat([k_old[:ctx], k_new, k_old[ctx + q_len :]])
+            v_r = torch.cat([v_old[:ctx], v_new, v_old[ctx + q_len :]])
         else:
             k_r, v_r = k_new, v_new
         q_pos = torch.arange(ctx, ctx + q_len, device=q.device)
-        k_pos = torch.arange(0, ctx + q_len, device=q.device)
+        k_pos = torch.arange(0, key_len, device=q.device)
         allowed = visibility_mask(q_pos, k_pos, meta.block_size, meta.prefix_full, meta.prefix_lens_cpu[r])
         out[row : row + q_len] = _attend(q_r, k_r, v_r, allowed, scale)
         row += q_len

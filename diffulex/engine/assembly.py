@@ -173,7 +173,7 @@ def _model_runner(
         )
     )  # fmt: skip
     runner_settings = RunnerSettings(
-        block_size=config.block_size,
+        block_size=strategy.attention_block_size(config),
         page_size=config.page_size,
         prefix_full=bool(config.multi_block_prefix_full),
         device=device,
@@ -208,7 +208,7 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
     thresholds = config.decoding_thresholds
     return DecodeSettings(
-        block_size=config.block_size,
+        block_size=config.strategy.attention_block_size(config),
         buffer_size=config.buffer_size,
         mask_token_id=mask_token_id,
         max_model_len=config.max_model_len,

@@ -117,14 +117,14 @@ class DiffulexEngine:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
         ids = self._encode(prompt)
+        req = self.request_cls(self._next_req_id, ids, sp, self.settings)
         kv = self.scheduler.kv_cache
-        needed = kv.pages_for(min(len(ids) + sp.max_tokens, self.config.max_model_len))
+        needed = kv.pages_for(req.max_stored_len)
         if needed > kv.num_pages:
             raise ValueError(
                 f"request needs up to {needed} KV pages but the pool has {kv.num_pages}; raise num_pages or lower "
                 "max_tokens"
             )
-        req = self.request_cls(self._next_req_id, ids, sp, self.settings)
         self._next_req_id += 1
         self.scheduler.add(req)
         return req.req_id

@@ -1,10 +1,12 @@
 """The page pool: which physical KV pages each request owns, and which pages hold a reusable prefix.
 
-A request needs pages only for committed blocks (their K/V is written once, by the forward after they commit);
-active blocks are recomputed every step and never stored. With continuation steps the scheduler also lends free
-pages to the blocks of the running sets (`reserve_running_pages`), and takes them back before it plans the next
-step (`release_reserved_pages`), so a loan never changes admission or preemption. Page ``i`` of a request holds
-positions ``[i*P, (i+1)*P)``; blocks never straddle pages because ``block_size`` divides ``page_size``.
+A request needs pages for committed blocks (their K/V is written once, by the forward after they commit); active
+blocks are recomputed every step and never stored, except where a strategy keeps one's K/V (`Request.stored_len`).
+With continuation steps the scheduler also lends free pages to the blocks of the running sets
+(`reserve_running_pages`), and takes them back before it plans the next step (`release_reserved_pages`), so a loan
+never changes admission or preemption. Page ``i`` of a request holds positions ``[i*P, (i+1)*P)``. A block lies
+within one page (``block_size`` divides ``page_size``), or, where a strategy's blocks are wider than a page
+(Fast-dLLM v2), covers whole pages.
 
 Prefix caching: a page whose positions all hold final tokens and whose K/V has been written is registered under
 a hash of its tokens chained with the hash of the page before it. A later request whose committed prefix has
@@ -66,14 +68,17 @@ class KVCacheManager:
                 break
             hits.append((h, page))
             prev = h
-        return hits
+        # a hit covers whole blocks: the rest of a block wider than a page is computed and stored again, which
+        # must not happen in a page other requests share
+        covered = len(hits) * self.page_size
+        return hits[: (covered - covered % req.settings.block_size) // self.page_size]
 
     def num_cached_prefix_tokens(self, req: Request) -> int:
         """How many leading tokens of a waiting request a prefix-cache hit would cover (no side effects)."""
         return len(self._prefix_hits(req)) * self.page_size
 
     def can_admit(self, req: Request) -> bool:
-        return self.pages_for(req.committed_len) <= self.num_free_pages
+        return self.pages_for(req.stored_len) <= self.num_free_pages
 
     def admit(self, req: Request) -> None:
         """Give a waiting request its pages: shared prefix pages first, fresh pages for the rest."""
@@ -91,8 +96,8 @@ class KVCacheManager:
     # ----- running ----------------------------------------------------------------------------------------
 
     def pages_missing(self, req: Request) -> int:
-        """Fresh pages ``req`` needs before its next forward can store its committed blocks."""
-        return max(0, self.pages_for(req.committed_len) - len(req.page_table))
+        """Fresh pages ``req`` needs before its next forward can store what it stores (`Request.stored_len`)."""
+        return max(0, self.pages_for(req.stored_len) - len(req.page_table))
 
     def grow(self, req: Request) -> None:
         missing = self.pages_missing(req)
@@ -116,7 +121,7 @@ class KVCacheManager:
     def release_reserved_pages(self, req: Request) -> None:
         """Return the pages `reserve_running_pages` gave ``req`` that no committed block needs yet, first in line
         again (the next reservation takes the same pages back). They hold nothing: no block was stored in them."""
-        keep = self.pages_for(req.committed_len)
+        keep = self.pages_for(req.stored_len)
         while len(req.page_table) > keep:
             page = req.page_table.pop()
             self.ref_counts[page] -= 1

@@ -1,8 +1,9 @@
 """Turns a batch of requests into one forward: flat inputs, attention metadata, logits, sampled writes.
 
 The runner owns the model, the KV cache tensors and the sampler. For every request it computes the query
-range chosen by the request (uncached committed blocks, then the running set), asks the cache to store the K/V
-of committed blocks, and runs the LM head only on the rows the sampler needs.
+range chosen by the request (uncached committed blocks, then the running set, unless the request's strategy
+chooses otherwise), asks the cache to store the K/V of the blocks the request stores (committed ones), and runs
+the LM head only on the rows the sampler needs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
-from diffulex.strategy.block import BlockStatus
+from diffulex.strategy.block import Block
 from diffulex.strategy.request import Request
 
 
@@ -165,7 +166,8 @@ class ModelRunner:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
-        bucket = self.graphs.bucket_for(step) if self.graphs is not None else None
+        graphs_fit = self.graphs is not None and not step.has_cached_tail  # the graphs' kernels read no such keys
+        bucket = self.graphs.bucket_for(step) if graphs_fit else None
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
         if bucket is not None:
@@ -309,7 +311,7 @@ class ModelRunner:
         for req in batch:
             start, end = req.query_range()
             offset = len(ids)
-            ids.extend(req.token_ids[start:end])
+            ids.extend(req.input_token_ids(start, end))
             positions.extend(range(start, end))
             if s.token_merge is not None:
                 step.soft_rows.extend(
@@ -317,11 +319,8 @@ class ModelRunner:
                 )
             for block in req.blocks[start // size : -(-end // size)]:
                 lo, hi = max(start, block.start), min(end, block.end)
-                if block.status is BlockStatus.TO_CACHE:
-                    base = _slot(req, lo, page)
-                    if base < 0:
-                        raise RuntimeError(f"request {req.req_id}: block at {block.start} is stored but has no page")
-                    slots.extend(range(base, base + hi - lo))
+                if req.stores_kv(block):
+                    slots.extend(_stored_slots(req, block, lo, hi, page))
                 else:
                     slots.extend([-1] * (hi - lo))
             targets = req.sample_targets()
@@ -336,6 +335,7 @@ class ModelRunner:
             step.context_lens.append(start)
             step.prefix_lens.append(req.prompt_len)
             step.page_tables.append(req.page_table)
+            step.key_lens.append(max(end, req.keys_end() or end))
             step.cu_seqlens_q.append(len(ids))
         return step
 
@@ -370,6 +370,7 @@ class ModelRunner:
             query_lens_cpu=step.query_lens,
             context_lens_cpu=step.context_lens,
             prefix_lens_cpu=step.prefix_lens,
+            key_lens_cpu=step.key_lens if step.has_cached_tail else None,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
 
@@ -382,6 +383,22 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _stored_slots(req: Request, block: Block, lo: int, hi: int, page_size: int) -> range | list[int]:
+    """The cache slots of ``block``'s positions ``[lo, hi)``, which this step stores: one run when they share a
+    page (a block within a page, the common case), else page by page (a block wider than a page)."""
+    slots: list[int] = []
+    while lo < hi:
+        run_end = min(hi, (lo // page_size + 1) * page_size)
+        base = _slot(req, lo, page_size)
+        if base < 0:
+            raise RuntimeError(f"request {req.req_id}: block at {block.start} is stored but has no page")
+        if run_end == hi and not slots:
+            return range(base, base + hi - lo)
+        slots.extend(range(base, base + run_end - lo))
+        lo = run_end
+    return slots
 
 
 def _slot(req: Request, position: int, page_size: int) -> int:

@@ -24,6 +24,8 @@ class StepInputs:
     context_lens: list[int] = field(default_factory=list)  # [R] positions already in the cache
     prefix_lens: list[int] = field(default_factory=list)  # [R] prompt lengths
     page_tables: list[list[int]] = field(default_factory=list)  # [R][pages] physical page per logical page
+    # [R] end of the keys each request attends to (`Request.keys_end`); empty: every one ends with its rows
+    key_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order
     # per sampled block, in work order: its first input row, one past its last, the cache slot of its first row
     # (-1 while it has no page); what a continuation step stores once the block is decoded
@@ -42,6 +44,12 @@ class StepInputs:
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
+
+    @property
+    def has_cached_tail(self) -> bool:
+        """Whether a request attends to cached keys after its rows (only eager PyTorch attention reads those)."""
+        lens = zip(self.key_lens, self.context_lens, self.query_lens, strict=False)
+        return any(key_len > ctx + q_len for key_len, ctx, q_len in lens)
 
     @property
     def max_pages(self) -> int:

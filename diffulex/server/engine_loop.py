@@ -127,7 +127,7 @@ class EngineLoop:
         self.config = engine.config
         self.mask_token_id: int = engine.mask_token_id
         self.vocab_limit: int = engine.vocab_limit
-        self.block_size: int = engine.config.block_size
+        self.block_size: int = engine.settings.block_size  # the span of a request's blocks (what block ids count)
         self.max_model_len: int = engine.config.max_model_len
         self.capacity = engine.config.max_num_reqs + max_waiting
         self.queue_policy = queue_policy

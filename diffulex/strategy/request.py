@@ -40,7 +40,7 @@ class CompletionReason(enum.StrEnum):
 class DecodeSettings:
     """Engine-wide decoding constants, resolved once from the config, the checkpoint and the tokenizer."""
 
-    block_size: int
+    block_size: int  # the span of a request's blocks (`Strategy.attention_block_size`)
     buffer_size: int
     mask_token_id: int
     max_model_len: int
@@ -161,6 +161,17 @@ class Request:
         return n
 
     @property
+    def stored_len(self) -> int:
+        """End of the positions whose K/V the cache holds or the next forward stores: what the request's pages must
+        cover. The committed blocks here; a strategy that also keeps K/V of a block still being decoded says more."""
+        return self.committed_len
+
+    @property
+    def max_stored_len(self) -> int:
+        """The most `stored_len` can grow to: what the page pool must be able to hold for this request alone."""
+        return self.generation_end
+
+    @property
     def shareable_len(self) -> int:
         """Final positions outside the running set: the part a prefix-cache lookup may cover."""
         limit = self.committed_len
@@ -221,6 +232,19 @@ class Request:
         if self.settings.logits_shift and start > 0:
             start -= 1
         return start, end
+
+    def keys_end(self) -> int | None:
+        """End of the keys this step's rows attend to, when it lies past `query_range`: the keys after the rows are
+        then read from the cache (`stored_len` covers them). None: the keys end with the rows."""
+        return None
+
+    def input_token_ids(self, start: int, end: int) -> list[int]:
+        """The tokens the forward reads at positions ``[start, end)`` of `query_range`: the sequence itself."""
+        return self.token_ids[start:end]
+
+    def stores_kv(self, block: Block) -> bool:
+        """Whether this step's forward writes the K/V of ``block``'s rows into the cache: once it is final."""
+        return block.status is BlockStatus.TO_CACHE
 
     def sample_targets(self) -> list[SampleTarget]:
         targets = []

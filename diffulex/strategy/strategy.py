@@ -7,8 +7,12 @@ The engine never branches on a strategy's name. It asks the strategy (resolved o
 * its **normalizer**: the settings it cannot work without (attention visibility, prefix caching, sizes);
 * its **request class**: the block state of one request (`diffulex.strategy.request.Request` or a subclass);
 * its **sampler** for a model family: the acceptance rule, which a strategy may specialise per family;
-* what it needs of the runner: soft inputs (`Strategy.soft_inputs`), and which fast paths it supports (greedy
-  sampling inside the CUDA graph, continuing a step on the device before its predecessor's result is read);
+* what it needs of the runner: the span of its blocks (`Strategy.attention_block_size`), soft inputs
+  (`Strategy.soft_inputs`), and which fast paths it supports (CUDA graphs, greedy sampling inside them, continuing
+  a step on the device before its predecessor's result is read);
+* what its requests need of a forward, asked of the request (`diffulex.strategy.request.Request`): the rows to
+  compute (``query_range``), their input tokens, which blocks' K/V to store, cached keys after the rows
+  (``keys_end``) and the pages that takes (``stored_len``);
 * its **runner**, for a model whose forward is not the engine's block-causal forward over paged K/V
   (`Strategy.make_runner`; DiffusionGemma's encoder and canvas decoder): None, the default, keeps the engine's
   `diffulex.engine.model_runner.ModelRunner` with the strategy's sampler.
@@ -124,6 +128,7 @@ class Strategy:
     requires_prefix_caching: ClassVar[bool] = False  # committed blocks live in shared pages: prefix caching always on
     sampling_modes: ClassVar[tuple[str, ...]] = ("naive",)  # the Config.sampling_mode values it runs with
     families: ClassVar[tuple[str, ...] | None] = None  # the model families it runs (None: every one)
+    cuda_graphs: ClassVar[bool] = True  # its decode steps may replay captured CUDA graphs (else every step is eager)
     samples_in_graph: ClassVar[bool] = True  # greedy steps may sample inside the decode CUDA graph
     continues_on_device: ClassVar[bool] = True  # a step may be continued on the device (`engine.continuation`)
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
@@ -166,6 +171,12 @@ class Strategy:
             force_setting(config, "enable_prefix_caching", True, f"{name} keeps committed blocks in shared pages")
         elif config.enable_prefix_caching is None:
             config.enable_prefix_caching = True
+
+    def attention_block_size(self, config: Config) -> int:
+        """The span attention is block-causal at, which a request's blocks have and which commits as one unit
+        (`diffulex.strategy.request.DecodeSettings.block_size`): ``block_size`` unless the strategy reads that field
+        otherwise."""
+        return config.block_size
 
     def options(self, config: Config, given: Any = None) -> Any:
         """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the

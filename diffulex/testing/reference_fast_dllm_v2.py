@@ -78,6 +78,11 @@ class FDv2Result:
     nfe: int
     steps: list[FDv2Step] = field(default_factory=list)
     final_sequence: list[int] = field(default_factory=list)
+    # How close the closest decision came to going the other way: a confidence and the threshold, the forced
+    # position's confidence and the runner-up's, a written token's probability and the next token's. An engine
+    # that rounds differently (other kernels, other summation orders) can disagree only where this is at the level
+    # of its rounding, so a token comparison is well posed only when it is clearly larger.
+    min_margin: float = float("inf")
 
 
 @torch.no_grad()
@@ -111,6 +116,7 @@ def reference_generate_fast_dllm_v2(
     device = model_device(model)
     tokens = list(prompt_ids)
     steps: list[FDv2Step] = []
+    margins: list[float] = []
 
     def forward(length: int, stale: tuple[list, torch.Tensor] | None, record: list | None) -> torch.Tensor:
         ids = torch.tensor(tokens[:length], dtype=torch.long, device=device)
@@ -137,13 +143,15 @@ def reference_generate_fast_dllm_v2(
     def commit(block_end: int) -> None:
         """The commit forward of the complete block ending at ``block_end``: predict the next block's first token."""
         hidden = forward(block_end, None, None)
-        token, _ = greedy_proposals(model.compute_logits(hidden[block_end - 1 : block_end]), mask_token_id, vocab_limit)
+        logits = model.compute_logits(hidden[block_end - 1 : block_end])
+        token, _ = greedy_proposals(logits, mask_token_id, vocab_limit)
+        margins.extend(_top2_gaps(logits, mask_token_id, vocab_limit))
         tokens.append(token[0])  # block_end < end: a block reaching end finishes the request before its commit
         steps.append(FDv2Step(COMMIT, None, [(block_end, token[0])]))
 
     def result(reason: str) -> FDv2Result:
         answer, _ = answer_and_reason()
-        return FDv2Result(answer, reason, len(steps), steps, list(tokens))
+        return FDv2Result(answer, reason, len(steps), steps, list(tokens), min(margins, default=float("inf")))
 
     if prompt_len % block_size == 0:  # the prompt's last block is complete: its commit forward seeds the next
         commit(prompt_len)
@@ -169,10 +177,13 @@ def reference_generate_fast_dllm_v2(
                     stale_rows[sub_start : sub_start + sub_block_size] = False
                     hidden = forward(block_end, (kept, stale_rows), None)
                 rows = torch.tensor([q - 1 for q in masks], dtype=torch.long, device=hidden.device)
-                guesses, conf = greedy_proposals(model.compute_logits(hidden[rows]), mask_token_id, vocab_limit)
+                logits = model.compute_logits(hidden[rows])
+                guesses, conf = greedy_proposals(logits, mask_token_id, vocab_limit)
                 confident, confidences = (conf > threshold).tolist(), conf.tolist()
                 best = max(range(len(masks)), key=lambda i: (confidences[i], -i))  # the first among equals
                 chosen = sorted({best, *(i for i in range(len(masks)) if confident[i])})
+                margins.extend(_decision_margins(confidences, threshold, chosen, any(confident), logits, mask_token_id,
+                                                 vocab_limit))  # fmt: skip
                 for i in chosen:
                     tokens[masks[i]] = guesses[i]
                 steps.append(FDv2Step(INIT if full else REFINE, sub_start, [(masks[i], guesses[i]) for i in chosen]))
@@ -182,3 +193,32 @@ def reference_generate_fast_dllm_v2(
         if len(steps) >= max_nfe:
             return result(MAX_NFE_REACHED)
         commit(block_end)
+
+
+def _top2_gaps(logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None) -> list[float]:
+    """Per row, the greedy token's probability minus the next one's, over the ids a proposal may take."""
+    logits = logits.float().clone()
+    if vocab_limit is not None:
+        logits[:, vocab_limit:] = float("-inf")
+    logits[:, mask_token_id] = float("-inf")
+    top = torch.softmax(logits, dim=-1).topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def _decision_margins(
+    confidences: list[float],
+    threshold: float,
+    chosen: list[int],
+    any_confident: bool,
+    logits: torch.Tensor,
+    mask_token_id: int,
+    vocab_limit: int | None,
+) -> list[float]:
+    """The margins of one sampling forward: every confidence against the threshold, the forced position against
+    the runner-up when none passed it, and the token choice of every written position."""
+    margins = [abs(c - threshold) for c in confidences] if 0.0 < threshold < 1.0 else []  # else it decides nothing
+    if not any_confident and len(confidences) > 1:
+        first, second = sorted(confidences, reverse=True)[:2]
+        margins.append(first - second)
+    gaps = _top2_gaps(logits, mask_token_id, vocab_limit)
+    return margins + [gaps[i] for i in chosen]

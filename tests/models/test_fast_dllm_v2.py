@@ -1,6 +1,6 @@
 """Fast-dLLM v2 under multi_bd: Qwen2.5 with q/k/v bias, shifted logits, mask |<MASK>| from the tokenizer
-files (its config.json names none), Dream acceptance rule. Its native strategy is a separate runtime. What every
-family does is checked in test_families.py."""
+files (its config.json names none), Dream acceptance rule. Its native strategy is tested in
+tests/engine/test_fast_dllm_v2_engine.py. What every family does is checked in test_families.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from family_harness import make_engine, write_real_vocab_checkpoint
 from safetensors.torch import load_file
 
+from diffulex import SamplingParams
 from diffulex.models.family import FAMILIES, load_hf_config, model_type_to_model_name
 from diffulex.models.fast_dllm_v2 import FastdLLMV2ForDiffusionLM
 from diffulex.models.hf_config import FastdLLMV2Config
@@ -37,14 +38,18 @@ def test_the_checkpoint_is_qwen2_shaped_biases_on_q_k_v_only(ckpt):
     assert "model.layers.0.self_attn.v_proj.bias" in saved and "model.layers.0.self_attn.o_proj.bias" not in saved
 
 
-def test_other_strategies_go_to_the_native_one_which_is_not_available_yet(peaky):
+def test_other_strategies_go_to_the_native_one(peaky):
     """As in the original, fast_dllm_v2 runs with its own strategy or multi_bd; anything else (d2f included)
-    is turned into the native strategy, whose runtime is a separate piece of work."""
+    is turned into the native strategy, which is also the default."""
     sizes = dict(block_size=8, page_size=8, buffer_size=4)  # 8 x 4 = the trained 32-token block
-    with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2'"):
-        make_engine(peaky, decoding_strategy=None, **sizes)
-    with pytest.warns(UserWarning, match="replaced by 'fast_dllm_v2'"), pytest.raises(ValueError, match="not supp"):
-        make_engine(peaky, decoding_strategy="d2f", **sizes)
+    with make_engine(peaky, decoding_strategy=None, **sizes) as llm:
+        assert llm.config.decoding_strategy == "fast_dllm_v2"
+    with pytest.warns(UserWarning, match="replaced by 'fast_dllm_v2'"):
+        llm = make_engine(peaky, decoding_strategy="d2f", **sizes)
+    with llm:
+        assert llm.config.decoding_strategy == "fast_dllm_v2"
+        (answer,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert answer.completion_reason == "max_new_tokens_reached" and len(answer.token_ids) == 8
 
 
 def test_the_real_qwen_tokenizer_gives_fast_dllm_v2_its_mask_id(tmp_path):

@@ -35,6 +35,7 @@ class FakeEngine:
     def __init__(self, fail_at_step: int | None = None, step_delay: float = 0.0005) -> None:
         self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False: [1] * len(text.split()))
         self.config = SimpleNamespace(block_size=4, max_model_len=64, max_num_reqs=4, model="/fake")
+        self.settings = SimpleNamespace(block_size=4)  # the span of a request's blocks
         self.mask_token_id = 0
         self.vocab_limit = 100
         self.requests: dict[int, dict] = {}

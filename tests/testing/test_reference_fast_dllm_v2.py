@@ -138,3 +138,12 @@ def test_the_block_cache_is_an_approximation_that_runs_to_the_end() -> None:
         result = generate(model, prompt_of(10), max_tokens=24, threshold=0.9, use_block_cache=use_block_cache)
         assert result.completion_reason == "max_new_tokens_reached" and len(result.token_ids) == 24
         assert MASK not in result.token_ids
+
+
+def test_the_margin_is_the_closest_decision_to_flipping() -> None:
+    """Every mask at confidence 0.8 - 0.001 q against a threshold of 0.7955: the closest call is position 4's row
+    (0.796, 0.0005 above it); forced choices between rows 0.001 apart come next."""
+    result = generate(ScriptedModel(left_to_right), prompt_of(5), max_tokens=3, threshold=0.7955)
+    assert result.min_margin == pytest.approx(0.0005, abs=1e-6)
+    never = generate(ScriptedModel(left_to_right), prompt_of(5), max_tokens=3, threshold=NEVER)
+    assert never.min_margin == pytest.approx(0.001, abs=1e-6)  # no threshold decision: the forced ones

@@ -1,0 +1,188 @@
+"""A request decoded by Fast-dLLM v2: one block of ``B*K`` positions at a time, refined sub-block by sub-block.
+
+Its block (``settings.block_size``, the attention span) holds ``K = settings.buffer_size`` sub-blocks of ``B``.
+Each step is one of four forwards, chosen from the request's state alone (`FastDllmV2Request.forward_kind`), so
+the scheduler, the runner and the step that applies the result all see the same one:
+
+* ``COMMIT``: the block before is complete (or the prompt ends on a block boundary). The forward stores its K/V
+  (and that of any other uncached committed block) and its last row predicts the open block's first token.
+* ``INIT``: the current sub-block starts with a mask, the block has no kept K/V yet, or the block cache is off.
+  The forward computes the whole block and samples the sub-block's masks; with the block cache it also stores the
+  block's K/V in the block's pages (the kept K/V: not final, never shared).
+* ``REFINE`` (block cache on): only the current sub-block's rows are computed; they attend to the committed
+  prefix and to the rest of the block through the kept K/V, read from the cache (`keys_end`), and store nothing.
+* ``REBUILD``: a preempted request lost its kept K/V; the forward computes it again from the block's tokens as
+  they were when it was kept (`input_token_ids`) and samples nothing, so the next ``REFINE`` sees what it would
+  have seen without the preemption.
+
+The sampler fills the current sub-block's masks whose greedy probability exceeds the threshold, and always the
+most probable one (`diffulex.strategy.fast_dllm_v2.sampler`). Logits are shifted: position ``p`` is read from row
+``p - 1``, which is always inside the computed rows. docs/strategies.md states the algorithm and its oracle.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.request import CompletionReason, Request, SampleTarget
+
+
+class ForwardKind(enum.Enum):
+    COMMIT = "commit"
+    INIT = "init"
+    REFINE = "refine"
+    REBUILD = "rebuild"
+
+
+@dataclass
+class FastDllmV2Request(Request):
+    # The open block's tokens when its K/V was last computed over the whole block (None: not computed yet, or
+    # the block cache is off); `kept_in_cache` says whether that K/V is in the block's pages (not after a
+    # preemption, until a REBUILD forward puts it back).
+    kept_tokens: list[int] | None = field(init=False, default=None)
+    kept_in_cache: bool = field(init=False, default=False)
+
+    @property
+    def sub_block_size(self) -> int:
+        return self.settings.block_size // self.settings.buffer_size
+
+    @property
+    def uses_block_cache(self) -> bool:
+        return self.settings.options.fdv2_use_block_cache
+
+    @property
+    def open_block(self) -> Block | None:
+        """The block being decoded (at most one), or None."""
+        return next((b for b in self.running if b.status is BlockStatus.ACTIVE), None)
+
+    # ----- state -----------------------------------------------------------------------------------------
+
+    def remaining(self, block: Block) -> int:
+        """Masks of ``block`` before the generation end: a stop token does not end its block early (the positions
+        after it in its sub-block are still decoded, and they take part in which mask is the most probable)."""
+        lo, hi = max(block.start, self.prompt_len), min(block.end, self.generation_end)
+        return self.token_ids[lo:hi].count(self.settings.mask_token_id) if lo < hi else 0
+
+    def sub_block_masks(self, sub_start: int) -> list[int]:
+        """The masks of the sub-block starting at ``sub_start``, before the generation end."""
+        lo, hi = max(sub_start, self.prompt_len), min(sub_start + self.sub_block_size, self.generation_end)
+        mask = self.settings.mask_token_id
+        return [p for p in range(lo, hi) if self.token_ids[p] == mask]
+
+    def current_sub_block(self, block: Block) -> int:
+        """Start of the first sub-block of ``block`` with a mask left (``block.end`` if none)."""
+        for sub_start in range(block.start, block.end, self.sub_block_size):
+            if self.sub_block_masks(sub_start):
+                return sub_start
+        return block.end
+
+    def forward_kind(self) -> ForwardKind:
+        """The forward this request's next step runs (the module docstring says when each one does)."""
+        block = self.open_block
+        if block is None or self.token_ids[block.start] == self.settings.mask_token_id:
+            return ForwardKind.COMMIT
+        sub_start = self.current_sub_block(block)
+        if sub_start == block.end:  # nothing left to decode: the request has finished
+            return ForwardKind.INIT
+        if self.kept_tokens is None or self.token_ids[sub_start] == self.settings.mask_token_id:
+            return ForwardKind.INIT
+        return ForwardKind.REFINE if self.kept_in_cache else ForwardKind.REBUILD
+
+    # ----- the forward -----------------------------------------------------------------------------------
+
+    def maybe_activate_block(self) -> bool:
+        """Open the next block once the one before is complete (the step that commits it samples the new block's
+        first position), unless the request has reached its end or a stop token."""
+        if self.open_block is not None or self.stop_pos is not None or len(self.token_ids) >= self.generation_end:
+            return False
+        self._open_block()
+        self.kept_tokens = None
+        self.kept_in_cache = False
+        return True
+
+    @property
+    def stored_len(self) -> int:
+        """With the block cache, the open block's pages hold its kept K/V (from its first INIT on)."""
+        block = self.open_block
+        if self.uses_block_cache and block is not None and self.token_ids[block.start] != self.settings.mask_token_id:
+            return block.end
+        return self.committed_len
+
+    @property
+    def max_stored_len(self) -> int:
+        """With the block cache, up to the end of the block that holds the generation end."""
+        if not self.uses_block_cache:
+            return self.generation_end
+        size = self.settings.block_size
+        return -(-self.generation_end // size) * size
+
+    def query_range(self) -> tuple[int, int]:
+        block = self.open_block
+        kind = self.forward_kind()
+        start = self.num_cached_tokens
+        if kind is ForwardKind.COMMIT:
+            end = self.committed_len if block is None else block.start
+            return min(start, end - 1), end  # the last committed row predicts the open block's first position
+        if kind is ForwardKind.REFINE:
+            sub_start = self.current_sub_block(block)
+            return sub_start, sub_start + self.sub_block_size
+        return start, block.end
+
+    def keys_end(self) -> int | None:
+        if self.forward_kind() is ForwardKind.REFINE:
+            return self.open_block.end
+        return None
+
+    def input_token_ids(self, start: int, end: int) -> list[int]:
+        if self.forward_kind() is not ForwardKind.REBUILD:
+            return super().input_token_ids(start, end)
+        block = self.open_block
+        return self.token_ids[start : block.start] + self.kept_tokens[: end - block.start]
+
+    def stores_kv(self, block: Block) -> bool:
+        if block.status is BlockStatus.TO_CACHE:
+            return True
+        kind = self.forward_kind()
+        keeps = kind is ForwardKind.REBUILD or (kind is ForwardKind.INIT and self.uses_block_cache)
+        return keeps and block is self.open_block
+
+    def sample_targets(self) -> list[SampleTarget]:
+        block = self.open_block
+        kind = self.forward_kind()
+        if block is None or kind is ForwardKind.REBUILD:
+            return []
+        if kind is ForwardKind.COMMIT:
+            return [SampleTarget(block, [block.start], True)]
+        sub_start = self.current_sub_block(block)
+        return [SampleTarget(block, self.sub_block_masks(sub_start), True)] if sub_start < block.end else []
+
+    # ----- after the forward -----------------------------------------------------------------------------
+
+    def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
+        """Remember what the forward just run kept in the cache, then write its tokens."""
+        kind = self.forward_kind()  # the state is still the one the forward was built from
+        if kind is ForwardKind.INIT and self.uses_block_cache:
+            block = self.open_block
+            self.kept_tokens = self.token_ids[block.start : block.end]
+            self.kept_in_cache = True
+        elif kind is ForwardKind.REBUILD:
+            self.kept_in_cache = True
+            if self.sampling_params.max_nfe is None:  # the automatic cap counts decoding forwards
+                self.max_nfe += 1
+        return super().apply_tokens(writes)
+
+    def check_completion(self) -> CompletionReason | None:
+        """A decoded stop token ends the request once every position before it is decoded and its own sub-block
+        is complete."""
+        stop = self.stop_pos
+        if stop is not None and self.frontier >= stop:
+            if not self.sub_block_masks(stop - stop % self.sub_block_size):
+                return CompletionReason.EOS
+            return CompletionReason.MAX_NFE if self.nfe >= self.max_nfe else None
+        return super().check_completion()
+
+    def forget_cache(self) -> None:
+        super().forget_cache()
+        self.kept_in_cache = False
