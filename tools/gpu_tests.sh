@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite in one device call: the tests that run real kernels (kernels, layers, model families, CUDA
-# graphs, continuations), spread over pytest-xdist workers so that Triton's first compiles run in parallel.
+# graphs, continuations, the strategies' engine steps, plugins), spread over pytest-xdist workers so that Triton's
+# first compiles run in parallel.
 # Usage (on a GPU machine, from the repository root): tools/gpu_tests.sh [LOG_DIR] [WORKERS]
 # Writes LOG_DIR/gpu_tests.log (default: $OUT, else the current folder) and prints the verdict, the wall time and
 # the slowest tests.
@@ -12,6 +13,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
 python -m pytest -n "$workers" --durations=12 -q -p no:warnings \
   tests/kernels tests/layers tests/models tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
+  tests/engine/test_engine_matches_reference.py tests/engine/test_fast_dllm_v2_engine.py tests/engine/test_edit_mode.py \
+  tests/strategy tests/test_plugins.py \
   > "$log_dir/gpu_tests.log" 2>&1
 rc=$?
 echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers"

@@ -36,7 +36,7 @@ from diffulex.errors import EngineClosedError, EngineDeadError
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampling_params import SamplingParams
-from diffulex.strategy.request import CompletionReason
+from diffulex.strategy.request import CompletionReason, DecodeSettings
 from diffulex.tokenizer import load_tokenizer
 from diffulex.validation import invalid_value
 
@@ -67,6 +67,7 @@ class ReplicaInfo:
     vocab_limit: int
     num_pages: int
     page_size: int
+    settings: DecodeSettings  # the engine-wide decoding constants, the same on every replica
     load: EngineLoad
 
 
@@ -99,7 +100,7 @@ def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
     kv = engine.scheduler.kv_cache
     conn.send(("ready", ReplicaInfo(
         str(engine.device), str(engine.dtype).removeprefix("torch."), engine.mask_token_id, engine.vocab_limit,
-        kv.num_pages, engine.config.page_size, engine.load(),
+        kv.num_pages, engine.config.page_size, engine.settings, engine.load(),
     )))  # fmt: skip
     parent_id: dict[int, int] = {}  # engine req_id -> the parent's id
     engine_id: dict[int, int] = {}
@@ -183,7 +184,7 @@ class DataParallelEngine:
         self.devices = [torch.device(r.info.device) for r in self._replicas if r.info is not None]
         self.device = self.devices[0]  # what reports name (the replicas' devices are `devices`)
         self.dtype = getattr(torch, first.dtype)
-        self.mask_token_id, self.vocab_limit = first.mask_token_id, first.vocab_limit
+        self.mask_token_id, self.vocab_limit, self.settings = first.mask_token_id, first.vocab_limit, first.settings
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model)
         self._ids = itertools.count()
         self._owner: dict[int, _Replica] = {}  # request id -> the replica running it

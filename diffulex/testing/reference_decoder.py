@@ -243,7 +243,8 @@ def decision_margin(confidences: list[float], threshold: float, chosen: list[int
         if len(ordered) > ranked_k:
             margins.append(ordered[ranked_k - 1] - ordered[ranked_k])
     else:
-        margins += [abs(c - threshold) for c in confidences]
+        if 0.0 < threshold < 1.0:  # a threshold outside (0, 1) decides nothing: every probability is on one side
+            margins += [abs(c - threshold) for c in confidences]
         if forced and len(confidences) > 1:
             ordered = sorted(confidences, reverse=True)
             margins.append(ordered[0] - ordered[1])

@@ -53,8 +53,10 @@ from diffulex.testing.reference_decoder import (
     MAX_NEW_TOKENS_REACHED,
     MAX_NFE_REACHED,
     build_attention_mask,
+    decision_margin,
     greedy_proposals,
     model_device,
+    top2_gaps,
 )
 
 INIT = "INIT"  # a forward over the whole block (keeps its K/V when the block cache is on)
@@ -145,7 +147,7 @@ def reference_generate_fast_dllm_v2(
         hidden = forward(block_end, None, None)
         logits = model.compute_logits(hidden[block_end - 1 : block_end])
         token, _ = greedy_proposals(logits, mask_token_id, vocab_limit)
-        margins.extend(_top2_gaps(logits, mask_token_id, vocab_limit))
+        margins.extend(top2_gaps(logits, mask_token_id, vocab_limit))
         tokens.append(token[0])  # block_end < end: a block reaching end finishes the request before its commit
         steps.append(FDv2Step(COMMIT, None, [(block_end, token[0])]))
 
@@ -182,8 +184,8 @@ def reference_generate_fast_dllm_v2(
                 confident, confidences = (conf > threshold).tolist(), conf.tolist()
                 best = max(range(len(masks)), key=lambda i: (confidences[i], -i))  # the first among equals
                 chosen = sorted({best, *(i for i in range(len(masks)) if confident[i])})
-                margins.extend(_decision_margins(confidences, threshold, chosen, any(confident), logits, mask_token_id,
-                                                 vocab_limit))  # fmt: skip
+                gaps = top2_gaps(logits, mask_token_id, vocab_limit)
+                margins.append(decision_margin(confidences, threshold, chosen, not any(confident), None, gaps))
                 for i in chosen:
                     tokens[masks[i]] = guesses[i]
                 steps.append(FDv2Step(INIT if full else REFINE, sub_start, [(masks[i], guesses[i]) for i in chosen]))
@@ -193,32 +195,3 @@ def reference_generate_fast_dllm_v2(
         if len(steps) >= max_nfe:
             return result(MAX_NFE_REACHED)
         commit(block_end)
-
-
-def _top2_gaps(logits: torch.Tensor, mask_token_id: int, vocab_limit: int | None) -> list[float]:
-    """Per row, the greedy token's probability minus the next one's, over the ids a proposal may take."""
-    logits = logits.float().clone()
-    if vocab_limit is not None:
-        logits[:, vocab_limit:] = float("-inf")
-    logits[:, mask_token_id] = float("-inf")
-    top = torch.softmax(logits, dim=-1).topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
-
-
-def _decision_margins(
-    confidences: list[float],
-    threshold: float,
-    chosen: list[int],
-    any_confident: bool,
-    logits: torch.Tensor,
-    mask_token_id: int,
-    vocab_limit: int | None,
-) -> list[float]:
-    """The margins of one sampling forward: every confidence against the threshold, the forced position against
-    the runner-up when none passed it, and the token choice of every written position."""
-    margins = [abs(c - threshold) for c in confidences] if 0.0 < threshold < 1.0 else []  # else it decides nothing
-    if not any_confident and len(confidences) > 1:
-        first, second = sorted(confidences, reverse=True)[:2]
-        margins.append(first - second)
-    gaps = _top2_gaps(logits, mask_token_id, vocab_limit)
-    return margins + [gaps[i] for i in chosen]

@@ -50,8 +50,8 @@ def test_continued_steps_decode_every_request_as_one_step_in_flight_does(peaky_s
     assert continued > 0 and dropped == 0
 
 
-def test_continued_steps_match_the_reference_decoder(sdar_dir: Path) -> None:
-    with make_engine(sdar_dir) as llm:
+def test_continued_steps_match_the_reference_decoder(peaky_sdar_dir: Path) -> None:
+    with make_engine(peaky_sdar_dir) as llm:
         with_static_decode(llm)
         trajectories = assert_matches_reference(llm, random_prompts(llm, [7, 10], seed=4), GREEDY)
         assert llm.num_continuations > sum(t.nfe for t in trajectories) // 4, "most decode steps are continued"
@@ -127,10 +127,10 @@ def test_waiting_requests_and_aborts_fall_back_to_launching_after_the_result(pea
     assert 1 not in got or len(got[1]) < len(got[0]), "the aborted request stops early"
 
 
-def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(sdar_dir: Path) -> None:
+def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(peaky_sdar_dir: Path) -> None:
     """Once the host knows a continuation only stores decoded blocks (it samples nothing), it applies it without
     reading its result and launches the next step at once; the tokens stay those of the reference decoder."""
-    with make_engine(sdar_dir) as llm:
+    with make_engine(peaky_sdar_dir) as llm:
         with_static_decode(llm)
         launched = []
         original = llm.runner.launch_continuation

@@ -72,8 +72,8 @@ def test_a_request_aborted_while_its_step_is_in_flight_is_dropped(sdar_dir: Path
     assert all(u.trajectory.completion_reason == "max_new_tokens_reached" for u in finished.values())
 
 
-def test_one_request_runs_alone_with_two_micro_batches(sdar_dir: Path) -> None:
-    with make_engine(sdar_dir, micro_batches=2) as llm:
+def test_one_request_runs_alone_with_two_micro_batches(peaky_sdar_dir: Path) -> None:
+    with make_engine(peaky_sdar_dir, micro_batches=2) as llm:
         assert_matches_reference(llm, random_prompts(llm, [9]), GREEDY)
 
 

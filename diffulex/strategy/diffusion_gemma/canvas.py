@@ -88,9 +88,12 @@ def _generator(seed: int, canvas: int, stream: int, device: torch.device) -> tor
 
 
 def initial_canvas(seed: int, canvas: int, length: int, vocab_limit: int, device: torch.device) -> torch.Tensor:
-    """Canvas ``canvas``'s starting tokens, uniform over ``[0, vocab_limit)``, from the request's ``seed``."""
-    generator = _generator(seed, canvas, NOISE_STREAM, device)
-    return torch.randint(0, vocab_limit, (length,), generator=generator, device=device)
+    """Canvas ``canvas``'s starting tokens, uniform over ``[0, vocab_limit)``, from the request's ``seed``.
+
+    Drawn on the CPU whatever the device (then moved there): a CUDA generator gives other numbers for the same seed,
+    and a request's answer must not depend on the device it runs on."""
+    generator = _generator(seed, canvas, NOISE_STREAM, torch.device("cpu"))
+    return torch.randint(0, vocab_limit, (length,), generator=generator).to(device)
 
 
 def fresh_state(seed: int, canvas: int, length: int, vocab_limit: int, device: torch.device) -> CanvasState:
