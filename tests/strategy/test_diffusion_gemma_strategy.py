@@ -51,7 +51,8 @@ def model(folder: Path):
 
 def engine(folder: Path, **fields) -> object:
     settings = dict(
-        max_model_len=256, max_num_reqs=8, num_pages=64, strategy_options={"diffusion_gemma_max_denoising_steps": STEPS}
+        max_model_len=256, max_num_reqs=8, num_pages=64, dtype="float32",  # the reference's dtype, on any device
+        strategy_options={"diffusion_gemma_max_denoising_steps": STEPS},
     )
     settings.update(fields)
     return Diffulex(str(folder), **settings)
