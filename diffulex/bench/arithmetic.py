@@ -445,6 +445,17 @@ def generate_problems(n: int, seed: int = 0, templates: str = "all") -> list[Pro
     return out
 
 
+def write_problems(problems: list[Problem], out: str) -> None:
+    """The problems as indented JSON to the file ``out`` (its folder made), or to stdout for ``"-"``."""
+    text = json.dumps(problems, indent=1, ensure_ascii=False) + "\n"
+    if out == "-":
+        sys.stdout.write(text)
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text, encoding="utf-8")
+    print(f"wrote {len(problems)} problems to {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffulex.bench.arithmetic", description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=200, help="number of problems (default 200)")
@@ -458,13 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(problems, indent=1, ensure_ascii=False) + "\n"
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(f"wrote {len(problems)} problems to {args.out}", file=sys.stderr)
+    write_problems(problems, args.out)
     return 0
 
 

@@ -29,12 +29,10 @@ so those stay unseen too.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from diffulex.bench.arithmetic import (
     ALTERNATIVES,
@@ -51,6 +49,7 @@ from diffulex.bench.arithmetic import (
     Problem,
     question_pattern,
     templates_of,
+    write_problems,
 )
 
 PIECE_SETS = ("train", "held-out")
@@ -610,13 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(problems, indent=1, ensure_ascii=False) + "\n"
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(f"wrote {len(problems)} problems to {args.out}", file=sys.stderr)
+    write_problems(problems, args.out)
     return 0
 
 
