@@ -277,7 +277,8 @@ class Config:
     # Blocks and KV cache
     block_size: int | None = _field(
         None,
-        "Tokens per diffusion block; None = config.json block_size if supported, else 32.",
+        "Tokens per diffusion block; None = config.json block_size if supported, else the family's default (8 for "
+        "Fast-dLLM v2, its sub-block), else 32.",
         _block_size_choices,
     )
     buffer_size: int = _field(4, "Most blocks of one request decoded at the same time.")
@@ -551,7 +552,8 @@ class Config:
                 self.block_size = self.family.canvas_size
             else:
                 value = self.model_config_dict.get("block_size")
-                self.block_size = value if is_int(value) and value in BLOCK_SIZES else DEFAULT_BLOCK_SIZE
+                fallback = self.family.default_block_size or DEFAULT_BLOCK_SIZE
+                self.block_size = value if is_int(value) and value in BLOCK_SIZES else fallback
 
     def _allowed_sizes(self) -> tuple[int, ...]:
         canvas = self.family.canvas_size

@@ -159,6 +159,16 @@ def test_fast_dllm_v2_model_replaces_other_strategies_with_a_warning(tmp_path):
     assert cfg.decoding_strategy == "fast_dllm_v2"
 
 
+def test_a_fast_dllm_v2_checkpoint_defaults_to_sub_blocks_that_span_its_trained_block(tmp_path):
+    """Its config.json names the trained block (bd_size) and no block_size: 8-token sub-blocks x the default buffer
+    of 4 span the 32 it was trained with, and nothing is warned about."""
+    config = {"model_type": "Fast_dLLM_Qwen", "architectures": ["Fast_dLLM_QwenForCausalLM"], "bd_size": 32,
+              "max_position_embeddings": 4096}
+    cfg = make_quiet(tmp_path, config, model_name=None)  # detected from config.json
+    assert (cfg.model_name, cfg.decoding_strategy) == ("fast_dllm_v2", "fast_dllm_v2")
+    assert (cfg.block_size, cfg.buffer_size) == (8, 4)
+
+
 def test_fast_dllm_v2_model_may_run_multi_bd(tmp_path):
     cfg = make_quiet(tmp_path, model_name="fast_dllm_v2", decoding_strategy="multi_bd")
     assert cfg.decoding_strategy == "multi_bd"

@@ -41,6 +41,8 @@ class Family:
     strategies: tuple[str, ...] | None = None
     # tokens of the one canvas it denoises at a time, when the model fixes the block size (None: it does not)
     canvas_size: int | None = None
+    # the block_size used when neither the user nor config.json names one (None: the engine's default, 32)
+    default_block_size: int | None = None
 
     def renamed(
         self, name: str, *, model_types: tuple[str, ...] = (), architectures: tuple[str, ...] = ()

@@ -28,5 +28,8 @@ register_family(
         architectures=("Fast_dLLM_Qwen", "FastdLLMV2"),
         logits_shift=True,
         strategies=("fast_dllm_v2", "multi_bd"),
+        # its config.json names the trained block (bd_size, 32) but no block_size: the authors' sub-block is 8, and
+        # the default buffer of 4 sub-blocks then spans the trained block
+        default_block_size=8,
     )
 )
