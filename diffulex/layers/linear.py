@@ -1,10 +1,11 @@
 """Every weight matrix of a model: projections, the token embedding and the LM head.
 
-They all live here because these are exactly the layers tensor parallelism will shard (column-parallel
-projections split their output rows, row-parallel ones their input columns and all-reduce, the vocabulary
-is split across ranks). Today only TP=1 exists, so each class is a plain ``nn.Linear``/``nn.Embedding``
-whose name records how it will be sharded; models already use the right class, so adding TP changes this
-file only.
+They all live here because these are exactly the layers tensor parallelism shards over the process's group
+(`diffulex.layers.parallel_state`, read once when a layer is built): column-parallel projections hold their rank's
+slice of the output features, row-parallel ones their slice of the input features and all-reduce their output, the
+embedding and the LM head their slice of the vocabulary. At TP=1 (the default group) each class is a plain
+``nn.Linear``/``nn.Embedding`` running the code it always ran. Each layer's ``weight_loader`` copies a full
+checkpoint tensor's rank slice into a parameter.
 Parameter names stay ``weight``/``bias`` so checkpoint keys map one to one.
 
 Every product goes through `linear`: ``F.linear`` (cuBLAS), or on CUDA at decode row counts the Triton skinny
@@ -14,13 +15,14 @@ GEMM (`diffulex.kernels.skinny_gemm`), which streams the weights faster than cuB
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from diffulex.layers.dispatch import triton_available
+from diffulex.layers.parallel_state import TensorParallelGroup, tensor_parallel_group
 
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
 # inputs skip importing it): decode steps of a few requests.
@@ -83,6 +85,25 @@ def linear(
     return y if y is not None else nn.functional.linear(x, weight, bias)
 
 
+def _copy_into(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    """Copy ``value`` into ``param``, refusing a shape that differs (a checkpoint of another geometry)."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{what}: checkpoint tensor of shape {tuple(value.shape)} does not fit the parameter's "
+            f"{tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _check_full_size(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """Refuse a checkpoint tensor whose full size along ``dim`` is not ``expected``, before slicing it."""
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        raise ValueError(
+            f"{what}: checkpoint tensor of shape {tuple(loaded.shape)} must have {expected} along dim {dim}"
+        )
+
+
 class _Linear(nn.Linear):
     """``nn.Linear`` whose product goes through `linear`; forward hooks (LoRA) wrap this forward as before."""
 
@@ -90,6 +111,10 @@ class _Linear(nn.Linear):
         """The product; with ``readers`` (device row indices, -1 for none) only the rows it names are promised
         (`linear`)."""
         return linear(x, self.weight, self.bias, readers=readers)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy the checkpoint's full tensor for ``param`` (this module's weight or bias) into it, whole."""
+        _copy_into(param, loaded, type(self).__name__)
 
 
 class ReplicatedLinear(_Linear):
@@ -100,17 +125,68 @@ class ReplicatedLinear(_Linear):
 
 
 class ColumnParallelLinear(_Linear):
-    """A projection whose output features will be split across TP ranks (q/k/v, gate/up)."""
+    """A projection whose output features are split across TP ranks (q/k/v, gate/up); each rank computes its slice.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias=bias)
+    ``output_parts`` names the projections a checkpoint fuses into this one matrix (LLaDA2's q/k/v): each part is
+    split across the ranks on its own, so a rank holds its slice of every part, in order, and its output is
+    ``[q_r, k_r, v_r]`` like an unsharded fused output. Separate projections joined by `MergedProjection` need
+    nothing: each module already holds its own slice.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, output_parts: Sequence[int] | None = None
+    ) -> None:
+        tp = tensor_parallel_group()
+        parts = tuple(output_parts) if output_parts is not None else (output_size,)
+        if sum(parts) != output_size:
+            raise ValueError(
+                f"output_parts={list(parts)} is invalid: must add up to output_size={output_size}"
+            )
+        local = sum(tp.shard(part, "output features")[1] for part in parts)
+        super().__init__(input_size, local, bias=bias)
+        self.tp: TensorParallelGroup = tp
+        self.output_size = output_size
+        self.output_parts = parts
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's rows of each part of the checkpoint's full weight (or bias) into ``param``."""
+        what = type(self).__name__
+        _check_full_size(loaded, 0, self.output_size, what)
+        pieces, offset = [], 0
+        for part in self.output_parts:
+            start, length = self.tp.shard(part, "output features")
+            pieces.append(loaded.narrow(0, offset + start, length))
+            offset += part
+        _copy_into(param, pieces[0] if len(pieces) == 1 else torch.cat(pieces), what)
 
 
 class RowParallelLinear(_Linear):
-    """A projection whose input features will be split across TP ranks, then all-reduced (o, down)."""
+    """A projection whose input features are split across TP ranks (o, down): each rank multiplies its slice of
+    the input by its columns of the weight, and the partial products are all-reduced; the bias is added once,
+    after the sum."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias=bias)
+        tp = tensor_parallel_group()
+        super().__init__(tp.shard(input_size, "input features")[1], output_size, bias=bias)
+        self.tp: TensorParallelGroup = tp
+        self.input_size = input_size
+
+    def forward(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of this rank's input slice, summed over the ranks; ``readers`` as in `linear`."""
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias, readers=readers)
+        y = self.tp.all_reduce(linear(x, self.weight, None, readers=readers))
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's input columns of the checkpoint's full weight into ``param``; the bias whole."""
+        what = type(self).__name__
+        if param is self.bias:
+            _copy_into(param, loaded, what)
+            return
+        _check_full_size(loaded, 1, self.input_size, what)
+        start, length = self.tp.shard(self.input_size, "input features")
+        _copy_into(param, loaded.narrow(1, start, length), what)
 
     def forward_unsummed(
         self, x: torch.Tensor, readers: torch.Tensor | None = None
@@ -118,10 +194,10 @@ class RowParallelLinear(_Linear):
         """The output, or where the skinny GEMM computes it in K splits, those splits unsummed (`UnsummedProduct`).
 
         For callers that hand the result straight to `RMSNorm` (which sums them); a module with hooks (LoRA) or
-        a bias always returns the tensor, so that hooks see the output and the bias is added once. ``readers``
-        as in `linear`.
+        a bias always returns the tensor, so that hooks see the output and the bias is added once, and so does a
+        sharded one, whose output is only complete after the all-reduce. ``readers`` as in `linear`.
         """
-        skinny = _skinny_for(x)
+        skinny = _skinny_for(x) if self.tp.size == 1 else None
         if skinny is not None and self.bias is None and not (self._forward_hooks or self._forward_pre_hooks):
             parts = skinny(x, self.weight, None, output="partials", readers=readers)
             if parts is not None:
@@ -129,33 +205,68 @@ class RowParallelLinear(_Linear):
         return self(x, readers=readers)
 
 
+def _load_vocab_slice(
+    param: torch.Tensor, loaded: torch.Tensor, tp: TensorParallelGroup, vocab_size: int, what: str
+) -> None:
+    """Copy this rank's vocabulary rows of a full ``[vocab, hidden]`` tensor into ``param``; padding rows zero."""
+    _check_full_size(loaded, 0, vocab_size, what)
+    start, length, _ = tp.padded_shard(vocab_size)
+    with torch.no_grad():
+        param[length:].zero_()
+    _copy_into(param[:length], loaded.narrow(0, start, length), what)
+
+
 class VocabEmbedding(nn.Embedding):
-    """The token embedding; TP will give each rank a contiguous slice of the vocabulary."""
+    """The token embedding; under TP each rank holds a contiguous slice of the vocabulary (the same number of rows
+    on every rank, the last ones zero padding where the vocabulary does not split evenly)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+        tp = tensor_parallel_group()
+        start, length, padded = tp.padded_shard(num_embeddings)
+        super().__init__(padded, embedding_dim)
+        with torch.no_grad():
+            self.weight[length:].zero_()
+        self.tp: TensorParallelGroup = tp
+        self.vocab_size = num_embeddings
+        self.vocab_start = start
+        self.vocab_length = length
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``input_ids`` (no padding index, no max norm: ``F.embedding``'s result). Indexing instead of
         ``F.embedding`` because on CUDA that takes ``index_select``'s kernel, which at decode sizes (a few rows)
         ran 4.4 us against the gather's 1.4 us on an H100. Decoders usually gather these rows together
-        with their rotary angles instead (`diffulex.layers.token_inputs`); this runs where that cannot."""
-        return self.weight[input_ids]
+        with their rotary angles instead (`diffulex.layers.token_inputs`); this runs where that cannot.
+        Sharded, each rank looks up the ids of its slice, zeroes the others' rows, and the ranks sum."""
+        if self.tp.size == 1:
+            return self.weight[input_ids]
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_length)
+        rows = self.weight[torch.where(inside, local, torch.zeros_like(local))]
+        return self.tp.all_reduce(rows.masked_fill(~inside.unsqueeze(-1), 0.0))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows of the checkpoint's full embedding into ``param``."""
+        _load_vocab_slice(param, loaded, self.tp, self.vocab_size, type(self).__name__)
 
 
 class LMHead(nn.Module):
     """Hidden states to vocabulary logits, ``x @ weight.T``.
 
     Holds its own ``weight`` (``[vocab, hidden]``) unless `tie_to` aliases it to the embedding's parameter, in
-    which case both names refer to one tensor (no copy, one set of gradients, one load).
+    which case both names refer to one tensor (no copy, one set of gradients, one load). Under TP each rank holds
+    the embedding's slice of the vocabulary and the logits of the slices are gathered, so every rank gets all.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        self.tp: TensorParallelGroup = tensor_parallel_group()
+        _, length, padded = self.tp.padded_shard(vocab_size)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.weight = nn.Parameter(torch.empty(padded, hidden_size))
         nn.init.normal_(self.weight, std=0.02)
+        with torch.no_grad():
+            self.weight[length:].zero_()
 
     def tie_to(self, embedding: nn.Embedding) -> None:
         """Share the embedding's weight (tied word embeddings)."""
@@ -168,7 +279,14 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every row of ``x``; with ``readers`` (device row indices, -1 for none) only the rows it
         names are promised, and when it names none the product may be skipped (`linear`)."""
-        return linear(x, self.weight, readers=readers)
+        logits = linear(x, self.weight, readers=readers)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows of the checkpoint's full LM head into ``param``."""
+        _load_vocab_slice(param, loaded, self.tp, self.vocab_size, type(self).__name__)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"

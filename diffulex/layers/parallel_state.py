@@ -1,0 +1,89 @@
+"""The tensor-parallel group of this process: its rank, its size and the two collectives the sharded layers need.
+
+Why a process-wide group: tensor parallelism runs one process per device and every sharded layer of that process
+belongs to the same group, so the layers read it once, when they are built (`tensor_parallel_group`), and keep it;
+nothing in a forward looks it up. Without `init_tensor_parallel` the group is the single rank of size 1, whose
+collectives return their input, so TP=1 runs exactly the code it always ran and needs no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """``size`` ranks that each hold a slice of every sharded layer; this process is ``rank``.
+
+    ``process_group`` is the ``torch.distributed`` group the collectives run on (None for the single rank).
+    """
+
+    rank: int = 0
+    size: int = 1
+    process_group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` joined along ``dim`` in rank order (all ranks pass the same shape); ``x`` at size 1."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """``(start, length)`` of this rank's equal slice of ``total`` items; ``what`` names them in the error
+        raised when ``total`` does not split evenly."""
+        if total % self.size:
+            raise ValueError(
+                f"{what}={total} is invalid for tensor_parallel_size={self.size}: must be divisible by it, "
+                f"since every rank holds an equal slice"
+            )
+        length = total // self.size
+        return self.rank * length, length
+
+    def padded_shard(self, total: int) -> tuple[int, int, int]:
+        """``(start, length, padded)`` of this rank's slice of ``total`` items split into equal slices of
+        ``padded`` (the last ones short or empty where ``total`` does not split evenly); for the vocabulary,
+        whose size need not be a multiple of the rank count."""
+        padded = -(-total // self.size)
+        start = min(self.rank * padded, total)
+        return start, min(padded, total - start), padded
+
+
+SINGLE_RANK = TensorParallelGroup()
+
+_group: TensorParallelGroup = SINGLE_RANK
+
+
+def tensor_parallel_group() -> TensorParallelGroup:
+    """The group layers built now will shard over (`SINGLE_RANK` until `init_tensor_parallel`)."""
+    return _group
+
+
+def init_tensor_parallel(process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:
+    """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
+    process's tensor-parallel group, and return it. Layers built afterwards are sharded over it."""
+    global _group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_tensor_parallel needs torch.distributed initialized first (torch.distributed.init_process_group)"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    _group = TensorParallelGroup(dist.get_rank(group), dist.get_world_size(group), group)
+    return _group
+
+
+def reset_tensor_parallel() -> None:
+    """Back to the single rank (layers built afterwards hold whole weights)."""
+    global _group
+    _group = SINGLE_RANK
