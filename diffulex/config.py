@@ -263,6 +263,11 @@ class Config:
     max_model_len: int = _field(2048, "Longest prompt + output; clamped to the checkpoint's position limit.")
     max_num_batched_tokens: int = _field(4096, "Token budget for the prefill requests admitted in one step.")
     max_num_reqs: int = _field(128, "Most requests running at once (and scheduled in one step).")
+    enable_chunked_prefill: bool = _field(
+        False,
+        "Compute a prompt longer than the step's token budget over several steps, one block-aligned chunk per "
+        "step, beside the decoding requests (block-causal strategies only; d2f attends the whole prompt).",
+    )
     num_pages: int = _field(
         -1,
         "KV cache pages; <= 0 = max_num_reqs x max_model_len worth, capped by the memory left (GPU: "
@@ -664,11 +669,35 @@ class Config:
                     )
                     self.max_model_len = limit
                 break
-        if self.strategy.budgets_prompt_tokens and self.max_num_batched_tokens < self.max_model_len:
+        if self.enable_chunked_prefill:
+            self._check_chunked_prefill()
+        elif self.strategy.budgets_prompt_tokens and self.max_num_batched_tokens < self.max_model_len:
             raise invalid_value(
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens,
                 f"must be >= max_model_len={self.max_model_len}",
+            )
+
+    def _check_chunked_prefill(self) -> None:
+        """A chunk's K/V must be what the whole prompt's forward would store, and a step must fit one block."""
+        if self.multi_block_prefix_full:
+            raise invalid_value(
+                "enable_chunked_prefill",
+                True,
+                f"strategy {self.strategy.name!r} attends the whole prompt bidirectionally: the K/V of a prompt "
+                "chunk would depend on the prompt after it; use a block-causal strategy such as 'multi_bd'",
+            )
+        request_class = self.strategy.request_class
+        if request_class is None or not request_class.supports_prefill_chunks:
+            raise invalid_value(
+                "enable_chunked_prefill", True, f"strategy {self.strategy.name!r} does not compute prompts in chunks"
+            )
+        least = self.block_size + 1  # one block, and the cached row before it that a shifted family recomputes
+        if self.max_num_batched_tokens < least:
+            raise invalid_value(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"must be >= block_size + 1 = {least} with enable_chunked_prefill (one prompt block per step)",
             )
 
     # --- step 6: thresholds and environment ----------------------------------------------------------------

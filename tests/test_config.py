@@ -471,6 +471,26 @@ def test_max_num_batched_tokens_is_compared_with_the_clamped_max_model_len(tmp_p
     assert cfg.max_model_len == 4096
 
 
+def test_chunked_prefill_lets_the_token_budget_be_shorter_than_a_prompt(tmp_path):
+    cfg = make(tmp_path, enable_chunked_prefill=True, block_size=4, max_num_batched_tokens=64)
+    assert (cfg.max_num_batched_tokens, cfg.max_model_len) == (64, 2048)
+
+
+def test_chunked_prefill_needs_a_budget_of_one_block_and_a_row(tmp_path):
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=4 is invalid: must be >= block_size \+ 1 = 5"):
+        make(tmp_path, enable_chunked_prefill=True, block_size=4, max_num_batched_tokens=4)
+
+
+def test_chunked_prefill_is_refused_for_d2f_whose_prompt_kv_depends_on_the_whole_prompt(tmp_path):
+    with pytest.raises(ValueError, match=r"^enable_chunked_prefill=True is invalid: strategy 'd2f' attends the whole"):
+        make(tmp_path, decoding_strategy="d2f", enable_chunked_prefill=True)
+
+
+def test_chunked_prefill_is_refused_for_a_strategy_whose_requests_do_not_chunk(tmp_path):
+    with pytest.raises(ValueError, match=r"^enable_chunked_prefill=True is invalid: strategy 'dmax' does not compute"):
+        make(tmp_path, model_name="llada2", sampling_mode="edit", decoding_strategy="dmax", enable_chunked_prefill=True)
+
+
 def test_diffusion_gemma_skips_the_batched_tokens_check(tmp_path):
     cfg = make(tmp_path, model_name="diffusion_gemma", max_num_batched_tokens=512)
     assert cfg.max_num_batched_tokens == 512

@@ -140,7 +140,9 @@ def _build_components(
     runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
     build.done("sampling kernels")
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
-    limits = SchedulerLimits(config.max_num_reqs, config.max_num_batched_tokens, policy.continues)
+    limits = SchedulerLimits(
+        config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill)
+    )
     scheduler = Scheduler(limits, kv_cache)
     request_cls = strategy.request_class
     logger.info(

@@ -260,8 +260,12 @@ class DiffulexEngine:
         batch = scheduler.schedule(busy, max_reqs=-(-active // self.config.micro_batches))
         if not batch:
             return None
-        # the forward's view of each request, for its step record: its query range and its running set
-        views = [(req.query_range(), tuple(b.index for b in req.running)) for req in batch]
+        # the forward's view of each request, for its step record: its query range and its running set (none in a
+        # prefill chunk, which computes prompt blocks only)
+        views = [
+            (req.query_range(), () if req.prefill_chunk_end is not None else tuple(b.index for b in req.running))
+            for req in batch
+        ]
         self._launching = batch
         pending = self.runner.launch(batch, self._num_launches % self.policy.staging_buffers)
         self._launching = []

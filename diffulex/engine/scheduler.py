@@ -27,6 +27,9 @@ class SchedulerLimits:
     # lend free pages to the running sets' blocks (continuation steps store a block before the host sees it
     # finish: `diffulex.engine.continuation`); only with one step scheduled at a time
     reserve_running_pages: bool = False
+    # a request whose uncached prompt prefix does not fit the step's budget computes it over several steps, one
+    # block-aligned chunk per step, after the decoding requests have taken their rows (`Request.begin_prefill_chunk`)
+    chunked_prefill: bool = False
 
 
 class Scheduler:
@@ -58,15 +61,22 @@ class Scheduler:
         batch: list[Request] = []
         budget = self.limits.max_num_batched_tokens
         cap = self.limits.max_num_reqs if max_reqs is None else min(max_reqs, self.limits.max_num_reqs)
-        for req in list(self.running):
+        chunking = self.limits.chunked_prefill
+        running = list(self.running)
+        if chunking:  # decoding requests first: a long prefill only takes the rows they leave
+            running.sort(key=lambda r: _prefilling(r) if r.supports_prefill_chunks else False)
+        for req in running:
             if len(batch) >= cap:
                 break
             if req.status is not RequestStatus.RUNNING or req.req_id in busy:  # preempted earlier, or in flight
                 continue
+            if chunking and not self._fits_or_chunks(req, budget):
+                continue  # its prefill waits for a step with rows to spare
             if not self._make_room_for(req, busy):
                 continue
             self.kv_cache.grow(req)
-            req.maybe_activate_block()
+            if req.prefill_chunk_end is None:
+                req.maybe_activate_block()
             batch.append(req)
             budget -= _query_len(req)
 
@@ -74,21 +84,35 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv_cache.num_cached_prefix_tokens(req)
             estimate = _query_len(req) + req.settings.block_size - cached  # upper bound: one block may open
-            if batch and estimate > budget:
+            chunk_fits = chunking and req.supports_prefill_chunks and budget >= _min_chunk_rows(req, cached)
+            if batch and estimate > budget and not chunk_fits:
                 break
             if not self.kv_cache.can_admit(req):
                 break
             self.waiting.popleft()
             self.kv_cache.admit(req)
             req.status = RequestStatus.RUNNING
-            req.maybe_activate_block()
             self.running.append(req)
+            if chunking and not self._fits_or_chunks(req, budget):
+                continue  # admitted with its pages; its first chunk waits for a step with rows to spare
+            if req.prefill_chunk_end is None:
+                req.maybe_activate_block()
             batch.append(req)
             budget -= _query_len(req)
         if reserve:
             for req in batch:
                 self.kv_cache.reserve_running_pages(req)
         return batch
+
+    @staticmethod
+    def _fits_or_chunks(req: Request, budget: int) -> bool:
+        """Whether ``req`` takes part in this step: whole when its query fits ``budget`` (or it has no prefill left
+        to split), else as a prefill chunk of the whole blocks that fit; False when not even one block fits."""
+        if not (req.supports_prefill_chunks and _prefilling(req)):
+            return True
+        if _query_len(req) + req.settings.block_size <= budget:  # upper bound: one block may open
+            return True
+        return req.begin_prefill_chunk(budget)
 
     def _make_room_for(self, req: Request, busy: Collection[int] = ()) -> bool:
         """Preempt the newest running requests that are not in flight until ``req`` has the pages it needs;
@@ -114,9 +138,12 @@ class Scheduler:
     def finish_step(self, req: Request, writes: list[tuple[int, int]]) -> int:
         """Apply one request's sampled tokens and advance its blocks; returns how many masks were filled."""
         filled = req.apply_tokens(writes)
+        chunk = req.prefill_chunk_end is not None
         req.retire_and_commit()
-        req.nfe += 1
         self.kv_cache.register_cached_pages(req)
+        if chunk:  # a prefill chunk samples nothing: not a function evaluation of the decoding
+            return filled
+        req.nfe += 1
         reason = req.check_completion()
         if reason is not None:
             self.finish(req, reason)
@@ -143,3 +170,14 @@ class Scheduler:
 def _query_len(req: Request) -> int:
     start, end = req.query_range()
     return end - start
+
+
+def _prefilling(req: Request) -> bool:
+    """Whether ``req`` has uncached prompt blocks (or recomputed ones, after a preemption) before its running set."""
+    return req.prefill_end > req.num_cached_tokens
+
+
+def _min_chunk_rows(req: Request, cached: int) -> int:
+    """Rows of the smallest prefill chunk of a waiting request whose first ``cached`` positions a prefix-cache hit
+    supplies: one block, and the row before it for a shifted family."""
+    return req.settings.block_size + int(req.settings.logits_shift and cached > 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
@@ -86,6 +86,10 @@ class StepRecord:
 class Request:
     """The state of one request; created by the engine, advanced by scheduler, runner and sampler."""
 
+    # Whether the scheduler may compute this request's uncached prompt prefix over several steps
+    # (`begin_prefill_chunk`). A subclass that chooses its own query range or stored blocks says False.
+    supports_prefill_chunks: ClassVar[bool] = True
+
     req_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -109,6 +113,8 @@ class Request:
     prompt_len: int = field(init=False)
     generation_end: int = field(init=False)  # positions at or after this are never decoded
     max_nfe: int = field(init=False)  # the explicit cap, or one a request making the guaranteed progress never hits
+    # End of this step's prefill chunk (block aligned), or None: the step computes the whole query range
+    prefill_chunk_end: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -221,12 +227,36 @@ class Request:
         self._open_block()
         return True
 
+    @property
+    def prefill_end(self) -> int:
+        """End of the committed prefix before the running set: the part a prefill chunk may cover."""
+        return min(self.committed_len, self.running[0].start) if self.running else self.committed_len
+
+    def chunk_start(self) -> int:
+        """First row of a prefill chunk (see `query_range` for the row a shifted family recomputes)."""
+        start = self.num_cached_tokens
+        return start - 1 if self.settings.logits_shift and start > 0 else start
+
+    def begin_prefill_chunk(self, max_rows: int) -> bool:
+        """Compute only the leading whole blocks of the uncached prefix that fit in ``max_rows`` rows this step:
+        their K/V is stored and nothing is sampled. False (and nothing set) when not even one block fits."""
+        size, cached = self.settings.block_size, self.num_cached_tokens
+        prompt_rows = min(max_rows - (cached - self.chunk_start()), self.prefill_end - cached)
+        end = cached + max(prompt_rows, 0) // size * size
+        if end <= self.num_cached_tokens:
+            return False
+        self.prefill_chunk_end = end
+        return True
+
     def query_range(self) -> tuple[int, int]:
-        """Positions this step's forward must compute: uncached committed blocks, then the running set.
+        """Positions this step's forward must compute: uncached committed blocks, then the running set (only the
+        chunk's blocks during a prefill chunk).
 
         A shifted family also recomputes the last cached position: its hidden state predicts the first
         position after it. That row reads the cache only before itself and is not stored again.
         """
+        if self.prefill_chunk_end is not None:
+            return self.chunk_start(), self.prefill_chunk_end
         end = self.running[-1].end if self.running else self.committed_len
         start = self.num_cached_tokens
         if self.settings.logits_shift and start > 0:
@@ -247,6 +277,8 @@ class Request:
         return block.status is BlockStatus.TO_CACHE
 
     def sample_targets(self) -> list[SampleTarget]:
+        if self.prefill_chunk_end is not None:
+            return []
         targets = []
         lo_gen, limit, mask = self.prompt_len, self.decode_limit, self.settings.mask_token_id
         for block in self.running:
@@ -302,7 +334,11 @@ class Request:
 
     def retire_and_commit(self) -> None:
         """Blocks stored by this forward become cached and leave the running set; complete blocks commit."""
+        stored_end = self.prefill_chunk_end
+        self.prefill_chunk_end = None
         for block in self.blocks[self.num_cached_blocks :]:
+            if stored_end is not None and block.end > stored_end:
+                break
             if block.status is BlockStatus.TO_CACHE:
                 block.status = BlockStatus.IN_CACHE
         self.running = [b for b in self.running if b.status is not BlockStatus.IN_CACHE]
@@ -344,6 +380,7 @@ class Request:
                 block.status = BlockStatus.TO_CACHE
         self.num_cached_blocks = 0
         self.num_preemptions += 1
+        self.prefill_chunk_end = None
 
     def mark_prefix_cached(self, num_tokens: int) -> None:
         """A prefix-cache hit supplied the K/V of the first ``num_tokens`` positions (block aligned)."""

@@ -366,3 +366,57 @@ def test_abort_of_an_unknown_or_finished_request_returns_none():
     assert sched.abort(99) is None
     assert sched.abort(req.req_id) is req
     assert sched.abort(req.req_id) is None
+
+
+# ----- chunked prefill -----------------------------------------------------------------------------------
+
+
+def make_chunking_scheduler(budget: int) -> Scheduler:
+    return Scheduler(SchedulerLimits(8, budget, chunked_prefill=True), KVCacheManager(64, BLOCK, False))
+
+
+def test_a_prompt_beyond_the_budget_is_computed_in_whole_blocks_that_sample_nothing():
+    make = Factory()
+    sched = make_chunking_scheduler(budget=12)
+    req = make(42)  # ten prompt blocks, then a running block holding the last two prompt tokens
+    sched.add(req)
+    queries = []
+    while req.nfe == 0:
+        (scheduled,) = sched.schedule()
+        queries.append(req.query_range())
+        chunk = req.prefill_chunk_end is not None
+        assert not (chunk and req.sample_targets()), "a prefill chunk samples nothing"
+        forward(sched, [scheduled])
+    # the last step fits the budget whole: the rest of the prefix, the running block and the block it opens
+    assert queries == [(0, 12), (12, 24), (24, 36), (36, 48)]
+    assert req.num_cached_blocks == 10 and req.prefill_chunk_end is None
+    assert req.nfe == 1, "only the step that decoded counts as a function evaluation"
+
+
+def test_decoding_requests_take_their_rows_before_a_prefill_chunk():
+    make = Factory()
+    sched = make_chunking_scheduler(budget=12)
+    long, short = make(40), make(3)
+    sched.add(long)
+    assert sched.schedule() == [long] and long.query_range() == (0, 12)
+    sched.add(short)
+    assert sched.schedule(busy={long.req_id}) == [short]  # admitted while the chunk is in flight
+    forward(sched, [long, short])
+    batch = sched.schedule()  # the short request stores its two decoded blocks: 8 rows of the 12
+    assert ids(batch) == [short.req_id, long.req_id]
+    rows = [end - start for start, end in (r.query_range() for r in batch)]
+    assert rows == [8, 4] and sum(rows) <= 12
+    assert long.prefill_chunk_end == 16 and not long.sample_targets()
+
+
+def test_a_prefill_waits_when_the_decoders_leave_less_than_a_block():
+    make = Factory()
+    sched = make_chunking_scheduler(budget=10)
+    long, short = make(40), make(3)
+    sched.add(long)
+    sched.schedule()
+    sched.add(short)
+    sched.schedule(busy={long.req_id})
+    forward(sched, [long, short])
+    assert sched.schedule() == [short], "two rows left: not one whole prompt block"
+    assert long.prefill_chunk_end is None and long.num_cached_blocks == 2

@@ -29,6 +29,8 @@ class CanvasRequest(Request):
     """A `Request` whose blocks are canvases: the scheduler, KV cache manager and engine read it as any request
     (query range, committed length, running set, answer), while what a step does to it is DiffusionGemma's."""
 
+    supports_prefill_chunks = False  # its prompt is encoded whole, before its canvases
+
     canvas_length: int = field(init=False)
     num_canvases: int = field(init=False)  # canvases needed to reach the generation end
     canvases_done: int = field(init=False, default=0)  # committed canvases

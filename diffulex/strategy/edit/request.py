@@ -40,6 +40,7 @@ class BlockVerdict:
 
 @dataclass
 class EditRequest(Request):
+    supports_prefill_chunks = False  # its steps sample and re-edit by rules of their own
     edits: dict[int, EditProgress] = field(init=False, default_factory=dict)  # block index -> progress
     # the blocks the sampler sampled in the step being applied, each with its verdict: finished or not (a step
     # that only computes prompt rows samples none)

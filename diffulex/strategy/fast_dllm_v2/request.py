@@ -38,6 +38,7 @@ class ForwardKind(enum.Enum):
 
 @dataclass
 class FastDllmV2Request(Request):
+    supports_prefill_chunks = False  # it chooses its own query range and stored blocks
     # The open block's tokens when its K/V was last computed over the whole block (None: not computed yet, or
     # the block cache is off); `kept_in_cache` says whether that K/V is in the block's pages (not after a
     # preemption, until a REBUILD forward puts it back).
