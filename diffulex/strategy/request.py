@@ -360,12 +360,20 @@ class Request:
         """Called after every step, once ``nfe`` counts it."""
         if self.stop_pos is not None and self.frontier >= self.stop_pos:
             return CompletionReason.EOS
-        end = self.generation_end
-        if self.frontier >= end:
-            limited_by_len = self.settings.max_model_len < self.prompt_len + self.sampling_params.max_tokens
-            return CompletionReason.MAX_MODEL_LEN if limited_by_len else CompletionReason.MAX_TOKENS
+        if self.frontier >= self.generation_end:
+            return self.length_reason()
         if self.nfe >= self.max_nfe:
             return CompletionReason.MAX_NFE
+        return self.repetition_reason()
+
+    def length_reason(self) -> CompletionReason:
+        """Why a request that has generated up to its end stopped: ``max_model_len`` when that bounded it, else
+        ``max_tokens``."""
+        limited_by_len = self.settings.max_model_len < self.prompt_len + self.sampling_params.max_tokens
+        return CompletionReason.MAX_MODEL_LEN if limited_by_len else CompletionReason.MAX_TOKENS
+
+    def repetition_reason(self) -> CompletionReason | None:
+        """REPETITION once the answer ends in ``max_repetition_run`` equal tokens."""
         run_cap = self.sampling_params.max_repetition_run
         if run_cap is not None and _trailing_run(self.answer_token_ids()) >= run_cap:
             return CompletionReason.REPETITION

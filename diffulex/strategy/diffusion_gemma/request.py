@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.diffusion_gemma.canvas import CanvasState, CanvasStep
-from diffulex.strategy.request import CompletionReason, Request, SampleTarget, _trailing_run
+from diffulex.strategy.request import CompletionReason, Request, SampleTarget
 
 
 @dataclass(eq=False)
@@ -141,14 +141,10 @@ class CanvasRequest(Request):
         if self.stop_pos is not None:
             return CompletionReason.EOS
         if self.canvases_done >= self.num_canvases:
-            limited_by_len = self.settings.max_model_len < self.prompt_len + self.sampling_params.max_tokens
-            return CompletionReason.MAX_MODEL_LEN if limited_by_len else CompletionReason.MAX_TOKENS
+            return self.length_reason()
         if self.max_nfe and self.nfe >= self.max_nfe:
             return CompletionReason.MAX_NFE
-        run_cap = self.sampling_params.max_repetition_run
-        if run_cap is not None and _trailing_run(self.answer_token_ids()) >= run_cap:
-            return CompletionReason.REPETITION
-        return None
+        return self.repetition_reason()
 
     # ----- preemption ------------------------------------------------------------------------------------
 
