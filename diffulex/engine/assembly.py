@@ -127,7 +127,7 @@ def _build_components(
     )
     if runner is None:
         runner = _model_runner(config, device, dtype, model, mask_token_id, vocab_limit, token_merge)
-    policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)
+    policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
     num_pages = plan_num_pages(config, runner, device, dtype, policy)

@@ -13,6 +13,9 @@ replayed by copying its inputs into the buffers and padding the rest:
 
 Prefill chunks, rebuilds after preemption and anything larger run eagerly.
 
+DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
+per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself.
+
 A step whose requests all decode greedily also replays a second graph per bucket, the sampling graph: the LM
 head over every row of the bucket (the rows to sample change every step, so the graph computes logits for all
 of them; at decode sizes the weight read dominates either way), the top-1 of the rows to sample (their indices
@@ -57,6 +60,7 @@ import numpy as np
 import torch
 
 from diffulex.attention import PagedAttentionMetadata
+from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.dispatch import triton_available
 
@@ -72,7 +76,8 @@ MAX_GRAPH_REQUESTS = 512
 FUSED_STEP_MAX_ROWS = 16
 
 # (input ids [T], positions [T], metadata, readers [T]: the rows whose hidden states anyone reads, -1 for none;
-# None: all) -> hidden [T, H]: the model's forward (`diffulex.models.dense.run_decoder` says what readers allow)
+# None: all) -> hidden [T, H]: the model's forward (`diffulex.models.dense.run_decoder` says what readers allow);
+# with soft inputs it also takes ``merge=`` their `StaticTokenMerge`
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor | None], torch.Tensor]
 # (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
 # token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
@@ -165,9 +170,13 @@ class DecodeGraphs:
         staging_buffers: int = 1,
         greedy_sample: GreedySample | None = None,
         advance: Advance | None = None,
+        soft_inputs: StaticSoftInputs | None = None,
     ) -> None:
         if advance is not None and (greedy_sample is None or staging_buffers < 2):
             raise ValueError("continuation steps need a sampling graph and two staging buffers")
+        if advance is not None and soft_inputs is not None:
+            raise ValueError("continuation steps cannot stage the soft inputs the next step would need")
+        self.soft_inputs = soft_inputs  # DMax's token merge, staged with the step's inputs
         self.shape = shape
         self.forward = forward
         self.greedy_sample = greedy_sample
@@ -321,6 +330,8 @@ class DecodeGraphs:
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
             tables[i, : len(table)] = table
+        if self.soft_inputs is not None:
+            self.soft_inputs.stage(step.soft_rows, n, buffer)
         if not self.capture_graphs:  # a captured graph copies the staging buffer in itself (see `_upload`)
             self._upload(bucket, buffer)
             # the eager fallback reads the host lists of the metadata
@@ -364,6 +375,8 @@ class DecodeGraphs:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
         device_part, host_part = self._copy_pairs[bucket][buffer]
         device_part.copy_(host_part, non_blocking=True)
+        if self.soft_inputs is not None:
+            self.soft_inputs.upload(bucket * self.shape.max_query_len, buffer)
 
     def run(
         self, step: StepInputs, bucket: int, buffer: int = 0, sampled: SampledRows | None = None
@@ -421,6 +434,8 @@ class DecodeGraphs:
         n = bucket * self.shape.max_query_len
         ids, positions, _ = self._token_views(n)
         readers = self._row_section(self._tokens, 3, n)
+        if self.soft_inputs is not None:
+            return self.forward(ids, positions, self._metas[bucket], readers, merge=self.soft_inputs.merge(n))
         return self.forward(ids, positions, self._metas[bucket], readers)
 
     def _sample(self, hidden: torch.Tensor, bucket: int) -> torch.Tensor:

@@ -32,14 +32,13 @@ class GraphPolicy:
 
     @classmethod
     def decide(
-        cls, config: Config, device: torch.device, runner: StepRunner, logits_shift: bool, token_merge: bool
+        cls, config: Config, device: torch.device, runner: StepRunner, logits_shift: bool
     ) -> GraphPolicy:
         cuda_graphs = (
             isinstance(runner, ModelRunner)  # the graphs capture the engine runner's forward
             and device.type == "cuda"
             and not config.enforce_eager
             and config.strategy.cuda_graphs
-            and not token_merge  # soft inputs are an eager-step feature
             and config.enable_full_static_runner
             and config.attn_impl in TRITON_IMPLS
             # a captured step replays its launches: the PyTorch attention path reads the layout on the host
@@ -69,8 +68,7 @@ class GraphPolicy:
         if device.type == "cuda" and not self.cuda_graphs and not config.enforce_eager:
             logger.info(
                 "CUDA graphs off: they need attn_impl 'triton' or 'triton_grouped' with heads its kernels tile, the "
-                "static runner, no token merge (dmax with token_merge_weight > 0) and a decoding strategy that "
-                "runs in graphs"
+                "static runner and a decoding strategy that runs in graphs"
             )
         if not self.cuda_graphs:
             return

@@ -20,6 +20,7 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
+from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
@@ -36,7 +37,7 @@ class RunnerSettings:
     device: torch.device
     kv_dtype: torch.dtype
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
-    token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (eager steps only: no CUDA graphs then)
+    token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (static graph inputs on the graph path)
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
 
 
@@ -133,8 +134,11 @@ class ModelRunner:
         advance = None
         if continuations and greedy_sample is not None:
             advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)
+        soft_inputs = None
+        if s.token_merge is not None:
+            soft_inputs = StaticSoftInputs(s.token_merge, shape.max_tokens, s.device, staging_buffers)
         self.graphs = DecodeGraphs(
-            shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
+            shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs
         )
         self._replayed = None
         self.graphs.capture()

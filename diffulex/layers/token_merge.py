@@ -9,6 +9,10 @@ rest ``residual = 1 - sum(probs)``:
 * ``iter_smooth_topk``: ``e = E[current token] + weight * sum_k probs_k * E[ids_k]``.
 
 Positions without candidates keep their token's embedding.
+
+Eager steps merge the rows that have candidates (`TokenMerge`); a step replayed from a CUDA graph's static buffers
+merges every row of its padded shape and keeps the merge where a row's soft flag is set (`StaticTokenMerge`). Both
+compute a row's merge with `merge_rows`, so they give the same embeddings.
 """
 
 from __future__ import annotations
@@ -35,6 +39,35 @@ class TokenMergeSettings:
     renormalize: bool
     mask_token_id: int
 
+    @property
+    def width(self) -> int:
+        """Candidates per row in the merge's tensors: ``top_k`` (``dmax_topk`` keeps one, ``iter_smooth_topk``
+        ``top_k``); shorter rows are padded with the mask id at probability 0, which adds nothing to the mix."""
+        return self.top_k
+
+
+def merge_rows(
+    current: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    residual: torch.Tensor,
+    table: torch.Tensor,
+    settings: TokenMergeSettings,
+) -> torch.Tensor:
+    """The float32 soft input of each row: ``current [R, H]`` (the rows' own token embeddings), their candidates
+    ``ids [R, K]`` at ``probs [R, K]`` and ``residual [R]``; ``table`` is the embedding matrix. Row by row, so the
+    eager merge of a few rows and the static merge of a whole padded step agree."""
+    candidates = table[ids].float()  # [R, K, H]
+    mixed = (probs.unsqueeze(-1) * candidates).sum(dim=1)
+    if settings.mode == "iter_smooth_topk":
+        return current.float() + settings.weight * mixed
+    mask_row = table[settings.mask_token_id].float()
+    merged = mixed + residual.unsqueeze(-1) * mask_row
+    if settings.renormalize:
+        target = (probs * candidates.norm(dim=-1)).sum(dim=1) + residual * mask_row.norm()
+        merged = merged * (target / merged.norm(dim=-1).clamp_min(1e-12)).unsqueeze(-1)
+    return merged
+
 
 @dataclass
 class TokenMerge:
@@ -53,7 +86,7 @@ class TokenMerge:
     ) -> TokenMerge | None:
         if not soft_rows:
             return None
-        k = max(len(soft.ids) for _, soft in soft_rows)
+        k = max(settings.width, *(len(soft.ids) for _, soft in soft_rows))
         mask = settings.mask_token_id
         ids = [list(soft.ids) + [mask] * (k - len(soft.ids)) for _, soft in soft_rows]
         probs = [list(soft.probs) + [0.0] * (k - len(soft.probs)) for _, soft in soft_rows]
@@ -68,17 +101,28 @@ class TokenMerge:
     def apply(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` (the step's token embeddings) with the merged rows replaced; ``table`` is the
         embedding matrix. Computed in float32."""
-        s = self.settings
-        candidates = table[self.ids].float()  # [R, K, H]
-        mixed = (self.probs.unsqueeze(-1) * candidates).sum(dim=1)
-        if s.mode == "iter_smooth_topk":
-            merged = hidden[self.rows].float() + s.weight * mixed
-        else:
-            mask_row = table[s.mask_token_id].float()
-            merged = mixed + self.residual.unsqueeze(-1) * mask_row
-            if s.renormalize:
-                target = (self.probs * candidates.norm(dim=-1)).sum(dim=1) + self.residual * mask_row.norm()
-                merged = merged * (target / merged.norm(dim=-1).clamp_min(1e-12)).unsqueeze(-1)
+        merged = merge_rows(hidden[self.rows], self.ids, self.probs, self.residual, table, self.settings)
         out = hidden.clone()
         out[self.rows] = merged.to(hidden.dtype)
         return out
+
+
+@dataclass
+class StaticTokenMerge:
+    """The soft inputs of a padded step in fixed-shape tensors (a CUDA graph's static inputs): for every row
+    ``ids [T, K]``, ``probs [T, K]``, ``residual [T]`` and ``soft [T]`` (nonzero where the row has candidates).
+    Every row is merged and the merge kept where ``soft`` is set, so one captured forward serves any step."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    residual: torch.Tensor
+    soft: torch.Tensor
+    settings: TokenMergeSettings
+
+    def apply(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        merged = merge_rows(hidden, self.ids, self.probs, self.residual, table, self.settings)
+        return torch.where((self.soft != 0).unsqueeze(-1), merged.to(hidden.dtype), hidden)
+
+
+# What a forward's ``merge`` argument may be (`diffulex.models.dense.run_decoder`).
+SoftInputs = TokenMerge | StaticTokenMerge

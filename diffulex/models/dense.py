@@ -32,7 +32,7 @@ from diffulex.layers import (
 )
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_inputs import embed_with_angles
-from diffulex.layers.token_merge import TokenMerge
+from diffulex.layers.token_merge import SoftInputs
 from diffulex.models.hf_config import DenseDecoderConfig
 
 
@@ -86,7 +86,7 @@ def run_decoder(
     final_norm: RMSNorm,
     attn_meta: AttentionMetadata,
     readers: torch.Tensor | None = None,
-    merge: TokenMerge | None = None,
+    merge: SoftInputs | None = None,
 ) -> torch.Tensor:
     """The tokens embedded (with their rotary angles, `embed_with_angles`), through `layers` (each maps ``(hidden,
     residual, rope, attn_meta)`` to the next ``(hidden, residual)``) and the final norm: the body of every family's
@@ -248,7 +248,7 @@ class DenseModel(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
-        merge: TokenMerge | None = None,
+        merge: SoftInputs | None = None,
     ) -> torch.Tensor:
         return run_decoder(
             input_ids, positions, self.embed_tokens, self.rotary_emb, self.layers, self.norm, attn_meta, readers,
@@ -297,7 +297,7 @@ class DenseForDiffusionLM(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
-        merge: TokenMerge | None = None,
+        merge: SoftInputs | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]``; ``readers`` (the rows anyone reads, -1 for none; None: all) and ``merge``
         (soft inputs): see `run_decoder`."""

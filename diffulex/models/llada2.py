@@ -30,7 +30,7 @@ from diffulex.layers import (
 )
 from diffulex.layers.moe import GatedMLP, GroupLimitedRouter, SparseMoE
 from diffulex.layers.rotary import Rope
-from diffulex.layers.token_merge import TokenMerge
+from diffulex.layers.token_merge import SoftInputs
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, pre_norm_layer, run_decoder
 from diffulex.models.family import Family, register_family
 from diffulex.models.hf_config import LLaDA2Config
@@ -124,7 +124,7 @@ class LLaDA2Model(nn.Module):
         positions: torch.Tensor,
         attn_meta: AttentionMetadata,
         readers: torch.Tensor | None = None,
-        merge: TokenMerge | None = None,
+        merge: SoftInputs | None = None,
     ) -> torch.Tensor:
         return run_decoder(
             input_ids, positions, self.word_embeddings, self.rotary_emb, self.layers, self.norm, attn_meta, readers,

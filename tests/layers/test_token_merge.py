@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from diffulex.layers.token_merge import SoftInput, TokenMerge, TokenMergeSettings
+from diffulex.layers.token_merge import SoftInput, StaticTokenMerge, TokenMerge, TokenMergeSettings
 
 MASK = 7
 
@@ -48,3 +49,27 @@ def test_iter_smooth_adds_the_weighted_candidates_to_the_token():
 
 def test_a_step_without_soft_inputs_has_no_merge():
     assert TokenMerge.of([], TokenMergeSettings("dmax_topk", 1, 1.0, True, MASK), torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "renormalize"), [("dmax_topk", True), ("dmax_topk", False), ("iter_smooth_topk", True)]
+)
+def test_the_static_merge_of_every_row_equals_the_eager_merge_of_the_soft_rows(mode: str, renormalize: bool):
+    """A graph's merge runs over every row of the padded step and keeps it where a row is soft: the same float32
+    math per row as the eager merge, so the same embeddings, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    e = torch.randn(8, 32, generator=generator)
+    settings = TokenMergeSettings(mode, 2, 0.5, renormalize, MASK)
+    rows = [(1, SoftInput((3,), (0.75,), 0.25)), (3, SoftInput((4, 5), (0.5, 0.25), 0.25))]
+    hidden = e[torch.tensor([0, 1, 2, 6, 5])]
+    ids = torch.full((5, 2), MASK)
+    probs, residual, soft = torch.zeros(5, 2), torch.rand(5, generator=generator), torch.zeros(5, dtype=torch.long)
+    for row, candidates in rows:
+        ids[row, : len(candidates.ids)] = torch.tensor(candidates.ids)
+        probs[row, : len(candidates.probs)] = torch.tensor(candidates.probs)
+        residual[row], soft[row] = candidates.residual, 1
+    static = StaticTokenMerge(ids, probs, residual, soft, settings).apply(hidden, e)
+    eager = TokenMerge.of(rows, settings, torch.device("cpu")).apply(hidden, e)
+    assert torch.equal(static, eager)
+    assert torch.equal(static[[0, 2, 4]], hidden[[0, 2, 4]])
+    assert not torch.equal(static[[1, 3]], hidden[[1, 3]])

@@ -1,8 +1,9 @@
 """DMax: LLaDA2 edit decoding where every decoded token of an active block is refreshed each step and masks are
 filled as a left-to-right run of confident positions (`diffulex.strategy.dmax.sampler`); a block commits once a
 step changes nothing or everything is confident. With token merge (``token_merge_weight > 0``) decoded positions
-enter the next forward as soft inputs (`diffulex.layers.token_merge`), which only eager steps take: no CUDA graphs
-then. Requests are edit-mode requests; attention is block-causal, so prefix caching defaults to on.
+enter the next forward as soft inputs (`diffulex.layers.token_merge`; on the CUDA-graph path static graph inputs,
+`diffulex.engine.static_soft_inputs`). Requests are edit-mode requests; attention is block-causal, so prefix
+caching defaults to on.
 """
 
 from __future__ import annotations
