@@ -250,6 +250,10 @@ class DecodeGraphs:
     def _token_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self._row_section(self._tokens, i, num_tokens) for i in range(3))
 
+    def input_ids(self, num_tokens: int) -> torch.Tensor:
+        """The device input ids of a bucket of ``num_tokens`` rows (what its graphs read)."""
+        return self._row_section(self._tokens, 0, num_tokens)
+
     def _block_view(self, bucket: int) -> torch.Tensor:
         """``[3, s]``: each block's first input row, end input row and first slot (sections 2-4, one stride apart)."""
         start = 5 * self._row_stride + 2 * self._segment_stride

@@ -62,6 +62,7 @@ class ModelRunner:
         self.forward = model.forward
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
+        self._graph_logits_shift = 0  # 1 where the graphs' sampled rows predict the position after them
         self._replayed: _ReplayedStep | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class ModelRunner:
             shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs
         )
         self._replayed = None
+        self._graph_logits_shift = int(logits_shift)
         self.graphs.capture()
 
     def greedy_sample(
@@ -158,7 +160,17 @@ class ModelRunner:
         The LM head is told which rows are sampled (``source_rows``): a continuation step that only stores a
         decoded block samples none, and then its LM head streams no weights (`LMHead.forward`)."""
         logits = self.model.compute_logits(hidden, source_rows)
-        return self.sampler.greedy_result(logits, source_rows, segment, force, starts, self.settings.block_size)
+        block_rows = self.settings.block_size
+        if getattr(self.sampler, "greedy_reads_inputs", False):
+            current = self._sampled_input_tokens(source_rows)
+            return self.sampler.greedy_result(logits, source_rows, segment, force, starts, block_rows, current)
+        return self.sampler.greedy_result(logits, source_rows, segment, force, starts, block_rows)
+
+    def _sampled_input_tokens(self, source_rows: torch.Tensor) -> torch.Tensor:
+        """The token each sampled row's position holds in the graphs' static inputs (the row after it, for a
+        shifted family): what a rule that rewrites tokens (edit decoding) compares its proposals with."""
+        input_ids = self.graphs.input_ids(source_rows.shape[0])
+        return input_ids[(source_rows + self._graph_logits_shift).clamp(0, input_ids.shape[0] - 1)]
 
     @torch.inference_mode()
     def run(self, batch: list[Request]) -> dict[int, list[tuple[int, int]]]:

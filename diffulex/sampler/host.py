@@ -4,7 +4,8 @@ Some rules need more than a threshold per row: edit decoding compares proposals 
 DMax fills masks as a left-to-right run, a researcher's rule may rank a block's positions. `HostSampler` does the
 shared part once for the whole step (proposals for every row on the device: the top-1, or a draw for requests at
 ``temperature > 0``; then one copy to the host) and asks `HostSampler.block_writes` what each block writes, on
-plain lists. Steps with such a sampler never sample inside a CUDA graph (`Strategy.samples_in_graph` is False).
+plain lists. Such steps never sample inside a CUDA graph, unless the sampler also has a device version of its rule
+(edit decoding: `diffulex.strategy.edit.sampler.EditSampler.greedy_result`).
 """
 
 from __future__ import annotations

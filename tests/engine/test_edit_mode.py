@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.testing import write_tiny_checkpoint
@@ -103,3 +104,71 @@ def test_dmax_with_token_merge_feeds_soft_inputs_and_completes(llada2, monkeypat
         assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")
         assert mask not in trajectory.token_ids
     assert merged_rows and max(merged_rows) > 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(max_post_edit_steps=2),
+        dict(buffer_size=2, max_post_edit_steps=3, accept_threshold=0.3),
+        dict(edit_threshold=0.5, max_post_edit_steps=0),
+    ],
+    ids=["post-edit-2", "two-blocks", "no-post-edit"],
+)
+def test_greedy_edit_steps_sample_in_the_graph_path_with_the_host_rules_tokens(llada2, fields):
+    """The padded static path (`capture=False`) runs the edit rule on the device, in what the sampling graph
+    captures; the requests end with the host rule's tokens after as many steps."""
+    from tests.engine.test_cuda_graph import count_static_steps, with_static_decode
+    from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+    fields = {"sampling_mode": "edit", "accept_threshold": 0.7, "max_num_reqs": 4, **fields}
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    with make_engine(llada2, **fields) as eager:
+        prompts = random_prompts(eager, [3, 7, 12, 4], seed=5)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with make_engine(llada2, **fields) as llm:
+        sampled: list[bool] = []
+        count_static_steps(with_static_decode(llm), sampled)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+    assert [t.nfe for t in got] == [t.nfe for t in expected]
+    assert len(sampled) > got.num_engine_steps // 2 and all(sampled), "greedy decode steps sample in the graph path"
+
+
+def test_a_repetition_penalty_keeps_edit_sampling_on_the_host(llada2):
+    """``penalty_lambda > 0`` changes the logits on the host first: those steps replay the forward only."""
+    from tests.engine.test_cuda_graph import count_static_steps, with_static_decode
+    from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+    fields = {"sampling_mode": "edit", "accept_threshold": 0.7, "max_num_reqs": 4, "penalty_lambda": 2.0}
+    with make_engine(llada2, **fields) as eager:
+        prompts = random_prompts(eager, [3, 7], seed=2)
+        expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+    with make_engine(llada2, **fields) as llm:
+        sampled: list[bool] = []
+        count_static_steps(with_static_decode(llm), sampled)
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+    assert sampled and not any(sampled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_edit_graphs_sample_on_the_gpu_with_the_eager_tokens(llada2):
+    """Float32 on the GPU: edit decoding's greedy steps replay the forward and sampling graphs (the edit rule on
+    the device) and decode exactly as the eager engine with the host rule."""
+    from tests.engine.test_cuda_graph import count_static_steps
+    from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+    fields = dict(sampling_mode="edit", accept_threshold=0.7, max_num_reqs=8, max_post_edit_steps=2,
+                  dtype="float32", attn_impl="triton")  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    with make_engine(llada2, enforce_eager=True, **fields) as eager:
+        prompts = random_prompts(eager, [3, 7, 12, 5, 9], seed=6)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with make_engine(llada2, **fields) as llm:
+        assert llm.policy.cuda_graphs and llm.runner.graphs.samples
+        sampled: list[bool] = []
+        count_static_steps(llm, sampled)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+    assert any(sampled)

@@ -42,6 +42,7 @@ class DMaxOptions(EditOptions):
 class DMax(EditDecoding):
     name = "dmax"
     Options = DMaxOptions
+    samples_in_graph = False  # its rule runs on the host (`DMaxSampler`), after the forward graph
 
     def make_sampler(self, context: SamplerContext) -> DMaxSampler:
         options = context.options

@@ -19,16 +19,23 @@ from __future__ import annotations
 import torch
 
 from diffulex.layers.token_merge import SoftInput
+from diffulex.sampler.host import HostSampler
+from diffulex.sampler.rows import RowLayout
 from diffulex.sampler.token_sampling import ban_tokens
 from diffulex.strategy.edit.request import BlockVerdict, EditRequest
 from diffulex.strategy.edit.sampler import EditSampler
-from diffulex.strategy.request import SampleTarget
+from diffulex.strategy.request import Request, SampleTarget
 
 # Confidence at which every position of a block counts as settled (the original's constant, not accept_threshold).
 CONFIDENT = 0.9
 
 
 class DMaxSampler(EditSampler):
+    """Its rule (a left-to-right run of masks, and the soft inputs it sets) runs on the host only."""
+
+    def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
+        return HostSampler.row_layout(self, work)
+
     def _block_writes(
         self, req: EditRequest, target: SampleTarget, tokens: list[int], conf: list[float], logits: torch.Tensor
     ) -> tuple[list[tuple[int, int]], BlockVerdict]:

@@ -2,8 +2,9 @@
 
 Reached through ``multi_bd`` with ``sampling_mode="edit"`` (the family must support it: `Family.sampling_modes`).
 Requests are `diffulex.strategy.edit.request.EditRequest` (a block commits once the sampler stops changing it), the
-rule is `diffulex.strategy.edit.sampler.EditSampler`, decided on the host after every step: so no step samples in
-a CUDA graph or is continued on the device.
+rule is `diffulex.strategy.edit.sampler.EditSampler`: greedy steps run it inside the decode graph's sampling graph
+(`diffulex.strategy.edit.acceptance`), the others on the host. The host reads every block's verdict after the step,
+so no step is continued on the device.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class EditDecoding(Strategy):
     Options = EditOptions
     request_class = EditRequest
     sampling_modes = ("edit",)
-    samples_in_graph = False
     continues_on_device = False
 
     def __init__(self, name: str | None = None) -> None:

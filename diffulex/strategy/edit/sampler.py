@@ -9,18 +9,24 @@ Per active block of an `diffulex.strategy.edit.request.EditRequest`, every gener
 * the block is finished when nothing would be written, or when it has used its post-edit steps (then nothing is
   written); on its last allowed step (time-out) every mask left takes its proposal.
 
-Padding ids and the mask id are never proposed (the original bans neither here; docs/strategies.md). This runs
-on the host after the LM head, one block at a time (`diffulex.sampler.host`).
+Padding ids and the mask id are never proposed (the original bans neither here; docs/strategies.md). A step
+whose requests all decode greedily (and ``penalty_lambda == 0``) runs the rule inside the decode CUDA graph's
+sampling graph (`EditSampler.greedy_result`, `diffulex.strategy.edit.acceptance`): the host then reads each
+block's verdict off the step's result (`EditLayout`). Other steps run it on the host after the LM head, one block
+at a time (`diffulex.sampler.host`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.sampler.host import HostSampler
+from diffulex.sampler.rows import PendingWrites, RowLayout, new_result
+from diffulex.sampler.token_sampling import propose_greedy
+from diffulex.strategy.edit.acceptance import EditPhase, edit_acceptance
 from diffulex.strategy.edit.request import BlockVerdict, EditRequest
 from diffulex.strategy.request import Request, SampleTarget
 
@@ -39,8 +45,120 @@ class EditSettings:
     token_merge: TokenMergeSettings | None = None  # DMax: soft inputs for the next forward
 
 
+@dataclass(frozen=True)
+class _SampledBlock:
+    """One block of an edit step's layout: whose it is, its rows, its phase and the tokens those rows held."""
+
+    req: EditRequest
+    index: int  # the block's index in its request
+    rows: range  # its rows in the step's layout
+    phase: EditPhase
+    current: list[int]  # the token at each of its rows' positions before the step
+
+
+@dataclass
+class EditLayout(RowLayout):
+    """An edit step's rows. The staged ``force`` entries carry each block's `EditPhase` (edit decoding always
+    forces where it may, so the device rule reads the phase instead). A step is ``greedy`` (sampled inside the
+    graph) when no request draws and no penalty changes the logits."""
+
+    blocks: list[_SampledBlock] = field(default_factory=list)
+    in_graph: bool = True  # the device rule applies (no repetition penalty)
+    mask_token_id: int = -1
+
+    @property
+    def greedy(self) -> bool:
+        return self.in_graph and not self.sampled
+
+    def pending(
+        self, accepted_tokens: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
+    ) -> PendingWrites:
+        pending = super().pending(accepted_tokens, ready)
+        if accepted_tokens is None:
+            return pending
+        return _EditPendingWrites(pending.writes, self.owners, self.positions, accepted_tokens, ready, self)
+
+    def give_verdicts(self, accepted: list[int], tokens: list[int]) -> None:
+        """Each block's verdict from the device rule's flags and every row's proposal, as the host rule gives it:
+        finished once it writes nothing or is past editing; stable as the share of decoded tokens proposed again."""
+        for block in self.blocks:
+            rows = block.rows
+            decoded = [i for i, token in enumerate(block.current) if token != self.mask_token_id]
+            agree = sum(tokens[rows[i]] == block.current[i] for i in decoded)
+            timed_out = block.phase is EditPhase.TIMED_OUT
+            finished = block.phase is not EditPhase.EDITING or not any(accepted[rows.start : rows.stop])
+            stable = 1.0 if timed_out or not decoded else agree / len(decoded)
+            block.req.sampled_blocks[block.index] = BlockVerdict(finished, stable)
+
+
+@dataclass
+class _EditPendingWrites(PendingWrites):
+    """A graph-sampled edit step's writes; reading them also hands each block its verdict."""
+
+    layout: EditLayout | None = None
+
+    def result(self) -> dict[int, list[tuple[int, int]]]:
+        if self.accepted_tokens is not None and self.layout is not None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            accepted, tokens = self.accepted_tokens.tolist()
+            self.layout.give_verdicts(accepted, tokens)
+        return super().result()
+
+
 class EditSampler(HostSampler):
     settings: EditSettings
+    # its greedy step reads the tokens the sampled rows hold (`diffulex.engine.model_runner.ModelRunner.greedy_sample`)
+    greedy_reads_inputs = True
+
+    def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
+        """Every block forces where it may (the host rule), and carries its `EditPhase` for the device rule."""
+        s = self.settings
+        layout = EditLayout.of(work, force_every_block=True)
+        layout.in_graph = s.penalty_lambda == 0
+        layout.mask_token_id = s.mask_token_id
+        row = 0
+        for req, targets in work:
+            if not isinstance(req, EditRequest):
+                raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
+            max_post_edit = req.settings.options.max_post_edit_steps
+            for number, target in enumerate(targets, start=len(layout.blocks)):
+                current = [req.token_ids[p] for p in target.positions]
+                if req.times_out(target.block):
+                    phase = EditPhase.TIMED_OUT
+                elif s.mask_token_id not in current and (
+                    req.progress_of(target.block).steps_without_masks + 1 > max_post_edit
+                ):
+                    phase = EditPhase.CLOSED
+                else:
+                    phase = EditPhase.EDITING
+                layout.force[number] = int(phase)
+                rows = range(row, row + len(current))
+                layout.blocks.append(_SampledBlock(req, target.block.index, rows, phase, current))
+                row = rows.stop
+        return layout
+
+    def greedy_result(
+        self,
+        logits: torch.Tensor,
+        source_rows: torch.Tensor,
+        segment: torch.Tensor,
+        force: torch.Tensor,
+        starts: torch.Tensor,
+        max_block_rows: int,
+        current: torch.Tensor,
+    ) -> torch.Tensor:
+        """A greedy edit step on the device alone (what the sampling graph captures): ``[2, N]`` (written flag,
+        proposal) for ``logits[source_rows]``, whose rows now hold ``current [N]``; ``force`` carries each block's
+        `EditPhase` (`EditLayout`). Proposals as the host rule's (`propose_greedy`)."""
+        s = self.settings
+        result = new_result(source_rows.shape[0], logits.device)
+        tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, source_rows, tokens_out=result[1])
+        flags = edit_acceptance(
+            tokens, conf, current, segment, force, s.mask_token_id, s.accept_threshold, s.edit_threshold
+        )
+        result[0].copy_(flags)
+        return result
 
     def block_writes(
         self, req: Request, target: SampleTarget, tokens: list[int], conf: list[float], logits: torch.Tensor
