@@ -104,6 +104,19 @@ def test_dmax_with_token_merge_on_the_static_path_gives_the_eager_tokens(llada2:
     assert any(soft_counts), "some static steps have soft rows"
 
 
+def test_two_micro_batches_with_soft_inputs_give_the_tokens_of_one_batch(llada2: Path) -> None:
+    """With ``micro_batches=2`` (two host staging buffers, the halves taking turns) the static path's soft inputs
+    still give one batch's tokens."""
+    with make_engine(llada2, **dmax_fields("dmax_topk")) as single:
+        prompts = random_prompts(single, [3, 7, 12, 5], seed=8)
+        expected = single.generate(prompts, PARAMS, use_tqdm=False)
+    with make_engine(llada2, micro_batches=2, **dmax_fields("dmax_topk")) as llm:
+        used = count_static_steps(with_static_decode(llm))
+        got = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+    assert used
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", sorted(MERGE_MODES))
 def test_captured_graphs_with_token_merge_give_the_eager_tokens_on_the_gpu(llada2: Path, mode: str) -> None:
