@@ -5,7 +5,8 @@ token the row holds now.
 Fixed shapes and no read-back, so a graph can capture it: blocks are segments of the rows (``segment [N]``, padded
 rows in a last segment of their own), and what the host knows of each block before the step (its `EditPhase`)
 comes in with the step's inputs. The host turns the flags into writes and verdicts
-(`diffulex.strategy.edit.sampler.EditLayout`).
+(`diffulex.strategy.edit.sampler.EditLayout`). On CUDA one Triton launch does it (`diffulex.kernels.edit_acceptance`),
+elsewhere the PyTorch version here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from enum import IntEnum
 
 import torch
+
+from diffulex.layers.dispatch import triton_available
 
 
 class EditPhase(IntEnum):
@@ -59,3 +62,29 @@ def edit_acceptance(
     timed_out = is_mask | edit
     accepted = torch.where(block_phase == EditPhase.TIMED_OUT, timed_out, editing)
     return (accepted & (block_phase != EditPhase.CLOSED)).long()
+
+
+def accept_edits(
+    tokens: torch.Tensor,
+    conf: torch.Tensor,
+    current: torch.Tensor,
+    segment: torch.Tensor,
+    starts: torch.Tensor,
+    phase: torch.Tensor,
+    mask_token_id: int,
+    accept_threshold: float,
+    edit_threshold: float,
+    max_block_rows: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`edit_acceptance` written into ``out`` (contiguous int64 ``[N]``): one Triton launch on CUDA (which reads the
+    blocks' ``starts [S + 1]`` and leaves rows of no block as they were), the PyTorch version elsewhere (which reads
+    ``segment``). ``phase`` has an entry per block of ``starts``, and one more for the padded rows' segment."""
+    if conf.is_cuda and triton_available():
+        from diffulex.kernels.edit_acceptance import triton_edit_acceptance
+
+        return triton_edit_acceptance(
+            tokens, conf, current, starts, phase, mask_token_id, accept_threshold, edit_threshold, max_block_rows, out
+        )
+    flags = edit_acceptance(tokens, conf, current, segment, phase, mask_token_id, accept_threshold, edit_threshold)
+    return out.copy_(flags)

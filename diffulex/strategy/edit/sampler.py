@@ -26,7 +26,7 @@ from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.sampler.host import HostSampler
 from diffulex.sampler.rows import PendingWrites, RowLayout, new_result
 from diffulex.sampler.token_sampling import propose_greedy
-from diffulex.strategy.edit.acceptance import EditPhase, edit_acceptance
+from diffulex.strategy.edit.acceptance import EditPhase, accept_edits
 from diffulex.strategy.edit.request import BlockVerdict, EditRequest
 from diffulex.strategy.request import Request, SampleTarget
 
@@ -154,10 +154,10 @@ class EditSampler(HostSampler):
         s = self.settings
         result = new_result(source_rows.shape[0], logits.device)
         tokens, conf = propose_greedy(logits, s.vocab_limit, s.mask_token_id, source_rows, tokens_out=result[1])
-        flags = edit_acceptance(
-            tokens, conf, current, segment, force, s.mask_token_id, s.accept_threshold, s.edit_threshold
-        )
-        result[0].copy_(flags)
+        accept_edits(
+            tokens, conf, current, segment, starts, force, s.mask_token_id, s.accept_threshold, s.edit_threshold,
+            max_block_rows, out=result[0],
+        )  # fmt: skip
         return result
 
     def block_writes(
