@@ -121,22 +121,24 @@ class EditSampler(HostSampler):
         for req, targets in work:
             if not isinstance(req, EditRequest):
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
-            max_post_edit = req.settings.options.max_post_edit_steps
             for number, target in enumerate(targets, start=len(layout.blocks)):
                 current = [req.token_ids[p] for p in target.positions]
-                if req.times_out(target.block):
-                    phase = EditPhase.TIMED_OUT
-                elif s.mask_token_id not in current and (
-                    req.progress_of(target.block).steps_without_masks + 1 > max_post_edit
-                ):
-                    phase = EditPhase.CLOSED
-                else:
-                    phase = EditPhase.EDITING
+                phase = self.block_phase(req, target, current)
                 layout.force[number] = int(phase)
                 rows = range(row, row + len(current))
                 layout.blocks.append(_SampledBlock(req, target.block.index, rows, phase, current))
                 row = rows.stop
         return layout
+
+    def block_phase(self, req: EditRequest, target: SampleTarget, current: list[int]) -> EditPhase:
+        """What the block may do this step, from its state before it (``current``: its rows' tokens): its last
+        step (time-out) comes first; a block without masks that has used its post-edit steps writes nothing."""
+        if req.times_out(target.block):
+            return EditPhase.TIMED_OUT
+        used = req.progress_of(target.block).steps_without_masks + 1 > req.settings.options.max_post_edit_steps
+        if used and self.settings.mask_token_id not in current:
+            return EditPhase.CLOSED
+        return EditPhase.EDITING
 
     def greedy_result(
         self,
@@ -209,10 +211,9 @@ class EditSampler(HostSampler):
             i for i, token in enumerate(current)
             if token != s.mask_token_id and tokens[i] != token and conf[i] > s.edit_threshold
         ]  # fmt: skip
-        progress = req.progress_of(target.block)
-        timed_out = req.times_out(target.block)
-        used_up = not masks and progress.steps_without_masks + 1 > req.settings.options.max_post_edit_steps
-        finished = timed_out or used_up or not (fill or edit)
+        phase = self.block_phase(req, target, current)
+        timed_out = phase is EditPhase.TIMED_OUT
+        finished = phase is not EditPhase.EDITING or not (fill or edit)
         if timed_out:
             chosen = masks + edit
         elif finished:
