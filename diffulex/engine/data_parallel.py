@@ -1,5 +1,10 @@
 """Data parallelism: ``data_parallel_size`` independent engine replicas, one per device, each in its own process.
 
+Where the processes run is ``distributed_executor_backend``: ``"mp"`` (the default) starts them on this host;
+``"ray"`` starts them as Ray actors in one placement group of a Ray cluster (`diffulex.engine.ray_placement`), so
+that they span hosts. Both speak the same protocol over a ``multiprocessing`` connection (a pipe, or a socket to
+the actor), so everything below holds for both.
+
 A replica is an ordinary `DiffulexEngine` with ``data_parallel_size=1`` on its own GPU (``device_ids``, else
 ``device_start + rank``; on a machine without CUDA every replica runs on the CPU) that steps on its own while it
 has requests and sends back what each step did. `DataParallelEngine` has the engine's step interface: `add_request`
@@ -57,6 +62,10 @@ def replica_devices(config: Config) -> list[int | None]:
     return devices[:dp]
 
 
+# How long a replica may take to exit once closed before it is killed.
+REPLICA_EXIT_TIMEOUT_S = 30
+
+
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What a replica reports once its engine is built."""
@@ -82,7 +91,7 @@ def _for_parent(update: RequestUpdate, req_id: int) -> RequestUpdate:
     )  # fmt: skip
 
 
-def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
+def serve_replica(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
     """A replica's process: build the engine, then take adds and aborts between steps and step while busy.
 
     Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
@@ -161,18 +170,15 @@ class DataParallelEngine:
 
     def __init__(self, model: str, kwargs: dict[str, Any], config: Config) -> None:
         self.config = config
-        context = mp.get_context("spawn")
         self._replicas: list[_Replica] = []
-        for rank, device in enumerate(replica_devices(config)):
-            replica = {**kwargs, "data_parallel_size": 1}
-            if device is not None:
-                replica["device_ids"] = [device]
-            parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(model, replica, child), daemon=True)
-            process.start()
-            child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
-            self._replicas.append(_Replica(rank, parent, process))
+        self._placement = None
+        # A replica is one engine with its own devices; it runs its tensor-parallel ranks (if any) on its host.
+        replica_kwargs = {**kwargs, "data_parallel_size": 1, "distributed_executor_backend": "mp"}
         try:
+            if config.distributed_executor_backend == "ray":
+                self._start_on_ray(model, replica_kwargs)
+            else:
+                self._start_local(model, replica_kwargs)
             for replica in self._replicas:
                 replica.info = self._ready(replica)
                 replica.load = replica.info.load
@@ -192,6 +198,26 @@ class DataParallelEngine:
         self._early: list[RequestUpdate] = []  # updates known before the next step (replica deaths)
         self._num_steps = 0
         self._closed = False
+
+    def _start_local(self, model: str, kwargs: dict[str, Any]) -> None:
+        context = mp.get_context("spawn")
+        for rank, device in enumerate(replica_devices(self.config)):
+            replica = dict(kwargs) if device is None else {**kwargs, "device_ids": [device]}
+            parent, child = context.Pipe()
+            process = context.Process(target=serve_replica, args=(model, replica, child), daemon=True)
+            process.start()
+            child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
+            self._replicas.append(_Replica(rank, parent, process))
+
+    def _start_on_ray(self, model: str, kwargs: dict[str, Any]) -> None:
+        from diffulex.engine.ray_placement import RayPlacement
+
+        self._placement = placement = RayPlacement(self.config)
+        for rank, bundle in enumerate(placement.bundles):
+            # Ray makes the bundle's GPUs this actor's only visible devices, numbered from 0.
+            replica = {**kwargs, "device_ids": list(range(int(bundle["GPU"])))} if "GPU" in bundle else kwargs
+            conn, process = placement.start(rank, model, replica)
+            self._replicas.append(_Replica(rank, conn, process))
 
     @staticmethod
     def _ready(replica: _Replica) -> ReplicaInfo:
@@ -375,9 +401,12 @@ class DataParallelEngine:
             except (BrokenPipeError, EOFError, OSError):
                 pass
         for replica in self._replicas:
-            replica.process.join(timeout=30)
+            replica.process.join(timeout=REPLICA_EXIT_TIMEOUT_S)
             if replica.process.is_alive():
                 replica.process.kill()
+        if self._placement is not None:
+            self._placement.close()
+            self._placement = None
         self._replicas, self._owner, self._prompts = [], {}, {}
         self._closed = True
 
