@@ -3,7 +3,7 @@ cluster.
 
 Ray only places and starts the replicas: one placement group with one bundle per replica (its GPUs, one per
 tensor-parallel rank, when the cluster has GPUs, else none; one CPU), one actor per bundle. The actor then runs the
-same replica loop as a local process (`diffulex.engine.data_parallel`), over a socket the engine opens to it with
+same replica loop as a local process (`diffulex.engine.replica_process`), over a socket the engine opens to it with
 ``multiprocessing.connection`` (authenticated with a key only the engine and its actors know). Why a socket and not
 actor method calls: a replica steps on its own and streams what every step did, and the engine waits on every
 replica at once; actor calls would queue each add and abort behind the running step and need a poll per step. With
@@ -24,6 +24,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from diffulex.config import Config
+from diffulex.engine.replica_process import serve_replica
 
 # How long the cluster may take to find room for every replica's bundle before the engine gives up.
 PLACEMENT_TIMEOUT_S = 120.0
@@ -59,8 +60,6 @@ class ReplicaActor:
 
     def serve(self, model: str, kwargs: dict[str, Any]) -> None:
         """Accept the engine's connection, then run the replica until the engine closes it."""
-        from diffulex.engine.data_parallel import serve_replica
-
         assert self._listener is not None, "open() first"
         conn = self._listener.accept()
         self._listener.close()
