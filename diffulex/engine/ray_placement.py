@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -30,6 +31,9 @@ from diffulex.engine.replica_process import serve_replica
 PLACEMENT_TIMEOUT_S = 120.0
 # How long an actor may take to start (import torch and this package) and open its socket.
 ACTOR_START_TIMEOUT_S = 300.0
+# TCP keepalive on the channel to an actor: a host that vanishes without closing its sockets (power, network) is
+# noticed after idle + interval * probes seconds, and its replica's requests fail instead of waiting forever.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
 
 
 def import_ray() -> Any:
@@ -81,6 +85,16 @@ class RayReplicaProcess:
 
     def kill(self) -> None:
         self._ray.kill(self.actor, no_restart=True)
+
+
+def _keep_alive(conn: Connection) -> None:
+    """Turn on TCP keepalive probes for the socket under ``conn`` (where the platform has the options)."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a duplicate of the same socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                              ("TCP_KEEPCNT", KEEPALIVE_PROBES)):  # fmt: skip
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def replica_bundles(config: Config, cluster_gpus: float) -> list[dict[str, float]]:
@@ -138,7 +152,9 @@ class RayPlacement:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             raise RuntimeError(f"data-parallel replica {rank} failed to start as a Ray actor: {err}") from None
         serving = actor.serve.remote(model, kwargs)
-        return Client(address, authkey=authkey), RayReplicaProcess(ray, actor, serving, pid)
+        conn = Client(address, authkey=authkey)
+        _keep_alive(conn)
+        return conn, RayReplicaProcess(ray, actor, serving, pid)
 
     def close(self) -> None:
         """End every actor, free the placement group, and stop the Ray instance this placement started."""
