@@ -130,7 +130,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         merge_projections(split)
         results = []
         for rows in ROWS:
-            x = torch.randn(rows, HIDDEN, device=device, generator=torch.Generator(device).manual_seed(rows))
+            x = torch.randn(rows, HIDDEN, device=device, generator=torch.Generator(device=device).manual_seed(rows))
             x = x.to(torch.bfloat16)
             with torch.no_grad():
                 expected, got = whole(x).float(), split(x).float()
