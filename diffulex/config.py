@@ -68,6 +68,7 @@ MOE_GEMM_IMPLS = ("triton", "vllm", "vllm_modular", "naive")
 MOE_DISPATCHER_BACKENDS = ("standard", "naive", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo")
+EXECUTOR_BACKENDS = ("mp", "ray")
 PROFILERS = (None, "torch")
 
 
@@ -258,6 +259,12 @@ class Config:
     # Parallelism and memory
     tensor_parallel_size: int = _field(1, "GPUs one model replica is split across (1..8).")
     data_parallel_size: int = _field(1, "Independent model replicas (1..1024).")
+    distributed_executor_backend: str = _field(
+        "mp",
+        "Where data-parallel replicas run: 'mp' = processes on this host, 'ray' = Ray actors placed on the Ray "
+        "cluster (RAY_ADDRESS, else a local instance; pip install 'diffulex[ray]').",
+        EXECUTOR_BACKENDS,
+    )
     expert_parallel_size: int = _field(1, "Expert-parallel groups for MoE models.")
     gpu_memory_utilization: float = _field(0.9, "Share of GPU memory the engine may plan to use, in (0, 1].")
     max_model_len: int = _field(2048, "Longest prompt + output; clamped to the checkpoint's position limit.")
@@ -584,6 +591,7 @@ class Config:
 
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
         check_int("data_parallel_size", self.data_parallel_size, 1, 1024)
+        check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         check_int("expert_parallel_size", self.expert_parallel_size, low=1)
         self.gpu_memory_utilization = check_number(
             "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True

@@ -522,6 +522,7 @@ def test_num_pages_accepts_automatic_and_explicit_values(tmp_path, value):
         "moe_dispatcher_backend",
         "deepep_mode",
         "distributed_backend",
+        "distributed_executor_backend",
     ],
 )
 def test_closed_choice_fields_reject_unknown_values(tmp_path, name):

@@ -1,5 +1,10 @@
 """Data parallelism: ``data_parallel_size`` independent engine replicas, one per device, each in its own process.
 
+Where the processes run is ``distributed_executor_backend``: ``"mp"`` (the default) starts them on this host;
+``"ray"`` starts them as Ray actors in one placement group of a Ray cluster (`diffulex.engine.ray_placement`), so
+that they span hosts. Both speak the same protocol over a ``multiprocessing`` connection (a pipe, or a socket to
+the actor), so everything below holds for both.
+
 A replica is an ordinary `DiffulexEngine` with ``data_parallel_size=1`` on its own GPU (``device_ids``, else
 ``device_start + rank``; on a machine without CUDA every replica runs on the CPU) that steps on its own while it
 has requests and sends back what each step did. `DataParallelEngine` has the engine's step interface: `add_request`
@@ -19,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing as mp
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -31,12 +35,13 @@ from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
+from diffulex.engine.replica_process import ReplicaInfo, serve_replica
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.errors import EngineClosedError, EngineDeadError
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampling_params import SamplingParams
-from diffulex.strategy.request import CompletionReason, DecodeSettings
+from diffulex.strategy.request import CompletionReason
 from diffulex.tokenizer import load_tokenizer
 from diffulex.validation import invalid_value
 
@@ -57,92 +62,8 @@ def replica_devices(config: Config) -> list[int | None]:
     return devices[:dp]
 
 
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What a replica reports once its engine is built."""
-
-    device: str
-    dtype: str
-    mask_token_id: int
-    vocab_limit: int
-    num_pages: int
-    page_size: int
-    settings: DecodeSettings  # the engine-wide decoding constants, the same on every replica
-    load: EngineLoad
-
-
-def _for_parent(update: RequestUpdate, req_id: int) -> RequestUpdate:
-    """The update under the parent's request id, its answers copied out of the request's token list."""
-    trajectory = update.trajectory
-    if trajectory is not None:
-        trajectory = dataclasses.replace(trajectory, req_id=req_id)
-    return RequestUpdate(
-        req_id, update.record, update.finished, list(update.committed_token_ids), list(update.answer_token_ids),
-        trajectory,
-    )  # fmt: skip
-
-
-def _serve(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
-    """A replica's process: build the engine, then take adds and aborts between steps and step while busy.
-
-    Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
-    ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then ``("updates", updates, load, stepped)`` after
-    every step (and after commands taken while idle), ``("rejected", id, message)``, ``("dead", traceback)`` when
-    the engine breaks, ``("closed", None)``.
-    """
-    from diffulex.engine.engine import DiffulexEngine
-
-    try:
-        engine = DiffulexEngine(Config.from_kwargs(model, **kwargs))
-    except Exception:  # noqa: BLE001  (reported to the parent, which raises it)
-        conn.send(("error", traceback.format_exc()))
-        return
-    kv = engine.scheduler.kv_cache
-    conn.send(("ready", ReplicaInfo(
-        str(engine.device), str(engine.dtype).removeprefix("torch."), engine.mask_token_id, engine.vocab_limit,
-        kv.num_pages, engine.config.page_size, engine.settings, engine.load(),
-    )))  # fmt: skip
-    parent_id: dict[int, int] = {}  # engine req_id -> the parent's id
-    engine_id: dict[int, int] = {}
-    try:
-        while True:
-            messages = [] if not engine.is_finished() else [conn.recv()]  # idle: wait for work
-            while conn.poll():
-                messages.append(conn.recv())
-            for kind, *payload in messages:
-                if kind == "close":
-                    engine.exit()
-                    conn.send(("closed", None))
-                    return
-                if kind == "add":
-                    rid, ids, params = payload
-                    try:
-                        local = engine.add_request(ids, params)
-                    except ValueError as err:
-                        conn.send(("rejected", rid, str(err)))
-                        continue
-                    parent_id[local], engine_id[rid] = rid, local
-                elif kind == "abort":
-                    local = engine_id.pop(payload[0], None)
-                    if local is not None:
-                        parent_id.pop(local, None)
-                        engine.abort_request(local)
-            if engine.is_finished():
-                conn.send(("updates", [], engine.load(), False))
-                continue
-            out = []
-            for update in engine.step():
-                rid = parent_id.get(update.req_id)
-                if rid is None:
-                    continue  # aborted by the parent
-                out.append(_for_parent(update, rid))
-                if update.finished:
-                    del parent_id[update.req_id], engine_id[rid]
-            conn.send(("updates", out, engine.load(), True))
-    except (EOFError, BrokenPipeError, OSError):
-        return  # the parent is gone
-    except Exception:  # noqa: BLE001  (the engine broke: the parent fails this replica's requests)
-        conn.send(("dead", traceback.format_exc()))
+# How long a replica may take to exit once closed before it is killed.
+REPLICA_EXIT_TIMEOUT_S = 30
 
 
 @dataclass
@@ -161,18 +82,15 @@ class DataParallelEngine:
 
     def __init__(self, model: str, kwargs: dict[str, Any], config: Config) -> None:
         self.config = config
-        context = mp.get_context("spawn")
         self._replicas: list[_Replica] = []
-        for rank, device in enumerate(replica_devices(config)):
-            replica = {**kwargs, "data_parallel_size": 1}
-            if device is not None:
-                replica["device_ids"] = [device]
-            parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(model, replica, child), daemon=True)
-            process.start()
-            child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
-            self._replicas.append(_Replica(rank, parent, process))
+        self._placement = None
+        # A replica is one engine with its own devices; it runs its tensor-parallel ranks (if any) on its host.
+        replica_kwargs = {**kwargs, "data_parallel_size": 1, "distributed_executor_backend": "mp"}
         try:
+            if config.distributed_executor_backend == "ray":
+                self._start_on_ray(model, replica_kwargs)
+            else:
+                self._start_local(model, replica_kwargs)
             for replica in self._replicas:
                 replica.info = self._ready(replica)
                 replica.load = replica.info.load
@@ -192,6 +110,26 @@ class DataParallelEngine:
         self._early: list[RequestUpdate] = []  # updates known before the next step (replica deaths)
         self._num_steps = 0
         self._closed = False
+
+    def _start_local(self, model: str, kwargs: dict[str, Any]) -> None:
+        context = mp.get_context("spawn")
+        for rank, device in enumerate(replica_devices(self.config)):
+            replica = dict(kwargs) if device is None else {**kwargs, "device_ids": [device]}
+            parent, child = context.Pipe()
+            process = context.Process(target=serve_replica, args=(model, replica, child), daemon=True)
+            process.start()
+            child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
+            self._replicas.append(_Replica(rank, parent, process))
+
+    def _start_on_ray(self, model: str, kwargs: dict[str, Any]) -> None:
+        from diffulex.engine.ray_placement import RayPlacement
+
+        self._placement = placement = RayPlacement(self.config)
+        for rank, bundle in enumerate(placement.bundles):
+            # Ray makes the bundle's GPUs this actor's only visible devices, numbered from 0.
+            replica = {**kwargs, "device_ids": list(range(int(bundle["GPU"])))} if "GPU" in bundle else kwargs
+            conn, process = placement.start(rank, model, replica)
+            self._replicas.append(_Replica(rank, conn, process))
 
     @staticmethod
     def _ready(replica: _Replica) -> ReplicaInfo:
@@ -375,9 +313,12 @@ class DataParallelEngine:
             except (BrokenPipeError, EOFError, OSError):
                 pass
         for replica in self._replicas:
-            replica.process.join(timeout=30)
+            replica.process.join(timeout=REPLICA_EXIT_TIMEOUT_S)
             if replica.process.is_alive():
                 replica.process.kill()
+        if self._placement is not None:
+            self._placement.close()
+            self._placement = None
         self._replicas, self._owner, self._prompts = [], {}, {}
         self._closed = True
 

@@ -16,11 +16,22 @@ Three ways to run the experts, all giving the result of `SparseMoE.reference` up
   unstacked (they run as modules then, so the hook applies).
 * ``"loop"``: the experts that have tokens, one after another, each over its own tokens. Exact and cheap on the CPU;
   it asks the host which experts were chosen, so no graph may capture it.
+
+Expert parallelism (`diffulex.layers.parallel_state.expert_parallel_group`, size > 1): each rank holds a contiguous
+range of whole experts, registered under their global index (``experts.5...`` on the rank owning expert 5 only), and
+every rank sees every token (the layout tensor parallelism leaves the hidden states in). Each rank runs the same
+path over the token-expert pairs routed to its own experts, the other pairs masked out, and one all-reduce over the
+group adds the ranks' partial sums. Why not an all-to-all dispatch: with the tokens already replicated on every rank,
+sending each pair to its owner would move the same data the all-reduce moves, plus two exchanges of per-rank counts
+that the host must read (breaking CUDA graphs); the all-reduce keeps every shape static and the per-rank compute on
+the grouped GEMM, sized by the pairs it owns. An all-to-all pays off when the ranks hold different tokens (data
+parallelism across the expert group), which this engine does not do.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import torch
@@ -28,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers.linear import ColumnParallelLinear, JoinedWeights, ReplicatedLinear, RowParallelLinear
+from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
 
 MOE_IMPLS = ("grouped", "dense", "loop")
 
@@ -143,32 +155,64 @@ Router = SoftmaxRouter | GroupLimitedRouter
 
 class GatedMLP(nn.Module):
     """A gated MLP under the checkpoint's names, ``down(act(gate(x)) * up(x))`` (SiLU: SwiGLU): one expert of a
-    mixture, a shared expert, or a dense MLP beside the experts."""
+    mixture, a shared expert, or a dense MLP beside the experts. ``sharded=False`` holds whole weights whatever
+    the tensor-parallel group (an expert that expert parallelism already places on one rank)."""
 
     def __init__(
         self,
         hidden_size: int,
         intermediate_size: int,
         activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+        sharded: bool = True,
     ) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        column = ColumnParallelLinear if sharded else ReplicatedLinear
+        self.gate_proj = column(hidden_size, intermediate_size, bias=False)
+        self.up_proj = column(hidden_size, intermediate_size, bias=False)
+        row = RowParallelLinear if sharded else ReplicatedLinear
+        self.down_proj = row(intermediate_size, hidden_size, bias=False)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ExpertRange(nn.Module):
+    """The experts one rank holds, each registered under its global index so that its parameters keep the
+    checkpoint's names (``experts.5.gate_proj.weight``). Indexed by global index; iterates in index order."""
+
+    def __init__(self, owned: range, make: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.owned = owned
+        for index in owned:
+            self.add_module(str(index), make())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if index not in self.owned:
+            raise IndexError(
+                f"expert {index} is not held here: this rank holds experts {self.owned.start}..{self.owned.stop - 1}"
+            )
+        return self._modules[str(index)]
+
+    def __iter__(self):
+        return (self._modules[str(index)] for index in self.owned)
+
+    def __len__(self) -> int:
+        return len(self.owned)
+
+
+# A checkpoint tensor of one expert, named relative to its mixture layer.
+_EXPERT_TENSOR = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
 class ExpertStack(JoinedWeights):
     """The experts' weights joined into two stacked tensors once loaded (`merge`); not an ``nn.Module``, so the
     state dict keeps the per-expert names."""
 
-    def __init__(self, experts: nn.ModuleList) -> None:
+    def __init__(self, experts: ExpertRange) -> None:
         self.experts = experts
-        self.gate_up: torch.Tensor | None = None  # [E, 2 * inter, hidden]: gate rows, then up rows
-        self.down: torch.Tensor | None = None  # [E, hidden, inter]
+        self.gate_up: torch.Tensor | None = None  # [local experts, 2 * inter, hidden]: gate rows, then up rows
+        self.down: torch.Tensor | None = None  # [local experts, hidden, inter]
 
     def merge(self) -> bool:
         """Join the weights; False (and the experts stay separate) where a hook must see each expert's own
@@ -180,7 +224,7 @@ class ExpertStack(JoinedWeights):
             return False
         gate_up = torch.stack([torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts])
         down = torch.stack([e.down_proj.weight.data for e in self.experts])
-        inter = self.experts[0].gate_proj.out_features
+        inter = next(iter(self.experts)).gate_proj.out_features
         for index, expert in enumerate(self.experts):
             expert.gate_proj.weight.data = gate_up[index, :inter]
             expert.up_proj.weight.data = gate_up[index, inter:]
@@ -213,7 +257,10 @@ def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
 class SparseMoE(nn.Module):
     """Router (``gate``) and ``experts``, and optionally an always-on ``shared_experts`` MLP added to their sum
     (LLaDA2), under the checkpoint's names (``mlp.gate.weight``, ``mlp.experts.N.{gate,up,down}_proj.weight``,
-    ``mlp.shared_experts...``). Input and output ``[T, hidden]``."""
+    ``mlp.shared_experts...``). Input and output ``[T, hidden]``.
+
+    Under expert parallelism only this rank's experts exist (``experts.owned``, global indices); the router and
+    the shared experts are on every rank. Load expert tensors with `expert_weight_loader`."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, gate: Router, shared_experts: nn.Module | None = None
@@ -222,7 +269,14 @@ class SparseMoE(nn.Module):
         self.num_experts = gate.num_experts
         self.top_k = gate.top_k
         self.gate = gate
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(self.num_experts))
+        self.ep = expert_parallel_group()
+        # Experts the EP group places on one rank are whole there; at EP=1 they split over the TP group like any MLP.
+        sharded = self.ep.size == 1
+        self.experts = ExpertRange(
+            self.ep.owned_experts(self.num_experts), lambda: GatedMLP(hidden_size, intermediate_size, sharded=sharded)
+        )
+        # The group over which a product of the stacked weights is partial (the modules' own forward sums it).
+        self.expert_tp = tensor_parallel_group() if sharded else SINGLE_RANK
         self.shared_experts = shared_experts
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
@@ -240,7 +294,33 @@ class SparseMoE(nn.Module):
             out = self._loop(x, weights, experts)
         else:
             raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        out = self.ep.all_reduce(out)  # the other ranks' experts' contributions
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def expert_weight_loader(self, name: str, loaded: torch.Tensor) -> bool:
+        """Load a full checkpoint's expert tensor, ``name`` relative to this layer
+        (``experts.<index>.<gate_proj|up_proj|down_proj>.weight``), into this rank's expert; True when loaded,
+        False when another rank owns that expert (the loader skips the tensor)."""
+        match = _EXPERT_TENSOR.fullmatch(name)
+        if match is None:
+            raise ValueError(
+                f"expert tensor name {name!r} is invalid: must be experts.<index>.<gate_proj|up_proj|down_proj>.weight"
+            )
+        index = int(match[1])
+        if index >= self.num_experts:
+            raise ValueError(f"expert tensor {name!r} is invalid: the layer has {self.num_experts} experts")
+        if index not in self.experts.owned:
+            return False
+        projection = getattr(self.experts[index], match[2])
+        projection.weight_loader(projection.weight, loaded)
+        return True
+
+    def _owned_mask(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``experts`` as indices into this rank's experts, and which pairs are this rank's (None: all of them)."""
+        if len(self.experts) == self.num_experts:
+            return experts, None
+        local = experts - self.experts.owned.start
+        return local, (local >= 0) & (local < len(self.experts))
 
     def _impl_for(self, x: torch.Tensor) -> str:
         """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop on
@@ -261,11 +341,15 @@ class SparseMoE(nn.Module):
         ``bincount``, whose output size would be read back to the host."""
         T, k = experts.shape
         gate_up, down = self._stacked()
-        flat = experts.reshape(-1)
+        held = len(self.experts)
+        local, mine = self._owned_mask(experts)
+        if mine is not None:
+            local = torch.where(mine, local, held)  # other ranks' pairs sort last, past the last group's end
+        flat = local.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        offs = counts[:held].cumsum(0, dtype=torch.int32)
         rows = x[order // k]
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
         inter = h.shape[-1] // 2
@@ -274,7 +358,10 @@ class SparseMoE(nn.Module):
         # back to (token, slot) order, then the weighted sum over the slots in a fixed order (no atomics)
         unsorted = torch.empty_like(out)
         unsorted[order] = out
-        return self._combine(unsorted.view(T, k, -1), weights, x.dtype)
+        per_slot = unsorted.view(T, k, -1)
+        if mine is not None:  # rows past the last group are never written: select, not multiply, them away
+            per_slot = torch.where(mine.unsqueeze(-1), per_slot, 0.0)
+        return self.expert_tp.all_reduce(self._combine(per_slot, weights, x.dtype))
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked
@@ -284,20 +371,23 @@ class SparseMoE(nn.Module):
         per_expert.scatter_(1, experts, weights)
         total = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
         stacked = self.stack.gate_up is not None and self.stack.down is not None
-        for e in range(self.num_experts):
+        for i, e in enumerate(self.experts.owned):
             if stacked:
-                h = x @ self.stack.gate_up[e].T
+                h = x @ self.stack.gate_up[i].T
                 inter = h.shape[-1] // 2
-                y = (F.silu(h[:, :inter]) * h[:, inter:]) @ self.stack.down[e].T
+                y = (F.silu(h[:, :inter]) * h[:, inter:]) @ self.stack.down[i].T
             else:
                 y = self.experts[e](x)
             total += per_expert[:, e : e + 1] * y.float()
-        return total.to(x.dtype)
+        out = total.to(x.dtype)
+        return self.expert_tp.all_reduce(out) if stacked else out
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         T, k = experts.shape
         out = torch.zeros(T, k, x.shape[1], dtype=x.dtype, device=x.device)
         for e in experts.unique().tolist():
+            if e not in self.experts.owned:
+                continue
             token, slot = (experts == e).nonzero(as_tuple=True)
             out[token, slot] = self.experts[e](x[token])
         return self._combine(out, weights, x.dtype)
@@ -311,13 +401,14 @@ class SparseMoE(nn.Module):
         return total.to(dtype)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The definition, token by token (tests)."""
+        """The definition, token by token (tests); this rank's experts, summed over the expert-parallel group."""
         weights, experts = self.gate.route(x)
         rows = []
         for t in range(x.shape[0]):
             total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
             for j in range(self.top_k):
-                total += weights[t, j] * self.experts[int(experts[t, j])](x[t : t + 1])[0].float()
+                if int(experts[t, j]) in self.experts.owned:
+                    total += weights[t, j] * self.experts[int(experts[t, j])](x[t : t + 1])[0].float()
             rows.append(total)
-        out = torch.stack(rows).to(x.dtype)
+        out = self.ep.all_reduce(torch.stack(rows).to(x.dtype))
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,9 +1,16 @@
-"""The tensor-parallel group of this process: its rank, its size and the two collectives the sharded layers need.
+"""The tensor-parallel and expert-parallel groups of this process: each one's rank, size and the collectives the
+sharded layers need.
 
 Why a process-wide group: tensor parallelism runs one process per device and every sharded layer of that process
 belongs to the same group, so the layers read it once, when they are built (`tensor_parallel_group`), and keep it;
 nothing in a forward looks it up. Without `init_tensor_parallel` the group is the single rank of size 1, whose
 collectives return their input, so TP=1 runs exactly the code it always ran and needs no ``torch.distributed``.
+
+The expert-parallel group is the same idea for the experts of a mixture-of-experts layer (`diffulex.layers.moe`):
+each rank holds a contiguous range of the experts (`ExpertParallelGroup.owned_experts`) and the ranks' partial sums
+are added by one all-reduce. It is set on its own (`init_expert_parallel`) because it need not be the TP group:
+with ``expert_parallel_size == tensor_parallel_size`` on one host both are the same processes, but an engine may run
+EP over ranks that are TP replicas of each other.
 """
 
 from __future__ import annotations
@@ -87,3 +94,62 @@ def reset_tensor_parallel() -> None:
     """Back to the single rank (layers built afterwards hold whole weights)."""
     global _group
     _group = SINGLE_RANK
+
+
+@dataclass(frozen=True)
+class ExpertParallelGroup:
+    """``size`` ranks over which a mixture's experts are split in contiguous ranges; this process is ``rank``.
+
+    ``process_group`` is the ``torch.distributed`` group of the all-reduce (None for the single rank).
+    """
+
+    rank: int = 0
+    size: int = 1
+    process_group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def owned_experts(self, num_experts: int) -> range:
+        """The global indices of the experts this rank holds: its equal contiguous range of ``num_experts``."""
+        if num_experts % self.size:
+            raise ValueError(
+                f"num_experts={num_experts} is invalid for expert_parallel_size={self.size}: must be divisible by "
+                "it, since every rank holds an equal contiguous range of the experts"
+            )
+        count = num_experts // self.size
+        return range(self.rank * count, (self.rank + 1) * count)
+
+
+SINGLE_EXPERT_RANK = ExpertParallelGroup()
+
+_expert_group: ExpertParallelGroup = SINGLE_EXPERT_RANK
+
+
+def expert_parallel_group() -> ExpertParallelGroup:
+    """The group mixture-of-experts layers built now split their experts over (`SINGLE_EXPERT_RANK` until
+    `init_expert_parallel`)."""
+    return _expert_group
+
+
+def init_expert_parallel(process_group: dist.ProcessGroup | None = None) -> ExpertParallelGroup:
+    """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
+    process's expert-parallel group, and return it. MoE layers built afterwards hold only this rank's experts."""
+    global _expert_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_expert_parallel needs torch.distributed initialized first (torch.distributed.init_process_group)"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    _expert_group = ExpertParallelGroup(dist.get_rank(group), dist.get_world_size(group), group)
+    return _expert_group
+
+
+def reset_expert_parallel() -> None:
+    """Back to the single rank (MoE layers built afterwards hold every expert)."""
+    global _expert_group
+    _expert_group = SINGLE_EXPERT_RANK
