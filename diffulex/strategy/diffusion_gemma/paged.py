@@ -141,6 +141,8 @@ class CachedAttention:
     meta: PagedAttentionMetadata
     stores: bool  # the encoder writes its rows' K/V; the decoder writes nothing
     use_triton: bool
+    # the kernel's split-KV factor; None: its own choice from the launch (which depends on the batch and bounds)
+    num_splits: int | None = None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_output: bool
@@ -155,7 +157,8 @@ class CachedAttention:
             from diffulex.kernels.paged_attention import triton_paged_attention
 
             return triton_paged_attention(
-                q, k, v, k_cache, v_cache, self.meta, 1.0, window=window, window_from_context=from_context
+                q, k, v, k_cache, v_cache, self.meta, 1.0, num_splits=self.num_splits, window=window,
+                window_from_context=from_context,
             )
         return paged_attention(q, k, v, k_cache, v_cache, self.meta, 1.0, window=window,
                                window_from_context=from_context)  # fmt: skip

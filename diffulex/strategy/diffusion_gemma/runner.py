@@ -52,6 +52,8 @@ from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 
 logger = logging.getLogger("diffulex")
 
+DECODER_SPLITS = 1  # split-KV factor of the canvas rows' attention (`CanvasRunner._decoder_attention`)
+
 
 @dataclass(frozen=True)
 class CanvasRunnerSettings:
@@ -216,8 +218,13 @@ class CanvasRunner:
         return graph.run(self._static_forward)[:batch]
 
     def _decoder_attention(self, layout: CanvasLayout, max_kv_len: int = 0) -> CachedAttention:
+        """Keys unsplit: a canvas brings ``canvas_length`` query rows per request (64 to 256 programs per request
+        at the 26B-A4B geometry) and a denoising step's time is in its expert weights, not its attention; and a
+        graph of a padded bucket then sums each row's keys in the order of an eager step (the kernel's own split
+        count follows the launch's request count and bounds)."""
         meta = layout.metadata(self.settings.page_size, max_kv_len)
-        return CachedAttention(self.k_cache, self.v_cache, self.windows, meta, False, self.use_triton)
+        return CachedAttention(self.k_cache, self.v_cache, self.windows, meta, False, self.use_triton,
+                               num_splits=DECODER_SPLITS)  # fmt: skip
 
     def _static_forward(self, canvas_ids: torch.Tensor, layout: CanvasLayout, soft: torch.Tensor) -> torch.Tensor:
         """A bucket's forward: its launch bounds are the pool's, so that one capture serves every context."""
