@@ -248,6 +248,9 @@ def run(settings: CanvasBenchSettings, out: str | Path | None, log: Callable[[st
     """Measure every batch size; where the geometry does not fit, retry with one period of layers fewer (the
     report's ``num_layers`` and ``layers_note`` say so). Writes the report to ``out`` (JSON) when given."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and settings.geometry != "tiny":
+        raise ValueError(f"geometry={settings.geometry!r} needs a CUDA device (50 GB of weights); --geometry tiny "
+                         "checks the tool on a CPU")  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, settings.engine_overrides.get("dtype", str(dtype).removeprefix("torch.")))
     peaks = measure_peaks(device, [dtype], quick=settings.quick)

@@ -88,6 +88,12 @@ def test_bad_settings_are_refused_by_name(changes: dict, message: str) -> None:
         CanvasBenchSettings(**changes)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the published geometry is refused only without CUDA")
+def test_the_published_geometry_is_refused_without_cuda(capsys) -> None:
+    assert main(["canvas", "--batch-sizes", "1"]) == 2
+    assert "geometry='26b-a4b' needs a CUDA device" in capsys.readouterr().err
+
+
 def test_flags_of_other_actions_are_refused() -> None:
     assert main(["canvas", "--geometry", "tiny", "--buffer-sizes", "2"]) == 2
     assert main(["throughput", "--steps", "3"]) == 2

@@ -153,3 +153,23 @@ def test_a_step_past_the_pages_is_refused(tmp_path: Path, model) -> None:
         request.req_id, request.prompt_len, request.canvas_length, request.canvases_done = 5, 21, 16, 0
         request.encoded_len, request.page_table, request.token_ids, request.blocks = 0, [0, 1], [7] * 21, []
         runner._encode_missing([request])
+
+
+def test_the_memory_profile_runs_a_whole_step_in_a_scratch_pool(model) -> None:
+    """`profile_run` (what the memory planner measures) encodes a prompt, decodes canvases after it, takes the
+    logits of a group and the rule's temporaries, and leaves no pages behind."""
+    runner = make_runner(model)
+    runner.release_kv_cache()
+    runner.profile_run(num_tokens=4096, max_model_len=40, num_sample_rows=3 * model.config.canvas_length)
+    assert runner.num_pages == 0 and runner.k_cache == []
+
+
+def test_logits_are_taken_for_as_many_canvases_as_the_budget_holds(model, monkeypatch) -> None:
+    from diffulex.strategy.diffusion_gemma import runner as runner_module
+
+    runner = make_runner(model)
+    per_canvas = model.config.canvas_length * model.config.vocab_size * 4
+    monkeypatch.setattr(runner_module, "LOGITS_GROUP_BYTES", 3 * per_canvas + 1)
+    assert [runner._logits_group_size(n) for n in (1, 2, 3, 8)] == [1, 2, 3, 3]
+    monkeypatch.setattr(runner_module, "LOGITS_GROUP_BYTES", 1)
+    assert runner._logits_group_size(8) == 1

@@ -53,6 +53,9 @@ from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 logger = logging.getLogger("diffulex")
 
 DECODER_SPLITS = 1  # split-KV factor of the canvas rows' attention (`CanvasRunner._decoder_attention`)
+# Float32 logits of one LM-head launch at most: the canvases of a step get their logits in groups this size
+# allows (each launch reads the embedding matrix once: 1.5 GB on the 26B-A4B geometry)
+LOGITS_GROUP_BYTES = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,9 @@ class CanvasRunner:
             self._encode_round([(table, 0, length)], torch.zeros(length, dtype=torch.long, device=device))
             canvas = torch.zeros(rows, config.canvas_length, dtype=torch.long, device=device)
             hidden = self._decode_eager(canvas, None, [length] * rows, [table] * rows)
-            self.model.logits(hidden[:1])
+            logits = self.model.logits(hidden[: self._logits_group_size(rows)])
+            state = fresh_state(0, 0, config.canvas_length, self.settings.vocab_limit, device)
+            self._rule(logits[0], state, temperature=1.0, seed=0)  # the rule's temporaries, at a sampled step
         finally:
             self.release_kv_cache()
 
@@ -182,12 +187,21 @@ class CanvasRunner:
         tables = [req.page_table for req in batch]
         hidden = self.decode(canvas_ids, soft, contexts, tables)
         writes: dict[int, list[tuple[int, int]]] = {}
-        for row, (req, state) in enumerate(zip(batch, states, strict=True)):
-            step = self._canvas_step(req, state, model.logits(hidden[row]))
-            req.proposed = step
-            start = req.running[0].start
-            writes[req.req_id] = list(enumerate(step.argmax.tolist(), start))
+        group = self._logits_group_size(len(batch))
+        for first in range(0, len(batch), group):
+            logits = model.logits(hidden[first : first + group])
+            for offset, req in enumerate(batch[first : first + group]):
+                step = self._canvas_step(req, states[first + offset], logits[offset])
+                req.proposed = step
+                start = req.running[0].start
+                writes[req.req_id] = list(enumerate(step.argmax.tolist(), start))
         return PendingWrites(writes)
+
+    def _logits_group_size(self, batch: int) -> int:
+        """Canvases whose float32 logits one LM-head launch computes (at least one)."""
+        config = self.model.config
+        per_canvas = config.canvas_length * config.vocab_size * 4
+        return max(1, min(batch, LOGITS_GROUP_BYTES // per_canvas))
 
     def launch_continuation(self, micro_batch: int) -> PendingWrites:
         raise RuntimeError("a DiffusionGemma step cannot be continued on the device")
@@ -245,17 +259,19 @@ class CanvasRunner:
         return seed if seed is not None else self.settings.base_seed + req.req_id
 
     def _canvas_step(self, req: CanvasRequest, state: CanvasState, logits: torch.Tensor) -> CanvasStep:
-        model = self.model
-        dtype = model.model.decoder.embed_tokens.weight.dtype
         try:
-            return denoise_canvas(
-                logits, state, self.settings.schedule, req.sampling_params.temperature, self.settings.vocab_limit,
-                self._seed(req),
-                soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
-                token_soft_embeddings=model.token_soft_embeddings,
-            )  # fmt: skip
+            return self._rule(logits, state, req.sampling_params.temperature, self._seed(req))
         except RuntimeError as err:  # e.g. a distribution torch cannot draw from: this request alone fails
             raise RequestFailure([req.req_id], f"denoising its canvas failed: {err}") from err
+
+    def _rule(self, logits: torch.Tensor, state: CanvasState, temperature: float, seed: int) -> CanvasStep:
+        model = self.model
+        dtype = model.model.decoder.embed_tokens.weight.dtype
+        return denoise_canvas(
+            logits, state, self.settings.schedule, temperature, self.settings.vocab_limit, seed,
+            soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
+            token_soft_embeddings=model.token_soft_embeddings,
+        )  # fmt: skip
 
     # ----- the encoder ------------------------------------------------------------------------------------
 
