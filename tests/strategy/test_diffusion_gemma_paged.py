@@ -7,6 +7,7 @@ On the CPU attention runs on the PyTorch paged path; on a GPU with Triton the sa
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_decoder_rows_equal_the_dense_batched_decoder(model, self_conditioned: b
 
     static = make_runner(model)
     static.k_cache, static.v_cache = runner.k_cache, runner.v_cache
-    static.settings = type(static.settings)(**{**vars(static.settings), "graph_buckets": (1, 4)})
+    static.settings = replace(static.settings, graph_buckets=(1, 4))
     static.capture_graphs = False
     torch.testing.assert_close(static.decode(canvases, soft, lengths, tables), got, atol=HIDDEN_ATOL, rtol=0)
     assert list(static.graphs) == [4]
@@ -173,3 +174,35 @@ def test_logits_are_taken_for_as_many_canvases_as_the_budget_holds(model, monkey
     assert [runner._logits_group_size(n) for n in (1, 2, 3, 8)] == [1, 2, 3, 3]
     monkeypatch.setattr(runner_module, "LOGITS_GROUP_BYTES", 1)
     assert runner._logits_group_size(8) == 1
+
+
+def test_warm_up_compiles_every_attention_variant_a_step_launches(model, monkeypatch) -> None:
+    """With launches recorded instead of run (as on a GPU with PDL): the variants an encoder round (prompts of
+    several lengths) and decoder passes (eager, and from a padded bucket) launch were all launched by the
+    runner's warm-up, so none compiles while serving."""
+    from diffulex.kernels import paged_attention as pa
+    from diffulex.kernels.pdl import PDL_MAX_ROWS
+    from tests.kernels.test_paged_attention import LaunchRecorder
+
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(pa, "_paged_attention_kernel", recorder)
+    monkeypatch.setattr(pa, "pdl_enabled", lambda device, rows: rows <= PDL_MAX_ROWS)
+    monkeypatch.setattr(pa, "warm_up", lambda *args, window=0, window_from_context=False: pa._launch_every_variant(
+        *args, window, window_from_context))  # fmt: skip
+    runner = make_runner(model)
+    runner.use_triton = True
+    runner.settings = replace(runner.settings, graph_buckets=(2, 4))
+    runner.capture_graphs = False
+    runner.warm_up_attention()
+    warmed = set(recorder.variants)
+    assert len(warmed) >= 4
+    g = torch.Generator().manual_seed(2)
+    for lengths in ((1,), (3, 40), (2, 9, 17)):
+        recorder.variants.clear()
+        prompts = [tokens(g, n) for n in lengths]
+        tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(lengths))]
+        runner._encode_round([(t, 0, n) for t, n in zip(tables, lengths, strict=True)], torch.cat(prompts))
+        canvases = torch.stack([tokens(g, model.config.canvas_length) for _ in lengths])
+        runner.decode(canvases, None, list(lengths), tables)  # buckets 2 and 4
+        runner.decode(canvases[:1], None, list(lengths[:1]), tables[:1])  # eager: no bucket of 1
+        assert set(recorder.variants) <= warmed, lengths
