@@ -384,7 +384,8 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
     """``encode(prompt ids) -> EncoderKV`` and ``denoise_step(canvas ids, EncoderKV, previous logits) -> logits``.
 
     `encode` and `denoise_step` take rows of equal length (one `EncoderKV` per batch); `denoise_hidden` batches
-    canvases whose contexts differ in length (the engine's ``diffusion_gemma`` strategy)."""
+    canvases whose contexts differ in length. `encode_rows` and `decode_rows` are the engine's row path (module
+    docstring)."""
 
     ignored_checkpoint_keys = VISION_CHECKPOINT_KEYS
     load_error_hint = "a DiffusionGemmaForBlockDiffusion checkpoint keeps its text weights under model.decoder."
