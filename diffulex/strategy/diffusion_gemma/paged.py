@@ -23,19 +23,14 @@ import torch
 
 from diffulex.attention.metadata import PagedAttentionMetadata
 from diffulex.attention.torch_paged import paged_attention, store_kv
+from diffulex.layers import dispatch
 
 ENCODER_BLOCK_SIZE = 1  # causal: each position its own block
 
 
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run here: a CUDA device and an installed triton."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and dispatch.triton_available()
 
 
 def page_table_tensor(tables: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
