@@ -6,7 +6,9 @@ where 30 do not fit the device with their KV cache (the report says which). For 
 requests with random prompts of ``prompt_len`` tokens each ask for one canvas; ``confidence_threshold`` 0 keeps
 every canvas denoising for all ``steps`` steps. A first batch warms up (kernels compiled, the bucket's CUDA graph
 captured); then, in a second, each step after the first (which also encodes the prompts) is timed on the host:
-a step ends by reading the canvases' argmaxes back, so host time per step is device time per step.
+a step ends by reading the canvases' argmaxes back, so host time per step is device time per step. The decoder
+pass alone (``decoder_ms_per_pass``: the graph replay) is timed apart, so the rest of the step (LM head, each
+canvas's sampling rule and self-conditioning input) is the difference.
 
 The floor of one step (`diffulex.bench.roofline`, MoE accounting included): bytes = every weight outside the
 experts (the tied embedding once, as the LM head) + the experts the step's ``batch x canvas_length`` rows select
@@ -190,6 +192,29 @@ def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int
     return times
 
 
+def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) -> float | None:
+    """Milliseconds of the decoder pass alone (`CanvasRunner.decode`: the graph replayed where the batch has a
+    bucket) over ``batch`` canvases after ``prompt_len`` positions of pages (their contents do not matter for
+    time), self-conditioning on; None when the pool has too few pages."""
+    runner, config, device = engine.runner, engine.model.config, engine.device
+    C = config.canvas_length
+    pages_each = -(-(prompt_len + C) // runner.settings.page_size)
+    if pages_each * batch > runner.num_pages:
+        return None
+    tables = [list(range(i * pages_each, (i + 1) * pages_each)) for i in range(batch)]
+    canvas = torch.randint(0, engine.vocab_limit, (batch, C), device=device)
+    dtype = next(engine.model.parameters()).dtype
+    soft = torch.zeros(batch, C, config.hidden_size, dtype=dtype, device=device)
+    with torch.inference_mode():
+        runner.decode(canvas, soft, [prompt_len] * batch, tables)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            runner.decode(canvas, soft, [prompt_len] * batch, tables)
+        _sync(device)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
 def _engine(folder: Path, settings: CanvasBenchSettings, batch: int) -> Any:
     from diffulex import Diffulex
 
@@ -211,6 +236,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
     try:
         time_batch(engine, batch, settings, seed=settings.seed + 1000)  # warm-up: compiles and captures
         times = time_batch(engine, batch, settings, seed=settings.seed)
+        decoder_ms = time_decoder_pass(engine, batch, settings.prompt_len)
         model, runner = engine.model, engine.runner
         itemsize = next(model.parameters()).element_size()
         cost = canvas_cost_model(model, itemsize)
@@ -222,6 +248,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         row = {
             "batch": batch, "timed_steps": len(times), "ms_per_step": mean_ms,
             "median_ms_per_step": 1e3 * statistics.median(times), "min_ms_per_step": 1e3 * min(times),
+            "decoder_ms_per_pass": decoder_ms,
             **floor, "floor_ratio": mean_ms / floor["floor_ms"],
             "memory_floor_ratio": mean_ms / floor["memory_floor_ms"],
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
@@ -234,7 +261,8 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         f"{row['floor_ms']:.2f} ms ({row['bound']}; memory {row['memory_floor_ms']:.2f}: weights "
         f"{row['weight_GB']:.2f} GB + experts {row['experts_GB']:.2f} GB ({row['experts_per_layer']:.1f}/layer) + "
         f"K/V {row['kv_read_GB']:.3f} GB; compute {row['compute_floor_ms']:.2f}: {row['step_TFLOP']:.2f} TFLOP), "
-        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}")  # fmt: skip
+        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}; decoder pass alone "
+        f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms'}")  # fmt: skip
     return row
 
 
