@@ -5,8 +5,10 @@ DiffusionGemma-26B-A4B geometry (`diffulex.testing.checkpoints.DIFFUSION_GEMMA_2
 where 30 do not fit the device with their KV cache (the report says which). For each batch size, that many
 requests with random prompts of ``prompt_len`` tokens each ask for one canvas; ``confidence_threshold`` 0 keeps
 every canvas denoising for all ``steps`` steps. A first batch warms up (kernels compiled, the bucket's CUDA graph
-captured); then, in a second, each step after the first (which also encodes the prompts) is timed on the host:
-a step ends by reading the canvases' argmaxes back, so host time per step is device time per step. The decoder
+captured); then, in a second, the engine steps that each compute exactly one denoising step of every canvas are
+timed on the host. An engine step applies the step in flight and launches the next; the first launches two (the
+first of which also encodes the prompts) and the last none, so ``steps - 2`` calls are timed. The runner computes
+a launched step whole, ending by reading the canvases' argmaxes back, so host time is device time. The decoder
 pass alone (``decoder_ms_per_pass``: the graph replay) is timed apart, so the rest of the step (LM head, each
 canvas's sampling rule and self-conditioning input) is the difference.
 
@@ -55,7 +57,7 @@ class CanvasBenchSettings:
     num_layers: int | None = None  # None: the geometry's own (30), fewer only when that does not fit
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     prompt_len: int = 512
-    steps: int = 12  # denoising steps per canvas (the first, which also encodes, is not timed)
+    steps: int = 12  # denoising steps per canvas (steps - 2 of them timed)
     seed: int = 0
     quick: bool = False  # small peak measurements
     engine_overrides: dict[str, Any] = field(default_factory=dict)
@@ -63,8 +65,9 @@ class CanvasBenchSettings:
     def __post_init__(self) -> None:
         if self.geometry not in GEOMETRIES:
             raise ValueError(f"geometry={self.geometry!r} must be one of {', '.join(GEOMETRIES)}")
-        if self.steps < 2:
-            raise ValueError(f"steps={self.steps} must be >= 2 (the first step of a canvas also encodes)")
+        if self.steps < 3:
+            raise ValueError(f"steps={self.steps} must be >= 3 (the first engine step launches two denoising "
+                             "steps, the last none)")  # fmt: skip
         if self.prompt_len < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError("prompt_len and every batch size must be >= 1")
         if self.num_layers is not None and self.num_layers < 1:
@@ -171,15 +174,15 @@ def _requests(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int)
 
 
 def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> list[float]:
-    """Seconds of each denoising step after the first, every one with all ``batch`` canvases."""
+    """Seconds of each engine step that computes one denoising step of all ``batch`` canvases."""
     requests = _requests(engine, batch, settings, seed)
-    engine.step()  # encodes the prompts and takes each canvas's first step
+    engine.step()  # encodes the prompts, computes each canvas's first step and launches its second
     if not all(req.nfe == 1 for req in requests):
         raise RuntimeError(f"only {sum(r.nfe == 1 for r in requests)} of {batch} requests ran in the first step "
                            "(KV cache too small for this batch?)")  # fmt: skip
     device = engine.device
     times = []
-    for _ in range(settings.steps - 1):
+    for _ in range(settings.steps - 2):  # each applies one step and computes the next
         _sync(device)
         t0 = time.perf_counter()
         engine.step()

@@ -160,7 +160,7 @@ def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layers", dest="cv__num_layers", type=int, metavar="N",
                        help="layers of the geometry (default: all, fewer only where they do not fit)")
     group.add_argument("--steps", dest="cv__steps", type=int, metavar="N",
-                       help="denoising steps per canvas, the first untimed (default: 12)")
+                       help="denoising steps per canvas, steps - 2 of them timed (default: 12)")
 
 
 def canvas_options(args: argparse.Namespace) -> dict[str, Any]:

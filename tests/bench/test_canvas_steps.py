@@ -17,10 +17,10 @@ from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig
 
 
 def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
-    """Batch 1 and 2 of a 6-layer tiny geometry, 3 denoising steps per canvas: two timed steps each, positive
+    """Batch 1 and 2 of a 6-layer tiny geometry, 4 denoising steps per canvas: two timed steps each, positive
     step times and floors, the ratio is their quotient, and the report is the JSON written."""
     out = tmp_path / "canvas.json"
-    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "1", "2", "--prompt-len", "12", "--steps", "3",
+    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "1", "2", "--prompt-len", "12", "--steps", "4",
                  "--quick", "--out", str(out)])  # fmt: skip
     assert code == 0
     report = json.loads(out.read_text())
@@ -79,7 +79,7 @@ def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"steps": 1}, "steps=1 must be >= 2"),
+    ({"steps": 2}, "steps=2 must be >= 3"),
     ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, tiny"),
     ({"num_layers": 0}, "num_layers=0 must be >= 1"),
 ])  # fmt: skip
