@@ -65,8 +65,8 @@ def _online_softmax_step(
     BLOCK_SIZE: tl.constexpr,
     PREFIX_FULL: tl.constexpr,
     IEEE: tl.constexpr,
-    k_floor,
-    WINDOW: tl.constexpr,
+    k_floor=None,  # [BLOCK_M] lowest key position each row sees (with a WINDOW)
+    WINDOW: tl.constexpr = 0,
 ):
     """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator);
     with a ``WINDOW``, keys below each row's ``k_floor`` are hidden."""
@@ -612,6 +612,7 @@ def warm_up(
     block_size: int,
     prefix_full: bool,
     grouped: bool,
+    *,
     window: int = 0,
     window_from_context: bool = False,
 ) -> None:
@@ -626,13 +627,14 @@ def warm_up(
     """
     if k_cache.device.type == "cuda":
         _launch_every_variant(
-            k_cache, v_cache, num_heads, block_size, prefix_full, grouped, window, window_from_context
+            k_cache, v_cache, num_heads, block_size, prefix_full, grouped, window=window,
+            window_from_context=window_from_context,
         )
 
 
 def _launch_every_variant(
     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool,
-    window: int = 0, window_from_context: bool = False,
+    *, window: int = 0, window_from_context: bool = False,
 ) -> None:  # fmt: skip
     from diffulex.kernels.pdl import PDL_MAX_ROWS
 
