@@ -48,9 +48,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    window: int = 0,
+    window_from_context: bool = False,
 ) -> torch.Tensor:
     """Attention of each request's new rows over its cached prefix, its own new rows and, where the metadata says
-    so, the cached keys after them (mask: `mask.py`)."""
+    so, the cached keys after them (mask: `mask.py`).
+
+    ``window > 0`` (sliding-window layers) also hides the keys at or below ``anchor - window``: the anchor is the
+    row's own position (a causal sliding window), or with ``window_from_context`` its request's context length
+    (every row then sees the last ``window - 1`` cached positions and all of the step's rows)."""
     out = torch.empty_like(q)
     page_size = meta.page_size
     row = 0
@@ -74,6 +80,9 @@ def paged_attention(
         q_pos = torch.arange(ctx, ctx + q_len, device=q.device)
         k_pos = torch.arange(0, key_len, device=q.device)
         allowed = visibility_mask(q_pos, k_pos, meta.block_size, meta.prefix_full, meta.prefix_lens_cpu[r])
+        if window > 0:
+            anchor = torch.full_like(q_pos, ctx) if window_from_context else q_pos
+            allowed &= k_pos[None, :] > anchor[:, None] - window
         out[row : row + q_len] = _attend(q_r, k_r, v_r, allowed, scale)
         row += q_len
     return out

@@ -4,6 +4,7 @@
     diffulex bench --config FILE.yml --dataset-limit 20 --max-num-reqs 32 --set eval.max_tokens=256
     diffulex bench compare RUN_A RUN_B [--json]
     diffulex bench throughput --models 1.7b 4b 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 2 --out FILE.json
+    diffulex bench canvas --batch-sizes 1 8 --out FILE.json             # DiffusionGemma-26B-A4B denoising steps
 
 Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
 ``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval
@@ -13,7 +14,9 @@ key as a flag (``--dataset-name``, ``--dataset-limit``, ``--max-tokens``, ``--al
 
 ``throughput`` measures decode steps on random-weight checkpoints of the real SDAR geometries (or ``--model DIR``)
 against the hardware floors; it takes the engine flags (``--enforce-eager``, ``--attn-impl``, ...) and
-``--max-tokens``, not ``--config``/``--set`` (docs/benchmarks.md, "Throughput (GPU)").
+``--max-tokens``, not ``--config``/``--set`` (docs/benchmarks.md, "Throughput (GPU)"). ``canvas`` measures
+milliseconds per DiffusionGemma denoising step against the step's floor (docs/benchmarks.md, "DiffusionGemma
+denoising steps (GPU)").
 
 Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
 """
@@ -89,8 +92,8 @@ def add_parser(subparsers: Any) -> None:
         help="run a benchmark from a YAML config, compare two runs, or measure decode throughput",
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
     )
-    parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput"), default="run",
-                        help="run (default), compare, or throughput")
+    parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput", "canvas"), default="run",
+                        help="run (default), compare, throughput, or canvas (DiffusionGemma denoising steps)")
     parser.add_argument("runs", nargs="*", metavar="RUN", help="compare: two run directories (or metrics.json files)")
     parser.add_argument("--config", default=None, help="benchmark YAML (engine: + eval: sections)")
     parser.add_argument("--model-path", "--model", dest="model_path", default=None,
@@ -100,6 +103,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--check", action="store_true", help="validate the config and tasks, then stop")
     parser.add_argument("--json", action="store_true", help="compare: print the differences as JSON")
     add_throughput_flags(parser)
+    add_canvas_flags(parser)
     add_eval_flags(parser)
     add_engine_flags(parser)
     parser.set_defaults(func=cmd_bench)
@@ -145,6 +149,24 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
                             "checkout's tests/data/sdar-4b-chat)")
 
 
+def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``diffulex bench canvas`` beyond the throughput flags it shares (--batch-sizes, --prompt-len,
+    --out, --quick)."""
+    from diffulex.bench.canvas_steps import GEOMETRIES
+
+    group = parser.add_argument_group("canvas (diffulex bench canvas: DiffusionGemma ms per denoising step)")
+    group.add_argument("--geometry", dest="cv__geometry", choices=GEOMETRIES,
+                       help="random-weight geometry (default: 26b-a4b; tiny checks the tool on a CPU)")
+    group.add_argument("--layers", dest="cv__num_layers", type=int, metavar="N",
+                       help="layers of the geometry (default: all, fewer only where they do not fit)")
+    group.add_argument("--steps", dest="cv__steps", type=int, metavar="N",
+                       help="denoising steps per canvas, steps - 2 of them timed (default: 12)")
+
+
+def canvas_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k[len("cv__"):]: v for k, v in vars(args).items() if k.startswith("cv__") and v is not None}
+
+
 def throughput_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k[len("tp__"):]: v for k, v in vars(args).items() if k.startswith("tp__") and v is not None}
 
@@ -159,6 +181,11 @@ def _engine_flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.action == "canvas":
+        return cmd_canvas(args)
+    if canvas_options(args):
+        flags = ", ".join("--" + name.replace("_", "-") for name in canvas_options(args))
+        raise ValueError(f"{flags}: only for 'diffulex bench canvas'")
     if args.action == "throughput":
         return cmd_throughput(args)
     unused = throughput_options(args)
@@ -240,6 +267,27 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     report = run(settings, sizes, model_dir, load_format, opts.get("data_dir"), opts.get("out"), opts.get("plot"),
                  bool(opts.get("append")), log=lambda line: print(line, flush=True))
     return 1 if report["results"] and all(r["error"] for r in report["results"]) else 0
+
+
+def cmd_canvas(args: argparse.Namespace) -> int:
+    from diffulex.bench.canvas_steps import CanvasBenchSettings, run
+
+    if args.runs or args.config or args.set or args.check or args.json or args.model_path:
+        raise ValueError("diffulex bench canvas takes no run directories, --model, --config, --set, --check or --json")
+    shared = throughput_options(args)
+    unused = set(shared) - {"batch_sizes", "prompt_len", "out", "quick"}
+    if unused or eval_overrides(args):
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(unused | set(eval_overrides(args))))
+        raise ValueError(f"{flags}: not used by 'diffulex bench canvas'")
+    settings = CanvasBenchSettings(
+        batch_sizes=shared.get("batch_sizes", [1, 8]),
+        prompt_len=shared.get("prompt_len", 512),
+        quick=bool(shared.get("quick")),
+        engine_overrides=_engine_flag_overrides(args),
+        **canvas_options(args),
+    )
+    run(settings, shared.get("out"), log=lambda line: print(line, flush=True))
+    return 0
 
 
 def _num(value: Any) -> str:

@@ -123,7 +123,10 @@ def _build_components(
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
-        RunnerContext(model, device, dtype, config.page_size, vocab_limit, config.seed, config.strategy_options)
+        RunnerContext(
+            model, device, dtype, config.page_size, vocab_limit, config.seed, config.strategy_options,
+            enforce_eager=bool(config.enforce_eager),
+        )
     )
     if runner is None:
         runner = _model_runner(config, device, dtype, model, mask_token_id, vocab_limit, token_merge)

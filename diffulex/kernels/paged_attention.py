@@ -28,6 +28,11 @@ Design:
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
+* sliding-window layers (``window > 0``, off by default): a row additionally sees only keys at positions above
+  ``anchor - window``, where the anchor is the row's own position (a causal sliding window: DiffusionGemma's
+  encoder) or, with ``window_from_context``, its request's context length (DiffusionGemma's decoder: a canvas
+  sees the last ``window - 1`` cached positions and all of its own rows). Key tiles below every row's window are
+  never read, so a sliding layer's cost stays bounded by the window however long the context.
 """
 
 from __future__ import annotations
@@ -60,8 +65,11 @@ def _online_softmax_step(
     BLOCK_SIZE: tl.constexpr,
     PREFIX_FULL: tl.constexpr,
     IEEE: tl.constexpr,
+    k_floor=None,  # [BLOCK_M] lowest key position each row sees (with a WINDOW)
+    WINDOW: tl.constexpr = 0,
 ):
-    """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator)."""
+    """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator);
+    with a ``WINDOW``, keys below each row's ``k_floor`` are hidden."""
     if IEEE:
         s = tl.dot(q, tl.trans(k_t), input_precision="ieee")
     else:
@@ -71,6 +79,8 @@ def _online_softmax_step(
     if PREFIX_FULL:
         visible = tl.where(q_in_prompt[:, None], k_pos[None, :] < prompt_len, visible)
     visible = visible & k_ok[None, :]
+    if WINDOW > 0:
+        visible = visible & (k_pos[None, :] >= k_floor[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
@@ -187,6 +197,8 @@ def _paged_attention_kernel(
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
     PRELOAD_TILE: tl.constexpr = False,  # load the first cached tile into registers before waiting (split launches)
+    WINDOW: tl.constexpr = 0,  # sliding window: keys at or below `anchor - WINDOW` are hidden; 0 = no window
+    WINDOW_FROM_CONTEXT: tl.constexpr = False,  # the window's anchor is the request's context length, not the row
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -235,9 +247,19 @@ def _paged_attention_kernel(
         row_limit = tl.where(q_in_prompt, prompt_len, row_limit)
     row_limit = tl.where(row_ok, row_limit, 0)
     key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
-    # this program's share of the key positions [0, key_limit)
+    # lowest key position each row may see, and the lowest any valid row of the tile may see
+    if WINDOW > 0:
+        if WINDOW_FROM_CONTEXT:
+            k_floor = ctx - WINDOW + 1 + q_idx * 0
+        else:
+            k_floor = q_pos - WINDOW + 1
+        key_start = tl.maximum(tl.min(tl.where(row_ok, k_floor, key_limit), axis=0), 0)
+    else:
+        k_floor = q_idx * 0
+        key_start = 0
+    # this program's share of the key positions [key_start, key_limit)
     if not SPLIT:
-        lo = 0
+        lo = key_start
         hi = key_limit
         active_splits = 1
     else:
@@ -249,22 +271,24 @@ def _paged_attention_kernel(
         # in one split. Splits are sized for the launch bound, not this tile's keys: only the first `active_splits`
         # have keys; the others leave at once, so neither their partials nor their share of the combine cost
         # anything.
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(key_limit, split_slots - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
-        cached_splits = tl.cdiv(ctx, chunk)
-        active_splits = cached_splits + tl.cdiv(key_limit - ctx, chunk)
-        if key_limit <= chunk:
+        span = key_limit - key_start
+        new_from = tl.maximum(key_start, ctx)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(span, split_slots - 1), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+        cached_splits = tl.cdiv(tl.maximum(ctx - key_start, 0), chunk)
+        active_splits = cached_splits + tl.cdiv(key_limit - new_from, chunk)
+        if span <= chunk:
             active_splits = 1
         if split >= active_splits:
             wait_for_inputs(USE_PDL)
             return
         if active_splits == 1:
-            lo = 0
+            lo = key_start
             hi = key_limit
         elif split < cached_splits:
-            lo = split * chunk
+            lo = key_start + split * chunk
             hi = tl.minimum(lo + chunk, ctx)
         else:
-            lo = ctx + (split - cached_splits) * chunk
+            lo = new_from + (split - cached_splits) * chunk
             hi = tl.minimum(lo + chunk, key_limit)
 
     pt_row = page_tables_ptr + req.to(tl.int64) * stride_pt_r
@@ -303,7 +327,7 @@ def _paged_attention_kernel(
         if lo < cache_end:
             m_i, l_i, acc = _online_softmax_step(
                 q, k_pre.to(q.dtype), v_pre.to(q.dtype), kpos_pre, kok_pre, q_blk, q_in_prompt, prompt_len, m_i, l_i,
-                acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
+                acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
             )
         cached_lo = lo + BLOCK_N
     for n_start in range(cached_lo, cache_end, BLOCK_N):
@@ -313,7 +337,7 @@ def _paged_attention_kernel(
         )
         m_i, l_i, acc = _online_softmax_step(
             q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
-            qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
+            qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
         )
 
     # ---- the request's own new keys: absolute positions [max(lo, ctx), hi) ----
@@ -343,6 +367,8 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             PREFIX_FULL,
             IEEE,
+            k_floor,
+            WINDOW,
         )
 
     if not SPLIT:
@@ -407,18 +433,27 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int) -> tuple[int, int]:
+def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int, elem_size: int = 2) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N): 16 rows per tile (the minimum ``tl.dot`` shape) where a request's queries fit them (a
     decode step), otherwise 64. Two tile classes rather than every power of two between keep the kernel's variants
-    few enough for `warm_up` to compile them all before serving."""
+    few enough for `warm_up` to compile them all before serving.
+
+    Wide heads (``head_dim >= _WIDE_HEAD_DIM``, DiffusionGemma's global layers) always take 16-row tiles: a
+    64 x 512 float32 accumulator alone would fill the registers of 8 warps; their key tiles shrink to 16 rows in
+    4-byte inputs so that two pipeline stages of K and V fit shared memory."""
     block_m = _SMALL_TILE_ROWS if _next_pow2(max_query_len) * group_pad <= _SMALL_TILE_ROWS else _LARGE_TILE_ROWS
+    if head_dim >= _WIDE_HEAD_DIM:
+        block_m = _SMALL_TILE_ROWS
     block_q = max(1, block_m // group_pad)
     block_n = 64 if head_dim <= 128 else 32
+    if head_dim >= _WIDE_HEAD_DIM and elem_size > 2:
+        block_n = 16
     return block_q, block_n
 
 
 _SMALL_TILE_ROWS = 16
 _LARGE_TILE_ROWS = 64
+_WIDE_HEAD_DIM = 512
 # Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
 # (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
 # mostly short, so 64.
@@ -458,6 +493,8 @@ def triton_paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     min_split_keys: int = _MIN_KEYS_PER_SPLIT,
+    window: int = 0,
+    window_from_context: bool = False,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention`: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, caches ``[P, page_size, Hkv, D]``.
 
@@ -467,6 +504,7 @@ def triton_paged_attention(
     split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
+    ``window > 0`` is a sliding window (`torch_paged.paged_attention`'s ``window`` and ``window_from_context``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -476,6 +514,8 @@ def triton_paged_attention(
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
     if k_cache.shape[1] != meta.page_size:
         raise ValueError(f"cache page size {k_cache.shape[1]} != metadata page_size {meta.page_size}")
+    if window < 0:
+        raise ValueError(f"window={window} must be >= 0 (0: no sliding window)")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -493,7 +533,7 @@ def triton_paged_attention(
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group) if grouped else 1
     max_query_len = meta.max_query_len
-    block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim)
+    block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim, q.element_size())
     q_tiles = triton.cdiv(max_query_len, block_q)
     head_slots = num_kv_heads if grouped else num_heads
     programs = q_tiles * num_requests * head_slots
@@ -556,6 +596,8 @@ def triton_paged_attention(
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
         PRELOAD_TILE=split_slots > 1,  # a split program loads its first cached tile before its PDL wait
+        WINDOW=window,
+        WINDOW_FROM_CONTEXT=window_from_context and window > 0,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),
@@ -570,6 +612,9 @@ def warm_up(
     block_size: int,
     prefix_full: bool,
     grouped: bool,
+    *,
+    window: int = 0,
+    window_from_context: bool = False,
 ) -> None:
     """Compile now every variant of the kernel a step of this layer geometry can launch, so that none compiles
     while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
@@ -581,12 +626,16 @@ def warm_up(
     are only read through a request's page table, which here has no pages in use, and nothing is stored.
     """
     if k_cache.device.type == "cuda":
-        _launch_every_variant(k_cache, v_cache, num_heads, block_size, prefix_full, grouped)
+        _launch_every_variant(
+            k_cache, v_cache, num_heads, block_size, prefix_full, grouped, window=window,
+            window_from_context=window_from_context,
+        )
 
 
 def _launch_every_variant(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool
-) -> None:
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool,
+    *, window: int = 0, window_from_context: bool = False,
+) -> None:  # fmt: skip
     from diffulex.kernels.pdl import PDL_MAX_ROWS
 
     device = k_cache.device
@@ -614,4 +663,7 @@ def _launch_every_variant(
             prefix_lens_cpu=[q_len] * num_requests,
         )
         for num_splits in (1, 2):
-            triton_paged_attention(q, kv, kv, k_cache, v_cache, meta, 1.0, grouped=grouped, num_splits=num_splits)
+            triton_paged_attention(
+                q, kv, kv, k_cache, v_cache, meta, 1.0, grouped=grouped, num_splits=num_splits, window=window,
+                window_from_context=window_from_context,
+            )

@@ -19,15 +19,17 @@ its weight ``w`` (not ``1 + w``). Logits are the tied embedding's, soft-capped b
 Window semantics follow transformers' cache: in the encoder a sliding layer's query at position ``p`` sees keys
 ``(p - window, p]``; in the decoder it sees the last ``window - 1`` encoded positions and the whole canvas.
 
-This module is the dense PyTorch path (no paged cache, no Triton), which the engine's ``diffusion_gemma`` strategy
-runs (`denoise_hidden` batches the canvases of requests whose contexts differ in length). Weights load under the
+Two ways to run it: the dense PyTorch path (`encode`, `denoise_step`, `denoise_hidden`: K/V as dense tensors, the
+reference the tests hold to transformers), and the row path the engine's ``diffusion_gemma`` strategy runs
+(`encode_rows`, `decode_rows`: the rows of many requests flattened into one batch, attention handed to a
+`LayerAttention` that reads and writes the paged cache, with the Triton kernel on a GPU). Weights load under the
 checkpoint's names with the strict loader (`load_diffusion_gemma`); the vision tower in the folder is skipped and
 image tokens are refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
-from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter
+from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, grouped_mm_supported
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
 from diffulex.models.family import Family, register_family
 from diffulex.models.loader import load_checkpoint, materialize, resolve_dtype
+
+# One layer's attention on the row path: ``(layer index, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], needs output)``
+# -> ``[T, H, D]`` (None when no output is needed: the encoder's last layer only stores its K/V).
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, bool], "torch.Tensor | None"]
 
 # Checkpoint tensors of the vision tower and its projection into the text model: present in the folder, unused.
 VISION_CHECKPOINT_KEYS = (r"^model\.encoder\.vision_tower\.", r"^model\.encoder\.embed_vision\.")
@@ -179,24 +185,48 @@ class GemmaAttention(nn.Module):
         keys = k.transpose(1, 2).repeat_interleave(groups, dim=1)
         values = v.transpose(1, 2).repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=1.0)
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+        return self.output(out.transpose(1, 2))
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """``[..., H, D]`` attention output -> ``[..., hidden]``."""
+        return self.o_proj(heads.reshape(*heads.shape[:-2], self.num_heads * self.head_dim))
 
 
 class StackedExperts(nn.Module):
     """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
     then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP.
 
-    This is the exact path (each chosen expert over its own tokens, accumulated in expert order as transformers
-    does); it asks the host which experts were chosen, so no CUDA graph can capture it."""
+    Three ways to compute the same sum (`MOE_IMPLS`), chosen per input unless ``impl`` is set: ``loop`` (the CPU)
+    is the exact path (each chosen expert over its own tokens, accumulated in expert order as transformers does);
+    it asks the host which experts were chosen, so no CUDA graph can capture it. On CUDA: ``grouped`` (bfloat16 on
+    compute capability 9.0+), the grouped GEMM the SDAR-MoE and LLaDA2 families run (`diffulex.layers.moe`):
+    the (token, slot) pairs sorted by expert, each expert's weights read once for its rows; otherwise ``dense``,
+    every expert over every token weighted by the routing (static shapes, for small test models in float32).
+    Both are capturable; they sum the slots in slot order, which differs from ``loop`` by rounding only."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.impl: str | None = None  # None: chosen per input (`impl_for`)
+
+    def impl_for(self, x: torch.Tensor) -> str:
+        if self.impl is not None:
+            return self.impl
+        if not x.is_cuda:
+            return "loop"
+        return "grouped" if grouped_mm_supported(x) else "dense"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` -> ``[T, hidden]``."""
+        impl = self.impl_for(x)
+        if impl == "grouped":
+            return self._grouped(x, weights, experts)
+        if impl == "dense":
+            return self._dense(x, weights, experts)
+        if impl != "loop":
+            raise ValueError(f"experts impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
@@ -204,6 +234,42 @@ class StackedExperts(nn.Module):
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """(token, slot) pairs sorted by expert; ``offs[e]`` ends expert ``e``'s rows (counted by a scatter: no
+        host read)."""
+        T, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        h = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        per_slot = torch.empty_like(y)
+        per_slot[order] = y
+        return _weighted_slots(per_slot.view(T, k, -1), weights, x.dtype)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        per_slot = torch.zeros(x.shape[0], experts.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
+            chosen = (experts == e).to(x.dtype)  # [T, k]: at most one slot per token holds e
+            per_slot += chosen[:, :, None] * y[:, None, :]
+        return _weighted_slots(per_slot, weights, x.dtype)
+
+
+MOE_IMPLS = ("loop", "grouped", "dense")
+
+
+def _weighted_slots(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j weights[:, j] * per_slot[:, j]`` in float32, slot by slot."""
+    total = per_slot[:, 0].float() * weights[:, :1]
+    for j in range(1, per_slot.shape[1]):
+        total += per_slot[:, j].float() * weights[:, j : j + 1]
+    return total.to(dtype)
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -234,7 +300,10 @@ class DiffusionGemmaLayer(nn.Module):
         mask: torch.Tensor | None, layer_scalar: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """The rest of the layer once the visible keys/values are known: attention, the two MLPs, the scalar."""
-        attn = self.self_attn.attend(q, keys, values, mask)
+        return self.after_attention(h, self.self_attn.attend(q, keys, values, mask), layer_scalar)
+
+    def after_attention(self, h: torch.Tensor, attn: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention output ``attn`` (``h``'s shape): the two MLPs, the norms, the scalar."""
         residual = h + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
@@ -315,7 +384,8 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
     """``encode(prompt ids) -> EncoderKV`` and ``denoise_step(canvas ids, EncoderKV, previous logits) -> logits``.
 
     `encode` and `denoise_step` take rows of equal length (one `EncoderKV` per batch); `denoise_hidden` batches
-    canvases whose contexts differ in length (the engine's ``diffusion_gemma`` strategy)."""
+    canvases whose contexts differ in length. `encode_rows` and `decode_rows` are the engine's row path (module
+    docstring)."""
 
     ignored_checkpoint_keys = VISION_CHECKPOINT_KEYS
     load_error_hint = "a DiffusionGemmaForBlockDiffusion checkpoint keeps its text weights under model.decoder."
@@ -349,11 +419,12 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.decoder.embed_tokens.weight
-        return self.model.decoder.embed_tokens(ids) * self._embed_scale(weight.dtype, weight.device)
+        return self.model.decoder.embed_tokens(ids) * self._embed_scale(weight.dtype)
 
-    def _embed_scale(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``sqrt(hidden)`` rounded to the model dtype first, as the checkpoint was trained with."""
-        return torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """``sqrt(hidden)`` rounded to the model dtype first, as the checkpoint was trained with; a Python number
+        (exactly that rounded value), so that no tensor is made from the host inside a captured CUDA graph."""
+        return torch.tensor(self.config.hidden_size**0.5, dtype=dtype).item()
 
     def _angles(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         head_dims = {g.layer_type: g.head_dim for g in self.config.layers}
@@ -403,7 +474,7 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         """``softmax(logits) @ E * sqrt(hidden)`` (softmax in float32); rows where ``mask [B]`` is False are 0."""
         weight = self.model.decoder.embed_tokens.weight
         probs = logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-        soft = torch.matmul(probs, weight) * self._embed_scale(weight.dtype, weight.device)
+        soft = torch.matmul(probs, weight) * self._embed_scale(weight.dtype)
         if mask is not None:
             soft = soft * mask.to(soft.dtype)[:, None, None]
         return soft
@@ -462,7 +533,7 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         embedding rows times ``sqrt(hidden)``, without the vocabulary-wide softmax. Bit for bit the same: the
         product of a one-hot row with ``E`` adds exact zeros to the one selected row."""
         weight = self.model.decoder.embed_tokens.weight
-        return weight[tokens] * self._embed_scale(weight.dtype, weight.device)
+        return weight[tokens] * self._embed_scale(weight.dtype)
 
     @torch.no_grad()
     def denoise_hidden(
@@ -504,6 +575,43 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
                 [context.keys[i] for context in contexts], [context.values[i] for context in contexts], k, v
             )
             h = layer.finish(h, q, keys, values, mask, layer.layer_scalar)
+        return self.model.decoder.norm(h)
+
+    @torch.no_grad()
+    def encode_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention) -> None:
+        """The causal encoder over ``input_ids [T]`` at ``positions [T]``: the pieces of several requests, flattened.
+        Which keys each row sees, and where its K/V is kept, is ``attention``'s (the engine's paged cache); the
+        last layer stops once its K/V is handed over. The ids must have been checked (`check_token_ids`)."""
+        h = self.embed(input_ids[None])
+        angles = self._angles(positions)
+        scalars = self.model.encoder.language_model.layers
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h, *angles[self.config.layers[i].layer_type])
+            out = attention(i, q[0], k[0], v[0], i != last)
+            if out is None:
+                break
+            h = layer.after_attention(h, layer.self_attn.output(out)[None], scalars[i].layer_scalar)
+
+    @torch.no_grad()
+    def decode_rows(
+        self,
+        canvas_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        soft_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`denoise_hidden` on the row path: ``canvas_ids [B, canvas_length]`` at ``positions [B * canvas_length]``,
+        attention over each canvas's context left to ``attention``. Returns the final-normed hidden states
+        ``[B, canvas_length, hidden]``. No host reads: a CUDA graph captures it (the ids are the runner's own
+        draws, always in range)."""
+        B, C = canvas_ids.shape
+        h = self.model.decoder.self_conditioning(self.embed(canvas_ids), soft_embeds)
+        angles = self._angles(positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h.reshape(1, B * C, -1), *angles[self.config.layers[i].layer_type])
+            out = attention(i, q[0], k[0], v[0], True)
+            h = layer.after_attention(h, layer.self_attn.output(out).view(B, C, -1), layer.layer_scalar)
         return self.model.decoder.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

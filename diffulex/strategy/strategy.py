@@ -94,6 +94,7 @@ class RunnerContext:
     vocab_limit: int  # ids at or above this are padding rows of the embedding: never proposed
     base_seed: int  # the seed of requests that bring none
     options: Any  # the strategy's options object
+    enforce_eager: bool = False  # the user asked for no CUDA graphs
 
 
 @dataclass(frozen=True)

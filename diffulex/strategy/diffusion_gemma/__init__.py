@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from diffulex.checkpoint_folder import checkpoint_path
 from diffulex.strategy.diffusion_gemma.canvas import CanvasSchedule
 from diffulex.strategy.diffusion_gemma.request import CanvasRequest
-from diffulex.strategy.diffusion_gemma.runner import CanvasRunner, CanvasRunnerSettings
+from diffulex.strategy.diffusion_gemma.runner import CanvasRunner, CanvasRunnerSettings, default_graph_buckets
 from diffulex.strategy.strategy import RunnerContext, StepRunner, Strategy, register_strategy
 from diffulex.validation import check_int, check_number, force_setting, invalid_value
 
@@ -92,7 +92,7 @@ class DiffusionGemma(Strategy):
     request_class = CanvasRequest
     families = ("diffusion_gemma",)
     budgets_prompt_tokens = False  # it schedules whole canvases; its budget is checked per request
-    samples_in_graph = False  # its steps run on its own runner, eagerly
+    samples_in_graph = False  # its runner replays graphs of the decoder pass; canvas rules run on the host
     continues_on_device = False
 
     def normalize(self, config: Config) -> None:
@@ -125,6 +125,7 @@ class DiffusionGemma(Strategy):
             vocab_limit=context.vocab_limit,
             base_seed=context.base_seed,
             schedule=context.options.schedule,
+            graph_buckets=default_graph_buckets(context.device, context.enforce_eager),
         )
         return CanvasRunner(settings, context.model)
 

@@ -9,28 +9,29 @@ finds them again for a later request with the same prefix (prompts, and prompts 
 
 One step, for a batch of requests that each have a running canvas:
 
-1. each request's missing K/V is encoded and stored, one piece at a time, the pieces a request that was never
-   preempted encoded: the rest of its prompt, then every canvas it has committed since; each piece reads the K/V
-   before it from the pages (full layers: all of it; sliding layers: the last ``window - 1`` positions);
-2. one decoder pass over every request's canvas together (`DiffusionGemmaForDiffusionLM.denoise_hidden`: rows of
-   equal shape, each after its own context read from its pages);
+1. each request's missing K/V is encoded and stored, in the pieces a request that was never preempted encoded:
+   the rest of its prompt, then every canvas it has committed since. Round ``r`` encodes the ``r``-th missing piece
+   of every request in one forward (`DiffusionGemmaForDiffusionLM.encode_rows`, causal, each piece reading the
+   K/V before it from the pages);
+2. one decoder pass over every request's canvas together (`DiffusionGemmaForDiffusionLM.decode_rows`), each
+   canvas attending to its own context in the pages and to itself (`paged`: the Triton kernel on a GPU, the
+   PyTorch path elsewhere); on a GPU the pass replays a CUDA graph captured for the smallest bucket of canvases
+   that holds the batch (`graphs`);
 3. per request: logits, then its canvas step (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvas`) with
    its own temperature and random streams; the outcome is proposed to the request and adopted when the engine
    applies the step.
-
-The pages are read by gathering them into dense tensors (the PyTorch path; a paged attention kernel would read
-them in place).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from diffulex.errors import RequestFailure
-from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM, EncoderKV
+from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM
 from diffulex.sampler.rows import PendingWrites
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.diffusion_gemma.canvas import (
@@ -40,9 +41,21 @@ from diffulex.strategy.diffusion_gemma.canvas import (
     denoise_canvas,
     fresh_state,
 )
+from diffulex.strategy.diffusion_gemma.graphs import DEFAULT_GRAPH_BUCKETS, CanvasGraph, bucket_for
+from diffulex.strategy.diffusion_gemma.paged import (
+    CachedAttention,
+    CanvasLayout,
+    encoder_metadata,
+    triton_available,
+)
 from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 
 logger = logging.getLogger("diffulex")
+
+DECODER_SPLITS = 1  # split-KV factor of the canvas rows' attention (`CanvasRunner._decoder_attention`)
+# Float32 logits of one LM-head launch at most: the canvases of a step get their logits in groups this size
+# allows (each launch reads the embedding matrix once: 1.5 GB on the 26B-A4B geometry)
+LOGITS_GROUP_BYTES = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,15 @@ class CanvasRunnerSettings:
     vocab_limit: int  # ids at or above this are never drawn
     base_seed: int  # the seed of requests that bring none (``base_seed + req_id``)
     schedule: CanvasSchedule
+    # batch sizes whose decoder step runs from static buffers (a CUDA graph where one can be captured); empty:
+    # every step eager
+    graph_buckets: tuple[int, ...] = ()
+
+
+def default_graph_buckets(device: torch.device, enforce_eager: bool) -> tuple[int, ...]:
+    """Graphs where they can be captured: CUDA with the Triton kernel (the PyTorch path reads the layout on the
+    host), unless the user asked for eager steps."""
+    return DEFAULT_GRAPH_BUCKETS if triton_available(device) and not enforce_eager else ()
 
 
 class CanvasRunner:
@@ -66,7 +88,13 @@ class CanvasRunner:
         self.num_pages = 0
         self.k_cache: list[torch.Tensor] = []  # per layer [num_pages, page_size, kv_heads, head_dim]
         self.v_cache: list[torch.Tensor] = []
-        self.window = model.config.sliding_window
+        config = model.config
+        self.windows = [config.sliding_window if g.is_sliding else 0 for g in config.layers]
+        self.use_triton = triton_available(settings.device)
+        # captured only where the Triton kernel runs; elsewhere the buckets' static path runs uncaptured
+        self.capture_graphs = self.use_triton
+        self.graphs: dict[int, CanvasGraph] = {}
+        self._graph_pool: object | None = None
 
     # ----- memory ---------------------------------------------------------------------------------------
 
@@ -84,16 +112,33 @@ class CanvasRunner:
             self.k_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
             self.v_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
         self.num_pages = num_pages
+        self.graphs = {}  # captured over the old pool's addresses
 
     def release_kv_cache(self) -> None:
         self.k_cache, self.v_cache = [], []
         self.num_pages = 0
+        self.graphs = {}
 
     def warm_up_attention(self) -> None:
-        """Nothing compiles on this path."""
+        """Compile every variant of the attention kernel a step launches (each layer kind's window, encoder and
+        decoder), so that none compiles while serving."""
+        if not self.use_triton or not self.k_cache:
+            return
+        from diffulex.kernels.paged_attention import warm_up
+
+        heads, canvas = self.model.config.num_attention_heads, self.model.config.canvas_length
+        seen = set()
+        for layer, window in enumerate(self.windows):
+            kind = (tuple(self.k_cache[layer].shape[2:]), window)
+            if kind in seen:
+                continue
+            seen.add(kind)
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            warm_up(k_cache, v_cache, heads, canvas, True, True, window=window, window_from_context=True)
+            warm_up(k_cache, v_cache, heads, 1, False, True, window=window, window_from_context=False)
 
     def warm_up_sampling(self, max_rows: int, dtype: torch.dtype) -> None:
-        """Nothing compiles on this path."""
+        """Nothing compiles on this path (the decoder graphs are captured at their bucket's first step)."""
 
     def forget_launches(self) -> None:
         """A dropped step left its requests as they were (its outcomes are only proposed)."""
@@ -101,13 +146,22 @@ class CanvasRunner:
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int, num_sample_rows: int) -> None:
         """The activation peak the memory planner measures: a prompt of ``min(num_tokens, max_model_len)``
-        positions encoded, then a step of as many canvases as ``num_sample_rows`` rows hold, after it."""
+        positions encoded, then a step of as many canvases as ``num_sample_rows`` rows hold, after it (in a
+        scratch pool of just those pages, released after)."""
         config, device = self.model.config, self.settings.device
-        context = self.model.encode(torch.zeros(1, min(num_tokens, max_model_len), dtype=torch.long, device=device))
+        length = min(num_tokens, max_model_len)
         rows = max(1, num_sample_rows // config.canvas_length)
-        canvas = torch.zeros(rows, config.canvas_length, dtype=torch.long, device=device)
-        hidden = self.model.denoise_hidden(canvas, [context] * rows)
-        self.model.logits(hidden[:1])
+        table = list(range(math.ceil((length + config.canvas_length) / self.settings.page_size)))
+        self.allocate_kv_cache(len(table))
+        try:
+            self._encode_round([(table, 0, length)], torch.zeros(length, dtype=torch.long, device=device))
+            canvas = torch.zeros(rows, config.canvas_length, dtype=torch.long, device=device)
+            hidden = self._decode_eager(canvas, None, [length] * rows, [table] * rows)
+            logits = self.model.logits(hidden[: self._logits_group_size(rows)])
+            state = fresh_state(0, 0, config.canvas_length, self.settings.vocab_limit, device)
+            self._rule(logits[0], state, temperature=1.0, seed=0)  # the rule's temporaries, at a sampled step
+        finally:
+            self.release_kv_cache()
 
     # ----- one step ---------------------------------------------------------------------------------------
 
@@ -116,8 +170,7 @@ class CanvasRunner:
         """Encode what each request still needs, denoise every canvas in one decoder pass, and propose each
         request's outcome; the writes show each canvas's new argmax."""
         s, model = self.settings, self.model
-        for req in batch:
-            self._encode_missing(req)
+        self._encode_missing(batch)
         states = [
             req.canvas
             if req.canvas is not None
@@ -130,80 +183,143 @@ class CanvasRunner:
             shape = (model.config.canvas_length, model.config.hidden_size)
             zeros = torch.zeros(shape, dtype=model.model.decoder.embed_tokens.weight.dtype, device=s.device)
             soft = torch.stack([zeros if state.soft_embeds is None else state.soft_embeds for state in states])
-        contexts = [self._context(req, req.encoded_len) for req in batch]
-        hidden = model.denoise_hidden(canvas_ids, contexts, soft)
+        contexts = [req.encoded_len for req in batch]
+        tables = [req.page_table for req in batch]
+        hidden = self.decode(canvas_ids, soft, contexts, tables)
         writes: dict[int, list[tuple[int, int]]] = {}
-        for row, (req, state) in enumerate(zip(batch, states, strict=True)):
-            step = self._canvas_step(req, state, model.logits(hidden[row]))
-            req.proposed = step
-            start = req.running[0].start
-            writes[req.req_id] = list(enumerate(step.argmax.tolist(), start))
+        group = self._logits_group_size(len(batch))
+        for first in range(0, len(batch), group):
+            logits = model.logits(hidden[first : first + group])
+            for offset, req in enumerate(batch[first : first + group]):
+                step = self._canvas_step(req, states[first + offset], logits[offset])
+                req.proposed = step
+                start = req.running[0].start
+                writes[req.req_id] = list(enumerate(step.argmax.tolist(), start))
         return PendingWrites(writes)
+
+    def _logits_group_size(self, batch: int) -> int:
+        """Canvases whose float32 logits one LM-head launch computes (at least one)."""
+        config = self.model.config
+        per_canvas = config.canvas_length * config.vocab_size * 4
+        return max(1, min(batch, LOGITS_GROUP_BYTES // per_canvas))
 
     def launch_continuation(self, micro_batch: int) -> PendingWrites:
         raise RuntimeError("a DiffusionGemma step cannot be continued on the device")
+
+    def decode(
+        self, canvas_ids: torch.Tensor, soft: torch.Tensor | None, contexts: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """The decoder pass of one step: ``canvas_ids [B, C]``, canvas ``b`` after ``contexts[b]`` positions in
+        pages ``tables[b]``; ``[B, C, hidden]``. From a bucket's static buffers (its graph replayed once captured)
+        when one holds the batch, eagerly otherwise."""
+        batch = canvas_ids.shape[0]
+        bucket = bucket_for(batch, self.settings.graph_buckets)
+        if bucket is None:
+            return self._decode_eager(canvas_ids, soft, contexts, tables)
+        graph = self.graphs.get(bucket)
+        first_use = graph is None
+        if graph is None:
+            config = self.model.config
+            dtype = self.model.model.decoder.embed_tokens.weight.dtype
+            graph = CanvasGraph(bucket, config.canvas_length, config.hidden_size, self.num_pages, dtype,
+                                self.settings.device)  # fmt: skip
+            self.graphs[bucket] = graph
+        graph.fill(canvas_ids, soft, contexts, tables)
+        if first_use and self.capture_graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph.capture(self._static_forward, self._graph_pool)
+        return graph.run(self._static_forward)[:batch]
+
+    def _decoder_attention(self, layout: CanvasLayout, max_kv_len: int = 0) -> CachedAttention:
+        """Keys unsplit: a canvas brings ``canvas_length`` query rows per request (64 to 256 programs per request
+        at the 26B-A4B geometry) and a denoising step's time is in its expert weights, not its attention; and a
+        graph of a padded bucket then sums each row's keys in the order of an eager step (the kernel's own split
+        count follows the launch's request count and bounds)."""
+        meta = layout.metadata(self.settings.page_size, max_kv_len)
+        return CachedAttention(self.k_cache, self.v_cache, self.windows, meta, False, self.use_triton,
+                               num_splits=DECODER_SPLITS)  # fmt: skip
+
+    def _static_forward(self, canvas_ids: torch.Tensor, layout: CanvasLayout, soft: torch.Tensor) -> torch.Tensor:
+        """A bucket's forward: its launch bounds are the pool's, so that one capture serves every context."""
+        attention = self._decoder_attention(layout, max_kv_len=self.num_pages * self.settings.page_size)
+        return self.model.decode_rows(canvas_ids, layout.positions, attention, soft)
+
+    def _decode_eager(
+        self, canvas_ids: torch.Tensor, soft: torch.Tensor | None, contexts: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        batch, canvas_length = canvas_ids.shape
+        width = max(len(table) for table in tables)
+        layout = CanvasLayout.empty(batch, canvas_length, width, self.settings.device)
+        layout.fill(contexts, tables)
+        return self.model.decode_rows(canvas_ids, layout.positions, self._decoder_attention(layout), soft)
 
     def _seed(self, req: CanvasRequest) -> int:
         seed = req.sampling_params.seed
         return seed if seed is not None else self.settings.base_seed + req.req_id
 
     def _canvas_step(self, req: CanvasRequest, state: CanvasState, logits: torch.Tensor) -> CanvasStep:
-        model = self.model
-        dtype = model.model.decoder.embed_tokens.weight.dtype
         try:
-            return denoise_canvas(
-                logits, state, self.settings.schedule, req.sampling_params.temperature, self.settings.vocab_limit,
-                self._seed(req),
-                soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
-                token_soft_embeddings=model.token_soft_embeddings,
-            )  # fmt: skip
+            return self._rule(logits, state, req.sampling_params.temperature, self._seed(req))
         except RuntimeError as err:  # e.g. a distribution torch cannot draw from: this request alone fails
             raise RequestFailure([req.req_id], f"denoising its canvas failed: {err}") from err
 
-    def _encode_missing(self, req: CanvasRequest) -> None:
-        """Encode and store ``req``'s positions ``[encoded_len, committed_len)`` in the pieces a request that was
-        never preempted encoded them: the prompt, then one canvas at a time (a piece already partly in the cache,
-        from a prefix-cache hit, is encoded from where the cache ends)."""
+    def _rule(self, logits: torch.Tensor, state: CanvasState, temperature: float, seed: int) -> CanvasStep:
+        model = self.model
+        dtype = model.model.decoder.embed_tokens.weight.dtype
+        return denoise_canvas(
+            logits, state, self.settings.schedule, temperature, self.settings.vocab_limit, seed,
+            soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
+            token_soft_embeddings=model.token_soft_embeddings,
+        )  # fmt: skip
+
+    # ----- the encoder ------------------------------------------------------------------------------------
+
+    def _missing_pieces(self, req: CanvasRequest) -> list[tuple[int, int]]:
+        """``req``'s positions ``[encoded_len, committed_len)`` in the pieces a request that was never preempted
+        encoded them: the prompt, then one canvas at a time (a piece already partly in the cache, from a
+        prefix-cache hit, is encoded from where the cache ends)."""
         bounds = [req.prompt_len + c * req.canvas_length for c in range(req.canvases_done + 1)]
-        for lo, hi in zip([0, *bounds], bounds, strict=False):
-            if hi <= req.encoded_len:
-                continue
-            lo = max(lo, req.encoded_len)
-            self._encode_piece(req, lo, hi)
-            req.encoded_len = hi
-        for block in req.blocks[: req.canvases_done]:
-            if block.end <= req.encoded_len:
-                block.status = BlockStatus.IN_CACHE
+        return [(max(lo, req.encoded_len), hi) for lo, hi in zip([0, *bounds], bounds, strict=False)
+                if hi > req.encoded_len]  # fmt: skip
 
-    def _encode_piece(self, req: CanvasRequest, lo: int, hi: int) -> None:
-        ids = torch.tensor([req.token_ids[lo:hi]], dtype=torch.long, device=self.settings.device)
-        try:
-            encoded = self.model.encode(ids, self._context(req, lo), keep_all_positions=True)
-        except ValueError as err:  # e.g. an image placeholder in the prompt: this request alone fails
-            raise RequestFailure([req.req_id], f"its input cannot be encoded: {err}") from err
-        slots = self._slots(req, lo, hi)
-        for layer, (keys, values) in enumerate(zip(encoded.keys, encoded.values, strict=True)):
-            self.k_cache[layer].view(-1, *keys.shape[2:])[slots] = keys[0, lo - hi :]
-            self.v_cache[layer].view(-1, *values.shape[2:])[slots] = values[0, lo - hi :]
+    def _encode_missing(self, batch: list[CanvasRequest]) -> None:
+        """Encode and store every request's missing pieces, the ``r``-th piece of every request in round ``r``.
+        A request whose input cannot be encoded (an image placeholder) fails alone, before anything is encoded."""
+        device = self.settings.device
+        pieces = {req.req_id: self._missing_pieces(req) for req in batch}
+        ids: dict[tuple[int, int], torch.Tensor] = {}
+        for req in batch:
+            for lo, hi in pieces[req.req_id]:
+                piece = torch.tensor(req.token_ids[lo:hi], dtype=torch.long, device=device)
+                try:
+                    self.model.check_token_ids(piece[None], "input_ids")
+                except ValueError as err:
+                    raise RequestFailure([req.req_id], f"its input cannot be encoded: {err}") from err
+                ids[req.req_id, lo] = piece
+        rounds = max((len(p) for p in pieces.values()), default=0)
+        for r in range(rounds):
+            members = [req for req in batch if len(pieces[req.req_id]) > r]
+            spans = [pieces[req.req_id][r] for req in members]
+            for req, (_, hi) in zip(members, spans, strict=True):
+                if hi > len(req.page_table) * self.settings.page_size:
+                    raise RuntimeError(f"request {req.req_id}: positions up to {hi} have no page")
+            self._encode_round(
+                [(req.page_table, lo, hi) for req, (lo, hi) in zip(members, spans, strict=True)],
+                torch.cat([ids[req.req_id, lo] for req, (lo, _) in zip(members, spans, strict=True)]),
+            )
+            for req, (_, hi) in zip(members, spans, strict=True):
+                req.encoded_len = hi
+        for req in batch:
+            for block in req.blocks[: req.canvases_done]:
+                if block.end <= req.encoded_len:
+                    block.status = BlockStatus.IN_CACHE
 
-    def _context(self, req: CanvasRequest, length: int) -> EncoderKV | None:
-        """The K/V of ``req``'s positions ``[0, length)`` read from its pages, as the decoder and the encoder's next
-        piece see them: every position for full-attention layers, the last ``window - 1`` for sliding ones."""
-        if length == 0:
-            return None
-        keys, values = [], []
-        for layer, geometry in enumerate(self.model.config.layers):
-            kept = min(self.window - 1, length) if geometry.is_sliding else length
-            slots = self._slots(req, length - kept, length)
-            keys.append(self.k_cache[layer].view(-1, *self.k_cache[layer].shape[2:])[slots][None])
-            values.append(self.v_cache[layer].view(-1, *self.v_cache[layer].shape[2:])[slots][None])
-        return EncoderKV(tuple(keys), tuple(values), length)
-
-    def _slots(self, req: CanvasRequest, lo: int, hi: int) -> torch.Tensor:
-        """Cache rows of ``req``'s positions ``[lo, hi)``."""
-        page_size = self.settings.page_size
-        table = torch.tensor(req.page_table, dtype=torch.long, device=self.settings.device)
-        positions = torch.arange(lo, hi, device=self.settings.device)
-        if hi > len(req.page_table) * page_size:
-            raise RuntimeError(f"request {req.req_id}: positions up to {hi} have no page")
-        return table[positions // page_size] * page_size + positions % page_size
+    def _encode_round(self, pieces: list[tuple[list[int], int, int]], ids: torch.Tensor) -> None:
+        """One encoder forward over ``pieces`` (page table, lo, hi), whose token ids are ``ids`` in order."""
+        device = self.settings.device
+        meta = encoder_metadata([(lo, hi) for _, lo, hi in pieces], [t for t, _, _ in pieces],
+                                self.settings.page_size, device)  # fmt: skip
+        positions = torch.cat([torch.arange(lo, hi, device=device) for _, lo, hi in pieces])
+        attention = CachedAttention(self.k_cache, self.v_cache, self.windows, meta, True, self.use_triton)
+        self.model.encode_rows(ids, positions, attention)

@@ -1,0 +1,99 @@
+"""``diffulex bench canvas`` (DiffusionGemma ms per denoising step against its floor), end to end on the CPU on a
+tiny geometry; its floor arithmetic by hand; its retry with fewer layers where the geometry does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffulex.bench import canvas_steps
+from diffulex.bench.canvas_steps import CanvasBenchSettings, canvas_cost_model, step_floor, write_folder
+from diffulex.bench.cli import main
+from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM
+from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig
+
+
+def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
+    """Batch 1 and 2 of a 6-layer tiny geometry, 4 denoising steps per canvas: two timed steps each, positive
+    step times and floors, the ratio is their quotient, and the report is the JSON written."""
+    out = tmp_path / "canvas.json"
+    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "1", "2", "--prompt-len", "12", "--steps", "4",
+                 "--quick", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["num_layers"] == 6 and report["layers_note"] == "all 6 layers of the geometry"
+    assert [r["batch"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        assert row["timed_steps"] == 2
+        assert row["ms_per_step"] > 0 and row["floor_ms"] > 0 and row["decoder_ms_per_pass"] > 0
+        assert row["floor_ratio"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
+        assert row["floor_ms"] == pytest.approx(max(row["memory_floor_ms"], row["compute_floor_ms"]))
+        assert 0 < row["experts_per_layer"] <= 4
+        assert row["attention"] == "torch" and row["dtype"] == "float32"
+    assert report["results"][1]["kv_read_GB"] == pytest.approx(2 * report["results"][0]["kv_read_GB"])
+
+
+def test_the_floor_counts_the_window_the_selected_experts_and_every_weight_once(tmp_path: Path) -> None:
+    """On the tiny geometry (hidden 64, 4 experts of 3 x 64 x 32, top 2; sliding layers of 2 KV heads x 16 with a
+    window of 8, global of 1 x 32): a context of 20 positions is read whole by global layers and for its last 7
+    positions by sliding ones; one canvas of 16 rows selects ``4 * (1 - (1 - 2/4)^16)`` experts per layer."""
+    folder, _ = write_folder(tmp_path / "m", "tiny", 6)
+    config = DiffusionGemmaConfig.from_pretrained(folder)
+    model = DiffusionGemmaForDiffusionLM(config)
+    cost = canvas_cost_model(model, itemsize=4)
+    assert cost.expert_params == 3 * 64 * 32 and cost.moe_layers == 6 and cost.lm_head_params == 384 * 64
+    total = sum(p.numel() for p in model.parameters())
+    assert cost.trunk_linear_params + cost.other_params + cost.lm_head_params + 6 * 4 * cost.expert_params == total
+    floor = step_floor(model, cost, [20], bandwidth_bps=1e9, flops_per_s=1e12)
+    sliding = sum(g.is_sliding for g in config.layers)
+    kv = sliding * 2 * 2 * 16 * 7 + (6 - sliding) * 2 * 1 * 32 * 20
+    assert floor["kv_read_GB"] == pytest.approx(kv * 4 / 1e9)
+    assert floor["experts_per_layer"] == pytest.approx(4 * (1 - 0.5**16))
+    expected_bytes = cost.weight_bytes + 6 * floor["experts_per_layer"] * cost.expert_params * 4 + 16 * 64 * 4 + kv * 4
+    assert floor["step_GB"] == pytest.approx(expected_bytes / 1e9)
+    assert floor["memory_floor_ms"] == pytest.approx(expected_bytes / 1e9 * 1e3)
+
+
+def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Path, monkeypatch) -> None:
+    """Out of memory at 12 layers: every batch size is measured again with 6, and the report says so."""
+    layers_seen = []
+
+    def measure(folder, settings, batch, peaks, log):
+        layers = json.loads((folder / "config.json").read_text())["text_config"]["num_hidden_layers"]
+        layers_seen.append((layers, batch))
+        if layers > 6:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"batch": batch, "layers": layers}
+
+    monkeypatch.setattr(canvas_steps, "measure", measure)
+    settings = CanvasBenchSettings(geometry="tiny", num_layers=12, batch_sizes=[1, 8], quick=True)
+    report = canvas_steps.run(settings, tmp_path / "r.json", log=lambda line: None)
+    assert layers_seen == [(12, 1), (6, 1), (6, 8)]
+    assert report["num_layers"] == 6
+    assert report["layers_note"] == "6 of the geometry's 12 layers: 12 do not fit this device"
+    assert json.loads((tmp_path / "r.json").read_text())["results"] == [{"batch": 1, "layers": 6},
+                                                                        {"batch": 8, "layers": 6}]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"steps": 2}, "steps=2 must be >= 3"),
+    ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, tiny"),
+    ({"num_layers": 0}, "num_layers=0 must be >= 1"),
+])  # fmt: skip
+def test_bad_settings_are_refused_by_name(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CanvasBenchSettings(**changes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the published geometry is refused only without CUDA")
+def test_the_published_geometry_is_refused_without_cuda(capsys) -> None:
+    assert main(["canvas", "--batch-sizes", "1"]) == 2
+    assert "geometry='26b-a4b' needs a CUDA device" in capsys.readouterr().err
+
+
+def test_flags_of_other_actions_are_refused() -> None:
+    assert main(["canvas", "--geometry", "tiny", "--buffer-sizes", "2"]) == 2
+    assert main(["throughput", "--steps", "3"]) == 2
