@@ -68,7 +68,8 @@ def _shape(ctx: SweepContext, batches: list[int], quick_batches: list[int], max_
 
 def floor_parts(cost: Any, row: Mapping[str, Any]) -> dict[str, Any]:
     """The floor's parts of a measured row: bytes every step reads whatever its rows (weights, of them the LM
-    head), the experts its rows select, the K/V it reads and writes (the rest of its bytes), and its flops."""
+    head), the experts its rows select, the embedding rows it gathers, the K/V it reads and writes (the rest of
+    its bytes), and its flops."""
     query = row["query_tokens_per_step"]
     experts = cost.moe_layers * cost.expected_experts(round(query))
     expert_bytes = experts * cost.expert_params * cost.itemsize
@@ -78,6 +79,7 @@ def floor_parts(cost: Any, row: Mapping[str, Any]) -> dict[str, Any]:
         "lm_head_bytes": cost.lm_head_params * cost.itemsize,
         "expert_bytes_per_step": expert_bytes,
         "experts_per_moe_layer": experts / cost.moe_layers if cost.moe_layers else None,
+        "embedding_bytes_per_step": embedding_bytes,
         "kv_bytes_per_step": max(0.0, row["bytes_per_step"] - cost.weight_bytes - expert_bytes - embedding_bytes),
         "flops_per_step": row["flops_per_step"],
     }
