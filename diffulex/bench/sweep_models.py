@@ -53,13 +53,16 @@ def _llada2(size: str) -> Callable[[Path, str | None], Path]:
 
 
 def _weightless(path: Path, source: Path, sizes: dict[str, Any], section: str | None) -> Path:
-    """Copy `source` without its weight files and write `sizes` over its config (or its `section`)."""
+    """Copy `source` without its weight files and write `sizes` over its config (or its `section`); the weights
+    the engine draws are bfloat16, as the published checkpoints are (the tiny writer's are float32)."""
     path.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.suffix != ".safetensors" and item.is_file():
             shutil.copyfile(item, path / item.name)
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     (config[section] if section else config).update(sizes)
+    for key in ("torch_dtype", "dtype"):
+        config[key] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
 
