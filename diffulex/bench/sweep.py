@@ -244,7 +244,7 @@ def run(settings: SweepSettings, log: Callable[[str], None] = print, command: st
                 log("  no plot: matplotlib is not installed (pip install matplotlib)")
             except Exception as err:  # the JSON is written: a plot that fails loses no measurement
                 log(f"  no plot: {error_text(err)}")
-    write_tables(out)
+            write_tables(out)  # after each target: a run stopped from outside keeps what it measured
     log(f"results: {out}/ ({', '.join(f'{t}.json' for t in settings.targets)}, tables.md)")
     return reports
 

@@ -32,6 +32,8 @@ BATCH_FLOOR_TARGET = 1.3  # ms per step <= 1.3x the step's floor (issue 31, targ
 STRATEGY_VS_MULTI_BD_TARGET = 1.2  # at batch 32, within 1.2x of multi_bd's step time
 MOE_FLOOR_TARGET = 1.25
 BASELINE = "multi_bd b1"  # the label each family's other strategies are compared with
+TIMED_STEPS = 100  # decode steps timed per configuration on the GPU: a stable mean, a few seconds at most
+STRATEGY_TIMED_STEPS = 64
 GRAPHED_SHARE = 0.95  # a configuration "runs in CUDA graphs" when at least this share of its steps replayed one
 
 
@@ -186,7 +188,7 @@ def run_batch(ctx: SweepContext) -> list[dict[str, Any]]:
     """SDAR-1.7B and 8B geometries, block 4, buffers 1 and 2, batches 32/64/128: each step against its floor."""
     models = ["tiny-sdar"] if ctx.quick else ["sdar-1.7b", "sdar-8b"]
     configs = [DecodeConfig(m, f"multi_bd b{buffer}", 4, buffer) for m in models for buffer in (1, 2)]
-    rows = measure_configs(ctx, configs, _shape(ctx, [32, 64, 128], [2, 4], None))
+    rows = measure_configs(ctx, configs, _shape(ctx, [32, 64, 128], [2, 4], TIMED_STEPS))
     for row in rows:
         if _ok(row):
             row["target_ratio"] = BATCH_FLOOR_TARGET
@@ -245,24 +247,24 @@ def strategy_configs(quick: bool) -> list[DecodeConfig]:
     sdar, llada2 = ("tiny-sdar", "tiny-llada2") if quick else ("sdar-1.7b", "llada2-mini")
     fast, gemma = ("tiny-fast-dllm-v2", "tiny-diffusion-gemma") if quick else ("fast-dllm-v2-1.5b", "diffusion-gemma")
     llada2_block = 4 if quick else 32  # LLaDA2 is trained with 32-token blocks
-    return [
+    return [  # the heaviest geometry last: a spent budget skips the fewest families
         DecodeConfig(sdar, BASELINE, 4, 1),
         DecodeConfig(sdar, "multi_bd b2", 4, 2),
         DecodeConfig(sdar, "multi_bd b4", 4, 4),
         DecodeConfig(sdar, "d2f", 4, 1, {"decoding_strategy": "d2f"}),
+        DecodeConfig(fast, BASELINE, 8, 1, {"decoding_strategy": "multi_bd"}),
+        DecodeConfig(fast, "fast_dllm_v2", 8, 4, {"decoding_strategy": "fast_dllm_v2"}),
+        DecodeConfig(gemma, "diffusion_gemma", 16, 1, {"decoding_strategy": "diffusion_gemma"}),
         DecodeConfig(llada2, BASELINE, llada2_block, 1),
         DecodeConfig(llada2, "edit", llada2_block, 1, {"sampling_mode": "edit"}),
         DecodeConfig(llada2, "dmax (token merge)", llada2_block, 1,
                      {"decoding_strategy": "dmax", "sampling_mode": "edit", "token_merge_weight": 1.0}),
-        DecodeConfig(fast, BASELINE, 8, 1, {"decoding_strategy": "multi_bd"}),
-        DecodeConfig(fast, "fast_dllm_v2", 8, 4, {"decoding_strategy": "fast_dllm_v2"}),
-        DecodeConfig(gemma, "diffusion_gemma", 16, 1, {"decoding_strategy": "diffusion_gemma"}),
     ]
 
 
 def run_strategies(ctx: SweepContext) -> list[dict[str, Any]]:
     """Each strategy at batch 1 and 32 against its floor, and at each batch against its family's multi_bd."""
-    shape = _shape(ctx, [1, 32], [1, 2], 64)
+    shape = _shape(ctx, [1, 32], [1, 2], STRATEGY_TIMED_STEPS)
     rows = measure_configs(ctx, strategy_configs(ctx.quick), shape)
     baseline = {(r["model"], r["batch"]): r for r in rows if r["label"] == BASELINE and _ok(r)}
     for row in rows:
@@ -318,7 +320,7 @@ def run_moe(ctx: SweepContext) -> list[dict[str, Any]]:
         configs = [DecodeConfig("tiny-sdar-moe", BASELINE, 4), DecodeConfig("tiny-llada2", BASELINE, 4)]
     else:
         configs = [DecodeConfig("sdar-30b-a3b", BASELINE, 4), DecodeConfig("llada2-mini", BASELINE, 32)]
-    rows = measure_configs(ctx, configs, _shape(ctx, [1, 8, 32], [1, 2], None))
+    rows = measure_configs(ctx, configs, _shape(ctx, [1, 8, 32], [1, 2], TIMED_STEPS))
     for row in rows:
         if _ok(row):
             row["target_ratio"] = MOE_FLOOR_TARGET

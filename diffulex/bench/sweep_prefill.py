@@ -1,8 +1,9 @@
 """The ``prefill`` target of ``diffulex bench sweep``: long prompts.
 
 * Time to first token of a 2k, 8k and 32k-token prompt (SDAR-1.7B and 8B geometries), one request, the whole
-  prompt in one forward: from ``add_request`` to the step that accepts its first token, bracketed by device
-  synchronizations, after an untimed warm-up prompt of the same length (other tokens, so no prefix-cache hit).
+  prompt in one forward: from a device synchronization and ``add_request`` to the return of the step that
+  accepts its first token (the token is then on the host), after an untimed warm-up prompt of the same length
+  (other tokens, so no prefix-cache hit).
   Its floor is the sum over those steps of each step's larger floor, from the steps' own records: the compute
   floor counts the prompt's linear flops, the LM head over the sampled rows and attention's (query, key) pairs
   under the block-causal mask (`diffulex.bench.roofline.block_causal_pairs`).
@@ -110,8 +111,7 @@ def time_to_first_token(engine: Any, prompt: list[int], max_tokens: int, max_ste
         records += [(req, u.record, max(before, _context_before(req, u.record)), req.num_cached_tokens)
                     for u in mine if u.record is not None]
         if any(u.finished or (u.record is not None and u.record.num_new_tokens > 0) for u in mine):
-            sync(device)
-            first = time.perf_counter() - t0
+            first = time.perf_counter() - t0  # the token is on the host: what follows is not its wait
             break
     if first is None:
         engine.abort_request(req_id)
