@@ -16,7 +16,7 @@ key as a flag (``--dataset-name``, ``--dataset-limit``, ``--max-tokens``, ``--al
 against the hardware floors; it takes the engine flags (``--enforce-eager``, ``--attn-impl``, ...) and
 ``--max-tokens``, not ``--config``/``--set`` (docs/benchmarks.md, "Throughput (GPU)"). ``sweep`` runs the
 performance targets (docs/benchmarks.md, "Performance sweep"): ``--targets``, ``--out DIR``, ``--max-seconds`` per
-target, ``--quick`` (tiny checkpoints, the CPU path), ``--data-dir`` and the engine flags.
+target, ``--total-seconds`` for all, ``--quick`` (tiny checkpoints, the CPU path), ``--data-dir`` and the engine flags.
 
 Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
 """
@@ -153,6 +153,9 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     sweep = parser.add_argument_group("sweep (diffulex bench sweep; see docs/benchmarks.md, Performance sweep)")
     sweep.add_argument("--targets", dest="tp__targets", nargs="+", type=str.lower, choices=TARGETS,
                        help=f"what to measure (default: all of {' '.join(TARGETS)})")
+    sweep.add_argument("--total-seconds", dest="tp__total_seconds", type=float, metavar="S",
+                       help="budget of the whole sweep: each target gets at most its share of what is left "
+                            "(and at most --max-seconds)")
 
 
 def throughput_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,8 +228,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + name.replace("_", "-") for name in eval_)
         raise ValueError(f"{flags}: eval keys are not used by 'diffulex bench throughput'")
     opts = throughput_options(args)
-    if "targets" in opts:
-        raise ValueError("--targets: only for 'diffulex bench sweep'")
+    for name in ("targets", "total_seconds"):
+        if name in opts:
+            raise ValueError(f"--{name.replace('_', '-')}: only for 'diffulex bench sweep'")
     engine = _engine_flag_overrides(args)
     model_dir = engine.pop("model_path", None)
     load_format = engine.pop("load_format", None)
@@ -256,7 +260,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 1 if report["results"] and all(r["error"] for r in report["results"]) else 0
 
 
-SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "data_dir")
+SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "data_dir")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -283,7 +287,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     settings = SweepSettings(
         targets=opts.get("targets", list(TARGETS)), out=opts["out"], quick=quick,
         max_seconds=opts.get("max_seconds", QUICK_TARGET_SECONDS if quick else DEFAULT_TARGET_SECONDS),
-        data_dir=opts.get("data_dir"), engine_overrides=engine,
+        total_seconds=opts.get("total_seconds"), data_dir=opts.get("data_dir"), engine_overrides=engine,
     )
     reports = run(settings, log=lambda line: print(line, flush=True))
     failed = [name for name, report in reports.items()

@@ -11,8 +11,9 @@ same engine offline).
 Every target writes ``DIR/<target>.json`` and ``DIR/<target>.png`` (when matplotlib is installed), and one
 markdown table per target goes to ``DIR/tables.md`` in the shape docs/benchmarks.md holds (machine, date,
 command). Peaks (copy bandwidth, matmul throughput) are measured once per run, in the same run as the steps they
-bound. Each target stops starting new configurations once its ``--max-seconds`` are spent; what it skipped is
-recorded as skipped. ``--quick`` runs every target on tiny random checkpoints (the CPU path CI checks).
+bound. Each target stops starting new configurations once its budget is spent (``--max-seconds``, or its share of
+what is left of ``--total-seconds``); what it skipped is recorded as skipped. ``--quick`` runs every target on
+tiny random checkpoints (the CPU path CI checks).
 
 The decode measurements are `diffulex.bench.throughput.measure_decode` (warm-up excluded, region bracketed by
 device synchronizations); the floors are `diffulex.bench.roofline`.
@@ -60,6 +61,7 @@ class SweepSettings:
     out: str = "sweep"
     quick: bool = False
     max_seconds: float = DEFAULT_TARGET_SECONDS  # per target
+    total_seconds: float | None = None  # the whole sweep: each target gets at most its share of what is left
     data_dir: str | None = None  # SDAR-4B-Chat config and tokenizer (the GPU geometries)
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # applied to every engine the sweep builds
 
@@ -73,6 +75,15 @@ class SweepSettings:
                 raise ValueError(f"targets: {target!r} is invalid: must be one of {', '.join(TARGETS)}")
         self.targets = [t for t in TARGETS if t in self.targets]  # one order, each once
         check_number("max_seconds", self.max_seconds, low=0.0, low_open=True)
+        if self.total_seconds is not None:
+            check_number("total_seconds", self.total_seconds, low=0.0, low_open=True)
+
+    def target_seconds(self, elapsed: float, targets_left: int) -> float:
+        """The budget of the next target: ``max_seconds``, or less with ``total_seconds``: an equal share of the
+        time left among the targets left, so time a target did not use (or overran) moves to the others."""
+        if self.total_seconds is None:
+            return self.max_seconds
+        return min(self.max_seconds, max(self.total_seconds - elapsed, 0.0) / targets_left)
 
 
 @dataclass
@@ -213,12 +224,14 @@ def run(settings: SweepSettings, log: Callable[[str], None] = print, command: st
     info = device_info(device)
     targets = _targets()
     reports: dict[str, Any] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diffulex-sweep-") as tmp:
         ctx = SweepContext(settings, device, peaks, Path(tmp), log)
-        for name in settings.targets:
+        for index, name in enumerate(settings.targets):
             target = targets[name]
-            ctx.budget = Budget(settings.max_seconds)
-            log(f"== {name}: {target.title} (budget {settings.max_seconds:g} s)")
+            seconds = settings.target_seconds(time.perf_counter() - started, len(settings.targets) - index)
+            ctx.budget = Budget(seconds)
+            log(f"== {name}: {target.title} (budget {seconds:.0f} s)")
             try:
                 rows = target.run(ctx)
                 failure = None
@@ -229,7 +242,8 @@ def run(settings: SweepSettings, log: Callable[[str], None] = print, command: st
             report = {
                 "tool": TOOL, "target": name, "title": target.title, "date": date, "command": command,
                 "device": info, "hardware": peaks.to_dict(), "quick": settings.quick,
-                "max_seconds": settings.max_seconds, "seconds": round(ctx.budget.seconds - ctx.budget.left, 2),
+                "max_seconds": settings.max_seconds, "total_seconds": settings.total_seconds,
+                "budget_seconds": round(seconds, 2), "seconds": round(seconds - ctx.budget.left, 2),
                 "engine_overrides": settings.engine_overrides, "error": failure, "rows": rows,
             }
             table = target.table(rows) if rows else f"(no rows: {failure})"

@@ -160,3 +160,13 @@ def test_the_command_line_refuses_what_the_sweep_does_not_take(argv, message, ca
 def test_settings_name_the_bad_target() -> None:
     with pytest.raises(ValueError, match="targets: 'warp' is invalid: must be one of batch, prefill"):
         sweep.SweepSettings(targets=["warp"])
+
+
+def test_a_total_budget_is_shared_among_the_targets_left() -> None:
+    settings = sweep.SweepSettings(max_seconds=100.0, total_seconds=300.0)
+    assert settings.target_seconds(elapsed=0.0, targets_left=6) == 50.0
+    # the first targets used less than their share: the rest get it, up to --max-seconds
+    assert settings.target_seconds(elapsed=60.0, targets_left=4) == 60.0
+    assert settings.target_seconds(elapsed=100.0, targets_left=1) == 100.0
+    assert settings.target_seconds(elapsed=400.0, targets_left=2) == 0.0  # overrun: the rest start nothing
+    assert sweep.SweepSettings(max_seconds=7.0).target_seconds(elapsed=1e6, targets_left=1) == 7.0
