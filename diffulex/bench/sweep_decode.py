@@ -133,9 +133,13 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
             engine = None
             release(ctx.device)
             continue
+        failed_at = None
         for batch in shape.batches:
             row: dict[str, Any] = {**base, "batch": batch, "dtype": str(engine.dtype).removeprefix("torch."),
                                    "error": None}
+            if failed_at is not None:  # the engine may be half-way through a step: its other batches are not run
+                rows.append({**row, "error": f"not run: the engine failed at batch {failed_at}"})
+                continue
             if ctx.budget.spent:
                 rows.append(skipped(row))
                 continue
@@ -152,7 +156,7 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
                 ctx.log(f"  {config.model} {config.label} batch {batch} failed: {row['error']}")
             rows.append(row)
             if row["error"]:
-                break  # the engine may be half-way through a step: the next configuration starts fresh
+                failed_at = batch
         _close(engine)
         engine = None
         release(ctx.device)

@@ -170,3 +170,25 @@ def test_a_total_budget_is_shared_among_the_targets_left() -> None:
     assert settings.target_seconds(elapsed=100.0, targets_left=1) == 100.0
     assert settings.target_seconds(elapsed=400.0, targets_left=2) == 0.0  # overrun: the rest start nothing
     assert sweep.SweepSettings(max_seconds=7.0).target_seconds(elapsed=1e6, targets_left=1) == 7.0
+
+
+def test_a_failing_configuration_is_recorded_and_the_next_one_starts_fresh(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    from diffulex.bench import throughput
+
+    original = throughput.measure_decode
+
+    def out_of_memory_at_buffer_1_batch_2(engine, batch, settings, *args):
+        if batch == 2 and engine.config.buffer_size == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(engine, batch, settings, *args)
+
+    monkeypatch.setattr(throughput, "measure_decode", out_of_memory_at_buffer_1_batch_2)
+    out = tmp_path / "sweep"
+    assert main(["bench", "sweep", "--quick", "--targets", "batch", "--out", str(out)]) == 0
+    rows = {(r["buffer_size"], r["batch"]): r for r in json.loads((out / "batch.json").read_text())["rows"]}
+    assert rows[1, 2]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert rows[1, 4]["error"] == "not run: the engine failed at batch 2"
+    assert rows[2, 2]["error"] is None and rows[2, 4]["floor_ratio"] > 0  # buffer 2: a fresh engine
+    assert "error: OutOfMemoryError" in (out / "tables.md").read_text()
