@@ -338,6 +338,9 @@ def plot_prefill(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> N
             line = ax_ttft.plot(x, [r["ttft_ms"] for r in cold], marker="o", label=f"{model} TTFT")
             ax_ttft.plot(x, [r["compute_floor_ms"] for r in cold], linestyle="--", color=line[0].get_color(),
                          label=f"{model} compute floor")
+            for hit in (r for r in rows if r["model"] == model and r["case"] == "prefix hit" and not _status(r)):
+                ax_ttft.scatter([hit["prompt_len"]], [hit["ttft_ms"]], marker="x", s=80, color=line[0].get_color(),
+                                label=f"{model} prefix hit ({hit['cached_len']} cached)")
     ax_ttft.set_xscale("log", base=2)
     ax_ttft.set_yscale("log")
     ax_ttft.set_xlabel("prompt tokens")
