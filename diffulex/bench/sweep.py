@@ -211,9 +211,14 @@ def run(settings: SweepSettings, log: Callable[[str], None] = print, command: st
     ``{target: report}``."""
     from diffulex.bench.hardware import measure_peaks
 
+    device = device_for(settings.engine_overrides)
+    if device.type != "cuda" and not settings.quick:
+        raise ValueError(
+            "the sweep's geometries (SDAR-1.7B to SDAR-30B-A3B, random weights) need a CUDA device and none is "
+            "available: run it on a GPU machine, or pass --quick for tiny checkpoints on this CPU"
+        )
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = device_for(settings.engine_overrides)
     dtype = engine_dtype(device, settings.engine_overrides)
     command = command or shlex.join(["diffulex", *sys.argv[1:]])
     log(f"measuring peaks on {device} ({str(dtype).removeprefix('torch.')}) ...")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex.bench import sweep
 from diffulex.bench.sweep_decode import BASELINE, strategy_configs
@@ -157,6 +158,14 @@ def test_the_command_line_refuses_what_the_sweep_does_not_take(argv, message, ca
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_full_sweep_refuses_to_start_without_cuda(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "sweep", "--targets", "batch", "--out", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err
+    assert "need a CUDA device" in err and "--quick" in err
+    assert not (tmp_path / "sweep").exists()  # nothing measured, nothing written
+
+
 def test_settings_name_the_bad_target() -> None:
     with pytest.raises(ValueError, match="targets: 'warp' is invalid: must be one of batch, prefill"):
         sweep.SweepSettings(targets=["warp"])
@@ -173,8 +182,6 @@ def test_a_total_budget_is_shared_among_the_targets_left() -> None:
 
 
 def test_a_failing_configuration_is_recorded_and_the_next_one_starts_fresh(tmp_path: Path, monkeypatch) -> None:
-    import torch
-
     from diffulex.bench import throughput
 
     original = throughput.measure_decode
