@@ -1,9 +1,10 @@
 """Load test of the HTTP server: N concurrent streaming clients for T seconds on loopback.
 
 Each client sends streaming requests back to back until the time is up or the request budget is spent, and
-records time to first token (first non-empty text), end-to-end latency, completion tokens (from the final usage
-chunk) and errors. Reports requests/s, tokens/s, TTFT and latency p50/p99, TPF and the error count (the exit
-code is 1 if any request failed).
+records time to first token (first non-empty text), the gaps between streamed chunks, end-to-end latency,
+completion tokens (from the final usage chunk) and errors. Reports requests/s, tokens/s, TTFT, chunk gap and
+latency p50/p99, TPF and the error count (the exit code is 1 if any request failed). The client is
+`diffulex.bench.load` (shared with ``diffulex bench sweep --targets serving``); this script is its command line.
 
     # start a server in this process on a tiny random checkpoint and load it:
     python bench/load_test.py --clients 16 --duration 20
