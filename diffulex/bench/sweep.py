@@ -34,6 +34,9 @@ from typing import Any
 import torch
 
 TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving")
+# Each target's share of ``--total-seconds``: about the engines it builds (builds dominate a short sweep): batch 4,
+# prefill 4, strategies 10, moe 2 of the largest geometries, start 2 fresh processes, serving 3.
+TARGET_WEIGHTS = {"batch": 4.0, "prefill": 4.0, "strategies": 10.0, "moe": 3.0, "start": 3.0, "serving": 3.0}
 DEFAULT_TARGET_SECONDS = 120.0
 QUICK_TARGET_SECONDS = 60.0
 TOOL = "diffulex bench sweep"
@@ -78,12 +81,14 @@ class SweepSettings:
         if self.total_seconds is not None:
             check_number("total_seconds", self.total_seconds, low=0.0, low_open=True)
 
-    def target_seconds(self, elapsed: float, targets_left: int) -> float:
-        """The budget of the next target: ``max_seconds``, or less with ``total_seconds``: an equal share of the
-        time left among the targets left, so time a target did not use (or overran) moves to the others."""
+    def target_seconds(self, elapsed: float, targets_left: Sequence[str]) -> float:
+        """The budget of the next target (the first of `targets_left`): ``max_seconds``, or less with
+        ``total_seconds``: its share (`TARGET_WEIGHTS`) of the time left among the targets left, so time a target
+        did not use, or overran, moves to the others."""
         if self.total_seconds is None:
             return self.max_seconds
-        return min(self.max_seconds, max(self.total_seconds - elapsed, 0.0) / targets_left)
+        share = TARGET_WEIGHTS[targets_left[0]] / sum(TARGET_WEIGHTS[t] for t in targets_left)
+        return min(self.max_seconds, max(self.total_seconds - elapsed, 0.0) * share)
 
 
 @dataclass
@@ -234,7 +239,7 @@ def run(settings: SweepSettings, log: Callable[[str], None] = print, command: st
         ctx = SweepContext(settings, device, peaks, Path(tmp), log)
         for index, name in enumerate(settings.targets):
             target = targets[name]
-            seconds = settings.target_seconds(time.perf_counter() - started, len(settings.targets) - index)
+            seconds = settings.target_seconds(time.perf_counter() - started, settings.targets[index:])
             ctx.budget = Budget(seconds)
             log(f"== {name}: {target.title} (budget {seconds:.0f} s)")
             try:

@@ -251,18 +251,18 @@ def strategy_configs(quick: bool) -> list[DecodeConfig]:
     sdar, llada2 = ("tiny-sdar", "tiny-llada2") if quick else ("sdar-1.7b", "llada2-mini")
     fast, gemma = ("tiny-fast-dllm-v2", "tiny-diffusion-gemma") if quick else ("fast-dllm-v2-1.5b", "diffusion-gemma")
     llada2_block = 4 if quick else 32  # LLaDA2 is trained with 32-token blocks
-    return [  # the heaviest geometry last: a spent budget skips the fewest families
+    return [  # the strategies the issue names first: a spent budget skips the ones that landed since
         DecodeConfig(sdar, BASELINE, 4, 1),
         DecodeConfig(sdar, "multi_bd b2", 4, 2),
         DecodeConfig(sdar, "multi_bd b4", 4, 4),
         DecodeConfig(sdar, "d2f", 4, 1, {"decoding_strategy": "d2f"}),
-        DecodeConfig(fast, BASELINE, 8, 1, {"decoding_strategy": "multi_bd"}),
-        DecodeConfig(fast, "fast_dllm_v2", 8, 4, {"decoding_strategy": "fast_dllm_v2"}),
-        DecodeConfig(gemma, "diffusion_gemma", 16, 1, {"decoding_strategy": "diffusion_gemma"}),
         DecodeConfig(llada2, BASELINE, llada2_block, 1),
         DecodeConfig(llada2, "edit", llada2_block, 1, {"sampling_mode": "edit"}),
         DecodeConfig(llada2, "dmax (token merge)", llada2_block, 1,
                      {"decoding_strategy": "dmax", "sampling_mode": "edit", "token_merge_weight": 1.0}),
+        DecodeConfig(fast, BASELINE, 8, 1, {"decoding_strategy": "multi_bd"}),
+        DecodeConfig(fast, "fast_dllm_v2", 8, 4, {"decoding_strategy": "fast_dllm_v2"}),
+        DecodeConfig(gemma, "diffusion_gemma", 16, 1, {"decoding_strategy": "diffusion_gemma"}),
     ]
 
 

@@ -172,13 +172,17 @@ def test_settings_name_the_bad_target() -> None:
 
 
 def test_a_total_budget_is_shared_among_the_targets_left() -> None:
-    settings = sweep.SweepSettings(max_seconds=100.0, total_seconds=300.0)
-    assert settings.target_seconds(elapsed=0.0, targets_left=6) == 50.0
-    # the first targets used less than their share: the rest get it, up to --max-seconds
-    assert settings.target_seconds(elapsed=60.0, targets_left=4) == 60.0
-    assert settings.target_seconds(elapsed=100.0, targets_left=1) == 100.0
-    assert settings.target_seconds(elapsed=400.0, targets_left=2) == 0.0  # overrun: the rest start nothing
-    assert sweep.SweepSettings(max_seconds=7.0).target_seconds(elapsed=1e6, targets_left=1) == 7.0
+    settings = sweep.SweepSettings(max_seconds=1000.0, total_seconds=270.0)
+    weights = sweep.TARGET_WEIGHTS
+    everything = list(sweep.TARGETS)
+    assert settings.target_seconds(0.0, everything) == pytest.approx(270.0 * weights["batch"] / sum(weights.values()))
+    # the first targets used less than their share: the rest share what is left, by weight
+    share = weights["moe"] / (weights["moe"] + weights["start"])
+    assert settings.target_seconds(170.0, ["moe", "start"]) == pytest.approx(100.0 * share)
+    assert settings.target_seconds(170.0, ["serving"]) == pytest.approx(100.0)
+    assert settings.target_seconds(400.0, ["serving"]) == 0.0  # overrun: the rest start nothing
+    assert sweep.SweepSettings(max_seconds=30.0, total_seconds=1e6).target_seconds(0.0, ["start"]) == 30.0
+    assert sweep.SweepSettings(max_seconds=7.0).target_seconds(1e6, ["start"]) == 7.0
 
 
 def test_a_failing_configuration_is_recorded_and_the_next_one_starts_fresh(tmp_path: Path, monkeypatch) -> None:
