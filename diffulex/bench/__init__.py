@@ -3,6 +3,7 @@
     diffulex bench --config configs/sdar_chat_gsm8k.yml --dataset-limit 20
     diffulex bench compare runs/run_A runs/run_B
     diffulex bench throughput --models 1.7b --batch-sizes 1 8 --out runs/throughput.json
+    diffulex bench sweep --out runs/sweep --total-seconds 330
 
 Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
 
@@ -17,7 +18,11 @@ Modules (lm-eval is imported lazily, only by ``runner`` and ``lm_eval_model``):
   many-phrasings training data, and a held-out-pieces test set);
 * ``throughput``: ``diffulex bench throughput`` (decode steps of real SDAR geometries with random weights), with
   ``roofline`` (bytes and flops of a step, its floors), ``hardware`` (measured copy bandwidth and matmul peak) and
-  ``gpu_profile`` (GPU busy/idle share of decode steps from a torch.profiler trace).
+  ``gpu_profile`` (GPU busy/idle share of decode steps from a torch.profiler trace);
+* ``sweep``: ``diffulex bench sweep`` (every performance target against its floor, one JSON, plot and table per
+  target), its targets in ``sweep_decode`` (batch, strategies, MoE), ``sweep_prefill``, ``sweep_start`` and
+  ``sweep_serving``, its geometries in ``sweep_models``;
+* ``load``: the HTTP load client (closed loop for ``bench/load_test.py``, open-loop Poisson for the sweep).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
     diffulex bench compare RUN_A RUN_B [--json]
     diffulex bench throughput --models 1.7b 4b 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 2 --out FILE.json
     diffulex bench canvas --batch-sizes 1 8 --out FILE.json             # DiffusionGemma-26B-A4B denoising steps
+    diffulex bench sweep --targets batch prefill strategies moe start serving --out DIR [--quick]
 
 Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
 ``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval
@@ -16,7 +17,9 @@ key as a flag (``--dataset-name``, ``--dataset-limit``, ``--max-tokens``, ``--al
 against the hardware floors; it takes the engine flags (``--enforce-eager``, ``--attn-impl``, ...) and
 ``--max-tokens``, not ``--config``/``--set`` (docs/benchmarks.md, "Throughput (GPU)"). ``canvas`` measures
 milliseconds per DiffusionGemma denoising step against the step's floor (docs/benchmarks.md, "DiffusionGemma
-denoising steps (GPU)").
+denoising steps (GPU)"). ``sweep`` runs the
+performance targets (docs/benchmarks.md, "Performance sweep"): ``--targets``, ``--out DIR``, ``--max-seconds`` per
+target, ``--total-seconds`` for all, ``--quick`` (tiny checkpoints, the CPU path), ``--data-dir`` and the engine flags.
 
 Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
 """
@@ -92,8 +95,9 @@ def add_parser(subparsers: Any) -> None:
         help="run a benchmark from a YAML config, compare two runs, or measure decode throughput",
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
     )
-    parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput", "canvas"), default="run",
-                        help="run (default), compare, throughput, or canvas (DiffusionGemma denoising steps)")
+    parser.add_argument("action", nargs="?", choices=("run", "compare", "throughput", "canvas", "sweep"),
+                        default="run",
+                        help="run (default), compare, throughput, canvas (DiffusionGemma denoising steps) or sweep")
     parser.add_argument("runs", nargs="*", metavar="RUN", help="compare: two run directories (or metrics.json files)")
     parser.add_argument("--config", default=None, help="benchmark YAML (engine: + eval: sections)")
     parser.add_argument("--model-path", "--model", dest="model_path", default=None,
@@ -124,12 +128,14 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
                        help="blocks decoded at once per request (default: 1 2)")
     group.add_argument("--prompt-len", dest="tp__prompt_len", type=int, metavar="N",
                        help="random prompt tokens per request (default: 128); --max-tokens sets the answer (256)")
-    group.add_argument("--out", dest="tp__out", metavar="FILE.json", help="write the report here")
+    group.add_argument("--out", dest="tp__out", metavar="FILE.json",
+                       help="write the report here (sweep: the directory of its JSON, plots and tables.md)")
     group.add_argument("--plot", dest="tp__plot", metavar="FILE.png", help="draw tokens/s and floor ratio here")
     group.add_argument("--append", dest="tp__append", action="store_true", default=None,
                        help="merge into an existing --out (same device), replacing rows measured again")
     group.add_argument("--max-seconds", dest="tp__max_seconds", type=float, metavar="S",
-                       help="timed decode budget per configuration (default: 60)")
+                       help="timed decode budget per configuration (default: 60); sweep: the budget of each target "
+                            "(default: 120, --quick 60)")
     group.add_argument("--max-steps", dest="tp__max_steps", type=int, metavar="N",
                        help="timed decode steps per configuration at most (default: until a request finishes)")
     group.add_argument("--quick", dest="tp__quick", action="store_true", default=None,
@@ -147,6 +153,14 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
                        help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
                             "checkout's tests/data/sdar-4b-chat)")
+    from diffulex.bench.sweep import TARGETS
+
+    sweep = parser.add_argument_group("sweep (diffulex bench sweep; see docs/benchmarks.md, Performance sweep)")
+    sweep.add_argument("--targets", dest="tp__targets", nargs="+", type=str.lower, choices=TARGETS,
+                       help=f"what to measure (default: all of {' '.join(TARGETS)})")
+    sweep.add_argument("--total-seconds", dest="tp__total_seconds", type=float, metavar="S",
+                       help="budget of the whole sweep: each target gets at most its share of what is left "
+                            "(and at most --max-seconds)")
 
 
 def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +202,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"{flags}: only for 'diffulex bench canvas'")
     if args.action == "throughput":
         return cmd_throughput(args)
+    if args.action == "sweep":
+        return cmd_sweep(args)
     unused = throughput_options(args)
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
@@ -240,6 +256,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + name.replace("_", "-") for name in eval_)
         raise ValueError(f"{flags}: eval keys are not used by 'diffulex bench throughput'")
     opts = throughput_options(args)
+    for name in ("targets", "total_seconds"):
+        if name in opts:
+            raise ValueError(f"--{name.replace('_', '-')}: only for 'diffulex bench sweep'")
     engine = _engine_flag_overrides(args)
     model_dir = engine.pop("model_path", None)
     load_format = engine.pop("load_format", None)
@@ -288,6 +307,43 @@ def cmd_canvas(args: argparse.Namespace) -> int:
     )
     run(settings, shared.get("out"), log=lambda line: print(line, flush=True))
     return 0
+
+
+SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "data_dir")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from diffulex.bench.sweep import DEFAULT_TARGET_SECONDS, QUICK_TARGET_SECONDS, TARGETS, SweepSettings, run
+
+    if args.runs or args.config or args.set or args.check or args.json:
+        raise ValueError("diffulex bench sweep takes no run directories, --config, --set, --check or --json")
+    if eval_overrides(args):
+        flags = ", ".join("--" + name.replace("_", "-") for name in eval_overrides(args))
+        raise ValueError(f"{flags}: eval keys are not used by 'diffulex bench sweep'")
+    opts = throughput_options(args)
+    other = [name for name in opts if name not in SWEEP_OPTIONS]
+    if other:
+        flags = ", ".join("--" + name.replace("_", "-") for name in other)
+        raise ValueError(f"{flags}: only for 'diffulex bench throughput'; the sweep sets its own configurations")
+    engine = _engine_flag_overrides(args)
+    for name in ("model_path", "load_format", "block_size", "buffer_size", "max_num_reqs", "max_model_len"):
+        if name in engine:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: the sweep sets it per configuration (docs/benchmarks.md, Performance sweep)")
+    if "out" not in opts:
+        raise ValueError("diffulex bench sweep needs --out DIR (its JSON, plots and tables.md go there)")
+    quick = bool(opts.get("quick"))
+    settings = SweepSettings(
+        targets=opts.get("targets", list(TARGETS)), out=opts["out"], quick=quick,
+        max_seconds=opts.get("max_seconds", QUICK_TARGET_SECONDS if quick else DEFAULT_TARGET_SECONDS),
+        total_seconds=opts.get("total_seconds"), data_dir=opts.get("data_dir"), engine_overrides=engine,
+    )
+    reports = run(settings, log=lambda line: print(line, flush=True))
+    failed = [name for name, report in reports.items()
+              if report["error"] or (report["rows"] and all(r.get("error") for r in report["rows"]))]
+    if failed:
+        print(f"every configuration failed in: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _num(value: Any) -> str:

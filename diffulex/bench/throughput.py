@@ -308,6 +308,7 @@ def measure_decode(
     _sync(device)
     gc.callbacks.append(on_gc)
     continued = getattr(engine, "num_continuations", 0)
+    replays = graph_replays(engine)
     t0 = time.perf_counter()
     while True:
         before = [r.num_cached_tokens for r in requests]  # the only bookkeeping inside the region (~0.2 us each)
@@ -327,6 +328,8 @@ def measure_decode(
     elapsed = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     continued = getattr(engine, "num_continuations", 0) - continued
+    engine_steps = len(step_times)
+    replays = None if replays is None else graph_replays(engine) - replays
     raw, step_times = _rounds(raw, step_times, engine.config.micro_batches)
     final = [r.num_cached_tokens for r in requests]
     preemptions = sum(r.num_preemptions for r in requests)
@@ -356,6 +359,8 @@ def measure_decode(
         "stopped_by": stopped_by,
         "partial_steps": partial_steps,
         "continued_steps": continued,  # launched before the previous step's result (`async_scheduling`)
+        "engine_steps": engine_steps,
+        "graph_replays": replays,  # launches served by captured CUDA graphs (None: the runner has none)
         "preemptions": preemptions,
         "ms_per_step_mean": 1e3 * mean_s,
         "ms_per_step_p50": 1e3 * statistics.median(step_times),
@@ -374,6 +379,13 @@ def measure_decode(
         "flops_per_step": sum(step_flops(cost, w) for w in works) / steps,
         **summarize_floors(mean_s, floors),
     }
+
+
+def graph_replays(engine: Any) -> int | None:
+    """Launches the engine's runner has served by replaying captured CUDA graphs so far (None for a runner that
+    has no decode graphs to report on)."""
+    count = getattr(engine.runner, "graph_replays", None)
+    return count if isinstance(count, int) else None
 
 
 def _rounds(

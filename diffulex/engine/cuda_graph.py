@@ -218,6 +218,7 @@ class DecodeGraphs:
         self._sample_hidden: dict[int, list[torch.Tensor]] = {}  # the forward output each sampling graph reads
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
         self._publish = _host_publisher(device) if self.capture_graphs else None
+        self.num_replays = 0  # steps served by captured graphs (read by benchmarks; never read here)
 
     def fuses_forward(self, bucket: int) -> bool:
         """Whether a bucket's sampling graphs hold its forward too, so that a greedy step is one graph launch.
@@ -414,6 +415,7 @@ class DecodeGraphs:
         run eagerly."""
         if not self.capture_graphs:
             return self._run_uncaptured(bucket, sample)
+        self.num_replays += 1
         if not sample:
             self._graphs[bucket].replay()
             return self._outputs[bucket], None

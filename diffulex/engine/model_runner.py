@@ -213,6 +213,12 @@ class ModelRunner:
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
 
+    @property
+    def graph_replays(self) -> int:
+        """Steps (continuations included) that replayed captured CUDA graphs so far: a benchmark reads it around
+        the steps it times to say whether they ran on the graphed path, instead of assuming it."""
+        return self.graphs.num_replays if self.graphs is not None else 0
+
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
         self._replayed = None

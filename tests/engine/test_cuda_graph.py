@@ -214,3 +214,21 @@ def test_the_forward_is_told_which_rows_the_step_reads(peaky_sdar_dir: Path) -> 
         assert readers == rows + [-1] * (len(readers) - len(rows))
     assert any(not rows for rows in staged), "a step that only stores a finished block reads no row"
     assert any(rows for rows in staged)
+
+
+def test_graph_replays_count_only_captured_replays(peaky_sdar_dir: Path) -> None:
+    """The static path run without capture (the CPU's) is not a replay: a benchmark reading `graph_replays` around
+    its steps must not report eager steps as graphed."""
+    with make_engine(peaky_sdar_dir, max_num_reqs=4) as llm:
+        used = count_static_steps(with_static_decode(llm))
+        llm.generate(random_prompts(llm, [3, 5], seed=3), GREEDY, use_tqdm=False)
+        assert used and llm.runner.graph_replays == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
+def test_graph_replays_count_the_decode_steps_that_replay_a_graph(peaky_sdar_dir: Path) -> None:
+    with make_engine(peaky_sdar_dir, max_num_reqs=4, device_start=0) as llm:
+        used = count_static_steps(llm)
+        got = llm.generate(random_prompts(llm, [3, 5], seed=3), GREEDY, use_tqdm=False)
+        # every launch of the static path replays (continuations replay without it): at least one per such step
+        assert 0 < len(used) <= llm.runner.graph_replays <= got.num_engine_steps + len(used)

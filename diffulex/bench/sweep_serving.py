@@ -1,0 +1,152 @@
+"""The ``serving`` target of ``diffulex bench sweep``: the HTTP server under open-loop load against offline.
+
+For each concurrency (16, 64, 128 requests; the engine's ``max_num_reqs``) one engine (SDAR-1.7B geometry, random
+weights) first generates a fixed mixed set of requests offline (prompt and answer lengths drawn from a few values,
+``ignore_eos``): its tokens/s is the offline rate at that batch. The same engine then serves the same requests over
+HTTP (`diffulex.bench.load`): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times
+the offline request rate, so the server runs as full as the offline batch did and the excess waits in its queue.
+Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
+first token and the time between streamed chunks, p50 and p99. Both runs follow an untimed warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffulex.bench.sweep import SweepContext, error_text, fmt, markdown, plot_axes, release, save_figure, skipped
+
+ONLINE_VS_OFFLINE_TARGET = 0.9
+ARRIVAL_RATE_FACTOR = 2.0
+REQUEST_TIMEOUT_S = 300.0
+REQUESTS_PER_SLOT = 2  # requests sent per unit of concurrency
+
+
+@dataclass(frozen=True)
+class ServingShape:
+    model: str
+    concurrencies: list[int]
+    prompt_words: list[int]
+    max_tokens: list[int]
+    max_model_len: int
+
+
+def _shape(quick: bool) -> ServingShape:
+    if quick:
+        return ServingShape("tiny-sdar", [2, 4], [4, 8], [4, 8, 16], max_model_len=256)
+    return ServingShape("sdar-1.7b", [16, 64, 128], [32, 64, 128, 256], [32, 64, 128, 256], max_model_len=1024)
+
+
+def request_mix(shape: ServingShape, count: int, seed: int) -> list[Any]:
+    """`count` requests with prompt and answer lengths drawn (seeded) from the shape's values."""
+    from diffulex.bench.load import RequestSpec, make_prompt
+
+    draw = random.Random(seed)
+    return [RequestSpec(make_prompt(i, draw.choice(shape.prompt_words)), draw.choice(shape.max_tokens),
+                        ignore_eos=True) for i in range(count)]
+
+
+def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
+    """The engine's tokens/s and requests/s generating `specs` as one offline batch."""
+    from diffulex.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+              for s in specs]
+    t0 = time.perf_counter()
+    outputs = engine.generate([s.prompt for s in specs], params, use_tqdm=False, apply_chat_template=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(t.token_ids) for t in outputs)
+    return {"offline_s": elapsed, "offline_tokens": tokens, "offline_tokens_per_s": tokens / elapsed,
+            "offline_requests_per_s": len(specs) / elapsed}
+
+
+def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
+    from diffulex import Diffulex
+    from diffulex.bench.load import InProcessServer, open_loop, summarize
+
+    row: dict[str, Any] = {"model": shape.model, "concurrency": concurrency, "error": None}
+    path, load_format = ctx.checkpoint(shape.model)
+    fields = ctx.engine_fields({"max_num_reqs": concurrency, "max_model_len": shape.max_model_len,
+                                "load_format": load_format, "seed": 0})
+    specs = request_mix(shape, REQUESTS_PER_SLOT * concurrency, seed=concurrency)
+    engine = Diffulex(str(path), **fields)
+    try:
+        offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
+        row |= offline_rate(engine, specs)
+        rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
+        row["arrival_rate_per_s"] = rate
+        with InProcessServer(engine=engine, max_waiting=len(specs)) as server:
+            asyncio.run(open_loop(server.url, "completions", request_mix(shape, 2, seed=1), rate, 1,
+                                  REQUEST_TIMEOUT_S))  # warm-up of the HTTP path
+            samples, elapsed = asyncio.run(open_loop(server.url, "completions", specs, rate, concurrency,
+                                                     REQUEST_TIMEOUT_S))
+    finally:
+        engine.exit()
+    stats = summarize(samples, elapsed)
+    row |= {f"online_{k}" if k in ("tokens_per_s", "requests_per_s", "elapsed_s") else k: v for k, v in stats.items()}
+    row["online_vs_offline"] = row["online_tokens_per_s"] / row["offline_tokens_per_s"]
+    row["met"] = row["online_vs_offline"] >= ONLINE_VS_OFFLINE_TARGET and not stats["errors"]
+    return row
+
+
+def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
+    shape = _shape(ctx.quick)
+    rows = []
+    for concurrency in shape.concurrencies:
+        if ctx.budget.spent:
+            rows.append(skipped({"model": shape.model, "concurrency": concurrency}))
+            continue
+        try:
+            row = measure_concurrency(ctx, shape, concurrency)
+            ctx.log(f"  {concurrency} concurrent: online {row['online_tokens_per_s']:.0f} tok/s vs offline "
+                    f"{row['offline_tokens_per_s']:.0f} ({row['online_vs_offline']:.2f}x), TTFT p50/p99 "
+                    f"{fmt(row['ttft_p50_ms'], '.1f')}/{fmt(row['ttft_p99_ms'], '.1f')} ms, chunk gap p50/p99 "
+                    f"{fmt(row['chunk_gap_p50_ms'], '.1f')}/{fmt(row['chunk_gap_p99_ms'], '.1f')} ms, "
+                    f"{row['errors']} errors")
+        except Exception as err:
+            row = {"model": shape.model, "concurrency": concurrency, "error": error_text(err)}
+            ctx.log(f"  {concurrency} concurrent failed: {row['error']}")
+        rows.append(row)
+        release(ctx.device)
+    return rows
+
+
+def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    header = ["model", "concurrent", "requests (errors)", "online tok/s", "offline tok/s", "online / offline",
+              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms"]
+    body = []
+    for r in rows:
+        if r.get("error") or r.get("skipped"):
+            body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 6])
+            continue
+        body.append([r["model"], r["concurrency"], f"{r['requests']} ({r['errors']})",
+                     fmt(r["online_tokens_per_s"], ",.0f"), fmt(r["offline_tokens_per_s"], ",.0f"),
+                     fmt(r["online_vs_offline"]), "yes" if r["met"] else "no",
+                     f"{fmt(r['ttft_p50_ms'], '.1f')} / {fmt(r['ttft_p99_ms'], '.1f')}",
+                     f"{fmt(r['chunk_gap_p50_ms'], '.1f')} / {fmt(r['chunk_gap_p99_ms'], '.1f')}"])
+    return markdown(header, body)
+
+
+def plot_serving(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> None:
+    plt, fig, (ax_tps, ax_lat) = plot_axes(2, title)
+    done = sorted((r for r in rows if not r.get("error") and not r.get("skipped")), key=lambda r: r["concurrency"])
+    x = [r["concurrency"] for r in done]
+    ax_tps.plot(x, [r["online_tokens_per_s"] for r in done], marker="o", label="online (open loop)")
+    ax_tps.plot(x, [r["offline_tokens_per_s"] for r in done], marker="s", label="offline, same batch")
+    ax_tps.set_ylabel("tokens/s")
+    for key, name in [("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                      ("chunk_gap_p50_ms", "chunk gap p50"), ("chunk_gap_p99_ms", "chunk gap p99")]:
+        ax_lat.plot(x, [r[key] for r in done], marker="o", label=name)
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("ms")
+    for ax in (ax_tps, ax_lat):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests (max_num_reqs)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(plt, fig, path)
