@@ -164,8 +164,9 @@ def _sync(device: torch.device) -> None:
 def _requests(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> list[Any]:
     from diffulex.sampling_params import SamplingParams
 
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, engine.vocab_limit, (batch, settings.prompt_len), generator=gen).tolist()
+    from diffulex.bench.throughput import random_prompts
+
+    ids = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, seed)
     C = engine.model.config.canvas_length
     params = [SamplingParams(temperature=1.0, max_tokens=C, ignore_eos=True, seed=seed + i) for i in range(batch)]
     req_ids = [engine.add_request(prompt, sp) for prompt, sp in zip(ids, params, strict=True)]

@@ -89,16 +89,18 @@ def test_dmax_without_token_merge_completes_every_request(llada2):
 
 
 def test_dmax_with_token_merge_feeds_soft_inputs_and_completes(llada2, monkeypatch):
-    from diffulex.layers.token_merge import TokenMerge
+    from diffulex.engine.model_runner import ModelRunner
 
+    # soft rows as the runner collects them: the eager step merges them itself, a graph step stages them
     merged_rows = []
-    apply = TokenMerge.apply
+    collect = ModelRunner.collect
 
-    def recording(self, hidden, table):
-        merged_rows.append(len(self.rows))
-        return apply(self, hidden, table)
+    def recording(self, batch):
+        step = collect(self, batch)
+        merged_rows.append(len(step.soft_rows))
+        return step
 
-    monkeypatch.setattr(TokenMerge, "apply", recording)
+    monkeypatch.setattr(ModelRunner, "collect", recording)
     out, mask = run(llada2, sampling_mode="edit", decoding_strategy="dmax", accept_threshold=0.5)
     for trajectory in out:
         assert trajectory.completion_reason in ("max_new_tokens_reached", "eos_token_generated")

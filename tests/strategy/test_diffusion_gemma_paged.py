@@ -21,10 +21,13 @@ from diffulex.testing.checkpoints import write_tiny_diffusion_gemma_checkpoint
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 4  # positions per page: contexts straddle pages
-ATOL = 2e-5  # K/V (unit-scale after their norms)
+# K/V (unit-scale after their norms). On a GPU the Triton kernel's softmax (exp2, its own summation order) feeds the
+# later layers' K/V: measured 2.3e-5 there, so the bound is five times wider (a wrong row moves them by ~1)
+ATOL = 2e-5 if DEVICE.type == "cpu" else 1e-4
 # hidden states reach |5| here; two correct float32 summation orders (masked einsum attention against SDPA over
 # padded contexts) differ by a few ulps of that after 4 layers: the dense path batched and alone differ by 2.4e-5
-HIDDEN_ATOL = 1e-4
+# on the CPU, by 1.0e-4 against the Triton kernel on an H200
+HIDDEN_ATOL = 1e-4 if DEVICE.type == "cpu" else 5e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
