@@ -162,9 +162,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _requests(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> list[Any]:
-    from diffulex.sampling_params import SamplingParams
-
     from diffulex.bench.throughput import random_prompts
+    from diffulex.sampling_params import SamplingParams
 
     ids = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, seed)
     C = engine.model.config.canvas_length
