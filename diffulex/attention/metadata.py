@@ -41,13 +41,16 @@ class PagedAttentionMetadata:
     prefix_lens_cpu: list[int]
     # Per request, the end of the keys it attends to when that lies past its rows: keys ``[0, context_len)`` and
     # ``[context_len + query_len, key_len)`` come from the cache, the rows' own from this step. None: every
-    # request's keys end with its rows. Only the PyTorch path reads it (`Attention` routes such steps there).
+    # request's keys end with its rows. The PyTorch path reads this host copy, the Triton kernels `key_lens`.
     key_lens_cpu: list[int] | None = None
     # Launch-shape bounds for the kernels: the longest query chunk and the longest key range of any request.
     # Derived from the host lists when left at 0; a CUDA graph fixes them to its bucket's capacity instead, so
     # one captured launch serves every batch that fits.
     max_query_len: int = 0
     max_kv_len: int = 0
+    # [R] int32 on the device: the same key ends for the kernels (a value at or below ``context_len + query_len``
+    # means none past the rows). None: no request attends past its rows, and the kernels compile no tail loop.
+    key_lens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.max_query_len <= 0:

@@ -11,6 +11,10 @@ replayed by copying its inputs into the buffers and padding the rest:
 * the attention kernels see the bucket's fixed launch bounds (``max_query_len`` rows per request, keys up to
   ``max_model_len``), so one launch shape serves every step that fits.
 
+With ``key_tails`` (`GraphShape`) each request's key end travels with the layout too, so steps whose requests
+attend to cached keys after their rows (Fast-dLLM v2's sub-block refinement) replay the same graphs as steps
+that do not; a padded request's key end is 0 (none past its rows).
+
 Prefill chunks, rebuilds after preemption and anything larger run eagerly.
 
 A step whose requests all decode greedily also replays a second graph per bucket, the sampling graph: the LM
@@ -125,6 +129,9 @@ class GraphShape:
     block_size: int
     page_size: int
     prefix_full: bool
+    # each request's key end is staged and handed to attention (`PagedAttentionMetadata.key_lens`), for strategies
+    # whose requests attend to cached keys after their rows; off, the kernels compile no loop for such keys
+    key_tails: bool = False
 
     @property
     def max_tokens(self) -> int:
@@ -181,9 +188,10 @@ class DecodeGraphs:
         # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
         #                 then [starts | force | block first rows | block end rows | block slots] (each S + 1
         #                 long: one more segment, for padded rows);
-        # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)].
+        # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | key_lens (R) |
+        #                 page_tables (R * P)].
         # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
-        self._head_len = 3 * R + 1
+        self._head_len = 4 * R + 1
         self._row_stride = T + T % 2
         self._segment_stride = S + 1 + (S + 1) % 2
         token_bytes = (5 * self._row_stride + 5 * self._segment_stride) * 8
@@ -279,6 +287,7 @@ class DecodeGraphs:
             prefix_lens_cpu=[0] * bucket,
             max_query_len=s.max_query_len,
             max_kv_len=s.max_kv_len,
+            key_lens=lay[3 * R + 1 : 3 * R + 1 + bucket] if s.key_tails else None,
         )
 
     # ----- filling -------------------------------------------------------------------------------------------
@@ -317,6 +326,9 @@ class DecodeGraphs:
         lay[R + 1 + r : R + 1 + bucket] = 0
         lay[2 * R + 1 : 2 * R + 1 + r] = step.prefix_lens
         lay[2 * R + 1 + r : 2 * R + 1 + bucket] = 0
+        if s.key_tails:  # a request without a key end (none past its rows) and a padded one: 0, i.e. none
+            lay[3 * R + 1 : 3 * R + 1 + len(step.key_lens)] = step.key_lens
+            lay[3 * R + 1 + len(step.key_lens) : 3 * R + 1 + bucket] = 0
         tables = lay[self._head_len : self._head_len + bucket * s.max_pages].reshape(bucket, s.max_pages)
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
@@ -329,6 +341,8 @@ class DecodeGraphs:
             meta.query_lens_cpu = step.query_lens + [0] * pad
             meta.context_lens_cpu = step.context_lens + [0] * pad
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
+            if s.key_tails:
+                meta.key_lens_cpu = step.key_lens + [0] * (bucket - len(step.key_lens))
 
     def _fill_sampled(self, sampled: SampledRows, bucket: int, tok: np.ndarray) -> None:
         """Stage the sampled rows' blocks, padded to the bucket (`_fill` stages the rows themselves): padded rows

@@ -29,6 +29,7 @@ class GraphPolicy:
     # bounds the graphs' query length, the sampled rows and the profiled logits
     max_rows_per_request: int
     logits_shift: bool
+    key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
 
     @classmethod
     def decide(
@@ -58,6 +59,7 @@ class GraphPolicy:
             staging_buffers=2 if continues else config.micro_batches,
             max_rows_per_request=config.buffer_size * config.block_size + int(logits_shift),
             logits_shift=logits_shift,
+            key_tails=config.strategy.attends_past_rows,
         )
 
     def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
@@ -90,4 +92,5 @@ class GraphPolicy:
             staging_buffers=self.staging_buffers,
             continuations=self.continues,
             logits_shift=self.logits_shift,
+            key_tails=self.key_tails,
         )

@@ -110,12 +110,14 @@ class ModelRunner:
         staging_buffers: int = 1,
         continuations: bool = False,
         logits_shift: bool = False,
+        key_tails: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
         steps also sample inside a graph (`greedy_sample`); with ``continuations`` their sampling graph also
         prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
-        read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families).
+        read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families);
+        ``key_tails`` stages each request's key end, so that steps attending past their rows replay too.
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -128,6 +130,7 @@ class ModelRunner:
             block_size=s.block_size,
             page_size=s.page_size,
             prefix_full=s.prefix_full,
+            key_tails=key_tails,
         )
         greedy_sample = self.greedy_sample if s.samples_in_graph else None
         advance = None
@@ -166,7 +169,8 @@ class ModelRunner:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
-        graphs_fit = self.graphs is not None and not step.has_cached_tail  # the graphs' kernels read no such keys
+        # keys past a request's rows replay only in graphs that stage the key ends
+        graphs_fit = self.graphs is not None and (self.graphs.shape.key_tails or not step.has_cached_tail)
         bucket = self.graphs.bucket_for(step) if graphs_fit else None
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
@@ -358,6 +362,7 @@ class ModelRunner:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
+        tails = step.has_cached_tail
         meta = PagedAttentionMetadata(
             cu_seqlens_q=tensor(step.cu_seqlens_q, torch.int32),
             context_lens=tensor(step.context_lens, torch.int32),
@@ -370,7 +375,8 @@ class ModelRunner:
             query_lens_cpu=step.query_lens,
             context_lens_cpu=step.context_lens,
             prefix_lens_cpu=step.prefix_lens,
-            key_lens_cpu=step.key_lens if step.has_cached_tail else None,
+            key_lens_cpu=step.key_lens if tails else None,
+            key_lens=tensor(step.key_lens, torch.int32) if tails else None,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
 

@@ -28,6 +28,11 @@ Design:
 * no host syncs: lengths, offsets and page tables are read on the device; only the grid size and the tile shapes
   use host integers (``max_query_len``, ``max_kv_len`` and the request count of the metadata). Requests with
   ``q_len = 0`` return at once, so a CUDA graph captured for a bucket of requests replays for fewer requests.
+* key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
+  to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
+  block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
+  the rows' own keys from ``k``/``v``, cached keys from ``ctx + q_len`` on; split-KV chunks the keys past ``ctx``
+  as before, a chunk may span the own rows and the tail. Off (the default), the third loop is not compiled.
 """
 
 from __future__ import annotations
@@ -187,6 +192,8 @@ def _paged_attention_kernel(
     PREFETCH_KEYS: tl.constexpr,  # cached keys (from the program's first) to prefetch into L2 before waiting
     LINE_ELEMS: tl.constexpr,  # cache elements per 128-byte line (at most HEAD_DIM)
     PRELOAD_TILE: tl.constexpr = False,  # load the first cached tile into registers before waiting (split launches)
+    key_lens_ptr=None,  # [R] int32 end of each request's keys (with KEY_TAIL): cached keys after its rows up to it
+    KEY_TAIL: tl.constexpr = False,  # some request attends to cached keys after its rows (`key_lens_ptr`)
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -234,7 +241,12 @@ def _paged_attention_kernel(
     if PREFIX_FULL:
         row_limit = tl.where(q_in_prompt, prompt_len, row_limit)
     row_limit = tl.where(row_ok, row_limit, 0)
-    key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
+    rows_end = ctx + q_len  # keys past the rows come from the cache (KEY_TAIL) or do not exist
+    if KEY_TAIL:
+        key_end = tl.maximum(tl.load(key_lens_ptr + req), rows_end)
+    else:
+        key_end = rows_end
+    key_limit = tl.minimum(tl.max(row_limit, axis=0), key_end)
     # this program's share of the key positions [0, key_limit)
     if not SPLIT:
         lo = 0
@@ -316,9 +328,9 @@ def _paged_attention_kernel(
             qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
         )
 
-    # ---- the request's own new keys: absolute positions [max(lo, ctx), hi) ----
+    # ---- the request's own new keys: absolute positions [max(lo, ctx), min(hi, ctx + q_len)) ----
     new_lo = tl.maximum(lo, ctx) - ctx
-    new_hi = hi - ctx
+    new_hi = tl.minimum(hi, rows_end) - ctx
     for n_start in range(new_lo, new_hi, BLOCK_N):
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
@@ -344,6 +356,18 @@ def _paged_attention_kernel(
             PREFIX_FULL,
             IEEE,
         )
+
+    # ---- cached keys after the rows: absolute positions [max(lo, ctx + q_len), hi) ----
+    if KEY_TAIL:
+        for n_start in range(tl.maximum(lo, rows_end), hi, BLOCK_N):
+            k_t, v_t, k_pos, k_ok = _cached_tile(
+                k_cache_ptr, v_cache_ptr, pt_row, n_start, hi, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+                stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+            )
+            m_i, l_i, acc = _online_softmax_step(
+                q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
+                qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE,
+            )
 
     if not SPLIT:
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
@@ -467,6 +491,8 @@ def triton_paged_attention(
     split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
+    With the metadata's device ``key_lens`` a request also attends to the cached keys after its rows, up to its
+    key length (`PagedAttentionMetadata.key_lens`).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -486,6 +512,11 @@ def triton_paged_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
+    if meta.key_lens is not None and (meta.key_lens.dtype != torch.int32 or meta.key_lens.shape[0] < num_requests):
+        raise ValueError(
+            f"key_lens must be int32 with one entry per request ({num_requests}), got {meta.key_lens.dtype} "
+            f"of shape {tuple(meta.key_lens.shape)}"
+        )
     page_tables = meta.page_tables
     if page_tables.dtype != torch.int32:
         page_tables = page_tables.to(torch.int32)
@@ -556,6 +587,8 @@ def triton_paged_attention(
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
         PRELOAD_TILE=split_slots > 1,  # a split program loads its first cached tile before its PDL wait
+        key_lens_ptr=meta.key_lens,
+        KEY_TAIL=meta.key_lens is not None,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),

@@ -131,6 +131,8 @@ class Strategy:
     cuda_graphs: ClassVar[bool] = True  # its decode steps may replay captured CUDA graphs (else every step is eager)
     samples_in_graph: ClassVar[bool] = True  # greedy steps may sample inside the decode CUDA graph
     continues_on_device: ClassVar[bool] = True  # a step may be continued on the device (`engine.continuation`)
+    # a request may attend to cached keys after its rows (`Request.keys_end`): its graphs stage the key ends
+    attends_past_rows: ClassVar[bool] = False
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
     budgets_prompt_tokens: ClassVar[bool] = True
 

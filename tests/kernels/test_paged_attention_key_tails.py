@@ -1,0 +1,150 @@
+"""The Triton paged attention with key tails (a request attends to cached keys after its rows, Fast-dLLM v2's
+sub-block refinement against its block's kept K/V) equals the PyTorch reference: split-KV or not, grouped or one
+head per program, GQA, pages smaller and larger than the block. CPU: under ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from diffulex.attention.metadata import PagedAttentionMetadata
+from diffulex.attention.torch_paged import paged_attention, store_kv
+from diffulex.kernels import attention_op  # noqa: F401  (registers torch.ops.diffulex.paged_attention_step)
+from diffulex.kernels.paged_attention import triton_paged_attention
+from tests.kernels.test_paged_attention import DEVICE, DTYPES, TOL
+
+BLOCK = 8  # attention block (Fast-dLLM v2's block of sub-blocks)
+
+# (context_len, query_len, prompt_len, key_len): a first sub-block refined with three more after it, a middle one,
+# the last one (no tail), a whole-block row range and a commit-like row (key_len at the rows' end), a request with
+# no rows, a refinement past a long cached prefix (several key tiles), a tail shorter than a tile.
+REQUESTS = [
+    (16, 2, 10, 24),
+    (18, 2, 12, 24),
+    (22, 2, 5, 24),
+    (8, 8, 8, 16),
+    (7, 1, 8, 8),
+    (40, 0, 40, 48),
+    (136, 4, 100, 144),
+    (3, 1, 3, 8),
+]
+
+
+def make_tail_batch(
+    requests: list[tuple[int, int, int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    prefix_full: bool = False,
+):
+    """Random q/k/v and a random cache pool whose page tables cover each request's keys up to its key length
+    (shuffled, non-contiguous pages); the refined rows store nothing, as a refinement step's rows do."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    pages_per_req = [-(-max(c + q, key) // page_size) for c, q, _, key in requests]
+    num_pages = sum(pages_per_req) + 5
+    pool = list(range(num_pages))
+    rng.shuffle(pool)
+    tables = torch.full((len(requests), max(pages_per_req) + 1), -1, dtype=torch.int32)
+    for r, n in enumerate(pages_per_req):
+        tables[r, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
+    query_lens = [q for _, q, _, _ in requests]
+    total = sum(query_lens)
+    cu = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    q, k, v = rand(total, num_heads, head_dim), rand(total, num_kv_heads, head_dim), rand(total, num_kv_heads, head_dim)
+    k_cache = rand(num_pages, page_size, num_kv_heads, head_dim)
+    v_cache = rand(num_pages, page_size, num_kv_heads, head_dim)
+    key_lens = [key for _, _, _, key in requests]
+    meta = PagedAttentionMetadata(
+        cu_seqlens_q=cu.to(DEVICE),
+        context_lens=ints([c for c, _, _, _ in requests]),
+        prefix_lens=ints([p for _, _, p, _ in requests]),
+        page_tables=tables.to(DEVICE),
+        slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=DEVICE),
+        block_size=BLOCK,
+        page_size=page_size,
+        prefix_full=prefix_full,
+        query_lens_cpu=query_lens,
+        context_lens_cpu=[c for c, _, _, _ in requests],
+        prefix_lens_cpu=[p for _, _, p, _ in requests],
+        key_lens_cpu=key_lens,
+        key_lens=ints(key_lens),
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+def check(num_heads, num_kv_heads, page_size, dtype, grouped=True, splits=None, requests=REQUESTS, prefix_full=False):
+    q, k, v, k_cache, v_cache, meta = make_tail_batch(
+        requests, num_heads, num_kv_heads, 16, page_size, dtype, prefix_full=prefix_full
+    )
+    expected = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    out = torch.full_like(q, float("nan"))
+    triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, grouped=grouped, out=out, num_splits=splits)
+    assert not torch.isnan(out).any(), "rows left unwritten or NaN produced"
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "page_size", "grouped"),
+    [(2, 2, 4, True), (4, 2, 8, True), (6, 2, 16, True), (4, 1, 32, False), (4, 2, 4, False)],
+)
+def test_cached_keys_after_the_rows_are_read_from_the_cache(num_heads, num_kv_heads, page_size, grouped, dtype):
+    check(num_heads, num_kv_heads, page_size, dtype, grouped=grouped)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("splits", "grouped"), [(2, True), (3, False), (5, True), (16, True)])
+def test_split_kv_chunks_may_span_the_rows_and_the_tail(splits, grouped, dtype):
+    for _ in range(2):  # the split counters are left at zero for the next launch
+        check(4, 2, 8, dtype, grouped=grouped, splits=splits)
+
+
+def test_the_tail_is_really_read() -> None:
+    """Changing a tail key's cache entry changes the rows that see it, and nothing else."""
+    requests = [(16, 2, 10, 24), (0, 4, 4, 4)]
+    q, k, v, k_cache, v_cache, meta = make_tail_batch(requests, 4, 2, 16, 8, torch.float32)
+    before = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    page = int(meta.page_tables[0, 22 // 8])
+    v_cache[page, 22 % 8] += 5.0
+    after = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    assert not torch.allclose(before[:2], after[:2])
+    torch.testing.assert_close(before[2:], after[2:])
+
+
+def test_prefix_full_rows_with_tails_match_the_reference() -> None:
+    check(4, 2, 8, torch.float32, prefix_full=True, requests=[(16, 2, 10, 24), (4, 4, 12, 8), (24, 2, 30, 32)])
+
+
+def test_key_lens_must_be_int32_per_request() -> None:
+    q, k, v, k_cache, v_cache, meta = make_tail_batch(REQUESTS[:2], 4, 2, 16, 8, torch.float32)
+    meta.key_lens = meta.key_lens.long()
+    with pytest.raises(ValueError, match="key_lens must be int32"):
+        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+
+
+def test_the_custom_op_passes_key_tails_to_the_kernel() -> None:
+    q, k, v, k_cache, v_cache, meta = make_tail_batch(REQUESTS, 4, 2, 16, 8, torch.float32, seed=2)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, ref_k, ref_v, meta.slot_mapping)
+    expected = paged_attention(q, k, v, ref_k, ref_v, meta, 0.25)
+    got = torch.ops.diffulex.paged_attention_step(
+        q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.prefix_lens, meta.page_tables,
+        meta.slot_mapping, 0.25, meta.block_size, meta.page_size, meta.prefix_full, meta.max_query_len,
+        meta.max_kv_len, True, meta.key_lens,
+    )
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
