@@ -38,6 +38,7 @@ class RunnerSettings:
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
     token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (eager steps only: no CUDA graphs then)
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
+    key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ class ModelRunner:
                 done.add(geometry)
                 paged_attention.warm_up(
                     layer.k_cache, layer.v_cache, layer.num_heads, s.block_size, s.prefix_full,
-                    grouped=s.attn_impl == "triton_grouped",
+                    grouped=s.attn_impl == "triton_grouped", key_tails=s.key_tails,
                 )
 
     @torch.inference_mode()

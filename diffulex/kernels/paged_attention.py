@@ -330,7 +330,10 @@ def _paged_attention_kernel(
 
     # ---- the request's own new keys: absolute positions [max(lo, ctx), min(hi, ctx + q_len)) ----
     new_lo = tl.maximum(lo, ctx) - ctx
-    new_hi = tl.minimum(hi, rows_end) - ctx
+    if KEY_TAIL:
+        new_hi = tl.minimum(hi, rows_end) - ctx
+    else:
+        new_hi = hi - ctx  # hi <= key_limit <= ctx + q_len
     for n_start in range(new_lo, new_hi, BLOCK_N):
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
@@ -603,6 +606,7 @@ def warm_up(
     block_size: int,
     prefix_full: bool,
     grouped: bool,
+    key_tails: bool = False,
 ) -> None:
     """Compile now every variant of the kernel a step of this layer geometry can launch, so that none compiles
     while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
@@ -611,14 +615,22 @@ def warm_up(
     it splits keys (not how many: the split count is a runtime argument) and whether it chains by PDL (at most
     `PDL_MAX_ROWS` rows). Each case here is a tiny launch (one or a few requests, no cached keys) that lands in
     one of those variants; on a device without PDL the PDL cases fall into variants already compiled. The caches
-    are only read through a request's page table, which here has no pages in use, and nothing is stored.
+    are only read through a request's page table, which here has no pages in use, and nothing is stored. With
+    ``key_tails`` (a strategy whose requests attend past their rows) every case is launched once more with key ends.
     """
     if k_cache.device.type == "cuda":
-        _launch_every_variant(k_cache, v_cache, num_heads, block_size, prefix_full, grouped)
+        for tails in (False, True) if key_tails else (False,):
+            _launch_every_variant(k_cache, v_cache, num_heads, block_size, prefix_full, grouped, tails)
 
 
 def _launch_every_variant(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    prefix_full: bool,
+    grouped: bool,
+    key_tails: bool = False,
 ) -> None:
     from diffulex.kernels.pdl import PDL_MAX_ROWS
 
@@ -645,6 +657,7 @@ def _launch_every_variant(
             query_lens_cpu=[q_len] * num_requests,
             context_lens_cpu=[0] * num_requests,
             prefix_lens_cpu=[q_len] * num_requests,
+            key_lens=torch.zeros(num_requests, dtype=torch.int32, device=device) if key_tails else None,
         )
         for num_splits in (1, 2):
             triton_paged_attention(q, kv, kv, k_cache, v_cache, meta, 1.0, grouped=grouped, num_splits=num_splits)

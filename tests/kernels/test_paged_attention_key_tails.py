@@ -148,3 +148,35 @@ def test_the_custom_op_passes_key_tails_to_the_kernel() -> None:
         meta.max_kv_len, True, meta.key_lens,
     )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_warm_up_with_key_tails_compiles_the_variants_a_refinement_step_launches(monkeypatch):
+    """A strategy whose requests attend past their rows warms the tail variants up too, so that no eager step
+    (a prefill beside refinements) compiles one while serving."""
+    from diffulex.kernels import paged_attention as pa
+    from diffulex.kernels.pdl import PDL_MAX_ROWS
+
+    variants: list[tuple] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):  # the variant: every launch option but the key-lens pointer
+                variants.append(tuple(sorted((k, v) for k, v in kwargs.items() if k != "key_lens_ptr")))
+
+            return launch
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    monkeypatch.setattr(pa, "pdl_enabled", lambda device, rows: rows <= PDL_MAX_ROWS)
+    k_cache = torch.zeros(8, 8, 2, 16)
+    pa._launch_every_variant(k_cache, k_cache, 4, BLOCK, False, True)
+    plain = set(variants)
+    variants.clear()
+    pa._launch_every_variant(k_cache, k_cache, 4, BLOCK, False, True, key_tails=True)
+    warmed = set(variants)
+    assert warmed and not warmed & plain, "tail launches are variants of their own"
+    for requests in (REQUESTS, REQUESTS[:3], [(16, 2, 10, 24)] * 12, [(0, 40, 40, 40), (16, 2, 10, 24)]):
+        q, k, v, k_cache_r, v_cache_r, meta = make_tail_batch(requests, 4, 2, 16, 8, torch.float32)
+        for splits in (None, 1, 3):
+            variants.clear()
+            triton_paged_attention(q, k, v, k_cache_r, v_cache_r, meta, 0.25, num_splits=splits)
+            assert set(variants) <= warmed, (requests, splits)
