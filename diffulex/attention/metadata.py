@@ -5,7 +5,7 @@ Two kinds of metadata exist:
 * `PagedAttentionMetadata` is built by the model runner once per engine step. The batch is a flat stream of
   query rows from several requests; each request contributes one contiguous chunk of new tokens at absolute
   positions ``[context_len, context_len + query_len)``, whose first ``context_len`` positions already have K/V in
-  the paged cache. A request may also attend to cached keys after its rows (``key_lens_cpu``): a refinement of a
+  the paged cache. A request may also attend to cached keys after its rows (``key_lens``): a refinement of a
   few rows inside a block whose K/V the cache already holds (Fast-dLLM v2's block cache).
 * `DenseAttentionMetadata` carries an explicit boolean mask over one whole sequence with no cache. Only the
   naive reference decoder uses it; it is the oracle the paged path is tested against.
