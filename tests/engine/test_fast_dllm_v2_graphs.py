@@ -86,3 +86,4 @@ def test_a_drawing_request_samples_after_the_static_forward_with_the_eager_token
     assert [t.token_ids for t in got] == [t.token_ids for t in expected]
     sampled = [s for _, s in steps]
     assert False in sampled and True in sampled  # in the graph once the drawing request has finished
+

@@ -13,6 +13,7 @@ from diffulex.attention.metadata import PagedAttentionMetadata
 from diffulex.attention.torch_paged import paged_attention, store_kv
 from diffulex.kernels import attention_op  # noqa: F401  (registers torch.ops.diffulex.paged_attention_step)
 from diffulex.kernels.paged_attention import triton_paged_attention
+from diffulex.testing.checkpoints import write_tiny_checkpoint
 from tests.kernels.test_paged_attention import DEVICE, DTYPES, TOL
 
 BLOCK = 8  # attention block (Fast-dLLM v2's block of sub-blocks)
@@ -180,3 +181,44 @@ def test_warm_up_with_key_tails_compiles_the_variants_a_refinement_step_launches
             variants.clear()
             triton_paged_attention(q, k, v, k_cache_r, v_cache_r, meta, 0.25, num_splits=splits)
             assert set(variants) <= warmed, (requests, splits)
+
+
+def test_the_decode_graphs_staged_key_ends_are_what_the_kernel_reads(tmp_path) -> None:
+    """The decode graphs' device metadata carries each request's key end (0 for padded requests) beside its layout, and
+    the Triton attention (interpreted on the CPU) reading that staged metadata and the engine's cache equals the
+    PyTorch path reading the host lists: the part of a replay the CPU path alone would not exercise."""
+    from tests.engine.test_fast_dllm_v2_engine import assert_matches_reference, make_engine, random_prompts
+
+    fdv2_dir = write_tiny_checkpoint(tmp_path / "fdv2", family="fast_dllm_v2", seed=1, init_std=1.0)
+    checked = []
+    with make_engine(fdv2_dir, 4, 2, accept_threshold=0.9, max_num_reqs=4) as llm:
+        llm.enable_static_decode(capture=False)
+        graphs = llm.runner.graphs
+        layer = llm.runner.attention_layers[0]
+        original = graphs._run_uncaptured
+
+        def run_uncaptured(bucket, sample):
+            meta = graphs._metas[bucket]
+            r = meta.num_requests
+            staged = meta.key_lens.tolist()
+            assert staged == meta.key_lens_cpu, "the device key ends are the host lists"
+            live = sum(q > 0 for q in meta.query_lens_cpu)
+            assert staged[live:] == [0] * (r - live)
+            if any(k > c + q for k, c, q in zip(staged, meta.context_lens_cpu, meta.query_lens_cpu, strict=True)):
+                if len(checked) < 2:
+                    rows = graphs.shape.max_query_len * bucket
+                    gen = torch.Generator().manual_seed(len(checked))
+                    heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+                    q, k, v = (
+                        torch.randn(rows, h, dim, generator=gen).to(layer.k_cache) for h in (heads, kv_heads, kv_heads)
+                    )
+                    expected = paged_attention(q, k, v, layer.k_cache, layer.v_cache, meta, 0.25)
+                    got = triton_paged_attention(q, k, v, layer.k_cache, layer.v_cache, meta, 0.25)
+                    n = sum(meta.query_lens_cpu)
+                    torch.testing.assert_close(got[:n], expected[:n], atol=1e-4, rtol=1e-4)
+                    checked.append(bucket)
+            return original(bucket, sample)
+
+        graphs._run_uncaptured = run_uncaptured
+        assert_matches_reference(llm, random_prompts(llm, [5, 9, 14], seed=33))
+    assert len(checked) == 2, "refinement steps should have been checked"
