@@ -30,6 +30,8 @@ class GraphPolicy:
     max_rows_per_request: int
     logits_shift: bool
     key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
+    # rows per request of a second, narrower set of graphs for the strategy's short steps (`Strategy.short_step_rows`)
+    short_rows_per_request: int | None = None
 
     @classmethod
     def decide(
@@ -60,6 +62,7 @@ class GraphPolicy:
             max_rows_per_request=config.buffer_size * config.block_size + int(logits_shift),
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
+            short_rows_per_request=config.strategy.short_step_rows(config),
         )
 
     def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
@@ -93,4 +96,5 @@ class GraphPolicy:
             continuations=self.continues,
             logits_shift=self.logits_shift,
             key_tails=self.key_tails,
+            short_query_len=self.short_rows_per_request,
         )

@@ -8,6 +8,7 @@ the LM head only on the rows the sampler needs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -62,6 +63,7 @@ class ModelRunner:
         self.forward = model.forward
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
+        self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
         self._replayed: _ReplayedStep | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ class ModelRunner:
         """Drop the cache tensors and the graphs captured over them."""
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
-        self.graphs = None
+        self.graphs = self.short_graphs = None
         self._replayed = None
         self.num_pages = 0
 
@@ -112,13 +114,16 @@ class ModelRunner:
         continuations: bool = False,
         logits_shift: bool = False,
         key_tails: bool = False,
+        short_query_len: int | None = None,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
         steps also sample inside a graph (`greedy_sample`); with ``continuations`` their sampling graph also
         prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
         read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families);
-        ``key_tails`` stages each request's key end, so that steps attending past their rows replay too.
+        ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
+        ``short_query_len`` (below ``max_query_len``) adds a second set of graphs that many rows per request wide,
+        which steps whose requests all fit it replay instead (they are never continued on the device).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -140,8 +145,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
         )
+        self.short_graphs = None
+        if short_query_len is not None and short_query_len < max_query_len:
+            short_shape = dataclasses.replace(shape, max_query_len=short_query_len)
+            self.short_graphs = DecodeGraphs(
+                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample
+            )
         self._replayed = None
         self.graphs.capture()
+        if self.short_graphs is not None:
+            self.short_graphs.capture()
 
     def greedy_sample(
         self,
@@ -170,21 +183,20 @@ class ModelRunner:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
-        # keys past a request's rows replay only in graphs that stage the key ends
-        graphs_fit = self.graphs is not None and (self.graphs.shape.key_tails or not step.has_cached_tail)
-        bucket = self.graphs.bucket_for(step) if graphs_fit else None
+        graphs, bucket = self._graphs_for(step)
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
         if bucket is not None:
             sampled = None
-            if layout is not None and layout.greedy and self.graphs.samples:
+            if layout is not None and layout.greedy and graphs.samples:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
+            hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
-                storable = all(base >= 0 for _, _, base in step.sample_blocks)
-                self._replayed = _ReplayedStep(bucket, layout, storable)
+                if graphs is self.graphs:  # the graphs a continuation replays
+                    storable = all(base >= 0 for _, _, base in step.sample_blocks)
+                    self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             hidden = self._eager_forward(step)
@@ -201,6 +213,21 @@ class ModelRunner:
             # (`DecodeGraphs`).
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
+
+    def _graphs_for(self, step: StepInputs) -> tuple[DecodeGraphs | None, int | None]:
+        """The graphs a step replays and its bucket there: the short graphs where every request fits them, else the
+        full ones; (None, None) for an eager step. Keys past a request's rows replay only in graphs that stage the
+        key ends."""
+        graphs = self.graphs
+        if graphs is None or (step.has_cached_tail and not graphs.shape.key_tails):
+            return None, None
+        short = self.short_graphs
+        if short is not None and step.max_query_len <= short.shape.max_query_len:
+            bucket = short.bucket_for(step)
+            if bucket is not None:
+                return short, bucket
+        bucket = graphs.bucket_for(step)
+        return (graphs, bucket) if bucket is not None else (None, None)
 
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""

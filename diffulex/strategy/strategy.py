@@ -180,6 +180,13 @@ class Strategy:
         otherwise."""
         return config.block_size
 
+    def short_step_rows(self, config: Config) -> int | None:
+        """Rows per request of this strategy's most frequent decode steps, where they are fewer than its running set
+        (Fast-dLLM v2's refinements: one sub-block). The engine then captures a second, narrower set of decode
+        graphs for steps whose requests all fit it, so those do not compute the running set's padding. None: one
+        set."""
+        return None
+
     def options(self, config: Config, given: Any = None) -> Any:
         """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the
         engine field of the same name, else its default. Unknown keys of ``given`` are an error."""

@@ -222,7 +222,8 @@ def test_the_strategy_replays_graphs_with_key_tails_and_asks_shifted_logits(fdv2
         assert llm.settings.block_size == 32  # the attention span: a block of 4 sub-blocks
         cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True, False)
         assert cuda.cuda_graphs and cuda.key_tails and not cuda.continues
-        assert cuda.max_rows_per_request == 33
+        assert cuda.max_rows_per_request == 33  # the full graphs: a whole block plus the shifted row
+        assert cuda.short_rows_per_request == 8  # the short ones: a refinement's sub-block
     with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2' is invalid: requires a model family with "
                                          "shifted logits"):  # fmt: skip
         Diffulex(str(sdar_dir), decoding_strategy="fast_dllm_v2", block_size=8, buffer_size=4)
@@ -235,13 +236,13 @@ def test_two_micro_batches_and_the_static_step_buffers_give_the_reference_tokens
     with make_engine(fdv2_dir, 4, 2, accept_threshold=0.7, micro_batches=2) as llm:
         llm.enable_static_decode(capture=False)
         static_steps = []
-        run = llm.runner.graphs.run
+        for graphs in (llm.runner.graphs, llm.runner.short_graphs):  # the full graphs and the refinements' own
 
-        def counting_run(step, *args, **kwargs):
-            static_steps.append(step.has_cached_tail)
-            return run(step, *args, **kwargs)
+            def counting_run(step, *args, run=graphs.run, **kwargs):
+                static_steps.append(step.has_cached_tail)
+                return run(step, *args, **kwargs)
 
-        llm.runner.graphs.run = counting_run
+            graphs.run = counting_run
         assert_matches_reference(llm, random_prompts(llm, MIXED_LENGTHS, seed=12))
     assert any(static_steps) and not all(static_steps)
 

@@ -27,18 +27,21 @@ def fdv2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "fdv2", family="fast_dllm_v2", seed=1, init_std=1.0)
 
 
-def record_static_steps(llm) -> list[tuple[set[ForwardKind], bool]]:
-    """Wrap the static path: per step that takes it, the forward kinds of its requests and whether it sampled in
-    the graph path."""
-    graphs = llm.runner.graphs
-    original = graphs.run
+def record_static_steps(llm, short_steps: list[set[ForwardKind]] | None = None) -> list[tuple[set[ForwardKind], bool]]:
+    """Wrap the static paths (the full graphs and the short ones): per step that takes either, the forward kinds
+    of its requests and whether it sampled in the graph path; in ``short_steps`` the kinds of the short ones."""
     steps: list[tuple[set[ForwardKind], bool]] = []
+    for graphs in (llm.runner.graphs, llm.runner.short_graphs):
+        original = graphs.run
 
-    def run(step, bucket, buffer=0, sampled=None):
-        steps.append(({req.forward_kind() for req, _ in step.work}, sampled is not None))
-        return original(step, bucket, buffer, sampled)
+        def run(step, bucket, buffer=0, sampled=None, original=original, short=graphs is llm.runner.short_graphs):
+            kinds = {req.forward_kind() for req, _ in step.work}
+            steps.append((kinds, sampled is not None))
+            if short and short_steps is not None:
+                short_steps.append(kinds)
+            return original(step, bucket, buffer, sampled)
 
-    graphs.run = run
+        graphs.run = run
     return steps
 
 
@@ -48,9 +51,11 @@ def test_static_steps_give_the_eager_and_the_oracle_tokens(fdv2_dir: Path, sub_b
     with make_engine(fdv2_dir, sub_block, sub_blocks, use_block_cache, **fields) as eager:
         prompts = random_prompts(eager, MIXED_LENGTHS, seed=20 + sub_block)
         expected = eager.generate(prompts, GREEDY, use_tqdm=False).trajectories
+    short: list[set[ForwardKind]] = []
     with make_engine(fdv2_dir, sub_block, sub_blocks, use_block_cache, **fields) as llm:
         llm.enable_static_decode(capture=False)
-        steps = record_static_steps(llm)
+        assert llm.runner.short_graphs.shape.max_query_len == sub_block < llm.runner.graphs.shape.max_query_len
+        steps = record_static_steps(llm, short)
         got = assert_matches_reference(llm, prompts)
     assert [t.token_ids for t in got] == [t.token_ids for t in expected]
     assert [t.nfe for t in got] == [t.nfe for t in expected]
@@ -58,6 +63,20 @@ def test_static_steps_give_the_eager_and_the_oracle_tokens(fdv2_dir: Path, sub_b
     kinds = set().union(*(k for k, _ in steps))
     assert (ForwardKind.REFINE in kinds) == use_block_cache
     assert any(len(k) > 1 for k, _ in steps), "requests in different modes should share a static step"
+    assert all(k <= {ForwardKind.REFINE, ForwardKind.COMMIT} for k in short), "whole blocks do not fit them"
+
+
+def test_a_lone_request_refines_in_the_short_graphs(fdv2_dir: Path) -> None:
+    """At batch 1 every refinement (one sub-block of rows) replays the short graphs, the whole-block and commit
+    forwards the full ones; the tokens are the oracle's."""
+    short: list[set[ForwardKind]] = []
+    with make_engine(fdv2_dir, 8, 4, accept_threshold=0.9, max_num_reqs=4) as llm:
+        llm.enable_static_decode(capture=False)
+        steps = record_static_steps(llm, short)
+        (traj,) = assert_matches_reference(llm, random_prompts(llm, [7], seed=34))
+    refinements = sum(s.query_len == 8 for s in traj.steps)
+    assert refinements > 0 and short == [{ForwardKind.REFINE}] * refinements
+    assert len(steps) > len(short), "whole-block forwards replay the full graphs"
 
 
 def test_a_step_mixing_commit_whole_block_and_refinement_forwards_replays_one_bucket(fdv2_dir: Path) -> None:

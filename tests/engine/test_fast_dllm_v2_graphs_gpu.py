@@ -28,17 +28,17 @@ def fdv2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def replayed_steps(llm) -> list[set[ForwardKind]]:
-    """Per step replayed by the captured graphs, the forward kinds of its requests."""
-    graphs = llm.runner.graphs
-    original = graphs.run
+    """Per step replayed by the captured graphs (the full ones or the refinements' short ones), the forward kinds
+    of its requests."""
     kinds: list[set[ForwardKind]] = []
+    for graphs in (llm.runner.graphs, llm.runner.short_graphs):
 
-    def run(step, bucket, buffer=0, sampled=None):
-        assert graphs.capture_graphs and sampled is not None, "a greedy step replays the sampling graph"
-        kinds.append({req.forward_kind() for req, _ in step.work})
-        return original(step, bucket, buffer, sampled)
+        def run(step, bucket, buffer=0, sampled=None, graphs=graphs, original=graphs.run):
+            assert graphs.capture_graphs and sampled is not None, "a greedy step replays the sampling graph"
+            kinds.append({req.forward_kind() for req, _ in step.work})
+            return original(step, bucket, buffer, sampled)
 
-    graphs.run = run
+        graphs.run = run
     return kinds
 
 

@@ -4,6 +4,7 @@ head per program, GQA, pages smaller and larger than the block. CPU: under ``TRI
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -193,11 +194,9 @@ def test_the_decode_graphs_staged_key_ends_are_what_the_kernel_reads(tmp_path) -
     checked = []
     with make_engine(fdv2_dir, 4, 2, accept_threshold=0.9, max_num_reqs=4) as llm:
         llm.enable_static_decode(capture=False)
-        graphs = llm.runner.graphs
         layer = llm.runner.attention_layers[0]
-        original = graphs._run_uncaptured
 
-        def run_uncaptured(bucket, sample):
+        def run_uncaptured(bucket, sample, graphs, original):
             meta = graphs._metas[bucket]
             r = meta.num_requests
             staged = meta.key_lens.tolist()
@@ -219,6 +218,7 @@ def test_the_decode_graphs_staged_key_ends_are_what_the_kernel_reads(tmp_path) -
                     checked.append(bucket)
             return original(bucket, sample)
 
-        graphs._run_uncaptured = run_uncaptured
+        for graphs in (llm.runner.graphs, llm.runner.short_graphs):
+            graphs._run_uncaptured = functools.partial(run_uncaptured, graphs=graphs, original=graphs._run_uncaptured)
         assert_matches_reference(llm, random_prompts(llm, [5, 9, 14], seed=33))
     assert len(checked) == 2, "refinement steps should have been checked"

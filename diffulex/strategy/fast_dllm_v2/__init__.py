@@ -74,6 +74,11 @@ class FastDllmV2(Strategy):
             )
         super().normalize(config)
 
+    def short_step_rows(self, config: Config) -> int | None:
+        """A refinement computes one sub-block: most steps fit graphs of ``block_size`` rows per request, a fraction
+        of the whole block plus the shifted row that the full graphs pad every request to."""
+        return config.block_size
+
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
         c = context
         return FastDllmV2Sampler(SamplerSettings(c.vocab_limit, c.mask_token_id, c.accept_threshold, c.base_seed))
