@@ -96,5 +96,5 @@ class GraphPolicy:
             continuations=self.continues,
             logits_shift=self.logits_shift,
             key_tails=self.key_tails,
-            short_query_len=self.short_rows_per_request,
+            short_rows_per_request=self.short_rows_per_request,
         )

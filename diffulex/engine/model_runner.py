@@ -114,7 +114,7 @@ class ModelRunner:
         continuations: bool = False,
         logits_shift: bool = False,
         key_tails: bool = False,
-        short_query_len: int | None = None,
+        short_rows_per_request: int | None = None,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
@@ -122,8 +122,9 @@ class ModelRunner:
         prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
         read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families);
         ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
-        ``short_query_len`` (below ``max_query_len``) adds a second set of graphs that many rows per request wide,
-        which steps whose requests all fit it replay instead (they are never continued on the device).
+        ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
+        rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
+        with fewer rows than in the full set (such steps are never continued on the device).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -146,8 +147,8 @@ class ModelRunner:
             shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
         )
         self.short_graphs = None
-        if short_query_len is not None and short_query_len < max_query_len:
-            short_shape = dataclasses.replace(shape, max_query_len=short_query_len)
+        if short_rows_per_request is not None and short_rows_per_request < max_query_len:
+            short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample
             )
@@ -215,19 +216,17 @@ class ModelRunner:
         return self._pending(pending, batch)
 
     def _graphs_for(self, step: StepInputs) -> tuple[DecodeGraphs | None, int | None]:
-        """The graphs a step replays and its bucket there: the short graphs where every request fits them, else the
-        full ones; (None, None) for an eager step. Keys past a request's rows replay only in graphs that stage the
-        key ends."""
+        """The graphs a step replays and its bucket there: of the full graphs and the short ones, those whose bucket
+        computes fewer rows (the full ones on a tie); (None, None) for an eager step. Keys past a request's rows
+        replay only in graphs that stage the key ends."""
         graphs = self.graphs
         if graphs is None or (step.has_cached_tail and not graphs.shape.key_tails):
             return None, None
-        short = self.short_graphs
-        if short is not None and step.max_query_len <= short.shape.max_query_len:
-            bucket = short.bucket_for(step)
-            if bucket is not None:
-                return short, bucket
-        bucket = graphs.bucket_for(step)
-        return (graphs, bucket) if bucket is not None else (None, None)
+        options = [(g, g.bucket_for(step)) for g in (graphs, self.short_graphs) if g is not None]
+        options = [(g, b) for g, b in options if b is not None]
+        if not options:
+            return None, None
+        return min(options, key=lambda option: option[0].shape.bucket_rows(option[1]))
 
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""

@@ -181,10 +181,11 @@ class Strategy:
         return config.block_size
 
     def short_step_rows(self, config: Config) -> int | None:
-        """Rows per request of this strategy's most frequent decode steps, where they are fewer than its running set
-        (Fast-dLLM v2's refinements: one sub-block). The engine then captures a second, narrower set of decode
-        graphs for steps whose requests all fit it, so those do not compute the running set's padding. None: one
-        set."""
+        """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit
+        in, where that is fewer than its running set (Fast-dLLM v2: most requests refine one sub-block while a few
+        compute a whole block). The engine then captures a second set of decode graphs whose buckets hold that many
+        rows per request (`GraphShape.row_capacity`), so those steps do not compute every request's padding to the
+        running set. None: one set."""
         return None
 
     def options(self, config: Config, given: Any = None) -> Any:

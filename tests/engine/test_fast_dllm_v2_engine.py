@@ -223,7 +223,7 @@ def test_the_strategy_replays_graphs_with_key_tails_and_asks_shifted_logits(fdv2
         cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True, False)
         assert cuda.cuda_graphs and cuda.key_tails and not cuda.continues
         assert cuda.max_rows_per_request == 33  # the full graphs: a whole block plus the shifted row
-        assert cuda.short_rows_per_request == 8  # the short ones: a refinement's sub-block
+        assert cuda.short_rows_per_request == 16  # the short ones: two sub-blocks per request on average
     with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2' is invalid: requires a model family with "
                                          "shifted logits"):  # fmt: skip
         Diffulex(str(sdar_dir), decoding_strategy="fast_dllm_v2", block_size=8, buffer_size=4)

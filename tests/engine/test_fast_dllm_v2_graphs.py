@@ -27,18 +27,18 @@ def fdv2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "fdv2", family="fast_dllm_v2", seed=1, init_std=1.0)
 
 
-def record_static_steps(llm, short_steps: list[set[ForwardKind]] | None = None) -> list[tuple[set[ForwardKind], bool]]:
+def record_static_steps(llm, short_steps: list[tuple[set[ForwardKind], int]] | None = None):
     """Wrap the static paths (the full graphs and the short ones): per step that takes either, the forward kinds
-    of its requests and whether it sampled in the graph path; in ``short_steps`` the kinds of the short ones."""
+    of its requests and whether it sampled in the graph path; in ``short_steps`` the kinds and rows of each step
+    the short graphs took."""
     steps: list[tuple[set[ForwardKind], bool]] = []
     for graphs in (llm.runner.graphs, llm.runner.short_graphs):
-        original = graphs.run
 
-        def run(step, bucket, buffer=0, sampled=None, original=original, short=graphs is llm.runner.short_graphs):
+        def run(step, bucket, buffer=0, sampled=None, graphs=graphs, original=graphs.run):
             kinds = {req.forward_kind() for req, _ in step.work}
             steps.append((kinds, sampled is not None))
-            if short and short_steps is not None:
-                short_steps.append(kinds)
+            if graphs is llm.runner.short_graphs and short_steps is not None:
+                short_steps.append((kinds, step.num_tokens))
             return original(step, bucket, buffer, sampled)
 
         graphs.run = run
@@ -51,10 +51,12 @@ def test_static_steps_give_the_eager_and_the_oracle_tokens(fdv2_dir: Path, sub_b
     with make_engine(fdv2_dir, sub_block, sub_blocks, use_block_cache, **fields) as eager:
         prompts = random_prompts(eager, MIXED_LENGTHS, seed=20 + sub_block)
         expected = eager.generate(prompts, GREEDY, use_tqdm=False).trajectories
-    short: list[set[ForwardKind]] = []
+    short: list[tuple[set[ForwardKind], int]] = []
     with make_engine(fdv2_dir, sub_block, sub_blocks, use_block_cache, **fields) as llm:
         llm.enable_static_decode(capture=False)
-        assert llm.runner.short_graphs.shape.max_query_len == sub_block < llm.runner.graphs.shape.max_query_len
+        full, narrow = llm.runner.graphs.shape, llm.runner.short_graphs.shape
+        assert narrow.rows_per_request == min(2 * sub_block, sub_block * sub_blocks) < full.rows_per_request
+        assert narrow.max_query_len == full.max_query_len == sub_block * sub_blocks + 1  # each request's bound
         steps = record_static_steps(llm, short)
         got = assert_matches_reference(llm, prompts)
     assert [t.token_ids for t in got] == [t.token_ids for t in expected]
@@ -63,20 +65,48 @@ def test_static_steps_give_the_eager_and_the_oracle_tokens(fdv2_dir: Path, sub_b
     kinds = set().union(*(k for k, _ in steps))
     assert (ForwardKind.REFINE in kinds) == use_block_cache
     assert any(len(k) > 1 for k, _ in steps), "requests in different modes should share a static step"
-    assert all(k <= {ForwardKind.REFINE, ForwardKind.COMMIT} for k in short), "whole blocks do not fit them"
+    assert short, "steps whose rows fit the short graphs replay them"
 
 
 def test_a_lone_request_refines_in_the_short_graphs(fdv2_dir: Path) -> None:
-    """At batch 1 every refinement (one sub-block of rows) replays the short graphs, the whole-block and commit
-    forwards the full ones; the tokens are the oracle's."""
-    short: list[set[ForwardKind]] = []
+    """At batch 1 a refinement (one sub-block of 8 rows) replays the short graphs' first bucket (16 rows) rather
+    than the full graphs' 33; the tokens are the oracle's."""
+    short: list[tuple[set[ForwardKind], int]] = []
     with make_engine(fdv2_dir, 8, 4, accept_threshold=0.9, max_num_reqs=4) as llm:
         llm.enable_static_decode(capture=False)
-        steps = record_static_steps(llm, short)
+        record_static_steps(llm, short)
         (traj,) = assert_matches_reference(llm, random_prompts(llm, [7], seed=34))
+        assert llm.runner.short_graphs.shape.bucket_rows(1) == 16
     refinements = sum(s.query_len == 8 for s in traj.steps)
-    assert refinements > 0 and short == [{ForwardKind.REFINE}] * refinements
-    assert len(steps) > len(short), "whole-block forwards replay the full graphs"
+    assert refinements > 0
+    assert [rows for kinds, rows in short if kinds == {ForwardKind.REFINE}] == [8] * refinements
+
+
+def test_a_step_takes_the_graphs_whose_bucket_computes_fewer_rows(fdv2_dir: Path) -> None:
+    """Of the full graphs (33 rows per request) and the short ones (16 per request on average, each request up to
+    33), a step replays the bucket that computes fewer rows: a lone whole block (32 rows) the short graphs' second
+    bucket, three requests of 33 rows the short graphs' bucket of 8 (128 rows, against the full bucket of 4: 132),
+    five whole blocks and three refinements (184 rows, more than the short graphs' 8 x 16) the full bucket of 8."""
+    from diffulex.engine.step_inputs import StepInputs
+
+    with make_engine(fdv2_dir, 8, 4, max_num_reqs=8) as llm:
+        llm.enable_static_decode(capture=False)
+        runner = llm.runner
+
+        def step(query_lens: list[int]) -> StepInputs:
+            return StepInputs(input_ids=[0] * sum(query_lens), query_lens=query_lens,
+                              page_tables=[[0] for _ in query_lens])  # fmt: skip
+
+        def chosen(query_lens):
+            graphs, bucket = runner._graphs_for(step(query_lens))
+            return ("short" if graphs is runner.short_graphs else "full"), graphs.shape.bucket_rows(bucket)
+
+        assert chosen([8]) == ("short", 16)
+        assert chosen([32]) == ("short", 32)
+        assert chosen([33]) == ("full", 33)
+        assert chosen([33, 33, 33]) == ("short", 128)
+        assert chosen([32] * 5 + [8] * 3) == ("full", 264)
+        assert chosen([8] * 7 + [32]) == ("short", 128)
 
 
 def test_a_step_mixing_commit_whole_block_and_refinement_forwards_replays_one_bucket(fdv2_dir: Path) -> None:

@@ -75,9 +75,11 @@ class FastDllmV2(Strategy):
         super().normalize(config)
 
     def short_step_rows(self, config: Config) -> int | None:
-        """A refinement computes one sub-block: most steps fit graphs of ``block_size`` rows per request, a fraction
-        of the whole block plus the shifted row that the full graphs pad every request to."""
-        return config.block_size
+        """Two sub-blocks of rows per request: a refinement computes one, and a block of ``K`` sub-blocks has about
+        ``K`` whole-block forwards (its inits and its commit) for ``K * (B - 1)`` refinements at one token per
+        forward, so in a batch a few requests' whole blocks ride on the others' spare rows; the full graphs pad every
+        request to a whole block plus the shifted row. A lone request's refinement fits too (``2 * B`` rows)."""
+        return min(2 * config.block_size, config.block_size * config.buffer_size)
 
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
         c = context
