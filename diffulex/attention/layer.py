@@ -20,6 +20,11 @@ from diffulex.layers.rotary import fused_rope_args, rotate_qk
 TRITON_IMPLS = ("triton", "triton_grouped")
 
 
+def kernels_run_on(q: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA tensors (tests under the Triton interpreter make CPU tensors qualify)."""
+    return q.is_cuda
+
+
 def triton_supports_head_dim(head_dim: int) -> bool:
     """The Triton attention kernels tile a head in one power-of-two block of at least 16 lanes."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -90,7 +95,7 @@ class Attention(nn.Module):
         keeps attention in its custom op, and `fused_rope_args` hands rotary to inductor), hooked norms, and
         layouts the kernel does not cover (the unfused path then raises or handles them as before).
         """
-        if not isinstance(meta, PagedAttentionMetadata) or not self._triton_backend(q) or meta.key_lens_cpu is not None:
+        if not isinstance(meta, PagedAttentionMetadata) or not self._triton_backend(q, meta):
             return None
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache is None or v_cache is None or torch.compiler.is_compiling():
@@ -108,11 +113,12 @@ class Attention(nn.Module):
         grouped = self.attn_impl == "triton_grouped"
         return rope_store_and_attend(q, k, v, cos, sin, *args, k_cache, v_cache, meta, self.scale, grouped)
 
-    def _triton_backend(self, q: torch.Tensor) -> bool:
+    def _triton_backend(self, q: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
         """Whether paged steps run the Triton kernels: the configured backend, on CUDA tensors. A step whose keys go
-        on past a request's rows (`PagedAttentionMetadata.key_lens_cpu`) takes the PyTorch path all the same: the
-        kernels read no cached keys after the rows."""
-        return self.attn_impl in TRITON_IMPLS and q.is_cuda
+        on past a request's rows reaches the kernels through the device copy of its key ends
+        (`PagedAttentionMetadata.key_lens`); with the host copy alone it takes the PyTorch path."""
+        tails_readable = meta.key_lens_cpu is None or meta.key_lens is not None
+        return self.attn_impl in TRITON_IMPLS and kernels_run_on(q) and tails_readable
 
     def paged_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata
@@ -120,7 +126,7 @@ class Attention(nn.Module):
         """Store this step's committed K/V (q/k already rotated), then attend over cache and new rows."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("the KV cache is not bound to this attention layer")
-        if self._triton_backend(q) and meta.key_lens_cpu is None:
+        if self._triton_backend(q, meta):
             from diffulex.kernels.attention_op import store_and_attend
 
             grouped = self.attn_impl == "triton_grouped"

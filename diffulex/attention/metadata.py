@@ -5,7 +5,7 @@ Two kinds of metadata exist:
 * `PagedAttentionMetadata` is built by the model runner once per engine step. The batch is a flat stream of
   query rows from several requests; each request contributes one contiguous chunk of new tokens at absolute
   positions ``[context_len, context_len + query_len)``, whose first ``context_len`` positions already have K/V in
-  the paged cache. A request may also attend to cached keys after its rows (``key_lens_cpu``): a refinement of a
+  the paged cache. A request may also attend to cached keys after its rows (``key_lens``): a refinement of a
   few rows inside a block whose K/V the cache already holds (Fast-dLLM v2's block cache).
 * `DenseAttentionMetadata` carries an explicit boolean mask over one whole sequence with no cache. Only the
   naive reference decoder uses it; it is the oracle the paged path is tested against.
@@ -41,13 +41,16 @@ class PagedAttentionMetadata:
     prefix_lens_cpu: list[int]
     # Per request, the end of the keys it attends to when that lies past its rows: keys ``[0, context_len)`` and
     # ``[context_len + query_len, key_len)`` come from the cache, the rows' own from this step. None: every
-    # request's keys end with its rows. Only the PyTorch path reads it (`Attention` routes such steps there).
+    # request's keys end with its rows. The PyTorch path reads this host copy, the Triton kernels `key_lens`.
     key_lens_cpu: list[int] | None = None
     # Launch-shape bounds for the kernels: the longest query chunk and the longest key range of any request.
     # Derived from the host lists when left at 0; a CUDA graph fixes them to its bucket's capacity instead, so
     # one captured launch serves every batch that fits.
     max_query_len: int = 0
     max_kv_len: int = 0
+    # [R] int32 on the device: the same key ends for the kernels (a value at or below ``context_len + query_len``
+    # means none past the rows). None: no request attends past its rows, and the kernels compile no tail loop.
+    key_lens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.max_query_len <= 0:

@@ -115,17 +115,24 @@ def add_parser(subparsers: Any) -> None:
 
 def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``diffulex bench throughput``; unset ones stay None so other actions can reject them."""
-    from diffulex.bench.throughput import LLADA2_SIZES, SDAR_SIZES
+    from diffulex.bench.throughput import FDV2_SIZES, LLADA2_SIZES, SDAR_SIZES, STRATEGY_DEFAULTS
 
     group = parser.add_argument_group("throughput (diffulex bench throughput; see docs/benchmarks.md)")
     group.add_argument("--models", dest="tp__models", nargs="+", type=str.lower,
-                       choices=(*SDAR_SIZES, *LLADA2_SIZES),
-                       help="SDAR (and LLaDA2) geometries with random weights (default: 1.7b 4b 8b unless --model is "
-                            "given); LLaDA2 is trained with --block-size 32")
+                       choices=(*SDAR_SIZES, *LLADA2_SIZES, *FDV2_SIZES),
+                       help="SDAR (and LLaDA2, Fast-dLLM v2) geometries with random weights (default: 1.7b 4b 8b, "
+                            "with --strategy fast_dllm_v2 fdv2-7b, unless --model is given); LLaDA2 is trained with "
+                            "--block-size 32")
+    group.add_argument("--strategy", dest="tp__strategy", choices=tuple(STRATEGY_DEFAULTS),
+                       help="decoding strategy of the sweep (default: multi_bd, block 4, buffers 1 2; fast_dllm_v2: "
+                            "sub-blocks of 8, buffer 4 = blocks of 32)")
+    group.add_argument("--block-cache", dest="tp__block_cache", nargs="+", choices=("on", "off"),
+                       help="fast_dllm_v2: its block cache settings to sweep (default: on off)")
     group.add_argument("--batch-sizes", dest="tp__batch_sizes", nargs="+", type=int, metavar="N",
                        help="requests decoded at once (default: 1 8 32 128)")
     group.add_argument("--buffer-sizes", dest="tp__buffer_sizes", nargs="+", type=int, metavar="N",
-                       help="blocks decoded at once per request (default: 1 2)")
+                       help="blocks decoded at once per request; fast_dllm_v2: sub-blocks per block (default: 1 2; "
+                            "fast_dllm_v2: 4)")
     group.add_argument("--prompt-len", dest="tp__prompt_len", type=int, metavar="N",
                        help="random prompt tokens per request (default: 128); --max-tokens sets the answer (256)")
     group.add_argument("--out", dest="tp__out", metavar="FILE.json",
@@ -263,12 +270,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     model_dir = engine.pop("model_path", None)
     load_format = engine.pop("load_format", None)
     quick = bool(opts.get("quick"))
+    strategy = opts.get("strategy", "multi_bd")
+    block_cache = opts.get("block_cache")
     settings = ThroughputSettings(
         batch_sizes=opts.get("batch_sizes", [1, 8, 32, 128]),
-        buffer_sizes=opts.get("buffer_sizes", [1, 2]),
+        buffer_sizes=opts.get("buffer_sizes"),
         prompt_len=opts.get("prompt_len", 128),
         max_tokens=max_tokens if max_tokens is not None else (32 if quick else 256),
-        block_size=engine.pop("block_size", 4),
+        block_size=engine.pop("block_size", None),
+        strategy=strategy,
+        block_cache=None if block_cache is None else [value == "on" for value in block_cache],
         seed=engine.get("seed", 0),
         max_seconds=opts.get("max_seconds", 10.0 if quick else 60.0),
         max_steps=opts.get("max_steps", 8 if quick else None),
@@ -282,7 +293,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         quick=quick,
         engine_overrides=engine,
     )
-    sizes = opts.get("models", [] if model_dir else ["1.7b", "4b", "8b"])
+    default_sizes = ["fdv2-7b"] if strategy == "fast_dllm_v2" else ["1.7b", "4b", "8b"]
+    sizes = opts.get("models", [] if model_dir else default_sizes)
     report = run(settings, sizes, model_dir, load_format, opts.get("data_dir"), opts.get("out"), opts.get("plot"),
                  bool(opts.get("append")), log=lambda line: print(line, flush=True))
     return 1 if report["results"] and all(r["error"] for r in report["results"]) else 0

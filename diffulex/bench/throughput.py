@@ -1,19 +1,27 @@
-"""``diffulex bench throughput``: decode speed of the engine on real SDAR geometries, against the hardware floors.
+"""``diffulex bench throughput``: decode speed of the engine on real SDAR (and Fast-dLLM v2) geometries, against the
+hardware floors.
 
-For every (model, batch size, buffer size) the engine runs ``multi_bd`` with block 4, greedy, ``ignore_eos``, on
-fixed random prompts, and only decode steps are timed: the steps that contain any prompt computation (every
-request's first forward, and the steps while the batch is still being admitted) run before the timed region,
-which starts with all requests running and ends after the step in which the first request finishes (or at the
-step or time budget), so every timed step carries the whole batch. The region is bracketed by device
-synchronizations; each step is also timed on the host for the median (a step ends in a device-to-host copy of
-the sampled tokens, so host time per step is device time per step).
+For every (model, batch size, buffer size) the engine runs the sweep's strategy (``--strategy``: ``multi_bd`` with
+block 4 by default; ``fast_dllm_v2`` with sub-blocks of 8, 4 per block, its block cache on and off), greedy,
+``ignore_eos``, on fixed random prompts, and only decode steps are timed: the steps that contain any prompt
+computation (every request's first forward, and the steps while the batch is still being admitted) run before the
+timed region, which starts with all requests running and ends after the step in which the first request finishes
+(or at the step or time budget), so every timed step carries the whole batch. The region is bracketed by device
+synchronizations; each step is also timed on the host for the median (a step ends in a device-to-host copy of the
+sampled tokens, so host time per step is device time per step).
 
 Each timed step is compared with its floors (`diffulex.bench.roofline`): the bytes it must move over the measured
 copy bandwidth and the flops it must do over the measured matmul throughput (`diffulex.bench.hardware`). The
-models need no download: `write_sdar_checkpoint` writes folders with the real SDAR ``config.json`` geometry and
-the real Qwen tokenizer, and the engine fills them with random weights (``load_format="dummy"``). Random weights
-are not confident, so about one token per running block is accepted per step: TPF is a lower bound of a trained
-model's, while milliseconds per step, which depend only on shapes, are representative.
+models need no download: `write_sdar_checkpoint` writes folders with the real SDAR ``config.json`` geometry and the
+real Qwen tokenizer (`write_fast_dllm_v2_checkpoint` the Fast-dLLM-v2-7B geometry), and the engine fills them with
+random weights (``load_format="dummy"``). Random weights are not confident, so about one token per running block is
+accepted per step: TPF is a lower bound of a trained model's, while milliseconds per step, which depend only on
+shapes, are representative.
+
+A ``fast_dllm_v2`` step's rows are not the cached tail of each request (a refinement computes one sub-block and reads
+the rest of its block from the cache), so its work is read from each request's state just before the step
+(`_fdv2_request_work`); that bookkeeping is timed apart and taken out of the step time (the device is idle then: a
+step ends by reading its result).
 """
 
 from __future__ import annotations
@@ -106,8 +114,17 @@ LLADA2_SIZES: dict[str, dict[str, Any]] = {
         "vocab_size": 157184, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
     },
 }  # fmt: skip
-STRATEGY = "multi_bd"
-DEFAULT_BLOCK_SIZE = 4
+# Fast-dLLM-v2-7B (Qwen2.5-7B shapes): `write_fast_dllm_v2_checkpoint` writes it with the real Qwen2 tokenizer.
+FDV2_SIZES: dict[str, dict[str, Any]] = {
+    "fdv2-7b": {
+        "hidden_size": 3584, "num_hidden_layers": 28, "max_window_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "layer_types": ["full_attention"] * 28,
+    },
+}  # fmt: skip
+# The strategies the sweep runs: (block size, buffer sizes) by default. Fast-dLLM v2's block is a buffer of
+# sub-blocks (its checkpoints are trained with blocks of 32 = 4 sub-blocks of 8).
+STRATEGY_DEFAULTS: dict[str, tuple[int, list[int]]] = {"multi_bd": (4, [1, 2]), "fast_dllm_v2": (8, [4])}
 
 
 # ----- checkpoint folders ------------------------------------------------------------------------------------
@@ -142,6 +159,45 @@ def write_sdar_checkpoint(path: str | Path, size: str, data_dir: str | Path | No
     return path
 
 
+def write_fast_dllm_v2_checkpoint(path: str | Path, size: str, data_dir: str | Path | None = None) -> Path:
+    """Write a weightless Fast-dLLM v2 checkpoint folder of `size` (`FDV2_SIZES`) into `path`; returns it.
+
+    ``config.json`` has every key of the published Fast-dLLM v2 config (written as `write_tiny_checkpoint` writes
+    the family's) with the geometry of `size` and the real special-token ids; the tokenizer is the real Qwen2.5 one
+    with Fast-dLLM v2's mask token (`diffulex.testing.write_qwen_tokenizer`), read from `data_dir`, else from the
+    source checkout's ``tests/data/sdar-4b-chat``. Load it with ``load_format="dummy"``.
+    """
+    from diffulex.testing.checkpoints import (
+        qwen_special_token_ids,
+        sdar_reference_dir,
+        write_qwen_tokenizer,
+        write_tiny_checkpoint,
+    )
+
+    if size not in FDV2_SIZES:
+        raise ValueError(f"size={size!r} is invalid: must be one of {', '.join(FDV2_SIZES)}")
+    path = Path(path)
+    source = Path(data_dir) if data_dir is not None else sdar_reference_dir()
+    try:
+        write_qwen_tokenizer(path, "fast_dllm_v2", source)
+    except FileNotFoundError:
+        raise ValueError(
+            f"data_dir={str(source)!r} holds no Qwen tokenizer files: pass --data-dir DIR, a folder with "
+            "SDAR-4B-Chat's tokenizer files (a source checkout's tests/data/sdar-4b-chat)"
+        ) from None
+    ids = qwen_special_token_ids("fast_dllm_v2")
+    eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = write_tiny_checkpoint(Path(tmp) / "tiny", family="fast_dllm_v2")
+        config = json.loads((tiny / "config.json").read_text(encoding="utf-8"))
+        generation = json.loads((tiny / "generation_config.json").read_text(encoding="utf-8"))
+    config.update(FDV2_SIZES[size], bos_token_id=eot, eos_token_id=im_end, pad_token_id=im_end)
+    generation.update(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
 # ----- settings ----------------------------------------------------------------------------------------------
 
 
@@ -158,10 +214,12 @@ class ModelEntry:
 @dataclass
 class ThroughputSettings:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
-    buffer_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    buffer_sizes: list[int] | None = None  # None: the strategy's (`STRATEGY_DEFAULTS`)
     prompt_len: int = 128
     max_tokens: int = 256
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None  # None: the strategy's
+    strategy: str = "multi_bd"
+    block_cache: list[bool] | None = None  # fast_dllm_v2: the block cache settings swept (None: on, then off)
     seed: int = 0
     max_seconds: float = 60.0  # timed decode region per configuration
     max_steps: int | None = None  # timed decode steps per configuration
@@ -173,8 +231,19 @@ class ThroughputSettings:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from diffulex.validation import check_int, check_number
+        from diffulex.validation import check_int, check_number, invalid_value
 
+        if self.strategy not in STRATEGY_DEFAULTS:
+            raise invalid_value("strategy", self.strategy, f"must be one of {', '.join(STRATEGY_DEFAULTS)}")
+        default_block, default_buffers = STRATEGY_DEFAULTS[self.strategy]
+        if self.buffer_sizes is None:
+            self.buffer_sizes = list(default_buffers)
+        if self.block_cache is not None and self.strategy != "fast_dllm_v2":
+            raise invalid_value("block_cache", self.block_cache, "only fast_dllm_v2 has a block cache to sweep")
+        if self.block_cache is not None and not self.block_cache:
+            raise ValueError("block_cache is empty: give on and/or off")
+        if "decoding_strategy" in self.engine_overrides:
+            raise ValueError("--decoding-strategy is set by the sweep: use --strategy")
         for name in ("batch_sizes", "buffer_sizes", *(("roofline_batches",) if self.roofline_batches else ())):
             values = getattr(self, name)
             if not values:
@@ -192,7 +261,18 @@ class ThroughputSettings:
             raise ValueError("--buffer-size is set by the sweep: use --buffer-sizes")
         if self.engine_overrides.get("block_size") is not None:  # --block-size: the engine's and the floors' block
             self.block_size = self.engine_overrides["block_size"]
+        if self.block_size is None:
+            self.block_size = default_block
         check_int("block_size", self.block_size, low=1)
+
+    @property
+    def strategy_variants(self) -> list[dict[str, Any]]:
+        """The strategy options each (model, buffer size) runs with: one empty set, or Fast-dLLM v2's block cache
+        on and off."""
+        if self.strategy != "fast_dllm_v2":
+            return [{}]
+        caches = self.block_cache if self.block_cache is not None else [True, False]
+        return [{"fdv2_use_block_cache": on} for on in caches]
 
     @property
     def max_model_len(self) -> int:
@@ -200,9 +280,11 @@ class ThroughputSettings:
         profile_tokens = (self.profile_steps + 8) * self.block_size * max(self.buffer_sizes)
         return self.prompt_len + max(self.max_tokens, profile_tokens if self.profile_batch else 0) + self.block_size
 
-    def engine_fields(self, entry: ModelEntry, buffer_size: int) -> dict[str, Any]:
+    def engine_fields(
+        self, entry: ModelEntry, buffer_size: int, options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         fields: dict[str, Any] = {
-            "decoding_strategy": STRATEGY,
+            "decoding_strategy": self.strategy,
             "block_size": self.block_size,
             "buffer_size": buffer_size,
             "max_num_reqs": max(self.batch_sizes + ([self.profile_batch] if self.profile_batch else [])),
@@ -211,6 +293,8 @@ class ThroughputSettings:
             "load_format": entry.load_format,
             "seed": self.seed,
         }
+        if options:
+            fields["strategy_options"] = dict(options)
         fields.update(self.engine_overrides)
         return fields
 
@@ -277,6 +361,41 @@ def _step_work(records: Sequence[tuple[Any, Any, int, int]], block_size: int, ma
     return total
 
 
+def _keys_seen(start: int, end: int, key_end: int, block_size: int) -> int:
+    """(query, key) pairs of rows ``[start, end)`` whose keys run to the end of their block, capped at ``key_end``
+    (a refinement's rows see the cached rest of their block past ``end``)."""
+    pairs, p = 0, start
+    while p < end:
+        block_end = (p // block_size + 1) * block_size
+        rows_end = min(block_end, end)
+        pairs += (rows_end - p) * min(block_end, key_end)
+        p = rows_end
+    return pairs
+
+
+def _fdv2_request_work(req: Any) -> StepWork:
+    """What a Fast-dLLM v2 request's next forward computes, read from its state before the step as the model runner
+    reads it (`ModelRunner.collect`): its rows, the cached keys it reads (prefix and, for a refinement, the rest of
+    its block), the K/V it stores and the masks it samples."""
+    size = req.settings.block_size
+    start, end = req.query_range()
+    key_end = max(end, req.keys_end() or end)
+    written = sum(
+        min(end, b.end) - max(start, b.start) for b in req.blocks[start // size : -(-end // size)] if req.stores_kv(b)
+    )
+    return StepWork(
+        query_tokens=end - start,
+        logit_rows=sum(len(t.positions) for t in req.sample_targets()),
+        context_tokens=start + key_end - end,
+        written_tokens=written,
+        attn_pairs=_keys_seen(start, end, key_end, size),
+    )
+
+
+# Strategies whose step work is read from the requests' state before each step (see the module docstring).
+_REQUEST_WORK: dict[str, Callable[[Any], StepWork]] = {"fast_dllm_v2": _fdv2_request_work}
+
+
 def measure_decode(
     engine: Any, batch: int, settings: ThroughputSettings, cost: CostModel, peaks: HardwarePeaks, flops_per_s: float
 ) -> dict[str, Any]:
@@ -305,6 +424,10 @@ def measure_decode(
         else:
             gc_pauses.append(time.perf_counter() - gc_started[0])
 
+    request_work = _REQUEST_WORK.get(settings.strategy)
+    planned: dict[int, StepWork] = {}  # id(record) -> the work its request's forward did (`_REQUEST_WORK`)
+    bookkeeping = 0.0  # seconds spent reading that work: taken out of the timed region
+
     _sync(device)
     gc.callbacks.append(on_gc)
     continued = getattr(engine, "num_continuations", 0)
@@ -312,10 +435,16 @@ def measure_decode(
     t0 = time.perf_counter()
     while True:
         before = [r.num_cached_tokens for r in requests]  # the only bookkeeping inside the region (~0.2 us each)
+        if request_work is not None:
+            tb = time.perf_counter()
+            plans = {r.req_id: request_work(r) for r in requests if not r.is_finished}
+            bookkeeping += time.perf_counter() - tb
         ts = time.perf_counter()
         updates = engine.step()
         step_times.append(time.perf_counter() - ts)
         raw.append(([(u.req_id, u.record) for u in updates if u.record is not None], before))
+        if request_work is not None:
+            planned.update((id(u.record), plans[u.req_id]) for u in updates if u.record is not None)
         if any(u.finished for u in updates):
             break
         if settings.max_steps is not None and len(step_times) >= settings.max_steps:
@@ -325,7 +454,7 @@ def measure_decode(
             stopped_by = "max_seconds"
             break
     _sync(device)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0 - bookkeeping
     gc.callbacks.remove(on_gc)
     continued = getattr(engine, "num_continuations", 0) - continued
     engine_steps = len(step_times)
@@ -346,7 +475,10 @@ def measure_decode(
         records = [
             (by_id[req_id], record, before[index[req_id]], after[index[req_id]]) for req_id, record in step_records
         ]
-        works.append(_step_work(records, settings.block_size, engine.mask_token_id))
+        if request_work is not None:
+            works.append(sum((planned[id(record)] for _, record, _, _ in records), StepWork(0, 0, 0, 0, 0)))
+        else:
+            works.append(_step_work(records, settings.block_size, engine.mask_token_id))
         tokens += sum(record.num_new_tokens for _, record in step_records)
         request_forwards += len(records)
         partial_steps += len(records) != batch
@@ -372,6 +504,8 @@ def measure_decode(
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "tpf": tokens / max(request_forwards, 1),
+        "nfe_per_request": request_forwards / batch,  # forwards each request ran in the timed region
+        "ms_per_token": 1e3 * elapsed / max(tokens, 1),
         "query_tokens_per_step": sum(w.query_tokens for w in works) / steps,
         "logit_rows_per_step": sum(w.logit_rows for w in works) / steps,
         "context_tokens_per_step": sum(w.context_tokens for w in works) / steps,
@@ -497,19 +631,95 @@ def linear_roofline_rows(
     return rows
 
 
+def variant_label(options: Mapping[str, Any]) -> str:
+    """A short name of a configuration's strategy options for tables and plots ("" when it has none)."""
+    if "fdv2_use_block_cache" in options:
+        return "cache on" if options["fdv2_use_block_cache"] else "cache off"
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+
+
+def _sweep_engine(
+    entry: ModelEntry,
+    buffer_size: int,
+    options: Mapping[str, Any],
+    settings: ThroughputSettings,
+    device: torch.device,
+    peaks: HardwarePeaks,
+    results: list[dict[str, Any]],
+    profiles: list[dict[str, Any]],
+    log: Callable[[str], None],
+    progress: list[int],
+) -> None:
+    """Every batch size of one (model, buffer size, strategy options) on one engine (a fresh one after a failure),
+    then its profile if asked; rows go to `results` and `profiles`."""
+    from diffulex import Diffulex
+
+    variant = variant_label(options)
+    named = f"{entry.name} buffer {buffer_size}" + (f" {variant}" if variant else "")
+    fields = settings.engine_fields(entry, buffer_size, options)
+    engine = None
+    for batch in settings.batch_sizes:
+        progress[0] += 1
+        row: dict[str, Any] = {
+            "model": entry.name, "load_format": entry.load_format, "strategy": settings.strategy,
+            "variant": variant, "strategy_options": dict(options), "buffer_size": buffer_size, "batch": batch,
+            "block_size": settings.block_size, "prompt_len": settings.prompt_len,
+            "max_tokens": settings.max_tokens, "error": None,
+        }  # fmt: skip
+        log(f"[{progress[0]}/{progress[1]}] {named} batch {batch} ...")
+        failure = None
+        try:
+            if engine is None:
+                t0 = time.perf_counter()
+                engine = Diffulex(entry.path, **fields)
+                log(f"  engine ready in {time.perf_counter() - t0:.1f} s ({engine.dtype}, {engine.device})")
+            itemsize = torch.empty((), dtype=engine.dtype).element_size()
+            cost = cost_model_from_module(engine.model, itemsize)
+            flops_per_s = add_matmul_peak(peaks, device, engine.dtype, settings.quick)
+            row["dtype"] = str(engine.dtype).removeprefix("torch.")
+            row["weight_bytes"] = cost.weight_bytes
+            row["cuda_graphs"] = bool(engine.policy.cuda_graphs)
+            row.update(measure_decode(engine, batch, settings, cost, peaks, flops_per_s))
+            log("  " + format_row(row))
+        except Exception as err:  # out of memory, a kernel failure: record it and go on
+            failure = _error(err)
+        if failure is not None:  # a fresh engine for the next configuration
+            row["error"] = failure
+            log(f"  failed: {failure}")
+            _close(engine)
+            engine = None
+            _release(device)
+        results.append(row)
+    if settings.profile_batch is not None and device.type == "cuda":
+        head = {"model": entry.name, "variant": variant, "buffer_size": buffer_size, "batch": settings.profile_batch}
+        try:
+            if engine is None:
+                engine = Diffulex(entry.path, **fields)
+            prof = {**head, **profile_decode(engine, settings.profile_batch, settings)}
+            log("  " + format_profile(prof))
+        except Exception as err:
+            prof = {**head, "error": _error(err)}
+            log(f"  profile failed: {prof['error']}")
+        profiles.append(prof)
+    elif settings.profile_batch is not None:
+        log("  profile skipped: it reads GPU kernel times and this run has no CUDA device")
+    _close(engine)
+    _release(device)
+
+
 def run_sweep(
     models: Sequence[ModelEntry], settings: ThroughputSettings, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Measure every (model, buffer size, batch size); a configuration that fails (out of memory, say) is recorded
     with its error and the sweep goes on with a fresh engine."""
-    from diffulex import Diffulex
     from diffulex.config import Config
 
     device = _device(settings.engine_overrides)
     configs = {}
     for entry in models:  # validate every configuration before spending time on any
         for buffer_size in settings.buffer_sizes:
-            configs[entry.name] = Config(entry.path, **settings.engine_fields(entry, buffer_size))
+            for options in settings.strategy_variants:
+                configs[entry.name] = Config(entry.path, **settings.engine_fields(entry, buffer_size, options))
     dtypes = sorted(
         {_engine_dtype(device, settings.engine_overrides, c.model_config_dict) for c in configs.values()}, key=str
     )
@@ -521,8 +731,8 @@ def run_sweep(
     results: list[dict[str, Any]] = []
     profiles: list[dict[str, Any]] = []
     rooflines: list[dict[str, Any]] = []
-    total = len(models) * len(settings.buffer_sizes) * len(settings.batch_sizes)
-    done = 0
+    total = len(models) * len(settings.buffer_sizes) * len(settings.strategy_variants) * len(settings.batch_sizes)
+    progress = [0, total]  # configurations started, of all
     for entry in models:
         config_json = configs[entry.name].model_config_dict
         dtype = _engine_dtype(device, settings.engine_overrides, config_json)
@@ -535,59 +745,13 @@ def run_sweep(
                 log(f"{entry.name}: linear roofline skipped: {_error(err)}")
             _release(device)
         for buffer_size in settings.buffer_sizes:
-            engine = None
-            for batch in settings.batch_sizes:
-                done += 1
-                row: dict[str, Any] = {
-                    "model": entry.name, "load_format": entry.load_format, "buffer_size": buffer_size, "batch": batch,
-                    "block_size": settings.block_size, "prompt_len": settings.prompt_len,
-                    "max_tokens": settings.max_tokens, "error": None,
-                }
-                log(f"[{done}/{total}] {entry.name} buffer {buffer_size} batch {batch} ...")
-                failure = None
-                try:
-                    if engine is None:
-                        t0 = time.perf_counter()
-                        engine = Diffulex(entry.path, **settings.engine_fields(entry, buffer_size))
-                        log(f"  engine ready in {time.perf_counter() - t0:.1f} s ({engine.dtype}, {engine.device})")
-                    itemsize = torch.empty((), dtype=engine.dtype).element_size()
-                    cost = cost_model_from_module(engine.model, itemsize)
-                    flops_per_s = add_matmul_peak(peaks, device, engine.dtype, settings.quick)
-                    row["dtype"] = str(engine.dtype).removeprefix("torch.")
-                    row["weight_bytes"] = cost.weight_bytes
-                    row.update(measure_decode(engine, batch, settings, cost, peaks, flops_per_s))
-                    log("  " + format_row(row))
-                except Exception as err:  # out of memory, a kernel failure: record it and go on
-                    failure = _error(err)
-                if failure is not None:  # a fresh engine for the next configuration
-                    row["error"] = failure
-                    log(f"  failed: {failure}")
-                    _close(engine)
-                    engine = None
-                    _release(device)
-                results.append(row)
-            if settings.profile_batch is not None and device.type == "cuda":
-                try:
-                    if engine is None:
-                        engine = Diffulex(entry.path, **settings.engine_fields(entry, buffer_size))
-                    prof = {"model": entry.name, "buffer_size": buffer_size, "batch": settings.profile_batch,
-                            **profile_decode(engine, settings.profile_batch, settings)}
-                    log("  " + format_profile(prof))
-                except Exception as err:
-                    prof = {"model": entry.name, "buffer_size": buffer_size, "batch": settings.profile_batch,
-                            "error": _error(err)}
-                    log(f"  profile failed: {prof['error']}")
-                profiles.append(prof)
-            elif settings.profile_batch is not None:
-                log("  profile skipped: it reads GPU kernel times and this run has no CUDA device")
-            _close(engine)
-            engine = None
-            _release(device)
+            for options in settings.strategy_variants:
+                _sweep_engine(entry, buffer_size, options, settings, device, peaks, results, profiles, log, progress)
     return {
         "device": _device_info(device),
         "hardware": peaks.to_dict(),
         "settings": {**{k: v for k, v in asdict(settings).items() if k != "engine_overrides"},
-                     "strategy": STRATEGY, "engine_overrides": settings.engine_overrides},
+                     "engine_overrides": settings.engine_overrides},
         "models": [asdict(m) | ({"path": None} if m.size else {}) for m in models],
         "results": results,
         "profile": profiles,
@@ -621,24 +785,27 @@ def format_row(row: Mapping[str, Any]) -> str:
         f"{row['steps']} decode steps: {row['ms_per_step_mean']:.2f} ms/step (p50 {row['ms_per_step_p50']:.2f}, "
         f"p90 {row.get('ms_per_step_p90', float('nan')):.2f}, max {row.get('ms_per_step_max', float('nan')):.2f} "
         f"at step {row.get('slowest_step')}; gc {row.get('gc_pauses')} pauses, {row.get('gc_ms', 0.0):.1f} ms), "
-        f"{row['tokens_per_s']:.0f} tok/s, TPF {row['tpf']:.2f}; floors: memory {row['memory_floor_ms']:.3f} ms, "
+        f"{row['tokens_per_s']:.0f} tok/s, TPF {row['tpf']:.2f}, NFE {row.get('nfe_per_request', 0):.1f} per "
+        f"request; floors: memory {row['memory_floor_ms']:.3f} ms, "
         f"compute {row['compute_floor_ms']:.3f} ms -> {row['floor_ratio']:.2f}x the {row['bound']} floor"
     )
 
 
 def format_table(results: Sequence[Mapping[str, Any]]) -> str:
-    header = (f"{'model':<10} {'buf':>3} {'batch':>5} {'steps':>5} {'ms/step':>8} {'p50':>8} {'tok/s':>9} {'TPF':>5} "
-              f"{'mem ms':>8} {'comp ms':>8} {'x floor':>7} {'x mem':>6} {'x comp':>7}")
+    header = (f"{'model':<10} {'variant':<9} {'buf':>3} {'batch':>5} {'steps':>5} {'ms/step':>8} {'p50':>8} "
+              f"{'tok/s':>9} {'TPF':>5} {'NFE':>5} {'mem ms':>8} {'comp ms':>8} {'x floor':>7} {'x mem':>6} "
+              f"{'x comp':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
+        head = f"{r['model']:<10} {r.get('variant', ''):<9} {r['buffer_size']:>3} {r['batch']:>5}"
         if r.get("error"):
-            lines.append(f"{r['model']:<10} {r['buffer_size']:>3} {r['batch']:>5}  error: {r['error']}")
+            lines.append(f"{head}  error: {r['error']}")
             continue
         lines.append(
-            f"{r['model']:<10} {r['buffer_size']:>3} {r['batch']:>5} {r['steps']:>5} {r['ms_per_step_mean']:>8.2f} "
-            f"{r['ms_per_step_p50']:>8.2f} {r['tokens_per_s']:>9.0f} {r['tpf']:>5.2f} {r['memory_floor_ms']:>8.3f} "
-            f"{r['compute_floor_ms']:>8.3f} {r['floor_ratio']:>7.2f} {r['memory_floor_ratio']:>6.2f} "
-            f"{r['compute_floor_ratio']:>7.2f}"
+            f"{head} {r['steps']:>5} {r['ms_per_step_mean']:>8.2f} {r['ms_per_step_p50']:>8.2f} "
+            f"{r['tokens_per_s']:>9.0f} {r['tpf']:>5.2f} {r.get('nfe_per_request', 0):>5.1f} "
+            f"{r['memory_floor_ms']:>8.3f} {r['compute_floor_ms']:>8.3f} {r['floor_ratio']:>7.2f} "
+            f"{r['memory_floor_ratio']:>6.2f} {r['compute_floor_ratio']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -670,12 +837,12 @@ def format_roofline(rows: Sequence[Mapping[str, Any]]) -> str:
 def _key(section: str, row: Mapping[str, Any]) -> tuple[Any, ...]:
     if section == "linear_roofline":
         return row["model"], row["m"], row["shape"]
-    return row["model"], row["buffer_size"], row["batch"]
+    return row["model"], row.get("strategy", "multi_bd"), row.get("variant", ""), row["buffer_size"], row["batch"]
 
 
 def merge_reports(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """`new` over `old`: rows of the same (model, buffer, batch) are replaced, others kept. Both must come from
-    the same device, since floors and speeds of different machines do not belong in one table."""
+    """`new` over `old`: rows of the same (model, strategy, variant, buffer, batch) are replaced, others kept. Both
+    must come from the same device, since floors and speeds of different machines do not belong in one table."""
     if old.get("device", {}).get("name") != new["device"]["name"]:
         raise ValueError(
             f"--append: the existing report was measured on {old.get('device', {}).get('name')!r}, this run on "
@@ -698,14 +865,14 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    lines: dict[tuple[str, int, str], list[Mapping[str, Any]]] = {}
     for r in report["results"]:
         if not r.get("error"):
-            lines.setdefault((r["model"], r["buffer_size"]), []).append(r)
-    for (model, buffer_size), rows in sorted(lines.items()):
+            lines.setdefault((r["model"], r["buffer_size"], r.get("variant", "")), []).append(r)
+    for (model, buffer_size, variant), rows in sorted(lines.items()):
         rows = sorted(rows, key=lambda r: r["batch"])
         batches = [r["batch"] for r in rows]
-        label = f"{model}, buffer {buffer_size}"
+        label = f"{model}, buffer {buffer_size}" + (f", {variant}" if variant else "")
         ax_tps.plot(batches, [r["tokens_per_s"] for r in rows], marker="o", label=label)
         ax_ratio.plot(batches, [r["floor_ratio"] for r in rows], marker="o", label=label)
     batches = sorted({r["batch"] for rows in lines.values() for r in rows})
@@ -771,6 +938,10 @@ def run(
         if model_dir is not None:
             models.append(ModelEntry(Path(model_dir).name, str(model_dir), load_format or "safetensors"))
         for size in sizes:
+            if size in FDV2_SIZES:
+                path = write_fast_dllm_v2_checkpoint(Path(tmp) / size, size, data_dir)
+                models.append(ModelEntry(size, str(path), load_format or "dummy", size))
+                continue
             if size in LLADA2_SIZES:
                 path = write_llada2_checkpoint(Path(tmp) / size, size)
                 models.append(ModelEntry(size, str(path), load_format or "dummy", size))

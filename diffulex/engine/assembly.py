@@ -186,6 +186,7 @@ def _model_runner(
         attn_impl=config.attn_impl,
         token_merge=token_merge,
         samples_in_graph=strategy.samples_in_graph,
+        key_tails=strategy.attends_past_rows,
     )
     return ModelRunner(runner_settings, model, sampler)
 

@@ -11,6 +11,13 @@ replayed by copying its inputs into the buffers and padding the rest:
 * the attention kernels see the bucket's fixed launch bounds (``max_query_len`` rows per request, keys up to
   ``max_model_len``), so one launch shape serves every step that fits.
 
+With ``key_tails`` (`GraphShape`) each request's key end travels with the layout too, so steps whose requests
+attend to cached keys after their rows (Fast-dLLM v2's sub-block refinement) replay the same graphs as steps
+that do not; a padded request's key end is 0 (none past its rows). With a ``row_capacity`` below
+``max_query_len`` a bucket of ``R`` requests holds ``R * row_capacity`` rows, however they are shared: a step fits
+when its rows do (each request still within ``max_query_len``, the attention kernels' bound), which serves a
+strategy whose requests mostly compute fewer rows than the widest one (`Strategy.short_step_rows`).
+
 Prefill chunks, rebuilds after preemption and anything larger run eagerly.
 
 DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
@@ -130,10 +137,24 @@ class GraphShape:
     block_size: int
     page_size: int
     prefix_full: bool
+    # each request's key end is staged and handed to attention (`PagedAttentionMetadata.key_lens`), for strategies
+    # whose requests attend to cached keys after their rows; off, the kernels compile no loop for such keys
+    key_tails: bool = False
+    # rows a bucket holds per request, on average over its requests (0: max_query_len, every request's full width):
+    # narrower graphs for steps whose requests mostly compute fewer rows than the widest one may
+    row_capacity: int = 0
+
+    @property
+    def rows_per_request(self) -> int:
+        return self.row_capacity or self.max_query_len
+
+    def bucket_rows(self, bucket: int) -> int:
+        """Rows a bucket's buffers hold (its forward computes them all)."""
+        return bucket * self.rows_per_request
 
     @property
     def max_tokens(self) -> int:
-        return self.max_requests * self.max_query_len
+        return self.bucket_rows(self.max_requests)
 
     def max_segments(self, requests: int) -> int:
         """Blocks that many requests may sample: each request's running set (at most its rows over a block)."""
@@ -190,9 +211,10 @@ class DecodeGraphs:
         # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
         #                 then [starts | force | block first rows | block end rows | block slots] (each S + 1
         #                 long: one more segment, for padded rows);
-        # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | page_tables (R * P)].
+        # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | key_lens (R) |
+        #                 page_tables (R * P)].
         # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
-        self._head_len = 3 * R + 1
+        self._head_len = 4 * R + 1
         self._row_stride = T + T % 2
         self._segment_stride = S + 1 + (S + 1) % 2
         token_bytes = (5 * self._row_stride + 5 * self._segment_stride) * 8
@@ -227,7 +249,7 @@ class DecodeGraphs:
         start under the final norm (programmatic dependent launch works within a graph): at batch 1 that is
         worth a second capture of the forward per staging buffer. Larger buckets keep one forward graph, which
         their sampling graphs read."""
-        return self.samples and bucket * self.shape.max_query_len <= FUSED_STEP_MAX_ROWS
+        return self.samples and self.shape.bucket_rows(bucket) <= FUSED_STEP_MAX_ROWS
 
     @property
     def samples(self) -> bool:
@@ -264,7 +286,7 @@ class DecodeGraphs:
     def _sampling_views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows [n], segments [n], force [s + 1], starts [s + 1])`` of a bucket of ``n`` rows and at most ``s``
         sampled blocks, plus one more block, empty and never forcing, that padded rows belong to."""
-        n = bucket * self.shape.max_query_len
+        n = self.shape.bucket_rows(bucket)
         s = self.shape.max_segments(bucket)
         t = self._tokens
         return (
@@ -277,7 +299,7 @@ class DecodeGraphs:
     def _metadata(self, bucket: int) -> PagedAttentionMetadata:
         s, R = self.shape, self.shape.max_requests
         lay = self._layout
-        _, _, slots = self._token_views(bucket * s.max_query_len)
+        _, _, slots = self._token_views(s.bucket_rows(bucket))
         tables = lay[self._head_len : self._head_len + bucket * s.max_pages].view(bucket, s.max_pages)
         return PagedAttentionMetadata(
             cu_seqlens_q=lay[: bucket + 1],
@@ -293,6 +315,7 @@ class DecodeGraphs:
             prefix_lens_cpu=[0] * bucket,
             max_query_len=s.max_query_len,
             max_kv_len=s.max_kv_len,
+            key_lens=lay[3 * R + 1 : 3 * R + 1 + bucket] if s.key_tails else None,
         )
 
     # ----- filling -------------------------------------------------------------------------------------------
@@ -305,12 +328,12 @@ class DecodeGraphs:
             return None
         if self.capture_graphs and not self._graphs:
             return None
-        return next(b for b in self.buckets if b >= r)
+        return next((b for b in self.buckets if b >= r and s.bucket_rows(b) >= step.num_tokens), None)
 
     def _fill(self, step: StepInputs, bucket: int, buffer: int = 0, sampled: SampledRows | None = None) -> None:
         s, R = self.shape, self.shape.max_requests
         t, r = step.num_tokens, step.num_requests
-        n = bucket * s.max_query_len
+        n = s.bucket_rows(bucket)
         tok = self._tokens_np[buffer]
         for index, values, pad in ((0, step.input_ids, 0), (1, step.positions, 0), (2, step.slot_mapping, -1)):
             section = self._row_section(tok, index, n)
@@ -331,6 +354,9 @@ class DecodeGraphs:
         lay[R + 1 + r : R + 1 + bucket] = 0
         lay[2 * R + 1 : 2 * R + 1 + r] = step.prefix_lens
         lay[2 * R + 1 + r : 2 * R + 1 + bucket] = 0
+        if s.key_tails:  # a request without a key end (none past its rows) and a padded one: 0, i.e. none
+            lay[3 * R + 1 : 3 * R + 1 + len(step.key_lens)] = step.key_lens
+            lay[3 * R + 1 + len(step.key_lens) : 3 * R + 1 + bucket] = 0
         tables = lay[self._head_len : self._head_len + bucket * s.max_pages].reshape(bucket, s.max_pages)
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
@@ -345,12 +371,14 @@ class DecodeGraphs:
             meta.query_lens_cpu = step.query_lens + [0] * pad
             meta.context_lens_cpu = step.context_lens + [0] * pad
             meta.prefix_lens_cpu = step.prefix_lens + [0] * pad
+            if s.key_tails:
+                meta.key_lens_cpu = step.key_lens + [0] * (bucket - len(step.key_lens))
 
     def _fill_sampled(self, sampled: SampledRows, bucket: int, tok: np.ndarray) -> None:
         """Stage the sampled rows' blocks, padded to the bucket (`_fill` stages the rows themselves): padded rows
         belong to the extra block; padded blocks are empty and never force."""
         n, num_blocks = len(sampled.rows), len(sampled.force)
-        rows_cap, blocks_cap = bucket * self.shape.max_query_len, self.shape.max_segments(bucket)
+        rows_cap, blocks_cap = self.shape.bucket_rows(bucket), self.shape.max_segments(bucket)
         if n > rows_cap or num_blocks > blocks_cap:
             raise ValueError(f"{n} rows in {num_blocks} blocks do not fit bucket {bucket}'s sampling graph")
         segments = self._row_section(tok, 4, rows_cap)
@@ -373,7 +401,7 @@ class DecodeGraphs:
     def _result_home(self, bucket: int, buffer: int) -> torch.Tensor:
         """The pinned ``[2, rows]`` host tensor a bucket's sampling result is copied to: contiguous, because a copy
         into a strided host view would pass through pageable memory (not allowed in a graph, and synchronous)."""
-        rows = bucket * self.shape.max_query_len
+        rows = self.shape.bucket_rows(bucket)
         return self._results_host[buffer][: 2 * rows].view(2, rows)
 
     def _upload(self, bucket: int, buffer: int = 0) -> None:
@@ -381,7 +409,7 @@ class DecodeGraphs:
         device_part, host_part = self._copy_pairs[bucket][buffer]
         device_part.copy_(host_part, non_blocking=True)
         if self.soft_inputs is not None:
-            self.soft_inputs.upload(bucket * self.shape.max_query_len, buffer)
+            self.soft_inputs.upload(self.shape.bucket_rows(bucket), buffer)
 
     def run(
         self, step: StepInputs, bucket: int, buffer: int = 0, sampled: SampledRows | None = None
@@ -437,7 +465,7 @@ class DecodeGraphs:
         """The forward over the bucket's buffers. Its readers are the staged rows to sample (section 3), which a
         continuation's advance retires as they are decoded: a step that samples no row (it only stores a
         finished block) lets the last layer skip what only the LM head would read."""
-        n = bucket * self.shape.max_query_len
+        n = self.shape.bucket_rows(bucket)
         ids, positions, _ = self._token_views(n)
         readers = self._row_section(self._tokens, 3, n)
         if self.soft_inputs is not None:
@@ -450,17 +478,17 @@ class DecodeGraphs:
         result = self.greedy_sample(hidden, *views)
         if self.advance is not None:
             rows, _, _, starts = views
-            ids, _, slots = self._token_views(bucket * self.shape.max_query_len)
+            ids, _, slots = self._token_views(self.shape.bucket_rows(bucket))
             self.advance(ids, rows, slots, result, starts, self._block_view(bucket))
         return result
 
     # ----- capture -------------------------------------------------------------------------------------------
 
     def _fill_capture_batch(self, bucket: int) -> None:
-        """A valid placeholder batch: every request has a full query, no cache, stores nothing, samples every row
-        (into blocks that are all empty)."""
+        """A valid placeholder batch: every request has the bucket's rows per request, no cache, stores nothing,
+        samples every row (into blocks that are all empty)."""
         s = self.shape
-        q = s.max_query_len
+        q = s.rows_per_request
         step = StepInputs(
             input_ids=[0] * (bucket * q),
             positions=[i % q for i in range(bucket * q)],
@@ -516,7 +544,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (requests %s, %d rows each)%s",
-            len(self._graphs), self.buckets, self.shape.max_query_len,
+            len(self._graphs), self.buckets, self.shape.rows_per_request,
             ", each with a greedy sampling graph" if self.samples else "",
         )
 

@@ -29,6 +29,9 @@ class GraphPolicy:
     # bounds the graphs' query length, the sampled rows and the profiled logits
     max_rows_per_request: int
     logits_shift: bool
+    key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
+    # rows per request of a second, narrower set of graphs for the strategy's short steps (`Strategy.short_step_rows`)
+    short_rows_per_request: int | None = None
 
     @classmethod
     def decide(
@@ -57,6 +60,8 @@ class GraphPolicy:
             staging_buffers=2 if continues else config.micro_batches,
             max_rows_per_request=config.buffer_size * config.block_size + int(logits_shift),
             logits_shift=logits_shift,
+            key_tails=config.strategy.attends_past_rows,
+            short_rows_per_request=config.strategy.short_step_rows(config),
         )
 
     def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
@@ -88,4 +93,6 @@ class GraphPolicy:
             staging_buffers=self.staging_buffers,
             continuations=self.continues,
             logits_shift=self.logits_shift,
+            key_tails=self.key_tails,
+            short_rows_per_request=self.short_rows_per_request,
         )

@@ -83,7 +83,8 @@ def gpu_kv_budget(
     if policy.cuda_graphs:
         # the graphs' pool holds one decode forward of the largest bucket (scale the measured peak) and its
         # sampling graph's logits, which cover every row of the bucket
-        graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * policy.max_rows_per_request
+        rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
+        graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
         graphs = int(activations * min(1.0, graph_tokens / num_tokens))
         graphs += graph_tokens * runner.token_embedding().num_embeddings * dtype.itemsize
     budget = int(total * config.gpu_memory_utilization) - others - peak - graphs

@@ -8,6 +8,7 @@ the LM head only on the rows the sampler needs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +40,7 @@ class RunnerSettings:
     attn_impl: str = "naive"  # "triton"/"triton_grouped" use the Triton kernels on CUDA
     token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (static graph inputs on the graph path)
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
+    key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ModelRunner:
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
         self._graph_logits_shift = 0  # 1 where the graphs' sampled rows predict the position after them
+        self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
         self._replayed: _ReplayedStep | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
@@ -87,7 +90,7 @@ class ModelRunner:
         """Drop the cache tensors and the graphs captured over them."""
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
-        self.graphs = None
+        self.graphs = self.short_graphs = None
         self._replayed = None
         self.num_pages = 0
 
@@ -112,12 +115,18 @@ class ModelRunner:
         staging_buffers: int = 1,
         continuations: bool = False,
         logits_shift: bool = False,
+        key_tails: bool = False,
+        short_rows_per_request: int | None = None,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
         steps also sample inside a graph (`greedy_sample`); with ``continuations`` their sampling graph also
         prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
-        read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families).
+        read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families);
+        ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
+        ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
+        rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
+        with fewer rows than in the full set (such steps are never continued on the device).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -130,6 +139,7 @@ class ModelRunner:
             block_size=s.block_size,
             page_size=s.page_size,
             prefix_full=s.prefix_full,
+            key_tails=key_tails,
         )
         greedy_sample = self.greedy_sample if s.samples_in_graph else None
         advance = None
@@ -141,9 +151,17 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs
         )
+        self.short_graphs = None
+        if short_rows_per_request is not None and short_rows_per_request < max_query_len:
+            short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
+            self.short_graphs = DecodeGraphs(
+                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample
+            )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
         self.graphs.capture()
+        if self.short_graphs is not None:
+            self.short_graphs.capture()
 
     def greedy_sample(
         self,
@@ -182,20 +200,20 @@ class ModelRunner:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
         step = self.collect(batch)
-        graphs_fit = self.graphs is not None and not step.has_cached_tail  # the graphs' kernels read no such keys
-        bucket = self.graphs.bucket_for(step) if graphs_fit else None
+        graphs, bucket = self._graphs_for(step)
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
         if bucket is not None:
             sampled = None
-            if layout is not None and layout.greedy and self.graphs.samples:
+            if layout is not None and layout.greedy and graphs.samples:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
+            hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
-                storable = all(base >= 0 for _, _, base in step.sample_blocks)
-                self._replayed = _ReplayedStep(bucket, layout, storable)
+                if graphs is self.graphs:  # the graphs a continuation replays
+                    storable = all(base >= 0 for _, _, base in step.sample_blocks)
+                    self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             hidden = self._eager_forward(step)
@@ -217,7 +235,20 @@ class ModelRunner:
     def graph_replays(self) -> int:
         """Steps (continuations included) that replayed captured CUDA graphs so far: a benchmark reads it around
         the steps it times to say whether they ran on the graphed path, instead of assuming it."""
-        return self.graphs.num_replays if self.graphs is not None else 0
+        return sum(g.num_replays for g in (self.graphs, self.short_graphs) if g is not None)
+
+    def _graphs_for(self, step: StepInputs) -> tuple[DecodeGraphs | None, int | None]:
+        """The graphs a step replays and its bucket there: of the full graphs and the short ones, those whose bucket
+        computes fewer rows (the full ones on a tie); (None, None) for an eager step. Keys past a request's rows
+        replay only in graphs that stage the key ends."""
+        graphs = self.graphs
+        if graphs is None or (step.has_cached_tail and not graphs.shape.key_tails):
+            return None, None
+        options = [(g, g.bucket_for(step)) for g in (graphs, self.short_graphs) if g is not None]
+        options = [(g, b) for g, b in options if b is not None]
+        if not options:
+            return None, None
+        return min(options, key=lambda option: option[0].shape.bucket_rows(option[1]))
 
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
@@ -286,7 +317,7 @@ class ModelRunner:
                 done.add(geometry)
                 paged_attention.warm_up(
                     layer.k_cache, layer.v_cache, layer.num_heads, s.block_size, s.prefix_full,
-                    grouped=s.attn_impl == "triton_grouped",
+                    grouped=s.attn_impl == "triton_grouped", key_tails=s.key_tails,
                 )
 
     @torch.inference_mode()
@@ -380,6 +411,7 @@ class ModelRunner:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
+        tails = step.has_cached_tail
         meta = PagedAttentionMetadata(
             cu_seqlens_q=tensor(step.cu_seqlens_q, torch.int32),
             context_lens=tensor(step.context_lens, torch.int32),
@@ -392,7 +424,8 @@ class ModelRunner:
             query_lens_cpu=step.query_lens,
             context_lens_cpu=step.context_lens,
             prefix_lens_cpu=step.prefix_lens,
-            key_lens_cpu=step.key_lens if step.has_cached_tail else None,
+            key_lens_cpu=step.key_lens if tails else None,
+            key_lens=tensor(step.key_lens, torch.int32) if tails else None,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
 

@@ -47,7 +47,7 @@ class StepInputs:
 
     @property
     def has_cached_tail(self) -> bool:
-        """Whether a request attends to cached keys after its rows (only eager PyTorch attention reads those)."""
+        """Whether a request attends to cached keys after its rows (the step then carries its key ends)."""
         lens = zip(self.key_lens, self.context_lens, self.query_lens, strict=False)
         return any(key_len > ctx + q_len for key_len, ctx, q_len in lens)
 

@@ -37,7 +37,7 @@ def store_and_attend(
         return torch.ops.diffulex.paged_attention_step(
             q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.prefix_lens, meta.page_tables,
             meta.slot_mapping, scale, meta.block_size, meta.page_size, meta.prefix_full, meta.max_query_len,
-            meta.max_kv_len, grouped,
+            meta.max_kv_len, grouped, meta.key_lens,
         )
     triton_store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
@@ -86,6 +86,7 @@ def _paged_attention_step(
     max_query_len: int,
     max_kv_len: int,
     grouped: bool,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     meta = PagedAttentionMetadata(
         cu_seqlens_q=cu_seqlens_q,
@@ -101,6 +102,7 @@ def _paged_attention_step(
         prefix_lens_cpu=[],
         max_query_len=max_query_len,
         max_kv_len=max_kv_len,
+        key_lens=key_lens,
     )
     triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
@@ -108,5 +110,5 @@ def _paged_attention_step(
 
 @_paged_attention_step.register_fake
 def _(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens, prefix_lens, page_tables, slot_mapping, scale,
-      block_size, page_size, prefix_full, max_query_len, max_kv_len, grouped):
+      block_size, page_size, prefix_full, max_query_len, max_kv_len, grouped, key_lens=None):
     return torch.empty_like(q)

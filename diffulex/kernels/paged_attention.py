@@ -33,6 +33,11 @@ Design:
   encoder) or, with ``window_from_context``, its request's context length (DiffusionGemma's decoder: a canvas
   sees the last ``window - 1`` cached positions and all of its own rows). Key tiles below every row's window are
   never read, so a sliding layer's cost stays bounded by the window however long the context.
+* key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
+  to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
+  block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
+  the rows' own keys from ``k``/``v``, cached keys from ``ctx + q_len`` on; split-KV chunks the keys past ``ctx``
+  as before, a chunk may span the own rows and the tail. Off (the default), the third loop is not compiled.
 """
 
 from __future__ import annotations
@@ -199,6 +204,8 @@ def _paged_attention_kernel(
     PRELOAD_TILE: tl.constexpr = False,  # load the first cached tile into registers before waiting (split launches)
     WINDOW: tl.constexpr = 0,  # sliding window: keys at or below `anchor - WINDOW` are hidden; 0 = no window
     WINDOW_FROM_CONTEXT: tl.constexpr = False,  # the window's anchor is the request's context length, not the row
+    key_lens_ptr=None,  # [R] int32 end of each request's keys (with KEY_TAIL): cached keys after its rows up to it
+    KEY_TAIL: tl.constexpr = False,  # some request attends to cached keys after its rows (`key_lens_ptr`)
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -246,7 +253,12 @@ def _paged_attention_kernel(
     if PREFIX_FULL:
         row_limit = tl.where(q_in_prompt, prompt_len, row_limit)
     row_limit = tl.where(row_ok, row_limit, 0)
-    key_limit = tl.minimum(tl.max(row_limit, axis=0), ctx + q_len)
+    rows_end = ctx + q_len  # keys past the rows come from the cache (KEY_TAIL) or do not exist
+    if KEY_TAIL:
+        key_end = tl.maximum(tl.load(key_lens_ptr + req), rows_end)
+    else:
+        key_end = rows_end
+    key_limit = tl.minimum(tl.max(row_limit, axis=0), key_end)
     # lowest key position each row may see, and the lowest any valid row of the tile may see
     if WINDOW > 0:
         if WINDOW_FROM_CONTEXT:
@@ -340,9 +352,12 @@ def _paged_attention_kernel(
             qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
         )
 
-    # ---- the request's own new keys: absolute positions [max(lo, ctx), hi) ----
+    # ---- the request's own new keys: absolute positions [max(lo, ctx), min(hi, ctx + q_len)) ----
     new_lo = tl.maximum(lo, ctx) - ctx
-    new_hi = hi - ctx
+    if KEY_TAIL:
+        new_hi = tl.minimum(hi, rows_end) - ctx
+    else:
+        new_hi = hi - ctx  # hi <= key_limit <= ctx + q_len
     for n_start in range(new_lo, new_hi, BLOCK_N):
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
@@ -370,6 +385,18 @@ def _paged_attention_kernel(
             k_floor,
             WINDOW,
         )
+
+    # ---- cached keys after the rows: absolute positions [max(lo, ctx + q_len), hi) ----
+    if KEY_TAIL:
+        for n_start in range(tl.maximum(lo, rows_end), hi, BLOCK_N):
+            k_t, v_t, k_pos, k_ok = _cached_tile(
+                k_cache_ptr, v_cache_ptr, pt_row, n_start, hi, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+                stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+            )
+            m_i, l_i, acc = _online_softmax_step(
+                q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
+                qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
+            )
 
     if not SPLIT:
         _store_output(out_ptr, acc, l_i, q_rows, heads, offs_d, row_ok, stride_o_t, stride_o_h)
@@ -505,6 +532,8 @@ def triton_paged_attention(
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
     multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
     ``window > 0`` is a sliding window (`torch_paged.paged_attention`'s ``window`` and ``window_from_context``).
+    With the metadata's device ``key_lens`` a request also attends to the cached keys after its rows, up to its
+    key length (`PagedAttentionMetadata.key_lens`).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -526,6 +555,11 @@ def triton_paged_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
+    if meta.key_lens is not None and (meta.key_lens.dtype != torch.int32 or meta.key_lens.shape[0] < num_requests):
+        raise ValueError(
+            f"key_lens must be int32 with one entry per request ({num_requests}), got {meta.key_lens.dtype} "
+            f"of shape {tuple(meta.key_lens.shape)}"
+        )
     page_tables = meta.page_tables
     if page_tables.dtype != torch.int32:
         page_tables = page_tables.to(torch.int32)
@@ -598,6 +632,8 @@ def triton_paged_attention(
         PRELOAD_TILE=split_slots > 1,  # a split program loads its first cached tile before its PDL wait
         WINDOW=window,
         WINDOW_FROM_CONTEXT=window_from_context and window > 0,
+        key_lens_ptr=meta.key_lens,
+        KEY_TAIL=meta.key_lens is not None,
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
         **launch_kwargs(use_pdl),
@@ -615,6 +651,7 @@ def warm_up(
     *,
     window: int = 0,
     window_from_context: bool = False,
+    key_tails: bool = False,
 ) -> None:
     """Compile now every variant of the kernel a step of this layer geometry can launch, so that none compiles
     while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
@@ -623,18 +660,20 @@ def warm_up(
     it splits keys (not how many: the split count is a runtime argument) and whether it chains by PDL (at most
     `PDL_MAX_ROWS` rows). Each case here is a tiny launch (one or a few requests, no cached keys) that lands in
     one of those variants; on a device without PDL the PDL cases fall into variants already compiled. The caches
-    are only read through a request's page table, which here has no pages in use, and nothing is stored.
+    are only read through a request's page table, which here has no pages in use, and nothing is stored. With
+    ``key_tails`` (a strategy whose requests attend past their rows) every case is launched once more with key ends.
     """
     if k_cache.device.type == "cuda":
-        _launch_every_variant(
-            k_cache, v_cache, num_heads, block_size, prefix_full, grouped, window=window,
-            window_from_context=window_from_context,
-        )
+        for tails in (False, True) if key_tails else (False,):
+            _launch_every_variant(
+                k_cache, v_cache, num_heads, block_size, prefix_full, grouped, window=window,
+                window_from_context=window_from_context, key_tails=tails,
+            )
 
 
 def _launch_every_variant(
     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int, prefix_full: bool, grouped: bool,
-    *, window: int = 0, window_from_context: bool = False,
+    *, window: int = 0, window_from_context: bool = False, key_tails: bool = False,
 ) -> None:  # fmt: skip
     from diffulex.kernels.pdl import PDL_MAX_ROWS
 
@@ -661,6 +700,7 @@ def _launch_every_variant(
             query_lens_cpu=[q_len] * num_requests,
             context_lens_cpu=[0] * num_requests,
             prefix_lens_cpu=[q_len] * num_requests,
+            key_lens=torch.zeros(num_requests, dtype=torch.int32, device=device) if key_tails else None,
         )
         for num_splits in (1, 2):
             triton_paged_attention(

@@ -132,6 +132,8 @@ class Strategy:
     cuda_graphs: ClassVar[bool] = True  # its decode steps may replay captured CUDA graphs (else every step is eager)
     samples_in_graph: ClassVar[bool] = True  # greedy steps may sample inside the decode CUDA graph
     continues_on_device: ClassVar[bool] = True  # a step may be continued on the device (`engine.continuation`)
+    # a request may attend to cached keys after its rows (`Request.keys_end`): its graphs stage the key ends
+    attends_past_rows: ClassVar[bool] = False
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
     budgets_prompt_tokens: ClassVar[bool] = True
 
@@ -178,6 +180,14 @@ class Strategy:
         (`diffulex.strategy.request.DecodeSettings.block_size`): ``block_size`` unless the strategy reads that field
         otherwise."""
         return config.block_size
+
+    def short_step_rows(self, config: Config) -> int | None:
+        """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit
+        in, where that is fewer than its running set (Fast-dLLM v2: most requests refine one sub-block while a few
+        compute a whole block). The engine then captures a second set of decode graphs whose buckets hold that many
+        rows per request (`GraphShape.row_capacity`), so those steps do not compute every request's padding to the
+        running set. None: one set."""
+        return None
 
     def options(self, config: Config, given: Any = None) -> Any:
         """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the

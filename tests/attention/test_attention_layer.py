@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffulex.attention import Attention, DenseAttentionMetadata
-from diffulex.attention.layer import TRITON_IMPLS
+from diffulex.attention import layer as layer_module
 from diffulex.kernels import attention_op
 from diffulex.layers import RMSNorm, RotaryEmbedding, rotary
 from diffulex.layers.rotary import rotate_qk
@@ -79,7 +79,7 @@ def triton_on_cpu(monkeypatch):
     machine runs the CUDA test below instead)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1)")
-    monkeypatch.setattr(Attention, "_triton_backend", lambda self, q: self.attn_impl in TRITON_IMPLS)
+    monkeypatch.setattr(layer_module, "kernels_run_on", lambda q: True)
     monkeypatch.setattr(rotary, "use_fused_kernels", lambda *tensors: not torch.compiler.is_compiling())
     calls = {"fused": 0, "store": 0}
 
@@ -187,3 +187,27 @@ def test_on_cuda_the_layer_takes_the_fused_path_and_matches(monkeypatch, with_no
     old, new = old_and_new("triton_grouped", q, k, v, k_cache, v_cache, meta, rope, norms)
     assert calls == [1]
     assert_identical(old, new)
+
+
+@pytest.mark.parametrize("attn_impl", ["triton", "triton_grouped"])
+def test_key_tails_reach_the_kernels_with_their_device_copy_only(triton_on_cpu, attn_impl):
+    """A refinement step (keys after the rows, read from the cache) takes the fused Triton path when the metadata
+    carries the device key ends, giving the PyTorch path's output; with the host copy alone it stays on PyTorch."""
+    from tests.kernels.test_paged_attention_key_tails import make_tail_batch
+
+    _, _, _, k_cache, v_cache, meta = make_tail_batch(
+        [(16, 2, 10, 24), (4, 4, 4, 8), (0, 3, 3, 3)], HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32, seed=5
+    )
+    rows = meta.slot_mapping.shape[0]
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(rows, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    rope = RotaryEmbedding(HEAD_DIM, 256, 10_000.0)(torch.randint(0, 200, (rows,), generator=gen))
+    with torch.no_grad():
+        expected = make_layer(k_cache, v_cache, "naive")(q, k, v, meta, rope)
+        got = make_layer(k_cache, v_cache, attn_impl)(q, k, v, meta, rope)
+    assert triton_on_cpu["fused"] == 1
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    meta.key_lens = None
+    with torch.no_grad():
+        make_layer(k_cache, v_cache, attn_impl)(q, k, v, meta, rope)
+    assert triton_on_cpu["fused"] == 1, "without the device key ends the kernels would miss the tails"

@@ -9,8 +9,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 from diffulex.testing.reference_fast_dllm_v2 import FDv2Result, reference_generate_fast_dllm_v2
 
@@ -213,10 +215,15 @@ def test_an_aborted_request_frees_its_pages_and_leaves_the_others_exact(fdv2_dir
     assert finished[kept].token_ids == expected.token_ids and finished[kept].nfe == expected.nfe
 
 
-def test_the_strategy_runs_its_steps_eagerly_and_asks_shifted_logits(fdv2_dir: Path, sdar_dir: Path) -> None:
+def test_the_strategy_replays_graphs_with_key_tails_and_asks_shifted_logits(fdv2_dir: Path, sdar_dir: Path) -> None:
+    """On CUDA its steps would replay the decode graphs (key ends staged, greedy sampling inside), never continued
+    on the device; the graphs' rows cover a whole block plus the shifted row."""
     with make_engine(fdv2_dir, 8, 4) as llm:
         assert llm.settings.block_size == 32  # the attention span: a block of 4 sub-blocks
-        assert llm.policy.cuda_graphs is False and llm.policy.continues is False
+        cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True, False)
+        assert cuda.cuda_graphs and cuda.key_tails and not cuda.continues
+        assert cuda.max_rows_per_request == 33  # the full graphs: a whole block plus the shifted row
+        assert cuda.short_rows_per_request == 16  # the short ones: two sub-blocks per request on average
     with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2' is invalid: requires a model family with "
                                          "shifted logits"):  # fmt: skip
         Diffulex(str(sdar_dir), decoding_strategy="fast_dllm_v2", block_size=8, buffer_size=4)
@@ -224,20 +231,20 @@ def test_the_strategy_runs_its_steps_eagerly_and_asks_shifted_logits(fdv2_dir: P
 
 def test_two_micro_batches_and_the_static_step_buffers_give_the_reference_tokens(fdv2_dir: Path) -> None:
     """Micro-batches interleave the requests' steps; with the graphs' static buffers (replayed eagerly on the CPU),
-    commit and whole-block forwards take the static path while refinements, whose keys go on past their rows,
-    run eagerly. Each request still decodes as the oracle says."""
+    commit, whole-block and refinement forwards (whose keys go on past their rows) all take the static path. Each
+    request still decodes as the oracle says."""
     with make_engine(fdv2_dir, 4, 2, accept_threshold=0.7, micro_batches=2) as llm:
         llm.enable_static_decode(capture=False)
         static_steps = []
-        run = llm.runner.graphs.run
+        for graphs in (llm.runner.graphs, llm.runner.short_graphs):  # the full graphs and the refinements' own
 
-        def counting_run(step, *args, **kwargs):
-            static_steps.append(step.has_cached_tail)
-            return run(step, *args, **kwargs)
+            def counting_run(step, *args, run=graphs.run, **kwargs):
+                static_steps.append(step.has_cached_tail)
+                return run(step, *args, **kwargs)
 
-        llm.runner.graphs.run = counting_run
+            graphs.run = counting_run
         assert_matches_reference(llm, random_prompts(llm, MIXED_LENGTHS, seed=12))
-    assert static_steps and not any(static_steps)
+    assert any(static_steps) and not all(static_steps)
 
 
 def test_a_seeded_request_at_a_temperature_draws_the_same_answer_twice(fdv2_dir: Path) -> None:

@@ -4,8 +4,9 @@ with ``fdv2_use_block_cache`` the open block's K/V is kept in its own pages whil
 authors' DualCache).
 
 The request (`diffulex.strategy.fast_dllm_v2.request`) chooses each step's forward; the sampler
-(`diffulex.strategy.fast_dllm_v2.sampler`) its tokens. Refinement steps attend to cached keys after their rows,
-which only the PyTorch attention path reads: its steps run eagerly, without CUDA graphs, on every device.
+(`diffulex.strategy.fast_dllm_v2.sampler`) its tokens. Refinement steps attend to cached keys after their rows
+(`attends_past_rows`: the attention kernels read them through the step's key ends), so a step mixing commits,
+whole-block forwards and refinements replays one decode CUDA graph, greedy sampling included.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffulex.models.family import Family
+from diffulex.sampler.rows import SamplerSettings
 from diffulex.strategy.fast_dllm_v2.request import FastDllmV2Request
-from diffulex.strategy.fast_dllm_v2.sampler import FastDllmV2Sampler, FastDllmV2SamplerSettings
+from diffulex.strategy.fast_dllm_v2.sampler import FastDllmV2Sampler
 from diffulex.strategy.strategy import SamplerContext, Strategy, register_strategy
 from diffulex.validation import check_bool, invalid_value, warn
 
@@ -40,8 +42,9 @@ class FastDllmV2(Strategy):
     Options = FastDllmV2Options
     request_class = FastDllmV2Request
     requires_prefix_caching = True
-    cuda_graphs = False  # refinement steps read cached keys after their rows, which the graphs' kernels do not
-    samples_in_graph = False
+    attends_past_rows = True  # a refinement's rows read the rest of their block from the kept K/V
+    # a continuation advances a step's rows on the device as multi_bd's decode; this strategy's query range changes
+    # with its mode (commit, whole block, sub-block), which only the host's request state knows
     continues_on_device = False
 
     def attention_block_size(self, config: Config) -> int:
@@ -71,11 +74,16 @@ class FastDllmV2(Strategy):
             )
         super().normalize(config)
 
+    def short_step_rows(self, config: Config) -> int | None:
+        """Two sub-blocks of rows per request: a refinement computes one, and a block of ``K`` sub-blocks has about
+        ``K`` whole-block forwards (its inits and its commit) for ``K * (B - 1)`` refinements at one token per
+        forward, so in a batch a few requests' whole blocks ride on the others' spare rows; the full graphs pad every
+        request to a whole block plus the shifted row. A lone request's refinement fits too (``2 * B`` rows)."""
+        return min(2 * config.block_size, config.block_size * config.buffer_size)
+
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
         c = context
-        return FastDllmV2Sampler(
-            FastDllmV2SamplerSettings(c.vocab_limit, c.mask_token_id, c.accept_threshold, c.base_seed)
-        )
+        return FastDllmV2Sampler(SamplerSettings(c.vocab_limit, c.mask_token_id, c.accept_threshold, c.base_seed))
 
 
 register_strategy(FastDllmV2())
