@@ -100,7 +100,7 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
     configuration gets a fresh engine; once the budget is spent the rest are recorded as skipped."""
     from diffulex import Diffulex
     from diffulex.bench.roofline import cost_model_from_module
-    from diffulex.bench.throughput import ModelEntry, ThroughputSettings, measure_decode
+    from diffulex.bench.throughput import STRATEGY_DEFAULTS, ModelEntry, ThroughputSettings, measure_decode
 
     rows: list[dict[str, Any]] = []
     for config in configs:
@@ -112,11 +112,14 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
         engine = None
         try:
             path, load_format = ctx.checkpoint(config.model)
+            overrides = dict(config.fields)
+            strategy = overrides.get("decoding_strategy")
+            strategy = overrides.pop("decoding_strategy") if strategy in STRATEGY_DEFAULTS else "multi_bd"
             settings = ThroughputSettings(
                 batch_sizes=list(shape.batches), buffer_sizes=[config.buffer_size], prompt_len=shape.prompt_len,
                 max_tokens=shape.max_tokens, block_size=config.block_size, max_seconds=shape.seconds_per_batch,
                 max_steps=shape.max_steps, warmup_tokens=shape.warmup_tokens, quick=ctx.quick,
-                engine_overrides=dict(config.fields),
+                strategy=strategy, engine_overrides=overrides,
             )
             fields = ctx.engine_fields(settings.engine_fields(ModelEntry(config.model, str(path), load_format),
                                                               config.buffer_size))
@@ -249,7 +252,7 @@ def strategy_configs(quick: bool) -> list[DecodeConfig]:
     """multi_bd buffers 1/2/4 and d2f on SDAR; edit and DMax (token merge on) on LLaDA2 beside its multi_bd;
     fast_dllm_v2 beside its family's multi_bd; diffusion_gemma (its family runs nothing else)."""
     sdar, llada2 = ("tiny-sdar", "tiny-llada2") if quick else ("sdar-1.7b", "llada2-mini")
-    fast, gemma = ("tiny-fast-dllm-v2", "tiny-diffusion-gemma") if quick else ("fast-dllm-v2-1.5b", "diffusion-gemma")
+    fast, gemma = ("tiny-fast-dllm-v2", "tiny-diffusion-gemma") if quick else ("fast-dllm-v2-7b", "diffusion-gemma")
     llada2_block = 4 if quick else 32  # LLaDA2 is trained with 32-token blocks
     return [  # the strategies the issue names first: a spent budget skips the ones that landed since
         DecodeConfig(sdar, BASELINE, 4, 1),

@@ -1,9 +1,9 @@
 """The checkpoint folders the sweep measures: real geometries with random weights (``load_format="dummy"``, only a
 config and a tokenizer are written) and tiny random checkpoints with weights for ``--quick``.
 
-SDAR and LLaDA2 geometries are `diffulex.bench.throughput`'s writers. Fast-dLLM v2 and DiffusionGemma have none
-there: their folders here are the tiny writer's files (tokenizer, generation config, the family's config keys)
-with the geometry's sizes written over the config, so that the engine builds the full-size model from it.
+SDAR, LLaDA2 and Fast-dLLM v2 (7B) geometries are `diffulex.bench.throughput`'s writers. DiffusionGemma has none
+there: its folder here is the tiny writer's files (tokenizer, generation config, the family's config keys) with
+the geometry's sizes written over the config, so that the engine builds the full-size model from it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Fast-dLLM v2 1.5B is Qwen2.5-1.5B's shapes (head_dim derived: 1536 / 12 = 128)
-FAST_DLLM_V2_1P5B: dict[str, Any] = {
-    "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-    "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768,
-}  # fmt: skip
 # A DiffusionGemma layout (five sliding-window layers, then one global) at SDAR-1.7B-like sizes with a small MoE
 # beside each dense MLP, as the family's layers have. No published size is claimed: it gives the strategy's step a
 # GPU-sized shape to be measured against its own floor.
@@ -67,12 +62,10 @@ def _weightless(path: Path, source: Path, sizes: dict[str, Any], section: str | 
     return path
 
 
-def _fast_dllm_v2_1p5b(path: Path, data_dir: str | None) -> Path:
-    from diffulex.testing.checkpoints import write_tiny_checkpoint
+def _fast_dllm_v2_7b(path: Path, data_dir: str | None) -> Path:
+    from diffulex.bench.throughput import write_fast_dllm_v2_checkpoint
 
-    with tempfile.TemporaryDirectory() as tmp:
-        return _weightless(path, write_tiny_checkpoint(Path(tmp) / "tiny", family="fast_dllm_v2"),
-                           FAST_DLLM_V2_1P5B, None)
+    return write_fast_dllm_v2_checkpoint(path, "fdv2-7b", data_dir)
 
 
 def _diffusion_gemma_geometry(path: Path, data_dir: str | None) -> Path:
@@ -100,7 +93,7 @@ MODELS: dict[str, Callable[[Path, str | None], Path]] = {
     "sdar-8b": _sdar("8b"),
     "sdar-30b-a3b": _sdar("30b-a3b"),
     "llada2-mini": _llada2("llada2-mini"),
-    "fast-dllm-v2-1.5b": _fast_dllm_v2_1p5b,
+    "fast-dllm-v2-7b": _fast_dllm_v2_7b,
     "diffusion-gemma": _diffusion_gemma_geometry,
     "tiny-sdar": _tiny("sdar"),
     "tiny-sdar-moe": _tiny("sdar_moe"),

@@ -242,8 +242,9 @@ class ThroughputSettings:
             raise invalid_value("block_cache", self.block_cache, "only fast_dllm_v2 has a block cache to sweep")
         if self.block_cache is not None and not self.block_cache:
             raise ValueError("block_cache is empty: give on and/or off")
-        if "decoding_strategy" in self.engine_overrides:
-            raise ValueError("--decoding-strategy is set by the sweep: use --strategy")
+        named = self.engine_overrides.get("decoding_strategy")
+        if named in STRATEGY_DEFAULTS:  # strategies the harness knows are measured by their own step accounting
+            raise ValueError(f"--decoding-strategy {named}: use --strategy {named}")
         for name in ("batch_sizes", "buffer_sizes", *(("roofline_batches",) if self.roofline_batches else ())):
             values = getattr(self, name)
             if not values:

@@ -107,8 +107,10 @@ def test_strategy_settings_are_checked():
         throughput.ThroughputSettings(strategy="llada")
     with pytest.raises(ValueError, match="block_cache=.* only fast_dllm_v2 has a block cache"):
         throughput.ThroughputSettings(block_cache=[True])
-    with pytest.raises(ValueError, match="use --strategy"):
-        throughput.ThroughputSettings(engine_overrides={"decoding_strategy": "d2f"})
+    with pytest.raises(ValueError, match="use --strategy fast_dllm_v2"):
+        throughput.ThroughputSettings(engine_overrides={"decoding_strategy": "fast_dllm_v2"})
+    # a strategy whose steps the multi_bd accounting describes (d2f, dmax, edit) is an engine field like any other
+    assert throughput.ThroughputSettings(engine_overrides={"decoding_strategy": "d2f"}).strategy == "multi_bd"
     fdv2 = throughput.ThroughputSettings(strategy="fast_dllm_v2")
     assert (fdv2.block_size, fdv2.buffer_sizes) == (8, [4])
     assert fdv2.strategy_variants == [{"fdv2_use_block_cache": True}, {"fdv2_use_block_cache": False}]

@@ -220,7 +220,7 @@ def test_the_strategy_replays_graphs_with_key_tails_and_asks_shifted_logits(fdv2
     on the device; the graphs' rows cover a whole block plus the shifted row."""
     with make_engine(fdv2_dir, 8, 4) as llm:
         assert llm.settings.block_size == 32  # the attention span: a block of 4 sub-blocks
-        cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True, False)
+        cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True)
         assert cuda.cuda_graphs and cuda.key_tails and not cuda.continues
         assert cuda.max_rows_per_request == 33  # the full graphs: a whole block plus the shifted row
         assert cuda.short_rows_per_request == 16  # the short ones: two sub-blocks per request on average
