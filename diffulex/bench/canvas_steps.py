@@ -224,6 +224,8 @@ def _engine(folder: Path, settings: CanvasBenchSettings, batch: int) -> Any:
     C = json.loads((folder / "config.json").read_text()).get("canvas_length", 256)
     fields = dict(
         load_format="dummy", max_num_reqs=batch, max_model_len=settings.prompt_len + C, enable_prefix_caching=False,
+        # every prompt is encoded in the first step, so that the timed steps each denoise all the canvases
+        max_num_batched_tokens=batch * (settings.prompt_len + C),
         strategy_options={"diffusion_gemma_max_denoising_steps": settings.steps,
                           "diffusion_gemma_confidence_threshold": 0.0},
         seed=settings.seed,
