@@ -21,6 +21,7 @@ from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.engine.tensor_parallel import MessageKind, StepMessage, TensorParallelWorkers
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
@@ -62,6 +63,8 @@ class ModelRunner:
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
         self._replayed: _ReplayedStep | None = None
+        # rank 0 of a tensor-parallel group: the workers each step's inputs are broadcast to (`follow_step`)
+        self.workers: TensorParallelWorkers | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -176,19 +179,17 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
+            self._announce(StepMessage.of_step(step, bucket, micro_batch, sampled))
             hidden, result = self.graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
                 storable = all(base >= 0 for _, _, base in step.sample_blocks)
                 self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
+            self._announce(StepMessage.of_step(step, None, micro_batch, None))
             hidden = self._eager_forward(step)
         if step.sample_rows:
-            # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
-            # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
-            rows = torch.tensor(step.sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
-            row_index = rows.to(hidden.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, row_index))
+            logits = self._sample_logits(hidden, step.sample_rows)
             pending = self.sampler.launch(logits, step.work, layout)
         else:
             # Nothing to sample (the step only stores finished blocks): a replayed step's result still waits for
@@ -196,6 +197,39 @@ class ModelRunner:
             # (`DecodeGraphs`).
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
+
+    def _sample_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The logits of the rows to sample."""
+        # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
+        # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
+        rows = torch.tensor(sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
+        row_index = rows.to(hidden.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, row_index))
+
+    def _announce(self, message: StepMessage) -> None:
+        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
+        if self.workers is not None:
+            self.workers.send(message)
+
+    @torch.inference_mode()
+    def follow_step(self, message: StepMessage) -> torch.Tensor:
+        """On a tensor-parallel worker: rank 0's step, as `launch` ran it, on this rank's shard: the forward, and
+        the LM head where rank 0 computes logits (its gather is a collective; on the graph path the in-graph greedy
+        sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
+        (their device work queued, not awaited)."""
+        if message.kind is MessageKind.CONTINUATION:
+            hidden, _ = self.graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
+            return hidden
+        step = message.step
+        if message.kind is MessageKind.GRAPH:
+            hidden, result = self.graphs.run(step, message.bucket, message.micro_batch, message.sampled)
+            if result is not None:
+                return hidden
+        else:
+            hidden = self._eager_forward(step)
+        if step.sample_rows:
+            self._sample_logits(hidden, step.sample_rows)
+        return hidden
 
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
@@ -218,7 +252,10 @@ class ModelRunner:
         if not self.can_continue:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
-        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, len(replayed.layout.positions))
+        num_rows = len(replayed.layout.positions)
+        self._announce(StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
+                                   num_rows=num_rows))  # fmt: skip
+        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
