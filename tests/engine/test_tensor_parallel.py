@@ -123,6 +123,20 @@ def test_llada2_fused_qkv_and_shared_expert_split_over_two_ranks(tmp_path: Path)
     assert outputs[2] == outputs[1]
 
 
+def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir: Path) -> None:
+    """The decode graphs' padded path (uncaptured on the CPU), with its in-graph greedy sampler and steps continued
+    on the device: the worker replays each of them as rank 0 does (`MessageKind.GRAPH`, `CONTINUATION`)."""
+    results = {}
+    for size in (1, 2):
+        with make_engine(dense_dir, "sdar", size, buffer_size=1) as llm:
+            llm.enable_static_decode(capture=False)
+            prompts = random_prompts(llm, [4, 9, 13], seed=5)
+            trajectories = llm.generate(prompts, GREEDY, use_tqdm=False).trajectories
+            results[size] = ([describe(t) for t in trajectories], llm.num_continuations)
+    assert results[1][1] > 0, "the scenario must continue steps on the device"
+    assert results[2] == results[1]
+
+
 @pytest.mark.parametrize(
     ("geometry", "size", "field"),
     [
