@@ -170,7 +170,7 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift, token_merge is not None)
     policy.maybe_compile(runner, config)
     build.done("runner")
-    num_pages = tensor_parallel_group().min_over_ranks(plan_num_pages(config, runner, device, dtype, policy), device)
+    num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
     build.done("memory plan and KV cache")
     runner.warm_up_attention()
