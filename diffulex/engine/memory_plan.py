@@ -89,7 +89,8 @@ def gpu_kv_budget(
         # sampling graph's logits, which cover every row of the bucket
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * policy.max_rows_per_request
         graphs = int(activations * min(1.0, graph_tokens / num_tokens))
-        graphs += graph_tokens * runner.token_embedding().num_embeddings * dtype.itemsize
+        embedding = runner.token_embedding()  # the logits are the whole vocabulary's, also on a sharded rank
+        graphs += graph_tokens * getattr(embedding, "vocab_size", embedding.num_embeddings) * dtype.itemsize
     budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
     report = (
         f"{total / GIB:.1f} GiB x gpu_memory_utilization={config.gpu_memory_utilization} = "

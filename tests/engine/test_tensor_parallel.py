@@ -112,12 +112,14 @@ def test_two_ranks_generate_the_tokens_of_one_with_preemption_and_a_prefix_hit(r
     assert two == one
 
 
-def test_llada2_fused_qkv_and_shared_expert_split_over_two_ranks(tmp_path: Path) -> None:
-    """LLaDA2 fuses q/k/v in one matrix (each part split on its own) and adds a shared expert to the routed ones."""
-    model_dir = write_tiny_checkpoint(tmp_path / "llada2", "llada2", seed=1, init_std=1.0, num_key_value_heads=2)
+@pytest.mark.parametrize("family", ["llada", "llada2"])
+def test_families_with_their_own_layers_split_over_two_ranks(tmp_path: Path, family: str) -> None:
+    """LLaDA names its blocks and config fields its own way; LLaDA2 fuses q/k/v in one matrix (each part split on
+    its own) and adds a shared expert to the routed ones."""
+    model_dir = write_tiny_checkpoint(tmp_path / family, family, seed=1, init_std=1.0, num_key_value_heads=2)
     outputs = {}
     for size in (1, 2):
-        with make_engine(model_dir, "llada2", size) as llm:
+        with make_engine(model_dir, family, size) as llm:
             prompts = random_prompts(llm, [5, 11, 3], seed=3)
             outputs[size] = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
     assert outputs[2] == outputs[1]
