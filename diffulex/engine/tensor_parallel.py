@@ -305,6 +305,11 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     from diffulex.models.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(config)
+    if mp.current_process().daemon:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} is invalid in a data-parallel replica (its process "
+            "may not start workers): not supported yet together with data_parallel_size > 1"
+        )
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
             f"tensor_parallel_size={config.tensor_parallel_size} is invalid here: this process already belongs to a "
