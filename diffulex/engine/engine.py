@@ -241,11 +241,20 @@ class DiffulexEngine:
             return []
 
     def _dead_worker(self, err: Exception) -> str | None:
-        """Which tensor-parallel worker has died, if one has: a failure that is not the request's own may be its
-        rank leaving a collective, so give its death a moment to be seen."""
+        """Why the tensor-parallel ranks cannot go on, if they cannot: a worker died (a failure that is not the
+        request's own may be its rank leaving a collective, so its death is given a moment to be seen), or rank
+        0's launch failed after the workers received its step, leaving them inside a collective (then they are
+        ended)."""
         if self.workers is None:
             return None
-        return self.workers.dead(0.0 if isinstance(err, (RequestFailure, ValueError)) else DEATH_WAIT_S)
+        death = self.workers.dead(0.0 if isinstance(err, (RequestFailure, ValueError)) else DEATH_WAIT_S)
+        if death is None and getattr(self.runner, "out_of_step", False):
+            death = (
+                f"a step failed on rank 0 after its inputs went to the tensor-parallel workers "
+                f"({type(err).__name__}: {err}); the ranks are out of step"
+            )
+            self.workers.kill()
+        return death
 
     def _device_works(self) -> bool:
         """Whether the device still runs work: a CUDA error that poisons the context fails every later call."""

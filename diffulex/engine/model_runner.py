@@ -65,6 +65,8 @@ class ModelRunner:
         self._replayed: _ReplayedStep | None = None
         # rank 0 of a tensor-parallel group: the workers each step's inputs are broadcast to (`follow_step`)
         self.workers: TensorParallelWorkers | None = None
+        # a launch failed after its message went to the workers: they may wait in a collective rank 0 never reaches
+        self.out_of_step = False
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -168,6 +170,12 @@ class ModelRunner:
     def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
+        self.out_of_step = False
+        pending = self._launch(batch, micro_batch)
+        self.out_of_step = False
+        return pending
+
+    def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
         step = self.collect(batch)
         graphs_fit = self.graphs is not None and not step.has_cached_tail  # the graphs' kernels read no such keys
         bucket = self.graphs.bucket_for(step) if graphs_fit else None
@@ -210,6 +218,7 @@ class ModelRunner:
         """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
         if self.workers is not None:
             self.workers.send(message)
+            self.out_of_step = True  # until the launch has queued its collectives (`launch`)
 
     @torch.inference_mode()
     def follow_step(self, message: StepMessage) -> torch.Tensor:
@@ -256,6 +265,7 @@ class ModelRunner:
         self._announce(StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
                                    num_rows=num_rows))  # fmt: skip
         hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
+        self.out_of_step = False
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod

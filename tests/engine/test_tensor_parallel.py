@@ -174,6 +174,21 @@ def test_a_worker_that_dies_fails_the_engine_with_an_error_naming_it(dense_dir: 
     llm.exit()
 
 
+def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_the_worker(dense_dir) -> None:
+    """The worker already runs the step and waits in its collectives: the ranks cannot go on in step."""
+    llm = make_engine(dense_dir, "sdar", 2)
+    (pid,) = llm.workers.pids
+
+    def broken_forward(step):
+        raise RuntimeError("injected failure")
+
+    llm.runner._eager_forward = broken_forward
+    with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert not pid_alive(pid)
+    llm.exit()
+
+
 def test_the_worker_leaves_when_the_engine_process_is_killed(dense_dir: Path) -> None:
     """No orphan: a worker whose rank 0 vanished (SIGKILL, no exit()) sees the broken channel and exits."""
     script = textwrap.dedent(
