@@ -194,7 +194,7 @@ def test_the_worker_leaves_when_the_engine_process_is_killed(dense_dir: Path) ->
     script = textwrap.dedent(
         f"""
         import sys, time
-        from tests.engine.test_tensor_parallel import make_engine
+        from tests.engine.test_tensor_parallel_engine import make_engine
         from pathlib import Path
 
         if __name__ == "__main__":
