@@ -37,6 +37,7 @@ from diffulex.layers.parallel_state import init_tensor_parallel, reset_tensor_pa
 
 if TYPE_CHECKING:
     from diffulex.config import Config
+    from diffulex.engine.assembly import EngineParts
 
 logger = logging.getLogger("diffulex")
 
@@ -186,28 +187,27 @@ def run_worker(config: Config, rank: int, init_method: str, reports: Connection)
         leave_group()
 
 
-def follow(parts: object, config: Config, channel: StepChannel) -> None:
+def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
     """Receive and run rank 0's steps on this rank's shard until the stop message. A step's device work is queued,
     not awaited, as on rank 0; before a graph step stages its inputs into a host buffer, the device is done with
     that buffer's previous step."""
     runner = parts.runner
     buffer_done: dict[int, torch.cuda.Event] = {}
-    with torch.inference_mode():
-        while True:
-            message = channel.receive()
-            if message.kind is MessageKind.STOP:
-                return
-            if message.kind is MessageKind.STATIC_DECODE:
-                parts.policy.enable_static_decode(runner, config, message.capture)
-                continue
-            done = buffer_done.pop(message.micro_batch, None)
-            if done is not None:
-                done.synchronize()
-            hidden = runner.follow_step(message)
-            if hidden.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-                buffer_done[message.micro_batch] = event
+    while True:
+        message = channel.receive()
+        if message.kind is MessageKind.STOP:
+            return
+        if message.kind is MessageKind.STATIC_DECODE:  # as rank 0 runs it: outside inference mode
+            parts.policy.enable_static_decode(runner, config, message.capture)
+            continue
+        done = buffer_done.pop(message.micro_batch, None)
+        if done is not None:
+            done.synchronize()
+        hidden = runner.follow_step(message)
+        if hidden.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            buffer_done[message.micro_batch] = event
 
 
 class TensorParallelWorkers:
@@ -228,8 +228,11 @@ class TensorParallelWorkers:
             if wait_s:
                 worker.process.join(wait_s)
             if not worker.process.is_alive():
-                return f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) exited with code " \
-                    f"{worker.process.exitcode}{self._report_of(worker)}"
+                process = worker.process
+                return (
+                    f"tensor-parallel worker rank {worker.rank} (pid {process.pid}) exited with code "
+                    f"{process.exitcode}{self._report_of(worker)}"
+                )
         return None
 
     @staticmethod
@@ -287,12 +290,17 @@ class TensorParallelWorkers:
 
     def kill(self) -> None:
         """End the workers without a word (a build that failed on rank 0 leaves them inside a collective)."""
-        for worker in self.workers:
-            if worker.process.is_alive():
-                worker.process.kill()
-            worker.process.join(KILL_WAIT_S)
+        kill_workers(self.workers)
         self._closed = True
         leave_group()
+
+
+def kill_workers(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(KILL_WAIT_S)
+        worker.reports.close()
 
 
 class WorkerDiedError(RuntimeError):
@@ -322,8 +330,9 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     try:
         channel = join_group(config, 0, init_method)
     except Exception as err:
-        group = TensorParallelWorkers(workers, None)  # type: ignore[arg-type]
-        death = group.dead(DEATH_WAIT_S)
-        group.kill()
-        raise WorkerDiedError(death or f"could not join the tensor-parallel group at {init_method}: {err}") from err
+        exited = [w for w in workers if not w.process.is_alive()]
+        kill_workers(workers)
+        leave_group()
+        why = f"worker rank {exited[0].rank} exited with code {exited[0].process.exitcode}" if exited else f"{err}"
+        raise WorkerDiedError(f"could not join the tensor-parallel group at {init_method}: {why}") from err
     return TensorParallelWorkers(workers, channel)

@@ -189,18 +189,21 @@ def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_en
     llm.exit()
 
 
-def test_the_worker_leaves_when_the_engine_process_is_killed(dense_dir: Path) -> None:
-    """No orphan: a worker whose rank 0 vanished (SIGKILL, no exit()) sees the broken channel and exits."""
+@pytest.mark.parametrize("ending", ["killed", "returns without exit()"])
+def test_no_worker_outlives_its_engine_process(dense_dir: Path, ending: str) -> None:
+    """No orphan: a worker whose rank 0 vanished (SIGKILL) sees its channel break and exits; a program that ends
+    without calling exit() ends its worker on the way out (and is not kept waiting for it)."""
     script = textwrap.dedent(
         f"""
-        import sys, time
+        import time
         from tests.engine.test_tensor_parallel_engine import make_engine
         from pathlib import Path
 
         if __name__ == "__main__":
             llm = make_engine(Path({str(dense_dir)!r}), "sdar", 2)
             print("WORKER", llm.workers.pids[0], flush=True)
-            time.sleep(600)
+            if {ending == "killed"}:
+                time.sleep(600)
         """
     )
     engine = subprocess.Popen(
@@ -211,8 +214,9 @@ def test_the_worker_leaves_when_the_engine_process_is_killed(dense_dir: Path) ->
         line = engine.stdout.readline()
         assert line.startswith("WORKER"), line
         pid = int(line.split()[1])
-        engine.kill()
-        engine.wait()
+        if ending == "killed":
+            engine.kill()
+        engine.wait(timeout=REAP_WAIT_S)
         deadline = time.monotonic() + REAP_WAIT_S
         while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
