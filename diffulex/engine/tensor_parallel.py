@@ -313,6 +313,15 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     from diffulex.models.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(config)
+    if torch.cuda.is_available():
+        size, count = config.tensor_parallel_size, torch.cuda.device_count()
+        wanted = [rank_device(config, rank).index for rank in range(size)]
+        if len(set(wanted)) < size or max(wanted) >= count:
+            raise ValueError(
+                f"tensor_parallel_size={size} is invalid here: it needs {size} distinct CUDA devices and got "
+                f"{wanted} (device_ids={config.device_ids}, device_start={config.device_start}) of the {count} "
+                "this process sees"
+            )
     if mp.current_process().daemon:
         raise ValueError(
             f"tensor_parallel_size={config.tensor_parallel_size} is invalid in a data-parallel replica (its process "

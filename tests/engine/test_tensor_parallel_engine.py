@@ -24,7 +24,7 @@ import pytest
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.errors import EngineDeadError
-from diffulex.testing.checkpoints import write_tiny_checkpoint
+from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -151,6 +151,13 @@ def test_a_model_that_does_not_split_over_the_ranks_is_refused_naming_the_field(
     model_dir = write_tiny_checkpoint(tmp_path / "odd", "sdar", **geometry)
     with pytest.raises(ValueError, match=f"{field} .*tensor_parallel_size={size}"):
         make_engine(model_dir, "sdar", size)
+
+
+def test_a_family_that_runs_on_one_device_is_refused_by_name(tmp_path: Path) -> None:
+    """DiffusionGemma runs its own step runner over unsplit layers: refused before any worker starts."""
+    model_dir = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is invalid for model_name='diffusion_gemma'"):
+        Diffulex(str(model_dir), tensor_parallel_size=2)
 
 
 def test_exit_ends_the_worker_and_a_second_engine_can_split_again(dense_dir: Path) -> None:
