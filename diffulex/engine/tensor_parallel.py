@@ -313,6 +313,11 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     from diffulex.models.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(config)
+    if config.device_ids and len(config.device_ids) < config.tensor_parallel_size:
+        raise ValueError(
+            f"device_ids={config.device_ids} is invalid with tensor_parallel_size={config.tensor_parallel_size}: "
+            "must name one device per rank"
+        )
     if torch.cuda.is_available():
         size, count = config.tensor_parallel_size, torch.cuda.device_count()
         wanted = [rank_device(config, rank).index for rank in range(size)]
