@@ -59,14 +59,14 @@ class ModelRunner:
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to bind a KV cache to")
         self.num_pages = 0
-        self.forward = model.forward
-        self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
-        self.graphs: DecodeGraphs | None = None
-        self._replayed: _ReplayedStep | None = None
         # rank 0 of a tensor-parallel group: the workers each step's inputs are broadcast to (`follow_step`)
         self.workers: TensorParallelWorkers | None = None
         # a launch failed after its message went to the workers: they may wait in a collective rank 0 never reaches
         self.out_of_step = False
+        self.forward = model.forward
+        self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
+        self.graphs: DecodeGraphs | None = None
+        self._replayed: _ReplayedStep | None = None
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -206,40 +206,6 @@ class ModelRunner:
             pending = PendingWrites({}, ready=self._ready(hidden) if bucket is not None else None)
         return self._pending(pending, batch)
 
-    def _sample_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        """The logits of the rows to sample."""
-        # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
-        # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
-        rows = torch.tensor(sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
-        row_index = rows.to(hidden.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, row_index))
-
-    def _announce(self, message: StepMessage) -> None:
-        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
-        if self.workers is not None:
-            self.workers.send(message)
-            self.out_of_step = True  # until the launch has queued its collectives (`launch`)
-
-    @torch.inference_mode()
-    def follow_step(self, message: StepMessage) -> torch.Tensor:
-        """On a tensor-parallel worker: rank 0's step, as `launch` ran it, on this rank's shard: the forward, and
-        the LM head where rank 0 computes logits (its gather is a collective; on the graph path the in-graph greedy
-        sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
-        (their device work queued, not awaited)."""
-        if message.kind is MessageKind.CONTINUATION:
-            hidden, _ = self.graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
-            return hidden
-        step = message.step
-        if message.kind is MessageKind.GRAPH:
-            hidden, result = self.graphs.run(step, message.bucket, message.micro_batch, message.sampled)
-            if result is not None:
-                return hidden
-        else:
-            hidden = self._eager_forward(step)
-        if step.sample_rows:
-            self._sample_logits(hidden, step.sample_rows)
-        return hidden
-
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
         self._replayed = None
@@ -283,6 +249,40 @@ class ModelRunner:
         for req in batch:
             pending.writes.setdefault(req.req_id, [])
         return pending
+
+    def _sample_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The logits of the rows to sample."""
+        # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
+        # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
+        rows = torch.tensor(sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
+        row_index = rows.to(hidden.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, row_index))
+
+    def _announce(self, message: StepMessage) -> None:
+        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
+        if self.workers is not None:
+            self.workers.send(message)
+            self.out_of_step = True  # until the launch has queued its collectives (`launch`)
+
+    @torch.inference_mode()
+    def follow_step(self, message: StepMessage) -> torch.Tensor:
+        """On a tensor-parallel worker: rank 0's step, as `launch` ran it, on this rank's shard: the forward, and
+        the LM head where rank 0 computes logits (its gather is a collective; on the graph path the in-graph greedy
+        sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
+        (their device work queued, not awaited)."""
+        if message.kind is MessageKind.CONTINUATION:
+            hidden, _ = self.graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
+            return hidden
+        step = message.step
+        if message.kind is MessageKind.GRAPH:
+            hidden, result = self.graphs.run(step, message.bucket, message.micro_batch, message.sampled)
+            if result is not None:
+                return hidden
+        else:
+            hidden = self._eager_forward(step)
+        if step.sample_rows:
+            self._sample_logits(hidden, step.sample_rows)
+        return hidden
 
     def token_embedding(self) -> nn.Embedding:
         """The model's token embedding: as wide as the hidden states the LM head reads, with as many rows as the

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers.linear import ColumnParallelLinear, JoinedWeights, ReplicatedLinear, RowParallelLinear
-from diffulex.layers.parallel_state import tensor_parallel_group
 
 MOE_IMPLS = ("grouped", "dense", "loop")
 
@@ -158,13 +157,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
         self.activation = activation
 
-    def forward(self, x: torch.Tensor, summed: bool = True) -> torch.Tensor:
-        """The MLP's output; under tensor parallelism with ``summed=False`` only this rank's share of it (its
-        slice of the intermediate features), for a mixture that sums its experts' shares and all-reduces once."""
-        act = self.activation(self.gate_proj(x)) * self.up_proj(x)
-        if summed or self.down_proj.tp.size == 1:  # one rank: the module itself, so that its hooks (LoRA) apply
-            return self.down_proj(act)
-        return self.down_proj.partial(act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ExpertStack(JoinedWeights):
@@ -232,9 +226,6 @@ class SparseMoE(nn.Module):
         self.shared_experts = shared_experts
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
-        # each rank holds every expert's slice of the intermediate features (the router whole): the paths below
-        # sum this rank's shares of the experts, and one all-reduce completes them
-        self.tp = tensor_parallel_group()
 
     def forward(self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
@@ -249,9 +240,7 @@ class SparseMoE(nn.Module):
             out = self._loop(x, weights, experts)
         else:
             raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, summed=False)
-        return self.tp.all_reduce(out)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def _impl_for(self, x: torch.Tensor) -> str:
         """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop on
@@ -301,7 +290,7 @@ class SparseMoE(nn.Module):
                 inter = h.shape[-1] // 2
                 y = (F.silu(h[:, :inter]) * h[:, inter:]) @ self.stack.down[e].T
             else:
-                y = self.experts[e](x, summed=False)
+                y = self.experts[e](x)
             total += per_expert[:, e : e + 1] * y.float()
         return total.to(x.dtype)
 
@@ -310,7 +299,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros(T, k, x.shape[1], dtype=x.dtype, device=x.device)
         for e in experts.unique().tolist():
             token, slot = (experts == e).nonzero(as_tuple=True)
-            out[token, slot] = self.experts[e](x[token], summed=False)
+            out[token, slot] = self.experts[e](x[token])
         return self._combine(out, weights, x.dtype)
 
     @staticmethod

@@ -94,6 +94,18 @@ def tensor_parallel_group() -> TensorParallelGroup:
     return _group
 
 
+@contextmanager
+def using_tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
+    """Build layers over ``group`` inside the block (then back to the group before it): how the engine checks, on
+    the meta device and before starting any worker, that a model's shapes split over a rank count."""
+    global _group
+    previous, _group = _group, group
+    try:
+        yield group
+    finally:
+        _group = previous
+
+
 def init_tensor_parallel(process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's tensor-parallel group, and return it. Layers built afterwards are sharded over it."""
@@ -112,14 +124,3 @@ def reset_tensor_parallel() -> None:
     global _group
     _group = SINGLE_RANK
 
-
-@contextmanager
-def using_tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
-    """Build layers over ``group`` inside the block (then back to the group before it): how the engine checks, on
-    the meta device and before starting any worker, that a model's shapes split over a rank count."""
-    global _group
-    previous, _group = _group, group
-    try:
-        yield group
-    finally:
-        _group = previous
