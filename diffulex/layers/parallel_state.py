@@ -123,4 +123,3 @@ def reset_tensor_parallel() -> None:
     """Back to the single rank (layers built afterwards hold whole weights)."""
     global _group
     _group = SINGLE_RANK
-
