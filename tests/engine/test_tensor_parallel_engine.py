@@ -139,6 +139,27 @@ def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir
     assert results[2] == results[1]
 
 
+def test_each_step_reaches_the_worker_in_one_broadcast(dense_dir: Path, monkeypatch) -> None:
+    """Rank 0 talks to the worker once per launched step, whatever the batch: no per-request conversation."""
+    import torch.distributed as dist
+
+    with make_engine(dense_dir, "sdar", 2) as llm:
+        broadcasts = []
+        real = dist.broadcast
+
+        def counted(tensor, *args, **kwargs):
+            broadcasts.append(tensor.numel())
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "broadcast", counted)
+        launches = llm._num_launches
+        prompts = random_prompts(llm, [5, 9, 3, 12], seed=2)
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        steps = llm._num_launches - launches
+        assert steps > len(prompts)
+        assert len(broadcasts) == steps
+
+
 @pytest.mark.parametrize(
     ("geometry", "size", "field"),
     [
