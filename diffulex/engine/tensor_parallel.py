@@ -51,6 +51,7 @@ KILL_WAIT_S = 5.0
 # After a step failed: how long to wait for a worker that dropped out of a collective to be reaped, so that its
 # death (and not a vague connection error) is what the engine reports.
 DEATH_WAIT_S = 2.0
+JOIN_POLL_S = 0.2  # how often rank 0, waiting for the workers to reach the group, checks that they still run
 
 
 class MessageKind(enum.Enum):
@@ -170,10 +171,11 @@ def start_workers(config: Config, ranks: range, init_method: str) -> list[Worker
 
 
 def run_worker(config: Config, rank: int, init_method: str, reports: Connection) -> None:
-    """A worker's life: join the group, build the same engine as rank 0 (its shard), report, then repeat rank 0's
-    steps until the stop message."""
+    """A worker's life: say it is joining, join the group, build the same engine as rank 0 (its shard), report,
+    then repeat rank 0's steps until the stop message."""
     from diffulex.engine.assembly import assemble
 
+    reports.send(("joining", None))
     try:
         channel = join_group(config, rank, init_method)
         parts = assemble(config)
@@ -185,6 +187,25 @@ def run_worker(config: Config, rank: int, init_method: str, reports: Connection)
         follow(parts, config, channel)
     finally:
         leave_group()
+
+
+def wait_until_joining(workers: list[WorkerProcess]) -> None:
+    """Wait for every worker's word that it is joining the group, watching that each still runs: the rendezvous
+    waits for every rank, so rank 0 enters it only once they all got that far (a worker that dies before, say while
+    starting, fails the start at once instead of holding rank 0 there for the whole timeout)."""
+    for worker in workers:
+        while not worker.reports.poll(JOIN_POLL_S):
+            if not worker.process.is_alive():
+                raise WorkerDiedError(f"worker rank {worker.rank} exited with code {worker.process.exitcode}")
+        try:
+            status, _ = worker.reports.recv()
+        except EOFError:  # its end of the pipe closed: it is exiting
+            worker.process.join(KILL_WAIT_S)
+            raise WorkerDiedError(
+                f"worker rank {worker.rank} exited with code {worker.process.exitcode} before joining the group"
+            ) from None
+        if status != "joining":
+            raise WorkerDiedError(f"worker rank {worker.rank} reported {status!r} before joining the group")
 
 
 def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
@@ -342,6 +363,7 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     init_method = f"tcp://{config.master_addr}:{config.master_port}"
     workers = start_workers(config, range(1, config.tensor_parallel_size), init_method)
     try:
+        wait_until_joining(workers)
         channel = join_group(config, 0, init_method)
     except Exception as err:
         exited = [w for w in workers if not w.process.is_alive()]

@@ -202,6 +202,30 @@ def test_a_worker_that_dies_fails_the_engine_with_an_error_naming_it(dense_dir: 
     llm.exit()
 
 
+class Unloadable:
+    """Pickles, but fails to load: a worker process handed one dies before it joins the group."""
+
+    def __reduce__(self):
+        return (fail_to_load, ())
+
+
+def fail_to_load():
+    raise RuntimeError("this object cannot be loaded")
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(dense_dir: Path) -> None:
+    from diffulex.config import Config
+    from diffulex.engine.tensor_parallel import WorkerDiedError, start_tensor_parallel
+
+    config = Config(str(dense_dir), model_name="sdar", tensor_parallel_size=2, master_addr="127.0.0.1",
+                    master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S)  # fmt: skip
+    config.unloadable = Unloadable()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 exited with code 1"):
+        start_tensor_parallel(config)
+    assert time.monotonic() - started < TIMEOUT_S / 2, "found by watching the worker, not the rendezvous timeout"
+
+
 def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_the_worker(dense_dir) -> None:
     """The worker already runs the step and waits in its collectives: the ranks cannot go on in step."""
     llm = make_engine(dense_dir, "sdar", 2)
