@@ -529,8 +529,7 @@ def run_sweep(
                 row: dict[str, Any] = {
                     "model": entry.name, "load_format": entry.load_format, "buffer_size": buffer_size, "batch": batch,
                     "block_size": settings.block_size, "prompt_len": settings.prompt_len,
-                    "max_tokens": settings.max_tokens,
-                    "tensor_parallel_size": settings.engine_overrides.get("tensor_parallel_size", 1), "error": None,
+                    "max_tokens": settings.max_tokens, "error": None,
                 }
                 log(f"[{done}/{total}] {entry.name} buffer {buffer_size} batch {batch} ...")
                 failure = None
@@ -659,7 +658,7 @@ def format_roofline(rows: Sequence[Mapping[str, Any]]) -> str:
 def _key(section: str, row: Mapping[str, Any]) -> tuple[Any, ...]:
     if section == "linear_roofline":
         return row["model"], row["m"], row["shape"]
-    return row["model"], row["buffer_size"], row["batch"], row.get("tensor_parallel_size", 1)
+    return row["model"], row["buffer_size"], row["batch"]
 
 
 def merge_reports(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
