@@ -157,11 +157,6 @@ def _build_components(
     scheduler."""
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
-    if token_merge is not None and config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is invalid with decoding_strategy="
-            f"{config.decoding_strategy!r} and its soft inputs (token merge reads the whole embedding); use 1"
-        )
     runner = strategy.make_runner(
         RunnerContext(model, device, dtype, config.page_size, vocab_limit, config.seed, config.strategy_options)
     )

@@ -41,6 +41,13 @@ def check_tensor_parallel(config: Config) -> None:
             f"tensor_parallel_size={size} is invalid with decoding_strategy={config.decoding_strategy!r}: it runs "
             "its own step runner, which does not follow rank 0's steps; use tensor_parallel_size=1"
         )
+    # whether the strategy mixes embeddings matters here, not the mask token its settings will carry
+    if strategy.soft_inputs(config.strategy_options, config.mask_token_id or 0) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={size} is invalid with decoding_strategy={config.decoding_strategy!r} and its "
+            "soft inputs (token merge mixes rows of the whole embedding); use tensor_parallel_size=1 or "
+            "token_merge_weight=0"
+        )
     if config.use_lora:
         raise ValueError(
             f"tensor_parallel_size={size} is invalid with use_lora=True: adapters are not split across ranks yet"

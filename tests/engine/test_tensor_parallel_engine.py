@@ -181,6 +181,13 @@ def test_a_family_that_runs_on_one_device_is_refused_by_name(tmp_path: Path) -> 
         Diffulex(str(model_dir), tensor_parallel_size=2)
 
 
+def test_soft_inputs_are_refused_by_name(tmp_path: Path) -> None:
+    """DMax's token merge mixes rows of the whole embedding, which no rank holds."""
+    model_dir = write_tiny_checkpoint(tmp_path / "llada2", "llada2", num_key_value_heads=2)
+    with pytest.raises(ValueError, match="decoding_strategy='dmax' and its soft inputs"):
+        make_engine(model_dir, "llada2", 2, decoding_strategy="dmax", sampling_mode="edit", token_merge_weight=0.5)
+
+
 def test_exit_ends_the_worker_and_a_second_engine_can_split_again(dense_dir: Path) -> None:
     llm = make_engine(dense_dir, "sdar", 2)
     (pid,) = llm.workers.pids
