@@ -92,11 +92,7 @@ INERT_FIELDS: dict[str, str] = {
     "dmax_force_prefill_active": "a profiling switch of the original; DMax steps run as every other step",
     "enable_vectorized_sampler": "the sampler always handles the whole batch on the device",
     "enable_vectorized_sampler_compile": "the sampler always handles the whole batch on the device",
-    "master_addr": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
-    "master_port": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
-    "distributed_backend": "it configures torch.distributed, used only by tensor/expert parallelism (not implemented)",
-    "distributed_timeout_seconds": "it configures torch.distributed, used only by tensor/expert parallelism",
-    "shm_name": "it names the rank-0 to worker channel of tensor parallelism (not implemented)",
+    "shm_name": "tensor parallelism sends each step to its workers in a gloo broadcast, not through shared memory",
     "remask_threshold": "no sampler re-masks decoded tokens (the original does not read it either)",
 }
 
@@ -365,9 +361,11 @@ class Config:
     diffusion_gemma_entropy_bound: float = _field(1.0, "Entropy bound for stochastic re-masking (>= 0).")
 
     # Distributed
-    master_addr: str = _field("localhost", "torch.distributed master address.")
-    master_port: int = _field(2333, "torch.distributed master port (1..65535).")
-    distributed_backend: str = _field("nccl", "torch.distributed backend.", DISTRIBUTED_BACKENDS)
+    master_addr: str = _field("localhost", "torch.distributed address the tensor-parallel ranks meet at.")
+    master_port: int = _field(2333, "torch.distributed port the tensor-parallel ranks meet at (1..65535).")
+    distributed_backend: str = _field(
+        "nccl", "torch.distributed backend of the collectives on CUDA (the CPU always uses gloo).", DISTRIBUTED_BACKENDS
+    )
     distributed_timeout_seconds: int = _field(600, "Timeout of collective operations, in seconds (> 0).")
     device_start: int = _field(0, "First CUDA device index used when device_ids is empty.")
     device_ids: list[int] = _field([], "Logical CUDA device ids, one per rank; empty = from device_start.")

@@ -23,6 +23,14 @@ from diffulex.engine.kv_cache_manager import KVCacheManager
 from diffulex.engine.memory_plan import plan_num_pages
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
+from diffulex.engine.tensor_parallel import (
+    DEATH_WAIT_S,
+    TensorParallelWorkers,
+    WorkerDiedError,
+    rank_device,
+    start_tensor_parallel,
+)
+from diffulex.layers.parallel_state import tensor_parallel_group
 from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import warn
@@ -68,17 +76,45 @@ class EngineParts:
     request_cls: type[Request]
     policy: GraphPolicy
     build: BuildPhases
+    workers: TensorParallelWorkers | None = None  # rank 0 of a tensor-parallel group: the other ranks
 
 
 def assemble(config: Config) -> EngineParts:
-    """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture."""
+    """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture.
+
+    With ``tensor_parallel_size > 1`` the engine's process first starts the other ranks
+    (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it."""
+    build = BuildPhases()
+    _reject_unsupported(config)
+    if tensor_parallel_group().rank == 0:  # said once, by the engine's process
+        for line in inert_settings(config):
+            warn(line)
+    workers = None
+    if config.tensor_parallel_size > 1 and tensor_parallel_group().size == 1:  # the engine's process: rank 0
+        workers = start_tensor_parallel(config)
+        build.done("tensor-parallel workers")
+    try:
+        parts = _assemble_rank(config, build)
+        if workers is not None:
+            workers.wait_ready()
+            parts.runner.workers = parts.workers = workers
+    except BaseException as err:
+        if workers is not None:  # they may wait inside a collective rank 0 will never reach
+            death = workers.dead(DEATH_WAIT_S)
+            workers.kill()
+            # a worker's death explains a failed collective; an invalid setting every rank refused says itself
+            if death is not None and not isinstance(err, (WorkerDiedError, ValueError)):
+                raise WorkerDiedError(death) from err
+        raise
+    logger.info(build.summary())
+    return parts
+
+
+def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
+    """This rank's parts (the whole engine at one rank)."""
     from diffulex.models.loader import build_model
     from diffulex.tokenizer import load_tokenizer
 
-    build = BuildPhases()
-    _reject_unsupported(config)
-    for line in inert_settings(config):
-        warn(line)
     device = _resolve_device(config)
     step_threads = None
     if device.type == "cpu":
@@ -103,7 +139,6 @@ def assemble(config: Config) -> EngineParts:
         )  # fmt: skip
     if step_threads is not None:
         torch.set_num_threads(step_threads)
-    logger.info(build.summary())
     return parts
 
 
@@ -231,10 +266,8 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 
 def _resolve_device(config: Config) -> torch.device:
-    if torch.cuda.is_available():
-        index = config.device_ids[0] if config.device_ids else config.device_start
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """This rank's device (`rank_device`; rank 0 without tensor parallelism)."""
+    return rank_device(config, tensor_parallel_group().rank)
 
 
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str, model_name: str) -> None:
@@ -309,8 +342,6 @@ def _cpu_threads(config: Config) -> tuple[int, int]:
 def _reject_unsupported(config: Config) -> None:
     """Fields that validate today but whose feature arrives later fail here, where they would be used."""
     unsupported = []
-    if config.tensor_parallel_size > 1:
-        unsupported.append(f"tensor_parallel_size={config.tensor_parallel_size}")
     if config.data_parallel_size > 1:
         unsupported.append(
             f"data_parallel_size={config.data_parallel_size} in one engine (Diffulex(...) starts one replica per "

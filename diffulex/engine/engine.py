@@ -12,6 +12,7 @@ import atexit
 import gc
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.engine.step_profiler import StepProfiler
+from diffulex.engine.tensor_parallel import DEATH_WAIT_S, MessageKind, StepMessage
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
@@ -74,6 +76,9 @@ class DiffulexEngine:
         self.mask_token_id, self.vocab_limit, self.settings = parts.mask_token_id, parts.vocab_limit, parts.settings
         self.runner, self.scheduler, self.request_cls = parts.runner, parts.scheduler, parts.request_cls
         self.policy = parts.policy
+        self.workers = parts.workers  # the other tensor-parallel ranks (None at one rank)
+        if self.workers is not None:  # an engine never exited still ends its workers (at collection or exit)
+            weakref.finalize(self, self.workers.shutdown)
         self.build_seconds = dict(parts.build.seconds)  # where the build's time went, phase by phase
         self._next_req_id = 0
         self._num_steps = 0
@@ -96,6 +101,8 @@ class DiffulexEngine:
     def enable_static_decode(self, capture: bool) -> None:
         """Serve decode steps from the graphs' padded static buffers (`GraphPolicy.enable_static_decode`); CPU
         tests run that path with ``capture=False``."""
+        if self.workers is not None:
+            self.workers.send(StepMessage(MessageKind.STATIC_DECODE, capture=capture))
         self.policy.enable_static_decode(self.runner, self.config, capture)
 
     # ----- requests -----------------------------------------------------------------------------------------
@@ -190,8 +197,9 @@ class DiffulexEngine:
         (a continuation's inputs come from the failed one, and a dropped step's rows are launched again when its
         requests are next scheduled, as for a dropped continuation), and report what was applied before the
         failure, so that no finished request goes unreported."""
-        if not self._device_works():
-            self._dead = f"{type(err).__name__}: {err}"
+        death = self._dead_worker(err)
+        if death is not None or not self._device_works():
+            self._dead = death or f"{type(err).__name__}: {err}"
             logger.error("the device failed; the engine stops serving", exc_info=err)
             raise EngineDeadError(f"the engine cannot serve any more: its device failed ({self._dead})") from err
         if isinstance(err, RequestFailure):
@@ -231,6 +239,22 @@ class DiffulexEngine:
         except Exception:  # noqa: BLE001  (a report that failed once fails again: its requests are failed)
             logger.exception("reporting the applied step failed")
             return []
+
+    def _dead_worker(self, err: Exception) -> str | None:
+        """Why the tensor-parallel ranks cannot go on, if they cannot: a worker died (a failure that is not the
+        request's own may be its rank leaving a collective, so its death is given a moment to be seen), or rank
+        0's launch failed after the workers received its step, leaving them inside a collective (then they are
+        ended)."""
+        if self.workers is None:
+            return None
+        death = self.workers.dead(0.0 if isinstance(err, (RequestFailure, ValueError)) else DEATH_WAIT_S)
+        if death is None and getattr(self.runner, "out_of_step", False):
+            death = (
+                f"a step failed on rank 0 after its inputs went to the tensor-parallel workers "
+                f"({type(err).__name__}: {err}); the ranks are out of step"
+            )
+            self.workers.kill()
+        return death
 
     def _device_works(self) -> bool:
         """Whether the device still runs work: a CUDA error that poisons the context fails every later call."""
@@ -446,6 +470,8 @@ class DiffulexEngine:
             for req in list(queue):
                 self.scheduler.finish(req, CompletionReason.ABORTED)
         self.runner.release_kv_cache()
+        if self.workers is not None:
+            self.workers.shutdown()
         if getattr(self, "_profiler", None) is not None:
             self._profiler.close()
         self._closed = True

@@ -12,6 +12,7 @@ from diffulex.engine.cpu_resources import available_memory
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.model_runner import ModelRunner
+from diffulex.layers.parallel_state import tensor_parallel_group
 
 logger = logging.getLogger("diffulex")
 
@@ -23,7 +24,8 @@ GIB = float(1 << 30)
 def plan_num_pages(
     config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
 ) -> int:
-    """Pages that fit; a clear error when not even one request of ``max_model_len`` does."""
+    """Pages that fit (on every tensor-parallel rank); a clear error when not even one request of
+    ``max_model_len`` does."""
     if config.num_pages > 0:
         return config.num_pages
     page_bytes = runner.page_bytes()
@@ -33,7 +35,9 @@ def plan_num_pages(
         budget, report = gpu_kv_budget(config, runner, device, dtype, policy)
     else:
         budget, report = cpu_kv_budget(wanted * page_bytes)
-    affordable = max(budget, 0) // page_bytes
+    # tensor-parallel ranks hold the same pages (each its heads' slice of them): as many as the fullest rank fits,
+    # agreed before the check so that every rank refuses alike
+    affordable = tensor_parallel_group().min_over_ranks(max(budget, 0) // page_bytes, device)
     if affordable < pages_per_req:
         raise ValueError(
             f"not enough memory for the KV cache: one request of max_model_len={config.max_model_len} needs "
@@ -86,7 +90,8 @@ def gpu_kv_budget(
         rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
         graphs = int(activations * min(1.0, graph_tokens / num_tokens))
-        graphs += graph_tokens * runner.token_embedding().num_embeddings * dtype.itemsize
+        embedding = runner.token_embedding()  # the logits are the whole vocabulary's, also on a sharded rank
+        graphs += graph_tokens * getattr(embedding, "vocab_size", embedding.num_embeddings) * dtype.itemsize
     budget = int(total * config.gpu_memory_utilization) - others - peak - graphs
     report = (
         f"{total / GIB:.1f} GiB x gpu_memory_utilization={config.gpu_memory_utilization} = "

@@ -23,6 +23,7 @@ from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.engine.tensor_parallel import MessageKind, StepMessage, TensorParallelWorkers
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
@@ -61,6 +62,10 @@ class ModelRunner:
         if not self.attention_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to bind a KV cache to")
         self.num_pages = 0
+        # rank 0 of a tensor-parallel group: the workers each step's inputs are broadcast to (`follow_step`)
+        self.workers: TensorParallelWorkers | None = None
+        # a launch failed after its message went to the workers: they may wait in a collective rank 0 never reaches
+        self.out_of_step = False
         self.forward = model.forward
         self.graph_forward = model.forward  # what CUDA graphs capture (compiled by `compile_forward`)
         self.graphs: DecodeGraphs | None = None
@@ -199,6 +204,12 @@ class ModelRunner:
     def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites:
         """`run` without waiting for the device: queues the forward, the LM head and the sampler, and returns
         their result as `PendingWrites`. `micro_batch` picks the graphs' staging buffer (`enable_decode_graphs`)."""
+        self.out_of_step = False
+        pending = self._launch(batch, micro_batch)
+        self.out_of_step = False
+        return pending
+
+    def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
         step = self.collect(batch)
         graphs, bucket = self._graphs_for(step)
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
@@ -209,6 +220,7 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
+            self._announce(StepMessage.of_step(step, bucket, micro_batch, sampled, short=graphs is not self.graphs))
             hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
                 if graphs is self.graphs:  # the graphs a continuation replays
@@ -216,13 +228,10 @@ class ModelRunner:
                     self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
+            self._announce(StepMessage.of_step(step, None, micro_batch, None))
             hidden = self._eager_forward(step)
         if step.sample_rows:
-            # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
-            # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
-            rows = torch.tensor(step.sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
-            row_index = rows.to(hidden.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, row_index))
+            logits = self._sample_logits(hidden, step.sample_rows)
             pending = self.sampler.launch(logits, step.work, layout)
         else:
             # Nothing to sample (the step only stores finished blocks): a replayed step's result still waits for
@@ -271,7 +280,11 @@ class ModelRunner:
         if not self.can_continue:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
-        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, len(replayed.layout.positions))
+        num_rows = len(replayed.layout.positions)
+        self._announce(StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
+                                   num_rows=num_rows))  # fmt: skip
+        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
+        self.out_of_step = False
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
@@ -289,6 +302,41 @@ class ModelRunner:
         for req in batch:
             pending.writes.setdefault(req.req_id, [])
         return pending
+
+    def _sample_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The logits of the rows to sample."""
+        # pinned: a copy from pageable memory would first wait for the whole forward to finish, leaving the
+        # LM head and sampler launches (~0.3 ms of host work at batch 1) to run while the GPU idles
+        rows = torch.tensor(sample_rows, dtype=torch.long, pin_memory=hidden.is_cuda)
+        row_index = rows.to(hidden.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, row_index))
+
+    def _announce(self, message: StepMessage) -> None:
+        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
+        if self.workers is not None:
+            self.workers.send(message)
+            self.out_of_step = True  # until the launch has queued its collectives (`launch`)
+
+    @torch.inference_mode()
+    def follow_step(self, message: StepMessage) -> torch.Tensor:
+        """On a tensor-parallel worker: rank 0's step, as `launch` ran it, on this rank's shard: the forward, and
+        the LM head where rank 0 computes logits (its gather is a collective; on the graph path the in-graph greedy
+        sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
+        (their device work queued, not awaited)."""
+        if message.kind is MessageKind.CONTINUATION:
+            hidden, _ = self.graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
+            return hidden
+        step = message.step
+        if message.kind is MessageKind.GRAPH:
+            graphs = self.short_graphs if message.short else self.graphs
+            hidden, result = graphs.run(step, message.bucket, message.micro_batch, message.sampled)
+            if result is not None:
+                return hidden
+        else:
+            hidden = self._eager_forward(step)
+        if step.sample_rows:
+            self._sample_logits(hidden, step.sample_rows)
+        return hidden
 
     def token_embedding(self) -> nn.Embedding:
         """The model's token embedding: as wide as the hidden states the LM head reads, with as many rows as the

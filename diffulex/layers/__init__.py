@@ -3,6 +3,7 @@
 from diffulex.layers.activation import SiluAndMul
 from diffulex.layers.linear import (
     ColumnParallelLinear,
+    HeadParallelLinear,
     LMHead,
     MergedProjection,
     ReplicatedLinear,
@@ -16,6 +17,7 @@ from diffulex.layers.rotary import RotaryEmbedding, apply_rotary, check_rope_sca
 
 __all__ = [
     "ColumnParallelLinear",
+    "HeadParallelLinear",
     "LMHead",
     "MergedProjection",
     "RMSNorm",

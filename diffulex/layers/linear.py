@@ -116,6 +116,10 @@ class _Linear(nn.Linear):
         """Copy the checkpoint's full tensor for ``param`` (this module's weight or bias) into it, whole."""
         _copy_into(param, loaded, type(self).__name__)
 
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape of ``param``'s tensor in a checkpoint (the whole of it, before any rank takes its slice)."""
+        return tuple(param.shape)
+
 
 class ReplicatedLinear(_Linear):
     """A projection every rank holds whole (small layers such as MoE routers)."""
@@ -159,6 +163,38 @@ class ColumnParallelLinear(_Linear):
             offset += part
         _copy_into(param, pieces[0] if len(pieces) == 1 else torch.cat(pieces), what)
 
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        return (self.output_size, *param.shape[1:])
+
+
+class HeadParallelLinear(_Linear):
+    """A projection to attention heads (q, k or v) whose heads are split across TP ranks.
+
+    Why not `ColumnParallelLinear`: a grouped-query model may have fewer K/V heads than there are ranks; then each
+    K/V head is held whole by ``size / heads`` consecutive ranks (replicated), so that every rank still has the K/V
+    head its query heads read (``replicate``; query heads never do: each rank computes its own). ``what`` names
+    the config field counting the heads, for the error of a count that fits no way.
+    """
+
+    def __init__(
+        self, input_size: int, num_heads: int, head_dim: int, bias: bool, what: str, replicate: bool = False
+    ) -> None:
+        tp = tensor_parallel_group()
+        self.head_start, self.local_heads = tp.head_shard(num_heads, what) if replicate else tp.shard(num_heads, what)
+        super().__init__(input_size, self.local_heads * head_dim, bias=bias)
+        self.tp: TensorParallelGroup = tp
+        self.num_heads, self.head_dim = num_heads, head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy the rows of this rank's heads of the checkpoint's full weight (or bias) into ``param``."""
+        what = type(self).__name__
+        _check_full_size(loaded, 0, self.num_heads * self.head_dim, what)
+        rows = loaded.narrow(0, self.head_start * self.head_dim, self.local_heads * self.head_dim)
+        _copy_into(param, rows, what)
+
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        return (self.num_heads * self.head_dim, *param.shape[1:])
+
 
 class RowParallelLinear(_Linear):
     """A projection whose input features are split across TP ranks (o, down): each rank multiplies its slice of
@@ -187,6 +223,14 @@ class RowParallelLinear(_Linear):
         _check_full_size(loaded, 1, self.input_size, what)
         start, length = self.tp.shard(self.input_size, "input features")
         _copy_into(param, loaded.narrow(1, start, length), what)
+
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        return tuple(param.shape) if param is self.bias else (param.shape[0], self.input_size)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the product, not yet summed over the ranks and without the bias: for a caller that
+        adds several such shares (a mixture's experts) and all-reduces their sum once."""
+        return linear(x, self.weight, None)
 
     def forward_unsummed(
         self, x: torch.Tensor, readers: torch.Tensor | None = None
@@ -248,6 +292,9 @@ class VocabEmbedding(nn.Embedding):
         """Copy this rank's vocabulary rows of the checkpoint's full embedding into ``param``."""
         _load_vocab_slice(param, loaded, self.tp, self.vocab_size, type(self).__name__)
 
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        return (self.vocab_size, self.embedding_dim)
+
 
 class LMHead(nn.Module):
     """Hidden states to vocabulary logits, ``x @ weight.T``.
@@ -287,6 +334,9 @@ class LMHead(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copy this rank's vocabulary rows of the checkpoint's full LM head into ``param``."""
         _load_vocab_slice(param, loaded, self.tp, self.vocab_size, type(self).__name__)
+
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        return (self.vocab_size, self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"

@@ -15,6 +15,8 @@ EP over ranks that are TP replicas of each other.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,15 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' ``value`` (``value`` at size 1): a quantity every rank must agree on, such as
+        the KV pages each can hold. ``device``: where the collective's tensor lives (CUDA for NCCL)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.process_group)
+        return int(tensor.item())
+
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """``(start, length)`` of this rank's equal slice of ``total`` items; ``what`` names them in the error
         raised when ``total`` does not split evenly."""
@@ -57,6 +68,19 @@ class TensorParallelGroup:
             )
         length = total // self.size
         return self.rank * length, length
+
+    def head_shard(self, total: int, what: str) -> tuple[int, int]:
+        """``(first head, heads)`` this rank holds of ``total`` attention heads: an equal slice where they split
+        evenly, else (fewer heads than ranks, each dividing the rank count) one head shared by ``size / total``
+        consecutive ranks. ``what`` names the config field in the error for a count that fits neither way."""
+        if total % self.size == 0:
+            return self.shard(total, what)
+        if self.size % total == 0:
+            return self.rank // (self.size // total), 1
+        raise ValueError(
+            f"{what}={total} is invalid for tensor_parallel_size={self.size}: the heads must split evenly across "
+            f"the ranks or (K/V heads) divide the rank count, so that each is replicated on whole ranks"
+        )
 
     def padded_shard(self, total: int) -> tuple[int, int, int]:
         """``(start, length, padded)`` of this rank's slice of ``total`` items split into equal slices of
@@ -75,6 +99,18 @@ _group: TensorParallelGroup = SINGLE_RANK
 def tensor_parallel_group() -> TensorParallelGroup:
     """The group layers built now will shard over (`SINGLE_RANK` until `init_tensor_parallel`)."""
     return _group
+
+
+@contextmanager
+def using_tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
+    """Build layers over ``group`` inside the block (then back to the group before it): how the engine checks, on
+    the meta device and before starting any worker, that a model's shapes split over a rank count."""
+    global _group
+    previous, _group = _group, group
+    try:
+        yield group
+    finally:
+        _group = previous
 
 
 def init_tensor_parallel(process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:

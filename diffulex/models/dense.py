@@ -21,6 +21,7 @@ from torch import nn
 from diffulex.attention import Attention, AttentionMetadata
 from diffulex.layers import (
     ColumnParallelLinear,
+    HeadParallelLinear,
     LMHead,
     MergedProjection,
     RMSNorm,
@@ -128,6 +129,23 @@ def pre_norm_layer(
     return mlp(hidden, unsummed=True, readers=readers), residual
 
 
+def head_projections(
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bias: bool,
+    fields: tuple[str, str] = ("num_attention_heads", "num_key_value_heads"),
+) -> tuple[HeadParallelLinear, HeadParallelLinear, HeadParallelLinear]:
+    """The q, k and v projections, their heads split across the tensor-parallel ranks (K/V heads replicated
+    where the ranks outnumber them); an error names the config field (``fields``: the query and K/V head counts'
+    names in the family's config.json)."""
+    q = HeadParallelLinear(hidden, num_heads, head_dim, bias, fields[0])
+    k = HeadParallelLinear(hidden, num_kv_heads, head_dim, bias, fields[1], replicate=True)
+    v = HeadParallelLinear(hidden, num_kv_heads, head_dim, bias, fields[1], replicate=True)
+    return q, k, v
+
+
 class DenseAttention(nn.Module):
     """q/k/v projections, optional per-head RMSNorm of q and k, NeoX RoPE, attention, o_proj.
 
@@ -137,14 +155,12 @@ class DenseAttention(nn.Module):
 
     def __init__(self, config: DenseDecoderConfig, arch: DenseArch) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = hd = config.head_dim
-        hidden = config.hidden_size
-        self.q_proj = ColumnParallelLinear(hidden, self.num_heads * hd, bias=arch.qkv_bias)
-        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
-        self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * hd, bias=arch.qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * hd, hidden, bias=arch.o_bias)
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj, self.k_proj, self.v_proj = head_projections(hidden, heads, kv_heads, hd, arch.qkv_bias)
+        # this rank's heads (all of them at TP=1; K/V heads replicated where the ranks outnumber them)
+        self.num_heads, self.num_kv_heads = self.q_proj.local_heads, self.k_proj.local_heads
+        self.o_proj = RowParallelLinear(heads * hd, hidden, bias=arch.o_bias)
         self.qkv = MergedProjection(self.q_proj, self.k_proj, self.v_proj, release_early=True)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

@@ -652,6 +652,7 @@ register_family(
         architectures=("DiffusionGemma",),
         strategies=("diffusion_gemma",),
         canvas_size=CANVAS_SIZE,
+        tensor_parallel=False,  # its encoder and stacked experts are not split across ranks yet
     )
 )
 

@@ -40,7 +40,7 @@ from diffulex.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from diffulex.models.dense import Rope, add_and_norm, run_decoder
+from diffulex.models.dense import Rope, add_and_norm, head_projections, run_decoder
 from diffulex.models.family import Family, register_family
 from diffulex.models.hf_config import LLaDAConfig
 
@@ -55,13 +55,13 @@ class LLaDABlock(nn.Module):
     def __init__(self, config: LLaDAConfig) -> None:
         super().__init__()
         d, hd = config.d_model, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        bias = config.include_qkv_bias
+        self.head_dim = hd
         self.attn_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.q_proj = ColumnParallelLinear(d, self.num_heads * hd, bias=bias)
-        self.k_proj = ColumnParallelLinear(d, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = ColumnParallelLinear(d, self.num_kv_heads * hd, bias=bias)
-        self.attn_out = RowParallelLinear(self.num_heads * hd, d)
+        self.q_proj, self.k_proj, self.v_proj = head_projections(
+            d, config.n_heads, config.n_kv_heads, hd, config.include_qkv_bias, ("n_heads", "n_kv_heads")
+        )
+        self.num_heads, self.num_kv_heads = self.q_proj.local_heads, self.k_proj.local_heads  # this rank's
+        self.attn_out = RowParallelLinear(config.n_heads * hd, d)
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, scale=hd**-0.5)
         self.ff_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.ff_proj = ColumnParallelLinear(d, config.mlp_hidden_size)  # gate

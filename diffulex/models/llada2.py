@@ -29,6 +29,7 @@ from diffulex.layers import (
     VocabEmbedding,
 )
 from diffulex.layers.moe import GatedMLP, GroupLimitedRouter, SparseMoE
+from diffulex.layers.parallel_state import tensor_parallel_group
 from diffulex.layers.rotary import Rope
 from diffulex.layers.token_merge import SoftInputs
 from diffulex.models.dense import DenseArch, DenseForDiffusionLM, DenseMLP, pre_norm_layer, run_decoder
@@ -41,11 +42,18 @@ class LLaDA2Attention(nn.Module):
 
     def __init__(self, config: LLaDA2Config) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = hd = config.head_dim
-        self.sizes = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
-        self.query_key_value = ColumnParallelLinear(config.hidden_size, sum(self.sizes), bias=config.use_qkv_bias)
-        self.dense = RowParallelLinear(self.num_heads * hd, config.hidden_size, bias=config.use_bias)
+        tp = tensor_parallel_group()
+        # the fused matrix splits each of q, k and v across the ranks on its own (no replicated K/V heads)
+        self.num_heads = tp.shard(heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")[1]
+        parts = [heads * hd, kv_heads * hd, kv_heads * hd]
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, sum(parts), bias=config.use_qkv_bias, output_parts=parts
+        )
+        self.sizes = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]  # this rank's parts
+        self.dense = RowParallelLinear(heads * hd, config.hidden_size, bias=config.use_bias)
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
         if config.use_qk_norm:

@@ -151,6 +151,33 @@ def _load_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     return targets, aliases
 
 
+def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """Each load target's name -> the module holding it directly and the tensor."""
+    owners: dict[str, tuple[nn.Module, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            owners.setdefault(prefix + leaf, (module, tensor))
+    return owners
+
+
+def checkpoint_shape(owner: nn.Module, tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``tensor`` in a checkpoint: the whole tensor, also where a tensor-parallel layer holds only
+    its rank's slice of it (`diffulex.layers.linear`)."""
+    shape_of = getattr(owner, "checkpoint_shape", None)
+    return shape_of(tensor) if shape_of is not None else tuple(tensor.shape)
+
+
+def _load_into(owner: nn.Module, tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Hand a full checkpoint tensor to its parameter: the owner's ``weight_loader`` keeps this rank's slice; a
+    tensor without one is copied whole."""
+    loader = getattr(owner, "weight_loader", None)
+    if loader is not None:
+        loader(tensor, value)
+    else:
+        tensor.copy_(value)
+
+
 def _check_embedding(model: nn.Module, tensors: CheckpointTensors, model_dir: str | Path) -> None:
     """A token embedding of another width or vocabulary than the config's is reported as that config field, with
     the weights' value: it is the one mismatch whose cause is always the config's size, not a single tensor."""
@@ -163,7 +190,7 @@ def _check_embedding(model: nn.Module, tensors: CheckpointTensors, model_dir: st
         return
     config = getattr(model, "config", None)
     json_name = config.json_name if hasattr(config, "json_name") else str
-    rows, width = embedding[1].weight.shape
+    rows, width = checkpoint_shape(embedding[1], embedding[1].weight)
     for attr, model_value, weight_value in (
         ("hidden_size", width, header.shape[1]),
         ("vocab_size", rows, header.shape[0]),
@@ -186,13 +213,15 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
     """
     _check_embedding(model, tensors, model_dir)
     targets, aliases = _load_targets(model)
+    owners = _owners(model)
+    shapes = {name: checkpoint_shape(owners[name][0], tensor) for name, tensor in targets.items()}
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_keys", ())]
 
     missing = sorted(set(targets) - set(tensors))
     mismatched = [
-        f"{name} in {path.name}: checkpoint {list(header.shape)} vs model {list(targets[name].shape)}"
+        f"{name} in {path.name}: checkpoint {list(header.shape)} vs model {list(shapes[name])}"
         for name, (path, header) in sorted(tensors.items())
-        if name in targets and tuple(targets[name].shape) != header.shape
+        if name in targets and shapes[name] != header.shape
     ]
     wrong_dtype = [
         f"{name} in {path.name}: checkpoint {header.dtype} vs model {targets[name].dtype}"
@@ -231,6 +260,7 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
     cost 25-50 copies on CPU). Only a tensor found non-finite is scanned again, to count its bad values.
     """
     targets, _ = _load_targets(model)
+    owners = _owners(model)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(tensors[name][0], []).append(name)
@@ -242,7 +272,7 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in names:
                         target = targets[name]
-                        target.copy_(f.get_tensor(name))
+                        _load_into(owners[name][0], target, f.get_tensor(name))
                         if target.is_floating_point() and target.numel() > 0:
                             extremes[name] = torch.stack(torch.aminmax(target)).float()
             except (SafetensorError, OSError) as e:
@@ -296,6 +326,8 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
     Matrices and embeddings get normal(0, `std`) (the scale of a freshly initialized checkpoint, so activations
     and logits stay in a realistic range), norm weights 1 and biases 0. Tied tensors are filled once. The values
     are drawn by a generator on the model's device, so no host memory and no host-to-device copy is needed.
+    A tensor-parallel rank draws each sharded tensor whole and keeps its slice: every rank count gets the weights
+    of one rank, and the replicated tensors (norms, routers) are the same on every rank.
     """
     targets, _ = _load_targets(model)
     if not targets:
@@ -308,6 +340,7 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
     }
     device = next(iter(targets.values())).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    owners = _owners(model)
     with torch.no_grad():
         for name, tensor in targets.items():
             if id(tensor) in norm_tensors:
@@ -315,7 +348,13 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
             elif name.endswith("bias") or not tensor.is_floating_point():
                 tensor.zero_()
             else:
-                tensor.normal_(0.0, std, generator=generator)
+                owner = owners[name][0]
+                shape = checkpoint_shape(owner, tensor)
+                if shape == tuple(tensor.shape):
+                    tensor.normal_(0.0, std, generator=generator)
+                else:  # a tensor-parallel slice: draw the whole tensor, as one rank would, and keep this rank's
+                    full = torch.empty(shape, dtype=tensor.dtype, device=device).normal_(0.0, std, generator=generator)
+                    _load_into(owner, tensor, full)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,376 @@
+"""Tensor parallelism across processes: the engine's own process is rank 0, ranks 1..N-1 are worker processes.
+
+Every rank builds the same engine (`diffulex.engine.assembly.assemble`, with the process's tensor-parallel group
+joined first, so that each layer holds its rank's shard), in the same order, so that the collectives of the build
+(memory profiling, warm-ups, CUDA-graph capture) meet. Then only rank 0 schedules: each step it sends the step's
+inputs, the flat `StepInputs` the model runner turns into tensors and, for replayed steps, the graph bucket and
+sampling layout, in ONE broadcast over a gloo group (`StepChannel`), and runs the step; each worker receives it
+and runs the same forward (and the same LM head, whose logits are gathered across the ranks, and on the graph path
+the same in-graph greedy sampler) on its shard. Requests, their blocks and the scheduler exist on rank 0 only: a
+worker never hears of a request.
+
+`start_workers` starts ranks given an init method; the ``mp`` backend is the one implemented, and another placement
+(Ray actors) would be another function of the same shape. A worker that dies is found before the next broadcast
+(`TensorParallelWorkers.dead`) or by the collective it leaves hanging (gloo reports the closed connection; every
+collective has ``distributed_timeout_seconds``), and the engine fails with an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import multiprocessing as mp
+import pickle
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from diffulex.engine.cuda_graph import SampledRows
+from diffulex.engine.step_inputs import StepInputs
+from diffulex.layers.parallel_state import init_tensor_parallel, reset_tensor_parallel, tensor_parallel_group
+
+if TYPE_CHECKING:
+    from diffulex.config import Config
+    from diffulex.engine.assembly import EngineParts
+
+logger = logging.getLogger("diffulex")
+
+# Bytes of the buffer one step's broadcast carries: the pickled message of a decode step of a few hundred requests
+# fits; a longer one (a large prefill) sends its remainder in a second broadcast, sized by the first.
+CHANNEL_CAPACITY = 1 << 18
+LENGTH_BYTES = 8  # the message length, in front of it
+# How long `TensorParallelWorkers.shutdown` waits for a worker to leave after the stop message, then after SIGTERM.
+SHUTDOWN_WAIT_S = 30.0
+KILL_WAIT_S = 5.0
+# After a step failed: how long to wait for a worker that dropped out of a collective to be reaped, so that its
+# death (and not a vague connection error) is what the engine reports.
+DEATH_WAIT_S = 2.0
+JOIN_POLL_S = 0.2  # how often rank 0, waiting for the workers to reach the group, checks that they still run
+
+
+class MessageKind(enum.Enum):
+    EAGER = "eager"  # a step through the eager forward
+    GRAPH = "graph"  # a step replayed from the decode graphs (staged in a host buffer)
+    CONTINUATION = "continuation"  # the graphs replayed again on the inputs the last step advanced
+    STATIC_DECODE = "static_decode"  # switch to the graphs' static decode buffers (`GraphPolicy`)
+    STOP = "stop"  # leave the group and exit
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 broadcasts for one step: everything the workers' runners need to repeat its device work."""
+
+    kind: MessageKind
+    step: StepInputs | None = None  # without its ``work`` (requests live on rank 0)
+    bucket: int | None = None
+    micro_batch: int = 0
+    sampled: SampledRows | None = None
+    num_rows: int = 0  # a continuation's sampled rows
+    capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
+    short: bool = False  # GRAPH: the step replays the runner's short graphs (`Strategy.short_step_rows`)
+
+    @classmethod
+    def of_step(
+        cls, step: StepInputs, bucket: int | None, micro_batch: int, sampled: SampledRows | None, short: bool = False
+    ) -> StepMessage:
+        wire = dataclasses.replace(step, work=[])
+        kind = MessageKind.GRAPH if bucket is not None else MessageKind.EAGER
+        return cls(kind, wire, bucket, micro_batch, sampled, short=short)
+
+
+class StepChannel:
+    """Rank 0 to the workers over a gloo group: one broadcast of a fixed-size byte buffer per message (a second
+    one only for a message longer than the buffer)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.buffer = torch.empty(CHANNEL_CAPACITY, dtype=torch.uint8)
+
+    def send(self, message: StepMessage) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = CHANNEL_CAPACITY - LENGTH_BYTES
+        framed = len(payload).to_bytes(LENGTH_BYTES, "little") + payload[:head]
+        self.buffer[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        if len(payload) > head:
+            rest = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+
+    def receive(self) -> StepMessage:
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        length = int.from_bytes(self.buffer[:LENGTH_BYTES].numpy().tobytes(), "little")
+        head = CHANNEL_CAPACITY - LENGTH_BYTES
+        payload = self.buffer[LENGTH_BYTES : LENGTH_BYTES + min(length, head)].numpy().tobytes()
+        if length > head:
+            rest = torch.empty(length - head, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        return pickle.loads(payload)
+
+
+def rank_device(config: Config, rank: int) -> torch.device:
+    """The CUDA device of ``rank``: ``device_ids[rank]``, else ``device_start + rank``; the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", config.device_ids[rank] if config.device_ids else config.device_start + rank)
+
+
+def join_group(config: Config, rank: int, init_method: str) -> StepChannel:
+    """Join the ``tensor_parallel_size`` ranks as ``rank``: the collectives' process group (NCCL on CUDA, unless
+    ``distributed_backend`` says gloo; gloo on the CPU), this process's tensor-parallel group, and the gloo group
+    the step messages travel on. Every collective times out after ``distributed_timeout_seconds``."""
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = config.distributed_backend if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=config.distributed_timeout_seconds)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=config.tensor_parallel_size, timeout=timeout
+    )
+    init_tensor_parallel()
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return StepChannel(control, rank)
+
+
+def leave_group() -> None:
+    """Back to the single rank, with ``torch.distributed`` torn down (a later engine may join a new group)."""
+    reset_tensor_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class WorkerProcess:
+    """One started worker: its rank, its process and the pipe it reports its build on."""
+
+    rank: int
+    process: mp.process.BaseProcess
+    reports: Connection
+
+
+def start_workers(config: Config, ranks: range, init_method: str) -> list[WorkerProcess]:
+    """Start the worker ``ranks`` as processes of this host (the ``mp`` backend), each joining the group at
+    ``init_method``. Spawned (CUDA cannot be forked); not daemonic, so that a worker may start processes of its own
+    (torch.compile's), which is why `TensorParallelWorkers.shutdown` ends them itself."""
+    context = mp.get_context("spawn")
+    workers = []
+    for rank in ranks:
+        ours, theirs = context.Pipe(duplex=False)
+        process = context.Process(
+            target=run_worker, args=(config, rank, init_method, theirs), name=f"diffulex-tp{rank}", daemon=False
+        )
+        process.start()
+        theirs.close()
+        workers.append(WorkerProcess(rank, process, ours))
+    return workers
+
+
+def run_worker(config: Config, rank: int, init_method: str, reports: Connection) -> None:
+    """A worker's life: say it is joining, join the group, build the same engine as rank 0 (its shard), report,
+    then repeat rank 0's steps until the stop message."""
+    from diffulex.engine.assembly import assemble
+
+    reports.send(("joining", None))
+    try:
+        channel = join_group(config, rank, init_method)
+        parts = assemble(config)
+    except BaseException:
+        reports.send(("failed", traceback.format_exc()))
+        raise
+    reports.send(("ready", None))
+    try:
+        follow(parts, config, channel)
+    finally:
+        leave_group()
+
+
+def wait_until_joining(workers: list[WorkerProcess]) -> None:
+    """Wait for every worker's word that it is joining the group, watching that each still runs: the rendezvous
+    waits for every rank, so rank 0 enters it only once they all got that far (a worker that dies before, say while
+    starting, fails the start at once instead of holding rank 0 there for the whole timeout)."""
+    for worker in workers:
+        while not worker.reports.poll(JOIN_POLL_S):
+            if not worker.process.is_alive():
+                raise WorkerDiedError(f"worker rank {worker.rank} exited with code {worker.process.exitcode}")
+        try:
+            status, _ = worker.reports.recv()
+        except EOFError:  # its end of the pipe closed: it is exiting
+            worker.process.join(KILL_WAIT_S)
+            raise WorkerDiedError(
+                f"worker rank {worker.rank} exited with code {worker.process.exitcode} before joining the group"
+            ) from None
+        if status != "joining":
+            raise WorkerDiedError(f"worker rank {worker.rank} reported {status!r} before joining the group")
+
+
+def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
+    """Receive and run rank 0's steps on this rank's shard until the stop message. A step's device work is queued,
+    not awaited, as on rank 0; before a graph step stages its inputs into a host buffer, the device is done with
+    that buffer's previous step."""
+    runner = parts.runner
+    buffer_done: dict[int, torch.cuda.Event] = {}
+    while True:
+        message = channel.receive()
+        if message.kind is MessageKind.STOP:
+            return
+        if message.kind is MessageKind.STATIC_DECODE:  # as rank 0 runs it: outside inference mode
+            parts.policy.enable_static_decode(runner, config, message.capture)
+            continue
+        done = buffer_done.pop(message.micro_batch, None)
+        if done is not None:
+            done.synchronize()
+        hidden = runner.follow_step(message)
+        if hidden.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            buffer_done[message.micro_batch] = event
+
+
+class TensorParallelWorkers:
+    """Rank 0's side of the group: the started workers, the channel to them, their liveness and shutdown."""
+
+    def __init__(self, workers: list[WorkerProcess], channel: StepChannel) -> None:
+        self.workers = workers
+        self.channel = channel
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """Which worker has exited, and how (None while all run); waits up to ``wait_s`` for one to be reaped."""
+        for worker in self.workers:
+            if wait_s:
+                worker.process.join(wait_s)
+            if not worker.process.is_alive():
+                process = worker.process
+                return (
+                    f"tensor-parallel worker rank {worker.rank} (pid {process.pid}) exited with code "
+                    f"{process.exitcode}{self._report_of(worker)}"
+                )
+        return None
+
+    @staticmethod
+    def _report_of(worker: WorkerProcess) -> str:
+        """A worker's build failure, where it reported one."""
+        try:
+            while worker.reports.poll():
+                status, detail = worker.reports.recv()
+                if status == "failed":
+                    return f"; its build failed:\n{detail}"
+        except (EOFError, OSError):
+            pass
+        return ""
+
+    def send(self, message: StepMessage) -> None:
+        """Broadcast one step's message, refusing it when a worker has exited (it would never receive it)."""
+        death = self.dead()
+        if death is not None:
+            raise WorkerDiedError(death)
+        self.channel.send(message)
+
+    def wait_ready(self) -> None:
+        """Wait for every worker's report of its finished build; raise the first failure."""
+        for worker in self.workers:
+            try:
+                status, detail = worker.reports.recv()
+            except EOFError:
+                raise WorkerDiedError(self.dead(KILL_WAIT_S) or f"worker rank {worker.rank} closed its pipe") from None
+            if status != "ready":
+                raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} failed to build:\n{detail}")
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait for them, end any that stays, and leave the group. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        stopped = False
+        if self.dead() is None:  # else the others may be stuck in a collective the dead one left: end them
+            try:
+                self.channel.send(StepMessage(MessageKind.STOP))
+                stopped = True
+            except Exception:  # noqa: BLE001  (a broken group: the workers are ended below)
+                logger.exception("could not send the stop message to the tensor-parallel workers")
+        for worker in self.workers:
+            worker.process.join(SHUTDOWN_WAIT_S if stopped else 0)
+            if worker.process.is_alive():
+                logger.warning("tensor-parallel worker rank %d did not stop; terminating it", worker.rank)
+                worker.process.terminate()
+                worker.process.join(KILL_WAIT_S)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(KILL_WAIT_S)
+            worker.reports.close()
+        leave_group()
+
+    def kill(self) -> None:
+        """End the workers without a word (a build that failed on rank 0 leaves them inside a collective)."""
+        kill_workers(self.workers)
+        self._closed = True
+        leave_group()
+
+
+def kill_workers(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(KILL_WAIT_S)
+        worker.reports.close()
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone: the model's shard it held cannot compute any more."""
+
+
+def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
+    """From the engine's process: check that the model splits over ``tensor_parallel_size`` ranks, start the
+    workers, and join the group as rank 0 (the build that follows runs in step with theirs)."""
+    from diffulex.models.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(config)
+    if config.device_ids and len(config.device_ids) < config.tensor_parallel_size:
+        raise ValueError(
+            f"device_ids={config.device_ids} is invalid with tensor_parallel_size={config.tensor_parallel_size}: "
+            "must name one device per rank"
+        )
+    if torch.cuda.is_available():
+        size, count = config.tensor_parallel_size, torch.cuda.device_count()
+        wanted = [rank_device(config, rank).index for rank in range(size)]
+        if len(set(wanted)) < size or max(wanted) >= count:
+            raise ValueError(
+                f"tensor_parallel_size={size} is invalid here: it needs {size} distinct CUDA devices and got "
+                f"{wanted} (device_ids={config.device_ids}, device_start={config.device_start}) of the {count} "
+                "this process sees"
+            )
+    if mp.current_process().daemon:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} is invalid in a data-parallel replica (its process "
+            "may not start workers): not supported yet together with data_parallel_size > 1"
+        )
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} is invalid here: this process already belongs to a "
+            "torch.distributed group (another tensor-parallel engine still open?); exit() that engine first"
+        )
+    if tensor_parallel_group().size != 1:
+        raise RuntimeError("this process already has a tensor-parallel group")
+    init_method = f"tcp://{config.master_addr}:{config.master_port}"
+    workers = start_workers(config, range(1, config.tensor_parallel_size), init_method)
+    try:
+        wait_until_joining(workers)
+        channel = join_group(config, 0, init_method)
+    except Exception as err:
+        exited = [w for w in workers if not w.process.is_alive()]
+        kill_workers(workers)
+        leave_group()
+        why = f"worker rank {exited[0].rank} exited with code {exited[0].process.exitcode}" if exited else f"{err}"
+        raise WorkerDiedError(f"could not join the tensor-parallel group at {init_method}: {why}") from err
+    return TensorParallelWorkers(workers, channel)

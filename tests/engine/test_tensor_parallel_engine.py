@@ -1,0 +1,293 @@
+"""An engine split over two tensor-parallel ranks (the engine's process and one spawned worker, gloo on the CPU)
+generates exactly the tokens of the same engine on one rank, in float32, through batching, preemption and a
+prefix-cache hit; its worker is ended on exit, and a worker that dies fails the engine with an error naming it.
+
+Each rank holds half of every attention head group, MLP and vocabulary, so a slice taken from the wrong rows, a
+missing all-reduce or a worker running a different step than rank 0 changes the tokens (or hangs: every build has
+a short collective timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.errors import EngineDeadError
+from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+TIMEOUT_S = 120  # any collective left waiting by a bug fails the test instead of hanging it
+REAP_WAIT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_engine(model_dir: Path, model_name: str, tensor_parallel_size: int, **overrides) -> Diffulex:
+    fields = dict(
+        model_name=model_name, decoding_strategy="multi_bd", block_size=4, page_size=8, buffer_size=2,
+        max_model_len=64, max_num_batched_tokens=512, max_num_reqs=8, accept_threshold=0.8, dtype="float32",
+        enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size, master_addr="127.0.0.1",
+        master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S,
+    )  # fmt: skip
+    fields.update(overrides)
+    return Diffulex(str(model_dir), **fields)
+
+
+def random_prompts(llm: Diffulex, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    banned = set(llm.settings.stop_token_ids) | {llm.mask_token_id}
+    allowed = [t for t in range(llm.vocab_limit) if t not in banned]
+    return [[rng.choice(allowed) for _ in range(n)] for n in lengths]
+
+
+@dataclass
+class Run:
+    """What a scenario generated, per request: tokens, NFE, tokens per step, preemptions."""
+
+    batch: list[tuple]
+    follow_up: tuple
+    follow_up_cached: int  # more prompt tokens than the follow-up's first step computed: its cached prefix
+    preemptions: int
+
+
+def describe(trajectory) -> tuple:
+    return (
+        trajectory.token_ids, trajectory.completion_reason, trajectory.nfe,
+        [s.num_new_tokens for s in trajectory.steps], trajectory.num_preemptions,
+    )  # fmt: skip
+
+
+def run_scenario(model_dir: Path, model_name: str, tensor_parallel_size: int) -> Run:
+    """A prompt, then one that repeats its prompt and answer and so reuses its cached pages, then eight requests
+    over 10 pages of 8 tokens, some of which are preempted and rebuilt."""
+    with make_engine(model_dir, model_name, tensor_parallel_size, num_pages=10) as llm:
+        first, *prompts = random_prompts(llm, [16, 3, 6, 9, 12, 14, 5, 7, 2], seed=8)
+        (done,) = llm.generate([first], GREEDY, use_tqdm=False).trajectories
+        follow_up = first + done.token_ids[:8] + first[:3]
+        (again,) = llm.generate([follow_up], GREEDY, use_tqdm=False).trajectories
+        batch = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False).trajectories
+    return Run(
+        [describe(done), *(describe(t) for t in batch)], describe(again), len(follow_up) - again.steps[0].query_len,
+        sum(t.num_preemptions for t in batch),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SDAR (the dense decoder every dense family shares), 4 query and 2 K/V heads: one K/V head per rank."""
+    path = tmp_path_factory.mktemp("tp") / "sdar"
+    return write_tiny_checkpoint(path, "sdar", seed=1, init_std=1.0, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SDAR-MoE with one K/V head, which both ranks then hold whole (replicated)."""
+    path = tmp_path_factory.mktemp("tp") / "sdar_moe"
+    return write_tiny_checkpoint(path, "sdar_moe", seed=1, init_std=1.0, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize(("fixture", "model_name"), [("dense_dir", "sdar"), ("moe_dir", "sdar_moe")])
+def test_two_ranks_generate_the_tokens_of_one_with_preemption_and_a_prefix_hit(request, fixture, model_name):
+    model_dir = request.getfixturevalue(fixture)
+    one = run_scenario(model_dir, model_name, 1)
+    assert one.preemptions > 0, "the scenario must preempt"
+    assert one.follow_up_cached >= 16, "the follow-up must hit the prefix cache"
+    two = run_scenario(model_dir, model_name, 2)
+    assert two == one
+
+
+@pytest.mark.parametrize("family", ["llada", "llada2"])
+def test_families_with_their_own_layers_split_over_two_ranks(tmp_path: Path, family: str) -> None:
+    """LLaDA names its blocks and config fields its own way; LLaDA2 fuses q/k/v in one matrix (each part split on
+    its own) and adds a shared expert to the routed ones."""
+    model_dir = write_tiny_checkpoint(tmp_path / family, family, seed=1, init_std=1.0, num_key_value_heads=2)
+    outputs = {}
+    for size in (1, 2):
+        with make_engine(model_dir, family, size) as llm:
+            prompts = random_prompts(llm, [5, 11, 3], seed=3)
+            outputs[size] = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
+    assert outputs[2] == outputs[1]
+
+
+def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir: Path) -> None:
+    """The decode graphs' padded path (uncaptured on the CPU), with its in-graph greedy sampler and steps continued
+    on the device: the worker replays each of them as rank 0 does (`MessageKind.GRAPH`, `CONTINUATION`)."""
+    results = {}
+    for size in (1, 2):
+        with make_engine(dense_dir, "sdar", size, buffer_size=1) as llm:
+            llm.enable_static_decode(capture=False)
+            prompts = random_prompts(llm, [4, 9, 13], seed=5)
+            trajectories = llm.generate(prompts, GREEDY, use_tqdm=False).trajectories
+            results[size] = ([describe(t) for t in trajectories], llm.num_continuations)
+    assert results[1][1] > 0, "the scenario must continue steps on the device"
+    assert results[2] == results[1]
+
+
+def test_each_step_reaches_the_worker_in_one_broadcast(dense_dir: Path, monkeypatch) -> None:
+    """Rank 0 talks to the worker once per launched step, whatever the batch: no per-request conversation."""
+    import torch.distributed as dist
+
+    with make_engine(dense_dir, "sdar", 2) as llm:
+        broadcasts = []
+        real = dist.broadcast
+
+        def counted(tensor, *args, **kwargs):
+            broadcasts.append(tensor.numel())
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "broadcast", counted)
+        launches = llm._num_launches
+        prompts = random_prompts(llm, [5, 9, 3, 12], seed=2)
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        steps = llm._num_launches - launches
+        assert steps > len(prompts)
+        assert len(broadcasts) == steps
+
+
+@pytest.mark.parametrize(
+    ("geometry", "size", "field"),
+    [
+        (dict(num_attention_heads=4, num_key_value_heads=2), 3, "num_attention_heads=4"),
+        (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48), 2, "num_key_value_heads=3"),
+        (dict(num_attention_heads=4, intermediate_size=90), 4, "intermediate_size=90"),
+    ],
+)
+def test_a_model_that_does_not_split_over_the_ranks_is_refused_naming_the_field(tmp_path, geometry, size, field):
+    model_dir = write_tiny_checkpoint(tmp_path / "odd", "sdar", **geometry)
+    with pytest.raises(ValueError, match=f"{field} .*tensor_parallel_size={size}"):
+        make_engine(model_dir, "sdar", size)
+
+
+def test_a_family_that_runs_on_one_device_is_refused_by_name(tmp_path: Path) -> None:
+    """DiffusionGemma runs its own step runner over unsplit layers: refused before any worker starts."""
+    model_dir = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is invalid for model_name='diffusion_gemma'"):
+        Diffulex(str(model_dir), tensor_parallel_size=2)
+
+
+def test_soft_inputs_are_refused_by_name(tmp_path: Path) -> None:
+    """DMax's token merge mixes rows of the whole embedding, which no rank holds."""
+    model_dir = write_tiny_checkpoint(tmp_path / "llada2", "llada2", num_key_value_heads=2)
+    with pytest.raises(ValueError, match="decoding_strategy='dmax' and its soft inputs"):
+        make_engine(model_dir, "llada2", 2, decoding_strategy="dmax", sampling_mode="edit", token_merge_weight=0.5)
+
+
+def test_exit_ends_the_worker_and_a_second_engine_can_split_again(dense_dir: Path) -> None:
+    llm = make_engine(dense_dir, "sdar", 2)
+    (pid,) = llm.workers.pids
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    llm.exit()
+    assert not pid_alive(pid)
+    with make_engine(dense_dir, "sdar", 2) as again:  # the process left its group: it can join a new one
+        assert again.generate([[5, 6, 7]], GREEDY, use_tqdm=False).trajectories[0].token_ids
+
+
+def test_a_worker_that_dies_fails_the_engine_with_an_error_naming_it(dense_dir: Path) -> None:
+    llm = make_engine(dense_dir, "sdar", 2)
+    (pid,) = llm.workers.pids
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < TIMEOUT_S / 2, "found by the liveness check, not the collective timeout"
+    llm.exit()
+
+
+class Unloadable:
+    """Pickles, but fails to load: a worker process handed one dies before it joins the group."""
+
+    def __reduce__(self):
+        return (fail_to_load, ())
+
+
+def fail_to_load():
+    raise RuntimeError("this object cannot be loaded")
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(dense_dir: Path) -> None:
+    from diffulex.config import Config
+    from diffulex.engine.tensor_parallel import WorkerDiedError, start_tensor_parallel
+
+    config = Config(str(dense_dir), model_name="sdar", tensor_parallel_size=2, master_addr="127.0.0.1",
+                    master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S)  # fmt: skip
+    config.unloadable = Unloadable()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 exited with code 1"):
+        start_tensor_parallel(config)
+    assert time.monotonic() - started < TIMEOUT_S / 2, "found by watching the worker, not the rendezvous timeout"
+
+
+def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_the_worker(dense_dir) -> None:
+    """The worker already runs the step and waits in its collectives: the ranks cannot go on in step."""
+    llm = make_engine(dense_dir, "sdar", 2)
+    (pid,) = llm.workers.pids
+
+    def broken_forward(step):
+        raise RuntimeError("injected failure")
+
+    llm.runner._eager_forward = broken_forward
+    with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert not pid_alive(pid)
+    llm.exit()
+
+
+@pytest.mark.parametrize("ending", ["killed", "returns without exit()"])
+def test_no_worker_outlives_its_engine_process(dense_dir: Path, ending: str) -> None:
+    """No orphan: a worker whose rank 0 vanished (SIGKILL) sees its channel break and exits; a program that ends
+    without calling exit() ends its worker on the way out (and is not kept waiting for it)."""
+    script = textwrap.dedent(
+        f"""
+        import time
+        from tests.engine.test_tensor_parallel_engine import make_engine
+        from pathlib import Path
+
+        if __name__ == "__main__":
+            llm = make_engine(Path({str(dense_dir)!r}), "sdar", 2)
+            print("WORKER", llm.workers.pids[0], flush=True)
+            if {ending == "killed"}:
+                time.sleep(600)
+        """
+    )
+    engine = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    try:
+        line = engine.stdout.readline()
+        assert line.startswith("WORKER"), line
+        pid = int(line.split()[1])
+        if ending == "killed":
+            engine.kill()
+        engine.wait(timeout=REAP_WAIT_S)
+        deadline = time.monotonic() + REAP_WAIT_S
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(pid), "the worker outlived its engine"
+    finally:
+        engine.kill()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie awaiting its parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
