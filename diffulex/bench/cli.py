@@ -160,7 +160,7 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
                        help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
                             "checkout's tests/data/sdar-4b-chat)")
-    from diffulex.bench.sweep import TARGETS
+    from diffulex.bench.sweep_common import TARGETS
 
     sweep = parser.add_argument_group("sweep (diffulex bench sweep; see docs/benchmarks.md, Performance sweep)")
     sweep.add_argument("--targets", dest="tp__targets", nargs="+", type=str.lower, choices=TARGETS,
@@ -325,7 +325,8 @@ SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "dat
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from diffulex.bench.sweep import DEFAULT_TARGET_SECONDS, QUICK_TARGET_SECONDS, TARGETS, SweepSettings, run
+    from diffulex.bench.sweep import run
+    from diffulex.bench.sweep_common import DEFAULT_TARGET_SECONDS, QUICK_TARGET_SECONDS, TARGETS, SweepSettings
 
     if args.runs or args.config or args.set or args.check or args.json:
         raise ValueError("diffulex bench sweep takes no run directories, --config, --set, --check or --json")

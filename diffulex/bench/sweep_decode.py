@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from diffulex.bench.sweep import (
+from diffulex.bench.sweep_common import (
     SweepContext,
     error_text,
     fmt,

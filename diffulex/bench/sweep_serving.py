@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffulex.bench.sweep import SweepContext, error_text, fmt, markdown, plot_axes, release, save_figure, skipped
+from diffulex.bench.sweep_common import (
+    SweepContext,
+    error_text,
+    fmt,
+    markdown,
+    plot_axes,
+    release,
+    save_figure,
+    skipped,
+)
 
 ONLINE_VS_OFFLINE_TARGET = 0.9
 ARRIVAL_RATE_FACTOR = 2.0

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from diffulex.bench.sweep import SweepContext, error_text, fmt, markdown, plot_axes, save_figure, skipped
+from diffulex.bench.sweep_common import SweepContext, error_text, fmt, markdown, plot_axes, save_figure, skipped
 
 RESULT_PREFIX = "DIFFULEX_SWEEP_START "
 CHILD = "import sys; from diffulex.bench.sweep_start import child_main; child_main(sys.argv[1])"

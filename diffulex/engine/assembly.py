@@ -91,7 +91,7 @@ def assemble(config: Config) -> EngineParts:
             warn(line)
     workers = None
     if config.tensor_parallel_size > 1 and tensor_parallel_group().size == 1:  # the engine's process: rank 0
-        workers = start_tensor_parallel(config)
+        workers = start_tensor_parallel(config, assemble)
         build.done("tensor-parallel workers")
     try:
         parts = _assemble_rank(config, build)

@@ -25,8 +25,9 @@ from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
 from diffulex.engine.request_update import RequestUpdate
+from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_profiler import StepProfiler
-from diffulex.engine.tensor_parallel import DEATH_WAIT_S, MessageKind, StepMessage
+from diffulex.engine.tensor_parallel import DEATH_WAIT_S
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt

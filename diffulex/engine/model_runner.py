@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,13 +23,16 @@ from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
+from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_inputs import StepInputs
-from diffulex.engine.tensor_parallel import MessageKind, StepMessage, TensorParallelWorkers
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
 from diffulex.strategy.block import Block
 from diffulex.strategy.request import Request
+
+if TYPE_CHECKING:
+    from diffulex.engine.tensor_parallel import TensorParallelWorkers
 
 
 @dataclass

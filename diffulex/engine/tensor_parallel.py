@@ -4,7 +4,8 @@ Every rank builds the same engine (`diffulex.engine.assembly.assemble`, with the
 joined first, so that each layer holds its rank's shard), in the same order, so that the collectives of the build
 (memory profiling, warm-ups, CUDA-graph capture) meet. Then only rank 0 schedules: each step it sends the step's
 inputs, the flat `StepInputs` the model runner turns into tensors and, for replayed steps, the graph bucket and
-sampling layout, in ONE broadcast over a gloo group (`StepChannel`), and runs the step; each worker receives it
+sampling layout, in ONE broadcast over a gloo group (`diffulex.engine.step_broadcast`), and runs the step; each
+worker receives it
 and runs the same forward (and the same LM head, whose logits are gathered across the ranks, and on the graph path
 the same in-graph greedy sampler) on its shard. Requests, their blocks and the scheduler exist on rank 0 only: a
 worker never hears of a request.
@@ -17,12 +18,10 @@ collective has ``distributed_timeout_seconds``), and the engine fails with an er
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import multiprocessing as mp
-import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -31,8 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from diffulex.engine.cuda_graph import SampledRows
-from diffulex.engine.step_inputs import StepInputs
+from diffulex.engine.step_broadcast import MessageKind, StepChannel, StepMessage
 from diffulex.layers.parallel_state import init_tensor_parallel, reset_tensor_parallel, tensor_parallel_group
 
 if TYPE_CHECKING:
@@ -41,10 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("diffulex")
 
-# Bytes of the buffer one step's broadcast carries: the pickled message of a decode step of a few hundred requests
-# fits; a longer one (a large prefill) sends its remainder in a second broadcast, sized by the first.
-CHANNEL_CAPACITY = 1 << 18
-LENGTH_BYTES = 8  # the message length, in front of it
 # How long `TensorParallelWorkers.shutdown` waits for a worker to leave after the stop message, then after SIGTERM.
 SHUTDOWN_WAIT_S = 30.0
 KILL_WAIT_S = 5.0
@@ -52,67 +46,6 @@ KILL_WAIT_S = 5.0
 # death (and not a vague connection error) is what the engine reports.
 DEATH_WAIT_S = 2.0
 JOIN_POLL_S = 0.2  # how often rank 0, waiting for the workers to reach the group, checks that they still run
-
-
-class MessageKind(enum.Enum):
-    EAGER = "eager"  # a step through the eager forward
-    GRAPH = "graph"  # a step replayed from the decode graphs (staged in a host buffer)
-    CONTINUATION = "continuation"  # the graphs replayed again on the inputs the last step advanced
-    STATIC_DECODE = "static_decode"  # switch to the graphs' static decode buffers (`GraphPolicy`)
-    STOP = "stop"  # leave the group and exit
-
-
-@dataclass(frozen=True)
-class StepMessage:
-    """What rank 0 broadcasts for one step: everything the workers' runners need to repeat its device work."""
-
-    kind: MessageKind
-    step: StepInputs | None = None  # without its ``work`` (requests live on rank 0)
-    bucket: int | None = None
-    micro_batch: int = 0
-    sampled: SampledRows | None = None
-    num_rows: int = 0  # a continuation's sampled rows
-    capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
-    short: bool = False  # GRAPH: the step replays the runner's short graphs (`Strategy.short_step_rows`)
-
-    @classmethod
-    def of_step(
-        cls, step: StepInputs, bucket: int | None, micro_batch: int, sampled: SampledRows | None, short: bool = False
-    ) -> StepMessage:
-        wire = dataclasses.replace(step, work=[])
-        kind = MessageKind.GRAPH if bucket is not None else MessageKind.EAGER
-        return cls(kind, wire, bucket, micro_batch, sampled, short=short)
-
-
-class StepChannel:
-    """Rank 0 to the workers over a gloo group: one broadcast of a fixed-size byte buffer per message (a second
-    one only for a message longer than the buffer)."""
-
-    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
-        self.group = group
-        self.rank = rank
-        self.buffer = torch.empty(CHANNEL_CAPACITY, dtype=torch.uint8)
-
-    def send(self, message: StepMessage) -> None:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        head = CHANNEL_CAPACITY - LENGTH_BYTES
-        framed = len(payload).to_bytes(LENGTH_BYTES, "little") + payload[:head]
-        self.buffer[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-        dist.broadcast(self.buffer, src=0, group=self.group)
-        if len(payload) > head:
-            rest = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
-
-    def receive(self) -> StepMessage:
-        dist.broadcast(self.buffer, src=0, group=self.group)
-        length = int.from_bytes(self.buffer[:LENGTH_BYTES].numpy().tobytes(), "little")
-        head = CHANNEL_CAPACITY - LENGTH_BYTES
-        payload = self.buffer[LENGTH_BYTES : LENGTH_BYTES + min(length, head)].numpy().tobytes()
-        if length > head:
-            rest = torch.empty(length - head, dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
-            payload += rest.numpy().tobytes()
-        return pickle.loads(payload)
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -155,16 +88,20 @@ class WorkerProcess:
     reports: Connection
 
 
-def start_workers(config: Config, ranks: range, init_method: str) -> list[WorkerProcess]:
+def start_workers(
+    config: Config, ranks: range, init_method: str, build: Callable[[Config], EngineParts]
+) -> list[WorkerProcess]:
     """Start the worker ``ranks`` as processes of this host (the ``mp`` backend), each joining the group at
-    ``init_method``. Spawned (CUDA cannot be forked); not daemonic, so that a worker may start processes of its own
-    (torch.compile's), which is why `TensorParallelWorkers.shutdown` ends them itself."""
+    ``init_method`` and building its engine with ``build`` (`diffulex.engine.assembly.assemble`: handed over, not
+    imported, since the assembly starts the workers). Spawned (CUDA cannot be forked); not daemonic, so that a
+    worker may start processes of its own (torch.compile's), which is why `TensorParallelWorkers.shutdown` ends
+    them itself."""
     context = mp.get_context("spawn")
     workers = []
     for rank in ranks:
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(
-            target=run_worker, args=(config, rank, init_method, theirs), name=f"diffulex-tp{rank}", daemon=False
+            target=run_worker, args=(build, config, rank, init_method, theirs), name=f"diffulex-tp{rank}", daemon=False
         )
         process.start()
         theirs.close()
@@ -172,15 +109,15 @@ def start_workers(config: Config, ranks: range, init_method: str) -> list[Worker
     return workers
 
 
-def run_worker(config: Config, rank: int, init_method: str, reports: Connection) -> None:
+def run_worker(
+    build: Callable[[Config], EngineParts], config: Config, rank: int, init_method: str, reports: Connection
+) -> None:
     """A worker's life: say it is joining, join the group, build the same engine as rank 0 (its shard), report,
     then repeat rank 0's steps until the stop message."""
-    from diffulex.engine.assembly import assemble
-
     reports.send(("joining", None))
     try:
         channel = join_group(config, rank, init_method)
-        parts = assemble(config)
+        parts = build(config)
     except BaseException:
         reports.send(("failed", traceback.format_exc()))
         raise
@@ -330,10 +267,11 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the model's shard it held cannot compute any more."""
 
 
-def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
+def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]) -> TensorParallelWorkers:
     """From the engine's process: check that the model splits over ``tensor_parallel_size`` ranks, start the
-    workers, and join the group as rank 0 (the build that follows runs in step with theirs)."""
-    from diffulex.models.tensor_parallel import check_tensor_parallel
+    workers (which build their engines with ``build``), and join the group as rank 0 (the build that follows runs
+    in step with theirs)."""
+    from diffulex.engine.tensor_parallel_check import check_tensor_parallel
 
     check_tensor_parallel(config)
     if config.device_ids and len(config.device_ids) < config.tensor_parallel_size:
@@ -363,7 +301,7 @@ def start_tensor_parallel(config: Config) -> TensorParallelWorkers:
     if tensor_parallel_group().size != 1:
         raise RuntimeError("this process already has a tensor-parallel group")
     init_method = f"tcp://{config.master_addr}:{config.master_port}"
-    workers = start_workers(config, range(1, config.tensor_parallel_size), init_method)
+    workers = start_workers(config, range(1, config.tensor_parallel_size), init_method, build)
     try:
         wait_until_joining(workers)
         channel = join_group(config, 0, init_method)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffulex.bench import sweep
+from diffulex.bench import sweep, sweep_common
 from diffulex.bench.sweep_decode import BASELINE, strategy_configs
 from diffulex.cli import main
 
@@ -33,7 +33,7 @@ def report(out: Path, target: str) -> dict:
     return data
 
 
-@pytest.mark.parametrize("target", sweep.TARGETS)
+@pytest.mark.parametrize("target", sweep_common.TARGETS)
 def test_every_target_writes_its_json_plot_and_table(quick_sweep: Path, target: str) -> None:
     data = report(quick_sweep, target)
     assert data["rows"]
@@ -168,21 +168,21 @@ def test_the_full_sweep_refuses_to_start_without_cuda(tmp_path: Path, capsys) ->
 
 def test_settings_name_the_bad_target() -> None:
     with pytest.raises(ValueError, match="targets: 'warp' is invalid: must be one of batch, prefill"):
-        sweep.SweepSettings(targets=["warp"])
+        sweep_common.SweepSettings(targets=["warp"])
 
 
 def test_a_total_budget_is_shared_among_the_targets_left() -> None:
-    settings = sweep.SweepSettings(max_seconds=1000.0, total_seconds=270.0)
-    weights = sweep.TARGET_WEIGHTS
-    everything = list(sweep.TARGETS)
+    settings = sweep_common.SweepSettings(max_seconds=1000.0, total_seconds=270.0)
+    weights = sweep_common.TARGET_WEIGHTS
+    everything = list(sweep_common.TARGETS)
     assert settings.target_seconds(0.0, everything) == pytest.approx(270.0 * weights["batch"] / sum(weights.values()))
     # the first targets used less than their share: the rest share what is left, by weight
     share = weights["moe"] / (weights["moe"] + weights["start"])
     assert settings.target_seconds(170.0, ["moe", "start"]) == pytest.approx(100.0 * share)
     assert settings.target_seconds(170.0, ["serving"]) == pytest.approx(100.0)
     assert settings.target_seconds(400.0, ["serving"]) == 0.0  # overrun: the rest start nothing
-    assert sweep.SweepSettings(max_seconds=30.0, total_seconds=1e6).target_seconds(0.0, ["start"]) == 30.0
-    assert sweep.SweepSettings(max_seconds=7.0).target_seconds(1e6, ["start"]) == 7.0
+    assert sweep_common.SweepSettings(max_seconds=30.0, total_seconds=1e6).target_seconds(0.0, ["start"]) == 30.0
+    assert sweep_common.SweepSettings(max_seconds=7.0).target_seconds(1e6, ["start"]) == 7.0
 
 
 def test_a_failing_configuration_is_recorded_and_the_next_one_starts_fresh(tmp_path: Path, monkeypatch) -> None:

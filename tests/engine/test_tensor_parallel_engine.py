@@ -222,6 +222,7 @@ def fail_to_load():
 
 def test_a_worker_that_dies_before_joining_fails_the_start_at_once(dense_dir: Path) -> None:
     from diffulex.config import Config
+    from diffulex.engine.assembly import assemble
     from diffulex.engine.tensor_parallel import WorkerDiedError, start_tensor_parallel
 
     config = Config(str(dense_dir), model_name="sdar", tensor_parallel_size=2, master_addr="127.0.0.1",
@@ -229,7 +230,7 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(dense_dir: Pa
     config.unloadable = Unloadable()
     started = time.monotonic()
     with pytest.raises(WorkerDiedError, match="worker rank 1 exited with code 1"):
-        start_tensor_parallel(config)
+        start_tensor_parallel(config, assemble)
     assert time.monotonic() - started < TIMEOUT_S / 2, "found by watching the worker, not the rendezvous timeout"
 
 

@@ -1,0 +1,83 @@
+"""What rank 0 of a tensor-parallel group tells its workers each step, and the channel that carries it.
+
+Apart from the worker processes (`diffulex.engine.tensor_parallel`) because the model runner sends these messages
+and the workers' loop builds whole engines: the runner must not import the module that assembles engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diffulex.engine.cuda_graph import SampledRows
+from diffulex.engine.step_inputs import StepInputs
+
+# Bytes of the buffer one step's broadcast carries: the pickled message of a decode step of a few hundred requests
+# fits; a longer one (a large prefill) sends its remainder in a second broadcast, sized by the first.
+CHANNEL_CAPACITY = 1 << 18
+LENGTH_BYTES = 8  # the message length, in front of it
+
+class MessageKind(enum.Enum):
+    EAGER = "eager"  # a step through the eager forward
+    GRAPH = "graph"  # a step replayed from the decode graphs (staged in a host buffer)
+    CONTINUATION = "continuation"  # the graphs replayed again on the inputs the last step advanced
+    STATIC_DECODE = "static_decode"  # switch to the graphs' static decode buffers (`GraphPolicy`)
+    STOP = "stop"  # leave the group and exit
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 broadcasts for one step: everything the workers' runners need to repeat its device work."""
+
+    kind: MessageKind
+    step: StepInputs | None = None  # without its ``work`` (requests live on rank 0)
+    bucket: int | None = None
+    micro_batch: int = 0
+    sampled: SampledRows | None = None
+    num_rows: int = 0  # a continuation's sampled rows
+    capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
+    short: bool = False  # GRAPH: the step replays the runner's short graphs (`Strategy.short_step_rows`)
+
+    @classmethod
+    def of_step(
+        cls, step: StepInputs, bucket: int | None, micro_batch: int, sampled: SampledRows | None, short: bool = False
+    ) -> StepMessage:
+        wire = dataclasses.replace(step, work=[])
+        kind = MessageKind.GRAPH if bucket is not None else MessageKind.EAGER
+        return cls(kind, wire, bucket, micro_batch, sampled, short=short)
+
+
+class StepChannel:
+    """Rank 0 to the workers over a gloo group: one broadcast of a fixed-size byte buffer per message (a second
+    one only for a message longer than the buffer)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.buffer = torch.empty(CHANNEL_CAPACITY, dtype=torch.uint8)
+
+    def send(self, message: StepMessage) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = CHANNEL_CAPACITY - LENGTH_BYTES
+        framed = len(payload).to_bytes(LENGTH_BYTES, "little") + payload[:head]
+        self.buffer[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        if len(payload) > head:
+            rest = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+
+    def receive(self) -> StepMessage:
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        length = int.from_bytes(self.buffer[:LENGTH_BYTES].numpy().tobytes(), "little")
+        head = CHANNEL_CAPACITY - LENGTH_BYTES
+        payload = self.buffer[LENGTH_BYTES : LENGTH_BYTES + min(length, head)].numpy().tobytes()
+        if length > head:
+            rest = torch.empty(length - head, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        return pickle.loads(payload)
