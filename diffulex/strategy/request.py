@@ -158,13 +158,15 @@ class Request:
 
     @property
     def committed_len(self) -> int:
-        """End of the last committed block: every position before it is final and needs (or has) K/V."""
-        n = self.num_cached_tokens
-        for block in self.blocks[self.num_cached_blocks :]:
-            if not block.is_committed:
-                break
-            n = block.end
-        return n
+        """End of the last committed block: every position before it is final and needs (or has) K/V.
+
+        Blocks commit in order (a block commits only after the one before it) and an active block is always in the
+        running set, so the committed blocks are all those before the running set's first active one: found in
+        the few blocks of the running set, not by walking a long prompt's blocks on every call."""
+        first_active = next((block for block in self.running if not block.is_committed), None)
+        if first_active is not None:
+            return first_active.start
+        return self.blocks[-1].end if len(self.blocks) > self.num_cached_blocks else self.num_cached_tokens
 
     @property
     def stored_len(self) -> int:

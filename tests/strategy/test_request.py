@@ -271,6 +271,38 @@ def test_consecutive_complete_blocks_commit_in_one_scan_in_order():
     assert req.running == [] and req.num_cached_blocks == 4
 
 
+def walked_committed_len(req: Request) -> int:
+    """The definition: the end of the committed blocks that follow the cached ones, walked block by block."""
+    n = req.num_cached_tokens
+    for block in req.blocks[req.num_cached_blocks :]:
+        if not block.is_committed:
+            break
+        n = block.end
+    return n
+
+
+def test_committed_len_is_the_end_of_the_leading_committed_blocks_through_a_request_life():
+    """It is read from the running set alone (a long prompt's blocks are not walked): the same as walking them, with
+    an uncached prompt, blocks completing out of order and after each commit."""
+    req = make_request(10, buffer_size=3, add_block_threshold=0.25)
+    seen = [(req.committed_len, walked_committed_len(req))]
+    req.retire_and_commit()
+    seen.append((req.committed_len, walked_committed_len(req)))
+    assert req.maybe_activate_block()
+    fill(req, [10, 12])
+    assert req.maybe_activate_block()
+    fill(req, [16, 17, 18, 19])  # the newest block completes first
+    req.retire_and_commit()
+    seen.append((req.committed_len, walked_committed_len(req)))
+    fill(req, [11, 13, 14, 15])
+    req.retire_and_commit()
+    seen.append((req.committed_len, walked_committed_len(req)))
+    req.retire_and_commit()
+    seen.append((req.committed_len, walked_committed_len(req)))
+    assert [fast for fast, _ in seen] == [slow for _, slow in seen]
+    assert [fast for fast, _ in seen] == [8, 8, 8, 20, 20]
+
+
 def test_query_range_starts_at_the_cached_prefix_and_ends_at_the_running_set():
     req = make_request(10)
     assert req.query_range() == (0, 12)
