@@ -95,6 +95,8 @@ class CanvasRunner:
         self.capture_graphs = self.use_triton
         self.graphs: dict[int, CanvasGraph] = {}
         self._graph_pool: object | None = None
+        # decoder passes replayed from captured graphs so far: benchmarks read it around the steps they time
+        self.graph_replays = 0
 
     # ----- memory ---------------------------------------------------------------------------------------
 
@@ -229,6 +231,7 @@ class CanvasRunner:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph.capture(self._static_forward, self._graph_pool)
+        self.graph_replays += graph.graph is not None
         return graph.run(self._static_forward)[:batch]
 
     def _decoder_attention(self, layout: CanvasLayout, max_kv_len: int = 0) -> CachedAttention:
