@@ -267,7 +267,7 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 
 def _resolve_device(config: Config) -> torch.device:
-    """This rank's device (`rank_device`; rank 0 without tensor parallelism)."""
+    """This rank's device (`rank_device`; rank 0 on one rank)."""
     return rank_device(config, engine_ranks().rank)
 
 
