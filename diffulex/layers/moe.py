@@ -278,6 +278,16 @@ class SparseMoE(nn.Module):
         # The group over which a product of the stacked weights is partial (the modules' own forward sums it).
         self.expert_tp = tensor_parallel_group() if sharded else SINGLE_RANK
         self.shared_experts = shared_experts
+        # Shared experts split by TP over the expert ranks themselves (TP = EP): their partial product joins the
+        # experts' partial sum, so that the layer makes one all-reduce instead of two.
+        self.shared_joins_reduce = (
+            isinstance(shared_experts, GatedMLP)
+            and self.ep.size > 1
+            and isinstance(shared_experts.down_proj, RowParallelLinear)
+            and shared_experts.down_proj.tp.size == self.ep.size
+            and shared_experts.down_proj.tp.process_group is self.ep.process_group
+            and shared_experts.down_proj.bias is None
+        )
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
 
@@ -294,6 +304,10 @@ class SparseMoE(nn.Module):
             out = self._loop(x, weights, experts)
         else:
             raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        if self.shared_joins_reduce:
+            shared = self.shared_experts
+            out = out + shared.down_proj.partial(shared.activation(shared.gate_proj(x)) * shared.up_proj(x))
+            return self.ep.all_reduce(out)  # the other ranks' experts and shared-expert slices
         out = self.ep.all_reduce(out)  # the other ranks' experts' contributions
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

@@ -10,7 +10,8 @@ another rank's experts, or missing its own, is off by a whole expert's contribut
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -165,12 +166,32 @@ def check_expert_and_tensor_parallel_on_the_same_ranks() -> None:
         x = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(3))
         expected = whole.reference(x)
         merge_projections(split)
-        assert split.stack.gate_up is not None
+        assert split.stack.gate_up is not None and split.shared_joins_reduce
         for impl in IMPLS:
             split.impl = impl
-            assert_close_up_to_reordering(split(x), expected, MOE_TERMS + SHARED_TERMS)
+            with counted_all_reduces() as calls:
+                out = split(x)
+            assert len(calls) == 1, f"{impl}: the shared expert's slice joins the experts' one all-reduce"
+            assert_close_up_to_reordering(out, expected, MOE_TERMS + SHARED_TERMS)
     finally:
         reset_tensor_parallel()
+
+
+@contextmanager
+def counted_all_reduces() -> Iterator[list[int]]:
+    """The all-reduces run inside the block, by the size of their tensor."""
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
 
 
 CHECKS: dict[str, Callable[[], None]] = {
