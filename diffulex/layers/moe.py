@@ -21,11 +21,12 @@ Expert parallelism (`diffulex.layers.parallel_state.expert_parallel_group`, size
 range of whole experts, registered under their global index (``experts.5...`` on the rank owning expert 5 only), and
 every rank sees every token (the layout tensor parallelism leaves the hidden states in). Each rank runs the same
 path over the token-expert pairs routed to its own experts, the other pairs masked out, and one all-reduce over the
-group adds the ranks' partial sums. Why not an all-to-all dispatch: with the tokens already replicated on every rank,
-sending each pair to its owner would move the same data the all-reduce moves, plus two exchanges of per-rank counts
-that the host must read (breaking CUDA graphs); the all-reduce keeps every shape static and the per-rank compute on
-the grouped GEMM, sized by the pairs it owns. An all-to-all pays off when the ranks hold different tokens (data
-parallelism across the expert group), which this engine does not do.
+group adds the ranks' partial sums (with a shared expert split by TP over the same ranks, its slice's partial
+product joins that sum: still one all-reduce). Why not an all-to-all dispatch: with the tokens already replicated on
+every rank, sending each pair to its owner would move the same data the all-reduce moves, plus two exchanges of
+per-rank counts that the host must read (breaking CUDA graphs); the all-reduce keeps every shape static and the
+per-rank compute on the grouped GEMM, sized by the pairs it owns. An all-to-all pays off when the ranks hold
+different tokens (data parallelism across the expert group), which this engine does not do.
 """
 
 from __future__ import annotations
