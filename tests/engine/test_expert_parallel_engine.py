@@ -79,6 +79,20 @@ def test_dummy_weights_split_over_expert_ranks_are_those_of_one_rank(checkpoints
     assert outputs[2] == outputs[1]
 
 
+def test_graph_path_steps_follow_on_the_expert_rank(checkpoints) -> None:
+    """The decode graphs' padded path (uncaptured on the CPU) with its in-graph greedy sampler and continued steps:
+    the worker, holding the other experts, replays each step as rank 0 does."""
+    results = {}
+    for size in (1, 2):
+        with make_engine(checkpoints["sdar_moe"], "sdar_moe", 1, expert_parallel_size=size, buffer_size=1) as llm:
+            llm.enable_static_decode(capture=False)
+            prompts = random_prompts(llm, [4, 9, 13], seed=5)
+            trajectories = llm.generate(prompts, GREEDY, use_tqdm=False).trajectories
+            results[size] = ([describe(t) for t in trajectories], llm.num_continuations)
+    assert results[1][1] > 0, "the scenario must continue steps on the device"
+    assert results[2] == results[1]
+
+
 def test_a_dense_family_is_refused_naming_the_field(tmp_path: Path) -> None:
     model_dir = write_tiny_checkpoint(tmp_path / "sdar", "sdar")
     with pytest.raises(ValueError, match="expert_parallel_size=2 is invalid for model_name='sdar': .*no routed"):
