@@ -33,12 +33,17 @@ from diffulex.layers.moe import (
 )
 from diffulex.layers.parallel_state import (
     SINGLE_EXPERT_RANK,
+    SINGLE_RANK,
     ExpertParallelGroup,
+    TensorParallelGroup,
+    engine_ranks,
     expert_parallel_group,
     init_expert_parallel,
     init_tensor_parallel,
     reset_expert_parallel,
     reset_tensor_parallel,
+    using_expert_parallel_group,
+    using_tensor_parallel_group,
 )
 from diffulex.testing.tolerance import assert_close_up_to_reordering
 
@@ -284,3 +289,15 @@ def test_a_tensor_that_names_no_expert_is_refused() -> None:
         moe.expert_weight_loader("experts.6.up_proj.weight", torch.zeros(INTER, HIDDEN))
     with pytest.raises(ValueError, match="must have 8 along dim 0"):
         moe.expert_weight_loader("experts.2.up_proj.weight", torch.zeros(INTER + 1, HIDDEN))
+
+
+def test_the_engine_ranks_are_the_larger_of_the_tensor_and_expert_groups() -> None:
+    """The engine's layouts make one group span all its ranks: that one carries what every rank must agree on."""
+    assert engine_ranks() is SINGLE_RANK
+    with using_expert_parallel_group(ExpertParallelGroup(rank=1, size=2)):
+        assert engine_ranks() == TensorParallelGroup(rank=1, size=2)
+        tensor = TensorParallelGroup(rank=1, size=2)
+        with using_tensor_parallel_group(tensor):
+            assert engine_ranks() is tensor
+    with using_tensor_parallel_group(TensorParallelGroup(rank=1, size=4)):
+        assert engine_ranks().size == 4
