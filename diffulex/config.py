@@ -86,9 +86,9 @@ INERT_FIELDS: dict[str, str] = {
     "enable_prefill_cudagraph": "prefill steps run eagerly",
     "prefill_cudagraph_max_len": "prefill steps run eagerly",
     "skip_warmup": "the warm-up always runs: it compiles the kernels so that no step pays a compile",
-    "moe_dispatcher_backend": "expert parallelism is not implemented; experts run on one device",
-    "deepep_mode": "expert parallelism is not implemented; experts run on one device",
-    "deepep_num_max_dispatch_tokens_per_rank": "expert parallelism is not implemented; experts run on one device",
+    "moe_dispatcher_backend": "expert parallelism combines the ranks' experts with one all-reduce, no dispatcher",
+    "deepep_mode": "DeepEP is not a dependency; expert parallelism combines the experts with one all-reduce",
+    "deepep_num_max_dispatch_tokens_per_rank": "DeepEP is not a dependency; the experts need no dispatch buffer",
     "dmax_force_prefill_active": "a profiling switch of the original; DMax steps run as every other step",
     "enable_vectorized_sampler": "the sampler always handles the whole batch on the device",
     "enable_vectorized_sampler_compile": "the sampler always handles the whole batch on the device",
@@ -261,7 +261,11 @@ class Config:
         "cluster (RAY_ADDRESS, else a local instance; pip install 'diffulex[ray]').",
         EXECUTOR_BACKENDS,
     )
-    expert_parallel_size: int = _field(1, "Expert-parallel groups for MoE models.")
+    expert_parallel_size: int = _field(
+        1,
+        "GPUs the routed experts of an MoE model are split across (1..8): equal to tensor_parallel_size (the same "
+        "ranks), or with tensor_parallel_size=1 (everything else replicated on each).",
+    )
     gpu_memory_utilization: float = _field(0.9, "Share of GPU memory the engine may plan to use, in (0, 1].")
     max_model_len: int = _field(2048, "Longest prompt + output; clamped to the checkpoint's position limit.")
     max_num_batched_tokens: int = _field(4096, "Token budget for the prefill requests admitted in one step.")
@@ -590,7 +594,14 @@ class Config:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
         check_int("data_parallel_size", self.data_parallel_size, 1, 1024)
         check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
-        check_int("expert_parallel_size", self.expert_parallel_size, low=1)
+        check_int("expert_parallel_size", self.expert_parallel_size, 1, 8)
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if ep > 1 and tp > 1 and ep != tp:
+            raise invalid_value(
+                "expert_parallel_size", ep,
+                f"with tensor_parallel_size={tp} must be 1 or {tp} (both groups span the same ranks), or use "
+                "tensor_parallel_size=1 to split only the experts",
+            )  # fmt: skip
         self.gpu_memory_utilization = check_number(
             "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )

@@ -406,7 +406,8 @@ def test_diffusion_gemma_t_min_above_t_max_is_rejected(tmp_path):
         ("tensor_parallel_size", 9, "must be an integer in [1, 8]"),
         ("data_parallel_size", 0, "must be an integer in [1, 1024]"),
         ("data_parallel_size", 1025, "must be an integer in [1, 1024]"),
-        ("expert_parallel_size", 0, "must be an integer > 0"),
+        ("expert_parallel_size", 0, "must be an integer in [1, 8]"),
+        ("expert_parallel_size", 9, "must be an integer in [1, 8]"),
     ],
 )
 def test_parallel_sizes_out_of_range_are_rejected(tmp_path, name, value, requirement):
@@ -416,8 +417,17 @@ def test_parallel_sizes_out_of_range_are_rejected(tmp_path, name, value, require
 
 
 def test_larger_parallel_sizes_are_only_validated_here(tmp_path):
-    cfg = make(tmp_path, tensor_parallel_size=8, data_parallel_size=2, expert_parallel_size=4)
-    assert (cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.expert_parallel_size) == (8, 2, 4)
+    cfg = make(tmp_path, tensor_parallel_size=8, data_parallel_size=2, expert_parallel_size=8)
+    assert (cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.expert_parallel_size) == (8, 2, 8)
+    assert make(tmp_path, expert_parallel_size=4).expert_parallel_size == 4
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 4), (4, 2), (8, 2)])
+def test_expert_ranks_that_neither_equal_the_tensor_ranks_nor_stand_alone_are_refused(tmp_path, tp, ep):
+    """The engine's ranks are one group: EP equal to TP, or TP=1 with EP ranks of replicated attention."""
+    with pytest.raises(ValueError, match=rf"expert_parallel_size={ep} is invalid: with tensor_parallel_size={tp} "
+                                         rf"must be 1 or {tp}"):  # fmt: skip
+        make(tmp_path, tensor_parallel_size=tp, expert_parallel_size=ep)
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.5, float("nan")])

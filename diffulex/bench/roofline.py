@@ -9,7 +9,10 @@ compute floor); the ratio of the measured time to the larger floor says how far 
 A mixture-of-experts layer reads only the experts its step's rows choose: with ``T`` rows each picking ``k`` of
 ``E`` experts, about ``E * (1 - (1 - k / E) ** T)`` distinct experts (uniform routing, which random weights give;
 a trained router is more skewed, so this floor is an upper bound of the true one), and each row multiplies
-through its ``k`` experts only.
+through its ``k`` experts only. Under expert parallelism a rank holds ``H`` of the ``E`` experts and its floor is
+its own share: ``H * (1 - (1 - k / E) ** T)`` distinct experts read, ``k * H / E`` expert products per row (every
+rank computes the rest of the step whole, or its tensor-parallel slice of it). The floors are per rank: the model
+a rank holds is what its step must read.
 
 Everything here is plain arithmetic on a `CostModel` (the model's sizes, counted once) and a `StepWork` (what one
 step computed, read from the engine's step records), so it is unit-tested by hand on a tiny configuration.
@@ -41,6 +44,14 @@ class CostModel:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    held_experts: int | None = None  # experts of each MoE layer this rank holds (expert parallelism); None: all
+
+    @property
+    def held_share(self) -> float:
+        """The share of each MoE layer's experts this rank holds (1 without expert parallelism)."""
+        if not self.num_experts or self.held_experts is None:
+            return 1.0
+        return self.held_experts / self.num_experts
 
     @property
     def weight_bytes(self) -> int:
@@ -48,10 +59,11 @@ class CostModel:
         return (self.trunk_linear_params + self.lm_head_params + self.other_params) * self.itemsize
 
     def expected_experts(self, rows: int) -> float:
-        """Distinct experts one MoE layer reads for `rows` rows under uniform routing."""
+        """Distinct experts of this rank one MoE layer reads for `rows` rows under uniform routing."""
         if not self.moe_layers or rows <= 0:
             return 0.0
-        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** rows)
+        chosen = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** rows
+        return self.num_experts * self.held_share * chosen
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,8 @@ def cost_model_from_module(model: nn.Module, itemsize: int) -> CostModel:
 
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     expert_ids = {id(p) for moe in moes for p in moe.experts.parameters()}
-    if len({(m.num_experts, m.top_k, sum(p.numel() for p in m.experts[0].parameters())) for m in moes}) > 1:
+    shapes = {(m.num_experts, len(m.experts), m.top_k, _expert_params(m)) for m in moes}
+    if len(shapes) > 1:
         raise ValueError("the MoE layers of this model differ in shape; the cost model assumes one shape")
     head_ids = {id(p) for m in model.modules() if isinstance(m, LMHead) for p in m.parameters()}
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -162,8 +175,15 @@ def cost_model_from_module(model: nn.Module, itemsize: int) -> CostModel:
         moe_layers=len(moes),
         num_experts=moes[0].num_experts if moes else 0,
         experts_per_token=moes[0].top_k if moes else 0,
-        expert_params=sum(p.numel() for p in moes[0].experts[0].parameters()) if moes else 0,
+        expert_params=_expert_params(moes[0]) if moes else 0,
+        held_experts=len(moes[0].experts) if moes else None,
     )
+
+
+def _expert_params(moe: nn.Module) -> int:
+    """Parameters of one routed expert of ``moe`` as this rank holds it: the first it holds (under expert
+    parallelism expert 0 lives on rank 0 only)."""
+    return sum(p.numel() for p in next(iter(moe.experts)).parameters())
 
 
 def block_causal_pairs(start: int, end: int, block_size: int) -> int:
@@ -212,7 +232,7 @@ def step_flops(cost: CostModel, work: StepWork) -> int:
     """Multiply-add flops (2 per MAC): linear layers per query token, LM head per logit row, attention pairs."""
     return (
         2 * cost.trunk_linear_params * work.query_tokens
-        + 2 * cost.moe_layers * cost.experts_per_token * cost.expert_params * work.query_tokens
+        + round(2 * cost.moe_layers * cost.experts_per_token * cost.held_share * cost.expert_params * work.query_tokens)
         + 2 * cost.lm_head_params * work.logit_rows
         + cost.attn_flops_per_pair * work.attn_pairs
     )

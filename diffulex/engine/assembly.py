@@ -27,10 +27,11 @@ from diffulex.engine.tensor_parallel import (
     DEATH_WAIT_S,
     TensorParallelWorkers,
     WorkerDiedError,
+    engine_world_size,
     rank_device,
     start_tensor_parallel,
 )
-from diffulex.layers.parallel_state import tensor_parallel_group
+from diffulex.layers.parallel_state import engine_ranks
 from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import warn
@@ -82,15 +83,15 @@ class EngineParts:
 def assemble(config: Config) -> EngineParts:
     """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture.
 
-    With ``tensor_parallel_size > 1`` the engine's process first starts the other ranks
+    With ``tensor_parallel_size`` or ``expert_parallel_size > 1`` the engine's process first starts the other ranks
     (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it."""
     build = BuildPhases()
     _reject_unsupported(config)
-    if tensor_parallel_group().rank == 0:  # said once, by the engine's process
+    if engine_ranks().rank == 0:  # said once, by the engine's process
         for line in inert_settings(config):
             warn(line)
     workers = None
-    if config.tensor_parallel_size > 1 and tensor_parallel_group().size == 1:  # the engine's process: rank 0
+    if engine_world_size(config) > 1 and engine_ranks().size == 1:  # the engine's process: rank 0
         workers = start_tensor_parallel(config, assemble)
         build.done("tensor-parallel workers")
     try:
@@ -266,8 +267,8 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 
 def _resolve_device(config: Config) -> torch.device:
-    """This rank's device (`rank_device`; rank 0 without tensor parallelism)."""
-    return rank_device(config, tensor_parallel_group().rank)
+    """This rank's device (`rank_device`; rank 0 on one rank)."""
+    return rank_device(config, engine_ranks().rank)
 
 
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str, model_name: str) -> None:
@@ -347,8 +348,6 @@ def _reject_unsupported(config: Config) -> None:
             f"data_parallel_size={config.data_parallel_size} in one engine (Diffulex(...) starts one replica per "
             "device for offline generate; the server runs one engine)"
         )
-    if config.expert_parallel_size > 1:
-        unsupported.append(f"expert_parallel_size={config.expert_parallel_size}")
     if config.kv_cache_layout != "unified":
         unsupported.append(f"kv_cache_layout={config.kv_cache_layout!r}")
     if config.strategy.request_class is None:

@@ -12,7 +12,7 @@ from diffulex.engine.cpu_resources import available_memory
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.model_runner import ModelRunner
-from diffulex.layers.parallel_state import tensor_parallel_group
+from diffulex.layers.parallel_state import engine_ranks
 
 logger = logging.getLogger("diffulex")
 
@@ -24,7 +24,7 @@ GIB = float(1 << 30)
 def plan_num_pages(
     config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
 ) -> int:
-    """Pages that fit (on every tensor-parallel rank); a clear error when not even one request of
+    """Pages that fit (on every rank of the engine); a clear error when not even one request of
     ``max_model_len`` does."""
     if config.num_pages > 0:
         return config.num_pages
@@ -35,9 +35,9 @@ def plan_num_pages(
         budget, report = gpu_kv_budget(config, runner, device, dtype, policy)
     else:
         budget, report = cpu_kv_budget(wanted * page_bytes)
-    # tensor-parallel ranks hold the same pages (each its heads' slice of them): as many as the fullest rank fits,
+    # the engine's ranks hold the same pages (each its heads' slice of them): as many as the fullest rank fits,
     # agreed before the check so that every rank refuses alike
-    affordable = tensor_parallel_group().min_over_ranks(max(budget, 0) // page_bytes, device)
+    affordable = engine_ranks().min_over_ranks(max(budget, 0) // page_bytes, device)
     if affordable < pages_per_req:
         raise ValueError(
             f"not enough memory for the KV cache: one request of max_model_len={config.max_model_len} needs "

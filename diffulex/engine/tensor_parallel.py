@@ -1,7 +1,16 @@
-"""Tensor parallelism across processes: the engine's own process is rank 0, ranks 1..N-1 are worker processes.
+"""Tensor and expert parallelism across processes: the engine's own process is rank 0, ranks 1..N-1 are workers.
 
-Every rank builds the same engine (`diffulex.engine.assembly.assemble`, with the process's tensor-parallel group
-joined first, so that each layer holds its rank's shard), in the same order, so that the collectives of the build
+The layout (`engine_world_size`): ``max(tensor_parallel_size, expert_parallel_size)`` ranks, one per device, with
+``expert_parallel_size`` either 1 (tensor parallelism alone), equal to ``tensor_parallel_size`` (both groups span
+the same ranks: attention, dense MLPs and shared experts split by TP, each routed expert whole on the rank owning
+it), or used with ``tensor_parallel_size=1`` (attention and everything but the routed experts replicated on every
+rank, each rank computing it whole; the experts split). So the ranks of one engine are always one group, and the
+config refuses the other combinations (``Config``). vLLM's convention, EP ranks = the TP x DP ranks of a replica,
+is the same at DP=1; DP ranks here are separate engines (`diffulex.engine.data_parallel`).
+
+Every rank builds the same engine (`diffulex.engine.assembly.assemble`, with the process's tensor- and
+expert-parallel groups joined first, so that each layer holds its rank's shard), in the same order, so that the
+collectives of the build
 (memory profiling, warm-ups, CUDA-graph capture) meet. Then only rank 0 schedules: each step it sends the step's
 inputs, the flat `StepInputs` the model runner turns into tensors and, for replayed steps, the graph bucket and
 sampling layout, in ONE broadcast over a gloo group (`diffulex.engine.step_broadcast`), and runs the step; each
@@ -31,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 from diffulex.engine.step_broadcast import MessageKind, StepChannel, StepMessage
-from diffulex.layers.parallel_state import init_tensor_parallel, reset_tensor_parallel, tensor_parallel_group
+from diffulex.layers.parallel_state import (
+    engine_ranks,
+    init_expert_parallel,
+    init_tensor_parallel,
+    reset_expert_parallel,
+    reset_tensor_parallel,
+)
 
 if TYPE_CHECKING:
     from diffulex.config import Config
@@ -55,9 +70,15 @@ def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", config.device_ids[rank] if config.device_ids else config.device_start + rank)
 
 
+def engine_world_size(config: Config) -> int:
+    """The engine's ranks: the larger of its tensor- and expert-parallel sizes (the layouts of this module)."""
+    return max(config.tensor_parallel_size, config.expert_parallel_size)
+
+
 def join_group(config: Config, rank: int, init_method: str) -> StepChannel:
-    """Join the ``tensor_parallel_size`` ranks as ``rank``: the collectives' process group (NCCL on CUDA, unless
-    ``distributed_backend`` says gloo; gloo on the CPU), this process's tensor-parallel group, and the gloo group
+    """Join the engine's ranks (`engine_world_size`) as ``rank``: the collectives' process group (NCCL on CUDA,
+    unless ``distributed_backend`` says gloo; gloo on the CPU), this process's tensor-parallel group (with
+    ``tensor_parallel_size > 1``), its expert-parallel group (with ``expert_parallel_size > 1``), and the gloo group
     the step messages travel on. Every collective times out after ``distributed_timeout_seconds``."""
     device = rank_device(config, rank)
     if device.type == "cuda":
@@ -65,9 +86,12 @@ def join_group(config: Config, rank: int, init_method: str) -> StepChannel:
     backend = config.distributed_backend if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=config.distributed_timeout_seconds)
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=config.tensor_parallel_size, timeout=timeout
+        backend, init_method=init_method, rank=rank, world_size=engine_world_size(config), timeout=timeout
     )
-    init_tensor_parallel()
+    if config.tensor_parallel_size > 1:
+        init_tensor_parallel()
+    if config.expert_parallel_size > 1:
+        init_expert_parallel()
     control = dist.new_group(backend="gloo", timeout=timeout)
     return StepChannel(control, rank)
 
@@ -75,6 +99,7 @@ def join_group(config: Config, rank: int, init_method: str) -> StepChannel:
 def leave_group() -> None:
     """Back to the single rank, with ``torch.distributed`` torn down (a later engine may join a new group)."""
     reset_tensor_parallel()
+    reset_expert_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -268,40 +293,40 @@ class WorkerDiedError(RuntimeError):
 
 
 def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]) -> TensorParallelWorkers:
-    """From the engine's process: check that the model splits over ``tensor_parallel_size`` ranks, start the
-    workers (which build their engines with ``build``), and join the group as rank 0 (the build that follows runs
-    in step with theirs)."""
-    from diffulex.engine.tensor_parallel_check import check_tensor_parallel
+    """From the engine's process: check that the model splits over the engine's ranks (`engine_world_size`),
+    start the workers (which build their engines with ``build``), and join the group as rank 0 (the build that
+    follows runs in step with theirs)."""
+    from diffulex.engine.tensor_parallel_check import check_parallel_layout, parallel_fields
 
-    check_tensor_parallel(config)
-    if config.device_ids and len(config.device_ids) < config.tensor_parallel_size:
+    check_parallel_layout(config)
+    size, asked = engine_world_size(config), parallel_fields(config)
+    if config.device_ids and len(config.device_ids) < size:
         raise ValueError(
-            f"device_ids={config.device_ids} is invalid with tensor_parallel_size={config.tensor_parallel_size}: "
-            "must name one device per rank"
+            f"device_ids={config.device_ids} is invalid with {asked}: must name one device per rank ({size})"
         )
     if torch.cuda.is_available():
-        size, count = config.tensor_parallel_size, torch.cuda.device_count()
+        count = torch.cuda.device_count()
         wanted = [rank_device(config, rank).index for rank in range(size)]
         if len(set(wanted)) < size or max(wanted) >= count:
             raise ValueError(
-                f"tensor_parallel_size={size} is invalid here: it needs {size} distinct CUDA devices and got "
+                f"{asked} is invalid here: it needs {size} distinct CUDA devices and got "
                 f"{wanted} (device_ids={config.device_ids}, device_start={config.device_start}) of the {count} "
                 "this process sees"
             )
     if mp.current_process().daemon:
         raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is invalid in a data-parallel replica (its process "
+            f"{asked} is invalid in a data-parallel replica (its process "
             "may not start workers): not supported yet together with data_parallel_size > 1"
         )
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is invalid here: this process already belongs to a "
+            f"{asked} is invalid here: this process already belongs to a "
             "torch.distributed group (another tensor-parallel engine still open?); exit() that engine first"
         )
-    if tensor_parallel_group().size != 1:
-        raise RuntimeError("this process already has a tensor-parallel group")
+    if engine_ranks().size != 1:
+        raise RuntimeError("this process already has a tensor- or expert-parallel group")
     init_method = f"tcp://{config.master_addr}:{config.master_port}"
-    workers = start_workers(config, range(1, config.tensor_parallel_size), init_method, build)
+    workers = start_workers(config, range(1, size), init_method, build)
     try:
         wait_until_joining(workers)
         channel = join_group(config, 0, init_method)

@@ -21,11 +21,12 @@ Expert parallelism (`diffulex.layers.parallel_state.expert_parallel_group`, size
 range of whole experts, registered under their global index (``experts.5...`` on the rank owning expert 5 only), and
 every rank sees every token (the layout tensor parallelism leaves the hidden states in). Each rank runs the same
 path over the token-expert pairs routed to its own experts, the other pairs masked out, and one all-reduce over the
-group adds the ranks' partial sums. Why not an all-to-all dispatch: with the tokens already replicated on every rank,
-sending each pair to its owner would move the same data the all-reduce moves, plus two exchanges of per-rank counts
-that the host must read (breaking CUDA graphs); the all-reduce keeps every shape static and the per-rank compute on
-the grouped GEMM, sized by the pairs it owns. An all-to-all pays off when the ranks hold different tokens (data
-parallelism across the expert group), which this engine does not do.
+group adds the ranks' partial sums (with a shared expert split by TP over the same ranks, its slice's partial
+product joins that sum: still one all-reduce). Why not an all-to-all dispatch: with the tokens already replicated on
+every rank, sending each pair to its owner would move the same data the all-reduce moves, plus two exchanges of
+per-rank counts that the host must read (breaking CUDA graphs); the all-reduce keeps every shape static and the
+per-rank compute on the grouped GEMM, sized by the pairs it owns. An all-to-all pays off when the ranks hold
+different tokens (data parallelism across the expert group), which this engine does not do.
 """
 
 from __future__ import annotations
@@ -278,6 +279,16 @@ class SparseMoE(nn.Module):
         # The group over which a product of the stacked weights is partial (the modules' own forward sums it).
         self.expert_tp = tensor_parallel_group() if sharded else SINGLE_RANK
         self.shared_experts = shared_experts
+        # Shared experts split by TP over the expert ranks themselves (TP = EP): their partial product joins the
+        # experts' partial sum, so that the layer makes one all-reduce instead of two.
+        self.shared_joins_reduce = (
+            isinstance(shared_experts, GatedMLP)
+            and self.ep.size > 1
+            and isinstance(shared_experts.down_proj, RowParallelLinear)
+            and shared_experts.down_proj.tp.size == self.ep.size
+            and shared_experts.down_proj.tp.process_group is self.ep.process_group
+            and shared_experts.down_proj.bias is None
+        )
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
 
@@ -294,6 +305,10 @@ class SparseMoE(nn.Module):
             out = self._loop(x, weights, experts)
         else:
             raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        if self.shared_joins_reduce:
+            shared = self.shared_experts
+            out = out + shared.down_proj.partial(shared.activation(shared.gate_proj(x)) * shared.up_proj(x))
+            return self.ep.all_reduce(out)  # the other ranks' experts and shared-expert slices
         out = self.ep.all_reduce(out)  # the other ranks' experts' contributions
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

@@ -172,6 +172,18 @@ def expert_parallel_group() -> ExpertParallelGroup:
     return _expert_group
 
 
+@contextmanager
+def using_expert_parallel_group(group: ExpertParallelGroup) -> Iterator[ExpertParallelGroup]:
+    """Build MoE layers over ``group`` inside the block (then back to the group before it): the engine's check, on
+    the meta device, that a model's experts split over a rank count."""
+    global _expert_group
+    previous, _expert_group = _expert_group, group
+    try:
+        yield group
+    finally:
+        _expert_group = previous
+
+
 def init_expert_parallel(process_group: dist.ProcessGroup | None = None) -> ExpertParallelGroup:
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's expert-parallel group, and return it. MoE layers built afterwards hold only this rank's experts."""
@@ -189,3 +201,14 @@ def reset_expert_parallel() -> None:
     """Back to the single rank (MoE layers built afterwards hold every expert)."""
     global _expert_group
     _expert_group = SINGLE_EXPERT_RANK
+
+
+def engine_ranks() -> TensorParallelGroup:
+    """Every rank of this process's engine, as one group: the collectives the whole engine must agree on (the KV
+    pages each rank can hold) and which process is rank 0. The engine's layouts (`diffulex.engine.tensor_parallel`)
+    make the larger of the tensor- and expert-parallel groups span all its ranks: TP alone, EP alone (attention
+    replicated), or both over the same ranks."""
+    expert = _expert_group
+    if expert.size > _group.size:
+        return TensorParallelGroup(expert.rank, expert.size, expert.process_group)
+    return _group

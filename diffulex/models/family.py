@@ -43,7 +43,7 @@ class Family:
     canvas_size: int | None = None
     # the block_size used when neither the user nor config.json names one (None: the engine's default, 32)
     default_block_size: int | None = None
-    # its layers split across tensor-parallel ranks (`diffulex.engine.tensor_parallel_check.check_tensor_parallel`)
+    # its layers split across tensor- and expert-parallel ranks (`tensor_parallel_check.check_parallel_layout`)
     tensor_parallel: bool = True
 
     def renamed(

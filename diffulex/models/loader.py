@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,37 @@ def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     return owners
 
 
+def _expert_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The mixture-of-experts layers by their name prefix (``model.layers.3.mlp.``): where expert parallelism holds
+    only some of the checkpoint's experts."""
+    from diffulex.layers.moe import SparseMoE
+
+    return {f"{name}.": module for name, module in model.named_modules() if isinstance(module, SparseMoE)}
+
+
+def _expert_of(name: str, layers: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
+    """The mixture layer a checkpoint tensor of a routed expert belongs to and its name relative to that layer
+    (``experts.5.up_proj.weight``), when it names one of that layer's experts (index below its global count);
+    else None."""
+    head, found, tail = name.partition(".experts.")
+    if not found:
+        return None
+    layer = layers.get(f"{head}.")
+    index = tail.partition(".")[0]
+    if layer is None or not index.isdigit() or int(index) >= layer.num_experts:
+        return None
+    return layer, f"experts.{tail}"
+
+
+def _held_elsewhere(name: str, layers: dict[str, nn.Module]) -> bool:
+    """Whether ``name`` is a routed expert's tensor that another expert-parallel rank holds (not loaded here)."""
+    found = _expert_of(name, layers)
+    if found is None:
+        return False
+    layer, relative = found
+    return int(relative.split(".")[1]) not in layer.experts.owned
+
+
 def checkpoint_shape(owner: nn.Module, tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape of ``tensor`` in a checkpoint: the whole tensor, also where a tensor-parallel layer holds only
     its rank's slice of it (`diffulex.layers.linear`)."""
@@ -170,7 +202,8 @@ def checkpoint_shape(owner: nn.Module, tensor: torch.Tensor) -> tuple[int, ...]:
 
 def _load_into(owner: nn.Module, tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Hand a full checkpoint tensor to its parameter: the owner's ``weight_loader`` keeps this rank's slice; a
-    tensor without one is copied whole."""
+    tensor without one is copied whole. (A routed expert's tensor goes through its layer's
+    `SparseMoE.expert_weight_loader` instead: `_load_named`.)"""
     loader = getattr(owner, "weight_loader", None)
     if loader is not None:
         loader(tensor, value)
@@ -216,6 +249,7 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
     owners = _owners(model)
     shapes = {name: checkpoint_shape(owners[name][0], tensor) for name, tensor in targets.items()}
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_keys", ())]
+    layers = _expert_layers(model)
 
     missing = sorted(set(targets) - set(tensors))
     mismatched = [
@@ -231,7 +265,10 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
     unexpected = sorted(
         name
         for name in tensors
-        if name not in targets and name not in aliases and not any(p.search(name) for p in ignored)
+        if name not in targets
+        and name not in aliases
+        and not any(p.search(name) for p in ignored)
+        and not _held_elsewhere(name, layers)  # another expert-parallel rank's expert: checked there
     )
     problems = []
     if missing:
@@ -261,6 +298,7 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
     """
     targets, _ = _load_targets(model)
     owners = _owners(model)
+    layers = _expert_layers(model)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(tensors[name][0], []).append(name)
@@ -272,7 +310,7 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in names:
                         target = targets[name]
-                        _load_into(owners[name][0], target, f.get_tensor(name))
+                        _load_named(name, owners[name][0], target, f.get_tensor(name), layers)
                         if target.is_floating_point() and target.numel() > 0:
                             extremes[name] = torch.stack(torch.aminmax(target)).float()
             except (SafetensorError, OSError) as e:
@@ -291,6 +329,20 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
         )
 
 
+def _load_named(
+    name: str, owner: nn.Module, tensor: torch.Tensor, value: torch.Tensor, layers: dict[str, nn.Module]
+) -> None:
+    """Load the checkpoint tensor ``name``: a routed expert's through its layer's `expert_weight_loader` (only this
+    rank's experts are load targets, so it always keeps it), anything else through `_load_into`."""
+    found = _expert_of(name, layers)
+    if found is not None:
+        layer, relative = found
+        if not layer.expert_weight_loader(relative, value):
+            raise RuntimeError(f"{name} is a load target of this rank, but its expert is not held here")
+        return
+    _load_into(owner, tensor, value)
+
+
 def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
     """Copy the checkpoint's tensors into `model` (casting to each parameter's dtype and device).
 
@@ -305,6 +357,10 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
 
 
 DEFAULT_INIT_STD = 0.02
+# `tensor_seed`: an odd 64-bit multiplier spreading the model's seed over the generator's range, so that seeds
+# differing in any bit give streams apart from the name's contribution
+SEED_MIX = 0x9E3779B97F4A7C15
+SEED_RANGE = 1 << 63
 
 
 def _initializer_range(model_dir: str | Path) -> float:
@@ -320,6 +376,12 @@ def _initializer_range(model_dir: str | Path) -> float:
     return DEFAULT_INIT_STD
 
 
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of the random values of the tensor ``name`` under the model's ``seed``: the same on every rank and
+    whatever other tensors the model holds."""
+    return (seed * SEED_MIX + zlib.crc32(name.encode())) % SEED_RANGE
+
+
 def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: int = 0) -> None:
     """Fill every parameter and persistent buffer with seeded random values, on the device it lives on.
 
@@ -327,7 +389,9 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
     and logits stay in a realistic range), norm weights 1 and biases 0. Tied tensors are filled once. The values
     are drawn by a generator on the model's device, so no host memory and no host-to-device copy is needed.
     A tensor-parallel rank draws each sharded tensor whole and keeps its slice: every rank count gets the weights
-    of one rank, and the replicated tensors (norms, routers) are the same on every rank.
+    of one rank, and the replicated tensors (norms, routers) are the same on every rank. Each tensor is drawn from
+    its own stream, seeded by `seed` and its name (`tensor_seed`), so that an expert-parallel rank, which holds
+    only some experts and so skips the others' draws, still gets the values one rank holding them all would.
     """
     targets, _ = _load_targets(model)
     if not targets:
@@ -339,7 +403,7 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
         for tensor in module.parameters(recurse=False)
     }
     device = next(iter(targets.values())).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device)
     owners = _owners(model)
     with torch.no_grad():
         for name, tensor in targets.items():
@@ -348,6 +412,7 @@ def init_dummy_weights(model: nn.Module, std: float = DEFAULT_INIT_STD, seed: in
             elif name.endswith("bias") or not tensor.is_floating_point():
                 tensor.zero_()
             else:
+                generator.manual_seed(tensor_seed(seed, name))
                 owner = owners[name][0]
                 shape = checkpoint_shape(owner, tensor)
                 if shape == tuple(tensor.shape):

@@ -196,6 +196,29 @@ def test_the_moe_folder_is_sdar_30b_a3b(tmp_path):
     assert step_bytes(cost, work) / 1e9 == pytest.approx(15.65, abs=0.01)
 
 
+def test_an_expert_parallel_rank_is_held_to_the_floor_of_its_own_experts(tmp_path):
+    """SDAR-30B-A3B on rank 1 of two expert ranks (experts 64..127, no expert 0): its step reads half the expected
+    distinct experts and multiplies each row through half of its 8 on average; the rest of the model is whole."""
+    from diffulex.layers.parallel_state import ExpertParallelGroup, using_expert_parallel_group
+    from diffulex.models.family import load_hf_config
+    from diffulex.models.sdar_moe import SDARMoeForDiffusionLM
+
+    folder = throughput.write_sdar_checkpoint(tmp_path / "moe", "30b-a3b")
+    hf_config = load_hf_config(folder, "sdar_moe")
+    with torch.device("meta"):
+        whole = cost_model_from_module(SDARMoeForDiffusionLM(hf_config), 2)
+        with using_expert_parallel_group(ExpertParallelGroup(rank=1, size=2)):
+            rank = cost_model_from_module(SDARMoeForDiffusionLM(hf_config), 2)
+    assert (rank.held_experts, rank.num_experts, rank.expert_params) == (64, 128, whole.expert_params)
+    assert rank.weight_bytes == whole.weight_bytes
+    assert rank.expected_experts(4) == pytest.approx(whole.expected_experts(4) / 2)
+    work = StepWork(query_tokens=4, logit_rows=4, context_tokens=0, written_tokens=0, attn_pairs=16)
+    routed = 2 * whole.moe_layers * whole.experts_per_token * whole.expert_params * 4
+    assert step_flops(whole, work) - step_flops(rank, work) == routed // 2
+    experts_bytes = whole.moe_layers * whole.expected_experts(4) * whole.expert_params * 2
+    assert step_bytes(whole, work) - step_bytes(rank, work) == pytest.approx(experts_bytes / 2, abs=2)
+
+
 def test_a_missing_tokenizer_source_names_the_way_to_provide_it(tmp_path):
     with pytest.raises(ValueError, match="--data-dir"):
         throughput.write_sdar_checkpoint(tmp_path / "x", "1.7b", data_dir=tmp_path / "nowhere")

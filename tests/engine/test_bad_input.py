@@ -38,7 +38,7 @@ def test_unknown_strategy_is_rejected_listing_the_known_ones(sdar_dir: Path) -> 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("expert_parallel_size", 2), ("kv_cache_layout", "distinct")],
+    [("kv_cache_layout", "distinct")],
 )
 def test_features_that_arrive_later_fail_clearly_where_used(sdar_dir: Path, tmp_path: Path, field, value) -> None:
     with pytest.raises(ValueError, match=f"not supported yet.*{field}"):

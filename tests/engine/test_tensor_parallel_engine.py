@@ -73,10 +73,10 @@ def describe(trajectory) -> tuple:
     )  # fmt: skip
 
 
-def run_scenario(model_dir: Path, model_name: str, tensor_parallel_size: int) -> Run:
+def run_scenario(model_dir: Path, model_name: str, tensor_parallel_size: int, **overrides) -> Run:
     """A prompt, then one that repeats its prompt and answer and so reuses its cached pages, then eight requests
     over 10 pages of 8 tokens, some of which are preempted and rebuilt."""
-    with make_engine(model_dir, model_name, tensor_parallel_size, num_pages=10) as llm:
+    with make_engine(model_dir, model_name, tensor_parallel_size, num_pages=10, **overrides) as llm:
         first, *prompts = random_prompts(llm, [16, 3, 6, 9, 12, 14, 5, 7, 2], seed=8)
         (done,) = llm.generate([first], GREEDY, use_tqdm=False).trajectories
         follow_up = first + done.token_ids[:8] + first[:3]

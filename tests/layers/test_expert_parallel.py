@@ -10,7 +10,8 @@ another rank's experts, or missing its own, is off by a whole expert's contribut
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,12 +33,17 @@ from diffulex.layers.moe import (
 )
 from diffulex.layers.parallel_state import (
     SINGLE_EXPERT_RANK,
+    SINGLE_RANK,
     ExpertParallelGroup,
+    TensorParallelGroup,
+    engine_ranks,
     expert_parallel_group,
     init_expert_parallel,
     init_tensor_parallel,
     reset_expert_parallel,
     reset_tensor_parallel,
+    using_expert_parallel_group,
+    using_tensor_parallel_group,
 )
 from diffulex.testing.tolerance import assert_close_up_to_reordering
 
@@ -165,12 +171,32 @@ def check_expert_and_tensor_parallel_on_the_same_ranks() -> None:
         x = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(3))
         expected = whole.reference(x)
         merge_projections(split)
-        assert split.stack.gate_up is not None
+        assert split.stack.gate_up is not None and split.shared_joins_reduce
         for impl in IMPLS:
             split.impl = impl
-            assert_close_up_to_reordering(split(x), expected, MOE_TERMS + SHARED_TERMS)
+            with counted_all_reduces() as calls:
+                out = split(x)
+            assert len(calls) == 1, f"{impl}: the shared expert's slice joins the experts' one all-reduce"
+            assert_close_up_to_reordering(out, expected, MOE_TERMS + SHARED_TERMS)
     finally:
         reset_tensor_parallel()
+
+
+@contextmanager
+def counted_all_reduces() -> Iterator[list[int]]:
+    """The all-reduces run inside the block, by the size of their tensor."""
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
 
 
 CHECKS: dict[str, Callable[[], None]] = {
@@ -263,3 +289,15 @@ def test_a_tensor_that_names_no_expert_is_refused() -> None:
         moe.expert_weight_loader("experts.6.up_proj.weight", torch.zeros(INTER, HIDDEN))
     with pytest.raises(ValueError, match="must have 8 along dim 0"):
         moe.expert_weight_loader("experts.2.up_proj.weight", torch.zeros(INTER + 1, HIDDEN))
+
+
+def test_the_engine_ranks_are_the_larger_of_the_tensor_and_expert_groups() -> None:
+    """The engine's layouts make one group span all its ranks: that one carries what every rank must agree on."""
+    assert engine_ranks() is SINGLE_RANK
+    with using_expert_parallel_group(ExpertParallelGroup(rank=1, size=2)):
+        assert engine_ranks() == TensorParallelGroup(rank=1, size=2)
+        tensor = TensorParallelGroup(rank=1, size=2)
+        with using_tensor_parallel_group(tensor):
+            assert engine_ranks() is tensor
+    with using_tensor_parallel_group(TensorParallelGroup(rank=1, size=4)):
+        assert engine_ranks().size == 4
