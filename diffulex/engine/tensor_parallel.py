@@ -225,7 +225,13 @@ class TensorParallelWorkers:
                 raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} failed to build:\n{detail}")
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for them, end any that stays, and leave the group. Safe to call twice."""
+        """Tell the workers to stop, leave the group with them, wait for them to exit, end any that stays. Safe to
+        call twice.
+
+        Rank 0 leaves the group right after the stop message, before it waits for the workers: each worker leaves
+        the group on its way out, and tearing down an NCCL communicator may wait for its peers to tear down theirs
+        (``ncclCommAbort`` is collective in some NCCL versions), so a rank 0 that waited for the workers' exit
+        before leaving would hold them in that teardown until it gave up and terminated them."""
         if self._closed:
             return
         self._closed = True
@@ -236,6 +242,8 @@ class TensorParallelWorkers:
                 stopped = True
             except Exception:  # noqa: BLE001  (a broken group: the workers are ended below)
                 logger.exception("could not send the stop message to the tensor-parallel workers")
+        if stopped:
+            leave_group()
         for worker in self.workers:
             worker.process.join(SHUTDOWN_WAIT_S if stopped else 0)
             if worker.process.is_alive():
