@@ -10,10 +10,12 @@ and runs the same forward (and the same LM head, whose logits are gathered acros
 the same in-graph greedy sampler) on its shard. Requests, their blocks and the scheduler exist on rank 0 only: a
 worker never hears of a request.
 
-`start_workers` starts ranks given an init method; the ``mp`` backend is the one implemented, and another placement
-(Ray actors) would be another function of the same shape. A worker that dies is found before the next broadcast
-(`TensorParallelWorkers.dead`) or by the collective it leaves hanging (gloo reports the closed connection; every
-collective has ``distributed_timeout_seconds``), and the engine fails with an error naming it.
+`start_workers` starts ranks given an init method: processes of this host (``distributed_executor_backend="mp"``);
+with ``"ray"`` the same seam is `diffulex.engine.ray_workers.RayWorkerPlacement.start_workers` (actors in one
+placement group, reporting over sockets instead of pipes), and the group's life is the same from there on. A worker
+that dies is found before the next broadcast (`TensorParallelWorkers.dead`) or by the collective it leaves hanging
+(gloo reports the closed connection; every collective has ``distributed_timeout_seconds``), and the engine fails
+with an error naming it.
 """
 
 from __future__ import annotations
@@ -173,9 +175,12 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
 class TensorParallelWorkers:
     """Rank 0's side of the group: the started workers, the channel to them, their liveness and shutdown."""
 
-    def __init__(self, workers: list[WorkerProcess], channel: StepChannel) -> None:
+    def __init__(
+        self, workers: list[WorkerProcess], channel: StepChannel, release: Callable[[], None] | None = None
+    ) -> None:
         self.workers = workers
         self.channel = channel
+        self.release = release  # frees what placed the workers (Ray's actors and placement group), once they ended
         self._closed = False
 
     @property
@@ -255,12 +260,19 @@ class TensorParallelWorkers:
                 worker.process.join(KILL_WAIT_S)
             worker.reports.close()
         leave_group()
+        self._release()
 
     def kill(self) -> None:
         """End the workers without a word (a build that failed on rank 0 leaves them inside a collective)."""
         kill_workers(self.workers)
         self._closed = True
         leave_group()
+        self._release()
+
+    def _release(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 def kill_workers(workers: list[WorkerProcess]) -> None:
@@ -287,7 +299,7 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
             f"device_ids={config.device_ids} is invalid with tensor_parallel_size={config.tensor_parallel_size}: "
             "must name one device per rank"
         )
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and config.distributed_executor_backend == "mp":
         size, count = config.tensor_parallel_size, torch.cuda.device_count()
         wanted = [rank_device(config, rank).index for rank in range(size)]
         if len(set(wanted)) < size or max(wanted) >= count:
@@ -308,15 +320,33 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
         )
     if tensor_parallel_group().size != 1:
         raise RuntimeError("this process already has a tensor-parallel group")
-    init_method = f"tcp://{config.master_addr}:{config.master_port}"
-    workers = start_workers(config, range(1, config.tensor_parallel_size), init_method, build)
+    start, release, master_addr = start_workers, None, config.master_addr
+    if config.distributed_executor_backend == "ray":
+        from diffulex.engine.ray_workers import RayWorkerPlacement
+
+        placement = RayWorkerPlacement(config)
+        release, master_addr = placement.close, placement.master_addr(config)
+
+        def start(
+            config: Config, ranks: range, init_method: str, build: Callable[[Config], EngineParts]
+        ) -> list[WorkerProcess]:
+            started = placement.start_workers(config, ranks, init_method, build, run_worker)
+            return [WorkerProcess(rank, process, reports) for rank, process, reports in started]
+
+        if placement.rank0_gpu is not None:  # the GPU Ray reserved for rank 0, the workers' are their own
+            config.device_ids = [placement.rank0_gpu] + [0] * (config.tensor_parallel_size - 1)
+    init_method = f"tcp://{master_addr}:{config.master_port}"
+    workers: list[WorkerProcess] = []
     try:
+        workers = start(config, range(1, config.tensor_parallel_size), init_method, build)
         wait_until_joining(workers)
         channel = join_group(config, 0, init_method)
     except Exception as err:
         exited = [w for w in workers if not w.process.is_alive()]
         kill_workers(workers)
         leave_group()
+        if release is not None:
+            release()
         why = f"worker rank {exited[0].rank} exited with code {exited[0].process.exitcode}" if exited else f"{err}"
         raise WorkerDiedError(f"could not join the tensor-parallel group at {init_method}: {why}") from err
-    return TensorParallelWorkers(workers, channel)
+    return TensorParallelWorkers(workers, channel, release)
