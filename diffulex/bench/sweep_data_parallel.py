@@ -28,7 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from diffulex.bench.sweep_common import SweepContext, error_text, fmt, markdown, plot_axes, save_figure, skipped
+from diffulex.bench.sweep_common import (
+    SweepContext,
+    error_text,
+    fmt,
+    markdown,
+    plot_axes,
+    release,
+    save_figure,
+    skipped,
+)
 
 DP_SCALING_TARGET = 1.9
 DATA_PARALLEL_SIZES = (1, 2)
@@ -231,6 +240,7 @@ def devices_missing(ctx: SweepContext, size: int) -> str | None:
 
 def run_data_parallel(ctx: SweepContext) -> list[dict[str, Any]]:
     shape = dp_shape(ctx.quick)
+    release(ctx.device)  # the servers' replicas share these devices with this process: hold no cached memory
     rows: list[dict[str, Any]] = []
     for size in DATA_PARALLEL_SIZES:
         base = {"model": shape.model, "data_parallel_size": size, "concurrency": shape.per_replica * size}

@@ -60,19 +60,28 @@ class RayWorkerProcess:
 
     def __init__(self, ray: Any, actor: Any, running: Any, pid: int) -> None:
         self._ray, self.actor, self._running, self.pid = ray, actor, running, pid
+        self._exitcode: int | None = None  # kept once known: Ray may be shut down after the workers end
 
     def is_alive(self) -> bool:
+        if self._exitcode is not None:
+            return False
         done, _ = self._ray.wait([self._running], timeout=0)
+        if done:
+            self._exitcode = self._outcome()
         return not done
 
     def join(self, timeout: float | None = None) -> None:
-        self._ray.wait([self._running], timeout=timeout)
+        if self._exitcode is None:
+            self._ray.wait([self._running], timeout=timeout)
+            self.is_alive()
 
     @property
     def exitcode(self) -> int | None:
         """None while it runs; 0 after the stop message, 1 after an error, -9 when its actor was killed."""
-        if self.is_alive():
-            return None
+        self.is_alive()
+        return self._exitcode
+
+    def _outcome(self) -> int:
         try:
             self._ray.get(self._running, timeout=0)
         except self._ray.exceptions.RayActorError:
