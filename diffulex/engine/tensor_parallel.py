@@ -158,6 +158,7 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
     while True:
         message = channel.receive()
         if message.kind is MessageKind.STOP:
+            stop_together(channel)
             return
         if message.kind is MessageKind.STATIC_DECODE:  # as rank 0 runs it: outside inference mode
             parts.policy.enable_static_decode(runner, config, message.capture)
@@ -170,6 +171,13 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
             event = torch.cuda.Event()
             event.record()
             buffer_done[message.micro_batch] = event
+
+
+def stop_together(channel: StepChannel) -> None:
+    """After the stop message: wait until every rank has it (a barrier on the gloo channel, bounded by
+    `SHUTDOWN_WAIT_S`), so that no rank tears down its connections while another may still be reading the message;
+    then all ranks leave the group at once."""
+    dist.monitored_barrier(group=channel.group, timeout=timedelta(seconds=SHUTDOWN_WAIT_S))
 
 
 class TensorParallelWorkers:
@@ -233,10 +241,11 @@ class TensorParallelWorkers:
         """Tell the workers to stop, leave the group with them, wait for them to exit, end any that stays. Safe to
         call twice.
 
-        Rank 0 leaves the group right after the stop message, before it waits for the workers: each worker leaves
-        the group on its way out, and tearing down an NCCL communicator may wait for its peers to tear down theirs
-        (``ncclCommAbort`` is collective in some NCCL versions), so a rank 0 that waited for the workers' exit
-        before leaving would hold them in that teardown until it gave up and terminated them."""
+        Rank 0 leaves the group once every worker has the stop message (`stop_together`), before it waits for them
+        to exit: each worker leaves the group on its way out, and tearing down an NCCL communicator may wait for its
+        peers to tear down theirs (``ncclCommAbort`` is collective in some NCCL versions), so a rank 0 that waited
+        for the workers' exit before leaving would hold them in that teardown until it gave up and terminated
+        them."""
         if self._closed:
             return
         self._closed = True
@@ -244,6 +253,7 @@ class TensorParallelWorkers:
         if self.dead() is None:  # else the others may be stuck in a collective the dead one left: end them
             try:
                 self.channel.send(StepMessage(MessageKind.STOP))
+                stop_together(self.channel)
                 stopped = True
             except Exception:  # noqa: BLE001  (a broken group: the workers are ended below)
                 logger.exception("could not send the stop message to the tensor-parallel workers")

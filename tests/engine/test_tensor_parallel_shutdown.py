@@ -54,6 +54,8 @@ class Reports:
 
 
 class RecordingChannel:
+    """Records what rank 0 sends; every worker receives it (the barrier after the stop message passes)."""
+
     def __init__(self) -> None:
         self.sent: list[MessageKind] = []
 
@@ -63,6 +65,7 @@ class RecordingChannel:
 
 def test_rank_0_leaves_the_group_before_waiting_so_a_collective_teardown_lets_the_worker_exit(monkeypatch, caplog):
     teardown = GroupTeardown()
+    monkeypatch.setattr(tensor_parallel, "stop_together", lambda channel: None)
     monkeypatch.setattr(tensor_parallel, "leave_group", teardown.leave)
     monkeypatch.setattr(tensor_parallel, "SHUTDOWN_WAIT_S", 0.01)
     process = CollectiveTeardownWorker(teardown)
@@ -79,6 +82,7 @@ def test_a_worker_that_does_not_exit_after_the_stop_is_still_terminated(monkeypa
     """Leaving first does not give up the guard: a worker stuck elsewhere is ended after the wait."""
     teardown = GroupTeardown()
     monkeypatch.setattr(tensor_parallel, "leave_group", lambda: None)  # its teardown never completes
+    monkeypatch.setattr(tensor_parallel, "stop_together", lambda channel: None)
     monkeypatch.setattr(tensor_parallel, "SHUTDOWN_WAIT_S", 0.01)
     monkeypatch.setattr(tensor_parallel, "KILL_WAIT_S", 0.01)
     process = CollectiveTeardownWorker(teardown)
