@@ -6,6 +6,7 @@
     diffulex bench throughput --models 1.7b 4b 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 2 --out FILE.json
     diffulex bench canvas --batch-sizes 1 8 --out FILE.json             # DiffusionGemma-26B-A4B denoising steps
     diffulex bench sweep --targets batch prefill strategies moe start serving --out DIR [--quick]
+    diffulex bench sweep --targets dp --out DIR                          # DP=2 against DP=1 through the server
 
 Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
 ``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval

@@ -82,3 +82,16 @@ def test_a_load_run_stops_when_the_budget_is_spent(tmp_path: Path) -> None:
         with pytest.raises(TimeoutError, match="budget"):
             asyncio.run(while_alive(server, asyncio.sleep(600), time.monotonic() + 0.5))
     assert server.process.poll() is not None  # stopped on the way out
+
+
+def test_engine_fields_reach_the_server_as_its_own_flags_read_them(tmp_path: Path) -> None:
+    from diffulex.cli import engine_overrides
+    from diffulex.server.cli import build_parser
+
+    fields = {"max_num_reqs": 64, "enforce_eager": True, "enable_prefix_caching": False, "device_ids": [0, 1],
+              "load_format": "dummy", "gpu_memory_utilization": 0.8, "data_parallel_size": 2}
+    command = sweep_data_parallel.serve_command(tmp_path, 8123, 512, fields)
+    assert command[:3] == [sys.executable, "-m", "diffulex.server"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.model, args.port, args.max_waiting_requests) == (str(tmp_path), 8123, 512)
+    assert engine_overrides(args) == fields
