@@ -321,7 +321,8 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
     if mp.current_process().daemon:
         raise ValueError(
             f"tensor_parallel_size={config.tensor_parallel_size} is invalid in a data-parallel replica (its process "
-            "may not start workers): not supported yet together with data_parallel_size > 1"
+            "may not start workers): with data_parallel_size > 1 use distributed_executor_backend='ray', whose "
+            "replicas start their tensor-parallel workers"
         )
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
