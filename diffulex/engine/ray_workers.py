@@ -104,16 +104,16 @@ class RayWorkerPlacement:
     engine's host, whose GPU of that number rank 0 then uses. Ranks 1..N-1 are actors in bundles 1..N-1, started by
     `start_workers`, behind the same seam as `diffulex.engine.tensor_parallel.start_workers`."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, size: int) -> None:
         ray = self.ray = import_ray()
-        size = config.tensor_parallel_size
+        self.size = size
         self.started_ray = join_ray(ray, size)
         self.gpus = ray.cluster_resources().get("GPU", 0.0) > 0
         self.bundles = [{"CPU": 1.0, **({"GPU": 1.0} if self.gpus else {})} for _ in range(size)]
-        self.group = place(ray, self.bundles, "tensor_parallel_size", size)
+        self.group = place(ray, self.bundles, "tensor_parallel_size", config.tensor_parallel_size)
         self.actors: list[Any] = []
         try:
-            self.rank0_gpu = self._hold_rank0(size)
+            self.rank0_gpu = self._hold_rank0()
         except BaseException:
             self.close()
             raise
@@ -132,7 +132,7 @@ class RayWorkerPlacement:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start as a Ray actor: {err}") from None
 
-    def _hold_rank0(self, size: int) -> int | None:
+    def _hold_rank0(self) -> int | None:
         """Hold bundle 0 for the engine's process; the GPU it reserved (None without GPUs)."""
         node, gpus, _ = self._get(self._actor(0, b"").where.remote(), 0)
         if not gpus:
@@ -140,9 +140,9 @@ class RayWorkerPlacement:
         here = self.ray.get_runtime_context().get_node_id()
         if node != here:
             raise RuntimeError(
-                f"tensor_parallel_size={size} with distributed_executor_backend='ray': rank 0 runs in the engine's "
-                f"process, but Ray placed its bundle (GPU {gpus[0]}) on node {node}, not on this one ({here}); "
-                "start the engine on a host with a free GPU of the cluster"
+                f"{self.size} tensor-parallel ranks with distributed_executor_backend='ray': rank 0 runs in the "
+                f"engine's process, but Ray placed its bundle (GPU {gpus[0]}) on node {node}, not on this one "
+                f"({here}); start the engine on a host with a free GPU of the cluster"
             )
         return gpus[0]
 
@@ -169,7 +169,7 @@ class RayWorkerPlacement:
             address = self._get(actor.open.remote(), rank)
             worker_config = copy.copy(config)
             if self.gpus:  # Ray makes the bundle's GPU the actor's only visible device
-                worker_config.device_ids = [0] * config.tensor_parallel_size
+                worker_config.device_ids = [0] * self.size
             running = actor.run.remote(run_worker, build, worker_config, rank, init_method)
             reports = Client(address, authkey=authkey)
             keep_alive(reports)

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from diffulex.config import Config
     from diffulex.engine.assembly import EngineParts
 
+    # How worker ranks start: (config, ranks, init_method, build) -> the started workers (`start_workers`'s shape).
+    WorkerStarter = Callable[[Config, range, str, Callable[[Config], EngineParts]], list["WorkerProcess"]]
+
 logger = logging.getLogger("diffulex")
 
 # How long `TensorParallelWorkers.shutdown` waits for a worker to leave after the stop message, then after SIGTERM.
@@ -297,6 +300,27 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the model's shard it held cannot compute any more."""
 
 
+def worker_placement(config: Config, size: int) -> tuple[WorkerStarter, Callable[[], None] | None, str]:
+    """Where the `size` ranks' workers run (``distributed_executor_backend``): how to start them, what frees their
+    placement once they ended, and the host the ranks meet at. ``mp``: `start_workers`, nothing, ``master_addr``.
+    ``ray``: actors of one placement group (`diffulex.engine.ray_workers`), rank 0 on the GPU Ray reserved for it."""
+    if config.distributed_executor_backend != "ray":
+        return start_workers, None, config.master_addr
+    from diffulex.engine.ray_workers import RayWorkerPlacement
+
+    placement = RayWorkerPlacement(config, size)
+    if placement.rank0_gpu is not None:  # rank 0's device is that GPU; each worker's, its own actor's only one
+        config.device_ids = [placement.rank0_gpu] + [0] * (size - 1)
+
+    def start(
+        config: Config, ranks: range, init_method: str, build: Callable[[Config], EngineParts]
+    ) -> list[WorkerProcess]:
+        started = placement.start_workers(config, ranks, init_method, build, run_worker)
+        return [WorkerProcess(rank, process, reports) for rank, process, reports in started]
+
+    return start, placement.close, placement.master_addr(config)
+
+
 def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]) -> TensorParallelWorkers:
     """From the engine's process: check that the model splits over ``tensor_parallel_size`` ranks, start the
     workers (which build their engines with ``build``), and join the group as rank 0 (the build that follows runs
@@ -331,21 +355,7 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
         )
     if tensor_parallel_group().size != 1:
         raise RuntimeError("this process already has a tensor-parallel group")
-    start, release, master_addr = start_workers, None, config.master_addr
-    if config.distributed_executor_backend == "ray":
-        from diffulex.engine.ray_workers import RayWorkerPlacement
-
-        placement = RayWorkerPlacement(config)
-        release, master_addr = placement.close, placement.master_addr(config)
-
-        def start(
-            config: Config, ranks: range, init_method: str, build: Callable[[Config], EngineParts]
-        ) -> list[WorkerProcess]:
-            started = placement.start_workers(config, ranks, init_method, build, run_worker)
-            return [WorkerProcess(rank, process, reports) for rank, process, reports in started]
-
-        if placement.rank0_gpu is not None:  # the GPU Ray reserved for rank 0, the workers' are their own
-            config.device_ids = [placement.rank0_gpu] + [0] * (config.tensor_parallel_size - 1)
+    start, release, master_addr = worker_placement(config, config.tensor_parallel_size)
     init_method = f"tcp://{master_addr}:{config.master_port}"
     workers: list[WorkerProcess] = []
     try:
