@@ -257,8 +257,8 @@ class Config:
     data_parallel_size: int = _field(1, "Independent model replicas (1..1024).")
     distributed_executor_backend: str = _field(
         "mp",
-        "Where data-parallel replicas run: 'mp' = processes on this host, 'ray' = Ray actors placed on the Ray "
-        "cluster (RAY_ADDRESS, else a local instance; pip install 'diffulex[ray]').",
+        "Where data-parallel replicas and tensor-parallel workers run: 'mp' = processes on this host, 'ray' = Ray "
+        "actors placed on the Ray cluster (RAY_ADDRESS, else a local instance; pip install 'diffulex[ray]').",
         EXECUTOR_BACKENDS,
     )
     expert_parallel_size: int = _field(

@@ -6,6 +6,7 @@
     diffulex bench throughput --models 1.7b 4b 8b --batch-sizes 1 8 32 128 --buffer-sizes 1 2 --out FILE.json
     diffulex bench canvas --batch-sizes 1 8 --out FILE.json             # DiffusionGemma-26B-A4B denoising steps
     diffulex bench sweep --targets batch prefill strategies moe start serving --out DIR [--quick]
+    diffulex bench sweep --targets dp --out DIR                          # DP=2 against DP=1 through the server
 
 Overrides, applied over the file key by key: every engine field as a flag (``--max-num-reqs 32``,
 ``--enforce-eager/--no-enforce-eager``; the same flags as ``diffulex generate``), ``--model-path``, every eval
@@ -160,11 +161,11 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
                        help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
                             "checkout's tests/data/sdar-4b-chat)")
-    from diffulex.bench.sweep_common import TARGETS
+    from diffulex.bench.sweep_common import DEFAULT_TARGETS, TARGETS
 
     sweep = parser.add_argument_group("sweep (diffulex bench sweep; see docs/benchmarks.md, Performance sweep)")
     sweep.add_argument("--targets", dest="tp__targets", nargs="+", type=str.lower, choices=TARGETS,
-                       help=f"what to measure (default: all of {' '.join(TARGETS)})")
+                       help=f"what to measure (default: {' '.join(DEFAULT_TARGETS)}; dp needs two devices)")
     sweep.add_argument("--total-seconds", dest="tp__total_seconds", type=float, metavar="S",
                        help="budget of the whole sweep: each target gets at most its share of what is left "
                             "(and at most --max-seconds)")
@@ -326,7 +327,12 @@ SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "dat
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from diffulex.bench.sweep import run
-    from diffulex.bench.sweep_common import DEFAULT_TARGET_SECONDS, QUICK_TARGET_SECONDS, TARGETS, SweepSettings
+    from diffulex.bench.sweep_common import (
+        DEFAULT_TARGET_SECONDS,
+        DEFAULT_TARGETS,
+        QUICK_TARGET_SECONDS,
+        SweepSettings,
+    )
 
     if args.runs or args.config or args.set or args.check or args.json:
         raise ValueError("diffulex bench sweep takes no run directories, --config, --set, --check or --json")
@@ -347,7 +353,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ValueError("diffulex bench sweep needs --out DIR (its JSON, plots and tables.md go there)")
     quick = bool(opts.get("quick"))
     settings = SweepSettings(
-        targets=opts.get("targets", list(TARGETS)), out=opts["out"], quick=quick,
+        targets=opts.get("targets", list(DEFAULT_TARGETS)), out=opts["out"], quick=quick,
         max_seconds=opts.get("max_seconds", QUICK_TARGET_SECONDS if quick else DEFAULT_TARGET_SECONDS),
         total_seconds=opts.get("total_seconds"), data_dir=opts.get("data_dir"), engine_overrides=engine,
     )

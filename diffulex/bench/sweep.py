@@ -1,12 +1,13 @@
 """``diffulex bench sweep``: the performance targets of the engine measured in one command, each against its floor.
 
-Targets (``--targets``, all by default): ``batch`` (large-batch decode steps against the step's floor and its
+Targets (``--targets``; all but ``dp`` by default): ``batch`` (large-batch decode steps against the step's floor and its
 parts), ``prefill`` (time to first token of long prompts against the prompt forward's compute floor, decoders
 beside a chunked prefill, a prefix-cache hit), ``strategies`` (every decoding strategy's step time against its
 floor and against ``multi_bd``, and whether its steps replayed CUDA graphs), ``moe`` (mixture-of-experts decode
 against the floor of the experts the rows select), ``start`` (engine ready time in a fresh process, cold and warm
-kernel caches, with the build's phases) and ``serving`` (the HTTP server under open-loop Poisson load against the
-same engine offline).
+kernel caches, with the build's phases), ``serving`` (the HTTP server under open-loop Poisson load against the
+same engine offline), and, only when named, ``dp`` (``diffulex serve`` with one then two data-parallel replicas under
+the same per-replica load: tokens/s of DP=2 over DP=1; it needs two devices).
 
 Every target writes ``DIR/<target>.json`` and ``DIR/<target>.png`` (when matplotlib is installed), and one
 markdown table per target goes to ``DIR/tables.md`` in the shape docs/benchmarks.md holds (machine, date,
@@ -57,7 +58,7 @@ class Target:
 
 
 def _targets() -> dict[str, Target]:
-    from diffulex.bench import sweep_decode, sweep_prefill, sweep_serving, sweep_start
+    from diffulex.bench import sweep_data_parallel, sweep_decode, sweep_prefill, sweep_serving, sweep_start
 
     return {
         "batch": Target(sweep_decode.run_batch, sweep_decode.batch_table, sweep_decode.plot_batch,
@@ -72,6 +73,8 @@ def _targets() -> dict[str, Target]:
                         "Engine start in a fresh process"),
         "serving": Target(sweep_serving.run_serving, sweep_serving.serving_table, sweep_serving.plot_serving,
                           "The HTTP server under open-loop Poisson load against offline"),
+        "dp": Target(sweep_data_parallel.run_data_parallel, sweep_data_parallel.dp_table, sweep_data_parallel.plot_dp,
+                     "Data-parallel serving: DP=2 against DP=1 through the HTTP server"),
     }
 
 

@@ -13,10 +13,14 @@ from typing import Any
 
 import torch
 
-TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving")
+TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving", "dp")
+# What a sweep without --targets runs: every target a one-device machine can run (``dp`` needs two devices).
+DEFAULT_TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving")
 # Each target's share of ``--total-seconds``: about the engines it builds (builds dominate a short sweep): batch 4,
-# prefill 4, strategies 10, moe 2 of the largest geometries (weighed as 4), start 2 fresh processes, serving 3.
-TARGET_WEIGHTS = {"batch": 4.0, "prefill": 4.0, "strategies": 10.0, "moe": 4.0, "start": 3.0, "serving": 3.0}
+# prefill 4, strategies 10, moe 2 of the largest geometries (weighed as 4), start 2 fresh processes, serving 3,
+# dp 2 servers of 1 and 2 replicas (weighed as 4).
+TARGET_WEIGHTS = {"batch": 4.0, "prefill": 4.0, "strategies": 10.0, "moe": 4.0, "start": 3.0, "serving": 3.0,
+                  "dp": 4.0}
 DEFAULT_TARGET_SECONDS = 120.0
 QUICK_TARGET_SECONDS = 60.0
 
@@ -39,7 +43,7 @@ class Budget:
 
 @dataclass
 class SweepSettings:
-    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     out: str = "sweep"
     quick: bool = False
     max_seconds: float = DEFAULT_TARGET_SECONDS  # per target

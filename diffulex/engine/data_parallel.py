@@ -46,6 +46,17 @@ from diffulex.tokenizer import load_tokenizer
 from diffulex.validation import invalid_value
 
 
+def replica_master_port(config: Config, rank: int) -> int:
+    """The port replica `rank`'s tensor-parallel ranks meet at: ``master_port + rank``, so that replicas on one host
+    do not meet at the same port."""
+    port = config.master_port + rank
+    if port > 65535:
+        raise invalid_value("master_port", config.master_port,
+                            f"must leave room for one port per replica (master_port + {config.data_parallel_size - 1} "
+                            "<= 65535)")
+    return port
+
+
 def replica_devices(config: Config) -> list[int | None]:
     """The CUDA device of each replica (None: the CPU), checked against the devices this machine has."""
     dp = config.data_parallel_size
@@ -127,7 +138,10 @@ class DataParallelEngine:
         self._placement = placement = RayPlacement(self.config)
         for rank, bundle in enumerate(placement.bundles):
             # Ray makes the bundle's GPUs this actor's only visible devices, numbered from 0.
-            replica = {**kwargs, "device_ids": list(range(int(bundle["GPU"])))} if "GPU" in bundle else kwargs
+            replica = {**kwargs, "device_ids": list(range(int(bundle["GPU"])))} if "GPU" in bundle else dict(kwargs)
+            # a replica of several ranks: they meet on its host, maybe beside another replica's
+            if max(self.config.tensor_parallel_size, self.config.expert_parallel_size) > 1:
+                replica["master_port"] = replica_master_port(self.config, rank)
             conn, process = placement.start(rank, model, replica)
             self._replicas.append(_Replica(rank, conn, process))
 

@@ -20,32 +20,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from diffulex.config import Config
+from diffulex.engine.ray_cluster import ACTOR_START_TIMEOUT_S, import_ray, in_bundle, join_ray, keep_alive, place
 from diffulex.engine.replica_process import serve_replica
-
-# How long the cluster may take to find room for every replica's bundle before the engine gives up.
-PLACEMENT_TIMEOUT_S = 120.0
-# How long an actor may take to start (import torch and this package) and open its socket.
-ACTOR_START_TIMEOUT_S = 300.0
-# TCP keepalive on the channel to an actor: a host that vanishes without closing its sockets (power, network) is
-# noticed after idle + interval * probes seconds, and its replica's requests fail instead of waiting forever.
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or an error saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError(
-            "distributed_executor_backend='ray' needs Ray, which is not installed: pip install 'diffulex[ray]' "
-            "(or use distributed_executor_backend='mp' for replicas on this host)"
-        ) from None
-    return ray
 
 
 class ReplicaActor:
@@ -87,21 +67,12 @@ class RayReplicaProcess:
         self._ray.kill(self.actor, no_restart=True)
 
 
-def _keep_alive(conn: Connection) -> None:
-    """Turn on TCP keepalive probes for the socket under ``conn`` (where the platform has the options)."""
-    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a duplicate of the same socket
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                              ("TCP_KEEPCNT", KEEPALIVE_PROBES)):  # fmt: skip
-            if hasattr(socket, option):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-
-
 def replica_bundles(config: Config, cluster_gpus: float) -> list[dict[str, float]]:
-    """One bundle per replica: one CPU, and its tensor-parallel ranks' GPUs where the cluster has GPUs."""
+    """One bundle per replica: one CPU, and its ranks' GPUs where the cluster has GPUs (one per rank of its tensor-
+    and expert-parallel layout, `diffulex.engine.tensor_parallel.engine_world_size`)."""
     bundle: dict[str, float] = {"CPU": 1.0}
     if cluster_gpus > 0:
-        bundle["GPU"] = float(config.tensor_parallel_size)
+        bundle["GPU"] = float(max(config.tensor_parallel_size, config.expert_parallel_size))
     return [dict(bundle) for _ in range(config.data_parallel_size)]
 
 
@@ -110,42 +81,18 @@ class RayPlacement:
 
     def __init__(self, config: Config) -> None:
         ray = self.ray = import_ray()
-        self.started_ray = False
-        if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address="auto")
-            else:
-                # Logical CPUs: a replica's bundle needs one even on a host with fewer cores than replicas.
-                cpus = max(os.cpu_count() or 1, config.data_parallel_size)
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-                self.started_ray = True
+        self.started_ray = join_ray(ray, config.data_parallel_size)
         self.bundles = replica_bundles(config, ray.cluster_resources().get("GPU", 0.0))
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        self.group = placement_group(self.bundles, strategy="PACK")
-        try:
-            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            raise RuntimeError(
-                f"data_parallel_size={config.data_parallel_size} with distributed_executor_backend='ray' needs "
-                f"{len(self.bundles)} bundles of {self.bundles[0]}, which the Ray cluster could not place within "
-                f"{PLACEMENT_TIMEOUT_S:.0f} s (its resources: {ray.cluster_resources()})"
-            ) from None
+        self.group = place(ray, self.bundles, "data_parallel_size", config.data_parallel_size)
         self.actors: list[Any] = []
 
     def start(self, rank: int, model: str, kwargs: dict[str, Any]) -> tuple[Connection, RayReplicaProcess]:
         """Start replica ``rank`` in its bundle; returns the engine's end of its channel and its process."""
         ray = self.ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         bundle = self.bundles[rank]
         authkey = secrets.token_bytes(32)
         actor_class = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(ReplicaActor)
-        actor = actor_class.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
-            max_restarts=0,
-        ).remote(authkey)
+        actor = actor_class.options(scheduling_strategy=in_bundle(self.group, rank), max_restarts=0).remote(authkey)
         self.actors.append(actor)
         try:
             address, pid = ray.get(actor.open.remote(), timeout=ACTOR_START_TIMEOUT_S)
@@ -153,7 +100,7 @@ class RayPlacement:
             raise RuntimeError(f"data-parallel replica {rank} failed to start as a Ray actor: {err}") from None
         serving = actor.serve.remote(model, kwargs)
         conn = Client(address, authkey=authkey)
-        _keep_alive(conn)
+        keep_alive(conn)
         return conn, RayReplicaProcess(ray, actor, serving, pid)
 
     def close(self) -> None:
@@ -166,3 +113,4 @@ class RayPlacement:
         remove_placement_group(self.group)
         if self.started_ray:
             self.ray.shutdown()
+

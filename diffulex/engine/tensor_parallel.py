@@ -19,10 +19,12 @@ and runs the same forward (and the same LM head, whose logits are gathered acros
 the same in-graph greedy sampler) on its shard. Requests, their blocks and the scheduler exist on rank 0 only: a
 worker never hears of a request.
 
-`start_workers` starts ranks given an init method; the ``mp`` backend is the one implemented, and another placement
-(Ray actors) would be another function of the same shape. A worker that dies is found before the next broadcast
-(`TensorParallelWorkers.dead`) or by the collective it leaves hanging (gloo reports the closed connection; every
-collective has ``distributed_timeout_seconds``), and the engine fails with an error naming it.
+`start_workers` starts ranks given an init method: processes of this host (``distributed_executor_backend="mp"``);
+with ``"ray"`` the same seam is `diffulex.engine.ray_workers.RayWorkerPlacement.start_workers` (actors in one
+placement group, reporting over sockets instead of pipes), and the group's life is the same from there on. A worker
+that dies is found before the next broadcast (`TensorParallelWorkers.dead`) or by the collective it leaves hanging
+(gloo reports the closed connection; every collective has ``distributed_timeout_seconds``), and the engine fails
+with an error naming it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ from diffulex.layers.parallel_state import (
 if TYPE_CHECKING:
     from diffulex.config import Config
     from diffulex.engine.assembly import EngineParts
+
+    # How worker ranks start: (config, ranks, init_method, build) -> the started workers (`start_workers`'s shape).
+    WorkerStarter = Callable[[Config, range, str, Callable[[Config], EngineParts]], list["WorkerProcess"]]
 
 logger = logging.getLogger("diffulex")
 
@@ -181,6 +186,7 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
     while True:
         message = channel.receive()
         if message.kind is MessageKind.STOP:
+            stop_together(channel)
             return
         if message.kind is MessageKind.STATIC_DECODE:  # as rank 0 runs it: outside inference mode
             parts.policy.enable_static_decode(runner, config, message.capture)
@@ -195,12 +201,22 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
             buffer_done[message.micro_batch] = event
 
 
+def stop_together(channel: StepChannel) -> None:
+    """After the stop message: wait until every rank has it (a barrier on the gloo channel, bounded by
+    `SHUTDOWN_WAIT_S`), so that no rank tears down its connections while another may still be reading the message;
+    then all ranks leave the group at once."""
+    dist.monitored_barrier(group=channel.group, timeout=timedelta(seconds=SHUTDOWN_WAIT_S))
+
+
 class TensorParallelWorkers:
     """Rank 0's side of the group: the started workers, the channel to them, their liveness and shutdown."""
 
-    def __init__(self, workers: list[WorkerProcess], channel: StepChannel) -> None:
+    def __init__(
+        self, workers: list[WorkerProcess], channel: StepChannel, release: Callable[[], None] | None = None
+    ) -> None:
         self.workers = workers
         self.channel = channel
+        self.release = release  # frees what placed the workers (Ray's actors and placement group), once they ended
         self._closed = False
 
     @property
@@ -250,7 +266,14 @@ class TensorParallelWorkers:
                 raise WorkerDiedError(f"tensor-parallel worker rank {worker.rank} failed to build:\n{detail}")
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for them, end any that stays, and leave the group. Safe to call twice."""
+        """Tell the workers to stop, leave the group with them, wait for them to exit, end any that stays. Safe to
+        call twice.
+
+        Rank 0 leaves the group once every worker has the stop message (`stop_together`), before it waits for them
+        to exit: each worker leaves the group on its way out, and tearing down an NCCL communicator may wait for its
+        peers to tear down theirs (``ncclCommAbort`` is collective in some NCCL versions), so a rank 0 that waited
+        for the workers' exit before leaving would hold them in that teardown until it gave up and terminated
+        them."""
         if self._closed:
             return
         self._closed = True
@@ -258,9 +281,12 @@ class TensorParallelWorkers:
         if self.dead() is None:  # else the others may be stuck in a collective the dead one left: end them
             try:
                 self.channel.send(StepMessage(MessageKind.STOP))
+                stop_together(self.channel)
                 stopped = True
             except Exception:  # noqa: BLE001  (a broken group: the workers are ended below)
                 logger.exception("could not send the stop message to the tensor-parallel workers")
+        if stopped:
+            leave_group()
         for worker in self.workers:
             worker.process.join(SHUTDOWN_WAIT_S if stopped else 0)
             if worker.process.is_alive():
@@ -272,12 +298,19 @@ class TensorParallelWorkers:
                 worker.process.join(KILL_WAIT_S)
             worker.reports.close()
         leave_group()
+        self._release()
 
     def kill(self) -> None:
         """End the workers without a word (a build that failed on rank 0 leaves them inside a collective)."""
         kill_workers(self.workers)
         self._closed = True
         leave_group()
+        self._release()
+
+    def _release(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 def kill_workers(workers: list[WorkerProcess]) -> None:
@@ -292,6 +325,27 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone: the model's shard it held cannot compute any more."""
 
 
+def worker_placement(config: Config, size: int) -> tuple[WorkerStarter, Callable[[], None] | None, str]:
+    """Where the `size` ranks' workers run (``distributed_executor_backend``): how to start them, what frees their
+    placement once they ended, and the host the ranks meet at. ``mp``: `start_workers`, nothing, ``master_addr``.
+    ``ray``: actors of one placement group (`diffulex.engine.ray_workers`), rank 0 on the GPU Ray reserved for it."""
+    if config.distributed_executor_backend != "ray":
+        return start_workers, None, config.master_addr
+    from diffulex.engine.ray_workers import RayWorkerPlacement
+
+    placement = RayWorkerPlacement(config, size)
+    if placement.rank0_gpu is not None:  # rank 0's device is that GPU; each worker's, its own actor's only one
+        config.device_ids = [placement.rank0_gpu] + [0] * (size - 1)
+
+    def start(
+        config: Config, ranks: range, init_method: str, build: Callable[[Config], EngineParts]
+    ) -> list[WorkerProcess]:
+        started = placement.start_workers(config, ranks, init_method, build, run_worker)
+        return [WorkerProcess(rank, process, reports) for rank, process, reports in started]
+
+    return start, placement.close, placement.master_addr(config)
+
+
 def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]) -> TensorParallelWorkers:
     """From the engine's process: check that the model splits over the engine's ranks (`engine_world_size`),
     start the workers (which build their engines with ``build``), and join the group as rank 0 (the build that
@@ -304,7 +358,7 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
         raise ValueError(
             f"device_ids={config.device_ids} is invalid with {asked}: must name one device per rank ({size})"
         )
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and config.distributed_executor_backend == "mp":
         count = torch.cuda.device_count()
         wanted = [rank_device(config, rank).index for rank in range(size)]
         if len(set(wanted)) < size or max(wanted) >= count:
@@ -316,7 +370,8 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
     if mp.current_process().daemon:
         raise ValueError(
             f"{asked} is invalid in a data-parallel replica (its process "
-            "may not start workers): not supported yet together with data_parallel_size > 1"
+            "may not start workers): with data_parallel_size > 1 use distributed_executor_backend='ray', whose "
+            "replicas start their tensor-parallel workers"
         )
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
@@ -325,15 +380,19 @@ def start_tensor_parallel(config: Config, build: Callable[[Config], EngineParts]
         )
     if engine_ranks().size != 1:
         raise RuntimeError("this process already has a tensor- or expert-parallel group")
-    init_method = f"tcp://{config.master_addr}:{config.master_port}"
-    workers = start_workers(config, range(1, size), init_method, build)
+    start, release, master_addr = worker_placement(config, size)
+    init_method = f"tcp://{master_addr}:{config.master_port}"
+    workers: list[WorkerProcess] = []
     try:
+        workers = start(config, range(1, size), init_method, build)
         wait_until_joining(workers)
         channel = join_group(config, 0, init_method)
     except Exception as err:
         exited = [w for w in workers if not w.process.is_alive()]
         kill_workers(workers)
         leave_group()
+        if release is not None:
+            release()
         why = f"worker rank {exited[0].rank} exited with code {exited[0].process.exitcode}" if exited else f"{err}"
         raise WorkerDiedError(f"could not join the tensor-parallel group at {init_method}: {why}") from err
-    return TensorParallelWorkers(workers, channel)
+    return TensorParallelWorkers(workers, channel, release)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.config import Config
-from diffulex.engine import ray_placement
+from diffulex.engine import ray_cluster
 from diffulex.engine.data_parallel import DataParallelEngine
 from diffulex.engine.ray_placement import RayPlacement, import_ray, replica_bundles
+from diffulex.engine.ray_workers import RayWorkerProcess
+from diffulex.errors import EngineDeadError
 from diffulex.testing import write_tiny_checkpoint
 
 # On a machine with CUDA each replica's bundle takes a GPU; a single-GPU machine cannot place two.
@@ -79,8 +82,63 @@ def test_a_ray_replica_that_dies_fails_only_its_requests(ckpt, local_ray):
         assert all(t.error is None and t.token_ids for t in again)
 
 
+@pytest.fixture(scope="module")
+def tp_ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """Two K/V heads: one per tensor-parallel rank."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ray-tp"), seed=1, init_std=1.0, num_key_value_heads=2)
+
+
+def tensor_parallel_fields(backend: str) -> dict:
+    return {**FIELDS, "tensor_parallel_size": 2, "distributed_executor_backend": backend, "dtype": "float32",
+            "master_addr": "127.0.0.1", "master_port": free_port(), "distributed_timeout_seconds": 120}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_tensor_parallel_ranks_as_ray_actors_give_the_tokens_of_local_workers(tp_ckpt, local_ray):
+    with Diffulex(str(tp_ckpt), **tensor_parallel_fields("mp")) as local:
+        expected = [t.token_ids for t in local.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    groups_before = set(local_ray.util.placement_group_table())
+    llm = Diffulex(str(tp_ckpt), **tensor_parallel_fields("ray"))
+    try:
+        (worker,) = llm.workers.workers
+        assert isinstance(worker.process, RayWorkerProcess) and worker.process.pid != os.getpid()
+        (group,) = set(local_ray.util.placement_group_table()) - groups_before
+        table = local_ray.util.placement_group_table()[group]
+        assert table["state"] == "CREATED" and list(table["bundles"].values()) == [{"CPU": 1.0}] * 2  # a rank each
+        assert [t.token_ids for t in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.exit()
+    assert worker.process.exitcode == 0  # it left at the stop message, not killed
+    assert local_ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    assert local_ray.is_initialized()  # a Ray the engine did not start stays up
+
+
+def test_two_ray_replicas_each_split_over_two_ranks_give_the_tokens_of_one_split_engine(tp_ckpt, local_ray):
+    """Each replica actor runs its tensor-parallel group on its host, at a port of its own."""
+    with Diffulex(str(tp_ckpt), **tensor_parallel_fields("mp")) as one:
+        expected = [t.token_ids for t in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with Diffulex(str(tp_ckpt), data_parallel_size=2, **tensor_parallel_fields("ray")) as llm:
+        assert isinstance(llm, DataParallelEngine)
+        assert [t.token_ids for t in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_a_ray_worker_that_dies_fails_the_engine_naming_it(tp_ckpt, local_ray):
+    llm = Diffulex(str(tp_ckpt), **tensor_parallel_fields("ray"))
+    try:
+        os.kill(llm.workers.pids[0], signal.SIGKILL)  # the actor's process, on this host
+        with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        llm.exit()
+
+
 def test_replicas_the_cluster_cannot_place_are_refused_with_its_resources(ckpt, local_ray, monkeypatch):
-    monkeypatch.setattr(ray_placement, "PLACEMENT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ray_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
     config = Config.from_kwargs(str(ckpt), data_parallel_size=LOCAL_CPUS + 1, **FIELDS)
     with pytest.raises(RuntimeError, match=f"needs {LOCAL_CPUS + 1} bundles of .*could not place"):
         RayPlacement(config)
