@@ -10,13 +10,14 @@ import contextlib
 import gc
 import logging
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from diffulex.config import Config, inert_settings
+from diffulex.engine.background_import import BackgroundImport
+from diffulex.engine.build_phases import BuildPhases
 from diffulex.engine.cpu_resources import choose_cpu_threads, default_cpu_threads, usable_cores
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
@@ -37,27 +38,8 @@ from diffulex.validation import warn
 
 logger = logging.getLogger("diffulex")
 
-
-class BuildPhases:
-    """Wall time of each phase of an engine's build, logged as one line when the engine is ready: a server's restart
-    is a user's wait, and the line says where it goes (weights, kernel compiles, graph capture, ...)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._start = self._mark = time.perf_counter()
-
-    def done(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
-        self._mark = now
-
-    @property
-    def total(self) -> float:
-        return self._mark - self._start
-
-    def summary(self) -> str:
-        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())
-        return f"engine ready in {self.total:.2f} s: {parts}"
+# The module that loads tokenizers: it imports transformers, which is imported beside the device and the weights.
+TOKENIZER_MODULE = "diffulex.tokenizer"
 
 
 @dataclass
@@ -79,12 +61,16 @@ class EngineParts:
     workers: TensorParallelWorkers | None = None  # rank 0 of a tensor-parallel group: the other ranks
 
 
-def assemble(config: Config) -> EngineParts:
+def assemble(config: Config, build: BuildPhases | None = None) -> EngineParts:
     """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture.
 
     With ``tensor_parallel_size > 1`` the engine's process first starts the other ranks
-    (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it."""
-    build = BuildPhases()
+    (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it.
+
+    The phases go on `build` (the engine's, which started with ``Diffulex(...)`` and logs them once it is ready),
+    else on a clock of the assembly's own, logged here."""
+    owned = build is None
+    build = BuildPhases() if build is None else build
     _reject_unsupported(config)
     if tensor_parallel_group().rank == 0:  # said once, by the engine's process
         for line in inert_settings(config):
@@ -106,23 +92,24 @@ def assemble(config: Config) -> EngineParts:
             if death is not None and not isinstance(err, (WorkerDiedError, ValueError)):
                 raise WorkerDiedError(death) from err
         raise
-    logger.info(build.summary())
+    if owned:
+        logger.info(build.summary())
     return parts
 
 
 def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
     """This rank's parts (the whole engine at one rank)."""
     from diffulex.models.loader import build_model
-    from diffulex.tokenizer import load_tokenizer
 
+    tokenizer_module = BackgroundImport(TOKENIZER_MODULE)  # transformers, beside the device and the weights
     device = _resolve_device(config)
+    _initialize_device(device)
+    build.done("device init")
     step_threads = None
     if device.type == "cpu":
         step_threads, build_threads = _cpu_threads(config)
         torch.set_num_threads(build_threads)  # process-wide, as torch has it
     with _collector_paused():
-        tokenizer = load_tokenizer(config.tokenizer_path or config.model)
-        build.done("tokenizer")
         dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), device)
         model = build_model(
             config.model_name, config.model, dtype, device, load_format=config.load_format,
@@ -131,6 +118,11 @@ def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
         )  # fmt: skip
         _select_moe_path(model, config.moe_gemm_impl, config.model_name)
         build.done("weights")
+        load_tokenizer = tokenizer_module.wait().load_tokenizer
+        build.beside(f"{TOKENIZER_MODULE} import", tokenizer_module.seconds)
+        build.done("tokenizer import (waited for)")
+        tokenizer = load_tokenizer(config.tokenizer_path or config.model)
+        build.done("tokenizer")
         mask_token_id = _resolve_mask_token_id(config, tokenizer, model)
         vocab_limit = min(len(tokenizer), model.config.vocab_size)
         settings = _decode_settings(config, tokenizer, mask_token_id)
@@ -263,6 +255,14 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
         token_stability_threshold=thresholds.token_stability_threshold,
         options=config.strategy_options,
     )
+
+
+def _initialize_device(device: torch.device) -> None:
+    """Create the device's CUDA context now, in its own phase, rather than inside whichever phase first touches
+    the device (the driver's start and the context take seconds on some machines). Nothing to do on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.cuda.mem_get_info(device)  # the first query on the device creates its context
 
 
 def _resolve_device(config: Config) -> torch.device:
