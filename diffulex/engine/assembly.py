@@ -10,8 +10,9 @@ import contextlib
 import gc
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,8 +37,13 @@ from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import warn
 
+if TYPE_CHECKING:
+    from diffulex.kernels.parallel_compile import CompileHelpers
+
 logger = logging.getLogger("diffulex")
 
+# Compiling in helper processes pays off only with at least this many cores beside the build's own.
+MIN_SPARE_CORES_FOR_HELPERS = 2
 # The module that loads tokenizers: it imports transformers, which is imported beside the device and the weights.
 TOKENIZER_MODULE = "diffulex.tokenizer"
 
@@ -99,12 +105,28 @@ def assemble(config: Config, build: BuildPhases | None = None) -> EngineParts:
 
 def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
     """This rank's parts (the whole engine at one rank)."""
-    from diffulex.models.loader import build_model
-
     tokenizer_module = BackgroundImport(TOKENIZER_MODULE)  # transformers, beside the device and the weights
     device = _resolve_device(config)
     _initialize_device(device)
     build.done("device init")
+    helpers = _start_compile_helpers(config, device)  # they import while the weights load
+    try:
+        return _assemble_parts(config, build, device, tokenizer_module, helpers)
+    finally:
+        if helpers is not None:
+            helpers.close()
+
+
+def _assemble_parts(
+    config: Config,
+    build: BuildPhases,
+    device: torch.device,
+    tokenizer_module: BackgroundImport,
+    helpers: CompileHelpers | None,
+) -> EngineParts:
+    """The rank's parts once its device is up: weights, tokenizer, then the components."""
+    from diffulex.models.loader import build_model
+
     step_threads = None
     if device.type == "cpu":
         step_threads, build_threads = _cpu_threads(config)
@@ -127,7 +149,7 @@ def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
         vocab_limit = min(len(tokenizer), model.config.vocab_size)
         settings = _decode_settings(config, tokenizer, mask_token_id)
         parts = _build_components(
-            config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, build
+            config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, build, helpers
         )  # fmt: skip
     if step_threads is not None:
         torch.set_num_threads(step_threads)
@@ -144,9 +166,11 @@ def _build_components(
     vocab_limit: int,
     settings: DecodeSettings,
     build: BuildPhases,
+    helpers: CompileHelpers | None = None,
 ) -> EngineParts:
     """The strategy's runner (or the engine's, with the strategy's sampler for the family), the page pool and the
-    scheduler."""
+    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) compile the attention's
+    variants first, all at once."""
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
@@ -163,6 +187,9 @@ def _build_components(
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
     build.done("memory plan and KV cache")
+    if helpers is not None:
+        _compile_in_helpers(helpers, runner.warm_up_attention, device)
+        build.done("attention kernels compiled in helper processes")
     runner.warm_up_attention()
     build.done("attention kernels")
     policy.maybe_capture(runner, config, device)
@@ -255,6 +282,38 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
         token_stability_threshold=thresholds.token_stability_threshold,
         options=config.strategy_options,
     )
+
+
+def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpers | None:
+    """Helper processes that will compile the attention kernel's variants side by side (`CompileHelpers`), where
+    they can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
+    from diffulex.attention.layer import TRITON_IMPLS
+    from diffulex.layers.dispatch import triton_available
+
+    if device.type != "cuda" or config.attn_impl not in TRITON_IMPLS or not triton_available():
+        return None
+    spare = usable_cores() - 1  # the build's own thread keeps one
+    if spare < MIN_SPARE_CORES_FOR_HELPERS:
+        return None
+    from diffulex.kernels.parallel_compile import MAX_HELPERS, CompileHelpers, parallel_compile_supported
+
+    if not parallel_compile_supported():
+        return None
+    return CompileHelpers(min(MAX_HELPERS, spare))
+
+
+def _compile_in_helpers(helpers: CompileHelpers, warm_up: Callable[[], None], device: torch.device) -> None:
+    """Have `helpers` compile what `warm_up` would compile (a dry run of it), for this device's target."""
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    report = helpers.compile_for(warm_up, target)
+    logger.info(
+        "attention kernels: %d variants, %d not in the Triton cache, %d compiled by helper processes%s",
+        report.recorded, report.missing, report.compiled,
+        f" ({len(report.errors)} left to the build: {report.errors[0]})" if report.errors else "",
+    )  # fmt: skip
 
 
 def _initialize_device(device: torch.device) -> None:
