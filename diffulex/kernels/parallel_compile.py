@@ -37,6 +37,7 @@ HELPER_COMMAND = "from diffulex.kernels.parallel_compile import serve; serve()"
 # the modules a helper imports before it is handed any variant (the kernels the dry warm-ups launch)
 HELPER_MODULES = ("diffulex.kernels.paged_attention",)
 MAX_HELPERS = 8
+ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
 HELPER_TIMEOUT_S = 300.0  # past this the helpers are ended and the real warm-up compiles what is left
 
 
@@ -151,7 +152,8 @@ def _read_jobs(lines: Iterator[str]) -> Iterator[tuple[KernelVariant, Any]]:
 
 def serve() -> None:
     """A helper's life: import the kernels, then compile each variant read from stdin (one JSON line each) until
-    stdin ends, answering one JSON line per variant on stdout (an error is reported, never raised)."""
+    stdin ends, answering one line per variant on stdout (`ANSWER_PREFIX`, then JSON; an error is reported there,
+    never raised)."""
     for module in HELPER_MODULES:
         importlib.import_module(module)
     for variant, target in _read_jobs(iter(sys.stdin.readline, "")):
@@ -160,7 +162,7 @@ def serve() -> None:
             answer: dict[str, Any] = {"ok": True}
         except Exception as err:  # noqa: BLE001  (the real warm-up compiles it again and raises for itself)
             answer = {"ok": False, "error": f"{variant.name}: {type(err).__name__}: {err}"}
-        print(json.dumps(answer), flush=True)
+        print(ANSWER_PREFIX + json.dumps(answer), flush=True)
 
 
 @dataclass
@@ -198,6 +200,8 @@ class CompileHelpers:
             report.recorded, report.missing = len(variants), len(missing)
             if missing:
                 report.compiled, report.errors = self._compile(missing, target)
+        except Exception as err:  # noqa: BLE001  (the real warm-up compiles what is missing, or raises it again)
+            report.errors = (*report.errors, f"{type(err).__name__}: {err}")
         finally:
             self.close()
         return report
@@ -221,7 +225,9 @@ class CompileHelpers:
                 errors.append(f"a helper did not finish in {HELPER_TIMEOUT_S:.0f} s")
                 continue
             for line in helper.stdout.read().splitlines():
-                answer = json.loads(line)
+                if not line.startswith(ANSWER_PREFIX):  # anything else a library printed
+                    continue
+                answer = json.loads(line[len(ANSWER_PREFIX) :])
                 compiled += bool(answer["ok"])
                 if not answer["ok"]:
                     errors.append(answer["error"])

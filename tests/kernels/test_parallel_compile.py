@@ -148,3 +148,15 @@ def test_helpers_are_ended_when_the_warm_up_compiles_nothing(tmp_path):
                           "ended": [helper.poll() is not None for helper in helpers._helpers]}))
     ''')
     assert seen["report"] == [0, 0, 0] and seen["ended"] == [True, True]
+
+
+def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
+    seen = run_case(tmp_path, '''
+        def broken():
+            raise ValueError("head_dim=24 must be a power of two >= 16")
+
+        helpers = pc.CompileHelpers(1)
+        report = helpers.compile_for(broken, HOPPER)
+        print(json.dumps({"errors": list(report.errors), "ended": helpers._helpers[0].poll() is not None}))
+    ''')
+    assert seen["errors"] == ["ValueError: head_dim=24 must be a power of two >= 16"] and seen["ended"]
