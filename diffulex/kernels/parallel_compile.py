@@ -199,14 +199,15 @@ class CompileHelpers:
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
             report.recorded, report.missing = len(variants), len(missing)
             if missing:
-                report.compiled, report.errors = self._compile(missing, target)
+                report.compiled, report.errors = self.compile_variants(missing, target)
         except Exception as err:  # noqa: BLE001  (the real warm-up compiles what is missing, or raises it again)
             report.errors = (*report.errors, f"{type(err).__name__}: {err}")
         finally:
             self.close()
         return report
 
-    def _compile(self, variants: list[KernelVariant], target: Any) -> tuple[int, tuple[str, ...]]:
+    def compile_variants(self, variants: list[KernelVariant], target: Any) -> tuple[int, tuple[str, ...]]:
+        """Share `variants` among the helpers and wait for them: how many compiled, and what failed (by name)."""
         target_fields = [target.backend, target.arch, target.warp_size]
         shares = [variants[i :: len(self._helpers)] for i in range(len(self._helpers))]
         for helper, share in zip(self._helpers, shares, strict=True):
@@ -232,6 +233,10 @@ class CompileHelpers:
                 if not answer["ok"]:
                     errors.append(answer["error"])
         return compiled, tuple(errors)
+
+    def ended(self) -> bool:
+        """Whether every helper has exited."""
+        return all(helper.poll() is not None for helper in self._helpers)
 
     def close(self) -> None:
         """End every helper still running (its work is only a cache to fill)."""

@@ -107,7 +107,7 @@ def test_the_launches_find_what_the_helpers_compiled(tmp_path):
         cached_before = [pc.is_cached(v, HOPPER) for v in variants]
         helpers = pc.CompileHelpers(2)
         try:
-            compiled, errors = helpers._compile(variants, HOPPER)
+            compiled, errors = helpers.compile_variants(variants, HOPPER)
         finally:
             helpers.close()
         cached_after = [pc.is_cached(v, HOPPER) for v in variants]
@@ -132,7 +132,7 @@ def test_a_variant_a_helper_cannot_compile_is_reported_not_raised(tmp_path):
         (recorded,) = pc.record_launches(lambda: scale[(1,)](x, y, 64, BLOCK=64))
         helpers = pc.CompileHelpers(1)
         try:
-            compiled, errors = helpers._compile([dataclasses.replace(recorded, name="no_such_kernel")], HOPPER)
+            compiled, errors = helpers.compile_variants([dataclasses.replace(recorded, name="no_such_kernel")], HOPPER)
         finally:
             helpers.close()
         print(json.dumps({"compiled": compiled, "errors": list(errors)}))
@@ -145,9 +145,9 @@ def test_helpers_are_ended_when_the_warm_up_compiles_nothing(tmp_path):
         helpers = pc.CompileHelpers(2)
         report = helpers.compile_for(lambda: None, HOPPER)
         print(json.dumps({"report": [report.recorded, report.missing, report.compiled],
-                          "ended": [helper.poll() is not None for helper in helpers._helpers]}))
+                          "ended": helpers.ended()}))
     ''')
-    assert seen["report"] == [0, 0, 0] and seen["ended"] == [True, True]
+    assert seen["report"] == [0, 0, 0] and seen["ended"]
 
 
 def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
@@ -157,6 +157,6 @@ def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
 
         helpers = pc.CompileHelpers(1)
         report = helpers.compile_for(broken, HOPPER)
-        print(json.dumps({"errors": list(report.errors), "ended": helpers._helpers[0].poll() is not None}))
+        print(json.dumps({"errors": list(report.errors), "ended": helpers.ended()}))
     ''')
     assert seen["errors"] == ["ValueError: head_dim=24 must be a power of two >= 16"] and seen["ended"]
