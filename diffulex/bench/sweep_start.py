@@ -13,6 +13,7 @@ build left to compile shows up here).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +29,8 @@ CHILD = "import sys; from diffulex.bench.sweep_start import child_main; child_ma
 MAX_CHILD_SECONDS = 300.0
 # a started run may outlive its target's budget by this much: a warm run cut short would measure nothing
 CHILD_GRACE_SECONDS = 60.0
+# the build's log lines a row keeps: where the attention kernels were compiled, and the phases' own line
+BUILD_LOG_PREFIXES = ("attention kernels:", "engine ready in")
 
 
 def child_main(spec_json: str) -> None:
@@ -37,15 +40,31 @@ def child_main(spec_json: str) -> None:
     from diffulex import Diffulex
     from diffulex.sampling_params import SamplingParams
 
+    build_log = _BuildLog()
+    logging.getLogger("diffulex").addHandler(build_log)
+    logging.getLogger("diffulex").setLevel(logging.INFO)
     engine = Diffulex(spec["model"], **spec["fields"])
     built = time.time()
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     first = time.time()
     result = {"imported": imported, "built": built, "first_request": first, "build_seconds": engine.build_seconds,
               "background_seconds": engine.build_background_seconds, "device": str(engine.device),
-              "dtype": str(engine.dtype)}
+              "dtype": str(engine.dtype), "build_log": build_log.lines}
     engine.exit()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+class _BuildLog(logging.Handler):
+    """The engine's log lines of the build that say what was compiled where (kept in the row's JSON)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(BUILD_LOG_PREFIXES):
+            self.lines.append(message)
 
 
 def start_once(model: Path, fields: Mapping[str, Any], cache_dir: Path, timeout_s: float) -> dict[str, Any]:
@@ -67,6 +86,7 @@ def start_once(model: Path, fields: Mapping[str, Any], cache_dir: Path, timeout_
         "build_s": stamps["built"] - stamps["imported"],
         "build_phases_s": stamps["build_seconds"],
         "build_background_s": stamps["background_seconds"],
+        "build_log": stamps["build_log"],
         "first_request_s": stamps["first_request"] - stamps["built"],
         "device": stamps["device"],
         "dtype": stamps["dtype"],
