@@ -71,10 +71,9 @@ def assemble(config: Config, build: BuildPhases | None = None) -> EngineParts:
     """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture.
 
     With ``tensor_parallel_size > 1`` the engine's process first starts the other ranks
-    (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it.
-
-    The phases go on `build` (the engine's, which started with ``Diffulex(...)`` and logs them once it is ready),
-    else on a clock of the assembly's own, logged here."""
+    (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it."""
+    # the phases go on `build` (the engine's, started by Diffulex(...), which logs them once the engine is ready),
+    # else on a clock of the assembly's own, logged here
     owned = build is None
     build = BuildPhases() if build is None else build
     _reject_unsupported(config)
