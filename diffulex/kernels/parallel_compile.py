@@ -38,7 +38,7 @@ HELPER_COMMAND = "from diffulex.kernels.parallel_compile import serve; serve()"
 HELPER_MODULES = ("diffulex.kernels.paged_attention",)
 MAX_HELPERS = 8
 ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
-HELPER_TIMEOUT_S = 300.0  # past this the helpers are ended and the real warm-up compiles what is left
+HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
 
 
 @dataclass(frozen=True)
