@@ -23,15 +23,20 @@ def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor 
     keywords are ignored with one warning naming them. With ``data_parallel_size > 1`` the result is a
     `diffulex.engine.data_parallel.DataParallelEngine`: that many replicas behind one ``generate``.
     """
+    from diffulex.engine.build_phases import BuildPhases
+
+    build = BuildPhases()  # the engine's log line covers the whole call, these imports and the config included
     from diffulex.config import Config
     from diffulex.engine.engine import DiffulexEngine
 
+    build.done("engine imports")
     config = Config.from_kwargs(model, **kwargs)
+    build.done("config")
     if config.data_parallel_size > 1:
         from diffulex.engine.data_parallel import DataParallelEngine
 
         return DataParallelEngine(model, kwargs, config)
-    return DiffulexEngine(config)
+    return DiffulexEngine(config, build)
 
 
 

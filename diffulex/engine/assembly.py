@@ -10,13 +10,15 @@ import contextlib
 import gc
 import logging
 import math
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffulex.config import Config, inert_settings
+from diffulex.engine.background_import import BackgroundImport
+from diffulex.engine.build_phases import BuildPhases
 from diffulex.engine.cpu_resources import choose_cpu_threads, default_cpu_threads, usable_cores
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
@@ -36,29 +38,15 @@ from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import warn
 
+if TYPE_CHECKING:
+    from diffulex.kernels.parallel_compile import CompileHelpers
+
 logger = logging.getLogger("diffulex")
 
-
-class BuildPhases:
-    """Wall time of each phase of an engine's build, logged as one line when the engine is ready: a server's restart
-    is a user's wait, and the line says where it goes (weights, kernel compiles, graph capture, ...)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._start = self._mark = time.perf_counter()
-
-    def done(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
-        self._mark = now
-
-    @property
-    def total(self) -> float:
-        return self._mark - self._start
-
-    def summary(self) -> str:
-        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())
-        return f"engine ready in {self.total:.2f} s: {parts}"
+# Compiling in helper processes pays off only with at least this many cores beside the build's own.
+MIN_SPARE_CORES_FOR_HELPERS = 2
+# The module that loads tokenizers: it imports transformers, which is imported beside the device and the weights.
+TOKENIZER_MODULE = "diffulex.tokenizer"
 
 
 @dataclass
@@ -80,12 +68,15 @@ class EngineParts:
     workers: TensorParallelWorkers | None = None  # rank 0 of a tensor-parallel group: the other ranks
 
 
-def assemble(config: Config) -> EngineParts:
+def assemble(config: Config, build: BuildPhases | None = None) -> EngineParts:
     """Build the parts in order: load, decide the graph policy, plan and allocate pages, warm up, capture.
 
     With ``tensor_parallel_size`` or ``expert_parallel_size > 1`` the engine's process first starts the other ranks
     (`diffulex.engine.tensor_parallel`), which run this same build on their shards, in step with it."""
-    build = BuildPhases()
+    # the phases go on `build` (the engine's, started by Diffulex(...), which logs them once the engine is ready),
+    # else on a clock of the assembly's own, logged here
+    owned = build is None
+    build = BuildPhases() if build is None else build
     _reject_unsupported(config)
     if engine_ranks().rank == 0:  # said once, by the engine's process
         for line in inert_settings(config):
@@ -107,23 +98,40 @@ def assemble(config: Config) -> EngineParts:
             if death is not None and not isinstance(err, (WorkerDiedError, ValueError)):
                 raise WorkerDiedError(death) from err
         raise
-    logger.info(build.summary())
+    if owned:
+        logger.info(build.summary())
     return parts
 
 
 def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
     """This rank's parts (the whole engine at one rank)."""
-    from diffulex.models.loader import build_model
-    from diffulex.tokenizer import load_tokenizer
-
+    tokenizer_module = BackgroundImport(TOKENIZER_MODULE)  # transformers, beside the device and the weights
     device = _resolve_device(config)
+    _initialize_device(device)
+    build.done("device init")
+    helpers = _start_compile_helpers(config, device)  # they import while the weights load
+    try:
+        return _assemble_parts(config, build, device, tokenizer_module, helpers)
+    finally:
+        if helpers is not None:
+            helpers.close()
+
+
+def _assemble_parts(
+    config: Config,
+    build: BuildPhases,
+    device: torch.device,
+    tokenizer_module: BackgroundImport,
+    helpers: CompileHelpers | None,
+) -> EngineParts:
+    """The rank's parts once its device is up: weights, tokenizer, then the components."""
+    from diffulex.models.loader import build_model
+
     step_threads = None
     if device.type == "cpu":
         step_threads, build_threads = _cpu_threads(config)
         torch.set_num_threads(build_threads)  # process-wide, as torch has it
     with _collector_paused():
-        tokenizer = load_tokenizer(config.tokenizer_path or config.model)
-        build.done("tokenizer")
         dtype = _resolve_dtype(config, config.model_config_dict.get("torch_dtype"), device)
         model = build_model(
             config.model_name, config.model, dtype, device, load_format=config.load_format,
@@ -132,11 +140,16 @@ def _assemble_rank(config: Config, build: BuildPhases) -> EngineParts:
         )  # fmt: skip
         _select_moe_path(model, config.moe_gemm_impl, config.model_name)
         build.done("weights")
+        load_tokenizer = tokenizer_module.wait().load_tokenizer
+        build.beside(f"{TOKENIZER_MODULE} import", tokenizer_module.seconds)
+        build.done("tokenizer import (waited for)")
+        tokenizer = load_tokenizer(config.tokenizer_path or config.model)
+        build.done("tokenizer")
         mask_token_id = _resolve_mask_token_id(config, tokenizer, model)
         vocab_limit = min(len(tokenizer), model.config.vocab_size)
         settings = _decode_settings(config, tokenizer, mask_token_id)
         parts = _build_components(
-            config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, build
+            config, device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, build, helpers
         )  # fmt: skip
     if step_threads is not None:
         torch.set_num_threads(step_threads)
@@ -153,9 +166,11 @@ def _build_components(
     vocab_limit: int,
     settings: DecodeSettings,
     build: BuildPhases,
+    helpers: CompileHelpers | None = None,
 ) -> EngineParts:
     """The strategy's runner (or the engine's, with the strategy's sampler for the family), the page pool and the
-    scheduler."""
+    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) compile the attention's
+    variants first, all at once."""
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
@@ -172,6 +187,9 @@ def _build_components(
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
     build.done("memory plan and KV cache")
+    if helpers is not None:
+        _compile_in_helpers(helpers, runner.warm_up_attention, device)
+        build.done("attention kernels compiled in helper processes")
     runner.warm_up_attention()
     build.done("attention kernels")
     policy.maybe_capture(runner, config, device)
@@ -264,6 +282,46 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
         token_stability_threshold=thresholds.token_stability_threshold,
         options=config.strategy_options,
     )
+
+
+def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpers | None:
+    """Helper processes that will compile the attention kernel's variants side by side (`CompileHelpers`), where
+    they can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
+    from diffulex.attention.layer import TRITON_IMPLS
+    from diffulex.layers.dispatch import triton_available
+
+    if device.type != "cuda" or config.attn_impl not in TRITON_IMPLS or not triton_available():
+        return None
+    spare = usable_cores() - 1  # the build's own thread keeps one
+    if spare < MIN_SPARE_CORES_FOR_HELPERS:
+        return None
+    from diffulex.kernels.parallel_compile import MAX_HELPERS, CompileHelpers, parallel_compile_supported
+
+    if not parallel_compile_supported():
+        return None
+    return CompileHelpers(min(MAX_HELPERS, spare))
+
+
+def _compile_in_helpers(helpers: CompileHelpers, warm_up: Callable[[], None], device: torch.device) -> None:
+    """Have `helpers` compile what `warm_up` would compile (a dry run of it), for this device's target."""
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    report = helpers.compile_for(warm_up, target)
+    logger.info(
+        "attention kernels: %d variants, %d not in the Triton cache, %d compiled by helper processes%s",
+        report.recorded, report.missing, report.compiled,
+        f" ({len(report.errors)} left to the build: {report.errors[0]})" if report.errors else "",
+    )  # fmt: skip
+
+
+def _initialize_device(device: torch.device) -> None:
+    """Create the device's CUDA context now, in its own phase, rather than inside whichever phase first touches
+    the device (the driver's start and the context take seconds on some machines). Nothing to do on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.cuda.mem_get_info(device)  # the first query on the device creates its context
 
 
 def _resolve_device(config: Config) -> torch.device:

@@ -21,6 +21,7 @@ import torch
 
 from diffulex.config import Config
 from diffulex.engine.assembly import assemble
+from diffulex.engine.build_phases import BuildPhases
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
@@ -70,9 +71,12 @@ class _AppliedStep:
 class DiffulexEngine:
     """Offline and online generation over one model replica."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, build: BuildPhases | None = None) -> None:
+        """`build` is the clock ``Diffulex(...)`` started before its imports and the config (so that the logged
+        phases cover the whole call); a new one when the engine is built from a config directly."""
         self.config = config
-        parts = assemble(config)
+        build = BuildPhases() if build is None else build
+        parts = assemble(config, build)
         self.device, self.dtype, self.tokenizer, self.model = parts.device, parts.dtype, parts.tokenizer, parts.model
         self.mask_token_id, self.vocab_limit, self.settings = parts.mask_token_id, parts.vocab_limit, parts.settings
         self.runner, self.scheduler, self.request_cls = parts.runner, parts.scheduler, parts.request_cls
@@ -80,7 +84,6 @@ class DiffulexEngine:
         self.workers = parts.workers  # the other tensor-parallel ranks (None at one rank)
         if self.workers is not None:  # an engine never exited still ends its workers (at collection or exit)
             weakref.finalize(self, self.workers.shutdown)
-        self.build_seconds = dict(parts.build.seconds)  # where the build's time went, phase by phase
         self._next_req_id = 0
         self._num_steps = 0
         self._num_launches = 0
@@ -98,6 +101,10 @@ class DiffulexEngine:
         gc.freeze()
         atexit.unregister(gc.unfreeze)  # once per process, however many engines
         atexit.register(gc.unfreeze)  # let interpreter shutdown free them (extension modules report leaks)
+        build.done("freezing the build's objects")
+        self.build_seconds = dict(build.seconds)  # where the build's time went, phase by phase
+        self.build_background_seconds = dict(build.background)  # work beside the phases, in other threads
+        logger.info(build.summary())
 
     def enable_static_decode(self, capture: bool) -> None:
         """Serve decode steps from the graphs' padded static buffers (`GraphPolicy.enable_static_decode`); CPU

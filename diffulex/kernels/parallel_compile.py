@@ -1,0 +1,257 @@
+"""Compiling a warm-up's Triton kernel variants in helper processes, all at once, before the warm-up runs.
+
+Why processes: a cold start compiles its variants one after another, and Triton's compile holds the interpreter's
+lock for nearly all of its work, so threads cannot share it (measured with triton 3.6 on two cores: six compiles
+took 1.16 s on one thread, 1.30 s on two threads, 0.76 s on two processes).
+
+How: `CompileHelpers` starts the helpers when the build begins, so that their imports (torch, triton, the kernel
+modules) run while the weights load. `CompileHelpers.compile_for` then runs a warm-up *dry*: through Triton's
+``jit_cache_hook`` every launch that would compile is recorded and skipped (nothing is compiled, nothing runs on
+the device). The recorded variants that Triton's on-disk cache lacks are shared among the helpers, which compile
+them into that cache; then the caller runs the warm-up for real and finds each variant there.
+
+The helpers only ever fill the cache: one that fails, is slow or compiles under another key changes nothing but the
+time, since the real warm-up compiles whatever it does not find (and raises what a broken kernel raises). They are
+plain subprocesses (never ``multiprocessing``, which would import the user's ``__main__`` again), they never touch
+the GPU (the target is handed to them), and a dry run is only for warm-ups whose launches read nothing back: the
+paged attention's, whose outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("diffulex")
+
+HELPER_COMMAND = "from diffulex.kernels.parallel_compile import serve; serve()"
+# the modules a helper imports before it is handed any variant (the kernels the dry warm-ups launch)
+HELPER_MODULES = ("diffulex.kernels.paged_attention",)
+MAX_HELPERS = 8
+ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
+HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compile a launch asked for: the kernel (module and name) and Triton's specialization data (JSON)."""
+
+    module: str
+    name: str
+    specialization: str
+
+
+def parallel_compile_supported() -> bool:
+    """Whether this triton has the hook a dry run needs, and compiles for real (not under its interpreter)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return hasattr(runtime, "jit_cache_hook") and not runtime.interpret
+
+
+def record_launches(warm_up: Callable[[], None]) -> list[KernelVariant]:
+    """Run `warm_up` with every Triton launch that would compile skipped, and return what it would compile."""
+    import triton
+
+    recorded: dict[KernelVariant, None] = {}
+
+    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        recorded[KernelVariant(fn.module, fn.name, compile["specialization_data"])] = None
+        return True  # skip: neither compiled nor launched
+
+    runtime = triton.knobs.runtime
+    previous, runtime.jit_cache_hook = runtime.jit_cache_hook, record
+    try:
+        warm_up()
+    finally:
+        runtime.jit_cache_hook = previous
+    return list(recorded)
+
+
+def _kernel(variant: KernelVariant) -> Any:
+    """The JIT function a variant names (unwrapped from any decorator that holds it as ``fn``)."""
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(importlib.import_module(variant.module), variant.name)
+    while not isinstance(kernel, JITFunction) and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel
+
+
+def _as_tuples(value: Any) -> Any:
+    """JSON gives lists where Triton's keys and signatures hold tuples."""
+    return tuple(_as_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def _compile_inputs(variant: KernelVariant, target: Any) -> tuple[Any, dict[str, Any]]:
+    """The source and options `triton.compile` gets for this variant: what the JIT would have passed it."""
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    data = json.loads(variant.specialization)
+    constants = {}
+    for key, value in zip(data["constant_keys"], data["constant_vals"], strict=True):
+        if tl.dtype.is_dtype(value):
+            value = tl.dtype(value)
+        elif isinstance(value, dict) and "constexpr" in value:
+            value = tl.constexpr(_as_tuples(value["constexpr"]))
+        elif isinstance(value, dict) and "jit_function" in value:  # a kernel handed to a kernel: "module:name"
+            module, name = value["jit_function"].split(":")
+            value = _kernel(KernelVariant(module, name, ""))
+        else:
+            value = _as_tuples(value)
+        constants[tuple(key)] = value
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"], strict=True))
+    signature = {name: _as_tuples(kind) for name, kind in data["signature"].items()}
+    options = {name: _as_tuples(value) for name, value in data["options"].items()}
+    return ASTSource(_kernel(variant), signature, constants, attrs), options
+
+
+def is_cached(variant: KernelVariant, target: Any) -> bool:
+    """Whether Triton's on-disk cache holds this variant for `target` (looked up as `triton.compile` does)."""
+    import hashlib
+
+    from triton.compiler import compiler  # the names `triton.compile` looks its cache up with
+
+    src, options = _compile_inputs(variant, target)
+    backend = compiler.make_backend(target)
+    parsed = backend.parse_options(dict(options, **src.parse_options()))
+    key = compiler.get_cache_key(src, backend, parsed, env_vars=compiler.get_cache_invalidating_env_vars())
+    manager = compiler.get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
+    name = f"{src.name[:150]}.json"
+    return bool((manager.get_group(name) or {}).get(name))
+
+
+def compile_variant(variant: KernelVariant, target: Any) -> None:
+    """Compile one variant for `target` into Triton's on-disk cache (no device needed)."""
+    import triton
+
+    src, options = _compile_inputs(variant, target)
+    triton.compile(src, target=target, options=options)
+
+
+def _read_jobs(lines: Iterator[str]) -> Iterator[tuple[KernelVariant, Any]]:
+    from triton.backends.compiler import GPUTarget
+
+    for line in lines:
+        if line.strip():
+            job = json.loads(line)
+            yield KernelVariant(**job["variant"]), GPUTarget(*job["target"])
+
+
+def serve() -> None:
+    """A helper's life: import the kernels, then compile each variant read from stdin (one JSON line each) until
+    stdin ends, answering one line per variant on stdout (`ANSWER_PREFIX`, then JSON; an error is reported there,
+    never raised)."""
+    for module in HELPER_MODULES:
+        importlib.import_module(module)
+    for variant, target in _read_jobs(iter(sys.stdin.readline, "")):
+        try:
+            compile_variant(variant, target)
+            answer: dict[str, Any] = {"ok": True}
+        except Exception as err:  # noqa: BLE001  (the real warm-up compiles it again and raises for itself)
+            answer = {"ok": False, "error": f"{variant.name}: {type(err).__name__}: {err}"}
+        print(ANSWER_PREFIX + json.dumps(answer), flush=True)
+
+
+@dataclass
+class CompileReport:
+    """What the helpers did for one warm-up: variants recorded, of them missing from the cache, compiled."""
+
+    recorded: int = 0
+    missing: int = 0
+    compiled: int = 0
+    errors: tuple[str, ...] = ()
+
+
+class CompileHelpers:
+    """Helper processes started now, used once by `compile_for`, ended by it or by `close`."""
+
+    def __init__(self, count: int) -> None:
+        package_parent = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        self._helpers = [
+            subprocess.Popen(
+                [sys.executable, "-c", HELPER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True, env=env,
+            )  # fmt: skip
+            for _ in range(count)
+        ]
+
+    def compile_for(self, warm_up: Callable[[], None], target: Any) -> CompileReport:
+        """Record `warm_up`'s variants (a dry run), have the helpers compile those the cache lacks, wait for them
+        (at most `HELPER_TIMEOUT_S`), and end the helpers. The caller then runs `warm_up` for real."""
+        report = CompileReport()
+        try:
+            variants = record_launches(warm_up)
+            missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
+            report.recorded, report.missing = len(variants), len(missing)
+            if missing:
+                report.compiled, report.errors = self.compile_variants(missing, target)
+        except Exception as err:  # noqa: BLE001  (the real warm-up compiles what is missing, or raises it again)
+            report.errors = (*report.errors, f"{type(err).__name__}: {err}")
+        finally:
+            self.close()
+        return report
+
+    def compile_variants(self, variants: list[KernelVariant], target: Any) -> tuple[int, tuple[str, ...]]:
+        """Share `variants` among the helpers and wait for them: how many compiled, and what failed (by name)."""
+        target_fields = [target.backend, target.arch, target.warp_size]
+        shares = [variants[i :: len(self._helpers)] for i in range(len(self._helpers))]
+        for helper, share in zip(self._helpers, shares, strict=True):
+            lines = "".join(json.dumps({"variant": asdict(v), "target": target_fields}) + "\n" for v in share)
+            try:
+                helper.stdin.write(lines)
+                helper.stdin.close()
+            except OSError:  # a helper that died: its share is compiled by the real warm-up
+                continue
+        compiled, errors = 0, []
+        deadline = time.monotonic() + HELPER_TIMEOUT_S
+        for helper in self._helpers:
+            try:  # answers are a few bytes per variant: the helper never blocks on a full pipe
+                helper.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                errors.append(f"a helper did not finish in {HELPER_TIMEOUT_S:.0f} s")
+                continue
+            for line in helper.stdout.read().splitlines():
+                if not line.startswith(ANSWER_PREFIX):  # anything else a library printed
+                    continue
+                answer = json.loads(line[len(ANSWER_PREFIX) :])
+                compiled += bool(answer["ok"])
+                if not answer["ok"]:
+                    errors.append(answer["error"])
+        return compiled, tuple(errors)
+
+    def ended(self) -> bool:
+        """Whether every helper has exited."""
+        return all(helper.poll() is not None for helper in self._helpers)
+
+    def close(self) -> None:
+        """End every helper still running (its work is only a cache to fill)."""
+        for helper in self._helpers:
+            if helper.poll() is None:
+                helper.kill()
+            helper.wait()
+            for stream in (helper.stdin, helper.stdout):
+                if stream is not None and not stream.closed:
+                    stream.close()
+
+
+def _cached_or_unknown_false(variant: KernelVariant, target: Any) -> bool:
+    """`is_cached`, with a lookup this triton does not support counted as not cached (the helper compiles it)."""
+    try:
+        return is_cached(variant, target)
+    except Exception:  # noqa: BLE001  (an internal of triton changed: compiling it again costs only time)
+        return False
