@@ -2,7 +2,7 @@
 # Engine start on the GPU, in one device call (about 2 minutes on an H100 or H200): the sweep's `start` target, the
 # SDAR-1.7B geometry with random weights and default settings built in fresh processes, `cold` with empty Triton
 # and Inductor caches, then `warm` with what the cold run left there. Prints each run's phases (they cover the
-# whole Diffulex(...) call), the work beside them, where the attention kernels were compiled, and the targets
+# whole Diffulex(...) call), where the attention kernels were compiled, and the targets
 # (ready <= 30 s cold, <= 15 s warm).
 # Usage (GPU machine, repository root): tools/start_gpu_check.sh OUT_DIR
 # Writes OUT_DIR/start/start.json and OUT_DIR/start/tables.md; exits non-zero when an engine did not start.
@@ -31,8 +31,6 @@ for r in rows:
           f"{r['build_s'] - phases:.2f}); first request {r['first_request_s']:.2f} s")
     for name, seconds in sorted(r["build_phases_s"].items(), key=lambda item: -item[1]):
         print(f"    {seconds:7.2f} s  {name}")
-    for name, seconds in r["build_background_s"].items():
-        print(f"    beside them: {name} {seconds:.2f} s")
     for line in r["build_log"]:
         if not line.startswith("engine ready in"):
             print(f"    log: {line}")

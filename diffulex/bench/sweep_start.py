@@ -48,7 +48,7 @@ def child_main(spec_json: str) -> None:
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     first = time.time()
     result = {"imported": imported, "built": built, "first_request": first, "build_seconds": engine.build_seconds,
-              "background_seconds": engine.build_background_seconds, "device": str(engine.device),
+              "device": str(engine.device),
               "dtype": str(engine.dtype), "build_log": build_log.lines}
     engine.exit()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -85,7 +85,6 @@ def start_once(model: Path, fields: Mapping[str, Any], cache_dir: Path, timeout_
         "imports_s": stamps["imported"] - spawned,
         "build_s": stamps["built"] - stamps["imported"],
         "build_phases_s": stamps["build_seconds"],
-        "build_background_s": stamps["background_seconds"],
         "build_log": stamps["build_log"],
         "first_request_s": stamps["first_request"] - stamps["built"],
         "device": stamps["device"],
@@ -127,16 +126,15 @@ def _named_seconds(seconds: Mapping[str, float]) -> str:
 
 
 def start_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    header = ["model", "kernel caches", "ready (s)", "imports", "engine build", "its phases (s)",
-              "beside them, in the background (s)", "outside them", "first request"]
+    header = ["model", "kernel caches", "ready (s)", "imports", "engine build", "its phases (s)", "outside them",
+              "first request"]
     body = []
     for r in rows:
         if r.get("error") or r.get("skipped"):
-            body.append([r["model"], r["case"], r.get("error") or r.get("skipped"), *["-"] * 6])
+            body.append([r["model"], r["case"], r.get("error") or r.get("skipped"), *["-"] * 5])
             continue
         body.append([r["model"], r["case"], fmt(r["ready_s"], ".1f"), fmt(r["imports_s"], ".1f"),
-                     fmt(r["build_s"], ".1f"), _named_seconds(r["build_phases_s"]),
-                     _named_seconds(r.get("build_background_s", {})), fmt(_unlogged(r), ".2f"),
+                     fmt(r["build_s"], ".1f"), _named_seconds(r["build_phases_s"]), fmt(_unlogged(r), ".2f"),
                      fmt(r["first_request_s"], ".2f")])
     return markdown(header, body)
 

@@ -14,11 +14,10 @@ import time
 
 
 class BuildPhases:
-    """Consecutive phases of a build, and the background work beside them; logged as one line when ready."""
+    """Consecutive phases of a build; logged as one line when ready."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.background: dict[str, float] = {}  # seconds of work in other threads, overlapping the phases
         self._start = self._mark = time.perf_counter()
 
     def done(self, phase: str) -> None:
@@ -27,10 +26,6 @@ class BuildPhases:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
         self._mark = now
 
-    def beside(self, work: str, seconds: float) -> None:
-        """Record `seconds` of `work` that ran in another thread while the phases went on."""
-        self.background[work] = self.background.get(work, 0.0) + seconds
-
     @property
     def total(self) -> float:
         """Seconds from the start to the end of the last phase: the sum of the phases."""
@@ -38,8 +33,4 @@ class BuildPhases:
 
     def summary(self) -> str:
         parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())
-        line = f"engine ready in {self.total:.2f} s: {parts}"
-        if self.background:
-            beside = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.background.items())
-            line += f" (beside them, in the background: {beside})"
-        return line
+        return f"engine ready in {self.total:.2f} s: {parts}"

@@ -103,7 +103,6 @@ class DiffulexEngine:
         atexit.register(gc.unfreeze)  # let interpreter shutdown free them (extension modules report leaks)
         build.done("freezing the build's objects")
         self.build_seconds = dict(build.seconds)  # where the build's time went, phase by phase
-        self.build_background_seconds = dict(build.background)  # work beside the phases, in other threads
         logger.info(build.summary())
 
     def enable_static_decode(self, capture: bool) -> None:

@@ -117,7 +117,7 @@ def test_start_is_measured_in_fresh_processes_cold_then_warm(quick_sweep: Path) 
         # the engine's phases cover the whole Diffulex(...) call: nothing of the build is left outside them
         assert sum(r["build_phases_s"].values()) == pytest.approx(r["build_s"], abs=0.1)
         assert {"engine imports", "config", "device init", "weights", "tokenizer"} <= set(r["build_phases_s"])
-        assert set(r["build_background_s"]) == {"diffulex.tokenizer import"} and r["first_request_s"] > 0
+        assert "tokenizer import" in r["build_phases_s"] and r["first_request_s"] > 0
         # on the CPU nothing is compiled: the build's log line kept is the phases' own
         assert len(r["build_log"]) == 1 and r["build_log"][0].startswith("engine ready in")
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
 
 import pytest
@@ -25,19 +23,17 @@ def restore_torch_threads():
     torch.set_num_threads(before)
 
 
-def test_consecutive_phases_add_up_to_the_total_and_background_work_does_not():
+def test_consecutive_phases_add_up_to_the_total():
     build = BuildPhases()
     time.sleep(0.02)
     build.done("first")
-    build.beside("elsewhere", 5.0)
     time.sleep(0.01)
     build.done("second")
     build.done("first")  # a phase named again adds up
     assert list(build.seconds) == ["first", "second"]
     assert build.seconds["first"] >= 0.02 and build.seconds["second"] >= 0.01
     assert sum(build.seconds.values()) == pytest.approx(build.total)
-    assert build.background == {"elsewhere": 5.0}
-    assert "beside them, in the background: elsewhere 5.00 s" in build.summary()
+    assert build.summary().startswith(f"engine ready in {build.total:.2f} s: first ")
 
 
 def test_the_logged_phases_cover_the_whole_call(sdar_dir, caplog):
@@ -48,28 +44,15 @@ def test_the_logged_phases_cover_the_whole_call(sdar_dir, caplog):
     phases = llm.build_seconds
     # from the imports Diffulex(...) makes to the engine's last bookkeeping, nothing is left outside a phase
     assert list(phases)[:3] == ["engine imports", "config", "device init"]
-    assert {"weights", "tokenizer", "memory plan and KV cache"} <= set(phases)
+    assert {"weights", "tokenizer import", "tokenizer", "memory plan and KV cache"} <= set(phases)
     assert list(phases)[-1] == "freezing the build's objects"
     assert all(seconds >= 0 for seconds in phases.values())
     assert sum(phases.values()) == pytest.approx(wall, abs=0.02)
-    assert set(llm.build_background_seconds) == {"diffulex.tokenizer import"}
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready in")]
     assert len(ready) == 1 and all(name in ready[0] for name in phases)
 
 
-def test_the_tokenizer_module_is_imported_on_another_thread(sdar_dir, tmp_path, monkeypatch):
-    module = "tokenizer_module_recording_its_thread"
-    (tmp_path / f"{module}.py").write_text(
-        "import threading\nfrom diffulex.tokenizer import load_tokenizer\nIMPORTED_ON = threading.current_thread()\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(assembly, "TOKENIZER_MODULE", module)
-    llm = Diffulex(str(sdar_dir), block_size=4, page_size=8, max_model_len=40, max_num_reqs=2)
-    assert sys.modules[module].IMPORTED_ON is not threading.current_thread()
-    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False).trajectories[0].token_ids  # its tokenizer serves
-
-
-def test_a_failed_background_import_fails_the_build_with_its_own_error(sdar_dir, monkeypatch):
+def test_a_failed_tokenizer_import_fails_the_build_with_its_own_error(sdar_dir, monkeypatch):
     monkeypatch.setattr(assembly, "TOKENIZER_MODULE", "diffulex.no_such_tokenizer_module")
     with pytest.raises(ModuleNotFoundError, match="diffulex.no_such_tokenizer_module"):
         Diffulex(str(sdar_dir), block_size=4, page_size=8, max_model_len=40, max_num_reqs=2)
