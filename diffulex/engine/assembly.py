@@ -316,10 +316,13 @@ def _compile_in_helpers(helpers: CompileHelpers, warm_up: Callable[[], None], de
 
 
 def _initialize_device(device: torch.device) -> None:
-    """Create the device's CUDA context now, in its own phase, rather than inside whichever phase first touches
-    the device (the driver's start and the context take seconds on some machines). Nothing to do on the CPU."""
+    """Make ``device`` this process's current CUDA device and create its context now, in its own phase, rather
+    than inside whichever phase first touches the device (the driver's start and the context take seconds on some
+    machines). Current, because Triton launches on the current device whatever its tensors' device: a replica on
+    ``cuda:1`` of a process left at ``cuda:0`` fails its first kernel. Nothing to do on the CPU."""
     if device.type == "cuda":
         torch.cuda.init()
+        torch.cuda.set_device(device)
         torch.cuda.mem_get_info(device)  # the first query on the device creates its context
 
 
