@@ -32,9 +32,9 @@ def seen_configs(monkeypatch):
     configs = []
     original = engine_module.DiffulexEngine.__init__
 
-    def spy(self, config):
+    def spy(self, config, *rest):
         configs.append(config)
-        original(self, config)
+        original(self, config, *rest)
 
     monkeypatch.setattr(engine_module.DiffulexEngine, "__init__", spy)
     return configs
