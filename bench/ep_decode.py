@@ -21,20 +21,18 @@ checkout's tests/data/sdar-4b-chat (config and tokenizer of the SDAR geometry).
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.tp_decode import attempt  # the same part-by-part report
 from diffulex import Diffulex, SamplingParams
 from diffulex.bench.throughput import ModelEntry, ThroughputSettings, run_sweep, write_sdar_checkpoint
 from diffulex.testing.checkpoints import write_tiny_checkpoint
+from diffulex.testing.distributed import free_port
 
 RANKS = 2
 # (tensor_parallel_size, expert_parallel_size) of each engine compared: one GPU, experts split, both split
@@ -43,13 +41,6 @@ BATCHES = [1, 16]
 SMALL_MOE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)  # fmt: skip
 SIZE = "30b-a3b"
-
-
-def free_port() -> int:
-    """A port for the ranks to meet at (each engine its own: a closed group's port may linger)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def label(tp: int, ep: int) -> str:
@@ -105,17 +96,6 @@ def time_steps(tmp: Path, max_steps: int, layouts: list[tuple[int, int]]) -> dic
               f"{row['floor_ms']:.3f} ms ({row['bound']}), {row['floor_ratio']:.2f}x the floor, graphs "
               f"{row['cuda_graphs']}")  # fmt: skip
     return {"summary": summary, "rows": rows, "ok": all("error" not in s for s in summary.values())}
-
-
-def attempt(report: dict, key: str, out: Path, part: Callable[[], dict]) -> dict:
-    """Run one part, record its result or its failure, and write the report so far (a later part may not end)."""
-    try:
-        report[key] = part()
-    except Exception as err:  # noqa: BLE001  (recorded: the other parts still run)
-        traceback.print_exc()
-        report[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return report[key]
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from diffulex.layers import merge_projections
 from diffulex.layers.moe import SoftmaxRouter, SparseMoE, grouped_mm_supported
 from diffulex.layers.parallel_state import expert_parallel_group, init_expert_parallel, reset_expert_parallel
+from diffulex.testing.distributed import free_port
 
 HIDDEN, EXPERT_WIDTH, EXPERTS, TOP_K = 2048, 768, 128, 8
 ROWS = (4, 64)
@@ -163,10 +163,7 @@ def main() -> int:
         print("needs the grouped GEMM (compute capability >= 9.0, bf16)", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run_rank, args=(port, str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(run_rank, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     summary = {"date": time.strftime("%Y-%m-%d"), "geometry": {"hidden": HIDDEN, "expert_width": EXPERT_WIDTH,
                "experts": EXPERTS, "top_k": TOP_K, "dtype": "bfloat16"}, "ranks": ranks}  # fmt: skip

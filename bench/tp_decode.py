@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -32,18 +31,12 @@ import torch
 from diffulex import Diffulex, SamplingParams
 from diffulex.bench.throughput import ModelEntry, ThroughputSettings, run_sweep, write_sdar_checkpoint
 from diffulex.testing.checkpoints import write_tiny_checkpoint
+from diffulex.testing.distributed import free_port
 
 TP_SIZES = (1, 2)
 TARGET_RATIO = 0.6  # the issue's bar: TP=2 ms per step at most this fraction of TP=1's
 SMALL_GEOMETRY = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                       intermediate_size=1024)  # fmt: skip
-
-
-def free_port() -> int:
-    """A port for the ranks to meet at (each engine its own: a closed group's port may linger)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def check_tokens(tmp: Path) -> dict:

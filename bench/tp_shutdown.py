@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 from diffulex import Diffulex, SamplingParams
 from diffulex.engine.tensor_parallel import SHUTDOWN_WAIT_S
 from diffulex.testing.checkpoints import write_tiny_checkpoint
+from diffulex.testing.distributed import free_port
 
 GEOMETRY = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                 intermediate_size=1024)  # fmt: skip
@@ -43,12 +43,6 @@ class Warnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_engine(path: Path, backend: str, index: int) -> dict:

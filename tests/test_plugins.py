@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.testing.distributed import free_port
 from diffulex.testing.reference_decoder import reference_for_engine
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
@@ -154,15 +154,9 @@ def test_a_yaml_bench_config_loads_plugins_for_the_strategy_and_the_family(toy_s
     assert report["metrics"]["num_requests"] == 2 and report["metrics"]["num_rejected"] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_http_server_serves_an_outside_strategy(peaky_sdar_dir: Path, python_answer):
     pytest.importorskip("uvicorn")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "diffulex.cli", "serve", "--model", str(peaky_sdar_dir), "--port", str(port),
          "--plugin", "fixed_k", "--decoding-strategy", "fixed_k", *engine_flags()],

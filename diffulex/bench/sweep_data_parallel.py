@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from diffulex.bench.sweep_common import (
     save_figure,
     skipped,
 )
+from diffulex.testing.distributed import free_port
 
 DP_SCALING_TARGET = 1.9
 DATA_PARALLEL_SIZES = (1, 2)
@@ -103,12 +103,6 @@ def serve_command(model: Path, port: int, max_waiting: int, fields: Mapping[str,
 
 def server_log_name(size: int) -> str:
     return f"dp{size}-server.log"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

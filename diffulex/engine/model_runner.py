@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -224,7 +225,8 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            self._announce(StepMessage.of_step(step, bucket, micro_batch, sampled, short=graphs is not self.graphs))
+            short = graphs is not self.graphs
+            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short=short))
             hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
                 if graphs is self.graphs:  # the graphs a continuation replays
@@ -232,7 +234,7 @@ class ModelRunner:
                     self._replayed = _ReplayedStep(bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
-            self._announce(StepMessage.of_step(step, None, micro_batch, None))
+            self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
             hidden = self._eager_forward(step)
         if step.sample_rows:
             logits = self._sample_logits(hidden, step.sample_rows)
@@ -285,8 +287,8 @@ class ModelRunner:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
         num_rows = len(replayed.layout.positions)
-        self._announce(StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
-                                   num_rows=num_rows))  # fmt: skip
+        self._announce(lambda: StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
+                                           num_rows=num_rows))  # fmt: skip
         hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
         return replayed.layout.pending(result, self._ready(hidden))
@@ -315,10 +317,11 @@ class ModelRunner:
         row_index = rows.to(hidden.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, row_index))
 
-    def _announce(self, message: StepMessage) -> None:
-        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers."""
+    def _announce(self, message: Callable[[], StepMessage]) -> None:
+        """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers (the message is
+        built only then: a single-rank step makes none)."""
         if self.workers is not None:
-            self.workers.send(message)
+            self.workers.send(message())
             self.out_of_step = True  # until the launch has queued its collectives (`launch`)
 
     @torch.inference_mode()

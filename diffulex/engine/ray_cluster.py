@@ -81,3 +81,14 @@ def keep_alive(conn: Connection) -> None:
                               ("TCP_KEEPCNT", KEEPALIVE_PROBES)):  # fmt: skip
             if hasattr(socket, option):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def release(ray: Any, actors: list[Any], group: Any, started_ray: bool) -> None:
+    """End ``actors``, free their placement ``group``, and stop the Ray instance if this placement started it."""
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    remove_placement_group(group)
+    if started_ray:
+        ray.shutdown()

@@ -24,7 +24,15 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from diffulex.config import Config
-from diffulex.engine.ray_cluster import ACTOR_START_TIMEOUT_S, import_ray, in_bundle, join_ray, keep_alive, place
+from diffulex.engine.ray_cluster import (
+    ACTOR_START_TIMEOUT_S,
+    import_ray,
+    in_bundle,
+    join_ray,
+    keep_alive,
+    place,
+    release,
+)
 from diffulex.engine.replica_process import serve_replica
 
 
@@ -105,12 +113,6 @@ class RayPlacement:
 
     def close(self) -> None:
         """End every actor, free the placement group, and stop the Ray instance this placement started."""
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors:
-            self.ray.kill(actor, no_restart=True)
-        self.actors = []
-        remove_placement_group(self.group)
-        if self.started_ray:
-            self.ray.shutdown()
+        actors, self.actors = self.actors, []
+        release(self.ray, actors, self.group, self.started_ray)
 

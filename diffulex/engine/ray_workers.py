@@ -19,7 +19,15 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from diffulex.config import Config
-from diffulex.engine.ray_cluster import ACTOR_START_TIMEOUT_S, import_ray, in_bundle, join_ray, keep_alive, place
+from diffulex.engine.ray_cluster import (
+    ACTOR_START_TIMEOUT_S,
+    import_ray,
+    in_bundle,
+    join_ray,
+    keep_alive,
+    place,
+    release,
+)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -178,11 +186,5 @@ class RayWorkerPlacement:
 
     def close(self) -> None:
         """End every actor (rank 0's holder too), free the placement group, stop the Ray this placement started."""
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors:
-            self.ray.kill(actor, no_restart=True)
-        self.actors = []
-        remove_placement_group(self.group)
-        if self.started_ray:
-            self.ray.shutdown()
+        actors, self.actors = self.actors, []
+        release(self.ray, actors, self.group, self.started_ray)

@@ -113,16 +113,21 @@ def using_tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorPa
         _group = previous
 
 
+def _joined(
+    process_group: dist.ProcessGroup | None, caller: str
+) -> tuple[int, int, dist.ProcessGroup]:
+    """(rank, size, group) of ``process_group`` (default: the whole initialized world) for `caller`'s group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{caller} needs torch.distributed initialized first (torch.distributed.init_process_group)")
+    group = process_group if process_group is not None else dist.group.WORLD
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
 def init_tensor_parallel(process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's tensor-parallel group, and return it. Layers built afterwards are sharded over it."""
     global _group
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "init_tensor_parallel needs torch.distributed initialized first (torch.distributed.init_process_group)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    _group = TensorParallelGroup(dist.get_rank(group), dist.get_world_size(group), group)
+    _group = TensorParallelGroup(*_joined(process_group, "init_tensor_parallel"))
     return _group
 
 
@@ -188,12 +193,7 @@ def init_expert_parallel(process_group: dist.ProcessGroup | None = None) -> Expe
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's expert-parallel group, and return it. MoE layers built afterwards hold only this rank's experts."""
     global _expert_group
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "init_expert_parallel needs torch.distributed initialized first (torch.distributed.init_process_group)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    _expert_group = ExpertParallelGroup(dist.get_rank(group), dist.get_world_size(group), group)
+    _expert_group = ExpertParallelGroup(*_joined(process_group, "init_expert_parallel"))
     return _expert_group
 
 

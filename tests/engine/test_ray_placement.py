@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ from diffulex.engine.ray_placement import RayPlacement, import_ray, replica_bund
 from diffulex.engine.ray_workers import RayWorkerProcess
 from diffulex.errors import EngineDeadError
 from diffulex.testing import write_tiny_checkpoint
+from diffulex.testing.distributed import free_port
 
 # On a machine with CUDA each replica's bundle takes a GPU; a single-GPU machine cannot place two.
 pytestmark = pytest.mark.skipif(
@@ -91,12 +91,6 @@ def tp_ckpt(tmp_path_factory: pytest.TempPathFactory):
 def tensor_parallel_fields(backend: str) -> dict:
     return {**FIELDS, "tensor_parallel_size": 2, "distributed_executor_backend": backend, "dtype": "float32",
             "master_addr": "127.0.0.1", "master_port": free_port(), "distributed_timeout_seconds": 120}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_tensor_parallel_ranks_as_ray_actors_give_the_tokens_of_local_workers(tp_ckpt, local_ray):

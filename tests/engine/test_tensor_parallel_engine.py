@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,17 +24,12 @@ import pytest
 from diffulex import Diffulex, SamplingParams
 from diffulex.errors import EngineDeadError
 from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
+from diffulex.testing.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 TIMEOUT_S = 120  # any collective left waiting by a bug fails the test instead of hanging it
 REAP_WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_engine(model_dir: Path, model_name: str, tensor_parallel_size: int, **overrides) -> Diffulex:

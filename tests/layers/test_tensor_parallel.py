@@ -8,16 +8,12 @@ matrix, or summing what it should gather fails by far more than the reordering t
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, MergedProjection, RowParallelLinear, VocabEmbedding
@@ -28,6 +24,7 @@ from diffulex.layers.parallel_state import (
     reset_tensor_parallel,
     tensor_parallel_group,
 )
+from diffulex.testing.distributed import RankRun, run_checks, spawn_ranks
 from diffulex.testing.tolerance import assert_close_up_to_reordering
 
 WORLD = 2
@@ -169,46 +166,20 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     )
     try:
         init_tensor_parallel()
-        with open(Path(out_dir) / f"rank{rank}.passed", "a") as passed:
-            for name, check in CHECKS.items():
-                check()
-                passed.write(name + "\n")
-                passed.flush()
+        run_checks(rank, out_dir, CHECKS)
     finally:
         reset_tensor_parallel()
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class TwoRankRun:
-    passed: set[str]  # the checks that passed on both ranks
-    failure: str  # the failing rank's traceback, empty when none failed
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> TwoRankRun:
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> RankRun:
     """One spawn of two gloo ranks running every check (starting processes dominates the cost)."""
-    out_dir = tmp_path_factory.mktemp("tensor_parallel")
-    failure = ""
-    try:
-        mp.spawn(run_rank, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        failure = str(e)
-    per_rank = []
-    for rank in range(WORLD):
-        path = out_dir / f"rank{rank}.passed"
-        per_rank.append(set(path.read_text().split()) if path.exists() else set())
-    return TwoRankRun(set.intersection(*per_rank), failure)
+    return spawn_ranks(run_rank, WORLD, tmp_path_factory.mktemp("tensor_parallel"))
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
-def test_two_ranks_give_the_single_rank_result(two_ranks: TwoRankRun, check: str) -> None:
+def test_two_ranks_give_the_single_rank_result(two_ranks: RankRun, check: str) -> None:
     assert check in two_ranks.passed, two_ranks.failure or f"{check} did not run"
 
 

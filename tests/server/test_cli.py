@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from diffulex.cli import build_parser
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
+from diffulex.testing.distributed import free_port
 
 
 def test_serve_is_a_diffulex_subcommand_with_engine_flags() -> None:
@@ -31,14 +31,8 @@ def test_a_body_limit_below_one_byte_is_refused_naming_the_flag() -> None:
         args.func(args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_module_entry_point_serves_and_exits_cleanly_on_sigterm(sdar_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "diffulex.server", "--model", str(sdar_dir), "--port", str(port),
            "--served-model-name", "cli-test", "--block-size", "4", "--page-size", "8", "--max-model-len", "128",
            "--shutdown-grace", "3", "--log-level", "warning"]

@@ -26,21 +26,16 @@ from diffulex.outputs import Trajectory
 from diffulex.server.app import create_app
 from diffulex.server.engine_loop import EngineLoop
 from diffulex.server.runner import GracefulServer
+from diffulex.testing.distributed import free_port
 
 from .test_engine_loop import FakeEngine
 
 LONG = {"model": "runner-test", "prompt": "The baker", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, model_dir: Path, grace_s: float) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "diffulex.server", "--model", str(model_dir), "--port", str(self.port),
                "--served-model-name", "runner-test", "--block-size", "4", "--page-size", "8", "--buffer-size", "2",
