@@ -169,6 +169,8 @@ def candidates(n: int, k: int, m: int) -> list[SkinnyConfig]:
                 continue
             for s in split_options(n, k, bn, bk):
                 out.append(SkinnyConfig(bn, bk, warps, stages, use_dot, s))
+                if use_dot and s == 1 and bk * 2 <= 256:  # weight tiles through TMA (boxes of at most 256 bytes)
+                    out.append(SkinnyConfig(bn, bk, warps, stages, use_dot, s, True))
     return out
 
 

@@ -485,6 +485,9 @@ def measure_decode(
         partial_steps += len(records) != batch
     steps = len(step_times)
     mean_s = elapsed / steps
+    by_rows: dict[int, list[float]] = {}
+    for work, seconds in zip(works, step_times, strict=False):
+        by_rows.setdefault(work.query_tokens, []).append(seconds)
     floors: list[Floors] = [step_floors(cost, w, peaks.copy_bandwidth_bps, flops_per_s) for w in works]
     return {
         "prefill_steps": prefill_steps,
@@ -508,6 +511,12 @@ def measure_decode(
         "nfe_per_request": request_forwards / batch,  # forwards each request ran in the timed region
         "ms_per_token": 1e3 * elapsed / max(tokens, 1),
         "query_tokens_per_step": sum(w.query_tokens for w in works) / steps,
+        # steps grouped by the rows they computed: which step shapes the mean's excess comes from (a strategy whose
+        # steps differ in rows, such as Fast-dLLM v2's whole-block and sub-block forwards)
+        "ms_per_step_by_rows": {
+            rows: {"steps": len(times), "ms_mean": 1e3 * statistics.fmean(times)}
+            for rows, times in sorted(by_rows.items())
+        },
         "logit_rows_per_step": sum(w.logit_rows for w in works) / steps,
         "context_tokens_per_step": sum(w.context_tokens for w in works) / steps,
         "bytes_per_step": sum(step_bytes(cost, w) for w in works) / steps,

@@ -79,7 +79,7 @@ BUCKET_STRIDE = 16
 # The most requests one captured graph serves; larger batches run eagerly.
 MAX_GRAPH_REQUESTS = 512
 # Buckets of at most this many rows capture their forward into each sampling graph (`DecodeGraphs.fuses_forward`):
-# the decode sizes whose kernels chain by programmatic dependent launch (`diffulex.kernels.pdl.PDL_MAX_ROWS`).
+# steps of one or a few requests, whose step is short enough that the gap between two graph launches shows.
 FUSED_STEP_MAX_ROWS = 16
 
 # (input ids [T], positions [T], metadata, readers [T]: the rows whose hidden states anyone reads, -1 for none;

@@ -25,8 +25,8 @@ from diffulex.layers.dispatch import triton_available
 from diffulex.layers.parallel_state import TensorParallelGroup, tensor_parallel_group
 
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
-# inputs skip importing it): decode steps of a few requests.
-SKINNY_MAX_ROWS = 16
+# inputs skip importing it): decode steps of a few requests, and whole-block forwards of a few dozen rows.
+SKINNY_MAX_ROWS = 64
 
 
 @functools.cache

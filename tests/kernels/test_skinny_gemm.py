@@ -13,6 +13,7 @@ from torch import nn
 from diffulex.kernels.activation import silu_mul
 from diffulex.kernels.skinny_gemm import (
     _EARLY_RELEASE_MIN_BYTES,
+    GENERIC_MAX_ROWS,
     MAX_ROWS,
     UNSUMMED_PROGRAMS,
     SkinnyConfig,
@@ -263,8 +264,11 @@ def test_config_table_rows_and_fallback() -> None:
     assert config_for(4096, 2048, MAX_ROWS + 1) is None
     assert config_for(151936, 4096, 5) == config_for(151936, 4096, 8)  # one bucket
     assert config_for(64, 64, 4) is None, "tiny matrices stay on cuBLAS"
-    generic = config_for(4608, 3584, 4)  # not in the table, similar size
+    generic = config_for(4352, 3584, 4)  # not in the table, similar size
     assert generic is not None and generic.use_dot
+    assert config_for(4352, 3584, GENERIC_MAX_ROWS + 1) is None, "above 16 rows only measured shapes"
+    assert config_for(3584, 3584, 33) is not None and config_for(37888, 3584, 33) is None  # the table decides
+    assert config_for(4608, 3584, 4) is None, "a measured shape where cuBLAS wins"
 
 
 def test_layers_on_cpu_are_exactly_f_linear() -> None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything measured on two GPUs (issue 29's bars), in as few device calls as the 10-minute limit allows:
+#   allreduce  bench/all_reduce_latency.py: NCCL against the peer-memory one-shot all-reduce (about 30 s)
+#   tp         bench/tp_decode.py: TP=2 == TP=1 tokens, SDAR-8B batch 1 TP=2 / TP=1 ms per step (about 2 min)
+#   shutdown   bench/tp_shutdown.py: TP=2 engines exit cleanly (about 1 min)
+#   ep         bench/ep_decode.py --max-steps 40: EP=2 and TP=2+EP=2 tokens and SDAR-30B-A3B steps (about 4 min)
+#   dp         diffulex bench sweep --targets dp: DP=2 against DP=1 through the server (about 6 min)
+# Usage (two-GPU machine, repository root): tools/multi_gpu_bench.sh OUT_DIR PART...
+# Carry the server's wheels (.wheels: fastapi, uvicorn, httpx and their dependencies) for `dp`; they are installed
+# first when present. Each part's log is OUT_DIR/<part>.log; the script goes on after a failed part and exits
+# non-zero at the end if any failed.
+set -uo pipefail
+usage="usage: tools/multi_gpu_bench.sh OUT_DIR allreduce|tp|shutdown|ep|dp..."
+out=${1:?$usage}
+shift
+[ $# -gt 0 ] || { echo "$usage"; exit 2; }
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+python -c "import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 'multi_gpu_bench: needs two CUDA devices')" || exit 2
+if [ -d .wheels ]; then python -m pip install -q --no-index -f .wheels fastapi uvicorn httpx >/dev/null 2>&1 || echo "wheels not installed"; fi
+failed=()
+for part in "$@"; do
+  start=$(date +%s)
+  case "$part" in
+    allreduce) cmd=(python bench/all_reduce_latency.py "$out") ;;
+    tp) cmd=(python bench/tp_decode.py "$out") ;;
+    shutdown) cmd=(python bench/tp_shutdown.py "$out") ;;
+    ep) cmd=(python bench/ep_decode.py "$out" --max-steps 40) ;;
+    dp) cmd=(python -m diffulex.cli bench sweep --targets dp --out "$out/sweep_dp" --max-seconds 330) ;;
+    *) echo "$usage (got '$part')"; exit 2 ;;
+  esac
+  echo "== $part: ${cmd[*]}"
+  "${cmd[@]}" > "$out/$part.log" 2>&1 || failed+=("$part")
+  tail -25 "$out/$part.log"
+  echo "== $part: $(( $(date +%s) - start )) s"
+done
+[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
