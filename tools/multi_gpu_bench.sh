@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
 # Everything measured on two GPUs (issue 29's bars), in as few device calls as the 10-minute limit allows:
-#   allreduce  bench/all_reduce_latency.py: NCCL against the peer-memory one-shot all-reduce (about 30 s)
 #   tp         bench/tp_decode.py: TP=2 == TP=1 tokens, SDAR-8B batch 1 TP=2 / TP=1 ms per step (about 2 min)
 #   shutdown   bench/tp_shutdown.py: TP=2 engines exit cleanly (about 1 min)
 #   ep         bench/ep_decode.py --max-steps 40: EP=2 and TP=2+EP=2 tokens and SDAR-30B-A3B steps (about 4 min)
@@ -10,7 +9,7 @@
 # first when present. Each part's log is OUT_DIR/<part>.log; the script goes on after a failed part and exits
 # non-zero at the end if any failed.
 set -uo pipefail
-usage="usage: tools/multi_gpu_bench.sh OUT_DIR allreduce|tp|shutdown|ep|dp..."
+usage="usage: tools/multi_gpu_bench.sh OUT_DIR tp|shutdown|ep|dp..."
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
@@ -22,7 +21,6 @@ failed=()
 for part in "$@"; do
   start=$(date +%s)
   case "$part" in
-    allreduce) cmd=(python bench/all_reduce_latency.py "$out") ;;
     tp) cmd=(python bench/tp_decode.py "$out") ;;
     shutdown) cmd=(python bench/tp_shutdown.py "$out") ;;
     ep) cmd=(python bench/ep_decode.py "$out" --max-steps 40) ;;

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from diffulex.layers.peer_all_reduce import PeerAllReduce, peer_all_reduce_for
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -35,12 +33,13 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     process_group: dist.ProcessGroup | None = None
-    peer: PeerAllReduce | None = None  # the small sums' path over peer memory (`diffulex.layers.peer_all_reduce`)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks (``x`` itself at size 1); use the result: it may be ``x`` summed in
-        place (NCCL) or a new tensor (peer memory)."""
-        return _all_reduce(x, self.size, self.process_group, self.peer)
+        """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.process_group)
+        return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` joined along ``dim`` in rank order (all ranks pass the same shape); ``x`` at size 1."""
@@ -114,27 +113,6 @@ def using_tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorPa
         _group = previous
 
 
-def _all_reduce(
-    x: torch.Tensor, size: int, group: dist.ProcessGroup | None, peer: PeerAllReduce | None
-) -> torch.Tensor:
-    if size == 1:
-        return x
-    if peer is not None and peer.takes(x):
-        return peer(x)
-    dist.all_reduce(x, group=group)
-    return x
-
-
-def _with_peer(
-    rank: int, size: int, group: dist.ProcessGroup
-) -> tuple[int, int, dist.ProcessGroup, PeerAllReduce | None]:
-    """The group's fields with its peer-memory all-reduce: the tensor-parallel group's where the expert-parallel
-    group is the same group (one buffer per group), else a new one (a collective of the group's ranks)."""
-    if _group.process_group is group and _group.peer is not None:
-        return rank, size, group, _group.peer
-    return rank, size, group, peer_all_reduce_for(group, size, rank)
-
-
 def _joined(
     process_group: dist.ProcessGroup | None, caller: str
 ) -> tuple[int, int, dist.ProcessGroup]:
@@ -149,7 +127,7 @@ def init_tensor_parallel(process_group: dist.ProcessGroup | None = None) -> Tens
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's tensor-parallel group, and return it. Layers built afterwards are sharded over it."""
     global _group
-    _group = TensorParallelGroup(*_with_peer(*_joined(process_group, "init_tensor_parallel")))
+    _group = TensorParallelGroup(*_joined(process_group, "init_tensor_parallel"))
     return _group
 
 
@@ -169,12 +147,13 @@ class ExpertParallelGroup:
     rank: int = 0
     size: int = 1
     process_group: dist.ProcessGroup | None = None
-    peer: PeerAllReduce | None = None  # the small sums' path over peer memory (`diffulex.layers.peer_all_reduce`)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks (``x`` itself at size 1); use the result: it may be ``x`` summed in
-        place (NCCL) or a new tensor (peer memory)."""
-        return _all_reduce(x, self.size, self.process_group, self.peer)
+        """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.process_group)
+        return x
 
     def owned_experts(self, num_experts: int) -> range:
         """The global indices of the experts this rank holds: its equal contiguous range of ``num_experts``."""
@@ -214,7 +193,7 @@ def init_expert_parallel(process_group: dist.ProcessGroup | None = None) -> Expe
     """Make ``process_group`` (default: every process of the initialized ``torch.distributed`` world) this
     process's expert-parallel group, and return it. MoE layers built afterwards hold only this rank's experts."""
     global _expert_group
-    _expert_group = ExpertParallelGroup(*_with_peer(*_joined(process_group, "init_expert_parallel")))
+    _expert_group = ExpertParallelGroup(*_joined(process_group, "init_expert_parallel"))
     return _expert_group
 
 
@@ -231,5 +210,5 @@ def engine_ranks() -> TensorParallelGroup:
     replicated), or both over the same ranks."""
     expert = _expert_group
     if expert.size > _group.size:
-        return TensorParallelGroup(expert.rank, expert.size, expert.process_group, expert.peer)
+        return TensorParallelGroup(expert.rank, expert.size, expert.process_group)
     return _group

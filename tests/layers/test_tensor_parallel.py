@@ -145,16 +145,7 @@ def check_uneven_vocabulary() -> None:
     check_vocabulary(11)
 
 
-def check_gloo_groups_sum_without_peer_memory() -> None:
-    """Peer memory is a GPU path: a gloo group sums through the collective, on every rank alike."""
-    group = tensor_parallel_group()
-    assert group.peer is None
-    x = torch.full((3,), float(group.rank + 1))
-    assert torch.equal(group.all_reduce(x), torch.full((3,), 3.0))
-
-
 CHECKS: dict[str, Callable[[], None]] = {
-    "gloo_without_peer_memory": check_gloo_groups_sum_without_peer_memory,
     "column_parallel": check_column_parallel,
     "row_parallel": check_row_parallel,
     "fused_qkv_parts": check_fused_qkv_parts,
@@ -229,29 +220,3 @@ def test_a_checkpoint_tensor_of_another_shape_is_refused() -> None:
     full = torch.randn(HIDDEN, 12)
     layer.weight_loader(layer.weight, full)
     assert torch.equal(layer.weight, full)
-
-
-class _RecordingPeer:
-    """Stands in for `PeerAllReduce`: takes tensors up to ``limit`` elements and doubles them (a 2-rank sum of
-    equal inputs), recording what it was given."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.seen = limit, []
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.numel() <= self.limit
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.shape)
-        return x * 2
-
-
-def test_small_sums_take_the_peer_path_and_large_ones_the_collective(monkeypatch: pytest.MonkeyPatch) -> None:
-    peer = _RecordingPeer(limit=8)
-    group = TensorParallelGroup(rank=0, size=2, process_group=None, peer=peer)
-    collective = []
-    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: collective.append(x.shape))
-    small, large = torch.ones(2, 4), torch.ones(4, 4)
-    assert torch.equal(group.all_reduce(small), torch.full((2, 4), 2.0))
-    assert group.all_reduce(large) is large
-    assert peer.seen == [(2, 4)] and collective == [(4, 4)]
