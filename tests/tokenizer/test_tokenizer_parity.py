@@ -190,3 +190,52 @@ def test_the_real_template_renders_tools_and_template_switches_the_same(pairs) -
     assert ours.apply_chat_template(conversation, add_generation_prompt=True) == list(
         hf.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
     )
+
+
+# ----- the config switches and template layouts some folders use -----------------------------------------------
+
+
+def _variant(source: Path, folder: Path, **config_changes: Any) -> Path:
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **config_changes}))
+    return folder
+
+
+def test_add_bos_and_eos_of_a_vocabulary_only_folder_wrap_each_encoding(folders, tmp_path) -> None:
+    if "qwen-sdar" not in folders:
+        pytest.skip("the real Qwen tokenizer files are not available")
+    folder = _variant(folders["qwen-sdar"][0], tmp_path / "bos", add_bos_token=True, add_eos_token=True,
+                      bos_token="<|im_start|>")  # fmt: skip
+    ours, hf = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    for text in TEXTS[:3]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text) and ids[0] == ours.bos_token_id and ids[-1] == ours.eos_token_id
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+
+
+def test_split_special_tokens_makes_special_token_text_plain_text(folders, tmp_path) -> None:
+    folder = _variant(folders["tiny-sdar"][0], tmp_path / "split", split_special_tokens=True)
+    ours, hf = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    text = "a<|im_end|>b<|MASK|>"
+    assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert 378 not in ours.encode(text, add_special_tokens=False)
+
+
+def test_named_chat_templates_are_chosen_as_transformers_chooses(folders, tmp_path) -> None:
+    folder = _variant(folders["tiny-sdar"][0], tmp_path / "named",
+                      chat_template="{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")  # fmt: skip
+    named = folder / "additional_chat_templates"
+    named.mkdir()
+    tool_use = "TOOLS{{ (tools or []) | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (named / "tool_use.jinja").write_text(tool_use)
+    ours, hf = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    conversation = CONVERSATIONS[1]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for kwargs in ({}, {"tools": tools}, {"chat_template": "tool_use"}):
+        assert ours.apply_chat_template(conversation, tokenize=False, **kwargs) == hf.apply_chat_template(
+            conversation, tokenize=False, **kwargs
+        ), kwargs
+    (folder / "chat_template.jinja").unlink()  # named templates without a default: one must be named
+    with pytest.raises(ValueError, match="none is named 'default'; name one of \\['tool_use'\\]"):
+        load_tokenizer(folder).apply_chat_template(conversation, tokenize=False)
