@@ -84,6 +84,7 @@ def _add(backend: Tokenizer, token: AddedToken) -> None:
 
 def _apply_added_tokens(backend: Tokenizer, folder: Path, config: TokenizerConfig) -> None:
     """The config's added tokens, each at the id the config gives it (their flags win over the backend's)."""
+    added = backend.get_added_tokens_decoder()  # read once: Gemma-style vocabularies add thousands of tokens
     for token_id, entry in config.added_tokens.items():
         present = backend.token_to_id(entry.content)
         if present is None:
@@ -98,10 +99,11 @@ def _apply_added_tokens(backend: Tokenizer, folder: Path, config: TokenizerConfi
                 f"{folder / 'tokenizer_config.json'}: added token {entry.content!r} has id {token_id}, but the "
                 f"vocabulary gives it id {present}"
             )
-        existing = backend.get_added_tokens_decoder().get(token_id)
+        existing = added.get(token_id)
         wanted = _as_added_token(entry)
         if existing is None or _flags(existing) != _flags(wanted):
             _add(backend, wanted)
+            added[token_id] = wanted
 
 
 def _flags(token: AddedToken) -> tuple[object, ...]:
