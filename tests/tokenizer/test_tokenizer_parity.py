@@ -1,6 +1,6 @@
 """diffulex's tokenizer is transformers' tokenizer over the same files: the same ids, the same decoded and streamed
 text, the same chat renderings, for every family's tiny tokenizer and for the real Qwen2 vocabulary under each
-Qwen-based family's own tokenizer config."""
+Qwen-based family's own tokenizer config (as vocab.json + merges.txt, and as a tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,13 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
                     json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"})
                 )
             found[f"qwen-{family}"] = (folder, reference)
+        # The real vocabulary as a tokenizer.json (how Qwen2.5-based folders ship it), its class still Qwen2's.
+        as_json = root / "qwen-sdar-json"
+        as_json.mkdir()
+        for name in ("tokenizer_config.json", "chat_template.jinja"):
+            shutil.copyfile(found["qwen-sdar"][0] / name, as_json / name)
+        load_tokenizer(found["qwen-sdar"][0]).backend_tokenizer.save(str(as_json / "tokenizer.json"))
+        found["qwen-sdar-json"] = (as_json, as_json)
     return found
 
 
@@ -96,7 +103,7 @@ def pairs(folders: dict[str, tuple[Path, Path]]) -> dict[str, tuple[Any, Any]]:
     return _pairs(folders)
 
 
-NAMES = [f"tiny-{f}" for f in TINY_FAMILIES] + [f"qwen-{f}" for f in QWEN_FAMILIES]
+NAMES = [f"tiny-{f}" for f in TINY_FAMILIES] + [f"qwen-{f}" for f in QWEN_FAMILIES] + ["qwen-sdar-json"]
 
 
 @pytest.fixture(params=NAMES)
