@@ -3,6 +3,7 @@ markup is special, and no prompt may hold the mask token."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def test_a_text_prompt_becomes_the_user_message_only_when_asked(tok) -> None:
 
 
 def test_without_a_chat_template_text_stays_text_and_conversations_are_role_lines(tok, tmp_path) -> None:
-    tok.save_pretrained(tmp_path)
+    shutil.copytree(tok.name_or_path, tmp_path, dirs_exist_ok=True)
     bare = load_tokenizer(tmp_path)
     bare.chat_template = None
     assert not has_chat_template(bare)
@@ -138,7 +139,7 @@ def test_without_a_chat_template_text_stays_text_and_conversations_are_role_line
 
 
 def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tmp_path) -> None:
-    tok.save_pretrained(tmp_path)
+    shutil.copytree(tok.name_or_path, tmp_path, dirs_exist_ok=True)
     trimming = load_tokenizer(tmp_path)
     trimming.chat_template = (
         "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}"
@@ -181,7 +182,7 @@ def test_a_huge_prompt_is_quoted_short_in_its_error(tok) -> None:
 
 
 def test_a_chat_template_that_raises_is_a_value_error(tok, tmp_path) -> None:
-    tok.save_pretrained(tmp_path)
+    shutil.copytree(tok.name_or_path, tmp_path, dirs_exist_ok=True)
     strict = load_tokenizer(tmp_path)
     strict.chat_template = "{{ raise_exception('only user messages') if messages[0].role != 'user' }}"
     with pytest.raises(ValueError, match="the chat template rejected them: only user messages"):

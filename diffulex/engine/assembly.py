@@ -45,7 +45,7 @@ logger = logging.getLogger("diffulex")
 
 # Compiling in helper processes pays off only with at least this many cores beside the build's own.
 MIN_SPARE_CORES_FOR_HELPERS = 2
-# The module that loads tokenizers: it imports transformers, which is imported beside the device and the weights.
+# The module that loads tokenizers (transformers only for a folder it cannot build itself), imported in its own phase.
 TOKENIZER_MODULE = "diffulex.tokenizer"
 
 
@@ -138,8 +138,8 @@ def _assemble_parts(
         )  # fmt: skip
         _select_moe_path(model, config.moe_gemm_impl, config.model_name)
         build.done("weights")
-        # transformers, on its first use: measured 6.6 s on an H200 host (10 s in a thread beside the weights, which
-        # the interpreter's lock serialises with the build), so it is a phase of its own
+        # a phase of its own, so that a slow first import shows in the log (transformers takes seconds; it is imported
+        # only for a tokenizer folder that diffulex.tokenizer cannot build itself)
         load_tokenizer = importlib.import_module(TOKENIZER_MODULE).load_tokenizer
         build.done("tokenizer import")
         tokenizer = load_tokenizer(config.tokenizer_path or config.model)

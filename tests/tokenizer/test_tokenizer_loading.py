@@ -1,4 +1,5 @@
-"""Tokenizers load without remote code, give the real Qwen ids, and yield the engine's stop and mask ids."""
+"""Tokenizers load without remote code (and without transformers where the folder allows), give the real Qwen ids,
+yield the engine's stop and mask ids, and name what is wrong with a folder they cannot load."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 
 from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
 from diffulex.testing.checkpoints import sdar_reference_dir
-from diffulex.tokenizer import build_qwen2_tokenizer, load_tokenizer, resolve_mask_token_id, stop_token_ids
+from diffulex.tokenizer import (
+    CheckpointTokenizer,
+    build_qwen2_tokenizer,
+    load_tokenizer,
+    resolve_mask_token_id,
+    stop_token_ids,
+)
 
 HELLO = "Hello world, 你好<|im_end|>"
 HELLO_IDS = [9707, 1879, 11, 220, 108386, 151645]
@@ -59,7 +66,8 @@ def test_the_real_sdar_config_gives_mask_and_stop_ids():
     assert stop_token_ids(tok, real) == {151643, 151645}
 
 
-def test_the_fallback_bpe_builder_matches_autotokenizer(qwen, qwen_dir):
+def test_a_vocabulary_only_folder_is_built_by_diffulex_as_qwen2_bpe(qwen, qwen_dir):
+    assert isinstance(qwen, CheckpointTokenizer) and qwen.source.startswith("vocab.json + merges.txt")
     built = build_qwen2_tokenizer(qwen_dir)
     text = (
         "Hello world, 你好<|im_end|>\n  def f(x):\n\treturn x ** 2  # 1234567 café naïve ﬁ\r\n\n"
@@ -176,3 +184,61 @@ def test_the_fallback_builder_names_missing_files(tmp_path):
     (tmp_path / "vocab.json").write_text("{}")
     with pytest.raises(ValueError, match="merges.txt"):
         build_qwen2_tokenizer(tmp_path)
+
+
+# ----- folders diffulex does not build go to transformers, and the log says which loader was used -------------
+
+
+def _gpt2_vocabulary_folder(tiny_dir: Path, folder: Path) -> Path:
+    """The tiny BPE as GPT-2 writes it (vocab.json + merges.txt of class GPT2Tokenizer): not a Qwen2 layout."""
+    model = json.loads((tiny_dir / "tokenizer.json").read_text())["model"]
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    return folder
+
+
+def test_a_vocabulary_of_another_tokenizer_class_loads_through_transformers(tiny_dir, tmp_path, caplog):
+    folder = _gpt2_vocabulary_folder(tiny_dir, tmp_path / "gpt2")
+    with caplog.at_level("INFO", logger="diffulex"):
+        tok = load_tokenizer(folder)
+    assert not isinstance(tok, CheckpointTokenizer)
+    assert "transformers'" in caplog.text and "'GPT2Tokenizer', not a Qwen2-style one" in caplog.text
+    assert tok.decode(tok.encode("The old lighthouse", add_special_tokens=False)) == "The old lighthouse"
+
+
+def test_the_log_names_diffulex_and_the_files_it_built_from(tiny_dir, caplog):
+    with caplog.at_level("INFO", logger="diffulex"):
+        load_tokenizer(tiny_dir)
+    assert f"tokenizer of {tiny_dir}: diffulex's, from tokenizer.json" in caplog.text
+
+
+def test_a_sentencepiece_only_folder_goes_to_transformers_and_its_failure_is_named(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05not a real sentencepiece model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(tmp_path)
+    message = str(err.value)
+    assert "neither a tokenizer.json nor vocab.json + merges.txt" in message
+    assert "AutoTokenizer failed" in message and "tokenizer.model" in message
+
+
+def test_a_declared_added_token_id_that_contradicts_the_vocabulary_is_named(tiny_dir, tmp_path):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", drop_mask=False)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {"5": {"content": "<|im_end|>", "special": True}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'<\|im_end\|>' has id 5, but the vocabulary gives it id 378"):
+        load_tokenizer(folder)
+
+
+def test_a_declared_special_token_the_vocabulary_lacks_is_added_after_it(tiny_dir, tmp_path):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", drop_mask=False)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = [*config.get("extra_special_tokens", []), "<|tool|>"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    assert len(tok) == 381 and tok.convert_tokens_to_ids("<|tool|>") == 380
+    assert tok.decode(tok.encode("a<|tool|>b"), skip_special_tokens=True) == "ab"
