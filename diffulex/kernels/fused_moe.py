@@ -78,12 +78,13 @@ _SPREAD = 2
 
 def config_for(num_pairs: int, num_experts: int) -> FusedMoEConfig:
     """The config of a layer whose ``num_pairs`` token-expert pairs fall on ``num_experts`` experts. Not yet
-    measured per geometry (`bench/fused_moe_bench.py` prints what each config gives): 64 columns per program and
+    measured per geometry (`bench/fused_moe_bench.py` times other configs beside it): 64 columns per program and
     128-wide reduction tiles, the skinny GEMM's measured choice for weight streams of this size
-    (`diffulex.kernels.skinny_gemm`), and the row tile of `_BLOCK_M_STEPS`."""
+    (`diffulex.kernels.skinny_gemm`); three pipeline stages, so that two gate_up programs (a gate and an up tile
+    per stage) share an SM's shared memory; and the row tile of `_BLOCK_M_STEPS`."""
     busiest = triton.cdiv(num_pairs * _SPREAD, max(1, num_experts))
     block_m = next((m for m in _BLOCK_M_STEPS if m >= busiest), _BLOCK_M_STEPS[-1])
-    return FusedMoEConfig(block_m, 64, 64, 128, 4, 4)
+    return FusedMoEConfig(block_m, 64, 64, 128, 4, 3)
 
 
 # (experts, hidden, inter, top_k) -> the most rows of a step at which the fused kernels measured faster than the
@@ -111,7 +112,7 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + active * (block_m - 1)) // block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
     experts_ptr,  # [num_pairs] int32/int64 expert of each pair; outside [0, num_experts): skipped
     sorted_ptr,  # [max_tiles * BLOCK_M] int32: the pair of each padded row (num_pairs on padding rows)
@@ -140,7 +141,7 @@ def _align_kernel(
         tl.store(num_tiles_ptr, tl.sum(padded, axis=0) // BLOCK_M)
     release_dependents(USE_PDL)
     if mine > 0:
-        placed = 0
+        placed = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, num_pairs, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)
             ids = tl.load(experts_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
@@ -166,12 +167,13 @@ def _tile_rows(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _mma(acc, a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc += a @ b^T`` (``a [BLOCK_M, BLOCK_K]``, ``b [BLOCK_N, BLOCK_K]``) with float32 accumulation."""
+def _mma(acc, w, a, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += w @ a^T`` (``w [BLOCK_N, BLOCK_K]`` weights, ``a [BLOCK_M, BLOCK_K]`` rows; ``acc [BLOCK_N,
+    BLOCK_M]``) with float32 accumulation. The weight tile is the MMA's large side, as in the skinny GEMM."""
     if UPCAST:
+        w = w.to(tl.float32)
         a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -210,8 +212,8 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     gate_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     up_offset = inter.to(tl.int64) * stride_wn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs, mask=ok[:, None], other=0.0)
@@ -222,14 +224,15 @@ def _gate_up_kernel(
             xv = tl.load(x_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
             u = tl.load(gate_ptrs + up_offset, mask=k_ok[None, :], other=0.0)
-        acc_gate = _mma(acc_gate, xv, g, UPCAST, PRECISION)
-        acc_up = _mma(acc_up, xv, u, UPCAST, PRECISION)
+        acc_gate = _mma(acc_gate, g, xv, UPCAST, PRECISION)
+        acc_up = _mma(acc_up, u, xv, UPCAST, PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
     release_dependents(USE_PDL)
     out_dtype: tl.constexpr = act_ptr.dtype.element_ty
     # the two products rounded as a GEMM stores them, then SiLU-and-mul's roundings
-    act = silu_mul_rounded(cast_rne(acc_gate, out_dtype), cast_rne(acc_up, out_dtype), out_dtype, PRECISE_EXP)
+    gate = cast_rne(tl.trans(acc_gate), out_dtype)
+    act = silu_mul_rounded(gate, cast_rne(tl.trans(acc_up), out_dtype), out_dtype, PRECISE_EXP)
     act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * inter + offs_n[None, :]
     tl.store(act_ptrs, act, mask=(offs_n < inter)[None, :])
 
@@ -266,7 +269,7 @@ def _down_kernel(
     cols = offs_n % hidden
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * inter + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -275,12 +278,12 @@ def _down_kernel(
             k_ok = (k + offs_k) < inter
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        acc = _mma(acc, a, w, UPCAST, PRECISION)
+        acc = _mma(acc, w, a, UPCAST, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     release_dependents(USE_PDL)
     route = tl.load(route_ptr + pair, mask=ok, other=0.0)
-    y = cast_rne(acc, act_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
+    y = cast_rne(tl.trans(acc), act_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
     out_ptrs = per_pair_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :]
     tl.store(out_ptrs, y, mask=ok[:, None] & (offs_n < hidden)[None, :])
 
