@@ -157,6 +157,19 @@ def test_the_static_paths_replay_in_a_cuda_graph_gpu(impl):
     torch.testing.assert_close(out.float(), moe.reference(x).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the path choice on CUDA")
+def test_decode_steps_take_the_fused_kernels_and_larger_steps_the_grouped_gemm_gpu():
+    """Stacked bf16 experts: the fused kernels while the busiest expert's expected pairs fit one tile
+    (`fused_wins`), the grouped GEMM (or every expert, without one) beyond."""
+    moe = make_moe(dtype=torch.bfloat16).cuda()
+    merge_projections(moe)
+    decode = torch.randn(4, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert moe._impl_for(decode) == "fused"
+    prefill = torch.randn(4096, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert moe._impl_for(prefill) == ("grouped" if grouped_mm_supported(prefill) else "dense")
+    assert moe._impl_for(decode.float()) != "fused"  # float32 stays on the torch paths
+
+
 def test_experts_with_a_hook_run_as_modules_so_the_hook_applies():
     """A per-forward LoRA on one expert changes the output only if that expert runs as its module."""
     moe = make_moe()
