@@ -367,7 +367,8 @@ class SparseMoE(nn.Module):
         from diffulex.kernels.fused_moe import fused_wins
 
         inter, hidden = self.stack.down.shape[2], self.stack.down.shape[1]
-        return fused_wins(x.shape[0], self.top_k, len(self.experts), hidden, inter)
+        # the pairs per expert are the same on every rank of an expert-parallel group: the whole layer's count
+        return fused_wins(x.shape[0], self.top_k, self.num_experts, hidden, inter)
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stack.gate_up is None or self.stack.down is None:
