@@ -136,12 +136,17 @@ def test_two_ranks_add_up_to_the_whole_layer() -> None:
 
 
 def test_experts_without_pairs_are_left_out() -> None:
-    """Only experts 1 and 5 are chosen: the others get no tile, and the sum is still right."""
+    """Only experts 1 and 5 are chosen: the others get no tile, so their weights (NaN here) are never used, and
+    the sum is still right."""
     gate_up, down = stacked(torch.float32, seed=3)
     x, weights, _ = routed(9, 2, seed=3)
     experts = torch.tensor([[1, 5]] * 9, device=DEVICE)
+    expected = definition(x, weights, experts, gate_up, down)
+    unused = [e for e in range(EXPERTS) if e not in (1, 5)]
+    gate_up[unused] = float("nan")
+    down[unused] = float("nan")
     out = fused_moe(x, weights, experts, gate_up, down)
-    assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
+    assert_close_up_to_reordering(out, expected, HIDDEN + INTER + 2)
 
 
 def test_every_pair_on_one_expert_spans_several_tiles() -> None:
