@@ -333,9 +333,9 @@ def _resolve_device(config: Config) -> torch.device:
 
 def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str, model_name: str) -> None:
     """``moe_gemm_impl`` on the model's MoE layers: ``triton`` (the default) leaves each layer its own choice (the
-    grouped GEMM on Hopper in bf16, else every expert; a Triton MoE kernel is to come), ``naive`` takes the
-    reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` names kernels that are not
-    a dependency: refused for a model with MoE layers (a dense model has nothing it would change)."""
+    fused Triton kernels at decode row counts, the grouped GEMM on Hopper in bf16, else every expert), ``naive``
+    takes the reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` names kernels
+    that are not a dependency: refused for a model with MoE layers (a dense model has nothing it would change)."""
     from diffulex.layers.moe import SparseMoE
 
     layers = [module for module in model.modules() if isinstance(module, SparseMoE)]

@@ -7,10 +7,16 @@ loader and LoRA address them by those names, so each expert stays a module of it
 ``[experts, hidden, inter]`` for down) and turns each expert's weights into views of them, as
 `diffulex.layers.linear.MergedProjection` does for q/k/v.
 
-Three ways to run the experts, all giving the result of `SparseMoE.reference` up to rounding:
+Four ways to run the experts, all giving the result of `SparseMoE.reference` up to rounding:
+* ``"fused"``: `diffulex.kernels.fused_moe`, the Triton kernels for decode-sized steps over the stacked weights:
+  the pairs sorted and padded to row tiles on the device, gate_up with SiLU-and-mul in its epilogue, down with
+  the router weight applied, the top-k slots summed in a fixed order. Graph-safe; it streams each selected
+  expert's weights once per row tile. Used on CUDA with triton in bf16/fp16 while the rows are decode-sized
+  (`diffulex.kernels.fused_moe.fused_wins`).
 * ``"grouped"``: the token-expert pairs sorted by expert, two grouped GEMMs (``torch._grouped_mm``) over the
   stacked weights. Every shape is static and nothing syncs with the host, so a CUDA graph can capture it; it reads
-  only the weights of experts that have tokens. Used on CUDA devices whose grouped GEMM supports the dtype.
+  only the weights of experts that have tokens. Used on CUDA devices whose grouped GEMM supports the dtype, for
+  the steps the fused kernels do not take.
 * ``"dense"``: every expert over every token, weighted by the routing (zero for experts not chosen). Also static,
   but it reads every expert: the graph-safe fallback of other CUDA devices, and of experts a LoRA hook keeps
   unstacked (they run as modules then, so the hook applies).
@@ -39,10 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import ColumnParallelLinear, JoinedWeights, ReplicatedLinear, RowParallelLinear
 from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
 
-MOE_IMPLS = ("grouped", "dense", "loop")
+MOE_IMPLS = ("fused", "grouped", "dense", "loop")
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +304,9 @@ class SparseMoE(nn.Module):
         decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
         weights, experts = self.gate.route(x)
         impl = self.impl or self._impl_for(x)
-        if impl == "grouped":
+        if impl == "fused":
+            out = self._fused(x, weights, experts)
+        elif impl == "grouped":
             out = self._grouped(x, weights, experts)
         elif impl == "dense":
             out = self._dense(x, weights, experts)
@@ -340,10 +349,26 @@ class SparseMoE(nn.Module):
     def _impl_for(self, x: torch.Tensor) -> str:
         """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop on
         the CPU; on CUDA every expert over every token (``dense``, which calls the modules when unstacked), which a
-        CUDA graph can capture."""
+        CUDA graph can capture. Stacked ones on CUDA take the fused kernels where they win, else the grouped
+        GEMM where this torch has one."""
         if not x.is_cuda:
             return "loop"
-        return "grouped" if self.stack.gate_up is not None and grouped_mm_supported(x) else "dense"
+        if self.stack.gate_up is None or self.stack.down is None:
+            return "dense"
+        if self._fused_wins(x):
+            return "fused"
+        return "grouped" if grouped_mm_supported(x) else "dense"
+
+    def _fused_wins(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernels take this step: triton present, a half-precision input outside autograd and
+        ``torch.compile`` tracing (`use_fused_kernels`), and a row count `fused_wins` gives them."""
+        if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or not use_fused_kernels(x):
+            return False
+        from diffulex.kernels.fused_moe import fused_wins
+
+        inter, hidden = self.stack.down.shape[2], self.stack.down.shape[1]
+        # the pairs per expert are the same on every rank of an expert-parallel group: the whole layer's count
+        return fused_wins(x.shape[0], self.top_k, self.num_experts, hidden, inter)
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stack.gate_up is None or self.stack.down is None:
@@ -377,6 +402,15 @@ class SparseMoE(nn.Module):
         if mine is not None:  # rows past the last group are never written: select, not multiply, them away
             per_slot = torch.where(mine.unsqueeze(-1), per_slot, 0.0)
         return self.expert_tp.all_reduce(self._combine(per_slot, weights, x.dtype))
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The Triton kernels over the stacked weights; another rank's pairs fall outside this rank's local
+        indices, which the kernels skip (as `_grouped` masks them)."""
+        from diffulex.kernels.fused_moe import fused_moe
+
+        gate_up, down = self._stacked()
+        local = experts - self.experts.owned.start if len(self.experts) != self.num_experts else experts
+        return self.expert_tp.all_reduce(fused_moe(x, weights, local, gate_up, down))
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked

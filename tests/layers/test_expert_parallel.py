@@ -9,6 +9,7 @@ another rank's experts, or missing its own, is off by a whole expert's contribut
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -50,7 +51,15 @@ ROWS = 13
 # gate/up over HIDDEN, down over INTER, the weighted sum over TOP_K, and the sum over the ranks
 MOE_TERMS = HIDDEN + INTER + TOP_K + WORLD
 SHARED_TERMS = HIDDEN + SHARED_INTER + 1
-IMPLS = [impl for impl in MOE_IMPLS if impl != "grouped" or grouped_mm_supported(torch.zeros(1))]
+# The ranks run on the CPU: the grouped GEMM where this torch has a CPU kernel, the fused Triton kernels under the
+# Triton interpreter only (the ranks inherit TRITON_INTERPRET; tests/kernels/test_fused_moe.py checks their
+# skipping of other ranks' pairs either way).
+IMPLS = [
+    impl
+    for impl in MOE_IMPLS
+    if (impl != "grouped" or grouped_mm_supported(torch.zeros(1)))
+    and (impl != "fused" or os.environ.get("TRITON_INTERPRET") == "1")
+]
 
 ROUTERS: dict[str, Callable[[], torch.nn.Module]] = {
     "softmax": lambda: SoftmaxRouter(HIDDEN, EXPERTS, TOP_K, normalize=True),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,9 @@ HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 6, 2
 # An expert's output chains three float32 reductions (gate/up over HIDDEN, down over INTER, the weighted sum over
 # TOP_K); the paths differ only in their order.
 MOE_TERMS = HIDDEN + INTER + TOP_K
+# The fused Triton kernels run CPU tensors only under the Triton interpreter (which tests/kernels/conftest.py turns
+# on without a GPU); tests/kernels/test_fused_moe.py checks them through this layer either way.
+CPU_IMPLS = [impl for impl in MOE_IMPLS if impl != "fused" or os.environ.get("TRITON_INTERPRET") == "1"]
 
 
 def skip_without_grouped_mm(impl: str) -> None:
@@ -57,7 +62,7 @@ def test_route_scores_in_float32_whatever_the_input_dtype():
     assert weights.dtype == torch.float32
 
 
-@pytest.mark.parametrize("impl", MOE_IMPLS)
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_every_path_equals_the_token_by_token_definition(impl, merged, normalize):
@@ -70,7 +75,7 @@ def test_every_path_equals_the_token_by_token_definition(impl, merged, normalize
     assert_close_up_to_reordering(moe(x), moe.reference(x), MOE_TERMS)
 
 
-@pytest.mark.parametrize("impl", MOE_IMPLS)
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 def test_experts_without_tokens_are_skipped_cleanly(impl):
     """A router that sends every token to the same two experts leaves the others empty (zero-length groups)."""
     skip_without_grouped_mm(impl)
@@ -123,8 +128,8 @@ def test_experts_with_a_forward_hook_stay_separate():
 
 def test_an_unknown_impl_is_refused_by_name():
     moe = make_moe()
-    moe.impl = "fused"
-    with pytest.raises(ValueError, match="moe impl must be one of grouped, dense, loop, got 'fused'"):
+    moe.impl = "fast"
+    with pytest.raises(ValueError, match="moe impl must be one of fused, grouped, dense, loop, got 'fast'"):
         moe(torch.randn(2, HIDDEN))
 
 
@@ -134,10 +139,10 @@ def test_top_k_beyond_the_experts_is_refused():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("impl", ["fused", "grouped", "dense"])
 def test_the_static_paths_replay_in_a_cuda_graph_gpu(impl):
-    """Neither static path asks the host anything, so a captured graph replays them with new inputs."""
-    dtype = torch.bfloat16 if impl == "grouped" else torch.float32
+    """No static path asks the host anything, so a captured graph replays them with new inputs."""
+    dtype = torch.float32 if impl == "dense" else torch.bfloat16
     moe = make_moe(dtype=dtype).cuda()
     merge_projections(moe)
     moe.impl = impl
@@ -150,6 +155,19 @@ def test_the_static_paths_replay_in_a_cuda_graph_gpu(impl):
     graph.replay()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), moe.reference(x).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the path choice on CUDA")
+def test_decode_steps_take_the_fused_kernels_and_larger_steps_the_grouped_gemm_gpu():
+    """Stacked bf16 experts: the fused kernels while the busiest expert's expected pairs fit one tile
+    (`fused_wins`), the grouped GEMM (or every expert, without one) beyond."""
+    moe = make_moe(dtype=torch.bfloat16).cuda()
+    merge_projections(moe)
+    decode = torch.randn(4, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert moe._impl_for(decode) == "fused"
+    prefill = torch.randn(4096, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert moe._impl_for(prefill) == ("grouped" if grouped_mm_supported(prefill) else "dense")
+    assert moe._impl_for(decode.float()) != "fused"  # float32 stays on the torch paths
 
 
 def test_experts_with_a_hook_run_as_modules_so_the_hook_applies():

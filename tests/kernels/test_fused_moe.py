@@ -1,0 +1,227 @@
+"""The fused MoE kernels against `SparseMoE.reference`, the token-by-token definition, on the CPU under the Triton
+interpreter (small shapes) and natively on a GPU.
+
+float32 must agree to the rounding of a different summation order; bf16 to the rounding of its intermediates
+(the kernels round where the reference's separate GEMMs and activation round, so a difference is an
+intermediate that lands on the other side of a rounding boundary, a few units in the last place of the output).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels.fused_moe import (
+    FusedMoEConfig,
+    config_for,
+    fused_moe,
+    fused_wins,
+    max_tiles,
+)
+from diffulex.layers import merge_projections
+from diffulex.layers.moe import SoftmaxRouter, SparseMoE
+from diffulex.testing.tolerance import assert_close_up_to_reordering
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER, EXPERTS = 64, 32, 8
+# bf16 outputs may differ from the reference by this many units in the last place of the largest output
+BF16_ULPS = 4
+
+
+def make_moe(top_k: int, dtype: torch.dtype, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(HIDDEN, INTER, SoftmaxRouter(HIDDEN, EXPERTS, top_k, normalize=True))
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.3)
+    moe = moe.to(DEVICE, dtype)
+    assert merge_projections(moe) == 1
+    moe.impl = "fused"
+    return moe
+
+
+def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor, top_k: int) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if expected.dtype == torch.float32:
+        assert_close_up_to_reordering(out, expected, HIDDEN + INTER + top_k)
+    else:
+        atol = BF16_ULPS * torch.finfo(expected.dtype).eps * expected.float().abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("top_k", [2, 4])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_equals_the_token_by_token_definition(rows: int, top_k: int, dtype: torch.dtype) -> None:
+    moe = make_moe(top_k, dtype, seed=rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    assert_matches_reference(moe(x), moe.reference(x), top_k)
+
+
+def test_bf16_rounds_like_the_reference_not_like_float32_math() -> None:
+    """The kernels round their intermediates to bf16 where the reference does: the output is nearer the bf16
+    reference than the float32 computation of the same weights is."""
+    moe = make_moe(2, torch.bfloat16, seed=7)
+    x = torch.randn(33, HIDDEN, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+    expected = moe.reference(x).float()
+    out = moe(x).float()
+    exact = make_moe(2, torch.float32, seed=7)
+    with torch.no_grad():
+        for mine, theirs in zip(exact.parameters(), moe.parameters(), strict=True):
+            mine.copy_(theirs.float())
+    unrounded = exact.reference(x.float())
+    assert (out - expected).abs().max() < (unrounded - expected).abs().max()
+
+
+def test_a_step_is_deterministic() -> None:
+    moe = make_moe(4, torch.bfloat16)
+    x = torch.randn(33, HIDDEN, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    assert torch.equal(moe(x), moe(x))
+
+
+def stacked(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.3
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.3
+    return gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype)
+
+
+def definition(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``sum_j w[t, j] * down_e(silu(gate_e x) * up_e x)`` over the slots whose expert is in range."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            if 0 <= e < gate_up.shape[0]:
+                h = gate_up[e].float() @ x[t].float()
+                act = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+                out[t] += weights[t, j] * (down[e].float() @ act)
+    return out
+
+
+def routed(rows: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, HIDDEN, generator=gen)
+    experts = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(rows)])
+    weights = torch.rand(rows, top_k, generator=gen)
+    return x.to(DEVICE), weights.to(DEVICE), experts.to(DEVICE)
+
+
+def test_pairs_of_experts_not_held_here_are_skipped() -> None:
+    """Expert parallelism: a rank holding experts 3..6 gets global indices minus 3; pairs outside [0, 4) are
+    another rank's and add nothing, and the rest sum as if only those slots were chosen."""
+    gate_up, down = stacked(torch.float32)
+    x, weights, experts = routed(33, 4, seed=1)
+    local = experts - 3
+    held_gate_up, held_down = gate_up[3:7], down[3:7]
+    out = fused_moe(x, weights, local, held_gate_up, held_down)
+    expected = definition(x, weights, local, held_gate_up, held_down)
+    assert_close_up_to_reordering(out, expected, HIDDEN + INTER + 4)
+    owned = (local >= 0) & (local < 4)
+    assert owned.any() and not owned.all()
+    # rows whose every pair is elsewhere come out exactly zero
+    elsewhere = ~owned.any(dim=1)
+    assert torch.equal(out[elsewhere], torch.zeros_like(out[elsewhere]))
+
+
+def test_two_ranks_add_up_to_the_whole_layer() -> None:
+    gate_up, down = stacked(torch.float32, seed=2)
+    x, weights, experts = routed(13, 3, seed=2)
+    whole = fused_moe(x, weights, experts, gate_up, down)
+    halves = fused_moe(x, weights, experts, gate_up[:4], down[:4])
+    halves += fused_moe(x, weights, experts - 4, gate_up[4:], down[4:])
+    assert_close_up_to_reordering(halves, whole, HIDDEN + INTER + 3 + 1)
+
+
+def test_experts_without_pairs_are_left_out() -> None:
+    """Only experts 1 and 5 are chosen: the others get no tile, so their weights (NaN here) are never used, and
+    the sum is still right."""
+    gate_up, down = stacked(torch.float32, seed=3)
+    x, weights, _ = routed(9, 2, seed=3)
+    experts = torch.tensor([[1, 5]] * 9, device=DEVICE)
+    expected = definition(x, weights, experts, gate_up, down)
+    unused = [e for e in range(EXPERTS) if e not in (1, 5)]
+    gate_up[unused] = float("nan")
+    down[unused] = float("nan")
+    out = fused_moe(x, weights, experts, gate_up, down)
+    assert_close_up_to_reordering(out, expected, HIDDEN + INTER + 2)
+
+
+def test_every_pair_on_one_expert_spans_several_tiles() -> None:
+    """33 rows all sending both slots to expert 6: 66 pairs on one expert, more than one 16-row tile."""
+    gate_up, down = stacked(torch.float32, seed=4)
+    x, weights, _ = routed(33, 2, seed=4)
+    experts = torch.full((33, 2), 6, device=DEVICE)
+    cfg = FusedMoEConfig(16, 16, 16, 32, 4, 2)
+    out = fused_moe(x, weights, experts, gate_up, down, config=cfg)
+    assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
+
+
+def test_column_blocks_wider_than_the_matrices_are_clamped() -> None:
+    gate_up, down = stacked(torch.float32, seed=5)
+    x, weights, experts = routed(4, 2, seed=5)
+    cfg = FusedMoEConfig(32, 64, 128, 128, 4, 2)
+    out = fused_moe(x, weights, experts, gate_up, down, config=cfg)
+    assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
+
+
+def test_no_rows_give_an_empty_output() -> None:
+    gate_up, down = stacked(torch.float32)
+    x = torch.zeros(0, HIDDEN, device=DEVICE)
+    experts = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    assert fused_moe(x, experts.float(), experts, gate_up, down).shape == (0, HIDDEN)
+
+
+def test_mismatched_operands_are_refused_by_name() -> None:
+    gate_up, down = stacked(torch.float32)
+    x, weights, experts = routed(3, 2, seed=0)
+    with pytest.raises(ValueError, match=r"down must be \[8, 64, 32\] to match gate_up, got \(8, 32, 64\)"):
+        fused_moe(x, weights, experts, gate_up, down.transpose(1, 2))
+    with pytest.raises(ValueError, match="gate_up and down must be torch.float32 like x"):
+        fused_moe(x, weights, experts, gate_up.half(), down.half())
+    with pytest.raises(ValueError, match=r"route_weights must be \(3, 2\) like experts, got \(3, 1\)"):
+        fused_moe(x, weights[:, :1], experts, gate_up, down)
+    with pytest.raises(ValueError, match="config block_m must be a power of two >= 16, got 8"):
+        fused_moe(x, weights, experts, gate_up, down, config=FusedMoEConfig(8, 16, 16, 32, 4, 2))
+
+
+def test_the_tile_bound_covers_the_worst_padding() -> None:
+    """Every active expert wastes at most block_m - 1 rows: the bound is reached by one pair per expert."""
+    assert max_tiles(32, 128, 16) == 32  # 32 experts with one pair each
+    assert max_tiles(66, 8, 16) == (66 + 8 * 15) // 16
+    for pairs, experts, block_m in [(1, 8, 16), (100, 3, 32), (8192, 256, 64)]:
+        worst = sum(-(-c // block_m) for c in spread(pairs, min(experts, pairs)))
+        assert max_tiles(pairs, experts, block_m) >= worst
+
+
+def spread(pairs: int, experts: int) -> list[int]:
+    """Pairs dealt one by one over the experts (every expert's count ends with a partial tile)."""
+    return [pairs // experts + (1 if i < pairs % experts else 0) for i in range(experts)]
+
+
+def test_the_row_tile_grows_with_the_pairs_per_expert() -> None:
+    assert config_for(32, 128).block_m == 16  # SDAR-30B-A3B, one request: one tile per expert
+    assert config_for(8192, 256).block_m == 64  # LLaDA2-mini, 32 requests of 32 rows
+    assert config_for(10**6, 8).block_m == 64  # never beyond the largest tile
+
+
+def test_the_fused_path_takes_decode_steps_and_leaves_prefill_to_the_grouped_gemm() -> None:
+    assert fused_wins(4, 8, 128, 2048, 768)  # SDAR-30B-A3B batch 1
+    assert fused_wins(1024, 8, 256, 2048, 512)  # LLaDA2-mini batch 32, block 32
+    assert not fused_wins(4096, 8, 128, 2048, 768)  # a prefill chunk
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_step_replays_with_new_routing_gpu() -> None:
+    """Nothing in the four launches asks the host: a graph captured on one routing computes another's."""
+    moe = make_moe(4, torch.bfloat16)
+    x = torch.randn(33, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    moe(x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    x.copy_(torch.randn(33, HIDDEN, device="cuda", dtype=torch.bfloat16) * 3)
+    graph.replay()
+    assert_matches_reference(out.clone(), moe.reference(x), 4)
