@@ -265,6 +265,23 @@ class Request:
             start -= 1
         return start, end
 
+    def store_only_end(self) -> int | None:
+        """End of the leading rows of `query_range` that only store K/V (the uncached committed prefix before the
+        running set, or the whole prefill chunk), when this step has any and they may run in a forward of their
+        own before the rest (`diffulex.engine.prefill_graphs`); else None.
+
+        Nothing is sampled from those rows, and under block-causal attention (which the caller checks) their K/V
+        do not depend on the rows after them: the rest of the step may read them from the cache instead. The
+        same holds for a request that computes its prompt in chunks, so a subclass that cannot
+        (`supports_prefill_chunks`) cannot split its rows either.
+        """
+        if not self.supports_prefill_chunks:
+            return None
+        if self.prefill_chunk_end is not None:
+            return self.prefill_chunk_end
+        end = self.prefill_end
+        return end if end > self.num_cached_tokens else None
+
     def keys_end(self) -> int | None:
         """End of the keys this step's rows attend to, when it lies past `query_range`: the keys after the rows are
         then read from the cache (`stored_len` covers them). None: the keys end with the rows."""
