@@ -414,7 +414,7 @@ class DecodeGraphs:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
         device_part, host_part = self._copy_pairs[bucket][buffer]
         if self._snapshot_uploads and host_part.is_pinned():
-            host_part = torch.empty_like(host_part, pin_memory=True).copy_(host_part)
+            host_part = torch.empty(host_part.shape, dtype=host_part.dtype, pin_memory=True).copy_(host_part)
         device_part.copy_(host_part, non_blocking=True)
         if self.soft_inputs is not None:
             self.soft_inputs.upload(self.shape.bucket_rows(bucket), buffer)

@@ -88,8 +88,9 @@ class ModelRunner:
         self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
         self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, one request a replay
         self._replayed: _ReplayedStep | None = None
-        # launches through the eager forward so far: with `graph_replays`, what share of the steps a benchmark times
-        # ran on the graph path (on the CPU's uncaptured static path, which steps left it)
+        # steps launched so far (continuations included), and those of them through the eager forward: what share of
+        # the steps a benchmark times ran on the graph path (on the CPU's uncaptured static path, which left it)
+        self.launched_steps = 0
         self.eager_steps = 0
 
     # ----- KV cache ---------------------------------------------------------------------------------------
@@ -238,6 +239,7 @@ class ModelRunner:
         self.out_of_step = False
         pending = self._launch(batch, micro_batch)
         self.out_of_step = False
+        self.launched_steps += 1
         return pending
 
     def _plan(self, batch: list[Request]) -> tuple[list[tuple[StepInputs, int]], StepInputs, DecodeGraphs | None,
@@ -343,6 +345,7 @@ class ModelRunner:
                                            num_rows=num_rows))  # fmt: skip
         hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
+        self.launched_steps += 1
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
