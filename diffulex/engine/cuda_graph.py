@@ -18,7 +18,10 @@ that do not; a padded request's key end is 0 (none past its rows). With a ``row_
 when its rows do (each request still within ``max_query_len``, the attention kernels' bound), which serves a
 strategy whose requests mostly compute fewer rows than the widest one (`Strategy.short_step_rows`).
 
-Prefill chunks, rebuilds after preemption and anything larger run eagerly.
+A step that carries a prompt (a new request's uncached prefix, a prefill chunk, a rebuild after preemption) does
+not fit as a whole: its store-only prompt rows replay the prefill graphs first (`diffulex.engine.prefill_graphs`,
+one-request sets of this class), and the rest of the step, reading that prefix from the cache, replays here.
+Anything larger runs eagerly.
 
 DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
 per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself.
