@@ -139,6 +139,24 @@ def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(pea
     assert replays.prefills_before_a_decode_of(min_requests=8) >= 3, "chunks replayed beside the eight decoders"
 
 
+def test_chunks_of_a_prompt_alone_are_steps_of_prefill_replays_only(peaky_sdar_dir: Path) -> None:
+    """Without decoders beside it a chunk takes the whole budget; a chunk samples nothing, so its step is its
+    prefill replay and no decode graph."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [70], seed=45)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=1)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, GREEDY, gap=1)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps == 0
+    kinds = [kind for kind, _, _ in replays.events]
+    assert kinds[:4] == ["prefill"] * 4, "four chunks of 16 rows, each a step of its own"
+    assert [part.num_tokens for part in replays.prefills[:4]] == [16] * 4
+
+
 def test_a_prefix_cache_hit_replays_its_uncached_tail_in_a_prefill_graph(peaky_sdar_dir: Path) -> None:
     family = shifted_sdar_family()
     for model_name in ("sdar", family.name):
