@@ -60,6 +60,17 @@ class SplitStep:
 
 
 @dataclass(frozen=True)
+class _StepPlan:
+    """How one step runs: its prefill replays in order, then ``step`` on ``graphs`` at ``bucket`` (None for no decode
+    replay: the prefills are the whole step, or without prefills the step is eager)."""
+
+    prefills: list[tuple[StepInputs, int]]
+    step: StepInputs
+    graphs: DecodeGraphs | None
+    bucket: int | None
+
+
+@dataclass(frozen=True)
 class _ReplayedStep:
     """The last step replayed with graph sampling: what `ModelRunner.launch_continuation` replays again."""
 
@@ -242,24 +253,22 @@ class ModelRunner:
         self.launched_steps += 1
         return pending
 
-    def _plan(self, batch: list[Request]) -> tuple[list[tuple[StepInputs, int]], StepInputs, DecodeGraphs | None,
-                                                    int | None]:  # fmt: skip
-        """``(prefills, step, graphs, bucket)``: the prefill replays a step makes first (`collect_split`), then the
-        step the decode graphs replay (``graphs`` and ``bucket``; None for none, when the prefills are the whole
-        batch) or, without prefills and bucket, the step the eager forward runs."""
+    def _plan(self, batch: list[Request]) -> _StepPlan:
+        """How the batch runs: its prefill replays (`collect_split`), then its step on the decode graphs, or
+        (without prefills and a bucket) through the eager forward."""
         split = self.collect_split(batch) if self.graphs is not None else None
         if split is not None:
-            if not split.rest.num_requests:
-                return split.prefills, split.rest, None, None
+            if split.prefills and not split.rest.num_requests:
+                return _StepPlan(split.prefills, split.rest, None, None)
             graphs, bucket = self._graphs_for(split.rest)
-            if bucket is not None:
-                return split.prefills, split.rest, graphs, bucket
+            if bucket is not None or not split.prefills:  # without prefills the rest is the whole step
+                return _StepPlan(split.prefills, split.rest, graphs, bucket)
         step = self.collect(batch)
-        graphs, bucket = self._graphs_for(step)
-        return [], step, graphs, bucket
+        return _StepPlan([], step, *self._graphs_for(step))
 
     def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
-        prefills, step, graphs, bucket = self._plan(batch)
+        plan = self._plan(batch)
+        prefills, step, graphs, bucket = plan.prefills, plan.step, plan.graphs, plan.bucket
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
         hidden = None
@@ -481,8 +490,8 @@ class ModelRunner:
         """The batch as prefill graphs and decode graphs run it (`diffulex.engine.prefill_graphs`): each request's
         store-only prefix as a step of its own, then the rest of every request as one step, where a request's rows
         start at the end of its prefix (a shifted family recomputes the row before, storing it again nowhere), the
-        prefix then read from the cache. None when no request has such a prefix, or one does not fit a prefill
-        bucket: the step runs unsplit."""
+        prefix then read from the cache. Without such prefixes the rest is `collect`'s step. None when a prefix
+        does not fit a prefill bucket, or the runner has no prefill graphs: the step runs unsplit."""
         if self.prefill_graphs is None or self.settings.prefix_full:  # prompt rows that see the whole prompt
             return None
         split = SplitStep()
@@ -501,7 +510,7 @@ class ModelRunner:
             if end > prefix_end:
                 rest_start = prefix_end - int(req.settings.logits_shift)
                 self._add_rows(split.rest, req, rest_start, end, prefix_end, req.sample_targets())
-        return split if split.prefills else None
+        return split
 
     def _add_rows(
         self, step: StepInputs, req: Request, start: int, end: int, store_from: int, targets: list[SampleTarget]

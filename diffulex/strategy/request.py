@@ -279,8 +279,11 @@ class Request:
             return None
         if self.prefill_chunk_end is not None:
             return self.prefill_chunk_end
+        cached = self.num_cached_blocks * self.settings.block_size
+        if self.running and self.running[0].start <= cached:  # a decoding request: nothing before its running set
+            return None
         end = self.prefill_end
-        return end if end > self.num_cached_tokens else None
+        return end if end > cached else None
 
     def keys_end(self) -> int | None:
         """End of the keys this step's rows attend to, when it lies past `query_range`: the keys after the rows are
