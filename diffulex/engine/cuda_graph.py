@@ -248,7 +248,7 @@ class DecodeGraphs:
         self._sample_outputs: dict[int, torch.Tensor] = {}
         self._sample_hidden: dict[int, list[torch.Tensor]] = {}  # the forward output each sampling graph reads
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
-        self._publish = _host_publisher(device) if self.capture_graphs else None
+        self._publish = _host_publisher(device) if self.capture_graphs and greedy_sample is not None else None
         self.num_replays = 0  # steps served by captured graphs (read by benchmarks; never read here)
 
     def fuses_forward(self, bucket: int) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex import SamplingParams
 from diffulex.engine.prefill_graphs import prefill_buckets
@@ -207,6 +208,21 @@ def test_d2f_whose_prompt_rows_see_the_whole_prompt_keeps_its_prompts_eager(tmp_
         eager_steps = llm.runner.eager_steps
     assert got == expected
     assert eager_steps >= 2, "each step carrying a prompt of full blocks ran eagerly"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
+def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, dtype="float32", device_start=0)
+    lengths = [9, 14, 21, 6, 17, 30, 12]
+    with make_engine(peaky_sdar_dir, enforce_eager=True, **fields) as eager:
+        prompts = random_prompts(eager, lengths, seed=41)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
+        runner = llm.runner
+        assert runner.prefill_graphs is not None and runner.eager_steps == 0
+        assert runner.prefill_replays >= len(lengths), "every prompt's rows replayed a captured prefill graph"
+    assert got == expected
 
 
 def test_a_prompt_longer_than_the_largest_prefill_graph_runs_its_step_eagerly(peaky_sdar_dir: Path) -> None:
