@@ -87,7 +87,8 @@ class Request:
     """The state of one request; created by the engine, advanced by scheduler, runner and sampler."""
 
     # Whether the scheduler may compute this request's uncached prompt prefix over several steps
-    # (`begin_prefill_chunk`). A subclass that chooses its own query range or stored blocks says False.
+    # (`begin_prefill_chunk`), and the runner its store-only prompt rows before the rest of a step on the graph path
+    # (`store_only_end`). A subclass that chooses its own query range or stored blocks says False.
     supports_prefill_chunks: ClassVar[bool] = True
 
     req_id: int
