@@ -83,8 +83,8 @@ PROFILERS = (None, "torch")
 INERT_FIELDS: dict[str, str] = {
     "k_cache_hdim_split_factor_x": "it shapes the 'distinct' KV layout, which is not implemented",
     "enable_vllm_layers": "vLLM is not a dependency; the layers are this package's own",
-    "enable_prefill_cudagraph": "prefill steps run eagerly",
-    "prefill_cudagraph_max_len": "prefill steps run eagerly",
+    "enable_prefill_cudagraph": "a step's prompt rows replay the prefill graphs that max_prefill_graph_tokens sizes",
+    "prefill_cudagraph_max_len": "a step's prompt rows replay the prefill graphs that max_prefill_graph_tokens sizes",
     "skip_warmup": "the warm-up always runs: it compiles the kernels so that no step pays a compile",
     "moe_dispatcher_backend": "expert parallelism combines the ranks' experts with one all-reduce, no dispatcher",
     "deepep_mode": "DeepEP is not a dependency; expert parallelism combines the experts with one all-reduce",
@@ -314,6 +314,11 @@ class Config:
     enable_cudagraph_torch_compile: bool = _field(False, "Compile the model forward before graph capture.")
     torch_compile_mode: str = _field("reduce-overhead", "Mode passed to torch.compile.", TORCH_COMPILE_MODES)
     enable_vllm_layers: bool = _field(True, "Use vLLM-backed common layers when vLLM is installed.")
+    max_prefill_graph_tokens: int = _field(
+        512,
+        "Most store-only prompt rows of one request that a step computes in a captured prefill graph before its "
+        "decode graph (block-causal strategies); longer ones run the step eagerly. 0 = off; else >= block_size + 1.",
+    )
     enable_prefill_cudagraph: bool = _field(False, "Capture CUDA graphs for prefill steps too.")
     prefill_cudagraph_max_len: int = _field(0, "Longest prefill captured in a CUDA graph (>= 0).")
     skip_warmup: bool = _field(False, "Skip the warmup forward at startup.")
@@ -620,6 +625,7 @@ class Config:
 
         check_choice("torch_compile_mode", self.torch_compile_mode, TORCH_COMPILE_MODES)
         check_int("prefill_cudagraph_max_len", self.prefill_cudagraph_max_len, low=0)
+        check_int("max_prefill_graph_tokens", self.max_prefill_graph_tokens, low=0)
         check_int("micro_batches", self.micro_batches, low=1, high=MAX_MICRO_BATCHES)
         check_int("auto_max_nfe_warmup_steps", self.auto_max_nfe_warmup_steps, low=1)
         self.auto_max_nfe_tpf_floor = check_number(
@@ -664,6 +670,13 @@ class Config:
         check_int("buffer_size", self.buffer_size, low=1)
         if self.block_size > self.page_size:
             raise invalid_value("block_size", self.block_size, f"must be <= page_size={self.page_size}")
+        least = self.block_size + 1  # one prompt block, and the cached row before it that a shifted family recomputes
+        if 0 < self.max_prefill_graph_tokens < least:
+            raise invalid_value(
+                "max_prefill_graph_tokens",
+                self.max_prefill_graph_tokens,
+                f"must be 0 (no prefill graphs) or >= block_size + 1 = {least} (one prompt block per replay)",
+            )
 
     def _resolve_strategy_options(self) -> None:
         """The strategy's options object (from ``strategy_options`` and the engine fields of its options' names).

@@ -501,6 +501,17 @@ def test_chunked_prefill_is_refused_for_a_strategy_whose_requests_do_not_chunk(t
         make(tmp_path, model_name="llada2", sampling_mode="edit", decoding_strategy="dmax", enable_chunked_prefill=True)
 
 
+def test_prefill_graphs_hold_one_prompt_block_and_a_row_or_are_off(tmp_path):
+    assert make(tmp_path, block_size=4).max_prefill_graph_tokens == 512
+    assert make(tmp_path, block_size=4, max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
+    assert make(tmp_path, block_size=4, max_prefill_graph_tokens=5).max_prefill_graph_tokens == 5
+    with pytest.raises(ValueError, match=r"^max_prefill_graph_tokens=4 is invalid: must be 0 \(no prefill graphs\) or "
+                       r">= block_size \+ 1 = 5"):
+        make(tmp_path, block_size=4, max_prefill_graph_tokens=4)
+    with pytest.raises(ValueError, match=r"^max_prefill_graph_tokens=-1 is invalid: must be an integer >= 0"):
+        make(tmp_path, max_prefill_graph_tokens=-1)
+
+
 def test_diffusion_gemma_skips_the_batched_tokens_check(tmp_path):
     cfg = make(tmp_path, model_name="diffusion_gemma", max_num_batched_tokens=512)
     assert cfg.max_num_batched_tokens == 512

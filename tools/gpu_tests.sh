@@ -14,7 +14,7 @@ start=$(date +%s)
 python -m pytest -n "$workers" --durations=12 -q -p no:warnings \
   tests/kernels tests/layers tests/models tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
   tests/engine/test_engine_matches_reference.py tests/engine/test_fast_dllm_v2_engine.py tests/engine/test_edit_mode.py \
-  tests/engine/test_static_soft_inputs.py \
+  tests/engine/test_static_soft_inputs.py tests/engine/test_prefill_graphs.py \
   tests/engine/test_fast_dllm_v2_graphs.py tests/engine/test_fast_dllm_v2_graphs_gpu.py \
   tests/strategy tests/test_plugins.py \
   > "$log_dir/gpu_tests.log" 2>&1

@@ -225,7 +225,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape, chunk_tokens: int) -> dict[str, Any]:
     """Decoders' step times alone, then beside a chunked prefill of the longest prompt (until its first token)."""
-    from diffulex.bench.throughput import _admit_until_decoding, random_prompts
+    from diffulex.bench.throughput import _admit_until_decoding, graphed_share, random_prompts, step_paths
 
     n = max(shape.prompt_lens)
     row: dict[str, Any] = {"model": model, "case": "beside chunked prefill", "prompt_len": n,
@@ -252,7 +252,9 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape, c
             return time.perf_counter() - t, updates
 
         sync(engine.device)
+        paths = step_paths(engine)
         alone = [timed_step()[0] for _ in range(shape.alone_steps)]
+        alone_paths = step_paths(engine)
         long_id = engine.add_request(_prompt(engine, n, 11), _greedy(BLOCK_SIZE))
         beside: list[float] = []
         for _ in range(shape.max_step_count):
@@ -265,6 +267,8 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape, c
                 raise RuntimeError("a decoder finished during the measurement: raise max_model_len")
         else:
             raise RuntimeError(f"the long prompt had no token after {shape.max_step_count} steps")
+        sync(engine.device)
+        beside_share = graphed_share(alone_paths, step_paths(engine))
         for rid in [*ids, long_id]:
             engine.abort_request(rid)
         row |= {
@@ -272,6 +276,8 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape, c
             "beside_steps": len(beside), "beside_p50_ms": 1e3 * statistics.median(beside),
             "beside_p99_ms": 1e3 * _percentile(beside, 0.99), "beside_max_ms": 1e3 * max(beside),
             "prompt_ttft_ms": 1e3 * sum(beside),  # the long prompt's first token, taken in those steps
+            # the share of the steps on the graph path (prefill graphs for the prompt's chunks, decode graphs)
+            "alone_graphed_share": graphed_share(paths, alone_paths), "beside_graphed_share": beside_share,
         }
         row["p99_vs_alone"] = row["beside_p99_ms"] / row["alone_p50_ms"]
         row["met"] = row["p99_vs_alone"] <= BESIDE_PREFILL_TARGET
@@ -328,7 +334,7 @@ def prefill_table(rows: Sequence[Mapping[str, Any]]) -> str:
                          "budget)", r["prompt_len"],
                          f"step p50/p99: alone {r['alone_p50_ms']:.2f} / {r['alone_p99_ms']:.2f}, beside "
                          f"{r['beside_p50_ms']:.2f} / {r['beside_p99_ms']:.2f}; the prompt's TTFT "
-                         f"{r['prompt_ttft_ms']:.0f}",
+                         f"{r['prompt_ttft_ms']:.0f}; graphed {fmt(r.get('beside_graphed_share'), '.0%')}",
                          f"{r['beside_steps']} steps", "-",
                          "-", f"p99 {r['p99_vs_alone']:.2f}x alone (<= 2x)", "yes" if r["met"] else "no"])
     return markdown(header, body)

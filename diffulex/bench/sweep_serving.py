@@ -77,6 +77,7 @@ def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
 def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
     from diffulex import Diffulex
     from diffulex.bench.load import InProcessServer, open_loop, summarize
+    from diffulex.bench.throughput import graphed_share, step_paths
 
     row: dict[str, Any] = {"model": shape.model, "concurrency": concurrency, "error": None}
     path, load_format = ctx.checkpoint(shape.model)
@@ -86,14 +87,18 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
     engine = Diffulex(str(path), **fields)
     try:
         offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
+        paths = step_paths(engine)
         row |= offline_rate(engine, specs)
+        row["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
         rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
         row["arrival_rate_per_s"] = rate
         with InProcessServer(engine=engine, max_waiting=len(specs)) as server:
             asyncio.run(open_loop(server.url, "completions", request_mix(shape, 2, seed=1), rate, 1,
                                   REQUEST_TIMEOUT_S))  # warm-up of the HTTP path
+            paths = step_paths(engine)
             samples, elapsed = asyncio.run(open_loop(server.url, "completions", specs, rate, concurrency,
                                                      REQUEST_TIMEOUT_S))
+            row["online_graphed_share"] = graphed_share(paths, step_paths(engine))
     finally:
         engine.exit()
     stats = summarize(samples, elapsed)
@@ -127,17 +132,18 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
 
 def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     header = ["model", "concurrent", "requests (errors)", "online tok/s", "offline tok/s", "online / offline",
-              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms"]
+              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "steps graphed online / offline"]
     body = []
     for r in rows:
         if r.get("error") or r.get("skipped"):
-            body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 6])
+            body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 7])
             continue
         body.append([r["model"], r["concurrency"], f"{r['requests']} ({r['errors']})",
                      fmt(r["online_tokens_per_s"], ",.0f"), fmt(r["offline_tokens_per_s"], ",.0f"),
                      fmt(r["online_vs_offline"]), "yes" if r["met"] else "no",
                      f"{fmt(r['ttft_p50_ms'], '.1f')} / {fmt(r['ttft_p99_ms'], '.1f')}",
-                     f"{fmt(r['chunk_gap_p50_ms'], '.1f')} / {fmt(r['chunk_gap_p99_ms'], '.1f')}"])
+                     f"{fmt(r['chunk_gap_p50_ms'], '.1f')} / {fmt(r['chunk_gap_p99_ms'], '.1f')}",
+                     f"{fmt(r.get('online_graphed_share'), '.0%')} / {fmt(r.get('offline_graphed_share'), '.0%')}"])
     return markdown(header, body)
 
 

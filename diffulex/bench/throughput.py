@@ -525,6 +525,22 @@ def measure_decode(
     }
 
 
+def step_paths(engine: Any) -> tuple[int, int] | None:
+    """``(steps launched, of them through the eager forward)`` by the engine's runner so far (None for a runner
+    that does not count them): two readings around a phase give the share of its steps on the graph path."""
+    runner = engine.runner
+    launched, eager = getattr(runner, "launched_steps", None), getattr(runner, "eager_steps", None)
+    return (launched, eager) if isinstance(launched, int) and isinstance(eager, int) else None
+
+
+def graphed_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the steps launched between two `step_paths` readings that ran on the graph path (None when
+    the runner does not count, or no step ran)."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
 def graph_replays(engine: Any) -> int | None:
     """Launches the engine's runner has served by replaying captured CUDA graphs so far (None for a runner that
     has no decode graphs to report on)."""

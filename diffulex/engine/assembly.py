@@ -197,7 +197,8 @@ def _build_components(
     build.done("sampling kernels")
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(
-        config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill)
+        config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
+        policy.prefill_chunk_rows,
     )
     scheduler = Scheduler(limits, kv_cache)
     request_cls = strategy.request_class

@@ -18,7 +18,10 @@ that do not; a padded request's key end is 0 (none past its rows). With a ``row_
 when its rows do (each request still within ``max_query_len``, the attention kernels' bound), which serves a
 strategy whose requests mostly compute fewer rows than the widest one (`Strategy.short_step_rows`).
 
-Prefill chunks, rebuilds after preemption and anything larger run eagerly.
+A step that carries a prompt (a new request's uncached prefix, a prefill chunk, a rebuild after preemption) does
+not fit as a whole: its store-only prompt rows replay the prefill graphs first (`diffulex.engine.prefill_graphs`,
+one-request sets of this class), and the rest of the step, reading that prefix from the cache, replays here.
+Anything larger runs eagerly.
 
 DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
 per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself.
@@ -192,6 +195,7 @@ class DecodeGraphs:
         greedy_sample: GreedySample | None = None,
         advance: Advance | None = None,
         soft_inputs: StaticSoftInputs | None = None,
+        snapshot_uploads: bool = False,
     ) -> None:
         if advance is not None and (greedy_sample is None or staging_buffers < 2):
             raise ValueError("continuation steps need a sampling graph and two staging buffers")
@@ -223,7 +227,12 @@ class DecodeGraphs:
         staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
         self._tokens_np = [h.numpy()[:token_bytes].view(np.int64) for h in hosts]
         self._layout_np = [h.numpy()[token_bytes:].view(np.int32) for h in hosts]
-        self._upload_in_graph = staging_buffers == 1
+        # with ``snapshot_uploads`` a bucket may be replayed several times in one step (`diffulex.engine.
+        # prefill_graphs`): each replay copies in from a pinned snapshot of the host buffer, which the host allocator
+        # keeps until that copy has run, so that filling the buffer again cannot change a copy still queued
+        self._snapshot_uploads = snapshot_uploads
+        self._upload_in_graph = staging_buffers == 1 and not snapshot_uploads
+        self.pool = None  # the memory pool of the captured graphs (`capture`), which other graphs may share
         self._tokens = staging[:token_bytes].view(torch.int64)
         self._layout = staging[token_bytes:].view(torch.int32)
         # per bucket, the prefix of the buffer its step uses: every token row, the layout up to its page tables
@@ -239,7 +248,7 @@ class DecodeGraphs:
         self._sample_outputs: dict[int, torch.Tensor] = {}
         self._sample_hidden: dict[int, list[torch.Tensor]] = {}  # the forward output each sampling graph reads
         self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
-        self._publish = _host_publisher(device) if self.capture_graphs else None
+        self._publish = _host_publisher(device) if self.capture_graphs and greedy_sample is not None else None
         self.num_replays = 0  # steps served by captured graphs (read by benchmarks; never read here)
 
     def fuses_forward(self, bucket: int) -> bool:
@@ -407,6 +416,8 @@ class DecodeGraphs:
     def _upload(self, bucket: int, buffer: int = 0) -> None:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""
         device_part, host_part = self._copy_pairs[bucket][buffer]
+        if self._snapshot_uploads and host_part.is_pinned():
+            host_part = torch.empty(host_part.shape, dtype=host_part.dtype, pin_memory=True).copy_(host_part)
         device_part.copy_(host_part, non_blocking=True)
         if self.soft_inputs is not None:
             self.soft_inputs.upload(self.shape.bucket_rows(bucket), buffer)
@@ -509,9 +520,11 @@ class DecodeGraphs:
             self._upload(bucket)
 
     @torch.inference_mode()
-    def capture(self, warmup_runs: int = 2) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool: its forward graph, then its sampling
-        graphs (which read the forward graph's output, or run a forward of their own: `fuses_forward`).
+    def capture(self, warmup_runs: int = 2, pool=None, log: bool = True) -> None:
+        """Capture every bucket, largest first, all sharing one memory pool (``pool``, another set's `pool`, where
+        their replays never overlap: one stream runs them in turn): its forward graph, then its sampling graphs
+        (which read the forward graph's output, or run a forward of their own: `fuses_forward`). ``log``: say what
+        was captured (a caller capturing many one-bucket sets says it once itself).
 
         Every bucket is warmed up before the first capture: a compiled forward may still compile or autotune
         on its first call with a new shape, and neither is allowed while a stream is capturing.
@@ -529,7 +542,6 @@ class DecodeGraphs:
                         self._publish(result, self._result_home(bucket, 0))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        pool = None
         for bucket in reversed(self.buckets):
             self._fill_capture_batch(bucket)
             graph = torch.cuda.CUDAGraph()
@@ -542,6 +554,9 @@ class DecodeGraphs:
             if self.samples:
                 self._capture_sampling(bucket, pool)
         torch.cuda.synchronize(self.device)
+        self.pool = pool
+        if not log:
+            return
         logger.info(
             "captured %d decode CUDA graphs (requests %s, %d rows each)%s",
             len(self._graphs), self.buckets, self.shape.rows_per_request,

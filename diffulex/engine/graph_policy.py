@@ -32,6 +32,9 @@ class GraphPolicy:
     key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
     # rows per request of a second, narrower set of graphs for the strategy's short steps (`Strategy.short_step_rows`)
     short_rows_per_request: int | None = None
+    # the most store-only prompt rows of one request the prefill graphs hold (`diffulex.engine.prefill_graphs`); 0:
+    # none, where the strategy's prompt rows may not be split from the rest of their step
+    prefill_graph_rows: int = 0
 
     @classmethod
     def decide(
@@ -62,7 +65,14 @@ class GraphPolicy:
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config),
+            prefill_graph_rows=_prefill_graph_rows(config),
         )
+
+    @property
+    def prefill_chunk_rows(self) -> int:
+        """The most prompt rows a chunked prefill may put in a step beside decoding requests: the largest prefill
+        graph's, so that the step replays graphs (`SchedulerLimits.prefill_chunk_rows`); 0: no such cap."""
+        return self.prefill_graph_rows if self.cuda_graphs else 0
 
     def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
         """``enable_torch_compile`` with ``enable_cudagraph_torch_compile``: compile the forward the graphs capture."""
@@ -95,4 +105,15 @@ class GraphPolicy:
             logits_shift=self.logits_shift,
             key_tails=self.key_tails,
             short_rows_per_request=self.short_rows_per_request,
+            max_prefill_rows=self.prefill_graph_rows,
         )
+
+
+def _prefill_graph_rows(config: Config) -> int:
+    """``max_prefill_graph_tokens`` (at most ``max_model_len``) where the strategy's prompt rows may run before the
+    rest of their step: the condition of chunked prefill (block-causal prompt attention, requests that compute
+    their prompt in chunks), else 0."""
+    request_class = config.strategy.request_class
+    if config.multi_block_prefix_full or request_class is None or not request_class.supports_prefill_chunks:
+        return 0
+    return min(config.max_prefill_graph_tokens, config.max_model_len)

@@ -89,7 +89,9 @@ def gpu_kv_budget(
         # sampling graph's logits, which cover every row of the bucket
         rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
-        graphs = int(activations * min(1.0, graph_tokens / num_tokens))
+        # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it
+        pool_tokens = max(graph_tokens, policy.prefill_graph_rows)
+        graphs = int(activations * min(1.0, pool_tokens / num_tokens))
         embedding = runner.token_embedding()  # the logits are the whole vocabulary's, also on a sharded rank
         graphs += graph_tokens * getattr(embedding, "vocab_size", embedding.num_embeddings) * dtype.itemsize
     budget = int(total * config.gpu_memory_utilization) - others - peak - graphs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
+from diffulex.engine.prefill_graphs import PrefillGraphs
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_inputs import StepInputs
@@ -30,7 +31,7 @@ from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
 from diffulex.strategy.block import Block
-from diffulex.strategy.request import Request
+from diffulex.strategy.request import Request, SampleTarget
 
 if TYPE_CHECKING:
     from diffulex.engine.tensor_parallel import TensorParallelWorkers
@@ -47,6 +48,26 @@ class RunnerSettings:
     token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (static graph inputs on the graph path)
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
     key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
+
+
+@dataclass
+class SplitStep:
+    """A step as the graphs run it: each request's store-only prefix with its prefill bucket's rows, replayed in
+    this order, then the rest of the batch (possibly no request) for the decode graphs (`ModelRunner.collect_split`)."""
+
+    prefills: list[tuple[StepInputs, int]] = field(default_factory=list)
+    rest: StepInputs = field(default_factory=StepInputs)
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How one step runs: its prefill replays in order, then ``step`` on ``graphs`` at ``bucket`` (None for no decode
+    replay: the prefills are the whole step, or without prefills the step is eager)."""
+
+    prefills: list[tuple[StepInputs, int]]
+    step: StepInputs
+    graphs: DecodeGraphs | None
+    bucket: int | None
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_logits_shift = 0  # 1 where the graphs' sampled rows predict the position after them
         self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
+        self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, one request a replay
         self._replayed: _ReplayedStep | None = None
+        # steps launched so far (continuations included), and those of them through the eager forward: what share of
+        # the steps a benchmark times ran on the graph path (on the CPU's uncaptured static path, which left it)
+        self.launched_steps = 0
+        self.eager_steps = 0
 
     # ----- KV cache ---------------------------------------------------------------------------------------
 
@@ -101,6 +127,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs = self.short_graphs = None
+        self.prefill_graphs = None
         self._replayed = None
         self.num_pages = 0
 
@@ -127,6 +154,7 @@ class ModelRunner:
         logits_shift: bool = False,
         key_tails: bool = False,
         short_rows_per_request: int | None = None,
+        max_prefill_rows: int = 0,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
@@ -136,7 +164,9 @@ class ModelRunner:
         ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
         ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
-        with fewer rows than in the full set (such steps are never continued on the device).
+        with fewer rows than in the full set (such steps are never continued on the device); ``max_prefill_rows``
+        (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
+        rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`).
 
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
@@ -167,11 +197,19 @@ class ModelRunner:
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample
             )
+        self.prefill_graphs = None
+        if max_prefill_rows > 0 and not s.prefix_full:
+            self.prefill_graphs = PrefillGraphs(
+                min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
+                self.graph_forward, s.device, capture,
+            )  # fmt: skip
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
         self.graphs.capture()
         if self.short_graphs is not None:
             self.short_graphs.capture()
+        if self.prefill_graphs is not None:  # replayed before the decode graphs, never beside them: one pool
+            self.prefill_graphs.capture(pool=self.graphs.pool)
 
     def greedy_sample(
         self,
@@ -212,21 +250,40 @@ class ModelRunner:
         self.out_of_step = False
         pending = self._launch(batch, micro_batch)
         self.out_of_step = False
+        self.launched_steps += 1
         return pending
 
-    def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
+    def _plan(self, batch: list[Request]) -> _StepPlan:
+        """How the batch runs: its prefill replays (`collect_split`), then its step on the decode graphs, or
+        (without prefills and a bucket) through the eager forward."""
+        split = self.collect_split(batch) if self.graphs is not None else None
+        if split is not None:
+            if split.prefills and not split.rest.num_requests:
+                return _StepPlan(split.prefills, split.rest, None, None)
+            graphs, bucket = self._graphs_for(split.rest)
+            if bucket is not None or not split.prefills:  # without prefills the rest is the whole step
+                return _StepPlan(split.prefills, split.rest, graphs, bucket)
         step = self.collect(batch)
-        graphs, bucket = self._graphs_for(step)
+        return _StepPlan([], step, *self._graphs_for(step))
+
+    def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
+        plan = self._plan(batch)
+        prefills, step, graphs, bucket = plan.prefills, plan.step, plan.graphs, plan.bucket
         layout = self.sampler.row_layout(step.work) if step.sample_rows else None
         self._replayed = None
-        if bucket is not None:
+        hidden = None
+        if bucket is not None or prefills:
             sampled = None
-            if layout is not None and layout.greedy and graphs.samples:
+            if bucket is not None and layout is not None and layout.greedy and graphs.samples:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            short = graphs is not self.graphs
-            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short=short))
+            short = graphs is not None and graphs is not self.graphs
+            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short, prefills))
+            for part, rows in prefills:  # before the decode graph, on the same stream: it reads their K/V
+                hidden = self.prefill_graphs.run(part, rows)
+            if bucket is None:  # the prefills were the whole step: nothing to sample
+                return self._pending(PendingWrites({}, ready=self._ready(hidden)), batch)
             hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
                 if graphs is self.graphs:  # the graphs a continuation replays
@@ -235,6 +292,7 @@ class ModelRunner:
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
+            self.eager_steps += 1
             hidden = self._eager_forward(step)
         if step.sample_rows:
             logits = self._sample_logits(hidden, step.sample_rows)
@@ -251,6 +309,11 @@ class ModelRunner:
         """Steps (continuations included) that replayed captured CUDA graphs so far: a benchmark reads it around
         the steps it times to say whether they ran on the graphed path, instead of assuming it."""
         return sum(g.num_replays for g in (self.graphs, self.short_graphs) if g is not None)
+
+    @property
+    def prefill_replays(self) -> int:
+        """Replays of captured prefill graphs so far (several in a step that carries several prompts)."""
+        return self.prefill_graphs.num_replays if self.prefill_graphs is not None else 0
 
     def _graphs_for(self, step: StepInputs) -> tuple[DecodeGraphs | None, int | None]:
         """The graphs a step replays and its bucket there: of the full graphs and the short ones, those whose bucket
@@ -291,6 +354,7 @@ class ModelRunner:
                                            num_rows=num_rows))  # fmt: skip
         hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
+        self.launched_steps += 1
         return replayed.layout.pending(result, self._ready(hidden))
 
     @staticmethod
@@ -335,6 +399,10 @@ class ModelRunner:
             return hidden
         step = message.step
         if message.kind is MessageKind.GRAPH:
+            for part, rows in message.prefills:
+                hidden = self.prefill_graphs.run(part, rows)
+            if message.bucket is None:
+                return hidden
             graphs = self.short_graphs if message.short else self.graphs
             hidden, result = graphs.run(step, message.bucket, message.micro_batch, message.sampled)
             if result is not None:
@@ -412,40 +480,74 @@ class ModelRunner:
 
     def collect(self, batch: list[Request]) -> StepInputs:
         """Flatten the batch: every request's query range, its cache slots and the rows to sample."""
-        s = self.settings
-        size, page = s.block_size, s.page_size
         step = StepInputs()
-        ids, positions, slots, rows = step.input_ids, step.positions, step.slot_mapping, step.sample_rows
         for req in batch:
             start, end = req.query_range()
-            offset = len(ids)
-            ids.extend(req.input_token_ids(start, end))
-            positions.extend(range(start, end))
-            if s.token_merge is not None:
-                step.soft_rows.extend(
-                    (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
-                )
-            for block in req.blocks[start // size : -(-end // size)]:
-                lo, hi = max(start, block.start), min(end, block.end)
-                if req.stores_kv(block):
-                    slots.extend(_stored_slots(req, block, lo, hi, page))
-                else:
-                    slots.extend([-1] * (hi - lo))
-            targets = req.sample_targets()
-            shift = 1 if req.settings.logits_shift else 0
-            for target in targets:
-                rows.extend(offset + p - shift - start for p in target.positions)
-                block = target.block
-                base = _slot(req, block.start, page)
-                step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
-            step.work.append((req, targets))
-            step.query_lens.append(end - start)
-            step.context_lens.append(start)
-            step.prefix_lens.append(req.prompt_len)
-            step.page_tables.append(req.page_table)
-            step.key_lens.append(max(end, req.keys_end() or end))
-            step.cu_seqlens_q.append(len(ids))
+            self._add_rows(step, req, start, end, start, req.sample_targets())
         return step
+
+    def collect_split(self, batch: list[Request]) -> SplitStep | None:
+        """The batch as prefill graphs and decode graphs run it (`diffulex.engine.prefill_graphs`): each request's
+        store-only prefix as a step of its own, then the rest of every request as one step, where a request's rows
+        start at the end of its prefix (a shifted family recomputes the row before, storing it again nowhere), the
+        prefix then read from the cache. Without such prefixes the rest is `collect`'s step. None when a prefix
+        does not fit a prefill bucket, or the runner has no prefill graphs: the step runs unsplit."""
+        if self.prefill_graphs is None or self.settings.prefix_full:  # prompt rows that see the whole prompt
+            return None
+        split = SplitStep()
+        for req in batch:
+            start, end = req.query_range()
+            prefix_end = req.store_only_end()
+            if prefix_end is None or prefix_end <= start:
+                self._add_rows(split.rest, req, start, end, start, req.sample_targets())
+                continue
+            part = StepInputs()
+            self._add_rows(part, req, start, prefix_end, start, [])
+            rows = self.prefill_graphs.bucket_for(part)
+            if rows is None:
+                return None
+            split.prefills.append((part, rows))
+            if end > prefix_end:
+                rest_start = prefix_end - int(req.settings.logits_shift)
+                self._add_rows(split.rest, req, rest_start, end, prefix_end, req.sample_targets())
+        return split
+
+    def _add_rows(
+        self, step: StepInputs, req: Request, start: int, end: int, store_from: int, targets: list[SampleTarget]
+    ) -> None:
+        """Append ``req``'s positions ``[start, end)`` to ``step``: their cache slots (from ``store_from`` on; rows
+        before it store nothing) and the rows of ``targets`` to sample."""
+        s = self.settings
+        size, page = s.block_size, s.page_size
+        ids, positions, slots, rows = step.input_ids, step.positions, step.slot_mapping, step.sample_rows
+        offset = len(ids)
+        ids.extend(req.input_token_ids(start, end))
+        positions.extend(range(start, end))
+        if s.token_merge is not None:
+            step.soft_rows.extend(
+                (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
+            )
+        if store_from > start:
+            slots.extend([-1] * (store_from - start))
+        for block in req.blocks[store_from // size : -(-end // size)]:
+            lo, hi = max(store_from, block.start), min(end, block.end)
+            if req.stores_kv(block):
+                slots.extend(_stored_slots(req, block, lo, hi, page))
+            else:
+                slots.extend([-1] * (hi - lo))
+        shift = 1 if req.settings.logits_shift else 0
+        for target in targets:
+            rows.extend(offset + p - shift - start for p in target.positions)
+            block = target.block
+            base = _slot(req, block.start, page)
+            step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
+        step.work.append((req, targets))
+        step.query_lens.append(end - start)
+        step.context_lens.append(start)
+        step.prefix_lens.append(req.prompt_len)
+        step.page_tables.append(req.page_table)
+        step.key_lens.append(max(end, req.keys_end() or end))
+        step.cu_seqlens_q.append(len(ids))
 
     def _eager_forward(self, step: StepInputs) -> torch.Tensor:
         merge = None

@@ -30,6 +30,10 @@ class SchedulerLimits:
     # a request whose uncached prompt prefix does not fit the step's budget computes it over several steps, one
     # block-aligned chunk per step, after the decoding requests have taken their rows (`Request.begin_prefill_chunk`)
     chunked_prefill: bool = False
+    # with chunked_prefill, the most rows of a prompt's uncached prefix a step that has decoding requests computes
+    # (the largest prefill graph's, `diffulex.engine.prefill_graphs`), so that such a step replays graphs; 0: only
+    # the token budget bounds it
+    prefill_chunk_rows: int = 0
 
 
 class Scheduler:
@@ -62,6 +66,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         cap = self.limits.max_num_reqs if max_reqs is None else min(max_reqs, self.limits.max_num_reqs)
         chunking = self.limits.chunked_prefill
+        decoding = False  # the batch has a request that is not computing a prompt
         running = list(self.running)
         if chunking:  # decoding requests first: a long prefill only takes the rows they leave
             running.sort(key=lambda r: _prefilling(r) if r.supports_prefill_chunks else False)
@@ -70,10 +75,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.req_id in busy:  # preempted earlier, or in flight
                 continue
-            if chunking and not self._fits_or_chunks(req, budget):
+            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(decoding)):
                 continue  # its prefill waits for a step with rows to spare
             if not self._make_room_for(req, busy):
                 continue
+            decoding = decoding or not _prefilling(req)
             self.kv_cache.grow(req)
             if req.prefill_chunk_end is None:
                 req.maybe_activate_block()
@@ -93,8 +99,9 @@ class Scheduler:
             self.kv_cache.admit(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if chunking and not self._fits_or_chunks(req, budget):
+            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(decoding)):
                 continue  # admitted with its pages; its first chunk waits for a step with rows to spare
+            decoding = decoding or not _prefilling(req)
             if req.prefill_chunk_end is None:
                 req.maybe_activate_block()
             batch.append(req)
@@ -104,15 +111,23 @@ class Scheduler:
                 self.kv_cache.reserve_running_pages(req)
         return batch
 
+    def _prompt_rows_cap(self, decoding: bool) -> int | None:
+        """The most prompt rows of one request this step may compute: beside decoding requests, those of the
+        largest prefill graph (`SchedulerLimits.prefill_chunk_rows`); None for no cap but the budget."""
+        cap = self.limits.prefill_chunk_rows
+        return cap if decoding and cap > 0 else None
+
     @staticmethod
-    def _fits_or_chunks(req: Request, budget: int) -> bool:
-        """Whether ``req`` takes part in this step: whole when its query fits ``budget`` (or it has no prefill left
-        to split), else as a prefill chunk of the whole blocks that fit; False when not even one block fits."""
+    def _fits_or_chunks(req: Request, budget: int, prompt_rows_cap: int | None = None) -> bool:
+        """Whether ``req`` takes part in this step: whole when its query fits ``budget`` and its prompt rows
+        ``prompt_rows_cap`` (or it has no prefill left to split), else as a prefill chunk of the whole blocks that
+        fit both; False when not even one block fits."""
         if not (req.supports_prefill_chunks and _prefilling(req)):
             return True
-        if _query_len(req) + req.settings.block_size <= budget:  # upper bound: one block may open
+        prompt_fits = prompt_rows_cap is None or req.prefill_end - req.chunk_start() <= prompt_rows_cap
+        if prompt_fits and _query_len(req) + req.settings.block_size <= budget:  # upper bound: one block may open
             return True
-        return req.begin_prefill_chunk(budget)
+        return req.begin_prefill_chunk(budget if prompt_rows_cap is None else min(budget, prompt_rows_cap))
 
     def _make_room_for(self, req: Request, busy: Collection[int] = ()) -> bool:
         """Preempt the newest running requests that are not in flight until ``req`` has the pages it needs;

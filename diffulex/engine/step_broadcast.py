@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +43,24 @@ class StepMessage:
     num_rows: int = 0  # a continuation's sampled rows
     capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
     short: bool = False  # GRAPH: the step replays the runner's short graphs (`Strategy.short_step_rows`)
+    # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
+    # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
+    prefills: tuple[tuple[StepInputs, int], ...] = ()
 
     @classmethod
     def of_step(
-        cls, step: StepInputs, bucket: int | None, micro_batch: int, sampled: SampledRows | None, short: bool = False
+        cls,
+        step: StepInputs,
+        bucket: int | None,
+        micro_batch: int,
+        sampled: SampledRows | None,
+        short: bool = False,
+        prefills: Sequence[tuple[StepInputs, int]] = (),
     ) -> StepMessage:
         wire = dataclasses.replace(step, work=[])
-        kind = MessageKind.GRAPH if bucket is not None else MessageKind.EAGER
-        return cls(kind, wire, bucket, micro_batch, sampled, short=short)
+        wire_prefills = tuple((dataclasses.replace(part, work=[]), rows) for part, rows in prefills)
+        kind = MessageKind.GRAPH if bucket is not None or prefills else MessageKind.EAGER
+        return cls(kind, wire, bucket, micro_batch, sampled, short=short, prefills=wire_prefills)
 
 
 class StepChannel:

@@ -87,7 +87,8 @@ class Request:
     """The state of one request; created by the engine, advanced by scheduler, runner and sampler."""
 
     # Whether the scheduler may compute this request's uncached prompt prefix over several steps
-    # (`begin_prefill_chunk`). A subclass that chooses its own query range or stored blocks says False.
+    # (`begin_prefill_chunk`), and the runner its store-only prompt rows before the rest of a step on the graph path
+    # (`store_only_end`). A subclass that chooses its own query range or stored blocks says False.
     supports_prefill_chunks: ClassVar[bool] = True
 
     req_id: int
@@ -264,6 +265,26 @@ class Request:
         if self.settings.logits_shift and start > 0:
             start -= 1
         return start, end
+
+    def store_only_end(self) -> int | None:
+        """End of the leading rows of `query_range` that only store K/V (the uncached committed prefix before the
+        running set, or the whole prefill chunk), when this step has any and they may run in a forward of their
+        own before the rest (`diffulex.engine.prefill_graphs`); else None.
+
+        Nothing is sampled from those rows, and under block-causal attention (which the caller checks) their K/V
+        do not depend on the rows after them: the rest of the step may read them from the cache instead. The
+        same holds for a request that computes its prompt in chunks, so a subclass that cannot
+        (`supports_prefill_chunks`) cannot split its rows either.
+        """
+        if not self.supports_prefill_chunks:
+            return None
+        if self.prefill_chunk_end is not None:
+            return self.prefill_chunk_end
+        cached = self.num_cached_blocks * self.settings.block_size
+        if self.running and self.running[0].start <= cached:  # a decoding request: nothing before its running set
+            return None
+        end = self.prefill_end
+        return end if end > cached else None
 
     def keys_end(self) -> int | None:
         """End of the keys this step's rows attend to, when it lies past `query_range`: the keys after the rows are

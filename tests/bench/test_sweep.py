@@ -79,6 +79,8 @@ def test_prefill_floors_include_attention_and_a_prefix_hit_computes_only_the_tai
     (beside,) = [r for r in rows if r["case"] == "beside chunked prefill"]
     assert beside["decoders"] == 3 and beside["beside_steps"] >= 128 // 32
     assert beside["p99_vs_alone"] == pytest.approx(beside["beside_p99_ms"] / beside["alone_p50_ms"])
+    # on the CPU no step replays a graph: the share is measured, not assumed
+    assert beside["alone_graphed_share"] == beside["beside_graphed_share"] == 0.0
 
 
 def test_every_strategy_is_measured_against_its_familys_multi_bd(quick_sweep: Path) -> None:
@@ -131,6 +133,7 @@ def test_serving_streams_every_offline_token_online(quick_sweep: Path) -> None:
         assert r["completion_tokens"] == r["offline_tokens"] > 0
         assert r["online_vs_offline"] == pytest.approx(r["online_tokens_per_s"] / r["offline_tokens_per_s"])
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["chunk_gap_p50_ms"] <= r["chunk_gap_p99_ms"]
+        assert r["online_graphed_share"] == r["offline_graphed_share"] == 0.0, "the CPU runs every step eagerly"
 
 
 def test_a_spent_budget_skips_configurations_instead_of_running_them(tmp_path: Path) -> None:

@@ -73,6 +73,18 @@ def test_bytes_flops_and_floors_of_a_step_by_hand():
     assert summary["compute_floor_ratio"] == pytest.approx(7.648 / 3.328)
 
 
+def test_the_graphed_share_of_a_phase_is_its_launches_that_were_not_eager():
+    class Runner:
+        launched_steps, eager_steps = 10, 4
+
+    engine = type("Engine", (), {"runner": Runner()})()
+    before = throughput.step_paths(engine)
+    Runner.launched_steps, Runner.eager_steps = 18, 6
+    assert throughput.graphed_share(before, throughput.step_paths(engine)) == pytest.approx(1 - 2 / 8)
+    assert throughput.graphed_share(before, before) is None, "no step ran"
+    assert throughput.step_paths(type("Engine", (), {"runner": object()})()) is None
+
+
 def test_the_floor_of_a_run_is_the_mean_of_each_steps_larger_floor():
     summary = summarize_floors(3.0, [Floors(2.0, 1.0), Floors(1.0, 2.0)])
     assert summary["floor_ms"] == pytest.approx(2000.0)  # not max(mean memory, mean compute) = 1.5 s

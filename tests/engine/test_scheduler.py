@@ -420,3 +420,39 @@ def test_a_prefill_waits_when_the_decoders_leave_less_than_a_block():
     forward(sched, [long, short])
     assert sched.schedule() == [short], "two rows left: not one whole prompt block"
     assert long.prefill_chunk_end is None and long.num_cached_blocks == 2
+
+
+def make_graph_chunking_scheduler(budget: int, prefill_chunk_rows: int) -> Scheduler:
+    limits = SchedulerLimits(8, budget, chunked_prefill=True, prefill_chunk_rows=prefill_chunk_rows)
+    return Scheduler(limits, KVCacheManager(64, BLOCK, False))
+
+
+def test_beside_decoders_a_prompt_takes_no_more_rows_than_the_largest_prefill_graph():
+    make = Factory()
+    sched = make_graph_chunking_scheduler(budget=64, prefill_chunk_rows=9)
+    short = make(3)
+    sched.add(short)
+    forward(sched, sched.schedule())
+    long = make(30)  # 28 rows of prefix: the budget holds them, the prefill graphs do not
+    sched.add(long)
+    batch = sched.schedule()
+    assert ids(batch) == [short.req_id, long.req_id]
+    assert long.query_range() == (0, 8) and long.prefill_chunk_end == 8, "two whole blocks within 9 rows"
+    forward(sched, batch)
+    while long.prefill_end - long.num_cached_tokens > 9:
+        batch = sched.schedule()
+        assert long.prefill_chunk_end is not None and long.query_range()[1] - long.query_range()[0] <= 9
+        forward(sched, batch)
+    batch = sched.schedule()  # the rest of the prefix fits: the request runs whole, its running set included
+    assert long in batch and long.prefill_chunk_end is None
+    assert long.store_only_end() - long.query_range()[0] <= 9
+
+
+def test_a_prompt_with_no_decoder_beside_it_takes_the_whole_budget():
+    make = Factory()
+    sched = make_graph_chunking_scheduler(budget=64, prefill_chunk_rows=9)
+    long = make(30)
+    sched.add(long)
+    assert sched.schedule() == [long]
+    assert long.prefill_chunk_end is None, "one forward: there are no decode rows to keep on the graphs"
+    assert long.query_range()[0] == 0 and long.store_only_end() == 28

@@ -133,6 +133,34 @@ def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir
     assert results[2] == results[1]
 
 
+def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worker_too(dense_dir: Path) -> None:
+    """A step carrying a prompt on the graph path: the prompt's store-only rows replay a prefill graph, then the
+    decode graph replays the rest (`StepMessage.prefills`); the worker repeats both in that order, or its half of
+    the prompt's K/V would be missing (other tokens) or its collectives would not match rank 0's (a time-out).
+    The first prompt, alone and chunked, has steps of prefill replays only."""
+    from tests.engine.test_prefill_graphs import serve_arrivals
+
+    results = {}
+    for size in (1, 2):
+        with make_engine(dense_dir, "sdar", size, buffer_size=1, num_pages=40, enable_chunked_prefill=True,
+                         max_num_batched_tokens=24) as llm:
+            llm.enable_static_decode(capture=False)
+            runs = []
+            prefill = llm.runner.prefill_graphs.run
+
+            def counted(part, rows, prefill=prefill, runs=runs):
+                runs.append(rows)
+                return prefill(part, rows)
+
+            llm.runner.prefill_graphs.run = counted
+            prompts = random_prompts(llm, [40, 6, 13, 9, 21], seed=6)
+            tokens = serve_arrivals(llm, prompts, GREEDY, gap=2)
+            results[size] = (tokens, len(runs), llm.runner.eager_steps)
+    assert results[1][1] >= 4, "the prompts must replay prefill graphs"
+    assert results[1][2] == 0
+    assert results[2] == results[1]
+
+
 def test_each_step_reaches_the_worker_in_one_broadcast(dense_dir: Path, monkeypatch) -> None:
     """Rank 0 talks to the worker once per launched step, whatever the batch: no per-request conversation."""
     import torch.distributed as dist

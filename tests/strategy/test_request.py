@@ -551,3 +551,57 @@ def test_apply_tokens_counts_filled_masks():
     assert fill(req, []) == 0
     assert req.num_new_tokens_total == 2
     assert req.frontier == 9
+
+
+# ----- store-only rows (prefill graphs) -----------------------------------------------------------------------
+
+
+def test_store_only_rows_end_where_the_running_set_starts():
+    req = make_request(10)  # two prompt blocks to store, then the running block holding the last two prompt tokens
+    assert req.query_range() == (0, 12)
+    assert req.store_only_end() == 8
+
+
+def test_a_request_with_its_prefix_cached_has_no_store_only_rows():
+    req = make_request(10)
+    req.mark_prefix_cached(8)
+    assert req.store_only_end() is None
+    short = make_request(3)  # the prompt lies inside its running block
+    assert short.store_only_end() is None
+
+
+def test_a_prefill_chunk_is_store_only_to_its_end():
+    req = make_request(40)
+    assert req.begin_prefill_chunk(12)
+    assert req.store_only_end() == 12 == req.query_range()[1]
+
+
+def test_a_prefix_hit_leaves_its_uncached_tail_store_only():
+    req = make_request(22)
+    req.mark_prefix_cached(8)
+    assert req.query_range() == (8, 24) and req.store_only_end() == 20
+    shifted = make_request(22, logits_shift=True)
+    shifted.mark_prefix_cached(8)
+    assert shifted.query_range() == (7, 24), "the recomputed row leads the query"
+    assert shifted.store_only_end() == 20
+
+
+def test_a_preempted_request_stores_its_committed_blocks_again_as_store_only_rows():
+    req = make_request(6, max_tokens=16)
+    req.mark_prefix_cached(4)
+    fill(req, range(6, 8))
+    req.retire_and_commit()  # the running block is complete: stored by the next step
+    req.retire_and_commit()
+    assert req.num_cached_blocks == 2
+    req.maybe_activate_block()
+    req.forget_cache()
+    assert req.store_only_end() == 8, "both committed blocks are recomputed before the running set"
+
+
+def test_a_request_that_chooses_its_own_rows_never_splits_them():
+    class OwnRows(Request):
+        supports_prefill_chunks = False
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    req = OwnRows(0, list(range(10, 20)), sp, BASE)
+    assert req.store_only_end() is None

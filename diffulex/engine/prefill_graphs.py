@@ -1,0 +1,113 @@
+"""CUDA graphs for a step's store-only prompt rows: one request per replay, buckets by row count.
+
+A step that carries a prompt (a new request's uncached prefix, a chunk of a long prompt, the committed blocks a
+preempted request rebuilds) has rows no decode graph can hold: a decode bucket bounds each request's rows by its
+running set. Those leading rows only store K/V; nothing is sampled from them. Under block-causal attention their
+K/V do not depend on the rows after them (`Request.store_only_end` says where they end), so the runner computes
+them in a forward of their own, before the rest of the step, and the rest (the decoders, and that request's
+running set, which then reads the prefix from the cache) replays the decode graphs as any decode step does.
+
+Each bucket is a one-request `DecodeGraphs` of that many rows (``16, 32, 64, ...`` up to the largest, the
+``max_prefill_graph_tokens`` setting): a prefix of ``n`` rows replays the smallest bucket of at least ``n`` rows,
+padded as a decode bucket is (padded rows store nothing). Its forward reads no row (nothing is sampled), so the
+last layer skips what only the LM head would read. Several prefixes in one step replay one after another on the
+same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
+the step's decode graph; the graphs share the decode graphs' memory pool, since one stream runs them in turn.
+
+A prefix longer than the largest bucket runs eagerly with the rest of its step: at that size the forward is
+bound by its matmuls, not by the launches a graph saves, and a lone long prompt keeps the larger matmuls of one
+forward. With ``enable_chunked_prefill`` the scheduler keeps the chunks of a prompt beside decoding requests within
+the largest bucket (`diffulex.engine.scheduler.SchedulerLimits.prefill_chunk_rows`), so those steps replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diffulex.engine.cuda_graph import DecodeGraphs, Forward, GraphShape
+from diffulex.engine.step_inputs import StepInputs
+
+logger = logging.getLogger("diffulex")
+
+# The smallest prefill bucket: fewer rows pad to it (a forward that small is bound by its weight reads anyway).
+MIN_PREFILL_BUCKET_ROWS = 16
+
+
+def prefill_buckets(max_rows: int) -> list[int]:
+    """``16, 32, 64, ...`` below ``max_rows``, then ``max_rows`` itself (the only bucket when it is below 16)."""
+    buckets = []
+    rows = MIN_PREFILL_BUCKET_ROWS
+    while rows < max_rows:
+        buckets.append(rows)
+        rows *= 2
+    return buckets + [max_rows]
+
+
+class PrefillGraphs:
+    """One single-request graph set per row bucket, for the store-only prefix of one request at a time.
+
+    With ``capture=False`` (no CUDA) the padded buffers run through the eager forward, as `DecodeGraphs` does.
+    """
+
+    def __init__(
+        self,
+        max_rows: int,
+        max_pages: int,
+        max_kv_len: int,
+        block_size: int,
+        page_size: int,
+        forward: Forward,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"prefill graphs need at least one row, got max_rows={max_rows}")
+        self.max_rows = max_rows
+        self.max_pages = max_pages
+        self.buckets = prefill_buckets(max_rows)
+        self.graphs = {
+            rows: DecodeGraphs(
+                GraphShape(
+                    max_requests=1,
+                    max_query_len=rows,
+                    max_pages=max_pages,
+                    max_kv_len=max_kv_len,
+                    block_size=block_size,
+                    page_size=page_size,
+                    prefix_full=False,  # only block-causal rows are split off (`Request.store_only_end`)
+                ),
+                forward,
+                device,
+                capture,
+                snapshot_uploads=True,
+            )
+            for rows in self.buckets
+        }
+
+    def bucket_for(self, part: StepInputs) -> int | None:
+        """The rows of the smallest bucket that holds one request's store-only rows, or None (the step is eager)."""
+        if part.num_requests != 1 or part.max_pages > self.max_pages or part.soft_rows:
+            return None
+        return next((rows for rows in self.buckets if rows >= part.num_tokens), None)
+
+    def run(self, part: StepInputs, rows: int) -> torch.Tensor:
+        """Queue the bucket's forward over ``part`` (its K/V stored into the cache); returns its padded hidden
+        states, which nothing reads but an event may follow."""
+        hidden, _ = self.graphs[rows].run(part, 1)
+        return hidden
+
+    @property
+    def num_replays(self) -> int:
+        """Replays of captured graphs so far (`ModelRunner.graph_replays`)."""
+        return sum(graphs.num_replays for graphs in self.graphs.values())
+
+    def capture(self, pool=None) -> None:
+        """Capture every bucket, largest first, into ``pool`` (the decode graphs', where there are some)."""
+        for rows in reversed(self.buckets):
+            graphs = self.graphs[rows]
+            graphs.capture(pool=pool, log=False)
+            pool = graphs.pool if graphs.pool is not None else pool
+        if any(graphs.pool is not None for graphs in self.graphs.values()):
+            logger.info("captured %d prefill CUDA graphs (rows %s, one request each)", len(self.buckets), self.buckets)

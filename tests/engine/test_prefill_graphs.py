@@ -1,0 +1,239 @@
+"""Steps that carry a prompt stay on the graph path: each request's store-only prompt rows replay a prefill graph,
+then the rest of the step (the decoders, and that request's running set) replays the decode graphs, with exactly
+the eager engine's tokens.
+
+On the CPU the graphs' padded buffers run through the eager forward (``capture=False``), as in test_cuda_graph.py:
+what can go wrong in our code (where a step is split, which rows store, which rows the rest reads from the cache,
+the padding of each bucket, the order of the replays) goes wrong there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffulex import SamplingParams
+from diffulex.engine.prefill_graphs import prefill_buckets
+from diffulex.engine.step_inputs import StepInputs
+from tests.engine.test_engine_matches_reference import make_engine, random_prompts, shifted_sdar_family
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+MAX_STEPS = 2000  # a scenario that has not finished by then is stuck
+
+
+@dataclass
+class Replays:
+    """What the graph path ran, in order: ``("prefill", part, rows)`` and ``("decode", step, bucket)``."""
+
+    events: list[tuple[str, StepInputs, int]] = field(default_factory=list)
+
+    @property
+    def prefills(self) -> list[StepInputs]:
+        return [step for kind, step, _ in self.events if kind == "prefill"]
+
+    def prefills_before_a_decode_of(self, min_requests: int) -> int:
+        """Prefill replays directly followed (after the step's other prefills) by a decode graph of at least
+        ``min_requests`` requests: prompts computed on the graph path beside decoders."""
+        count = 0
+        pending = 0
+        for kind, step, _ in self.events:
+            if kind == "prefill":
+                pending += 1
+                continue
+            if step.num_requests >= min_requests:
+                count += pending
+            pending = 0
+        return count
+
+
+def record_replays(llm) -> Replays:
+    """Wrap the runner's decode and prefill graphs so the test sees every run of the graph path."""
+    replays = Replays()
+    runner = llm.runner
+    decode, prefill = runner.graphs.run, runner.prefill_graphs.run
+
+    def run_decode(step, bucket, buffer=0, sampled=None):
+        replays.events.append(("decode", step, bucket))
+        return decode(step, bucket, buffer, sampled)
+
+    def run_prefill(part, rows):
+        replays.events.append(("prefill", part, rows))
+        return prefill(part, rows)
+
+    runner.graphs.run, runner.prefill_graphs.run = run_decode, run_prefill
+    return replays
+
+
+def static_engine(model_dir: Path, **fields):
+    llm = make_engine(model_dir, **fields)
+    llm.enable_static_decode(capture=False)
+    return llm
+
+
+def serve_arrivals(llm, prompts: list[list[int]], params: SamplingParams, gap: int) -> list[list[int]]:
+    """Add one prompt every ``gap`` engine steps (the first at once) and step until every request has finished:
+    each arrives while the earlier ones decode. Returns the token ids in prompt order."""
+    order: dict[int, int] = {}
+    finished: dict[int, list[int]] = {}
+    queue = list(prompts)
+    for step in range(MAX_STEPS):
+        if queue and step % gap == 0:
+            order[llm.add_request(queue.pop(0), params)] = len(order)
+        for update in llm.step():
+            if update.finished:
+                finished[update.req_id] = update.trajectory.token_ids
+        if not queue and len(finished) == len(order):
+            return [finished[req_id] for req_id in sorted(order, key=order.get)]
+    raise AssertionError(f"requests still running after {MAX_STEPS} steps")
+
+
+def test_prefill_buckets_double_from_sixteen_up_to_the_largest() -> None:
+    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(16) == [16]
+    assert prefill_buckets(9) == [9]
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
+def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_eager_tokens(
+    peaky_sdar_dir: Path, shifted: bool
+) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8)
+    if shifted:
+        fields["model_name"] = shifted_sdar_family().name
+    lengths = [9, 14, 21, 6, 17, 30, 12]
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, lengths, seed=41)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps == 0, "every step, those carrying a prompt too, ran on the graph path"
+    assert replays.prefills_before_a_decode_of(min_requests=2) >= len(lengths) - 1, "prompts beside decoders"
+    for part in replays.prefills:
+        assert part.num_requests == 1 and not part.sample_rows, "one request a replay, nothing sampled"
+
+
+def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(peaky_sdar_dir: Path) -> None:
+    """With chunked prefill the scheduler keeps each chunk beside the decoders within the largest prefill graph
+    (here 17 rows: four blocks and the recomputed row), however large the token budget."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=12, enable_chunked_prefill=True,
+                  max_num_batched_tokens=96, max_prefill_graph_tokens=17)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [6, 3, 9, 5, 7, 2, 10, 4, 110], seed=42)
+        expected = serve_arrivals(eager, prompts, params, gap=1)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, params, gap=1)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps == 0
+    long_rows = [part.num_tokens for part in replays.prefills if part.prefix_lens == [110]]
+    assert len(long_rows) >= 110 // 17, "the long prompt took several chunks"
+    assert max(long_rows) <= 17
+    assert replays.prefills_before_a_decode_of(min_requests=8) >= 3, "chunks replayed beside the eight decoders"
+
+
+def test_chunks_of_a_prompt_alone_are_steps_of_prefill_replays_only(peaky_sdar_dir: Path) -> None:
+    """Without decoders beside it a chunk takes the whole budget; a chunk samples nothing, so its step is its
+    prefill replay and no decode graph."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [70], seed=45)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=1)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, GREEDY, gap=1)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps == 0
+    kinds = [kind for kind, _, _ in replays.events]
+    assert kinds[:4] == ["prefill"] * 4, "four chunks of 16 rows, each a step of its own"
+    assert [part.num_tokens for part in replays.prefills[:4]] == [16] * 4
+
+
+def test_a_prefix_cache_hit_replays_its_uncached_tail_in_a_prefill_graph(peaky_sdar_dir: Path) -> None:
+    family = shifted_sdar_family()
+    for model_name in ("sdar", family.name):
+        fields = dict(model_name=model_name, buffer_size=2, accept_threshold=0.7, enable_prefix_caching=True)
+        with make_engine(peaky_sdar_dir, **fields) as eager:
+            first, other = random_prompts(eager, [24, 7], seed=43)
+            follow_up = first[:16] + other[:5] + first[:11]
+            expected = serve_arrivals(eager, [first, other, follow_up], GREEDY, gap=3)
+        with static_engine(peaky_sdar_dir, **fields) as llm:
+            replays = record_replays(llm)
+            got = serve_arrivals(llm, [first, other, follow_up], GREEDY, gap=3)
+            eager_steps = llm.runner.eager_steps
+        assert got == expected, model_name
+        assert eager_steps == 0, model_name
+        tails = [part for part in replays.prefills if part.prefix_lens == [len(follow_up)]]
+        assert len(tails) == 1 and tails[0].context_lens[0] > 0, f"{model_name}: the tail read the cached prefix"
+        assert tails[0].positions[0] == tails[0].context_lens[0] >= 16 - int(model_name == family.name)
+
+
+def test_a_preempted_request_rebuilds_its_committed_blocks_in_a_prefill_graph(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, num_pages=12, max_num_reqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [9, 14, 6, 11], seed=21)
+        expected = eager.generate(prompts, params, use_tqdm=False).trajectories
+    assert sum(t.num_preemptions for t in expected) > 0, "the pool should be too small for all four"
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = llm.generate(prompts, params, use_tqdm=False).trajectories
+        eager_steps = llm.runner.eager_steps
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+    assert eager_steps == 0
+    rebuilt = [part for part in replays.prefills if part.positions[-1] >= part.prefix_lens[0]]
+    assert rebuilt, "a rebuild stores generated blocks, past the prompt, through a prefill graph"
+
+
+def test_d2f_whose_prompt_rows_see_the_whole_prompt_keeps_its_prompts_eager(tmp_path: Path) -> None:
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
+    fields = dict(decoding_strategy="d2f", buffer_size=2, accept_threshold=0.7)
+    with make_engine(model, **fields) as eager:
+        prompts = random_prompts(eager, [4, 9, 13], seed=7)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
+    with static_engine(model, **fields) as llm:
+        assert llm.runner.prefill_graphs is None
+        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps >= 2, "each step carrying a prompt of full blocks ran eagerly"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
+def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, dtype="float32", device_start=0)
+    lengths = [9, 14, 21, 6, 17, 30, 12]
+    with make_engine(peaky_sdar_dir, enforce_eager=True, **fields) as eager:
+        prompts = random_prompts(eager, lengths, seed=41)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
+        runner = llm.runner
+        assert runner.prefill_graphs is not None and runner.eager_steps == 0
+        assert runner.prefill_replays >= len(lengths), "every prompt's rows replayed a captured prefill graph"
+    assert got == expected
+
+
+def test_a_prompt_longer_than_the_largest_prefill_graph_runs_its_step_eagerly(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_prefill_graph_tokens=17)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [6, 40], seed=44)
+        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
+        eager_steps = llm.runner.eager_steps
+    assert got == expected
+    assert eager_steps == 1, "only the long prompt's step"
+    assert all(part.num_tokens <= 17 for part in replays.prefills)
