@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from diffulex.bench.hardware import time_graph_calls as time_graph
 from diffulex.bench.roofline import ModelGeometry
 from diffulex.bench.throughput import SDAR_SIZES
 from diffulex.kernels import skinny_gemm
@@ -103,32 +104,6 @@ class WeightPool:
 def rotate(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], **kw: object) -> Callable:
     """``call(i)``: ``fn(x, weight_i)``, cycling through the weight copies."""
     return lambda i: fn(x, weights[i % len(weights)], **kw)
-
-
-def time_graph(call: Callable[[int], object], calls: int, replays: int = 5) -> float:
-    """Microseconds per call of ``call(i)`` for i in range(calls), captured once and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return best
 
 
 def time_eager(call: Callable[[int], object], calls: int) -> float:
