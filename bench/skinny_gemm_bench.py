@@ -50,9 +50,20 @@ def _sdar_linears(size: str) -> dict[str, tuple[int, int]]:
     return {name: shapes[key] for name, key in _ENGINE_LINEARS.items()}
 
 
+def _tensor_parallel_shard(linears: dict[str, tuple[int, int]], ranks: int) -> dict[str, tuple[int, int]]:
+    """One rank's ``(N, K)`` under tensor parallelism: column-parallel projections (qkv, gate_up, the vocabulary-
+    parallel LM head) hold ``N / ranks`` outputs, row-parallel ones (o, down) ``K / ranks`` inputs."""
+    rows_split = {"o_proj", "down"}
+    return {
+        name: (n, k // ranks) if name in rows_split else (-(-n // ranks), k) for name, (n, k) in linears.items()
+    }
+
+
 GEOMETRIES: dict[str, dict[str, tuple[int, int]]] = {
     "sdar-1.7b": _sdar_linears("1.7b"),
     "sdar-8b": _sdar_linears("8b"),
+    # a rank's shapes of SDAR-8B at tensor_parallel_size=2 (bench/tp_decode.py's geometry)
+    "sdar-8b-tp2": _tensor_parallel_shard(_sdar_linears("8b"), 2),
     # not in the config table: these check the generic config (Qwen3-4B and Qwen2.5-7B / Dream-7B layouts)
     "sdar-4b": _sdar_linears("4b"),
     "dream-7b": {
