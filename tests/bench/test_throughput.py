@@ -184,6 +184,29 @@ def test_the_moe_floor_is_taken_on_the_experts_a_forced_router_selects(tmp_path)
     assert row["uniform_experts_read_per_step"] == plain["experts_read_per_step"]
 
 
+def test_counting_pairs_the_rerun_with_steps_timed_on_the_static_graph_path(tmp_path):
+    """Timed on the graphs' static path (uncaptured on the CPU), whose steps are continued on the device: the
+    count's eager re-run still computes the timed steps' rows and tokens step by step, and the runner gets its
+    graphs back."""
+    from diffulex import Diffulex
+    from diffulex.bench.hardware import HardwarePeaks
+
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=8, max_tokens=24,
+                                             block_size=4, max_steps=6, warmup_tokens=4)
+    entry = throughput.ModelEntry("tiny", str(ckpt), "safetensors")
+    with Diffulex(str(ckpt), **settings.engine_fields(entry, 1)) as engine:
+        engine.enable_static_decode(capture=False)
+        graphs = engine.runner.graphs
+        cost = cost_model_from_module(engine.model, 4)
+        row = throughput.measure_decode(engine, 2, settings, cost, HardwarePeaks("cpu", 1, 1e9, 1), 1e15, True)
+        assert engine.runner.graphs is graphs
+    assert row["continued_steps"] > 0  # the timed steps ran ahead on the device; the re-run's did not
+    assert row["experts_counted"] and row["expert_count_steps"] == 6
+    assert row["expert_rerun_rows_agree"] and row["expert_rerun_tokens_agree"]
+    assert 1 <= row["experts_per_layer_min"] <= row["experts_per_layer"] <= row["experts_per_layer_max"] <= 4
+
+
 def test_a_linear_on_the_roofline_by_hand():
     # 2 x 4 x 8 x 16 = 1024 flops; (4x16 + 8x16 + 4x8) x 2 bytes = 448 bytes
     row = linear_roofline(m=4, n=8, k=16, itemsize=2, seconds=2.0, bandwidth_bps=448.0, flops_per_s=1024.0)
