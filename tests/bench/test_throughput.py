@@ -207,6 +207,22 @@ def test_counting_pairs_the_rerun_with_steps_timed_on_the_static_graph_path(tmp_
     assert 1 <= row["experts_per_layer_min"] <= row["experts_per_layer"] <= row["experts_per_layer_max"] <= 4
 
 
+def test_with_micro_batches_the_experts_are_not_counted_and_the_row_says_why(tmp_path):
+    from diffulex import Diffulex
+    from diffulex.bench.hardware import HardwarePeaks
+
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=8, max_tokens=24,
+                                             block_size=4, max_steps=4, warmup_tokens=4)
+    entry = throughput.ModelEntry("tiny", str(ckpt), "safetensors")
+    with Diffulex(str(ckpt), **settings.engine_fields(entry, 1), micro_batches=2) as engine:
+        cost = cost_model_from_module(engine.model, 4)
+        row = throughput.measure_decode(engine, 2, settings, cost, HardwarePeaks("cpu", 1, 1e9, 1), 1e15, True)
+    assert row["experts_counted"] is False and "micro_batches=1" in row["expert_count_error"]
+    assert row["experts_read_per_step"] == row["uniform_experts_read_per_step"]  # the floor stays uniform
+    assert "per_step" not in row and "uniform_floor_ms" not in row
+
+
 def test_a_linear_on_the_roofline_by_hand():
     # 2 x 4 x 8 x 16 = 1024 flops; (4x16 + 8x16 + 4x8) x 2 bytes = 448 bytes
     row = linear_roofline(m=4, n=8, k=16, itemsize=2, seconds=2.0, bandwidth_bps=448.0, flops_per_s=1024.0)
