@@ -509,10 +509,12 @@ def measure_decode(
         if engine.config.micro_batches != 1:
             counted["expert_count_error"] = "experts are counted with micro_batches=1 only"
         else:
+            t_count = time.perf_counter()
             try:
                 counted = _count_experts(engine, prompts, settings, engine_steps, timed_tokens, works)
             except Exception as err:  # noqa: BLE001  (the timed row stands on the uniform floor; say why)
                 counted = {"expert_count_error": f"{type(err).__name__}: {err}"}
+            counted["expert_count_s"] = time.perf_counter() - t_count  # the untimed re-run's wall time
         per_step = counted.pop("per_step", None)
         if per_step is not None:
             experts_read = [float(sum(layers)) for layers in per_step]
