@@ -244,6 +244,8 @@ def test_kernels_are_grouped_by_name():
     assert category("_paged_attention_kernel") == "attention"
     assert category("_store_kv_kernel") == "attention"
     assert category("_gate_up_kernel") == "moe" and category("_combine_kernel") == "moe"  # the fused MoE kernels
+    grouped = "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<"
+    assert category(grouped) == "moe"  # torch's grouped GEMM: the experts, not a dense linear
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert category("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert category("_top1_kernel") == "sampler"
