@@ -164,7 +164,10 @@ def measure_configs(
                 row.update(floor_parts(cost, row))
                 row.update(_graphed(row))
                 if batch == profile_batch and not ctx.budget.spent:
-                    row["profile"] = _profile(engine, batch, settings)
+                    try:
+                        row["profile"] = _profile(engine, batch, settings)
+                    except Exception as err:  # the timed row stands; the profile's failure is reported beside it
+                        row["profile_error"] = error_text(err)
                 ctx.log(f"  {config.model} {config.label} batch {batch}: {row['ms_per_step_mean']:.3f} ms/step, "
                         f"floor {row['floor_ms']:.3f} ms ({row['bound']}), {row['floor_ratio']:.2f}x, "
                         f"graphed {row['graphed']}")
