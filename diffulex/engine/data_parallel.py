@@ -300,7 +300,13 @@ class DataParallelEngine:
         return self._num_steps
 
     def load(self) -> EngineLoad:
-        """Every replica's last reported figures (a dead one marked), and their sum over the living ones."""
+        """Every replica's last reported figures (a dead one marked), and their sum over the living ones.
+
+        Reads what the replicas have sent meanwhile first (updates are kept for the next `step`), so that an idle
+        caller sees the pages an abort freed."""
+        for replica in self._replicas:
+            while replica.alive and replica.conn.poll():
+                self._early.extend(self._receive(replica))
         return EngineLoad.total([dataclasses.replace(r.load, alive=r.alive) for r in self._replicas])
 
     def generate(

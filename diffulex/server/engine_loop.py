@@ -38,6 +38,9 @@ from diffulex.server.metrics import ServerMetrics
 logger = logging.getLogger("diffulex.server")
 
 QueuePolicy = Literal["reject", "wait"]
+# While idle the thread still reads the engine's load this often: an engine in another process (a replica)
+# reports the pages an abort freed after the abort was sent, and /health should show it.
+IDLE_LOAD_REFRESH_S = 0.2
 # What a request's handler reads, hence when it gets an emission: every step (the denoising view), when its
 # committed tokens grow (text streams), or only at its end (a whole answer). The end always comes.
 Interest = Literal["steps", "commits", "end"]
@@ -347,7 +350,10 @@ class EngineLoop:
     def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
         commands: list[_Add | _Abort | _Stop] = []
         if block:
-            commands.append(self._commands.get())
+            try:
+                commands.append(self._commands.get(timeout=IDLE_LOAD_REFRESH_S))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
