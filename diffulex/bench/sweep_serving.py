@@ -3,8 +3,9 @@
 For each concurrency (16, 64, 128 requests; the engine's ``max_num_reqs``) one engine (SDAR-1.7B geometry, random
 weights) first generates a fixed mixed set of requests offline (prompt and answer lengths drawn from a few values,
 ``ignore_eos``): its tokens/s is the offline rate at that batch. The same engine then serves the same requests over
-HTTP (`diffulex.bench.load`): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times
-the offline request rate, so the server runs as full as the offline batch did and the excess waits in its queue.
+HTTP (`diffulex.bench.load`), the engine rebuilt where the server puts it (a process of its own, as `diffulex
+serve` does): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times the offline
+request rate, so the server runs as full as the offline batch did and the excess waits in its queue.
 Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
 first token and the time between streamed chunks, p50 and p99. Both runs follow an untimed warm-up.
 """
@@ -78,6 +79,7 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
     from diffulex import Diffulex
     from diffulex.bench.load import InProcessServer, open_loop, summarize
     from diffulex.bench.throughput import graphed_share, step_paths
+    from diffulex.server.engine_placement import build_served_engine
 
     row: dict[str, Any] = {"model": shape.model, "concurrency": concurrency, "error": None}
     path, load_format = ctx.checkpoint(shape.model)
@@ -90,15 +92,23 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
         paths = step_paths(engine)
         row |= offline_rate(engine, specs)
         row["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
-        rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
-        row["arrival_rate_per_s"] = rate
+    finally:
+        engine.exit()
+    release(ctx.device)
+    rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
+    row["arrival_rate_per_s"] = rate
+    # The server's own placement: the engine in a process of its own where it can be (docs/serving.md).
+    engine = build_served_engine(str(path), fields)
+    row["engine_placement"] = "process" if hasattr(engine, "replica_pids") else "thread"
+    try:
         with InProcessServer(engine=engine, max_waiting=len(specs)) as server:
-            asyncio.run(open_loop(server.url, "completions", request_mix(shape, 2, seed=1), rate, 1,
-                                  REQUEST_TIMEOUT_S))  # warm-up of the HTTP path
-            paths = step_paths(engine)
+            asyncio.run(open_loop(server.url, "completions", request_mix(shape, concurrency, seed=1), 100 * rate, 1,
+                                  REQUEST_TIMEOUT_S))  # warm-up of the HTTP path and of the engine at this batch
+            paths = step_paths(engine) if row["engine_placement"] == "thread" else None
             samples, elapsed = asyncio.run(open_loop(server.url, "completions", specs, rate, concurrency,
                                                      REQUEST_TIMEOUT_S))
-            row["online_graphed_share"] = graphed_share(paths, step_paths(engine))
+            # an engine process's step paths stay in that process
+            row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
         engine.exit()
     stats = summarize(samples, elapsed)
