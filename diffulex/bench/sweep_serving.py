@@ -5,14 +5,14 @@ weights) first generates a fixed mixed set of requests offline (prompt and answe
 ``ignore_eos``): its tokens/s is the offline rate at that batch. The same engine then serves the same requests over
 HTTP (`diffulex.bench.load`), the engine rebuilt where the server puts it (a process of its own, as `diffulex
 serve` does): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times the offline
-request rate, so the server runs as full as the offline batch did and the excess waits in its queue.
+request rate, so the server runs as full as the offline batch did and the excess waits in its queue; the clients
+run in a process of their own, as real clients would.
 Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
 first token and the time between streamed chunks, p50 and p99. Both runs follow an untimed warm-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -77,7 +77,7 @@ def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
 
 def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
     from diffulex import Diffulex
-    from diffulex.bench.load import InProcessServer, open_loop, summarize
+    from diffulex.bench.load import InProcessServer, open_loop_in_process, summarize
     from diffulex.bench.throughput import graphed_share, step_paths
     from diffulex.server.engine_placement import build_served_engine
 
@@ -102,11 +102,11 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
     row["engine_placement"] = "process" if hasattr(engine, "replica_pids") else "thread"
     try:
         with InProcessServer(engine=engine, max_waiting=len(specs)) as server:
-            asyncio.run(open_loop(server.url, "completions", request_mix(shape, concurrency, seed=1), 100 * rate, 1,
-                                  REQUEST_TIMEOUT_S))  # warm-up of the HTTP path and of the engine at this batch
+            open_loop_in_process(server.url, "completions", request_mix(shape, concurrency, seed=1), 100 * rate, 1,
+                                 REQUEST_TIMEOUT_S)  # warm-up of the HTTP path and of the engine at this batch
             paths = step_paths(engine) if row["engine_placement"] == "thread" else None
-            samples, elapsed = asyncio.run(open_loop(server.url, "completions", specs, rate, concurrency,
-                                                     REQUEST_TIMEOUT_S))
+            samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
+                                                    REQUEST_TIMEOUT_S)
             # an engine process's step paths stay in that process
             row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
