@@ -329,8 +329,13 @@ class EngineLoop:
                         self._abort(command.rids)
                 if stopping or engine.is_finished():
                     self._refresh_state()
-                    continue
-                self._step()
+                else:
+                    self._step()
+                replicas = self.metrics.replicas
+                if replicas and not any(r.alive for r in replicas):
+                    # an engine in replica processes whose last one has died (their requests have been answered):
+                    # fail now, not at the next request, so that the server exits and a supervisor restarts it
+                    raise EngineDeadError("every engine replica process has died")
         except Exception as exc:  # the engine failed: fail every request, stop serving
             logger.exception("engine loop failed")
             self.failure = f"engine failure: {exc!r}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -69,3 +71,16 @@ def test_engines_of_several_ranks_or_replicas_are_not_put_in_one_process():
 def test_an_unknown_placement_is_refused_naming_the_choices(sdar_dir: Path):
     with pytest.raises(ValueError, match="engine_placement='gpu' is invalid: must be one of auto, process, thread"):
         build_served_engine(str(sdar_dir), {}, "gpu")  # type: ignore[arg-type]
+
+
+def test_a_server_whose_engine_process_dies_fails_at_once_so_that_it_can_be_restarted(sdar_dir: Path):
+    server = start_server(sdar_dir, engine_placement="auto")
+    try:
+        os.kill(server.loop.engine.replica_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server.loop.failure is None:
+            assert time.monotonic() < deadline, "the server should notice its engine process died while idle"
+            time.sleep(0.05)
+        assert "every engine replica process has died" in server.loop.failure
+    finally:
+        server.stop()
