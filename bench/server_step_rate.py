@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -97,7 +98,10 @@ def _client_process(url: str, clients: int, seconds: float, out: Any) -> None:
 
 def task_times(pid: int, tid: int) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting for a CPU) of one thread, from the kernel's schedstat."""
-    fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+    except OSError:  # a kernel without scheduler statistics: the steps per second are still measured
+        return math.nan, math.nan
     return int(fields[0]) / 1e9, int(fields[1]) / 1e9
 
 
