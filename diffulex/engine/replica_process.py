@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ def serve_replica(
     """
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when this process ends (its
     # "close", or the end of the pipe), so that a server draining at its first SIGINT still has its engine.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run this on another thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = build_engine(model, kwargs)
     except Exception:  # noqa: BLE001  (reported to the parent, which raises it)
