@@ -75,8 +75,25 @@ def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
             "offline_requests_per_s": len(specs) / elapsed}
 
 
-def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
+def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, specs: Sequence[Any],
+                    concurrency: int) -> dict[str, Any]:
+    """`offline_rate` of `specs` after a warm-up batch, on an engine built and closed here (so that nothing of it
+    is referenced once this returns), with the share of its steps on the graph path."""
     from diffulex import Diffulex
+    from diffulex.bench.throughput import graphed_share, step_paths
+
+    engine = Diffulex(path, **fields)
+    try:
+        offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
+        paths = step_paths(engine)
+        out = offline_rate(engine, specs)
+        out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
+        return out
+    finally:
+        engine.exit()
+
+
+def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
     from diffulex.bench.load import InProcessServer, open_loop_in_process, summarize
     from diffulex.bench.throughput import graphed_share, step_paths
     from diffulex.server.engine_placement import build_served_engine
@@ -86,15 +103,8 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
     fields = ctx.engine_fields({"max_num_reqs": concurrency, "max_model_len": shape.max_model_len,
                                 "load_format": load_format, "seed": 0})
     specs = request_mix(shape, REQUESTS_PER_SLOT * concurrency, seed=concurrency)
-    engine = Diffulex(str(path), **fields)
-    try:
-        offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
-        paths = step_paths(engine)
-        row |= offline_rate(engine, specs)
-        row["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
-    finally:
-        engine.exit()
-    release(ctx.device)
+    row |= measure_offline(str(path), fields, shape, specs, concurrency)
+    release(ctx.device)  # the offline engine is gone: the server's engine gets its memory
     rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
     row["arrival_rate_per_s"] = rate
     # The server's own placement: the engine in a process of its own where it can be (docs/serving.md).
