@@ -74,8 +74,11 @@ class FastDllmV2Request(Request):
 
     def current_sub_block(self, block: Block) -> int:
         """Start of the first sub-block of ``block`` with a mask left (``block.end`` if none)."""
-        for sub_start in range(block.start, block.end, self.sub_block_size):
-            if self.sub_block_masks(sub_start):
+        size, mask = self.sub_block_size, self.settings.mask_token_id
+        for sub_start in range(block.start, block.end, size):
+            # the masks of `sub_block_masks`, asked of a slice (a step asks this several times)
+            lo, hi = max(sub_start, self.prompt_len), min(sub_start + size, self.generation_end)
+            if lo < hi and mask in self.token_ids[lo:hi]:
                 return sub_start
         return block.end
 
