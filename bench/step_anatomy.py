@@ -1,6 +1,11 @@
 """Where one decode step's time goes: host phases and GPU kernels, for one SDAR geometry and batch size.
 
     PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--micro-batches 2] [--out FILE]
+    PYTHONPATH=. python bench/step_anatomy.py --model fdv2-7b --strategy fast_dllm_v2 --batch 1 [--block-size 8]
+
+``--model fdv2-7b`` is the Fast-dLLM v2 7B geometry (Qwen2.5-7B shapes); with ``--strategy fast_dllm_v2`` its native
+strategy (sub-blocks of ``--block-size``, 8 by default there, in blocks of 4 of them), otherwise `multi_bd` on the
+same weights, so that the two strategies' steps can be set side by side.
 
 For each batch size it admits the requests, lets them settle into decode, then
 
@@ -27,7 +32,16 @@ import torch
 
 import diffulex.sampler.rows as rows
 from diffulex import Diffulex
-from diffulex.bench.throughput import _admit_until_decoding, _greedy, random_prompts, write_sdar_checkpoint
+from diffulex.bench.throughput import (
+    _admit_until_decoding,
+    _greedy,
+    random_prompts,
+    write_fast_dllm_v2_checkpoint,
+    write_sdar_checkpoint,
+)
+
+FDV2_MODEL = "fdv2-7b"
+FDV2_SUB_BLOCKS = 4  # sub-blocks per block: the checkpoints' blocks of 32 at sub-blocks of 8
 
 
 def _wrap(obj, name: str, phases: dict[str, list[float]], label: str, saved: list) -> None:
@@ -67,6 +81,8 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     if runner.graphs is not None:
         _wrap(runner.graphs, "run", phases, "forward (fill + replay)", saved)
         _wrap(runner.graphs, "_fill", phases, "  of which fill", saved)
+    if runner.short_graphs is not None:  # a strategy's short steps (`Strategy.short_step_rows`)
+        _wrap(runner.short_graphs, "run", phases, "short forward (fill + replay)", saved)
     _wrap(runner, "forward", phases, "forward (eager)", saved)
     _wrap(runner.model, "compute_logits", phases, "lm head launch", saved)
     _wrap(runner.sampler, "row_layout", phases, "sampler row layout", saved)
@@ -84,16 +100,20 @@ def host_phases(engine, steps: int) -> dict[str, float]:
             result_done[0] = time.perf_counter()
 
     rows.PendingWrites.result = result_marked
-    if runner.graphs is not None:
-        inner_run = runner.graphs.run
+    marked = [g for g in (runner.graphs, runner.short_graphs) if g is not None]
+    inner_runs = [g.run for g in marked]
 
+    def marking(inner_run):
         def run_marked(*args, **kwargs):
             if result_done[0] is not None:
                 phases["host path: result -> next forward"].append(time.perf_counter() - result_done[0])
                 result_done[0] = None
             return inner_run(*args, **kwargs)
 
-        runner.graphs.run = run_marked
+        return run_marked
+
+    for graphs, inner_run in zip(marked, inner_runs, strict=True):
+        graphs.run = marking(inner_run)
     totals = []
     try:
         for _ in range(steps):
@@ -102,8 +122,8 @@ def host_phases(engine, steps: int) -> dict[str, float]:
             totals.append(time.perf_counter() - t0)
     finally:
         rows.PendingWrites.result = inner_result
-        if runner.graphs is not None:
-            runner.graphs.run = inner_run
+        for graphs, inner_run in zip(marked, inner_runs, strict=True):
+            graphs.run = inner_run
         _unwrap(saved)
     out = {label: 1e3 * sum(v) / steps for label, v in phases.items()}
     out["step total"] = 1e3 * statistics.mean(totals)
@@ -201,6 +221,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--buffer-size", type=int, default=1)
+    ap.add_argument("--strategy", choices=["multi_bd", "fast_dllm_v2"], default="multi_bd")
+    ap.add_argument("--block-size", type=int, default=None, help="default: 4 (SDAR), 8 (fdv2-7b)")
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--micro-batches", type=int, default=1)
@@ -209,10 +231,18 @@ def main() -> None:
     args = ap.parse_args()
     report = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_sdar_checkpoint(Path(tmp) / args.model, args.model, args.data_dir)
-        fields = dict(block_size=4, buffer_size=args.buffer_size, max_num_reqs=max(args.batch), max_model_len=1024,
-                      load_format="dummy", enable_cudagraph_torch_compile=args.compile,
-                      micro_batches=args.micro_batches)
+        fdv2 = args.model == FDV2_MODEL
+        if args.strategy == "fast_dllm_v2" and not fdv2:
+            ap.error(f"--strategy fast_dllm_v2 runs on --model {FDV2_MODEL}")
+        write = write_fast_dllm_v2_checkpoint if fdv2 else write_sdar_checkpoint
+        path = write(Path(tmp) / args.model, args.model, args.data_dir)
+        block_size = args.block_size or (8 if fdv2 else 4)
+        strategy = {}
+        if args.strategy == "fast_dllm_v2":
+            strategy = dict(decoding_strategy="fast_dllm_v2", buffer_size=FDV2_SUB_BLOCKS)
+        fields = dict(block_size=block_size, buffer_size=args.buffer_size, max_num_reqs=max(args.batch),
+                      max_model_len=1024, load_format="dummy", enable_cudagraph_torch_compile=args.compile,
+                      micro_batches=args.micro_batches, **strategy)
         engine = Diffulex(str(path), **fields)
         for batch in args.batch:
             prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, 128, 0)
@@ -228,7 +258,8 @@ def main() -> None:
             rows, wall, busy = kernel_table(engine, args.steps)
             for rid in ids:
                 engine.abort_request(rid)
-            print(f"\n=== {args.model} batch {batch} buffer {args.buffer_size} compile={args.compile}")
+            print(f"\n=== {args.model} {args.strategy} block {block_size} batch {batch} buffer {fields['buffer_size']} "
+                  f"compile={args.compile}")
             print("host phases (ms/step):")
             for k, v in phases.items():
                 print(f"  {k:32s} {v:8.3f}")
