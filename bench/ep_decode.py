@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.tp_decode import attempt  # the same part-by-part report
-from diffulex import Diffulex, SamplingParams
+from bench.tp_decode import attempt, tokens_with_graphs  # the same report and float32 check
+from diffulex import Diffulex
 from diffulex.bench.throughput import ModelEntry, ThroughputSettings, run_sweep, write_sdar_checkpoint
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 from diffulex.testing.distributed import free_port
@@ -50,24 +50,21 @@ def label(tp: int, ep: int) -> str:
 def check_tokens(tmp: Path) -> dict:
     """Every layout with captured decode graphs, float32: the tokens of one GPU."""
     path = write_tiny_checkpoint(tmp / "small", "sdar_moe", seed=1, init_std=1.0, dtype=torch.float32, **SMALL_MOE)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 370, (n,), generator=gen).tolist() for n in (12, 17, 30, 9)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     tokens, graphs = {}, {}
     for tp, ep in LAYOUTS:
         name = label(tp, ep)
-        fields = dict(dtype="float32", block_size=4, buffer_size=1, max_model_len=256, max_num_reqs=8,
-                      master_addr="127.0.0.1", master_port=free_port())  # fmt: skip
-        with Diffulex(str(path), tensor_parallel_size=tp, expert_parallel_size=ep, **fields) as llm:
-            graphs[name] = bool(llm.runner.graphs is not None and llm.runner.graphs.capture_graphs)
-            held = len(next(layer.mlp for layer in llm.model.model.layers).experts)
-            out = llm.generate(prompts, greedy, use_tqdm=False)
-            tokens[name] = [t.token_ids for t in out.trajectories]
+        tokens[name], graphs[name], held = tokens_with_graphs(
+            path, experts_on_rank_0, tensor_parallel_size=tp, expert_parallel_size=ep
+        )
         print(f"{name}: graphs captured {graphs[name]}, {held} experts per layer on rank 0, "
               f"first answer {tokens[name][0][:12]}")  # fmt: skip
     reference = tokens[label(*LAYOUTS[0])]
     same = {name: toks == reference for name, toks in tokens.items()}
     return {"tokens_match": same, "graphs_captured": graphs, "ok": all(same.values()) and all(graphs.values())}
+
+
+def experts_on_rank_0(llm: Diffulex) -> int:
+    return len(next(layer.mlp for layer in llm.model.model.layers).experts)
 
 
 def time_steps(tmp: Path, max_steps: int, layouts: list[tuple[int, int]]) -> dict:

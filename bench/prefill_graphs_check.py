@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.testing.arrivals import serve_arrivals
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
 MAX_STEPS = 4000
@@ -51,22 +52,6 @@ def prompts_for(llm: Diffulex, lengths: list[int], seed: int) -> list[list[int]]
     banned = set(llm.settings.stop_token_ids) | {llm.mask_token_id}
     allowed = [t for t in range(llm.vocab_limit) if t not in banned]
     return [[rng.choice(allowed) for _ in range(n)] for n in lengths]
-
-
-def serve_arrivals(llm: Diffulex, prompts: list[list[int]], params: SamplingParams, gap: int) -> list[list[int]]:
-    """One prompt every ``gap`` steps (the first at once), stepping until all finish; token ids in prompt order."""
-    order: dict[int, int] = {}
-    finished: dict[int, list[int]] = {}
-    queue = list(prompts)
-    for step in range(MAX_STEPS):
-        if queue and step % gap == 0:
-            order[llm.add_request(queue.pop(0), params)] = len(order)
-        for update in llm.step():
-            if update.finished:
-                finished[update.req_id] = update.trajectory.token_ids
-        if not queue and len(finished) == len(order):
-            return [finished[req_id] for req_id in sorted(order, key=order.get)]
-    raise RuntimeError(f"requests still running after {MAX_STEPS} steps")
 
 
 def step_counts(llm: Diffulex) -> dict[str, int]:
@@ -101,7 +86,7 @@ def token_checks(ckpt: Path, report: dict[str, Any], failures: list[str]) -> Non
                         raise RuntimeError(f"{key}: the graph engine built no prefill graphs (CUDA graphs off?)")
                     prompts = prompts_for(llm, lengths, seed=5)
                     before = step_counts(llm)
-                    tokens[mode] = serve_arrivals(llm, prompts, params, gap)
+                    tokens[mode] = serve_arrivals(llm, prompts, params, gap, MAX_STEPS)
                     after = step_counts(llm)
                 counts = {k: after[k] - before[k] for k in after}
                 counts["graphed_share"] = 1 - counts["eager_steps"] / max(counts["launched_steps"], 1)

@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,21 +40,28 @@ SMALL_GEOMETRY = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=
                       intermediate_size=1024)  # fmt: skip
 
 
-def check_tokens(tmp: Path) -> dict:
-    """TP=1 and TP=2 engines with captured decode graphs, float32: the same tokens."""
-    path = write_tiny_checkpoint(tmp / "small", "sdar", seed=1, init_std=1.0, dtype=torch.float32, **SMALL_GEOMETRY)
+def tokens_with_graphs(path: Path, inspect: Callable[[Diffulex], Any], **layout: int) -> tuple[list, bool, Any]:
+    """The float32 check of an engine of ``layout`` (its parallel sizes) with captured decode graphs: the answers
+    to four fixed prompts, whether its decode graphs were captured, and what ``inspect`` read of the engine."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 370, (n,), generator=gen).tolist() for n in (12, 17, 30, 9)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    fields = dict(dtype="float32", block_size=4, buffer_size=1, max_model_len=256, max_num_reqs=8,
+                  master_addr="127.0.0.1", master_port=free_port())  # fmt: skip
+    with Diffulex(str(path), **layout, **fields) as llm:
+        captured = bool(llm.runner.graphs is not None and llm.runner.graphs.capture_graphs)
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        return [t.token_ids for t in out.trajectories], captured, inspect(llm)
+
+
+def check_tokens(tmp: Path) -> dict:
+    """TP=1 and TP=2 engines with captured decode graphs, float32: the same tokens."""
+    path = write_tiny_checkpoint(tmp / "small", "sdar", seed=1, init_std=1.0, dtype=torch.float32, **SMALL_GEOMETRY)
     tokens, graphs = {}, {}
     for size in TP_SIZES:
-        fields = dict(dtype="float32", block_size=4, buffer_size=1, max_model_len=256, max_num_reqs=8,
-                      master_addr="127.0.0.1", master_port=free_port())  # fmt: skip
-        with Diffulex(str(path), tensor_parallel_size=size, **fields) as llm:
-            graphs[size] = bool(llm.runner.graphs is not None and llm.runner.graphs.capture_graphs)
-            out = llm.generate(prompts, greedy, use_tqdm=False)
-            tokens[size] = [t.token_ids for t in out.trajectories]
-            continued = llm.num_continuations
+        tokens[size], graphs[size], continued = tokens_with_graphs(
+            path, lambda llm: llm.num_continuations, tensor_parallel_size=size
+        )
         print(f"TP={size}: graphs captured {graphs[size]}, {continued} continued steps, "
               f"first answer {tokens[size][0][:12]}")  # fmt: skip
     same = tokens[1] == tokens[2]

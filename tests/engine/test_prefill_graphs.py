@@ -18,10 +18,10 @@ import torch
 from diffulex import SamplingParams
 from diffulex.engine.prefill_graphs import prefill_buckets
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.testing.arrivals import serve_arrivals
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts, shifted_sdar_family
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-MAX_STEPS = 2000  # a scenario that has not finished by then is stuck
 
 
 @dataclass
@@ -73,21 +73,30 @@ def static_engine(model_dir: Path, **fields):
     return llm
 
 
-def serve_arrivals(llm, prompts: list[list[int]], params: SamplingParams, gap: int) -> list[list[int]]:
-    """Add one prompt every ``gap`` engine steps (the first at once) and step until every request has finished:
-    each arrives while the earlier ones decode. Returns the token ids in prompt order."""
-    order: dict[int, int] = {}
-    finished: dict[int, list[int]] = {}
-    queue = list(prompts)
-    for step in range(MAX_STEPS):
-        if queue and step % gap == 0:
-            order[llm.add_request(queue.pop(0), params)] = len(order)
-        for update in llm.step():
-            if update.finished:
-                finished[update.req_id] = update.trajectory.token_ids
-        if not queue and len(finished) == len(order):
-            return [finished[req_id] for req_id in sorted(order, key=order.get)]
-    raise AssertionError(f"requests still running after {MAX_STEPS} steps")
+@dataclass
+class ArrivalRun:
+    """One arrival scenario through the eager engine and through the graph path (uncaptured)."""
+
+    prompts: list[list[int]]
+    expected: list[list[int]]  # the eager engine's tokens, in prompt order
+    got: list[list[int]]  # the graph path's
+    eager_steps: int  # steps the graph path ran eagerly
+    replays: Replays
+
+
+def eager_then_graphed(
+    model_dir: Path, fields: dict, make_prompts, params: SamplingParams, gap: int
+) -> ArrivalRun:
+    """`serve_arrivals` of ``make_prompts(engine)`` on an eager engine, then on a graph-path engine of the same
+    fields, recording the latter's replays."""
+    with make_engine(model_dir, **fields) as eager:
+        prompts = make_prompts(eager)
+        expected = serve_arrivals(eager, prompts, params, gap)
+    with static_engine(model_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve_arrivals(llm, prompts, params, gap)
+        eager_steps = llm.runner.eager_steps
+    return ArrivalRun(prompts, expected, got, eager_steps, replays)
 
 
 def test_prefill_buckets_double_from_sixteen_up_to_the_largest() -> None:
@@ -105,17 +114,11 @@ def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_ea
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     lengths = [9, 14, 21, 6, 17, 30, 12]
-    with make_engine(peaky_sdar_dir, **fields) as eager:
-        prompts = random_prompts(eager, lengths, seed=41)
-        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
-    with static_engine(peaky_sdar_dir, **fields) as llm:
-        replays = record_replays(llm)
-        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
-        eager_steps = llm.runner.eager_steps
-    assert got == expected
-    assert eager_steps == 0, "every step, those carrying a prompt too, ran on the graph path"
-    assert replays.prefills_before_a_decode_of(min_requests=2) >= len(lengths) - 1, "prompts beside decoders"
-    for part in replays.prefills:
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=41), GREEDY, 2)
+    assert run.got == run.expected
+    assert run.eager_steps == 0, "every step, those carrying a prompt too, ran on the graph path"
+    assert run.replays.prefills_before_a_decode_of(min_requests=2) >= len(lengths) - 1, "prompts beside decoders"
+    for part in run.replays.prefills:
         assert part.num_requests == 1 and not part.sample_rows, "one request a replay, nothing sampled"
 
 
@@ -125,54 +128,42 @@ def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(pea
     fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=12, enable_chunked_prefill=True,
                   max_num_batched_tokens=96, max_prefill_graph_tokens=17)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with make_engine(peaky_sdar_dir, **fields) as eager:
-        prompts = random_prompts(eager, [6, 3, 9, 5, 7, 2, 10, 4, 110], seed=42)
-        expected = serve_arrivals(eager, prompts, params, gap=1)
-    with static_engine(peaky_sdar_dir, **fields) as llm:
-        replays = record_replays(llm)
-        got = serve_arrivals(llm, prompts, params, gap=1)
-        eager_steps = llm.runner.eager_steps
-    assert got == expected
-    assert eager_steps == 0
-    long_rows = [part.num_tokens for part in replays.prefills if part.prefix_lens == [110]]
+    lengths = [6, 3, 9, 5, 7, 2, 10, 4, 110]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=42), params, 1)
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    long_rows = [part.num_tokens for part in run.replays.prefills if part.prefix_lens == [110]]
     assert len(long_rows) >= 110 // 17, "the long prompt took several chunks"
     assert max(long_rows) <= 17
-    assert replays.prefills_before_a_decode_of(min_requests=8) >= 3, "chunks replayed beside the eight decoders"
+    assert run.replays.prefills_before_a_decode_of(min_requests=8) >= 3, "chunks replayed beside the eight decoders"
 
 
 def test_chunks_of_a_prompt_alone_are_steps_of_prefill_replays_only(peaky_sdar_dir: Path) -> None:
     """Without decoders beside it a chunk takes the whole budget; a chunk samples nothing, so its step is its
     prefill replay and no decode graph."""
     fields = dict(buffer_size=1, accept_threshold=0.7, enable_chunked_prefill=True, max_num_batched_tokens=16)
-    with make_engine(peaky_sdar_dir, **fields) as eager:
-        prompts = random_prompts(eager, [70], seed=45)
-        expected = serve_arrivals(eager, prompts, GREEDY, gap=1)
-    with static_engine(peaky_sdar_dir, **fields) as llm:
-        replays = record_replays(llm)
-        got = serve_arrivals(llm, prompts, GREEDY, gap=1)
-        eager_steps = llm.runner.eager_steps
-    assert got == expected
-    assert eager_steps == 0
-    kinds = [kind for kind, _, _ in replays.events]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, [70], seed=45), GREEDY, 1)
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    kinds = [kind for kind, _, _ in run.replays.events]
     assert kinds[:4] == ["prefill"] * 4, "four chunks of 16 rows, each a step of its own"
-    assert [part.num_tokens for part in replays.prefills[:4]] == [16] * 4
+    assert [part.num_tokens for part in run.replays.prefills[:4]] == [16] * 4
 
 
 def test_a_prefix_cache_hit_replays_its_uncached_tail_in_a_prefill_graph(peaky_sdar_dir: Path) -> None:
     family = shifted_sdar_family()
     for model_name in ("sdar", family.name):
         fields = dict(model_name=model_name, buffer_size=2, accept_threshold=0.7, enable_prefix_caching=True)
-        with make_engine(peaky_sdar_dir, **fields) as eager:
-            first, other = random_prompts(eager, [24, 7], seed=43)
-            follow_up = first[:16] + other[:5] + first[:11]
-            expected = serve_arrivals(eager, [first, other, follow_up], GREEDY, gap=3)
-        with static_engine(peaky_sdar_dir, **fields) as llm:
-            replays = record_replays(llm)
-            got = serve_arrivals(llm, [first, other, follow_up], GREEDY, gap=3)
-            eager_steps = llm.runner.eager_steps
-        assert got == expected, model_name
-        assert eager_steps == 0, model_name
-        tails = [part for part in replays.prefills if part.prefix_lens == [len(follow_up)]]
+
+        def with_follow_up(llm) -> list[list[int]]:
+            first, other = random_prompts(llm, [24, 7], seed=43)
+            return [first, other, first[:16] + other[:5] + first[:11]]
+
+        run = eager_then_graphed(peaky_sdar_dir, fields, with_follow_up, GREEDY, 3)
+        follow_up = run.prompts[2]
+        assert run.got == run.expected, model_name
+        assert run.eager_steps == 0, model_name
+        tails = [part for part in run.replays.prefills if part.prefix_lens == [len(follow_up)]]
         assert len(tails) == 1 and tails[0].context_lens[0] > 0, f"{model_name}: the tail read the cached prefix"
         assert tails[0].positions[0] == tails[0].context_lens[0] >= 16 - int(model_name == family.name)
 
@@ -227,13 +218,7 @@ def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Pa
 
 def test_a_prompt_longer_than_the_largest_prefill_graph_runs_its_step_eagerly(peaky_sdar_dir: Path) -> None:
     fields = dict(buffer_size=1, accept_threshold=0.7, max_prefill_graph_tokens=17)
-    with make_engine(peaky_sdar_dir, **fields) as eager:
-        prompts = random_prompts(eager, [6, 40], seed=44)
-        expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
-    with static_engine(peaky_sdar_dir, **fields) as llm:
-        replays = record_replays(llm)
-        got = serve_arrivals(llm, prompts, GREEDY, gap=2)
-        eager_steps = llm.runner.eager_steps
-    assert got == expected
-    assert eager_steps == 1, "only the long prompt's step"
-    assert all(part.num_tokens <= 17 for part in replays.prefills)
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, [6, 40], seed=44), GREEDY, 2)
+    assert run.got == run.expected
+    assert run.eager_steps == 1, "only the long prompt's step"
+    assert all(part.num_tokens <= 17 for part in run.replays.prefills)

@@ -138,7 +138,7 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
     decode graph replays the rest (`StepMessage.prefills`); the worker repeats both in that order, or its half of
     the prompt's K/V would be missing (other tokens) or its collectives would not match rank 0's (a time-out).
     The first prompt, alone and chunked, has steps of prefill replays only."""
-    from tests.engine.test_prefill_graphs import serve_arrivals
+    from diffulex.testing.arrivals import serve_arrivals
 
     results = {}
     for size in (1, 2):

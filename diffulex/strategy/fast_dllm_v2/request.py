@@ -66,19 +66,22 @@ class FastDllmV2Request(Request):
         lo, hi = max(block.start, self.prompt_len), min(block.end, self.generation_end)
         return self.token_ids[lo:hi].count(self.settings.mask_token_id) if lo < hi else 0
 
+    def _decodable(self, sub_start: int) -> range:
+        """The positions of the sub-block starting at ``sub_start`` that may hold a mask: after the prompt and
+        before the generation end."""
+        return range(max(sub_start, self.prompt_len), min(sub_start + self.sub_block_size, self.generation_end))
+
     def sub_block_masks(self, sub_start: int) -> list[int]:
         """The masks of the sub-block starting at ``sub_start``, before the generation end."""
-        lo, hi = max(sub_start, self.prompt_len), min(sub_start + self.sub_block_size, self.generation_end)
         mask = self.settings.mask_token_id
-        return [p for p in range(lo, hi) if self.token_ids[p] == mask]
+        return [p for p in self._decodable(sub_start) if self.token_ids[p] == mask]
 
     def current_sub_block(self, block: Block) -> int:
         """Start of the first sub-block of ``block`` with a mask left (``block.end`` if none)."""
-        size, mask = self.sub_block_size, self.settings.mask_token_id
-        for sub_start in range(block.start, block.end, size):
-            # the masks of `sub_block_masks`, asked of a slice (a step asks this several times)
-            lo, hi = max(sub_start, self.prompt_len), min(sub_start + size, self.generation_end)
-            if lo < hi and mask in self.token_ids[lo:hi]:
+        mask = self.settings.mask_token_id
+        for sub_start in range(block.start, block.end, self.sub_block_size):
+            span = self._decodable(sub_start)  # a slice test: a step asks this several times
+            if mask in self.token_ids[span.start : span.stop]:
                 return sub_start
         return block.end
 
