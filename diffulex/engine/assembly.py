@@ -22,7 +22,7 @@ from diffulex.engine.build_phases import BuildPhases
 from diffulex.engine.cpu_resources import choose_cpu_threads, default_cpu_threads, usable_cores
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.memory_plan import plan_num_pages
+from diffulex.engine.memory_plan import plan_num_pages, profile_shape
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.engine.tensor_parallel import (
@@ -45,6 +45,8 @@ logger = logging.getLogger("diffulex")
 
 # Compiling in helper processes pays off only with at least this many cores beside the build's own.
 MIN_SPARE_CORES_FOR_HELPERS = 2
+# The build phase in which the helper processes compile the warm-ups' kernel variants.
+HELPER_PHASE = "kernels compiled in helper processes"
 # The module that loads tokenizers (transformers only for a folder it cannot build itself), imported in its own phase.
 TOKENIZER_MODULE = "diffulex.tokenizer"
 
@@ -168,8 +170,8 @@ def _build_components(
     helpers: CompileHelpers | None = None,
 ) -> EngineParts:
     """The strategy's runner (or the engine's, with the strategy's sampler for the family), the page pool and the
-    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) compile the attention's
-    variants first, all at once."""
+    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) first compile the kernel
+    variants of the warm-ups that follow (`_dry_warm_ups`), all at once."""
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
@@ -183,12 +185,12 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
+    if helpers is not None:
+        _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
+        build.done(HELPER_PHASE)
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
     build.done("memory plan and KV cache")
-    if helpers is not None:
-        _compile_in_helpers(helpers, runner.warm_up_attention, device)
-        build.done("attention kernels compiled in helper processes")
     runner.warm_up_attention()
     build.done("attention kernels")
     policy.maybe_capture(runner, config, device)
@@ -285,8 +287,8 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 
 def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpers | None:
-    """Helper processes that will compile the attention kernel's variants side by side (`CompileHelpers`), where
-    they can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
+    """Helper processes that will compile the build's kernel variants side by side (`CompileHelpers`), where they
+    can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
     from diffulex.attention.layer import TRITON_IMPLS
     from diffulex.layers.dispatch import triton_available
 
@@ -302,16 +304,52 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
     return CompileHelpers(min(MAX_HELPERS, spare))
 
 
-def _compile_in_helpers(helpers: CompileHelpers, warm_up: Callable[[], None], device: torch.device) -> None:
-    """Have `helpers` compile what `warm_up` would compile (a dry run of it), for this device's target."""
+def _dry_warm_ups(
+    config: Config, runner: StepRunner, policy: GraphPolicy, dtype: torch.dtype
+) -> dict[str, Callable[[], None]]:
+    """The build's warm-ups that a dry pass may run (`diffulex.kernels.parallel_compile`), named, in the order the
+    build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up, the
+    warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
+
+    Only the attention's for a strategy's own runner, an engine of several ranks (their forwards and LM heads meet
+    in collectives) or a model with MoE layers (the experts' routing indexes memory by the router's output, which a
+    skipped launch leaves as garbage); no graph warm-ups where ``torch.compile`` compiles the captured forward
+    (Inductor compiles for real, outside Triton's hook)."""
+    from diffulex.layers.moe import SparseMoE
+
+    warm_ups: dict[str, Callable[[], None]] = {}
+    dense = isinstance(runner, ModelRunner) and not any(isinstance(m, SparseMoE) for m in runner.model.modules())
+    if not dense or engine_ranks().size > 1:
+        return {"attention": runner.warm_up_attention}
+    if config.num_pages <= 0:
+        warm_ups["profile forward"] = lambda: runner.profile_run(*profile_shape(config, policy))
+    warm_ups["attention"] = runner.warm_up_attention
+    if runner.graph_forward == runner.model.forward:
+        warm_ups["CUDA graph warm-ups"] = lambda: policy.rehearse_capture(runner, config)
+    sample_rows = config.max_num_reqs * policy.max_rows_per_request
+    warm_ups["sampling"] = lambda: runner.warm_up_sampling(sample_rows, dtype)
+    return warm_ups
+
+
+def _compile_in_helpers(
+    helpers: CompileHelpers, runner: StepRunner, warm_ups: dict[str, Callable[[], None]], device: torch.device
+) -> None:
+    """Have `helpers` compile what `warm_ups` would compile (a dry pass of them, over a cache of one page, dropped
+    after), for this device's target."""
     from triton.runtime import driver
 
     with torch.cuda.device(device):
         target = driver.active.get_current_target()
-    report = helpers.compile_for(warm_up, target)
+    runner.allocate_kv_cache(1)  # attention needs a bound cache; a dry pass stores nothing
+    try:
+        report = helpers.compile_for(warm_ups, target)
+    finally:
+        runner.release_kv_cache()
+        torch.cuda.empty_cache()
+    recorded = ", ".join(f"{name} {count}" for name, count in report.recorded_by.items())
     logger.info(
-        "attention kernels: %d variants, %d not in the Triton cache, %d compiled by helper processes%s",
-        report.recorded, report.missing, report.compiled,
+        "kernels: %d variants (%s), %d not in the Triton cache, %d compiled by helper processes%s",
+        report.recorded, recorded, report.missing, report.compiled,
         f" ({len(report.errors)} left to the build: {report.errors[0]})" if report.errors else "",
     )  # fmt: skip
 
