@@ -1,0 +1,88 @@
+"""The build's dry pass (`diffulex.kernels.parallel_compile`): which warm-ups an engine runs dry before running
+them for real, and that the CUDA graphs' part of it runs every bucket's warm-up forward and leaves the runner as it
+found it.
+
+On the CPU nothing launches a Triton kernel, so the captured forward is wrapped in a stand-in launch that asks
+Triton's ``jit_cache_hook`` as a kernel's first launch does (the dry pass's hook records it and says skip)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffulex.engine import assembly
+from diffulex.engine.cuda_graph import request_buckets
+from diffulex.engine.prefill_graphs import prefill_buckets
+from diffulex.testing.checkpoints import write_tiny_checkpoint
+from tests.engine.test_engine_matches_reference import make_engine
+
+triton = pytest.importorskip("triton")
+pc = pytest.importorskip("diffulex.kernels.parallel_compile")
+if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
+    pytest.skip(f"triton {triton.__version__} has no jit_cache_hook: no dry pass", allow_module_level=True)
+
+BUILD_ORDER = ["profile forward", "attention", "CUDA graph warm-ups", "sampling"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardKernel:
+    """What the hook reads of a JIT function: its module and name."""
+
+    module: str = "a_forward_kernel"
+    name: str = "forward"
+
+
+def with_forward_launches(runner, launched: list[int]):
+    """Wrap the captured forward in a stand-in launch per call, specialized on its row count: skipped where the hook
+    says so, else counted in `launched` as run."""
+    forward = runner.graph_forward
+
+    def launching_forward(ids, positions, meta, readers=None, **kwargs):
+        hook = triton.knobs.runtime.jit_cache_hook
+        rows = ids.shape[0]
+        if hook is None or not hook(fn=ForwardKernel(), compile={"specialization_data": json.dumps({"rows": rows})}):
+            launched.append(rows)
+        return forward(ids, positions, meta, readers, **kwargs)
+
+    return launching_forward
+
+
+def test_a_dense_engine_runs_every_warm_up_dry_in_build_order(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir) as llm:
+        runner, policy, config = llm.runner, llm.policy, llm.config
+        assert list(assembly._dry_warm_ups(config, runner, policy, torch.float32)) == BUILD_ORDER
+        given = dataclasses.replace(config, num_pages=64)  # no memory plan: no profile forward
+        assert list(assembly._dry_warm_ups(given, runner, policy, torch.float32)) == BUILD_ORDER[1:]
+        runner.graph_forward = lambda *args, **kwargs: runner.model(*args, **kwargs)  # as torch.compile leaves it
+        assert "CUDA graph warm-ups" not in assembly._dry_warm_ups(config, runner, policy, torch.float32)
+
+
+def test_an_moe_engine_runs_only_its_attention_warm_up_dry(tmp_path: Path):
+    model_dir = write_tiny_checkpoint(tmp_path / "moe", "sdar_moe", num_hidden_layers=1)
+    with make_engine(model_dir, max_num_reqs=2) as llm:
+        warm_ups = assembly._dry_warm_ups(llm.config, llm.runner, llm.policy, torch.float32)
+    assert list(warm_ups) == ["attention"]  # its routing would index memory by a skipped kernel's output
+
+
+def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir, max_num_reqs=5, max_prefill_graph_tokens=40) as llm:
+        runner, config = llm.runner, llm.config
+        policy = dataclasses.replace(llm.policy, cuda_graphs=True, prefill_graph_rows=40)
+        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs)
+        launched: list[int] = []
+        runner.graph_forward = with_forward_launches(runner, launched)
+        with pc.dry_pass() as variants:
+            policy.rehearse_capture(runner, config)
+        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs) == kept
+        rows = policy.max_rows_per_request
+        decode = [bucket * rows for bucket in reversed(request_buckets(config.max_num_reqs))]
+        prefill = list(reversed(prefill_buckets(40)))
+        expected = list(dict.fromkeys(decode + prefill))  # a row count both sets run is one variant
+        assert [json.loads(v.specialization)["rows"] for v in variants] == expected
+        assert launched == []  # every launch skipped
+        policy.rehearse_capture(runner, config)  # not dry: each bucket's forward launches once
+        assert sorted(launched) == sorted(decode + prefill)
