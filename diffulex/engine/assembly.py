@@ -350,7 +350,7 @@ def _compile_in_helpers(
     logger.info(
         "kernels: %d variants (%s), %d not in the Triton cache, %d compiled by helper processes%s",
         report.recorded, recorded, report.missing, report.compiled,
-        f" ({len(report.errors)} left to the build: {report.errors[0]})" if report.errors else "",
+        f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
     )  # fmt: skip
 
 
