@@ -252,3 +252,27 @@ def test_the_hook_in_place_before_a_dry_pass_is_put_back_after_one_that_raised()
         assert triton.knobs.runtime.jit_cache_hook is outer_hook and not pc.in_dry_pass()
     finally:
         triton.knobs.runtime.jit_cache_hook = None
+
+
+def test_the_sampling_warm_up_is_recorded_dry_and_its_variants_compiled_by_the_helpers(tmp_path):
+    seen = run_case(tmp_path, '''
+        from diffulex.kernels import acceptance, split_counters, top1
+
+        cpu = torch.device("cpu")
+        split_counters._SM_COUNT[cpu] = 132  # an H100's, which the top-1 split plans read
+
+        def warm_up():  # the multi_bd sampler's warm-up (`MultiBDSampler.warm_up`) for 64 rows
+            top1.warm_up(cpu, 1000, torch.bfloat16, 990, 3, 64)
+            acceptance.warm_up(cpu, 0.9, 64)
+
+        helpers = pc.CompileHelpers(2)
+        report = helpers.compile_for({"sampling": warm_up}, HOPPER)
+        variants = pc.record_launches(warm_up)
+        print(json.dumps({"names": sorted({v.name for v in variants}), "report": [report.recorded, report.missing,
+                          report.compiled], "errors": list(report.errors), "ended": helpers.ended(),
+                          "cached": [pc.is_cached(v, HOPPER) for v in variants]}))
+    ''')
+    assert {"_accept_kernel"} < set(seen["names"]) and any("top1" in name for name in seen["names"])
+    recorded, missing, compiled = seen["report"]
+    assert recorded == missing == compiled == len(seen["cached"]) and seen["errors"] == [] and seen["ended"]
+    assert all(seen["cached"])  # the real warm-up finds every variant it launches in the cache
