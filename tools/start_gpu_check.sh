@@ -37,7 +37,8 @@ for r in rows:
         if not line.startswith("engine ready in"):
             print(f"    log: {line}")
 kernels = {r["case"]: [line for line in r.get("build_log", []) if line.startswith("kernels:")] for r in rows}
-dry_failed = {case: lines for case, lines in kernels.items() if any("left to the build" in line for line in lines)}
+dry_failed = {case: lines for case, lines in kernels.items()
+              if any("left to the build" in line or "failed" in line for line in lines)}
 with open(sys.argv[1].replace("start.json", "dry_pass.json"), "w") as out:
     json.dump({"kernels_log": kernels, "dry_pass_failed": dry_failed}, out, indent=1)
 for case, lines in kernels.items():

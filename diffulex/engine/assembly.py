@@ -335,23 +335,36 @@ def _compile_in_helpers(
     helpers: CompileHelpers, runner: StepRunner, warm_ups: dict[str, Callable[[], None]], device: torch.device
 ) -> None:
     """Have `helpers` compile what `warm_ups` would compile (a dry pass of them, over a cache of one page, dropped
-    after), for this device's target."""
-    from triton.runtime import driver
-
-    with torch.cuda.device(device):
-        target = driver.active.get_current_target()
-    runner.allocate_kv_cache(1)  # attention needs a bound cache; a dry pass stores nothing
+    after), for this device's target. Whatever goes wrong here is logged and costs only time: the warm-ups that
+    follow compile what is missing themselves."""
     try:
-        report = helpers.compile_for(warm_ups, target)
-    finally:
-        runner.release_kv_cache()
-        torch.cuda.empty_cache()
+        target = _compile_target(device)
+        runner.allocate_kv_cache(1)  # attention needs a bound cache; a dry pass stores nothing
+        try:
+            report = helpers.compile_for(warm_ups, target)
+        finally:
+            runner.release_kv_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except Exception as err:  # noqa: BLE001  (the real warm-ups compile for themselves)
+        helpers.close()
+        logger.warning("kernels: compiling in helper processes failed (%s: %s); the build compiles them itself",
+                       type(err).__name__, err)  # fmt: skip
+        return
     recorded = ", ".join(f"{name} {count}" for name, count in report.recorded_by.items())
     logger.info(
         "kernels: %d variants (%s), %d not in the Triton cache, %d compiled by helper processes%s",
         report.recorded, recorded, report.missing, report.compiled,
         f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
     )  # fmt: skip
+
+
+def _compile_target(device: torch.device) -> object:
+    """The Triton target of `device`, which the helpers compile for (they never touch the GPU)."""
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        return driver.active.get_current_target()
 
 
 def _initialize_device(device: torch.device) -> None:

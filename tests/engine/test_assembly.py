@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from diffulex import SamplingParams
 from diffulex.engine import assembly
 from diffulex.engine.cuda_graph import request_buckets
 from diffulex.engine.prefill_graphs import prefill_buckets
@@ -86,3 +88,65 @@ def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(pea
         assert launched == []  # every launch skipped
         policy.rehearse_capture(runner, config)  # not dry: each bucket's forward launches once
         assert sorted(launched) == sorted(decode + prefill)
+
+
+class StandInHelpers:
+    """What the build hands its helper processes: the warm-ups, run dry here as `CompileHelpers.compile_for` runs
+    them (nothing compiles on the CPU), or a failure of the helpers themselves."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.names: list[str] = []
+        self.target = None
+        self.closed = False
+
+    def compile_for(self, warm_ups, target):
+        if self.fails:
+            raise OSError("a helper's pipe broke")
+        self.names, self.target = list(warm_ups), target
+        with pc.dry_pass():
+            for warm_up in warm_ups.values():
+                warm_up()
+        return pc.CompileReport(recorded_by=dict.fromkeys(warm_ups, 0))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers):
+    """An engine built as on a GPU with helper processes (`helpers`), recording every KV cache it allocates."""
+    pages: list[int] = []
+    allocate = assembly.ModelRunner.allocate_kv_cache
+
+    def recording_allocate(self, num_pages):
+        pages.append(num_pages)
+        allocate(self, num_pages)
+
+    monkeypatch.setattr(assembly, "_start_compile_helpers", lambda config, device: helpers)
+    monkeypatch.setattr(assembly, "_compile_target", lambda device: "hopper")
+    monkeypatch.setattr(assembly.ModelRunner, "allocate_kv_cache", recording_allocate)
+    return make_engine(model_dir), pages
+
+
+def test_the_helpers_phase_compiles_the_dry_warm_ups_before_the_memory_plan(monkeypatch, peaky_sdar_dir: Path):
+    helpers = StandInHelpers()
+    llm, pages = build_with(monkeypatch, peaky_sdar_dir, helpers)
+    with llm:
+        phases = list(llm.build_seconds)
+        assert helpers.names == BUILD_ORDER and helpers.target == "hopper" and helpers.closed
+        assert phases.index("runner") + 1 == phases.index(assembly.HELPER_PHASE)
+        assert phases.index(assembly.HELPER_PHASE) + 1 == phases.index("memory plan and KV cache")
+        assert pages == [1, llm.runner.num_pages]  # the dry pass's one page, dropped, then the planned cache
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sdar_dir: Path, caplog):
+    helpers = StandInHelpers(fails=True)
+    with caplog.at_level(logging.WARNING, logger="diffulex"):
+        llm, pages = build_with(monkeypatch, peaky_sdar_dir, helpers)
+    with llm:
+        assert any("compiling in helper processes failed (OSError" in r.message for r in caplog.records)
+        assert helpers.closed and assembly.HELPER_PHASE in llm.build_seconds
+        assert pages == [1, llm.runner.num_pages] and all(layer.k_cache.shape[0] == llm.runner.num_pages
+                                                          for layer in llm.runner.attention_layers)
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
