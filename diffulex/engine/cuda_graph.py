@@ -107,12 +107,12 @@ def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tenso
     from diffulex.kernels import host_publish
     from diffulex.kernels.parallel_compile import in_dry_pass
 
-    if in_dry_pass():  # the probe reads its store back, which a dry launch never makes: the warm-up's choice
-        return host_publish.publish_to_host
     expected = [7, -3]
     try:
         home = torch.zeros(len(expected), dtype=torch.int64, pin_memory=device.type == "cuda")
         host_publish.publish_to_host(torch.tensor(expected, dtype=torch.int64, device=device), home)
+        if in_dry_pass():  # the store was only recorded (`diffulex.kernels.parallel_compile`): nothing to read back
+            return host_publish.publish_to_host
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         landed = home.tolist() == expected
