@@ -5,7 +5,8 @@
 # whole Diffulex(...) call), what the build's dry pass recorded and the helper processes compiled (the `kernels:`
 # log line), and the targets (ready <= 30 s cold, <= 15 s warm).
 # Usage (GPU machine, repository root): tools/start_gpu_check.sh OUT_DIR
-# Writes OUT_DIR/start/start.json, OUT_DIR/start/tables.md and OUT_DIR/start/dry_pass.json; exits non-zero when an
+# Writes OUT_DIR/dry_pass_tests.log, OUT_DIR/start/start.json, OUT_DIR/start/tables.md and OUT_DIR/start/dry_pass.json;
+# exits non-zero when the dry-pass tests fail (run first, on tiny CUDA engines), when an
 # engine did not start, or when a dry warm-up read device data back (DryPassReadError: that warm-up must be kept
 # out of the dry pass) or failed otherwise.
 set -euo pipefail
@@ -14,6 +15,11 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'start_gpu_check: no CUDA device')"
 nvidia-smi --query-gpu=name --format=csv,noheader
+# the dry pass on real kernels first (tiny CUDA engines, about a minute): every warm-up runs dry to its end, reading no
+# device data back, and the helpers compile what it recorded
+TRITON_CACHE_DIR=$(mktemp -d) python -m pytest -q -p no:warnings tests/engine/test_assembly.py \
+  tests/kernels/test_parallel_compile.py > "$out/dry_pass_tests.log" 2>&1 || { tail -40 "$out/dry_pass_tests.log"; echo "start_gpu_check: dry-pass tests failed"; exit 1; }
+tail -1 "$out/dry_pass_tests.log"
 python -m diffulex.cli bench sweep --targets start --out "$out/start"
 python - "$out/start/start.json" <<'PY'
 import json
