@@ -312,15 +312,21 @@ def _dry_warm_ups(
     warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
 
     Only the attention's for a strategy's own runner, an engine of several ranks (their forwards and LM heads meet
-    in collectives) or a model with MoE layers (the experts' routing indexes memory by the router's output, which a
-    skipped launch leaves as garbage); no graph warm-ups where ``torch.compile`` compiles the captured forward
-    (Inductor compiles for real, outside Triton's hook)."""
+    in collectives), a model with MoE layers (the experts' routing indexes memory by the router's output, which a
+    skipped launch leaves as garbage) or with heads the Triton attention cannot tile (the PyTorch attention reads
+    the step's layout back); no graph warm-ups where ``torch.compile`` compiles the captured forward (Inductor
+    compiles for real, outside Triton's hook)."""
+    from diffulex.attention.layer import triton_supports_head_dim
     from diffulex.layers.moe import SparseMoE
 
+    attention_only = {"attention": runner.warm_up_attention}
+    if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
+        return attention_only
+    if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
+        return attention_only
+    if not all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers):
+        return attention_only
     warm_ups: dict[str, Callable[[], None]] = {}
-    dense = isinstance(runner, ModelRunner) and not any(isinstance(m, SparseMoE) for m in runner.model.modules())
-    if not dense or engine_ranks().size > 1:
-        return {"attention": runner.warm_up_attention}
     if config.num_pages <= 0:
         warm_ups["profile forward"] = lambda: runner.profile_run(*profile_shape(config, policy))
     warm_ups["attention"] = runner.warm_up_attention

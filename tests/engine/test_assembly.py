@@ -72,6 +72,13 @@ def test_an_moe_engine_runs_only_its_attention_warm_up_dry(tmp_path: Path):
     assert list(warm_ups) == ["attention"]  # its routing would index memory by a skipped kernel's output
 
 
+def test_an_engine_with_heads_triton_cannot_tile_runs_only_its_attention_warm_up_dry(tmp_path: Path):
+    model_dir = write_tiny_checkpoint(tmp_path / "odd-heads", hidden_size=96, num_attention_heads=4, head_dim=24)
+    with make_engine(model_dir, max_num_reqs=2) as llm:
+        warm_ups = assembly._dry_warm_ups(llm.config, llm.runner, llm.policy, torch.float32)
+    assert list(warm_ups) == ["attention"]  # the PyTorch attention those heads take reads the step's layout back
+
+
 def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(peaky_sdar_dir: Path):
     with make_engine(peaky_sdar_dir, max_num_reqs=5, max_prefill_graph_tokens=40) as llm:
         runner, config = llm.runner, llm.config
