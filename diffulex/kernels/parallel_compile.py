@@ -58,6 +58,8 @@ HELPER_MODULES = (
     "diffulex.kernels.token_inputs",
     "diffulex.kernels.top1",
     "diffulex.kernels.acceptance",
+    "diffulex.kernels.edit_acceptance",
+    "diffulex.kernels.step_advance",
     "diffulex.kernels.host_publish",
 )
 # Sets in which a launch records that it has compiled a variant, so that later calls skip it: (module, name). A dry
