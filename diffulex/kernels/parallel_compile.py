@@ -160,16 +160,19 @@ def dry_pass() -> Iterator[list[KernelVariant]]:
 
     recorded: dict[KernelVariant, None] = {}
     variants: list[KernelVariant] = []
+    runtime = triton.knobs.runtime
+    previous = runtime.jit_cache_hook
 
-    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+    def record(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool:
+        if not _DRY_PASS.get():  # another thread's launch (the hook is the process's): compiled as it would be
+            return bool(previous(fn=fn, compile=compile, **kwargs)) if previous is not None else False
         variant = KernelVariant(fn.module, fn.name, compile["specialization_data"])
         if variant not in recorded:
             recorded[variant] = None
             variants.append(variant)
         return True  # skip: neither compiled nor launched
 
-    runtime = triton.knobs.runtime
-    previous, runtime.jit_cache_hook = runtime.jit_cache_hook, record
+    runtime.jit_cache_hook = record
     token = _DRY_PASS.set(True)
     try:
         with _warm_state_kept(), _host_reads_refused():

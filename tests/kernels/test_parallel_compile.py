@@ -276,3 +276,19 @@ def test_the_sampling_warm_up_is_recorded_dry_and_its_variants_compiled_by_the_h
     recorded, missing, compiled = seen["report"]
     assert recorded == missing == compiled == len(seen["cached"]) and seen["errors"] == [] and seen["ended"]
     assert all(seen["cached"])  # the real warm-up finds every variant it launches in the cache
+
+
+def test_another_threads_launches_compile_as_they_would_during_a_dry_pass(tmp_path):
+    seen = run_case(tmp_path, '''
+        import threading
+        x, y = torch.ones(64), torch.zeros(64)
+        elsewhere = []
+        with pc.dry_pass() as variants:
+            scale[(1,)](x, y, 64, BLOCK=64)  # this thread's: recorded, skipped
+            thread = threading.Thread(target=lambda: elsewhere.append(scale.warmup(x, y, 48, BLOCK=64, grid=(1,))))
+            thread.start()
+            thread.join()
+        print(json.dumps({"recorded": len(variants), "compiled_elsewhere": elsewhere[0] is not None,
+                          "cache": len(cache_entries())}))
+    ''')
+    assert seen == {"recorded": 1, "compiled_elsewhere": True, "cache": 1}
