@@ -76,13 +76,14 @@ def gpu_kv_budget(
     The peak is measured, not estimated: one eager forward over the largest step the scheduler can build
     (``max(max_num_batched_tokens, max_model_len)`` rows) and the sampler's logits for every running row.
     """
-    num_tokens = profile_shape(config, policy)[0]
+    shape = profile_shape(config, policy)
+    num_tokens = shape[0]
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
     runner.allocate_kv_cache(1)  # attention needs a bound cache; the profile stores nothing
-    runner.profile_run(*profile_shape(config, policy))
+    runner.profile_run(*shape)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     runner.release_kv_cache()
