@@ -40,10 +40,9 @@ class ForwardKernel:
     name: str = "forward"
 
 
-def with_forward_launches(runner, launched: list[int]):
-    """Wrap the captured forward in a stand-in launch per call, specialized on its row count: skipped where the hook
-    says so, else counted in `launched` as run."""
-    forward = runner.graph_forward
+def with_forward_launches(forward, launched: list[int]):
+    """Wrap `forward` in a stand-in launch per call, specialized on its row count: skipped where the hook says so,
+    else counted in `launched` as run."""
 
     def launching_forward(ids, positions, meta, readers=None, **kwargs):
         hook = triton.knobs.runtime.jit_cache_hook
@@ -85,7 +84,7 @@ def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(pea
         policy = dataclasses.replace(llm.policy, cuda_graphs=True, prefill_graph_rows=40)
         kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs)
         launched: list[int] = []
-        runner.graph_forward = with_forward_launches(runner, launched)
+        runner.graph_forward = with_forward_launches(runner.graph_forward, launched)
         with pc.dry_pass() as variants:
             policy.rehearse_capture(runner, config)
         assert (runner.graphs, runner.short_graphs, runner.prefill_graphs) == kept
@@ -167,3 +166,15 @@ def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sd
         assert pages[0] == 1 and pages[-1] == llm.runner.num_pages
         assert all(layer.k_cache.shape[0] == llm.runner.num_pages for layer in llm.runner.attention_layers)
         assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_the_profile_forward_is_recorded_dry_at_the_memory_plans_shape(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir) as llm:
+        runner, config, policy = llm.runner, llm.config, llm.policy
+        launched: list[int] = []
+        runner.forward = with_forward_launches(runner.forward, launched)
+        profile = assembly._dry_warm_ups(config, runner, policy, torch.float32)["profile forward"]
+        with pc.dry_pass() as variants:
+            profile()
+    stand_in = [json.loads(v.specialization)["rows"] for v in variants if v.module == ForwardKernel.module]
+    assert stand_in == [max(config.max_num_batched_tokens, config.max_model_len)] and launched == []
