@@ -11,6 +11,7 @@ import gc
 import importlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -185,8 +186,10 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
+    cache_entries = None
     if helpers is not None:
         _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
+        cache_entries = _triton_cache_entries()
         build.done(HELPER_PHASE)
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
@@ -197,6 +200,10 @@ def _build_components(
     build.done("CUDA graphs")
     runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
     build.done("sampling kernels")
+    if cache_entries is not None:
+        after = _triton_cache_entries()
+        if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)
+            logger.info("kernels: %d compiled by the build itself after the helper processes", after - cache_entries)
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(
         config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
@@ -363,6 +370,16 @@ def _compile_in_helpers(
         report.recorded, recorded, report.missing, report.compiled,
         f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
     )  # fmt: skip
+
+
+def _triton_cache_entries() -> int | None:
+    """Entries of Triton's on-disk cache (one per compiled variant), or None where it cannot be read."""
+    try:
+        import triton
+
+        return len(os.listdir(triton.knobs.cache.dir))
+    except (AttributeError, ImportError, OSError):
+        return None
 
 
 def _compile_target(device: torch.device) -> object:
