@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffulex.bench.hardware import measure_copy_bandwidth
+from diffulex.bench.hardware import measure_copy_bandwidth, time_graph_calls
 from diffulex.kernels.fused_moe import FusedMoEConfig, config_for, fused_moe, fused_wins
 from diffulex.layers.moe import SoftmaxRouter, SparseMoE, route
 
@@ -58,28 +58,7 @@ VARIANTS = [(64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3), (32,
 
 def time_graph(call: Callable[[int], object]) -> float:
     """Microseconds per call of ``call(i)`` for i in range(CALLS), captured once and replayed (the best replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return best
+    return time_graph_calls(call, CALLS, REPLAYS, warmup=2)
 
 
 def reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from diffulex.bench.hardware import time_graph_calls as time_graph
 from diffulex.bench.roofline import ModelGeometry
 from diffulex.bench.throughput import SDAR_SIZES
 from diffulex.kernels import skinny_gemm
@@ -49,9 +50,20 @@ def _sdar_linears(size: str) -> dict[str, tuple[int, int]]:
     return {name: shapes[key] for name, key in _ENGINE_LINEARS.items()}
 
 
+def _tensor_parallel_shard(linears: dict[str, tuple[int, int]], ranks: int) -> dict[str, tuple[int, int]]:
+    """One rank's ``(N, K)`` under tensor parallelism: column-parallel projections (qkv, gate_up, the vocabulary-
+    parallel LM head) hold ``N / ranks`` outputs, row-parallel ones (o, down) ``K / ranks`` inputs."""
+    rows_split = {"o_proj", "down"}
+    return {
+        name: (n, k // ranks) if name in rows_split else (-(-n // ranks), k) for name, (n, k) in linears.items()
+    }
+
+
 GEOMETRIES: dict[str, dict[str, tuple[int, int]]] = {
     "sdar-1.7b": _sdar_linears("1.7b"),
     "sdar-8b": _sdar_linears("8b"),
+    # a rank's shapes of SDAR-8B at tensor_parallel_size=2 (bench/tp_decode.py's geometry)
+    "sdar-8b-tp2": _tensor_parallel_shard(_sdar_linears("8b"), 2),
     # not in the config table: these check the generic config (Qwen3-4B and Qwen2.5-7B / Dream-7B layouts)
     "sdar-4b": _sdar_linears("4b"),
     "dream-7b": {
@@ -103,32 +115,6 @@ class WeightPool:
 def rotate(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], **kw: object) -> Callable:
     """``call(i)``: ``fn(x, weight_i)``, cycling through the weight copies."""
     return lambda i: fn(x, weights[i % len(weights)], **kw)
-
-
-def time_graph(call: Callable[[int], object], calls: int, replays: int = 5) -> float:
-    """Microseconds per call of ``call(i)`` for i in range(calls), captured once and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return best
 
 
 def time_eager(call: Callable[[int], object], calls: int) -> float:

@@ -164,6 +164,9 @@ def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tm
         ([1.5], r"prompt \[1.5\] is invalid: token 0 is 1.5, but token ids must be integers"),
         ([True], r"token 0 is True, but token ids must be integers"),
         ([10**9], r"prompt token id 1000000000 is invalid: must be within \[0, 380\)"),
+        ([5, 7, True], r"token 2 is True, but token ids must be integers"),
+        ([5, -1], r"prompt token id -1 is invalid: must be within \[0, 380\)"),
+        ([5, 380], r"prompt token id 380 is invalid: must be within \[0, 380\)"),
         ([], r"prompt \[\] is invalid: it encodes to zero tokens"),
         ([{"role": "user"}], r"messages\[0\]\.content=None is invalid: must be a string"),
         ([{"role": "", "content": "x"}], r"messages\[0\]\.role='' is invalid"),
@@ -173,6 +176,13 @@ def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tm
 def test_bad_prompts_are_refused_naming_the_prompt(tok, prompt, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         encode_prompt(tok, prompt, mask_token_id=MASK, vocab_size=380)
+
+
+def test_token_ids_of_an_int_subclass_are_token_ids(tok) -> None:
+    class TokenId(int):
+        pass
+
+    assert encode_prompt(tok, [TokenId(5), 7], mask_token_id=MASK, vocab_size=380) == [5, 7]
 
 
 def test_a_huge_prompt_is_quoted_short_in_its_error(tok) -> None:

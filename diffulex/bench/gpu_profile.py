@@ -19,6 +19,8 @@ import torch
 
 # Kernel-name patterns of each category, checked in this order (first match wins); names are lower-cased.
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # the routed experts: the fused MoE kernels (`diffulex.kernels.fused_moe`) and torch's grouped GEMM
+    ("moe", re.compile(r"_align_kernel|_gate_up_kernel|_down_kernel|_combine_kernel|grouped|groupproblemshape")),
     ("attention", re.compile(r"attention|attn|flash|fmha|store_kv|kv_store|reshape_and_cache")),
     ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|splitk|skinny")),
     ("sampler", re.compile(r"softmax|top1|topk|argmax|argmin|sort|multinomial|cumsum|accept")),
@@ -34,7 +36,8 @@ class KernelInterval:
 
 
 def category(name: str) -> str:
-    """``attention``, ``gemm``, ``sampler`` (softmax/top-k/argmax/sort: the sampler's kernels, approximately),
+    """``moe`` (the routed experts' kernels), ``attention``, ``gemm``, ``sampler`` (softmax/top-k/argmax/sort: the
+    sampler's kernels, approximately, and a router's top-k),
     ``copy`` (memcpy/memset) or ``other`` (norms, activations, rotary, elementwise glue)."""
     lowered = name.lower()
     if lowered.startswith(COPY_PREFIXES):
@@ -65,7 +68,7 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
     """Busy and idle share of `wall_s`, kernels per step, and the kernel time of each category."""
     compute = [k for k in kernels if category(k.name) != "copy"]
     busy_s = union_length([(k.start_us, k.end_us) for k in compute]) / 1e6
-    by_category: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "sampler": 0.0, "other": 0.0, "copy": 0.0}
+    by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES} | {"other": 0.0, "copy": 0.0}
     for k in kernels:
         by_category[category(k.name)] += (k.end_us - k.start_us) / 1e3
     return {

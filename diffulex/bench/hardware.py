@@ -136,3 +136,32 @@ def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype
     with torch.cuda.graph(graph):
         calls()
     return _time_per_call(graph.replay, device, 3, warmup=1) / iters
+
+
+def time_graph_calls(call: Callable[[int], object], calls: int, replays: int = 5, warmup: int = 3) -> float:
+    """Microseconds per call of ``call(i)`` for ``i`` in ``range(calls)``, captured once in a CUDA graph and
+    replayed (the best of ``replays``): a kernel's time as a decode step's graph launches it, without the host's
+    launch latency. ``call`` may cycle through copies of its weights by ``i`` so that none comes from the L2 cache.
+    ``warmup`` untimed calls on a side stream first (library handles, Triton compiles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return best

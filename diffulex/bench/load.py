@@ -185,6 +185,23 @@ async def open_loop(
     return samples, end - t0
 
 
+def _open_loop_here(url: str, route: str, specs: list[RequestSpec], rate_per_s: float, seed: int,
+                    request_timeout: float) -> tuple[list[Sample], float]:
+    return asyncio.run(open_loop(url, route, specs, rate_per_s, seed, request_timeout))
+
+
+def open_loop_in_process(
+    url: str, route: str, specs: Sequence[RequestSpec], rate_per_s: float, seed: int, request_timeout: float,
+) -> tuple[list[Sample], float]:
+    """`open_loop` from a spawned process of its own: a server measured in this process then shares its GIL with
+    nothing a real client would run (reading 64-128 streams costs about as much Python as serving them)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_open_loop_here, url, route, list(specs), rate_per_s, seed, request_timeout).result()
+
+
 def summarize(samples: Sequence[Sample], elapsed_s: float) -> dict[str, Any]:
     """Requests, tokens/s, TPF, TTFT, latency and chunk-gap percentiles (ms) of a load run."""
     ok = [s for s in samples if s.ok]

@@ -7,9 +7,11 @@ time can be no lower than ``bytes / copy bandwidth`` (the memory floor) nor ``fl
 compute floor); the ratio of the measured time to the larger floor says how far the engine is from the hardware.
 
 A mixture-of-experts layer reads only the experts its step's rows choose: with ``T`` rows each picking ``k`` of
-``E`` experts, about ``E * (1 - (1 - k / E) ** T)`` distinct experts (uniform routing, which random weights give;
-a trained router is more skewed, so this floor is an upper bound of the true one), and each row multiplies
-through its ``k`` experts only. Under expert parallelism a rank holds ``H`` of the ``E`` experts and its floor is
+``E`` experts, about ``E * (1 - (1 - k / E) ** T)`` distinct experts under uniform routing. Real routing is
+skewed (random weights send most rows to a few experts, a trained router has its own preferences), so fewer are
+read and that estimate overstates the floor; where the experts each step selected were counted
+(`diffulex.bench.expert_use`), `step_bytes` takes the count instead. Each row multiplies through its ``k`` experts
+only. Under expert parallelism a rank holds ``H`` of the ``E`` experts and its floor is
 its own share: ``H * (1 - (1 - k / E) ** T)`` distinct experts read, ``k * H / E`` expert products per row (every
 rank computes the rest of the step whole, or its tensor-parallel slice of it). The floors are per rank: the model
 a rank holds is what its step must read.
@@ -218,11 +220,17 @@ class StepWork:
         )
 
 
-def step_bytes(cost: CostModel, work: StepWork) -> int:
+def step_experts(cost: CostModel, work: StepWork) -> float:
+    """Distinct experts the step's MoE layers read, summed over the layers, under uniform routing."""
+    return cost.moe_layers * cost.expected_experts(work.query_tokens)
+
+
+def step_bytes(cost: CostModel, work: StepWork, experts_read: float | None = None) -> int:
     """Bytes that must cross the memory bus: weights once, the experts the rows choose, the gathered embedding
-    rows, K/V read and written."""
+    rows, K/V read and written. ``experts_read``: the distinct experts the step's MoE layers selected, summed
+    over the layers, where they were counted (`diffulex.bench.expert_use`); None: the uniform estimate."""
     kv = cost.kv_per_token * (work.context_tokens + work.written_tokens)
-    experts = cost.moe_layers * cost.expected_experts(work.query_tokens) * cost.expert_params
+    experts = (step_experts(cost, work) if experts_read is None else experts_read) * cost.expert_params
     return cost.weight_bytes + round(experts * cost.itemsize) + (cost.embedding_row * work.query_tokens + kv) * (
         cost.itemsize
     )
@@ -250,9 +258,12 @@ class Floors:
         return max(self.memory_s, self.compute_s)
 
 
-def step_floors(cost: CostModel, work: StepWork, bandwidth_bps: float, flops_per_s: float) -> Floors:
-    """Memory floor = bytes / copy bandwidth (bytes/s, read+write counted); compute floor = flops / matmul peak."""
-    return Floors(step_bytes(cost, work) / bandwidth_bps, step_flops(cost, work) / flops_per_s)
+def step_floors(
+    cost: CostModel, work: StepWork, bandwidth_bps: float, flops_per_s: float, experts_read: float | None = None
+) -> Floors:
+    """Memory floor = bytes / copy bandwidth (bytes/s, read+write counted); compute floor = flops / matmul peak.
+    ``experts_read`` as in `step_bytes`."""
+    return Floors(step_bytes(cost, work, experts_read) / bandwidth_bps, step_flops(cost, work) / flops_per_s)
 
 
 def summarize_floors(measured_step_s: float, floors: Sequence[Floors]) -> dict[str, float | str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ MOE_FLOOR_TARGET = 1.25
 BASELINE = "multi_bd b1"  # the label each family's other strategies are compared with
 TIMED_STEPS = 100  # decode steps timed per configuration on the GPU: a stable mean, a few seconds at most
 STRATEGY_TIMED_STEPS = 64
+PROFILE_STEPS = 8  # decode steps profiled where a target asks for the step's make-up
 GRAPHED_SHARE = 0.95  # a configuration "runs in CUDA graphs" when at least this share of its steps replayed one
 
 
@@ -70,10 +71,10 @@ def _shape(ctx: SweepContext, batches: list[int], quick_batches: list[int], max_
 
 def floor_parts(cost: Any, row: Mapping[str, Any]) -> dict[str, Any]:
     """The floor's parts of a measured row: bytes every step reads whatever its rows (weights, of them the LM
-    head), the experts its rows select, the embedding rows it gathers, the K/V it reads and writes (the rest of
-    its bytes), and its flops."""
+    head), the experts its rows select (counted where the row counted them, else the uniform estimate), the
+    embedding rows it gathers, the K/V it reads and writes (the rest of its bytes), and its flops."""
     query = row["query_tokens_per_step"]
-    experts = cost.moe_layers * cost.expected_experts(round(query))
+    experts = row.get("experts_read_per_step", 0.0)
     expert_bytes = experts * cost.expert_params * cost.itemsize
     embedding_bytes = cost.embedding_row * query * cost.itemsize
     return {
@@ -81,6 +82,9 @@ def floor_parts(cost: Any, row: Mapping[str, Any]) -> dict[str, Any]:
         "lm_head_bytes": cost.lm_head_params * cost.itemsize,
         "expert_bytes_per_step": expert_bytes,
         "experts_per_moe_layer": experts / cost.moe_layers if cost.moe_layers else None,
+        "uniform_experts_per_moe_layer": (
+            row["uniform_experts_read_per_step"] / cost.moe_layers if cost.moe_layers else None
+        ),
         "embedding_bytes_per_step": embedding_bytes,
         "kv_bytes_per_step": max(0.0, row["bytes_per_step"] - cost.weight_bytes - expert_bytes - embedding_bytes),
         "flops_per_step": row["flops_per_step"],
@@ -95,9 +99,17 @@ def _graphed(row: Mapping[str, Any]) -> dict[str, Any]:
     return {"graphed_share": share, "graphed": share >= GRAPHED_SHARE}
 
 
-def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: DecodeShape) -> list[dict[str, Any]]:
+def measure_configs(
+    ctx: SweepContext,
+    configs: Sequence[DecodeConfig],
+    shape: DecodeShape,
+    count_experts: bool = False,
+    profile_batch: int | None = None,
+) -> list[dict[str, Any]]:
     """Every configuration at every batch size of `shape`; a failure is recorded with its error and the next
-    configuration gets a fresh engine; once the budget is spent the rest are recorded as skipped."""
+    configuration gets a fresh engine; once the budget is spent the rest are recorded as skipped.
+    ``count_experts``: the MoE floor on the experts each step selected (`measure_decode`); ``profile_batch``: at
+    that batch, where the budget allows, also where the step's GPU time goes (`profile_decode`)."""
     from diffulex import Diffulex
     from diffulex.bench.roofline import cost_model_from_module
     from diffulex.bench.throughput import STRATEGY_DEFAULTS, ModelEntry, ThroughputSettings, measure_decode
@@ -148,9 +160,14 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
                 continue
             try:
                 settings.max_seconds = min(shape.seconds_per_batch, max(ctx.budget.left, 0.5))
-                row.update(measure_decode(engine, batch, settings, cost, ctx.peaks, flops_per_s))
+                row.update(measure_decode(engine, batch, settings, cost, ctx.peaks, flops_per_s, count_experts))
                 row.update(floor_parts(cost, row))
                 row.update(_graphed(row))
+                if batch == profile_batch and not ctx.budget.spent:
+                    try:
+                        row["profile"] = _profile(engine, batch, settings)
+                    except Exception as err:  # the timed row stands; the profile's failure is reported beside it
+                        row["profile_error"] = error_text(err)
                 ctx.log(f"  {config.model} {config.label} batch {batch}: {row['ms_per_step_mean']:.3f} ms/step, "
                         f"floor {row['floor_ms']:.3f} ms ({row['bound']}), {row['floor_ratio']:.2f}x, "
                         f"graphed {row['graphed']}")
@@ -164,6 +181,13 @@ def measure_configs(ctx: SweepContext, configs: Sequence[DecodeConfig], shape: D
         engine = None
         release(ctx.device)
     return rows
+
+
+def _profile(engine: Any, batch: int, settings: Any) -> dict[str, Any]:
+    """`profile_decode` over a few steps of requests as long as the timed ones (the engine was sized for them)."""
+    from diffulex.bench.throughput import profile_decode
+
+    return profile_decode(engine, batch, replace(settings, profile_steps=PROFILE_STEPS), settings.max_tokens)
 
 
 def _close(engine: Any) -> None:
@@ -322,12 +346,16 @@ def plot_strategies(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -
 
 def run_moe(ctx: SweepContext) -> list[dict[str, Any]]:
     """SDAR-30B-A3B and LLaDA2.0-mini geometries at batch 1, 8 and 32 against the floor of the experts the rows
-    select (`diffulex.bench.roofline`: uniform routing, which random weights give)."""
+    select: counted step by step on an untimed eager re-run of the timed requests (`measure_decode`), the
+    uniform-routing estimate beside it (`diffulex.bench.roofline`); at the largest batch, where the step's GPU
+    time goes (`profile_decode`)."""
+    batches, quick_batches = [1, 8, 32], [1, 2]
     if ctx.quick:
         configs = [DecodeConfig("tiny-sdar-moe", BASELINE, 4), DecodeConfig("tiny-llada2", BASELINE, 4)]
     else:
         configs = [DecodeConfig("sdar-30b-a3b", BASELINE, 4), DecodeConfig("llada2-mini", BASELINE, 32)]
-    rows = measure_configs(ctx, configs, _shape(ctx, [1, 8, 32], [1, 2], TIMED_STEPS))
+    shape = _shape(ctx, batches, quick_batches, TIMED_STEPS)
+    rows = measure_configs(ctx, configs, shape, count_experts=True, profile_batch=max(shape.batches))
     for row in rows:
         if _ok(row):
             row["target_ratio"] = MOE_FLOOR_TARGET
@@ -336,20 +364,54 @@ def run_moe(ctx: SweepContext) -> list[dict[str, Any]]:
 
 
 def moe_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    header = ["model", "block", "batch", "ms/step (mean / p50)", "experts read per layer", "expert GB",
-              "other weights GB", "K/V GB", "floor ms", "x MoE floor", "<= 1.25x?", "graphed"]
+    """The rows against the counted floor (the uniform estimate after each slash), then where the profiled
+    steps' GPU time went."""
+    header = ["model", "block", "batch", "ms/step (mean / p50)", "experts read per layer (counted / uniform)",
+              "expert GB", "other weights GB", "K/V GB", "floor ms (counted / uniform)",
+              "x MoE floor (counted / uniform)", "<= 1.25x?", "graphed", "re-run rows / tokens agree"]
     body = []
     for r in rows:
         status = _status(r)
         if status:
-            body.append([r["model"], r["block_size"], r["batch"], status, *["-"] * 8])
+            body.append([r["model"], r["block_size"], r["batch"], status, *["-"] * 9])
             continue
+        counted = r.get("experts_counted", False)
+        uniform_floor = r["uniform_floor_ms"] if counted else r["floor_ms"]
+        uniform_ratio = r["uniform_floor_ratio"] if counted else r["floor_ratio"]
+        agree = (f"{_yes(r['expert_rerun_rows_agree'])} / {_yes(r['expert_rerun_tokens_agree'])}" if counted
+                 else f"not counted: {r.get('expert_count_error', '-')}")
         body.append([r["model"], r["block_size"], r["batch"],
                      f"{r['ms_per_step_mean']:.2f} / {r['ms_per_step_p50']:.2f}",
-                     fmt(r["experts_per_moe_layer"], ".1f"), _gb(r["expert_bytes_per_step"]), _gb(r["weight_bytes"]),
-                     _gb(r["kv_bytes_per_step"]), fmt(r["floor_ms"], ".3f"), fmt(r["floor_ratio"]),
-                     "yes" if r["met"] else "no", "yes" if r["graphed"] else "no"])
-    return markdown(header, body)
+                     f"{_counted(r, 'experts_per_moe_layer', '.1f')} / "
+                     f"{fmt(r['uniform_experts_per_moe_layer'], '.1f')}",
+                     _gb(r["expert_bytes_per_step"]), _gb(r["weight_bytes"]), _gb(r["kv_bytes_per_step"]),
+                     f"{_counted(r, 'floor_ms', '.3f')} / {fmt(uniform_floor, '.3f')}",
+                     f"{_counted(r, 'floor_ratio', '.2f')} / {fmt(uniform_ratio)}",
+                     "yes" if r["met"] else "no", "yes" if r["graphed"] else "no", agree])
+    table = markdown(header, body)
+    profiled = [r for r in rows if _ok(r) and r.get("profile")]
+    if not profiled:
+        return table
+    labels = list(profiled[0]["profile"]["kernel_ms_per_step"])
+    header = ["model", "batch", "profiled steps", "wall ms/step (unprofiled)", "GPU busy ms/step",
+              *(f"{label} ms" for label in labels), "kernels/step"]
+    body = []
+    for r in profiled:
+        p = r["profile"]
+        body.append([r["model"], r["batch"], p["steps"], fmt(p["wall_ms_per_step_unprofiled"], ".2f"),
+                     fmt(p["gpu_busy_ms_per_step"], ".2f"),
+                     *(fmt(p["kernel_ms_per_step"][label], ".2f") for label in labels),
+                     fmt(p["kernels_per_step"], ".0f")])
+    title = "Where the profiled steps' GPU time went (kernel time by kind, `diffulex.bench.gpu_profile`):"
+    return f"{table}\n\n{title}\n\n{markdown(header, body)}"
+
+
+def _counted(row: Mapping[str, Any], key: str, spec: str) -> str:
+    return fmt(row[key], spec) if row.get("experts_counted") else "-"
+
+
+def _yes(value: Any) -> str:
+    return "yes" if value else "no"
 
 
 def plot_moe(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> None:
@@ -363,9 +425,11 @@ def plot_moe(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> None:
         batches = [r["batch"] for r in points]
         line = ax.plot(batches, [r["ms_per_step_mean"] for r in points], marker="o", label=model)
         ax.plot(batches, [r["floor_ms"] for r in points], linestyle="--", color=line[0].get_color())
+        ax.plot(batches, [r.get("uniform_floor_ms", r["floor_ms"]) for r in points], linestyle=":",
+                color=line[0].get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (requests)")
-    ax.set_ylabel("ms per step (dashed: MoE floor)")
+    ax.set_ylabel("ms per step (dashed: MoE floor, counted experts; dotted: uniform routing)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(plt, fig, path)

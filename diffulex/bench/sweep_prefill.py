@@ -66,7 +66,7 @@ def _shape(quick: bool) -> PrefillShape:
                             chunk_tokens=(32,), alone_steps=4, max_step_count=256)
     # 32,000 tokens: with the tail and a block of answer it stays inside SDAR's 32,768 positions
     return PrefillShape(["sdar-1.7b", "sdar-8b"], [2048, 8192, 32000], tail_len=256, decoders=32,
-                        decoder_prompt_len=128, chunk_tokens=(2048, 512, 256), alone_steps=32, max_step_count=4096)
+                        decoder_prompt_len=128, chunk_tokens=(512, 256, 128, 64), alone_steps=32, max_step_count=4096)
 
 
 def _greedy(max_tokens: int) -> Any:

@@ -3,15 +3,16 @@
 For each concurrency (16, 64, 128 requests; the engine's ``max_num_reqs``) one engine (SDAR-1.7B geometry, random
 weights) first generates a fixed mixed set of requests offline (prompt and answer lengths drawn from a few values,
 ``ignore_eos``): its tokens/s is the offline rate at that batch. The same engine then serves the same requests over
-HTTP (`diffulex.bench.load`): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times
-the offline request rate, so the server runs as full as the offline batch did and the excess waits in its queue.
+HTTP (`diffulex.bench.load`), the engine rebuilt where the server puts it (a process of its own, as `diffulex
+serve` does): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times the offline
+request rate, so the server runs as full as the offline batch did and the excess waits in its queue; the clients
+run in a process of their own, as real clients would.
 Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
 first token and the time between streamed chunks, p50 and p99. Both runs follow an untimed warm-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -74,31 +75,50 @@ def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
             "offline_requests_per_s": len(specs) / elapsed}
 
 
-def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
+def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, specs: Sequence[Any],
+                    concurrency: int) -> dict[str, Any]:
+    """`offline_rate` of `specs` after a warm-up batch, on an engine built and closed here (so that nothing of it
+    is referenced once this returns), with the share of its steps on the graph path."""
     from diffulex import Diffulex
-    from diffulex.bench.load import InProcessServer, open_loop, summarize
     from diffulex.bench.throughput import graphed_share, step_paths
+
+    engine = Diffulex(path, **fields)
+    try:
+        offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
+        paths = step_paths(engine)
+        out = offline_rate(engine, specs)
+        out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
+        return out
+    finally:
+        engine.exit()
+
+
+def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int) -> dict[str, Any]:
+    from diffulex.bench.load import InProcessServer, open_loop_in_process, summarize
+    from diffulex.bench.throughput import graphed_share, step_paths
+    from diffulex.server.engine_placement import build_served_engine
 
     row: dict[str, Any] = {"model": shape.model, "concurrency": concurrency, "error": None}
     path, load_format = ctx.checkpoint(shape.model)
     fields = ctx.engine_fields({"max_num_reqs": concurrency, "max_model_len": shape.max_model_len,
                                 "load_format": load_format, "seed": 0})
     specs = request_mix(shape, REQUESTS_PER_SLOT * concurrency, seed=concurrency)
-    engine = Diffulex(str(path), **fields)
+    row |= measure_offline(str(path), fields, shape, specs, concurrency)
+    release(ctx.device)  # the offline engine is gone: the server's engine gets its memory
+    rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
+    row["arrival_rate_per_s"] = rate
+    # The server's own placement: the engine in a process of its own where it can be (docs/serving.md).
+    engine = build_served_engine(str(path), fields)
+    row["engine_placement"] = "process" if hasattr(engine, "replica_pids") else "thread"
     try:
-        offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
-        paths = step_paths(engine)
-        row |= offline_rate(engine, specs)
-        row["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
-        rate = ARRIVAL_RATE_FACTOR * row["offline_requests_per_s"]
-        row["arrival_rate_per_s"] = rate
         with InProcessServer(engine=engine, max_waiting=len(specs)) as server:
-            asyncio.run(open_loop(server.url, "completions", request_mix(shape, 2, seed=1), rate, 1,
-                                  REQUEST_TIMEOUT_S))  # warm-up of the HTTP path
-            paths = step_paths(engine)
-            samples, elapsed = asyncio.run(open_loop(server.url, "completions", specs, rate, concurrency,
-                                                     REQUEST_TIMEOUT_S))
-            row["online_graphed_share"] = graphed_share(paths, step_paths(engine))
+            open_loop_in_process(server.url, "completions", request_mix(shape, concurrency, seed=1), 100 * rate, 1,
+                                 REQUEST_TIMEOUT_S)  # warm-up of the HTTP path and of the engine at this batch
+            paths = step_paths(engine) if row["engine_placement"] == "thread" else None
+            samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
+                                                    REQUEST_TIMEOUT_S)
+            # an engine process's step paths stay in that process
+            row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
         engine.exit()
     stats = summarize(samples, elapsed)

@@ -51,6 +51,7 @@ from diffulex.bench.roofline import (
     cost_model_from_module,
     linear_roofline,
     step_bytes,
+    step_experts,
     step_floors,
     step_flops,
     summarize_floors,
@@ -398,9 +399,20 @@ _REQUEST_WORK: dict[str, Callable[[Any], StepWork]] = {"fast_dllm_v2": _fdv2_req
 
 
 def measure_decode(
-    engine: Any, batch: int, settings: ThroughputSettings, cost: CostModel, peaks: HardwarePeaks, flops_per_s: float
+    engine: Any,
+    batch: int,
+    settings: ThroughputSettings,
+    cost: CostModel,
+    peaks: HardwarePeaks,
+    flops_per_s: float,
+    count_experts: bool = False,
 ) -> dict[str, Any]:
-    """Warm up, admit `batch` requests, then time decode steps (see the module docstring for what is counted)."""
+    """Warm up, admit `batch` requests, then time decode steps (see the module docstring for what is counted).
+
+    ``count_experts`` (an MoE model): after the timed region the same requests run again, eagerly and untimed,
+    with the experts each MoE layer selects recorded (`diffulex.bench.expert_use`); step ``i`` of that re-run gives
+    the experts timed step ``i`` read, and the floors are taken on those counts. The uniform-routing floors stay
+    beside them (``uniform_*``)."""
     device = engine.device
     prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, settings.seed)
     engine.generate(prompts, _greedy(settings.warmup_tokens), use_tqdm=False)
@@ -463,6 +475,7 @@ def measure_decode(
     raw, step_times = _rounds(raw, step_times, engine.config.micro_batches)
     final = [r.num_cached_tokens for r in requests]
     preemptions = sum(r.num_preemptions for r in requests)
+    timed_tokens = [list(r.token_ids) for r in requests]
     for rid in ids:
         engine.abort_request(rid)
 
@@ -488,7 +501,38 @@ def measure_decode(
     by_rows: dict[int, list[float]] = {}
     for work, seconds in zip(works, step_times, strict=False):
         by_rows.setdefault(work.query_tokens, []).append(seconds)
-    floors: list[Floors] = [step_floors(cost, w, peaks.copy_bandwidth_bps, flops_per_s) for w in works]
+    uniform = [step_floors(cost, w, peaks.copy_bandwidth_bps, flops_per_s) for w in works]
+    floors: list[Floors] = uniform
+    experts_read = [step_experts(cost, w) for w in works]
+    counted: dict[str, Any] = {}
+    if count_experts and cost.moe_layers:
+        if engine.config.micro_batches != 1:
+            counted["expert_count_error"] = "experts are counted with micro_batches=1 only"
+        else:
+            t_count = time.perf_counter()
+            try:
+                counted = _count_experts(engine, prompts, settings, engine_steps, timed_tokens, works)
+            except Exception as err:  # noqa: BLE001  (the timed row stands on the uniform floor; say why)
+                counted = {"expert_count_error": f"{type(err).__name__}: {err}"}
+            counted["expert_count_s"] = time.perf_counter() - t_count  # the untimed re-run's wall time
+        per_step = counted.pop("per_step", None)
+        if per_step is not None:
+            experts_read = [float(sum(layers)) for layers in per_step]
+            floors = [
+                step_floors(cost, w, peaks.copy_bandwidth_bps, flops_per_s, n)
+                for w, n in zip(works, experts_read, strict=True)
+            ]
+            counted.update({f"uniform_{k}": v for k, v in summarize_floors(mean_s, uniform).items()})
+            counted["uniform_bytes_per_step"] = sum(step_bytes(cost, w) for w in works) / steps
+    moe = {}
+    if cost.moe_layers:
+        moe = {
+            # distinct experts read per step, summed over the MoE layers: counted where `count_experts` counted
+            # them, else the uniform estimate
+            "experts_read_per_step": sum(experts_read) / steps,
+            "experts_counted": "experts_per_layer" in counted,
+            "uniform_experts_read_per_step": sum(step_experts(cost, w) for w in works) / steps,
+        }
     return {
         "prefill_steps": prefill_steps,
         "steps": steps,
@@ -519,10 +563,76 @@ def measure_decode(
         },
         "logit_rows_per_step": sum(w.logit_rows for w in works) / steps,
         "context_tokens_per_step": sum(w.context_tokens for w in works) / steps,
-        "bytes_per_step": sum(step_bytes(cost, w) for w in works) / steps,
+        "bytes_per_step": sum(step_bytes(cost, w, n) for w, n in zip(works, experts_read, strict=True)) / steps,
         "flops_per_step": sum(step_flops(cost, w) for w in works) / steps,
         **summarize_floors(mean_s, floors),
+        **moe,
+        **counted,
     }
+
+
+def _count_experts(
+    engine: Any,
+    prompts: list[list[int]],
+    settings: ThroughputSettings,
+    steps: int,
+    timed_tokens: list[list[int]],
+    works: Sequence[StepWork],
+) -> dict[str, Any]:
+    """The experts each timed step's MoE layers selected, from an eager re-run of the same requests (the module
+    docstring of `diffulex.bench.expert_use` says why not in the timed steps).
+
+    The engine keeps one step in flight: once the batch is admitted, the step launched last is the twin of the
+    first timed step, and each later call launches the next, one forward each (checked against the runner's
+    launch count). Returns ``per_step`` (``[step][layer]`` counts, None where the re-run could not give them, with
+    ``expert_count_error`` saying why), the mean per layer, and whether the re-run computed the timed steps' rows
+    and decoded the same tokens where both decoded one (float rounding between graphed and eager kernels may
+    flip a near tie, and the steps after it differ slightly)."""
+    from diffulex.bench.expert_use import ExpertUseRecorder, without_graphs
+
+    runner = engine.runner
+    engine.step()  # apply the timed region's last launch (its requests were aborted): none is in flight now
+    ids = [engine.add_request(p, _greedy(settings.max_tokens)) for p in prompts]
+    wanted = set(ids)
+    requests = [r for r in engine.scheduler.waiting if r.req_id in wanted]
+    recorder = ExpertUseRecorder(engine.model)
+    try:
+        with without_graphs(runner), recorder:
+            launched = getattr(runner, "launched_steps", None)
+            _admit_until_decoding(engine, requests, step_limit=4 * len(prompts) + 16)
+            first = recorder.forwards - 1
+            for _ in range(steps - 1):
+                engine.step()
+            launches = None if launched is None else runner.launched_steps - launched
+        replay_tokens = [list(r.token_ids) for r in requests]
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    result: dict[str, Any] = {"per_step": None}
+    if launches is not None and launches != recorder.forwards:
+        result["expert_count_error"] = f"{launches} launches ran {recorder.forwards} MoE forwards, not one each"
+        return result
+    if first < 0 or recorder.forwards < first + steps:
+        result["expert_count_error"] = f"the re-run ran {max(recorder.forwards - first, 0)} of the {steps} steps"
+        return result
+    per_step = recorder.counts()[first : first + steps]
+    rows = recorder.rows[first : first + steps]
+    mask = engine.mask_token_id
+    agree = all(
+        a == b for timed, again in zip(timed_tokens, replay_tokens, strict=True)
+        for a, b in zip(timed, again, strict=False) if a != mask and b != mask
+    )  # fmt: skip
+    layers = len(per_step[0])
+    result.update({
+        "per_step": per_step,
+        "experts_per_layer": sum(map(sum, per_step)) / (steps * layers),
+        "experts_per_layer_min": min(map(min, per_step)),
+        "experts_per_layer_max": max(map(max, per_step)),
+        "expert_count_steps": steps,
+        "expert_rerun_rows_agree": rows == [w.query_tokens for w in works],
+        "expert_rerun_tokens_agree": agree,
+    })  # fmt: skip
+    return result
 
 
 def step_paths(engine: Any) -> tuple[int, int] | None:
@@ -577,13 +687,17 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def profile_decode(engine: Any, batch: int, settings: ThroughputSettings) -> dict[str, Any]:
-    """GPU busy/idle share over `settings.profile_steps` decode steps at `batch` (`diffulex.bench.gpu_profile`)."""
+def profile_decode(
+    engine: Any, batch: int, settings: ThroughputSettings, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """GPU busy/idle share over `settings.profile_steps` decode steps at `batch` (`diffulex.bench.gpu_profile`).
+    Each request asks for ``max_tokens`` (None: enough for every profiled step to decode a whole block)."""
     from diffulex.bench.gpu_profile import profile_steps
 
     steps = settings.profile_steps
     prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, settings.seed + 1)
-    max_tokens = (steps + 8) * settings.block_size * engine.config.buffer_size
+    if max_tokens is None:
+        max_tokens = (steps + 8) * settings.block_size * engine.config.buffer_size
     ids = [engine.add_request(p, _greedy(max_tokens)) for p in prompts]
     wanted = set(ids)
     requests = [r for r in engine.scheduler.waiting if r.req_id in wanted]

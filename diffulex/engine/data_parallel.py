@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing as mp
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -35,7 +35,7 @@ from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
-from diffulex.engine.replica_process import ReplicaInfo, serve_replica
+from diffulex.engine.replica_process import ReplicaInfo, UpdateDecoder, build_replica_engine, serve_replica
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.errors import EngineClosedError, EngineDeadError
 from diffulex.outputs import GenerationOutputs, Trajectory
@@ -91,8 +91,12 @@ class _Replica:
 class DataParallelEngine:
     """``data_parallel_size`` replicas behind the engine's step interface and one ``generate``."""
 
-    def __init__(self, model: str, kwargs: dict[str, Any], config: Config) -> None:
+    def __init__(
+        self, model: str, kwargs: dict[str, Any], config: Config,
+        build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine,
+    ) -> None:
         self.config = config
+        self._build_engine = build_engine  # what each local replica process runs (`serve_replica`)
         self._replicas: list[_Replica] = []
         self._placement = None
         # A replica is one engine with its own devices; it runs its tensor-parallel ranks (if any) on its host.
@@ -119,6 +123,7 @@ class DataParallelEngine:
         self._owner: dict[int, _Replica] = {}  # request id -> the replica running it
         self._prompts: dict[int, list[int]] = {}
         self._early: list[RequestUpdate] = []  # updates known before the next step (replica deaths)
+        self._decoder = UpdateDecoder()
         self._num_steps = 0
         self._closed = False
 
@@ -127,7 +132,8 @@ class DataParallelEngine:
         for rank, device in enumerate(replica_devices(self.config)):
             replica = dict(kwargs) if device is None else {**kwargs, "device_ids": [device]}
             parent, child = context.Pipe()
-            process = context.Process(target=serve_replica, args=(model, replica, child), daemon=True)
+            process = context.Process(target=serve_replica, args=(model, replica, child, self._build_engine),
+                                      daemon=True)
             process.start()
             child.close()  # the replica holds its end; ours closed, its exit reads as EOF here
             self._replicas.append(_Replica(rank, parent, process))
@@ -202,6 +208,7 @@ class DataParallelEngine:
             return False
         replica.held.discard(req_id)
         self._prompts.pop(req_id, None)
+        self._decoder.forget(req_id)
         try:
             replica.conn.send(("abort", req_id))
         except (BrokenPipeError, OSError):
@@ -243,9 +250,10 @@ class DataParallelEngine:
             updates, replica.load, stepped = payload
             self._num_steps += stepped
             out = []
-            for update in updates:
-                if self._owner.get(update.req_id) is not replica:
+            for message in updates:
+                if self._owner.get(message[0]) is not replica:
                     continue  # aborted here meanwhile
+                update = self._decoder.decode(message)
                 out.append(update)
                 if update.finished:
                     self._finish(update.req_id)
@@ -262,6 +270,7 @@ class DataParallelEngine:
         if replica is not None:
             replica.held.discard(req_id)
         self._prompts.pop(req_id, None)
+        self._decoder.forget(req_id)
 
     def _failed(self, req_id: int, message: str) -> RequestUpdate:
         """The final update of a request that ends with an error instead of an answer."""
@@ -291,7 +300,13 @@ class DataParallelEngine:
         return self._num_steps
 
     def load(self) -> EngineLoad:
-        """Every replica's last reported figures (a dead one marked), and their sum over the living ones."""
+        """Every replica's last reported figures (a dead one marked), and their sum over the living ones.
+
+        Reads what the replicas have sent meanwhile first (updates are kept for the next `step`), so that an idle
+        caller sees the pages an abort freed."""
+        for replica in self._replicas:
+            while replica.alive and replica.conn.poll():
+                self._early.extend(self._receive(replica))
         return EngineLoad.total([dataclasses.replace(r.load, alive=r.alive) for r in self._replicas])
 
     def generate(

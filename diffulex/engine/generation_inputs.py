@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diffulex.prompts import Prompt, is_conversation, preview
+from diffulex.prompts import Prompt, all_plain_ints, is_conversation, preview
 from diffulex.sampling_params import SamplingParams
 
 
@@ -55,6 +55,8 @@ def check_prompt_type(prompt: object, name: str = "prompt") -> None:
     if isinstance(prompt, str) or is_conversation(prompt):  # a conversation's messages: `encode_prompt` checks them
         return
     if isinstance(prompt, (list, tuple)):
+        if all_plain_ints(prompt):
+            return
         bad = next((t for t in prompt if not _is_token_id(t)), None)
         if bad is not None:
             raise ValueError(

@@ -17,6 +17,7 @@ handed out again, oldest-freed first, so recently used prefixes survive longest.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 
 from diffulex.strategy.request import Request
@@ -27,7 +28,7 @@ def page_hash(prev_hash: bytes | None, tokens: list[int]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     if prev_hash is not None:
         h.update(prev_hash)
-    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    h.update(array("q", tokens).tobytes())  # 8 bytes per token at C speed (a 32k prompt hashes 1,000 pages)
     return h.digest()
 
 

@@ -8,7 +8,10 @@ The same loop runs in a local process (``distributed_executor_backend="mp"``, ov
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -16,7 +19,7 @@ from typing import Any
 from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.request_update import RequestUpdate
-from diffulex.strategy.request import DecodeSettings
+from diffulex.strategy.request import DecodeSettings, StepRecord
 
 
 @dataclass(frozen=True)
@@ -33,29 +36,101 @@ class ReplicaInfo:
     load: EngineLoad
 
 
-def _for_parent(update: RequestUpdate, req_id: int) -> RequestUpdate:
-    """The update under the parent's request id, its answers copied out of the request's token list."""
-    trajectory = update.trajectory
-    if trajectory is not None:
-        trajectory = dataclasses.replace(trajectory, req_id=req_id)
-    return RequestUpdate(
-        req_id, update.record, update.finished, list(update.committed_token_ids), list(update.answer_token_ids),
-        trajectory,
-    )  # fmt: skip
+def _record_message(record: StepRecord | None) -> Any:
+    """A step record as a plain tuple (cheaper to pickle than the dataclass); a record of another type as itself."""
+    if type(record) is not StepRecord:
+        return record
+    return (record.step, record.query_len, record.num_new_tokens, record.running_block_ids,
+            record.running_token_ids, record.step_time, record.running_start)
 
 
-def serve_replica(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
-    """A replica's process: build the engine, then take adds and aborts between steps and step while busy.
+class UpdateEncoder:
+    """A replica's side of the per-step messages: one tuple per request, carrying only what its answer grew by.
 
-    Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
-    ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then ``("updates", updates, load, stepped)`` after
-    every step (and after commands taken while idle), ``("rejected", id, message)``, ``("dead", traceback)`` when
-    the engine breaks, ``("closed", None)``.
+    Sending each running request's whole answer every step costs O(answer length) per request and step in
+    copying and pickling (at 64 requests of a few hundred tokens, about as much host time as the step itself on a
+    slow CPU). Decoded positions never change again (the engine's `RequestUpdate` relies on the same), so the
+    parent's copy of an answer is grown by the new tokens alone; if an answer ever got shorter it is sent whole.
     """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}  # the parent's request id -> answer tokens it has
+
+    def encode(self, update: RequestUpdate, rid: int) -> tuple[Any, ...]:
+        """``(rid, record, trajectory)`` for a finished request, else ``(rid, record, (start, tokens, committed))``:
+        the answer from ``start`` on and how many of its tokens are committed."""
+        record = _record_message(update.record)
+        if update.finished:
+            self._sent.pop(rid, None)
+            trajectory = update.trajectory
+            if trajectory is not None:
+                trajectory = dataclasses.replace(trajectory, req_id=rid)
+            return rid, record, trajectory
+        sent = self._sent.get(rid, 0)
+        length = update.num_answer
+        start = sent if length >= sent else 0
+        self._sent[rid] = length
+        return rid, record, (start, update.answer_tokens_from(start), update.num_committed)
+
+    def forget(self, rid: int) -> None:
+        self._sent.pop(rid, None)
+
+
+class UpdateDecoder:
+    """The parent's side: rebuilds each request's `RequestUpdate` from `UpdateEncoder`'s messages."""
+
+    def __init__(self) -> None:
+        self._answers: dict[int, list[int]] = {}  # request id -> its answer so far (only appended to)
+
+    def decode(self, message: tuple[Any, ...]) -> RequestUpdate:
+        rid, record, body = message
+        if isinstance(record, tuple):
+            record = StepRecord(*record)
+        if not isinstance(body, tuple):  # finished: its trajectory (None only from an engine that reports none)
+            self._answers.pop(rid, None)
+            answer = body.token_ids if body is not None else []
+            update = RequestUpdate.of_answer(rid, record, answer, len(answer), len(answer), body)
+            update.finished = True
+            return update
+        start, tokens, committed = body
+        answer = self._answers.get(rid)
+        if answer is None or start < len(answer):
+            # a new list: updates already handed out read the old one up to their own ends
+            answer = self._answers[rid] = ([] if answer is None else answer[:start])
+        answer.extend(tokens)
+        return RequestUpdate.of_answer(rid, record, answer, committed, len(answer))
+
+    def forget(self, rid: int) -> None:
+        self._answers.pop(rid, None)
+
+
+def build_replica_engine(model: str, kwargs: dict[str, Any]) -> Any:
+    """A replica's engine: an ordinary `DiffulexEngine` of the given engine fields."""
     from diffulex.engine.engine import DiffulexEngine
 
+    return DiffulexEngine(Config.from_kwargs(model, **kwargs))
+
+
+def serve_replica(
+    model: str, kwargs: dict[str, Any], conn: Connection,
+    build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine,
+) -> None:
+    """A replica's process: build the engine, then take adds and aborts between steps and step while busy.
+
+    ``build_engine`` (picklable: it crosses to the process) lets a harness run a modified engine behind the same
+    protocol, e.g. one whose forward stands in for a GPU (``bench/server_step_rate.py``).
+
+    Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
+    ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then ``("updates", messages, load, stepped)``
+    (`UpdateEncoder` messages) after every step (and after commands taken while idle), ``("rejected", id,
+    message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
+    """
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when this process ends (its
+    # "close", or the end of the pipe), so that a server draining at its first SIGINT still has its engine.
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run this on another thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine = DiffulexEngine(Config.from_kwargs(model, **kwargs))
+        engine = build_engine(model, kwargs)
     except Exception:  # noqa: BLE001  (reported to the parent, which raises it)
         conn.send(("error", traceback.format_exc()))
         return
@@ -66,6 +141,7 @@ def serve_replica(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
     )))  # fmt: skip
     parent_id: dict[int, int] = {}  # engine req_id -> the parent's id
     engine_id: dict[int, int] = {}
+    encoder = UpdateEncoder()
     try:
         while True:
             messages = [] if not engine.is_finished() else [conn.recv()]  # idle: wait for work
@@ -88,6 +164,7 @@ def serve_replica(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
                     local = engine_id.pop(payload[0], None)
                     if local is not None:
                         parent_id.pop(local, None)
+                        encoder.forget(payload[0])
                         engine.abort_request(local)
             if engine.is_finished():
                 conn.send(("updates", [], engine.load(), False))
@@ -97,7 +174,7 @@ def serve_replica(model: str, kwargs: dict[str, Any], conn: Connection) -> None:
                 rid = parent_id.get(update.req_id)
                 if rid is None:
                     continue  # aborted by the parent
-                out.append(_for_parent(update, rid))
+                out.append(encoder.encode(update, rid))
                 if update.finished:
                     del parent_id[update.req_id], engine_id[rid]
             conn.send(("updates", out, engine.load(), True))

@@ -60,6 +60,31 @@ class RequestUpdate:
         update._set(req.req_id, record, False, None, req.token_ids, req.prompt_len, committed_end, answer_end)
         return update
 
+    @classmethod
+    def of_answer(
+        cls, req_id: int, record: StepRecord | None, answer: list[int], committed_len: int, answer_len: int,
+        trajectory: Trajectory | None = None,
+    ) -> RequestUpdate:
+        """An update over ``answer``, a list its owner only appends to (a data-parallel parent's copy of a request's
+        answer, grown from each step's message): the update reads its first ``answer_len`` tokens when asked."""
+        update = cls.__new__(cls)
+        update._set(req_id, record, trajectory is not None, trajectory, answer, 0, committed_len, answer_len)
+        return update
+
+    @property
+    def num_committed(self) -> int:
+        """``len(committed_token_ids)`` without the copy (the committed end may lie inside the prompt)."""
+        return max(self._committed_end - self._start, 0)
+
+    @property
+    def num_answer(self) -> int:
+        """``len(answer_token_ids)`` without the copy."""
+        return max(self._answer_end - self._start, 0)
+
+    def answer_tokens_from(self, offset: int) -> list[int]:
+        """The answer's tokens from ``offset`` on, without copying those before (what a replica sends is growth)."""
+        return self._tokens[self._start + offset : self._answer_end]
+
     @property
     def committed_token_ids(self) -> list[int]:
         return self._tokens[self._start : self._committed_end]

@@ -28,6 +28,7 @@ from diffulex.server.engine_loop import (
     EngineLoop,
     EngineUnavailableError,
     GenerationInput,
+    Interest,
     QueueFullError,
     RequestTooLargeError,
     Submitted,
@@ -121,7 +122,7 @@ class _Job:
         if emission is not _DISCONNECTED:
             choice = self.choices[emission.index]
             if emission.update is not None:
-                choice.nfe += 1
+                choice.nfe = emission.steps
             if emission.final:
                 choice.final = emission
         return emission
@@ -250,7 +251,7 @@ def create_app(
 
     async def start_job(
         request: Request, texts: list[str | list[int]], fields: SamplingFields, default_max_tokens: int,
-        rid_prefix: str, prompt_param: str = "prompt",
+        rid_prefix: str, interest: Interest, prompt_param: str = "prompt",
     ) -> _Job:
         arrived = time.monotonic()
         n = fields.num_choices
@@ -271,7 +272,7 @@ def create_app(
         inputs = [GenerationInput(ids, params[j]) for ids in token_ids for j in range(n)]
         sink: asyncio.Queue[Emission] = asyncio.Queue()
         try:
-            subs = await engine_loop.submit(inputs, sink, rid_prefix)
+            subs = await engine_loop.submit(inputs, sink, rid_prefix, interest)
         except RequestTooLargeError as err:
             raise APIError(400, str(err), param="n" if n > 1 else "prompt", code="too_many_completions") from None
         except QueueFullError as err:
@@ -337,7 +338,8 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         check_model(body.model)
         prompts = _completion_prompts(body.prompt)
-        job = await start_job(request, prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS, "cmpl")
+        job = await start_job(request, prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS, "cmpl",
+                              "commits" if body.stream else "end")
         cid = job.subs[0].rid
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -384,7 +386,8 @@ def create_app(
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins
             body.max_tokens = body.max_completion_tokens
         prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
-        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl", "messages")
+        job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl",
+                              "commits" if body.stream else "end", "messages")
         cid = job.subs[0].rid
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -439,7 +442,12 @@ def create_app(
             prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
         else:
             prompt = body.prompt
-        job = await start_job(request, [prompt], body, 512, "gen", "prompt" if body.messages is None else "messages")
+        if not body.stream:
+            interest: Interest = "end"
+        else:
+            interest = "commits" if body.stream_mode == "block_append" else "steps"
+        job = await start_job(request, [prompt], body, 512, "gen", interest,
+                              "prompt" if body.messages is None else "messages")
         rid = job.subs[0].rid
         choice = job.choices[0]
 

@@ -35,6 +35,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="largest request body accepted; larger ones get 413 before they are parsed "
                      f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB)")
+    net.add_argument("--engine-placement", choices=("auto", "process", "thread"), default="auto",
+                     help="where the engine steps: a process of its own (its host work never waits for the server's "
+                     "GIL) or a thread of the server process; auto: the process unless the engine has several "
+                     "tensor- or expert-parallel ranks (default auto; docs/serving.md)")
     net.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="log level of the server and uvicorn (default info)")
 
@@ -69,10 +73,10 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"diffulex serve needs the serving extras ({err.name} is missing): "
                          "pip install 'diffulex[serve]'") from None
 
-    from diffulex import Diffulex
     from diffulex.cli import default_model_dir, engine_overrides, load_yaml_engine_fields
     from diffulex.server.app import create_app
     from diffulex.server.engine_loop import EngineLoop
+    from diffulex.server.engine_placement import build_served_engine
     from diffulex.server.metrics import ServerMetrics
     from diffulex.server.runner import GracefulServer
 
@@ -92,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes={args.max_body_bytes} is invalid: must be an integer >= 1")
-    engine = Diffulex(str(model), **fields)
+    engine = build_served_engine(str(model), fields, args.engine_placement)
     name = args.served_model_name
     loop = EngineLoop(
         engine,

@@ -60,21 +60,45 @@ class TextStream:
         self.stop = stop or []
         self.sent = ""
         self.num_tokens = 0
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        # Decoding the whole answer at every chunk costs O(answer) per chunk, O(answer^2) per request, all of it on
+        # the event loop beside every other stream. So only a window is decoded: `_text` is the text of
+        # token_ids[:_read], and each update decodes token_ids[_prefix:] against token_ids[_prefix:_read] (the
+        # tokens read last time, decoded again so that the new ones are decoded in context: byte-level and
+        # SentencePiece decoders give exactly the whole decode). A decoder that rewrites text already decoded (a
+        # space clean-up) is caught inside the window and decoded whole again; one reaching further left is not,
+        # and, as with whole decoding, what was sent cannot be unsent.
+        self._text = ""
+        self._prefix = 0
+        self._read = 0
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _text_of(self, token_ids: list[int]) -> str:
+        """``decode(token_ids)`` (an incomplete character at the end as one U+FFFD) from a window decode."""
+        settled = self._decode(token_ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        window = self._decode(token_ids[self._prefix :])
+        if not window.startswith(settled):
+            # a decoder that rewrites text across the window's start (a space clean-up): start over from the first
+            self._text, self._prefix, self._read = "", 0, 0
+            settled, window = "", self._decode(token_ids)
+        text = self._text + window[len(settled) :]
+        if not window.endswith(REPLACEMENT_CHAR):  # complete: the next window starts at the tokens read now
+            self._text, self._prefix, self._read = text, self._read, len(token_ids)
+        return text
 
     def update(self, token_ids: list[int]) -> str:
         """The new text that ``token_ids`` (the final tokens so far; the previous ones plus more) makes safe."""
         if len(token_ids) == self.num_tokens:
             return ""
         self.num_tokens = len(token_ids)
-        text = self._decode(token_ids)
+        text = self._text_of(token_ids)
         end = len(text)
         if end and text[-1] == REPLACEMENT_CHAR:
             # An incomplete UTF-8 sequence at the end decodes to one U+FFFD that the next token may complete.
             end -= 1
-        end -= self._stop_prefix_len(text[:end])
+        end -= self._stop_prefix_len(text[max(end - self._longest_stop, 0) : end])
         if end <= len(self.sent) or not text.startswith(self.sent):
             return ""
         delta = text[len(self.sent) : end]

@@ -101,14 +101,24 @@ def test_every_strategy_is_measured_against_its_familys_multi_bd(quick_sweep: Pa
 
 
 def test_moe_rows_read_only_the_selected_experts(quick_sweep: Path) -> None:
-    rows = report(quick_sweep, "moe")["rows"]
+    data = report(quick_sweep, "moe")
+    rows = data["rows"]
     assert {r["model"] for r in rows} == {"tiny-sdar-moe", "tiny-llada2"}
     for r in rows:
-        assert 0 < r["experts_per_moe_layer"] and r["expert_bytes_per_step"] > 0
+        # counted on the eager re-run, which on the CPU computes the timed steps exactly
+        assert r["experts_counted"] and r["expert_rerun_rows_agree"] and r["expert_rerun_tokens_agree"]
+        assert 0 < r["experts_per_moe_layer"] <= r["experts_per_layer_max"]
+        assert r["experts_per_moe_layer"] == pytest.approx(r["experts_per_layer"])
+        assert r["uniform_experts_per_moe_layer"] > 0 and r["expert_bytes_per_step"] > 0
         assert r["met"] == (r["floor_ratio"] <= 1.25)
+        assert r["floor_ratio"] == pytest.approx(r["ms_per_step_mean"] / r["floor_ms"])
+        assert r["uniform_floor_ratio"] == pytest.approx(r["ms_per_step_mean"] / r["uniform_floor_ms"])
     for model in ("tiny-sdar-moe", "tiny-llada2"):
         by_batch = {r["batch"]: r for r in rows if r["model"] == model}
-        assert by_batch[1]["experts_per_moe_layer"] <= by_batch[2]["experts_per_moe_layer"]
+        assert by_batch[1]["uniform_experts_per_moe_layer"] <= by_batch[2]["uniform_experts_per_moe_layer"]
+        assert "profile" not in by_batch[1] and by_batch[2]["profile"]["steps"] == 8  # the largest batch only
+    assert "experts read per layer (counted / uniform)" in data["table"]
+    assert "Where the profiled steps' GPU time went" in data["table"]
 
 
 def test_start_is_measured_in_fresh_processes_cold_then_warm(quick_sweep: Path) -> None:
@@ -133,7 +143,9 @@ def test_serving_streams_every_offline_token_online(quick_sweep: Path) -> None:
         assert r["completion_tokens"] == r["offline_tokens"] > 0
         assert r["online_vs_offline"] == pytest.approx(r["online_tokens_per_s"] / r["offline_tokens_per_s"])
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["chunk_gap_p50_ms"] <= r["chunk_gap_p99_ms"]
-        assert r["online_graphed_share"] == r["offline_graphed_share"] == 0.0, "the CPU runs every step eagerly"
+        assert r["offline_graphed_share"] == 0.0, "the CPU runs every step eagerly"
+        # online, the engine runs where the server puts it: a process of its own, whose step paths stay there
+        assert r["engine_placement"] == "process" and r["online_graphed_share"] is None
 
 
 def test_a_spent_budget_skips_configurations_instead_of_running_them(tmp_path: Path) -> None:

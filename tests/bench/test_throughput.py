@@ -19,6 +19,7 @@ from diffulex.bench.roofline import (
     cost_model_from_module,
     linear_roofline,
     step_bytes,
+    step_experts,
     step_floors,
     step_flops,
     summarize_floors,
@@ -119,6 +120,109 @@ def test_an_moe_model_reads_the_experts_its_rows_choose(tmp_path):
     )
 
 
+def test_counted_experts_replace_the_uniform_estimate_in_the_bytes_only(tmp_path):
+    """Tiny SDAR-MoE (experts of 6144 elements): a step whose layers selected 5 experts in all reads 5 experts'
+    weights, whatever its rows; its flops (every row through its top 2) do not depend on the count."""
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    cost = cost_model_from_module(build_model("sdar_moe", ckpt, torch.float32, "cpu"), 2)
+    work = StepWork(query_tokens=8, logit_rows=3, context_tokens=16, written_tokens=4, attn_pairs=100)
+    none = StepWork(0, 0, 16, 4, 0)
+    assert step_bytes(cost, work, 5) - step_bytes(cost, none, 0) == 5 * 6144 * 2 + 8 * 64 * 2
+    assert step_bytes(cost, work) == step_bytes(cost, work, step_experts(cost, work))
+    assert step_experts(cost, work) == pytest.approx(2 * 4 * (1 - 0.5**8))
+    counted = step_floors(cost, work, bandwidth_bps=1e6, flops_per_s=1e15, experts_read=5)
+    assert counted.memory_s == pytest.approx(step_bytes(cost, work, 5) / 1e6)
+    assert counted.compute_s == step_floors(cost, work, bandwidth_bps=1e6, flops_per_s=1e15).compute_s
+
+
+def forced_route(choices: list[tuple[int, int]]):
+    """Row ``r`` routed to the experts ``choices[r % len(choices)]``, each weighted 0.5."""
+
+    def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = torch.tensor([choices[r % len(choices)] for r in range(x.shape[0])], dtype=torch.int64)
+        return torch.full((x.shape[0], 2), 0.5), experts
+
+    return route
+
+
+def test_the_moe_floor_is_taken_on_the_experts_a_forced_router_selects(tmp_path):
+    """Tiny SDAR-MoE with its routers forced: layer 0 sends every row to experts 1 and 3, layer 1 alternates
+    (0, 1) and (0, 2). Every decode step of 2 requests x 4 rows then reads 2 + 3 experts: the counted floor is
+    taken on exactly that, while the uniform columns are what a run without counting reports."""
+    from diffulex import Diffulex
+    from diffulex.bench.hardware import HardwarePeaks
+    from diffulex.layers.moe import SparseMoE
+
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=8, max_tokens=24,
+                                             block_size=4, max_steps=5, warmup_tokens=4)
+    peaks = HardwarePeaks("cpu", 1, copy_bandwidth_bps=1e9, matmul_size=1)
+    entry = throughput.ModelEntry("tiny", str(ckpt), "safetensors")
+    with Diffulex(str(ckpt), **settings.engine_fields(entry, 1)) as engine:
+        first, second = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
+        first.gate.route = forced_route([(1, 3)])
+        second.gate.route = forced_route([(0, 1), (0, 2)])
+        cost = cost_model_from_module(engine.model, 4)
+        plain = throughput.measure_decode(engine, 2, settings, cost, peaks, 1e15)
+        row = throughput.measure_decode(engine, 2, settings, cost, peaks, 1e15, count_experts=True)
+        assert not first._forward_pre_hooks and not second._forward_pre_hooks  # the recorder closed
+    assert plain["experts_counted"] is False and "uniform_floor_ms" not in plain
+    assert row["experts_counted"] is True and row["expert_count_steps"] == row["steps"] == 5
+    assert row["expert_rerun_rows_agree"] and row["expert_rerun_tokens_agree"]
+    assert (row["experts_per_layer"], row["experts_per_layer_min"], row["experts_per_layer_max"]) == (2.5, 2, 3)
+    assert row["experts_read_per_step"] == 5
+    assert row["query_tokens_per_step"] == 8
+    uniform = 2 * 4 * (1 - 0.5**8)
+    assert row["uniform_experts_read_per_step"] == pytest.approx(uniform)
+    assert row["bytes_per_step"] - row["uniform_bytes_per_step"] == pytest.approx((5 - uniform) * 6144 * 4, abs=1)
+    # every step memory-bound (a copy rate of 1 GB/s): the floor is the mean bytes over the copy rate
+    assert row["floor_ms"] == pytest.approx(1e3 * row["bytes_per_step"] / 1e9)
+    assert row["floor_ratio"] == pytest.approx(row["ms_per_step_mean"] / row["floor_ms"])
+    # the uniform columns of the counted run are the floors of the same steps without counting
+    assert row["uniform_bytes_per_step"] == plain["bytes_per_step"]
+    assert row["uniform_floor_ms"] == pytest.approx(plain["floor_ms"])
+    assert row["uniform_experts_read_per_step"] == plain["experts_read_per_step"]
+
+
+def test_counting_pairs_the_rerun_with_steps_timed_on_the_static_graph_path(tmp_path):
+    """Timed on the graphs' static path (uncaptured on the CPU), whose steps are continued on the device: the
+    count's eager re-run still computes the timed steps' rows and tokens step by step, and the runner gets its
+    graphs back."""
+    from diffulex import Diffulex
+    from diffulex.bench.hardware import HardwarePeaks
+
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=8, max_tokens=24,
+                                             block_size=4, max_steps=6, warmup_tokens=4)
+    entry = throughput.ModelEntry("tiny", str(ckpt), "safetensors")
+    with Diffulex(str(ckpt), **settings.engine_fields(entry, 1)) as engine:
+        engine.enable_static_decode(capture=False)
+        graphs = engine.runner.graphs
+        cost = cost_model_from_module(engine.model, 4)
+        row = throughput.measure_decode(engine, 2, settings, cost, HardwarePeaks("cpu", 1, 1e9, 1), 1e15, True)
+        assert engine.runner.graphs is graphs
+    assert row["continued_steps"] > 0  # the timed steps ran ahead on the device; the re-run's did not
+    assert row["experts_counted"] and row["expert_count_steps"] == 6
+    assert row["expert_rerun_rows_agree"] and row["expert_rerun_tokens_agree"]
+    assert 1 <= row["experts_per_layer_min"] <= row["experts_per_layer"] <= row["experts_per_layer_max"] <= 4
+
+
+def test_with_micro_batches_the_experts_are_not_counted_and_the_row_says_why(tmp_path):
+    from diffulex import Diffulex
+    from diffulex.bench.hardware import HardwarePeaks
+
+    ckpt = write_tiny_checkpoint(tmp_path / "moe", family="sdar_moe")
+    settings = throughput.ThroughputSettings(batch_sizes=[2], buffer_sizes=[1], prompt_len=8, max_tokens=24,
+                                             block_size=4, max_steps=4, warmup_tokens=4)
+    entry = throughput.ModelEntry("tiny", str(ckpt), "safetensors")
+    with Diffulex(str(ckpt), **settings.engine_fields(entry, 1), micro_batches=2) as engine:
+        cost = cost_model_from_module(engine.model, 4)
+        row = throughput.measure_decode(engine, 2, settings, cost, HardwarePeaks("cpu", 1, 1e9, 1), 1e15, True)
+    assert row["experts_counted"] is False and "micro_batches=1" in row["expert_count_error"]
+    assert row["experts_read_per_step"] == row["uniform_experts_read_per_step"]  # the floor stays uniform
+    assert "per_step" not in row and "uniform_floor_ms" not in row
+
+
 def test_a_linear_on_the_roofline_by_hand():
     # 2 x 4 x 8 x 16 = 1024 flops; (4x16 + 8x16 + 4x8) x 2 bytes = 448 bytes
     row = linear_roofline(m=4, n=8, k=16, itemsize=2, seconds=2.0, bandwidth_bps=448.0, flops_per_s=1024.0)
@@ -139,6 +243,9 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 def test_kernels_are_grouped_by_name():
     assert category("_paged_attention_kernel") == "attention"
     assert category("_store_kv_kernel") == "attention"
+    assert category("_gate_up_kernel") == "moe" and category("_combine_kernel") == "moe"  # the fused MoE kernels
+    grouped = "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<"
+    assert category(grouped) == "moe"  # torch's grouped GEMM: the experts, not a dense linear
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert category("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert category("_top1_kernel") == "sampler"
@@ -156,6 +263,7 @@ def test_activity_summary_counts_copies_as_idle():
     assert summary["kernels_per_step"] == 1.0
     assert summary["kernel_ms_per_step"]["gemm"] == pytest.approx(0.2)
     assert summary["kernel_ms_per_step"]["copy"] == pytest.approx(0.15)
+    assert summary["kernel_ms_per_step"]["moe"] == 0.0
 
 
 # ----- SDAR geometry folders ---------------------------------------------------------------------------------

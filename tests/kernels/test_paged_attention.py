@@ -174,11 +174,15 @@ def test_head_dims(head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_realistic_head_dims_gpu(head_dim, grouped, dtype):
+@pytest.mark.parametrize("layout", ["paged 16, prefix full", "paged 32", "split in 7"])  # a test each: own variants
+def test_realistic_head_dims_gpu(head_dim, grouped, dtype, layout):
     requests = [(0, 300, 290), (1000, 8, 40), (513, 5, 513), (2048, 4, 100), (0, 0, 0), (77, 64, 90)]
-    check(requests, 16, 8, head_dim, 16, 4, True, dtype, grouped=grouped)
-    check(requests, 32, 8, head_dim, 32, 8, False, dtype, grouped=grouped)
-    check(requests, 16, 8, head_dim, 16, 4, True, dtype, grouped=grouped, splits=7)
+    if layout == "paged 16, prefix full":
+        check(requests, 16, 8, head_dim, 16, 4, True, dtype, grouped=grouped)
+    elif layout == "paged 32":
+        check(requests, 32, 8, head_dim, 32, 8, False, dtype, grouped=grouped)
+    else:
+        check(requests, 16, 8, head_dim, 16, 4, True, dtype, grouped=grouped, splits=7)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the automatic split choice only splits on CUDA")

@@ -100,17 +100,17 @@ def test_wide_heads_match_reference(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="realistic canvases are too slow for the interpreter")
+@pytest.mark.parametrize("splits", [None, 1, 4])  # one test per split choice: each compiles its own variants
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_diffusion_gemma_geometry_gpu(dtype):
+def test_diffusion_gemma_geometry_gpu(dtype, splits):
     """The 26B-A4B shapes: 16 heads, 8 KV heads of 256 with a 1024 window; 2 KV heads of 512, no window; canvas
     of 256 rows after contexts around and beyond the window; encoder pieces of a long prompt."""
     contexts = [0, 100, 1023, 1024, 3000]
-    for splits in (None, 1, 4):
-        check_window(canvases(contexts, 256), 16, 8, 256, 1024, True, dtype, 256, True, splits=splits, page_size=256)
-        check_window(canvases(contexts, 256), 16, 2, 512, 0, True, dtype, 256, True, splits=splits, page_size=256)
-        pieces = [(0, 2000, 0), (1500, 256, 0), (256, 256, 0)]
-        check_window(pieces, 16, 8, 256, 1024, False, dtype, 1, False, splits=splits, page_size=256)
-        check_window(pieces, 16, 2, 512, 0, False, dtype, 1, False, splits=splits, page_size=256)
+    check_window(canvases(contexts, 256), 16, 8, 256, 1024, True, dtype, 256, True, splits=splits, page_size=256)
+    check_window(canvases(contexts, 256), 16, 2, 512, 0, True, dtype, 256, True, splits=splits, page_size=256)
+    pieces = [(0, 2000, 0), (1500, 256, 0), (256, 256, 0)]
+    check_window(pieces, 16, 8, 256, 1024, False, dtype, 1, False, splits=splits, page_size=256)
+    check_window(pieces, 16, 2, 512, 0, False, dtype, 1, False, splits=splits, page_size=256)
 
 
 def test_negative_window_is_refused():

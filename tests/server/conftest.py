@@ -19,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from diffulex import Diffulex  # noqa: E402
 from diffulex.server.app import create_app  # noqa: E402
 from diffulex.server.engine_loop import EngineLoop  # noqa: E402
+from diffulex.server.engine_placement import build_served_engine  # noqa: E402
 from diffulex.server.runner import GracefulServer  # noqa: E402
 
 MODEL_NAME = "tiny-sdar"
@@ -58,9 +59,9 @@ class RunningServer:
 
 def start_server(
     model_dir: Path, *, max_waiting: int = 64, queue_policy: str = "reject", max_body_bytes: int | None = None,
-    shutdown_grace_s: float = 5.0, **fields: Any,
+    shutdown_grace_s: float = 5.0, engine_placement: str = "thread", **fields: Any,
 ) -> RunningServer:
-    engine = Diffulex(str(model_dir), **{**ENGINE_FIELDS, **fields})
+    engine = build_served_engine(str(model_dir), {**ENGINE_FIELDS, **fields}, engine_placement)
     loop = EngineLoop(engine, max_waiting=max_waiting, queue_policy=queue_policy, queue_timeout=5.0)
     limits = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
     app = create_app(loop, MODEL_NAME, shutdown_grace_s=shutdown_grace_s, **limits)

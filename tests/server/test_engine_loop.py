@@ -263,3 +263,46 @@ def test_after_an_engine_failure_requests_and_health_answer_503() -> None:
     assert failed.status_code == 503 and "device lost" in failed.json()["error"]["message"]
     assert after.status_code == 503
     assert health.status_code == 503 and health.json()["status"] == "failed"
+
+
+class BlockCommittingEngine(FakeEngine):
+    """Like `FakeEngine`, but a request's tokens are committed a block of four at a time."""
+
+    def step(self) -> list[RequestUpdate]:
+        updates = super().step()
+        return [u if u.finished else RequestUpdate(u.req_id, u.record, False, u.answer_token_ids[: 4 * (
+            len(u.answer_token_ids) // 4)], u.answer_token_ids) for u in updates]
+
+
+@pytest.mark.parametrize("interest", ["steps", "commits", "end"])
+def test_a_request_is_woken_only_when_what_it_reads_has_changed(interest: str) -> None:
+    async def scenario():
+        engine = BlockCommittingEngine()
+        loop = EngineLoop(engine, max_waiting=4)
+        loop.start()
+        sink: asyncio.Queue[Emission] = asyncio.Queue()
+        await loop.submit([GenerationInput([1], SamplingParams(max_tokens=10))], sink, interest=interest)
+        emissions = await drain(sink, 1)
+        await loop.shutdown(1.0)
+        return emissions
+
+    emissions = run(scenario())
+    committed = [len(e.update.committed_token_ids) for e in emissions]
+    expected = {"steps": [0, 0, 0, 4, 4, 4, 4, 8, 8, 10], "commits": [4, 8, 10], "end": [10]}[interest]
+    assert committed == expected
+    # however many emissions it got, each one counts the steps the request has taken part in
+    assert [e.steps for e in emissions][-1] == 10
+    assert [e.steps for e in emissions] == {"steps": list(range(1, 11)), "commits": [4, 8, 10], "end": [10]}[interest]
+
+
+def test_an_unknown_interest_is_refused_naming_it() -> None:
+    async def scenario():
+        loop = EngineLoop(FakeEngine(), max_waiting=4)
+        loop.start()
+        try:
+            with pytest.raises(ValueError, match="interest='all' is invalid: must be one of steps, commits, end"):
+                await loop.submit([GenerationInput([1], SamplingParams(max_tokens=1))], asyncio.Queue(), interest="all")
+        finally:
+            await loop.shutdown(1.0)
+
+    run(scenario())

@@ -1,0 +1,86 @@
+"""The engine in a process of its own behind the server (``--engine-placement``): same answers, same streaming,
+aborts and health as on a thread of the server process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from diffulex import SamplingParams
+from diffulex.engine.data_parallel import DataParallelEngine
+from diffulex.server.engine_placement import build_served_engine, engine_process_allowed
+
+from .conftest import start_server
+
+
+def stream_completion(base_url: str, prompt: str, max_tokens: int) -> tuple[list[str], dict]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts, usage = [], {}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            texts += [c["text"] for c in chunk["choices"] if c["text"]]
+    return texts, usage
+
+
+def test_a_server_on_an_engine_process_streams_each_answer_a_lone_engine_gives(sdar_dir: Path, reference_engine):
+    server = start_server(sdar_dir, engine_placement="auto")
+    try:
+        engine = server.loop.engine
+        assert isinstance(engine, DataParallelEngine) and engine.replica_pids[0] != os.getpid()
+        for prompt, n in [("one two", 24), ("three four five", 13)]:
+            texts, usage = stream_completion(server.base_url, prompt, n)
+            alone = reference_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n),
+                                              use_tqdm=False, apply_chat_template=False).trajectories[0]
+            assert "".join(texts) == alone.text
+            assert usage["completion_tokens"] == alone.num_generated_tokens and usage["nfe"] == alone.nfe
+
+        # a client that leaves mid-stream: its request is aborted in the engine process, nothing stays behind
+        body = {"prompt": "six", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: ") and '"text":""' not in line)
+        state = server.wait_idle(timeout=20)
+        assert (state["in_flight"], state["running"], state["kv_pages_used"]) == (0, 0, 0)
+        assert state["status"] == "ok" and [r["alive"] for r in state["replicas"]] == [True]
+    finally:
+        server.stop()
+    assert not server.loop.running
+
+
+def test_engines_of_several_ranks_or_replicas_are_not_put_in_one_process():
+    one = SimpleNamespace(data_parallel_size=1, tensor_parallel_size=1, expert_parallel_size=1,
+                          distributed_executor_backend="mp")
+    assert engine_process_allowed(one) is None
+    assert "rank workers" in engine_process_allowed(SimpleNamespace(**{**vars(one), "tensor_parallel_size": 2}))
+    assert "rank workers" in engine_process_allowed(SimpleNamespace(**{**vars(one), "expert_parallel_size": 2}))
+    assert "replicas as processes" in engine_process_allowed(SimpleNamespace(**{**vars(one), "data_parallel_size": 2}))
+
+
+def test_an_unknown_placement_is_refused_naming_the_choices(sdar_dir: Path):
+    with pytest.raises(ValueError, match="engine_placement='gpu' is invalid: must be one of auto, process, thread"):
+        build_served_engine(str(sdar_dir), {}, "gpu")  # type: ignore[arg-type]
+
+
+def test_a_server_whose_engine_process_dies_fails_at_once_so_that_it_can_be_restarted(sdar_dir: Path):
+    server = start_server(sdar_dir, engine_placement="auto")
+    try:
+        os.kill(server.loop.engine.replica_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server.loop.failure is None:
+            assert time.monotonic() < deadline, "the server should notice its engine process died while idle"
+            time.sleep(0.05)
+        assert "every engine replica process has died" in server.loop.failure
+    finally:
+        server.stop()
