@@ -2,16 +2,24 @@
 # Engine start on the GPU, in one device call (about 2 minutes on an H100 or H200): the sweep's `start` target, the
 # SDAR-1.7B geometry with random weights and default settings built in fresh processes, `cold` with empty Triton
 # and Inductor caches, then `warm` with what the cold run left there. Prints each run's phases (they cover the
-# whole Diffulex(...) call), where the attention kernels were compiled, and the targets
-# (ready <= 30 s cold, <= 15 s warm).
+# whole Diffulex(...) call), what the build's dry pass recorded and the helper processes compiled (the `kernels:`
+# log line), and the targets (ready <= 30 s cold, <= 15 s warm).
 # Usage (GPU machine, repository root): tools/start_gpu_check.sh OUT_DIR
-# Writes OUT_DIR/start/start.json and OUT_DIR/start/tables.md; exits non-zero when an engine did not start.
+# Writes OUT_DIR/dry_pass_tests.log, OUT_DIR/start/start.json, OUT_DIR/start/tables.md and OUT_DIR/start/dry_pass.json;
+# exits non-zero when the dry-pass tests fail (run first, on tiny CUDA engines), when an
+# engine did not start, or when a dry warm-up read device data back (DryPassReadError: that warm-up must be kept
+# out of the dry pass) or failed otherwise.
 set -euo pipefail
 out=${1:?usage: tools/start_gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'start_gpu_check: no CUDA device')"
 nvidia-smi --query-gpu=name --format=csv,noheader
+# the dry pass on real kernels first (tiny CUDA engines, about a minute): every warm-up runs dry to its end, reading no
+# device data back, and the helpers compile what it recorded
+TRITON_CACHE_DIR=$(mktemp -d) python -m pytest -q -p no:warnings tests/engine/test_assembly.py \
+  tests/kernels/test_parallel_compile.py > "$out/dry_pass_tests.log" 2>&1 || { tail -40 "$out/dry_pass_tests.log"; echo "start_gpu_check: dry-pass tests failed"; exit 1; }
+tail -1 "$out/dry_pass_tests.log"
 python -m diffulex.cli bench sweep --targets start --out "$out/start"
 python - "$out/start/start.json" <<'PY'
 import json
@@ -34,5 +42,18 @@ for r in rows:
     for line in r["build_log"]:
         if not line.startswith("engine ready in"):
             print(f"    log: {line}")
-sys.exit("start_gpu_check: an engine did not start" if failed else 0)
+kernels = {r["case"]: [line for line in r.get("build_log", []) if line.startswith("kernels:")] for r in rows}
+dry_failed = {case: lines for case, lines in kernels.items()
+              if any("left to the build" in line or "failed" in line for line in lines)}
+with open(sys.argv[1].replace("start.json", "dry_pass.json"), "w") as out:
+    json.dump({"kernels_log": kernels, "dry_pass_failed": dry_failed}, out, indent=1)
+for case, lines in kernels.items():
+    if not lines:
+        print(f"{case}: no 'kernels:' line: the helper processes did not run (no spare cores or no jit_cache_hook?)")
+for case, lines in dry_failed.items():
+    print(f"start_gpu_check: {case}: a dry warm-up or a helper failed (only time lost, but it must be fixed): "
+          + " | ".join(lines))
+if failed:
+    sys.exit("start_gpu_check: an engine did not start")
+sys.exit("start_gpu_check: the dry pass or a helper failed" if dry_failed else 0)
 PY

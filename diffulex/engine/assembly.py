@@ -11,6 +11,7 @@ import gc
 import importlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from diffulex.engine.build_phases import BuildPhases
 from diffulex.engine.cpu_resources import choose_cpu_threads, default_cpu_threads, usable_cores
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
-from diffulex.engine.memory_plan import plan_num_pages
+from diffulex.engine.memory_plan import plan_num_pages, profile_shape
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.engine.tensor_parallel import (
@@ -45,6 +46,8 @@ logger = logging.getLogger("diffulex")
 
 # Compiling in helper processes pays off only with at least this many cores beside the build's own.
 MIN_SPARE_CORES_FOR_HELPERS = 2
+# The build phase in which the helper processes compile the warm-ups' kernel variants.
+HELPER_PHASE = "kernels compiled in helper processes"
 # The module that loads tokenizers (transformers only for a folder it cannot build itself), imported in its own phase.
 TOKENIZER_MODULE = "diffulex.tokenizer"
 
@@ -168,8 +171,8 @@ def _build_components(
     helpers: CompileHelpers | None = None,
 ) -> EngineParts:
     """The strategy's runner (or the engine's, with the strategy's sampler for the family), the page pool and the
-    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) compile the attention's
-    variants first, all at once."""
+    scheduler. `helpers` (`diffulex.kernels.parallel_compile.CompileHelpers`, on CUDA) first compile the kernel
+    variants of the warm-ups that follow (`_dry_warm_ups`), all at once."""
     strategy = config.strategy
     token_merge = strategy.soft_inputs(config.strategy_options, mask_token_id)
     runner = strategy.make_runner(
@@ -183,18 +186,24 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
+    cache_entries = None
+    if helpers is not None:
+        _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
+        cache_entries = _triton_cache_entries()
+        build.done(HELPER_PHASE)
     num_pages = plan_num_pages(config, runner, device, dtype, policy)
     runner.allocate_kv_cache(num_pages)
     build.done("memory plan and KV cache")
-    if helpers is not None:
-        _compile_in_helpers(helpers, runner.warm_up_attention, device)
-        build.done("attention kernels compiled in helper processes")
     runner.warm_up_attention()
     build.done("attention kernels")
     policy.maybe_capture(runner, config, device)
     build.done("CUDA graphs")
     runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
     build.done("sampling kernels")
+    if cache_entries is not None:
+        after = _triton_cache_entries()
+        if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)
+            logger.info("kernels: %d compiled by the build itself after the helper processes", after - cache_entries)
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(
         config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
@@ -285,8 +294,8 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 
 def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpers | None:
-    """Helper processes that will compile the attention kernel's variants side by side (`CompileHelpers`), where
-    they can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
+    """Helper processes that will compile the build's kernel variants side by side (`CompileHelpers`), where they
+    can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
     from diffulex.attention.layer import TRITON_IMPLS
     from diffulex.layers.dispatch import triton_available
 
@@ -302,18 +311,83 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
     return CompileHelpers(min(MAX_HELPERS, spare))
 
 
-def _compile_in_helpers(helpers: CompileHelpers, warm_up: Callable[[], None], device: torch.device) -> None:
-    """Have `helpers` compile what `warm_up` would compile (a dry run of it), for this device's target."""
+def _dry_warm_ups(
+    config: Config, runner: StepRunner, policy: GraphPolicy, dtype: torch.dtype
+) -> dict[str, Callable[[], None]]:
+    """The build's warm-ups that a dry pass may run (`diffulex.kernels.parallel_compile`), named, in the order the
+    build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up, the
+    warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
+
+    Only the attention's for a strategy's own runner, an engine of several ranks (their forwards and LM heads meet
+    in collectives), a model with MoE layers (the experts' routing indexes memory by the router's output, which a
+    skipped launch leaves as garbage) or with heads the Triton attention cannot tile (the PyTorch attention reads
+    the step's layout back); no graph warm-ups where ``torch.compile`` compiles the captured forward (Inductor
+    compiles for real, outside Triton's hook)."""
+    from diffulex.attention.layer import triton_supports_head_dim
+    from diffulex.layers.moe import SparseMoE
+
+    attention_only = {"attention": runner.warm_up_attention}
+    if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
+        return attention_only
+    if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
+        return attention_only
+    if not all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers):
+        return attention_only
+    warm_ups: dict[str, Callable[[], None]] = {}
+    if config.num_pages <= 0:
+        warm_ups["profile forward"] = lambda: runner.profile_run(*profile_shape(config, policy))
+    warm_ups["attention"] = runner.warm_up_attention
+    if runner.graph_forward == runner.model.forward:
+        warm_ups["CUDA graph warm-ups"] = lambda: policy.rehearse_capture(runner, config)
+    sample_rows = config.max_num_reqs * policy.max_rows_per_request
+    warm_ups["sampling"] = lambda: runner.warm_up_sampling(sample_rows, dtype)
+    return warm_ups
+
+
+def _compile_in_helpers(
+    helpers: CompileHelpers, runner: StepRunner, warm_ups: dict[str, Callable[[], None]], device: torch.device
+) -> None:
+    """Have `helpers` compile what `warm_ups` would compile (a dry pass of them, over a cache of one page, dropped
+    after), for this device's target. Whatever goes wrong here is logged and costs only time: the warm-ups that
+    follow compile what is missing themselves."""
+    try:
+        target = _compile_target(device)
+        runner.allocate_kv_cache(1)  # attention needs a bound cache; a dry pass stores nothing
+        try:
+            report = helpers.compile_for(warm_ups, target)
+        finally:
+            runner.release_kv_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except Exception as err:  # noqa: BLE001  (the real warm-ups compile for themselves)
+        helpers.close()
+        logger.warning("kernels: compiling in helper processes failed (%s: %s); the build compiles them itself",
+                       type(err).__name__, err)  # fmt: skip
+        return
+    recorded = ", ".join(f"{name} {count}" for name, count in report.recorded_by.items())
+    logger.info(
+        "kernels: %d variants (%s), %d not in the Triton cache, %d compiled by helper processes%s",
+        report.recorded, recorded, report.missing, report.compiled,
+        f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
+    )  # fmt: skip
+
+
+def _triton_cache_entries() -> int | None:
+    """Entries of Triton's on-disk cache (one per compiled variant), or None where it cannot be read."""
+    try:
+        import triton
+
+        return len(os.listdir(triton.knobs.cache.dir))
+    except (AttributeError, ImportError, OSError):
+        return None
+
+
+def _compile_target(device: torch.device) -> object:
+    """The Triton target of `device`, which the helpers compile for (they never touch the GPU)."""
     from triton.runtime import driver
 
     with torch.cuda.device(device):
-        target = driver.active.get_current_target()
-    report = helpers.compile_for(warm_up, target)
-    logger.info(
-        "attention kernels: %d variants, %d not in the Triton cache, %d compiled by helper processes%s",
-        report.recorded, report.missing, report.compiled,
-        f" ({len(report.errors)} left to the build: {report.errors[0]})" if report.errors else "",
-    )  # fmt: skip
+        return driver.active.get_current_target()
 
 
 def _initialize_device(device: torch.device) -> None:

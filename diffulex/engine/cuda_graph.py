@@ -105,11 +105,14 @@ def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tenso
     if not triton_available():
         return None
     from diffulex.kernels import host_publish
+    from diffulex.kernels.parallel_compile import in_dry_pass
 
     expected = [7, -3]
     try:
         home = torch.zeros(len(expected), dtype=torch.int64, pin_memory=device.type == "cuda")
         host_publish.publish_to_host(torch.tensor(expected, dtype=torch.int64, device=device), home)
+        if in_dry_pass():  # the store was only recorded (`diffulex.kernels.parallel_compile`): nothing to read back
+            return host_publish.publish_to_host
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         landed = home.tolist() == expected
@@ -520,6 +523,28 @@ class DecodeGraphs:
             self._upload(bucket)
 
     @torch.inference_mode()
+    def warm_up(self, runs: int = 1) -> None:
+        """Run every bucket's work `runs` times, largest first, eagerly on its placeholder batch (`capture` does this
+        before its first capture; a build's dry pass runs it alone, to record the kernel variants the capture will
+        need: `diffulex.kernels.parallel_compile`). On CUDA on a side stream, as a capture runs."""
+        if not self.capture_graphs:
+            for bucket in reversed(self.buckets):
+                self._fill_capture_batch(bucket)
+                for _ in range(runs):
+                    self._run_uncaptured(bucket, sample=self.samples)
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for bucket in reversed(self.buckets):
+                self._fill_capture_batch(bucket)
+                for _ in range(runs):
+                    _, result = self._run_uncaptured(bucket, sample=self.samples)
+                    if result is not None and self._publish is not None:  # its variant for this size, compiled
+                        self._publish(result, self._result_home(bucket, 0))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    @torch.inference_mode()
     def capture(self, warmup_runs: int = 2, pool=None, log: bool = True) -> None:
         """Capture every bucket, largest first, all sharing one memory pool (``pool``, another set's `pool`, where
         their replays never overlap: one stream runs them in turn): its forward graph, then its sampling graphs
@@ -531,16 +556,7 @@ class DecodeGraphs:
         """
         if not self.capture_graphs:
             return
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for bucket in reversed(self.buckets):
-                self._fill_capture_batch(bucket)
-                for _ in range(warmup_runs):
-                    _, result = self._run_uncaptured(bucket, sample=self.samples)
-                    if result is not None and self._publish is not None:  # its variant for this size, compiled
-                        self._publish(result, self._result_home(bucket, 0))
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.warm_up(warmup_runs)
         torch.cuda.synchronize(self.device)
         for bucket in reversed(self.buckets):
             self._fill_capture_batch(bucket)

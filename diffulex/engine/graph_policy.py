@@ -91,10 +91,18 @@ class GraphPolicy:
         self.enable_static_decode(runner, config, capture=True)
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - t0)
 
-    def enable_static_decode(self, runner: ModelRunner, config: Config, capture: bool) -> None:
+    def rehearse_capture(self, runner: ModelRunner, config: Config) -> None:
+        """Run the warm-up forwards `maybe_capture` runs before its captures, and keep nothing: the graphs' part of a
+        build's dry pass (`diffulex.kernels.parallel_compile`). Nothing where no graphs are captured."""
+        if self.cuda_graphs:
+            self.enable_static_decode(runner, config, capture=True, warm_up_only=True)
+
+    def enable_static_decode(
+        self, runner: ModelRunner, config: Config, capture: bool, warm_up_only: bool = False
+    ) -> None:
         """Serve decode steps from the padded static buffers of the graph path, captured as CUDA graphs or (CPU
         tests, ``capture=False``) run through the eager forward: one place for the shape the engine's graphs
-        take."""
+        take. ``warm_up_only``: `ModelRunner.enable_decode_graphs`'s."""
         runner.enable_decode_graphs(
             max_requests=config.max_num_reqs,
             max_query_len=self.max_rows_per_request,
@@ -106,6 +114,7 @@ class GraphPolicy:
             key_tails=self.key_tails,
             short_rows_per_request=self.short_rows_per_request,
             max_prefill_rows=self.prefill_graph_rows,
+            warm_up_only=warm_up_only,
         )
 
 

@@ -59,6 +59,14 @@ def cpu_kv_budget(wanted_bytes: int) -> tuple[int, str]:
     return budget, report
 
 
+def profile_shape(config: Config, policy: GraphPolicy) -> tuple[int, int, int]:
+    """`ModelRunner.profile_run`'s arguments on a GPU: the largest step the scheduler can build
+    (``max(max_num_batched_tokens, max_model_len)`` rows, in requests of at most ``max_model_len``) and the logits
+    rows of every running request."""
+    num_tokens = max(config.max_num_batched_tokens, config.max_model_len)
+    return num_tokens, config.max_model_len, config.max_num_reqs * policy.max_rows_per_request
+
+
 def gpu_kv_budget(
     config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
 ) -> tuple[int, str]:
@@ -68,14 +76,14 @@ def gpu_kv_budget(
     The peak is measured, not estimated: one eager forward over the largest step the scheduler can build
     (``max(max_num_batched_tokens, max_model_len)`` rows) and the sampler's logits for every running row.
     """
-    num_tokens = max(config.max_num_batched_tokens, config.max_model_len)
-    sample_rows = config.max_num_reqs * policy.max_rows_per_request
+    shape = profile_shape(config, policy)
+    num_tokens = shape[0]
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
     runner.allocate_kv_cache(1)  # attention needs a bound cache; the profile stores nothing
-    runner.profile_run(num_tokens, config.max_model_len, sample_rows)
+    runner.profile_run(*shape)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     runner.release_kv_cache()

@@ -155,6 +155,7 @@ class ModelRunner:
         key_tails: bool = False,
         short_rows_per_request: int | None = None,
         max_prefill_rows: int = 0,
+        warm_up_only: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
         host staging buffer per step that may be in flight (one per micro-batch; two with continuations). Greedy
@@ -168,9 +169,14 @@ class ModelRunner:
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
         rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`).
 
+        With ``warm_up_only`` the graphs are built as for a capture, their buckets' forwards run once each, as
+        before a capture, and the runner is left with the graphs it had: what a build's dry pass runs to record the
+        kernel variants the capture will need (`diffulex.kernels.parallel_compile`).
+
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
         s = self.settings
+        kept = (self.graphs, self.short_graphs, self.prefill_graphs, self._graph_logits_shift)
         shape = GraphShape(
             max_requests=min(max_requests, MAX_GRAPH_REQUESTS),
             max_query_len=max_query_len,
@@ -205,6 +211,12 @@ class ModelRunner:
             )  # fmt: skip
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
+        if warm_up_only:
+            for graphs in (self.graphs, self.short_graphs, self.prefill_graphs):
+                if graphs is not None:
+                    graphs.warm_up()
+            self.graphs, self.short_graphs, self.prefill_graphs, self._graph_logits_shift = kept
+            return
         self.graphs.capture()
         if self.short_graphs is not None:
             self.short_graphs.capture()

@@ -103,6 +103,12 @@ class PrefillGraphs:
         """Replays of captured graphs so far (`ModelRunner.graph_replays`)."""
         return sum(graphs.num_replays for graphs in self.graphs.values())
 
+    def warm_up(self) -> None:
+        """Run every bucket's forward once on its placeholder batch, as `capture` does first (a build's dry pass runs
+        this alone: `diffulex.kernels.parallel_compile`)."""
+        for rows in reversed(self.buckets):
+            self.graphs[rows].warm_up()
+
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into ``pool`` (the decode graphs', where there are some)."""
         for rows in reversed(self.buckets):

@@ -1,24 +1,38 @@
-"""Compiling a warm-up's Triton kernel variants in helper processes, all at once, before the warm-up runs.
+"""Compiling a build's Triton kernel variants in helper processes, all at once, before its warm-ups run.
 
 Why processes: a cold start compiles its variants one after another, and Triton's compile holds the interpreter's
 lock for nearly all of its work, so threads cannot share it (measured with triton 3.6 on two cores: six compiles
 took 1.16 s on one thread, 1.30 s on two threads, 0.76 s on two processes).
 
 How: `CompileHelpers` starts the helpers when the build begins, so that their imports (torch, triton, the kernel
-modules) run while the weights load. `CompileHelpers.compile_for` then runs a warm-up *dry*: through Triton's
-``jit_cache_hook`` every launch that would compile is recorded and skipped (nothing is compiled, nothing runs on
-the device). The recorded variants that Triton's on-disk cache lacks are shared among the helpers, which compile
-them into that cache; then the caller runs the warm-up for real and finds each variant there.
+modules) run while the weights load. `CompileHelpers.compile_for` then runs the build's warm-ups *dry*
+(`dry_pass`): through Triton's ``jit_cache_hook`` every launch that would compile is recorded and skipped (nothing
+is compiled, that kernel does not run). The recorded variants that Triton's on-disk cache lacks are shared among
+the helpers, which compile them into that cache; then the caller runs the warm-ups for real and finds each variant
+there. The engine's build (`diffulex.engine.assembly`) runs its profile forward, the attention warm-up, the CUDA
+graphs' warm-up forwards and the sampling warm-up dry, in one pass before the first of them runs for real.
 
 The helpers only ever fill the cache: one that fails, is slow or compiles under another key changes nothing but the
 time, since the real warm-up compiles whatever it does not find (and raises what a broken kernel raises). They are
-plain subprocesses (never ``multiprocessing``, which would import the user's ``__main__`` again), they never touch
-the GPU (the target is handed to them), and a dry run is only for warm-ups whose launches read nothing back: the
-paged attention's, whose outputs are dropped.
+plain subprocesses (never ``multiprocessing``, which would import the user's ``__main__`` again) and never touch
+the GPU (the target is handed to them).
+
+What a dry pass may run: a skipped launch leaves its outputs unwritten, so whatever reads them afterwards sees
+garbage. A warm-up run dry must therefore never read device data back to the host (a ``.item()``, ``.tolist()``,
+``bool()`` of a device tensor: `dry_pass` turns such a read into `DryPassReadError`, which ends that warm-up's dry
+run) and never index memory with values a kernel computed (a garbage index could fault the device, which no
+exception undoes): the engine runs dry only warm-ups whose inputs are placeholders made on the host and whose
+device-computed values flow only into arithmetic (its dense forwards, the attention and sampling warm-ups; not
+an MoE forward, whose expert routing indexes by the router's output). Kernels compiled before the pass launch for
+real (the hook sees only compiles), on those same placeholders. Build state that a launch records (which skinny
+GEMM variants an eager call has compiled) is put back as it was once the pass ends, so that the real warm-up
+compiles them again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import json
 import logging
@@ -26,8 +40,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +49,22 @@ logger = logging.getLogger("diffulex")
 
 HELPER_COMMAND = "from diffulex.kernels.parallel_compile import serve; serve()"
 # the modules a helper imports before it is handed any variant (the kernels the dry warm-ups launch)
-HELPER_MODULES = ("diffulex.kernels.paged_attention",)
+HELPER_MODULES = (
+    "diffulex.kernels.paged_attention",
+    "diffulex.kernels.kv_store",
+    "diffulex.kernels.skinny_gemm",
+    "diffulex.kernels.fused_norm",
+    "diffulex.kernels.activation",
+    "diffulex.kernels.token_inputs",
+    "diffulex.kernels.top1",
+    "diffulex.kernels.acceptance",
+    "diffulex.kernels.edit_acceptance",
+    "diffulex.kernels.step_advance",
+    "diffulex.kernels.host_publish",
+)
+# Sets in which a launch records that it has compiled a variant, so that later calls skip it: (module, name). A dry
+# pass skips the compile, so it puts each back as it found it.
+WARM_STATE = (("diffulex.kernels.skinny_gemm", "_WARMED"),)
 MAX_HELPERS = 8
 ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
 HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
@@ -60,23 +89,104 @@ def parallel_compile_supported() -> bool:
     return hasattr(runtime, "jit_cache_hook") and not runtime.interpret
 
 
-def record_launches(warm_up: Callable[[], None]) -> list[KernelVariant]:
-    """Run `warm_up` with every Triton launch that would compile skipped, and return what it would compile."""
+class DryPassReadError(RuntimeError):
+    """A warm-up run dry read device data on the host: a value a skipped launch should have written."""
+
+
+_DRY_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("diffulex_dry_pass", default=False)
+# the tensor methods that bring a device tensor's values to the host, each refused on a device tensor in a dry pass
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+HOST_DEVICE_TYPES = ("cpu", "meta")  # tensors a dry pass may read on the host: host memory, or no data at all
+
+
+def in_dry_pass() -> bool:
+    """Whether this code runs inside `dry_pass`: where a warm-up must skip what reads results back (a probe that
+    checks a kernel's output) rather than act on garbage."""
+    return _DRY_PASS.get()
+
+
+@contextlib.contextmanager
+def _host_reads_refused() -> Iterator[None]:
+    """Make each of `_HOST_READS` raise `DryPassReadError` on a tensor outside host memory, for the block's time
+    and only in a dry pass's context (another thread reads as it would)."""
+    import torch
+
+    own = {name: torch.Tensor.__dict__.get(name) for name in _HOST_READS}
+
+    def refusing(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if _DRY_PASS.get() and self.device.type not in HOST_DEVICE_TYPES:
+                raise DryPassReadError(f"a dry warm-up read a {self.device} tensor on the host (Tensor.{name})")
+            return original(self, *args, **kwargs)
+
+        return guarded
+
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, refusing(name, getattr(torch.Tensor, name)))
+    try:
+        yield
+    finally:
+        for name, original in own.items():
+            if original is None:  # inherited from torch's C base class: uncover it again
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+@contextlib.contextmanager
+def _warm_state_kept() -> Iterator[None]:
+    """Put each of `WARM_STATE`'s sets (of the modules already imported) back as it was when the block began."""
+    saved = []
+    for module_name, name in WARM_STATE:
+        module = sys.modules.get(module_name)
+        if module is None:  # never imported: nothing launched through it yet, and a dry launch compiles nothing
+            continue
+        state = getattr(module, name)
+        saved.append((state, set(state)))
+    try:
+        yield
+    finally:
+        for state, contents in saved:
+            state.clear()
+            state.update(contents)
+
+
+@contextlib.contextmanager
+def dry_pass() -> Iterator[list[KernelVariant]]:
+    """Within the block, every Triton launch that would compile is skipped and its variant appended to the list
+    yielded (once each); reading a device tensor on the host raises `DryPassReadError`; `in_dry_pass` is true;
+    `WARM_STATE` is put back at the end. Needs triton (`parallel_compile_supported`)."""
     import triton
 
     recorded: dict[KernelVariant, None] = {}
+    variants: list[KernelVariant] = []
+    runtime = triton.knobs.runtime
+    previous = runtime.jit_cache_hook
 
-    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
-        recorded[KernelVariant(fn.module, fn.name, compile["specialization_data"])] = None
+    def record(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool:
+        if not _DRY_PASS.get():  # another thread's launch (the hook is the process's): compiled as it would be
+            return bool(previous(fn=fn, compile=compile, **kwargs)) if previous is not None else False
+        variant = KernelVariant(fn.module, fn.name, compile["specialization_data"])
+        if variant not in recorded:
+            recorded[variant] = None
+            variants.append(variant)
         return True  # skip: neither compiled nor launched
 
-    runtime = triton.knobs.runtime
-    previous, runtime.jit_cache_hook = runtime.jit_cache_hook, record
+    runtime.jit_cache_hook = record
+    token = _DRY_PASS.set(True)
     try:
-        warm_up()
+        with _warm_state_kept(), _host_reads_refused():
+            yield variants
     finally:
+        _DRY_PASS.reset(token)
         runtime.jit_cache_hook = previous
-    return list(recorded)
+
+
+def record_launches(warm_up: Callable[[], None]) -> list[KernelVariant]:
+    """Run `warm_up` dry (`dry_pass`) and return what it would compile."""
+    with dry_pass() as variants:
+        warm_up()
+    return list(variants)
 
 
 def _kernel(variant: KernelVariant) -> Any:
@@ -155,7 +265,10 @@ def serve() -> None:
     stdin ends, answering one line per variant on stdout (`ANSWER_PREFIX`, then JSON; an error is reported there,
     never raised)."""
     for module in HELPER_MODULES:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S112  (a variant of that module then fails alone, and is reported)
+            continue
     for variant, target in _read_jobs(iter(sys.stdin.readline, "")):
         try:
             compile_variant(variant, target)
@@ -167,12 +280,14 @@ def serve() -> None:
 
 @dataclass
 class CompileReport:
-    """What the helpers did for one warm-up: variants recorded, of them missing from the cache, compiled."""
+    """What the helpers did for the warm-ups: variants recorded (all told and per warm-up), of them missing from the
+    cache, compiled; the dry runs' and the helpers' errors."""
 
     recorded: int = 0
     missing: int = 0
     compiled: int = 0
     errors: tuple[str, ...] = ()
+    recorded_by: dict[str, int] = field(default_factory=dict)  # variants each named warm-up launched
 
 
 class CompileHelpers:
@@ -190,16 +305,33 @@ class CompileHelpers:
             for _ in range(count)
         ]
 
-    def compile_for(self, warm_up: Callable[[], None], target: Any) -> CompileReport:
-        """Record `warm_up`'s variants (a dry run), have the helpers compile those the cache lacks, wait for them
-        (at most `HELPER_TIMEOUT_S`), and end the helpers. The caller then runs `warm_up` for real."""
+    def compile_for(
+        self, warm_ups: Mapping[str, Callable[[], None]] | Callable[[], None], target: Any
+    ) -> CompileReport:
+        """Record the variants of `warm_ups` (each named, or one callable), run dry one after another; have the
+        helpers compile those the cache lacks, wait for them (at most `HELPER_TIMEOUT_S`), and end the helpers. A
+        warm-up whose dry run raises keeps what it recorded until then and is named in the report's errors; the
+        others still run. The caller then runs the warm-ups for real."""
+        if callable(warm_ups):
+            warm_ups = {"warm-up": warm_ups}
         report = CompileReport()
         try:
-            variants = record_launches(warm_up)
+            errors: list[str] = []
+            # one pass for all: a variant an earlier warm-up compiled (`WARM_STATE`) is not launched again later
+            with dry_pass() as variants:
+                for name, warm_up in warm_ups.items():
+                    before = len(variants)
+                    try:
+                        warm_up()
+                    except Exception as err:  # noqa: BLE001  (the real warm-up runs it again and raises for itself)
+                        errors.append(f"{name}: {type(err).__name__}: {err}")
+                    report.recorded_by[name] = len(variants) - before
+            report.errors = tuple(errors)
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
             report.recorded, report.missing = len(variants), len(missing)
             if missing:
-                report.compiled, report.errors = self.compile_variants(missing, target)
+                compiled, helper_errors = self.compile_variants(missing, target)
+                report.compiled, report.errors = compiled, (*report.errors, *helper_errors)
         except Exception as err:  # noqa: BLE001  (the real warm-up compiles what is missing, or raises it again)
             report.errors = (*report.errors, f"{type(err).__name__}: {err}")
         finally:

@@ -232,3 +232,16 @@ def test_graph_replays_count_the_decode_steps_that_replay_a_graph(peaky_sdar_dir
         got = llm.generate(random_prompts(llm, [3, 5], seed=3), GREEDY, use_tqdm=False)
         # every launch of the static path replays (continuations replay without it): at least one per such step
         assert 0 < len(used) <= llm.runner.graph_replays <= got.num_engine_steps + len(used)
+
+
+def test_in_a_dry_pass_the_pinned_store_probe_is_launched_but_never_read_back(monkeypatch, caplog):
+    parallel_compile = pytest.importorskip("diffulex.kernels.parallel_compile")
+    stores = []
+    monkeypatch.setattr(host_publish, "publish_to_host", lambda result, home: stores.append(result.clone()))
+    monkeypatch.setattr(parallel_compile, "HOST_DEVICE_TYPES", ("meta",))  # a read of the probe's home would raise
+    with parallel_compile.dry_pass():
+        publisher = cuda_graph._host_publisher(torch.device("cpu"))
+    assert [store.tolist() for store in stores] == [[7, -3]]  # launched, so that its variant is recorded
+    assert publisher is host_publish.publish_to_host and not caplog.records  # and trusted without a read back
+    assert cuda_graph._host_publisher(torch.device("cpu")) is None  # outside a dry pass the store that did not land
+    assert "did not land" in caplog.text  # is found out

@@ -1,5 +1,6 @@
 """Helper processes compile the Triton kernel variants a dry warm-up records into the on-disk cache, where the
-kernels' own launches then find them.
+kernels' own launches then find them; a dry pass leaves no trace but the recorded variants, and refuses to read
+device data.
 
 No GPU is needed: the kernels are compiled for a Hopper target (triton ships its assembler), and the launches go
 through a stand-in for triton's CUDA driver that names device 0 and that target (a dry launch reaches no device).
@@ -17,11 +18,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
     pytest.skip(f"triton {triton.__version__} has no jit_cache_hook: the build compiles without helpers",
                 allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import diffulex.kernels.parallel_compile as pc  # noqa: E402  (only once triton's hook is known to be there)
+
+HOPPER_IN_PROCESS = GPUTarget("cuda", 90, 32)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SOURCE = '''
@@ -159,4 +167,128 @@ def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
         report = helpers.compile_for(broken, HOPPER)
         print(json.dumps({"errors": list(report.errors), "ended": helpers.ended()}))
     ''')
-    assert seen["errors"] == ["ValueError: head_dim=24 must be a power of two >= 16"] and seen["ended"]
+    assert seen["errors"] == ["warm-up: ValueError: head_dim=24 must be a power of two >= 16"] and seen["ended"]
+
+
+def test_named_warm_ups_are_recorded_in_one_pass_and_a_failing_one_keeps_the_others(tmp_path):
+    seen = run_case(tmp_path, '''
+        x, y = torch.ones(1024), torch.zeros(1024)
+
+        def reads_back():
+            scale[(4,)](x, y, 1000, BLOCK=256)
+            raise RuntimeError("a probe read its result back")
+
+        warm_ups = {
+            "forward": lambda: scale[(4,)](x, y, 1024, BLOCK=256),
+            "probe": reads_back,
+            "sampling": lambda: [scale[(4,)](x, y, 1024, BLOCK=b) for b in (256, 128)],
+        }
+        helpers = pc.CompileHelpers(2)
+        report = helpers.compile_for(warm_ups, HOPPER)
+        print(json.dumps({"recorded": report.recorded, "by": report.recorded_by, "missing": report.missing,
+                          "compiled": report.compiled, "errors": list(report.errors), "ended": helpers.ended(),
+                          "cached": [pc.is_cached(v, HOPPER) for v in pc.record_launches(lambda: [
+                              warm_up() for name, warm_up in warm_ups.items() if name != "probe"])]}))
+    ''')
+    # the sampling warm-up's BLOCK=256 launch is the forward's variant: recorded once, by the first
+    assert seen["by"] == {"forward": 1, "probe": 1, "sampling": 1}
+    assert (seen["recorded"], seen["missing"], seen["compiled"]) == (3, 3, 3)
+    assert seen["errors"] == ["probe: RuntimeError: a probe read its result back"] and seen["ended"]
+    assert seen["cached"] == [True, True]  # what the failing warm-up launched before it failed is compiled too
+
+
+def test_a_dry_pass_refuses_to_read_device_tensors_on_the_host(monkeypatch):
+    monkeypatch.setattr(pc, "HOST_DEVICE_TYPES", ("meta",))  # this machine's tensors stand for a device's
+    tensor = torch.tensor([3, 4])
+    with pc.dry_pass():
+        assert pc.in_dry_pass()
+        for read in (tensor.tolist, tensor[0].item, tensor.cpu, tensor.numpy, lambda: bool(tensor[0]),
+                     lambda: int(tensor[0]), lambda: float(tensor[0]), lambda: [0, 1, 2][tensor[0]]):
+            with pytest.raises(pc.DryPassReadError, match="read a cpu tensor on the host"):
+                read()
+        assert torch.empty(2, device="meta").shape == (2,)  # no data: nothing to read
+    assert not pc.in_dry_pass()
+    assert tensor.tolist() == [3, 4] and int(tensor[1]) == 4  # as before, once the pass has ended
+    assert all(name not in torch.Tensor.__dict__ for name in ("item", "tolist", "__bool__"))
+
+
+def test_a_read_back_in_a_warm_up_ends_only_its_own_dry_run(monkeypatch):
+    monkeypatch.setattr(pc, "HOST_DEVICE_TYPES", ("meta",))
+    ran = []
+
+    def reads_back():
+        ran.append("reads back")
+        if torch.zeros(1).item() == 0:  # a dry run must never branch on what a skipped launch would have written
+            ran.append("acted on garbage")
+
+    helpers = pc.CompileHelpers(1)
+    report = helpers.compile_for({"probe": reads_back, "after": lambda: ran.append("after")}, HOPPER_IN_PROCESS)
+    assert ran == ["reads back", "after"]
+    assert len(report.errors) == 1 and report.errors[0].startswith("probe: DryPassReadError")
+    assert helpers.ended()
+
+
+def test_a_dry_pass_forgets_the_variants_an_eager_skinny_call_recorded():
+    skinny_gemm = pytest.importorskip("diffulex.kernels.skinny_gemm")
+    earlier = ("an earlier eager call",)
+    skinny_gemm._WARMED.add(earlier)
+    try:
+        with pc.dry_pass():
+            skinny_gemm._WARMED.add(("a variant whose compile the dry pass skipped",))
+        assert earlier in skinny_gemm._WARMED
+        assert ("a variant whose compile the dry pass skipped",) not in skinny_gemm._WARMED
+    finally:
+        skinny_gemm._WARMED.discard(earlier)
+
+
+def test_the_hook_in_place_before_a_dry_pass_is_put_back_after_one_that_raised():
+    def outer_hook(**_):
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = outer_hook
+    try:
+        with pytest.raises(ValueError), pc.dry_pass():
+            raise ValueError("a warm-up bug")
+        assert triton.knobs.runtime.jit_cache_hook is outer_hook and not pc.in_dry_pass()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+
+
+def test_the_sampling_warm_up_is_recorded_dry_and_its_variants_compiled_by_the_helpers(tmp_path):
+    seen = run_case(tmp_path, '''
+        from diffulex.kernels import acceptance, split_counters, top1
+
+        cpu = torch.device("cpu")
+        split_counters._SM_COUNT[cpu] = 132  # an H100's, which the top-1 split plans read
+
+        def warm_up():  # the multi_bd sampler's warm-up (`MultiBDSampler.warm_up`) for 64 rows
+            top1.warm_up(cpu, 1000, torch.bfloat16, 990, 3, 64)
+            acceptance.warm_up(cpu, 0.9, 64)
+
+        helpers = pc.CompileHelpers(2)
+        report = helpers.compile_for({"sampling": warm_up}, HOPPER)
+        variants = pc.record_launches(warm_up)
+        print(json.dumps({"names": sorted({v.name for v in variants}), "report": [report.recorded, report.missing,
+                          report.compiled], "errors": list(report.errors), "ended": helpers.ended(),
+                          "cached": [pc.is_cached(v, HOPPER) for v in variants]}))
+    ''')
+    assert {"_accept_kernel"} < set(seen["names"]) and any("top1" in name for name in seen["names"])
+    recorded, missing, compiled = seen["report"]
+    assert recorded == missing == compiled == len(seen["cached"]) and seen["errors"] == [] and seen["ended"]
+    assert all(seen["cached"])  # the real warm-up finds every variant it launches in the cache
+
+
+def test_another_threads_launches_compile_as_they_would_during_a_dry_pass(tmp_path):
+    seen = run_case(tmp_path, '''
+        import threading
+        x, y = torch.ones(64), torch.zeros(64)
+        elsewhere = []
+        with pc.dry_pass() as variants:
+            scale[(1,)](x, y, 64, BLOCK=64)  # this thread's: recorded, skipped
+            thread = threading.Thread(target=lambda: elsewhere.append(scale.warmup(x, y, 48, BLOCK=64, grid=(1,))))
+            thread.start()
+            thread.join()
+        print(json.dumps({"recorded": len(variants), "compiled_elsewhere": elsewhere[0] is not None,
+                          "cache": len(cache_entries())}))
+    ''')
+    assert seen == {"recorded": 1, "compiled_elsewhere": True, "cache": 1}

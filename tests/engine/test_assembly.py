@@ -1,0 +1,186 @@
+"""The build's dry pass (`diffulex.kernels.parallel_compile`): which warm-ups an engine runs dry before running
+them for real, and that the CUDA graphs' part of it runs every bucket's warm-up forward and leaves the runner as it
+found it.
+
+On the CPU nothing launches a Triton kernel, so the captured forward is wrapped in a stand-in launch that asks
+Triton's ``jit_cache_hook`` as a kernel's first launch does (the dry pass's hook records it and says skip). On a
+GPU the same tests build CUDA engines, and the build's warm-ups then run dry on real kernels: that none of them
+reads device data back is checked there (`tools/start_gpu_check.sh` runs this file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffulex import SamplingParams
+from diffulex.engine import assembly
+from diffulex.engine.cuda_graph import request_buckets
+from diffulex.engine.prefill_graphs import prefill_buckets
+from diffulex.testing.checkpoints import write_tiny_checkpoint
+from tests.engine.test_engine_matches_reference import make_engine
+
+triton = pytest.importorskip("triton")
+pc = pytest.importorskip("diffulex.kernels.parallel_compile")
+if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
+    pytest.skip(f"triton {triton.__version__} has no jit_cache_hook: no dry pass", allow_module_level=True)
+
+BUILD_ORDER = ["profile forward", "attention", "CUDA graph warm-ups", "sampling"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardKernel:
+    """What the hook reads of a JIT function: its module and name."""
+
+    module: str = "a_forward_kernel"
+    name: str = "forward"
+
+
+def with_forward_launches(forward, launched: list[int]):
+    """Wrap `forward` in a stand-in launch per call, specialized on its row count: skipped where the hook says so,
+    else counted in `launched` as run."""
+
+    def launching_forward(ids, positions, meta, readers=None, **kwargs):
+        hook = triton.knobs.runtime.jit_cache_hook
+        rows = ids.shape[0]
+        if hook is None or not hook(fn=ForwardKernel(), compile={"specialization_data": json.dumps({"rows": rows})}):
+            launched.append(rows)
+        return forward(ids, positions, meta, readers, **kwargs)
+
+    return launching_forward
+
+
+def test_a_dense_engine_runs_every_warm_up_dry_in_build_order(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir) as llm:
+        runner, policy, config = llm.runner, llm.policy, llm.config
+        assert list(assembly._dry_warm_ups(config, runner, policy, torch.float32)) == BUILD_ORDER
+        given = dataclasses.replace(config, num_pages=64)  # no memory plan: no profile forward
+        assert list(assembly._dry_warm_ups(given, runner, policy, torch.float32)) == BUILD_ORDER[1:]
+        runner.graph_forward = lambda *args, **kwargs: runner.model(*args, **kwargs)  # as torch.compile leaves it
+        assert "CUDA graph warm-ups" not in assembly._dry_warm_ups(config, runner, policy, torch.float32)
+
+
+def test_an_moe_engine_runs_only_its_attention_warm_up_dry(tmp_path: Path):
+    model_dir = write_tiny_checkpoint(tmp_path / "moe", "sdar_moe", num_hidden_layers=1)
+    with make_engine(model_dir, max_num_reqs=2) as llm:
+        warm_ups = assembly._dry_warm_ups(llm.config, llm.runner, llm.policy, torch.float32)
+    assert list(warm_ups) == ["attention"]  # its routing would index memory by a skipped kernel's output
+
+
+def test_an_engine_with_heads_triton_cannot_tile_runs_only_its_attention_warm_up_dry(tmp_path: Path):
+    model_dir = write_tiny_checkpoint(tmp_path / "odd-heads", hidden_size=96, num_attention_heads=4, head_dim=24)
+    with make_engine(model_dir, max_num_reqs=2) as llm:
+        warm_ups = assembly._dry_warm_ups(llm.config, llm.runner, llm.policy, torch.float32)
+    assert list(warm_ups) == ["attention"]  # the PyTorch attention those heads take reads the step's layout back
+
+
+def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir, max_num_reqs=5, max_prefill_graph_tokens=40) as llm:
+        runner, config = llm.runner, llm.config
+        policy = dataclasses.replace(llm.policy, cuda_graphs=True, prefill_graph_rows=40)
+        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs)
+        launched: list[int] = []
+        runner.graph_forward = with_forward_launches(runner.graph_forward, launched)
+        with pc.dry_pass() as variants:
+            policy.rehearse_capture(runner, config)
+        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs) == kept
+        rows = policy.max_rows_per_request
+        decode = [bucket * rows for bucket in reversed(request_buckets(config.max_num_reqs))]
+        prefill = list(reversed(prefill_buckets(40)))
+        expected = list(dict.fromkeys(decode + prefill))  # a row count both sets run is one variant
+        # (on a GPU the engine's own kernels are compiled already: they launch, and only the stand-in is recorded)
+        stand_in = [v for v in variants if v.module == ForwardKernel.module]
+        assert [json.loads(v.specialization)["rows"] for v in stand_in] == expected
+        assert launched == []  # every launch skipped
+        policy.rehearse_capture(runner, config)  # not dry: each bucket's forward launches once
+        assert sorted(launched) == sorted(decode + prefill)
+
+
+class StandInHelpers:
+    """What the build hands its helper processes: the warm-ups, run dry here as `CompileHelpers.compile_for` runs
+    them (nothing compiles on the CPU), or a failure of the helpers themselves."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.names: list[str] = []
+        self.errors: list[str] = []  # what the dry warm-ups raised (a read of device data among them)
+        self.target = None
+        self.closed = False
+
+    def compile_for(self, warm_ups, target):
+        if self.fails:
+            raise OSError("a helper's pipe broke")
+        self.names, self.target = list(warm_ups), target
+        with pc.dry_pass():
+            for name, warm_up in warm_ups.items():
+                try:
+                    warm_up()
+                except Exception as err:  # noqa: BLE001  (as the helpers do: reported, the build goes on)
+                    self.errors.append(f"{name}: {type(err).__name__}: {err}")
+        return pc.CompileReport(recorded_by=dict.fromkeys(warm_ups, 0), errors=tuple(self.errors))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers):
+    """An engine built as on a GPU with helper processes (`helpers`), recording every KV cache it allocates."""
+    pages: list[int] = []
+    allocate = assembly.ModelRunner.allocate_kv_cache
+
+    def recording_allocate(self, num_pages):
+        pages.append(num_pages)
+        allocate(self, num_pages)
+
+    monkeypatch.setattr(assembly, "_start_compile_helpers", lambda config, device: helpers)
+    monkeypatch.setattr(assembly, "_compile_target", lambda device: "hopper")
+    monkeypatch.setattr(assembly.ModelRunner, "allocate_kv_cache", recording_allocate)
+    return make_engine(model_dir), pages
+
+
+def test_the_helpers_phase_compiles_the_dry_warm_ups_before_the_memory_plan(monkeypatch, peaky_sdar_dir: Path,
+                                                                            caplog):
+    helpers = StandInHelpers()
+    with caplog.at_level(logging.INFO, logger="diffulex"):
+        llm, pages = build_with(monkeypatch, peaky_sdar_dir, helpers)
+    # the build says how many variants it still compiled itself once the helpers were done (0 when all foreseen)
+    assert any(re.fullmatch(r"kernels: -?\d+ compiled by the build itself after the helper processes", r.message)
+               for r in caplog.records)
+    with llm:
+        phases = list(llm.build_seconds)
+        assert helpers.names == BUILD_ORDER and helpers.target == "hopper" and helpers.closed
+        assert helpers.errors == []  # on a GPU: every warm-up ran dry to its end, reading no device data back
+        assert phases.index("runner") + 1 == phases.index(assembly.HELPER_PHASE)
+        assert phases.index(assembly.HELPER_PHASE) + 1 == phases.index("memory plan and KV cache")
+        # the dry pass's one page, dropped (on a GPU the memory plan's profile takes one too), then the planned cache
+        assert pages[0] == 1 and pages[-1] == llm.runner.num_pages
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sdar_dir: Path, caplog):
+    helpers = StandInHelpers(fails=True)
+    with caplog.at_level(logging.WARNING, logger="diffulex"):
+        llm, pages = build_with(monkeypatch, peaky_sdar_dir, helpers)
+    with llm:
+        assert any("compiling in helper processes failed (OSError" in r.message for r in caplog.records)
+        assert helpers.closed and assembly.HELPER_PHASE in llm.build_seconds
+        assert pages[0] == 1 and pages[-1] == llm.runner.num_pages
+        assert all(layer.k_cache.shape[0] == llm.runner.num_pages for layer in llm.runner.attention_layers)
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_the_profile_forward_is_recorded_dry_at_the_memory_plans_shape(peaky_sdar_dir: Path):
+    with make_engine(peaky_sdar_dir) as llm:
+        runner, config, policy = llm.runner, llm.config, llm.policy
+        launched: list[int] = []
+        runner.forward = with_forward_launches(runner.forward, launched)
+        profile = assembly._dry_warm_ups(config, runner, policy, torch.float32)["profile forward"]
+        with pc.dry_pass() as variants:
+            profile()
+    stand_in = [json.loads(v.specialization)["rows"] for v in variants if v.module == ForwardKernel.module]
+    assert stand_in == [max(config.max_num_batched_tokens, config.max_model_len)] and launched == []
