@@ -4,12 +4,14 @@ Without them, at batch 1 the GPU idles between steps while the host reads a step
 stages the next step and launches it (about 0.1 ms of a 1.8 ms step on an H100 host). With ``async_scheduling``
 the engine queues the next step first whenever its rows are already known: a request whose running set is a
 single active block right after its cache (``buffer_size=1``) computes the same rows next step whatever this
-step accepts (`diffulex.strategy.request.Request.next_step_has_same_rows`). Only two things differ, and the
-device can derive both from the step's own result:
+step accepts (`diffulex.strategy.request.Request.next_step_has_same_rows`); a Fast-dLLM v2 refinement does so
+unless it completes its sub-block, which its request judges unlikely before it says yes. Only two things differ,
+and the device can derive both from the step's own result:
 
 * the input tokens: the accepted tokens replace their masks;
 * whether the block is stored: once none of its positions is left to decode, the next forward writes its K/V
-  (the block became ``TO_CACHE``), and otherwise stores nothing.
+  (the block became ``TO_CACHE``), and otherwise stores nothing; a request whose next forward would be another
+  one (`Request.stores_when_decoded`) gives its block no rows to store.
 
 `advance_inputs` makes exactly these changes to a replayed graph's device buffers at the end of its sampling
 graph, so replaying the same graphs again *is* the next step. Rows decoded this step stay in the layout as rows
@@ -41,10 +43,14 @@ def advance_inputs_reference(
 
     ``result [2, N]`` holds the accepted flag and token of each sampled row; ``source_rows [N]`` the hidden-state
     row each sampled row reads (-1: not sampled), so its position's input row is ``source + shift`` (1 for
-    families whose logits at p predict p + 1). Block ``s`` owns sampled rows ``starts[s] .. starts[s + 1]`` and
-    input rows ``blocks[0, s] .. blocks[1, s]``, whose cache slots start at ``blocks[2, s]`` (-1: no page yet).
+    families whose logits at p predict p + 1); a position past the step's last row (Fast-dLLM v2's commit reads
+    the block after its rows from their last one) has no input row, and such a step is never continued. Block
+    ``s`` owns sampled rows ``starts[s] .. starts[s + 1]`` and input rows ``blocks[0, s] .. blocks[1, s]`` (an
+    empty range: nothing to store once it is decoded), whose cache slots start at ``blocks[2, s]`` (-1: no page
+    yet).
     """
     accepted, tokens = result[0].tolist(), result[1].tolist()
+    num_rows = input_ids.shape[0]
     for block in range(starts.shape[0] - 1):
         left = 0
         for row in range(int(starts[block]), int(starts[block + 1])):
@@ -52,7 +58,8 @@ def advance_inputs_reference(
             if source < 0:
                 continue
             if accepted[row]:
-                input_ids[source + shift] = tokens[row]
+                if source + shift < num_rows:
+                    input_ids[source + shift] = tokens[row]
                 source_rows[row] = -1
             else:
                 left += 1

@@ -329,10 +329,12 @@ class DiffulexEngine:
         samples nothing, so its result is known: the next call applies it at once and launches the step after it
         without waiting for the device.
 
-        A continuation samples the positions of the predecessor's layout that are still masks, and stores a block
-        once none is left. The host's next step samples its `Request.sample_targets` and stores a block that became
-        ``TO_CACHE``. They differ when a stop token in the middle of the block moved the decoding limit. A
-        continuation whose requests have all finished is dropped too.
+        A continuation computes the predecessor's rows, samples the positions of its layout that are still masks,
+        and stores a block once none is left where the request says the next step would
+        (`Request.stores_when_decoded`). The host's next step computes its `Request.query_range`, samples its
+        `Request.sample_targets` and stores a block that became ``TO_CACHE``. They differ when a stop token in the
+        middle of the block moved the decoding limit, or a strategy's next forward is another one (Fast-dLLM v2's
+        sub-block completed). A continuation whose requests have all finished is dropped too.
         """
         if not self._in_flight or not self._in_flight[0].continuation:
             return
@@ -345,14 +347,15 @@ class DiffulexEngine:
         for owner, position in zip(pending.owners, pending.positions, strict=True):
             left.setdefault(owner, []).append(position)
         stores_only = True
-        for req in launched.batch:
+        for req, (query, _) in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:
                 continue
             device_rows = [p for p in left.get(req.req_id, []) if req.token_ids[p] == mask]
             host_rows = [p for target in req.sample_targets() for p in target.positions]
-            block = req.running[0]
-            stores = block.status is BlockStatus.TO_CACHE
-            if device_rows != host_rows or stores != (not device_rows):
+            block = req.running[0] if req.running else None
+            stores = block is not None and block.status is BlockStatus.TO_CACHE
+            device_stores = block is not None and not device_rows and req.stores_when_decoded(block)
+            if req.query_range() != query or device_rows != host_rows or stores != device_stores:
                 self._in_flight.popleft()
                 self.num_dropped_continuations += 1
                 logger.debug("dropped a continuation step: request %d differs from the host's next step", req.req_id)

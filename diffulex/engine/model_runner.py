@@ -74,9 +74,10 @@ class _StepPlan:
 class _ReplayedStep:
     """The last step replayed with graph sampling: what `ModelRunner.launch_continuation` replays again."""
 
+    graphs: DecodeGraphs  # the full graphs or the short ones
     bucket: int
     layout: RowLayout
-    storable: bool  # every sampled block has its page: a continuation can store it once it is decoded
+    storable: bool  # every block a continuation may store once it is decoded has its page
 
 
 class ModelRunner:
@@ -165,7 +166,7 @@ class ModelRunner:
         ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
         ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
-        with fewer rows than in the full set (such steps are never continued on the device); ``max_prefill_rows``
+        with fewer rows than in the full set (and continues as the full set does); ``max_prefill_rows``
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
         rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`).
 
@@ -201,7 +202,7 @@ class ModelRunner:
         if short_rows_per_request is not None and short_rows_per_request < max_query_len:
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
-                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample
+                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
             )
         self.prefill_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
@@ -298,9 +299,8 @@ class ModelRunner:
                 return self._pending(PendingWrites({}, ready=self._ready(hidden)), batch)
             hidden, result = graphs.run(step, bucket, micro_batch, sampled)
             if result is not None:
-                if graphs is self.graphs:  # the graphs a continuation replays
-                    storable = all(base >= 0 for _, _, base in step.sample_blocks)
-                    self._replayed = _ReplayedStep(bucket, layout, storable)
+                storable = all(base >= 0 for lo, hi, base in step.sample_blocks if hi > lo)
+                self._replayed = _ReplayedStep(graphs, bucket, layout, storable)
                 return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
@@ -351,7 +351,7 @@ class ModelRunner:
         Whether its requests' next step really has the same rows is the engine's question
         (`diffulex.strategy.request.Request.next_step_has_same_rows`)."""
         replayed = self._replayed
-        return replayed is not None and replayed.storable and self.graphs.advance is not None
+        return replayed is not None and replayed.storable and replayed.graphs.advance is not None
 
     @torch.inference_mode()
     def launch_continuation(self, micro_batch: int) -> PendingWrites:
@@ -362,9 +362,10 @@ class ModelRunner:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
         num_rows = len(replayed.layout.positions)
+        short = replayed.graphs is not self.graphs
         self._announce(lambda: StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
-                                           num_rows=num_rows))  # fmt: skip
-        hidden, result = self.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
+                                           num_rows=num_rows, short=short))  # fmt: skip
+        hidden, result = replayed.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
         self.launched_steps += 1
         return replayed.layout.pending(result, self._ready(hidden))
@@ -407,7 +408,8 @@ class ModelRunner:
         sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
         (their device work queued, not awaited)."""
         if message.kind is MessageKind.CONTINUATION:
-            hidden, _ = self.graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
+            graphs = self.short_graphs if message.short else self.graphs
+            hidden, _ = graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
             return hidden
         step = message.step
         if message.kind is MessageKind.GRAPH:
@@ -551,8 +553,11 @@ class ModelRunner:
         for target in targets:
             rows.extend(offset + p - shift - start for p in target.positions)
             block = target.block
-            base = _slot(req, block.start, page)
-            step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
+            if req.stores_when_decoded(block):
+                base = _slot(req, block.start, page)
+                step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
+            else:  # no rows to store, whatever the continuation decodes
+                step.sample_blocks.append((offset, offset, -1))
         step.work.append((req, targets))
         step.query_lens.append(end - start)
         step.context_lens.append(start)

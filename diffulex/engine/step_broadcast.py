@@ -42,7 +42,8 @@ class StepMessage:
     sampled: SampledRows | None = None
     num_rows: int = 0  # a continuation's sampled rows
     capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
-    short: bool = False  # GRAPH: the step replays the runner's short graphs (`Strategy.short_step_rows`)
+    # GRAPH, CONTINUATION: the step replays the runner's short graphs (`Strategy.short_step_rows`)
+    short: bool = False
     # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
     # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
     prefills: tuple[tuple[StepInputs, int], ...] = ()

@@ -15,7 +15,7 @@ import triton.language as tl
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one variant for every bucket's row count
 def _advance_kernel(
     ids_ptr,  # [T] int64 input tokens of the step
     source_ptr,  # [N] int64 hidden-state row each sampled row reads, -1: not sampled
@@ -26,6 +26,7 @@ def _advance_kernel(
     result_stride,
     blocks_stride,
     shift,
+    num_rows,  # input rows of the step: a token whose input row lies past them is not written
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -44,7 +45,7 @@ def _advance_kernel(
     accepted = tl.load(result_ptr + first + offs, mask=ok, other=0)
     token = tl.load(result_ptr + result_stride + first + offs, mask=ok, other=0)
     take = (source >= 0) & (accepted != 0)
-    tl.store(ids_ptr + source + shift, token, mask=take)
+    tl.store(ids_ptr + source + shift, token, mask=take & (source + shift < num_rows))
     tl.store(source_ptr + first + offs, tl.full((BLOCK,), -1, tl.int64), mask=take)
     left = tl.sum(((source >= 0) & (accepted == 0)).to(tl.int32), axis=0)
     n_store = tl.where((left == 0) & (base >= 0), row_hi - row_lo, 0)
@@ -69,5 +70,6 @@ def triton_advance_inputs(
         use_pdl = pdl_enabled(input_ids.device, source_rows.shape[0])
         _advance_kernel[(num_blocks,)](
             input_ids, source_rows, slot_mapping, result, starts, blocks, result.stride(0), blocks.stride(0), shift,
+            input_ids.shape[0],
             BLOCK=block, USE_PDL=use_pdl, num_warps=1, **launch_kwargs(use_pdl),
         )

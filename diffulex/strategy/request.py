@@ -336,6 +336,13 @@ class Request:
             block.status is BlockStatus.ACTIVE and block.start == self.num_cached_tokens and bool(self.sample_targets())
         )
 
+    def stores_when_decoded(self, block: Block) -> bool:
+        """Whether the step after the one that decodes the last sampled mask of ``block`` stores its K/V over this
+        step's rows: then a continuation of this step (`diffulex.engine.continuation`) turns on the store of the
+        block's rows once the device has decoded it. True here: a decoded block becomes ``TO_CACHE`` and the next
+        forward, over the same rows, stores it."""
+        return True
+
     # ----- after the forward -----------------------------------------------------------------------------
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:

@@ -181,6 +181,12 @@ class Strategy:
         otherwise."""
         return config.block_size
 
+    def continues_steps(self, config: Config) -> bool:
+        """Whether, under ``config``, a step may be continued on the device (`diffulex.engine.continuation`): the
+        requests' `Request.next_step_has_same_rows` can ever say yes. By default a running set of one block
+        (``buffer_size=1``), whose rows stay the same until the block is stored."""
+        return self.continues_on_device and config.buffer_size == 1
+
     def short_step_rows(self, config: Config) -> int | None:
         """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit
         in, where that is fewer than its running set (Fast-dLLM v2: most requests refine one sub-block while a few

@@ -76,3 +76,21 @@ def test_accepted_tokens_fill_their_positions_and_a_finished_block_is_stored() -
     assert ids.tolist() == [5, 11, 12, 6, MASK, 14, 0]
     assert source.tolist() == [-1, -1, 4, -1, -1]
     assert slots.tolist() == [40, 41, 42, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("advance", [advance_inputs_reference, triton_advance_inputs], ids=["reference", "kernel"])
+def test_a_refinement_lands_its_tokens_one_row_later_and_stores_nothing(advance) -> None:
+    """Fast-dLLM v2 (shift 1): request 0 refines a sub-block (rows 0-3, position p read from row p - 1) whose
+    block has no rows to store (an empty range), so even decoded to its end it stores nothing, page or not;
+    request 1 commits (its last row, 6, predicts the position after the step's rows: no input row to fill)."""
+    ids = torch.tensor([5, MASK, MASK, MASK, 1, 2, 3], dtype=torch.int64, device=DEVICE)
+    source = torch.tensor([0, 1, 2, 6], dtype=torch.int64, device=DEVICE)
+    slots = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)
+    result = torch.tensor([[1, 1, 1, 1], [11, 12, 13, 14]], dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor([0, 3, 4], dtype=torch.int64, device=DEVICE)
+    blocks = torch.tensor([[0, 4], [0, 4], [64, -1]], dtype=torch.int64, device=DEVICE)
+    args = (ids, source, slots, result, starts, blocks, 1)
+    advance(*args, 8) if advance is triton_advance_inputs else advance(*args)
+    assert ids.tolist() == [5, 11, 12, 13, 1, 2, 3]
+    assert source.tolist() == [-1, -1, -1, -1]
+    assert slots.tolist() == [-1] * 7
