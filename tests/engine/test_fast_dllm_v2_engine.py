@@ -216,14 +216,16 @@ def test_an_aborted_request_frees_its_pages_and_leaves_the_others_exact(fdv2_dir
 
 
 def test_the_strategy_replays_graphs_with_key_tails_and_asks_shifted_logits(fdv2_dir: Path, sdar_dir: Path) -> None:
-    """On CUDA its steps would replay the decode graphs (key ends staged, greedy sampling inside), never continued
-    on the device; the graphs' rows cover a whole block plus the shifted row."""
+    """On CUDA its steps would replay the decode graphs (key ends staged, greedy sampling inside), its refinements
+    continued on the device with the block cache only; the graphs' rows cover a whole block plus the shifted row."""
     with make_engine(fdv2_dir, 8, 4) as llm:
         assert llm.settings.block_size == 32  # the attention span: a block of 4 sub-blocks
         cuda = GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True)
-        assert cuda.cuda_graphs and cuda.key_tails and not cuda.continues
+        assert cuda.cuda_graphs and cuda.key_tails and cuda.continues and cuda.staging_buffers == 2
         assert cuda.max_rows_per_request == 33  # the full graphs: a whole block plus the shifted row
         assert cuda.short_rows_per_request == 16  # the short ones: two sub-blocks per request on average
+    with make_engine(fdv2_dir, 8, 4, use_block_cache=False) as llm:
+        assert not GraphPolicy.decide(llm.config, torch.device("cuda"), llm.runner, True).continues
     with pytest.raises(ValueError, match="decoding_strategy='fast_dllm_v2' is invalid: requires a model family with "
                                          "shifted logits"):  # fmt: skip
         Diffulex(str(sdar_dir), decoding_strategy="fast_dllm_v2", block_size=8, buffer_size=4)

@@ -30,18 +30,30 @@ def fdv2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def record_static_steps(llm, short_steps: list[tuple[set[ForwardKind], int]] | None = None):
     """Wrap the static paths (the full graphs and the short ones): per step that takes either, the forward kinds
     of its requests and whether it sampled in the graph path; in ``short_steps`` the kinds and rows of each step
-    the short graphs took."""
+    the short graphs took. A continuation step (`diffulex.engine.continuation`) replays its predecessor's graphs
+    and rows: it is recorded as that step again."""
     steps: list[tuple[set[ForwardKind], bool]] = []
     for graphs in (llm.runner.graphs, llm.runner.short_graphs):
+        last: list = []  # what the last step staged in these graphs computed, for its continuations
 
-        def run(step, bucket, buffer=0, sampled=None, graphs=graphs, original=graphs.run):
+        def run(step, bucket, buffer=0, sampled=None, graphs=graphs, original=graphs.run, last=last):
             kinds = {req.forward_kind() for req, _ in step.work}
-            steps.append((kinds, sampled is not None))
-            if graphs is llm.runner.short_graphs and short_steps is not None:
-                short_steps.append((kinds, step.num_tokens))
+            last[:] = [(kinds, sampled is not None), (kinds, step.num_tokens)]
+            record(graphs, last)
             return original(step, bucket, buffer, sampled)
 
-        graphs.run = run
+        def replay_continuation(bucket, buffer, num_rows, graphs=graphs, original=graphs.replay_continuation,
+                                last=last):  # fmt: skip
+            record(graphs, last)
+            return original(bucket, buffer, num_rows)
+
+        graphs.run, graphs.replay_continuation = run, replay_continuation
+
+    def record(graphs, last) -> None:
+        steps.append(last[0])
+        if graphs is llm.runner.short_graphs and short_steps is not None:
+            short_steps.append(last[1])
+
     return steps
 
 

@@ -53,3 +53,16 @@ def test_float32_graphs_decode_the_oracle_tokens(fdv2_dir: Path, sub_block, sub_
     assert (ForwardKind.REFINE in set().union(*kinds)) == use_block_cache
     assert any(len(k) > 1 for k in kinds), "requests in different modes should share a replayed step"
 
+
+
+@pytest.mark.parametrize(("threshold", "lengths", "seed"), [(1.0, [7], 34), (0.9, [7], 34), (1.0, [8, 8, 8], 1)])
+def test_float32_graphs_continue_refinements_with_the_oracle_tokens(fdv2_dir: Path, threshold, lengths, seed) -> None:
+    """Captured graphs with continuations (`diffulex.engine.continuation`): refinements replay the short graphs
+    again on inputs the Triton advance kernel prepared, and the tokens stay the oracle's."""
+    from diffulex import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    with make_engine(fdv2_dir, 8, 4, accept_threshold=threshold, dtype="float32", max_num_reqs=8) as llm:
+        assert llm.policy.cuda_graphs and llm.policy.continues
+        assert_matches_reference(llm, random_prompts(llm, lengths, seed=seed), params)
+        assert llm.num_continuations > 0 and llm.num_dropped_continuations == 0

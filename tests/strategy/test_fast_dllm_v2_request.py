@@ -157,3 +157,36 @@ def test_every_forward_decodes_a_token(use_block_cache: bool) -> None:
         step(req)
         assert req.num_new_tokens_total == before + 1
     assert req.nfe == 20 and req.completion_reason is CompletionReason.MAX_TOKENS
+
+
+def test_a_refinement_is_continued_while_its_sub_block_has_twice_the_last_acceptance_in_masks() -> None:
+    """Asked while a step is in flight (`next_step_has_same_rows`): only a refinement says its successor computes
+    the same rows, and only while its sub-block has at least 2 masks and at least twice as many as the last
+    forward accepted. Sub-blocks of 8 here (blocks of 32); a prompt of 9 leaves 7 masks in the second one."""
+    settings = dataclasses.replace(SETTINGS, block_size=32, buffer_size=4)
+    req = FastDllmV2Request(0, list(range(10, 19)), SamplingParams(temperature=0.0, max_tokens=40), settings)
+
+    def continued() -> bool:
+        req.maybe_activate_block()
+        return req.next_step_has_same_rows()
+
+    assert not continued() and req.forward_kind() is ForwardKind.INIT
+    step(req)  # the whole block: 7 masks, one accepted
+    assert continued() and len(req.sub_block_masks(8)) == 6
+    step(req, take=3)  # 6 masks, three accepted
+    assert not continued() and len(req.sub_block_masks(8)) == 3, "3 masks < 2 x 3: the sub-block may complete"
+    step(req)
+    assert continued() and len(req.sub_block_masks(8)) == 2
+    step(req)
+    assert not continued() and len(req.sub_block_masks(8)) == 1, "the last mask: the step in flight decodes it"
+    assert not req.stores_when_decoded(req.open_block), "a continued refinement never stores"
+    step(req)
+    assert not continued() and req.forward_kind() is ForwardKind.INIT  # the next sub-block starts with a mask
+
+
+def test_without_the_block_cache_no_step_is_continued() -> None:
+    req = make_request(5, use_block_cache=False)
+    for _ in range(6):
+        req.maybe_activate_block()
+        assert req.forward_kind() is not ForwardKind.REFINE and not req.next_step_has_same_rows()
+        step(req)

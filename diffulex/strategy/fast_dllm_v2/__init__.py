@@ -43,9 +43,6 @@ class FastDllmV2(Strategy):
     request_class = FastDllmV2Request
     requires_prefix_caching = True
     attends_past_rows = True  # a refinement's rows read the rest of their block from the kept K/V
-    # a continuation advances a step's rows on the device as multi_bd's decode; this strategy's query range changes
-    # with its mode (commit, whole block, sub-block), which only the host's request state knows
-    continues_on_device = False
 
     def attention_block_size(self, config: Config) -> int:
         return config.block_size * config.buffer_size
@@ -73,6 +70,11 @@ class FastDllmV2(Strategy):
                 f"but the checkpoints are trained with {TRAINED_BLOCK_SIZE}-token blocks (e.g. 8 * 4)"
             )
         super().normalize(config)
+
+    def continues_steps(self, config: Config) -> bool:
+        """Refinements are continued on the device (`FastDllmV2Request.next_step_has_same_rows`): with the block
+        cache only, since without it every forward computes the whole block and no step is a refinement."""
+        return self.continues_on_device and config.strategy_options.fdv2_use_block_cache
 
     def short_step_rows(self, config: Config) -> int | None:
         """Two sub-blocks of rows per request: a refinement computes one, and a block of ``K`` sub-blocks has about

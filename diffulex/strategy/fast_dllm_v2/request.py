@@ -15,6 +15,10 @@ the scheduler, the runner and the step that applies the result all see the same 
   they were when it was kept (`input_token_ids`) and samples nothing, so the next ``REFINE`` sees what it would
   have seen without the preemption.
 
+A refinement that leaves masks in its sub-block is followed by a refinement of the same rows, so the engine may
+continue it on the device (`next_step_has_same_rows`, `diffulex.engine.continuation`); it does so only when the
+sub-block is unlikely to complete in the step in flight.
+
 The sampler fills the current sub-block's masks whose greedy probability exceeds the threshold, and always the
 most probable one (`diffulex.strategy.fast_dllm_v2.sampler`). Logits are shifted: position ``p`` is read from row
 ``p - 1``, which is always inside the computed rows. docs/strategies.md states the algorithm and its oracle.
@@ -27,6 +31,13 @@ from dataclasses import dataclass, field
 
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.request import CompletionReason, Request, SampleTarget
+
+# A refinement is continued on the device only if completing its sub-block would take at least this many times
+# the tokens the request's last sampling forward accepted: a wrong guess costs a whole forward on the GPU, a missed
+# one only the host's gap between two steps (`FastDllmV2Request.next_step_has_same_rows`).
+CONTINUE_ACCEPTANCE_FACTOR = 2
+# ... and never on the sub-block's last mask, which the step in flight decodes for certain.
+MIN_MASKS_TO_CONTINUE = 2
 
 
 class ForwardKind(enum.Enum):
@@ -44,6 +55,7 @@ class FastDllmV2Request(Request):
     # preemption, until a REBUILD forward puts it back).
     kept_tokens: list[int] | None = field(init=False, default=None)
     kept_in_cache: bool = field(init=False, default=False)
+    last_accepted: int = field(init=False, default=0)  # tokens the last forward that sampled accepted
 
     @property
     def sub_block_size(self) -> int:
@@ -165,6 +177,24 @@ class FastDllmV2Request(Request):
         sub_start = self.current_sub_block(block)
         return [SampleTarget(block, self.sub_block_masks(sub_start), True)] if sub_start < block.end else []
 
+    def next_step_has_same_rows(self) -> bool:
+        """Whether the refinement about to run is followed by a refinement of the same sub-block, judged before
+        its result: it is when the refinement leaves a mask of the sub-block. That is unknown here, so this
+        says yes only when the sub-block has at least `MIN_MASKS_TO_CONTINUE` masks and at least
+        `CONTINUE_ACCEPTANCE_FACTOR` times the tokens the last forward accepted: a step accepting one token per
+        forward is continued on every refinement but its sub-block's last, one accepting many more rarely. A
+        wrong yes is caught once the result is applied (the host's next step computes other rows) and costs the
+        continued forward; the continuation stores nothing (`stores_when_decoded`)."""
+        if self.forward_kind() is not ForwardKind.REFINE:
+            return False
+        masks = len(self.sub_block_masks(self.current_sub_block(self.open_block)))
+        return masks >= max(MIN_MASKS_TO_CONTINUE, CONTINUE_ACCEPTANCE_FACTOR * self.last_accepted)
+
+    def stores_when_decoded(self, block: Block) -> bool:
+        """Never: a refinement stores nothing, and once its sub-block is decoded the next forward is another one
+        (a whole block, or the commit), which a continuation is not."""
+        return False
+
     # ----- after the forward -----------------------------------------------------------------------------
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
@@ -178,7 +208,9 @@ class FastDllmV2Request(Request):
             self.kept_in_cache = True
             if self.sampling_params.max_nfe is None:  # the automatic cap counts decoding forwards
                 self.max_nfe += 1
-        return super().apply_tokens(writes)
+            return super().apply_tokens(writes)
+        self.last_accepted = super().apply_tokens(writes)
+        return self.last_accepted
 
     def check_completion(self) -> CompletionReason | None:
         """A decoded stop token ends the request once every position before it is decoded and its own sub-block
