@@ -47,6 +47,15 @@ class ForwardKind(enum.Enum):
     REBUILD = "rebuild"
 
 
+@dataclass(frozen=True)
+class NextForward:
+    """What a request's next forward is, from its state (`FastDllmV2Request.next_forward`)."""
+
+    kind: ForwardKind
+    block: Block | None  # the open block
+    sub_start: int  # start of its current sub-block (``block.end``: none left); -1 without an open block
+
+
 @dataclass
 class FastDllmV2Request(Request):
     supports_prefill_chunks = False  # it chooses its own query range and stored blocks
@@ -56,6 +65,7 @@ class FastDllmV2Request(Request):
     kept_tokens: list[int] | None = field(init=False, default=None)
     kept_in_cache: bool = field(init=False, default=False)
     last_accepted: int = field(init=False, default=0)  # tokens the last forward that sampled accepted
+    _next: NextForward | None = field(init=False, default=None, repr=False, compare=False)  # `next_forward`
 
     @property
     def sub_block_size(self) -> int:
@@ -99,15 +109,32 @@ class FastDllmV2Request(Request):
 
     def forward_kind(self) -> ForwardKind:
         """The forward this request's next step runs (the module docstring says when each one does)."""
+        return self.next_forward().kind
+
+    def next_forward(self) -> NextForward:
+        """The next forward's kind, open block and current sub-block, worked out once per state: the scheduler,
+        the runner and the engine each ask several times a step, and every answer scanned the block. The methods
+        that change what it reads (the tokens, the open block, the kept K/V) forget it (`_state_changed`)."""
+        if self._next is None:
+            self._next = self._plan_next_forward()
+        return self._next
+
+    def _plan_next_forward(self) -> NextForward:
         block = self.open_block
-        if block is None or self.token_ids[block.start] == self.settings.mask_token_id:
-            return ForwardKind.COMMIT
+        if block is None:
+            return NextForward(ForwardKind.COMMIT, None, -1)
+        mask = self.settings.mask_token_id
         sub_start = self.current_sub_block(block)
+        if self.token_ids[block.start] == mask:
+            return NextForward(ForwardKind.COMMIT, block, sub_start)
         if sub_start == block.end:  # nothing left to decode: the request has finished
-            return ForwardKind.INIT
-        if self.kept_tokens is None or self.token_ids[sub_start] == self.settings.mask_token_id:
-            return ForwardKind.INIT
-        return ForwardKind.REFINE if self.kept_in_cache else ForwardKind.REBUILD
+            return NextForward(ForwardKind.INIT, block, sub_start)
+        if self.kept_tokens is None or self.token_ids[sub_start] == mask:
+            return NextForward(ForwardKind.INIT, block, sub_start)
+        return NextForward(ForwardKind.REFINE if self.kept_in_cache else ForwardKind.REBUILD, block, sub_start)
+
+    def _state_changed(self) -> None:
+        self._next = None
 
     # ----- the forward -----------------------------------------------------------------------------------
 
@@ -119,6 +146,7 @@ class FastDllmV2Request(Request):
         self._open_block()
         self.kept_tokens = None
         self.kept_in_cache = False
+        self._state_changed()
         return True
 
     @property
@@ -138,43 +166,42 @@ class FastDllmV2Request(Request):
         return -(-self.generation_end // size) * size
 
     def query_range(self) -> tuple[int, int]:
-        block = self.open_block
-        kind = self.forward_kind()
+        plan = self.next_forward()
+        block, kind = plan.block, plan.kind
         start = self.num_cached_tokens
         if kind is ForwardKind.COMMIT:
             end = self.committed_len if block is None else block.start
             return min(start, end - 1), end  # the last committed row predicts the open block's first position
         if kind is ForwardKind.REFINE:
-            sub_start = self.current_sub_block(block)
-            return sub_start, sub_start + self.sub_block_size
+            return plan.sub_start, plan.sub_start + self.sub_block_size
         return start, block.end
 
     def keys_end(self) -> int | None:
-        if self.forward_kind() is ForwardKind.REFINE:
-            return self.open_block.end
-        return None
+        plan = self.next_forward()
+        return plan.block.end if plan.kind is ForwardKind.REFINE else None
 
     def input_token_ids(self, start: int, end: int) -> list[int]:
-        if self.forward_kind() is not ForwardKind.REBUILD:
+        plan = self.next_forward()
+        if plan.kind is not ForwardKind.REBUILD:
             return super().input_token_ids(start, end)
-        block = self.open_block
+        block = plan.block
         return self.token_ids[start : block.start] + self.kept_tokens[: end - block.start]
 
     def stores_kv(self, block: Block) -> bool:
         if block.status is BlockStatus.TO_CACHE:
             return True
-        kind = self.forward_kind()
-        keeps = kind is ForwardKind.REBUILD or (kind is ForwardKind.INIT and self.uses_block_cache)
-        return keeps and block is self.open_block
+        plan = self.next_forward()
+        keeps = plan.kind is ForwardKind.REBUILD or (plan.kind is ForwardKind.INIT and self.uses_block_cache)
+        return keeps and block is plan.block
 
     def sample_targets(self) -> list[SampleTarget]:
-        block = self.open_block
-        kind = self.forward_kind()
+        plan = self.next_forward()
+        block, kind = plan.block, plan.kind
         if block is None or kind is ForwardKind.REBUILD:
             return []
         if kind is ForwardKind.COMMIT:
             return [SampleTarget(block, [block.start], True)]
-        sub_start = self.current_sub_block(block)
+        sub_start = plan.sub_start
         return [SampleTarget(block, self.sub_block_masks(sub_start), True)] if sub_start < block.end else []
 
     def next_step_has_same_rows(self) -> bool:
@@ -185,9 +212,10 @@ class FastDllmV2Request(Request):
         forward is continued on every refinement but its sub-block's last, one accepting many more rarely. A
         wrong yes is caught once the result is applied (the host's next step computes other rows) and costs the
         continued forward; the continuation stores nothing (`stores_when_decoded`)."""
-        if self.forward_kind() is not ForwardKind.REFINE:
+        plan = self.next_forward()
+        if plan.kind is not ForwardKind.REFINE:
             return False
-        masks = len(self.sub_block_masks(self.current_sub_block(self.open_block)))
+        masks = len(self.sub_block_masks(plan.sub_start))
         return masks >= max(MIN_MASKS_TO_CONTINUE, CONTINUE_ACCEPTANCE_FACTOR * self.last_accepted)
 
     def stores_when_decoded(self, block: Block) -> bool:
@@ -199,18 +227,23 @@ class FastDllmV2Request(Request):
 
     def apply_tokens(self, writes: list[tuple[int, int]]) -> int:
         """Remember what the forward just run kept in the cache, then write its tokens."""
-        kind = self.forward_kind()  # the state is still the one the forward was built from
-        if kind is ForwardKind.INIT and self.uses_block_cache:
-            block = self.open_block
+        plan = self.next_forward()  # the state is still the one the forward was built from
+        self._state_changed()
+        if plan.kind is ForwardKind.INIT and self.uses_block_cache:
+            block = plan.block
             self.kept_tokens = self.token_ids[block.start : block.end]
             self.kept_in_cache = True
-        elif kind is ForwardKind.REBUILD:
+        elif plan.kind is ForwardKind.REBUILD:
             self.kept_in_cache = True
             if self.sampling_params.max_nfe is None:  # the automatic cap counts decoding forwards
                 self.max_nfe += 1
             return super().apply_tokens(writes)
         self.last_accepted = super().apply_tokens(writes)
         return self.last_accepted
+
+    def retire_and_commit(self) -> None:
+        super().retire_and_commit()
+        self._state_changed()  # a decoded block is no longer the open one
 
     def check_completion(self) -> CompletionReason | None:
         """A decoded stop token ends the request once every position before it is decoded and its own sub-block
@@ -225,3 +258,4 @@ class FastDllmV2Request(Request):
     def forget_cache(self) -> None:
         super().forget_cache()
         self.kept_in_cache = False
+        self._state_changed()
