@@ -133,6 +133,22 @@ def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir
     assert results[2] == results[1]
 
 
+def test_fast_dllm_v2_refinements_continued_in_the_short_graphs_follow_on_the_worker(tmp_path: Path) -> None:
+    """Fast-dLLM v2's lone refinements replay the short graphs and are continued there: the worker replays each
+    continuation in the same graphs as rank 0 (`StepMessage.short`)."""
+    model_dir = write_tiny_checkpoint(tmp_path / "fdv2", "fast_dllm_v2", seed=1, init_std=1.0, num_key_value_heads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    results = {}
+    for size in (1, 2):
+        with make_engine(model_dir, "fast_dllm_v2", size, decoding_strategy="fast_dllm_v2", block_size=8,
+                         buffer_size=4, page_size=32, max_model_len=96, accept_threshold=1.0) as llm:  # fmt: skip
+            llm.enable_static_decode(capture=False)
+            (trajectory,) = llm.generate(random_prompts(llm, [7], seed=3), params, use_tqdm=False).trajectories
+            results[size] = (describe(trajectory), llm.num_continuations)
+    assert results[1][1] > 0, "the scenario must continue refinements on the device"
+    assert results[2] == results[1]
+
+
 def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worker_too(dense_dir: Path) -> None:
     """A step carrying a prompt on the graph path: the prompt's store-only rows replay a prefill graph, then the
     decode graph replays the rest (`StepMessage.prefills`); the worker repeats both in that order, or its half of
