@@ -41,7 +41,12 @@ class BlockList:
             yield self[i]
 
     def __repr__(self) -> str:
-        return f"BlockList({len(self._blocks)} blocks, {self._blocks.count(None)} not read yet)"
+        return f"BlockList({len(self._blocks)} blocks, {self.num_made} made)"
+
+    @property
+    def num_made(self) -> int:
+        """Block objects made so far: the prompt blocks read at least once, and the blocks opened after them."""
+        return len(self._blocks) - self._blocks.count(None)
 
     def _block(self, index: int) -> Block:
         block = self._blocks[index]
