@@ -1,7 +1,7 @@
 """Where a prefix-cache hit's time to first token goes, host phase by host phase, and how many steps it takes.
 
     PYTHONPATH=. python bench/prefix_hit_anatomy.py OUT_DIR                       # GPU: SDAR-1.7B geometry, bf16
-    PYTHONPATH=. python bench/prefix_hit_anatomy.py OUT_DIR --model tiny --profile  # CPU: tiny random SDAR
+    PYTHONPATH=. python bench/prefix_hit_anatomy.py OUT_DIR --model tiny [--graph-path] [--profile]  # CPU
 
 The case is the sweep's prefix hit (`diffulex.bench.sweep_prefill`): a ``--cached``-token prompt is run once (its
 pages enter the prefix cache), then the same prompt with a fresh ``--tail`` is timed from a device synchronization
@@ -119,8 +119,13 @@ def instrument(engine: Any, clock: PhaseClock) -> None:
     clock.wrap(runner, "_eager_inputs", "stage: tensors / graph buffers", device_work=True)
     clock.wrap(DecodeGraphs, "_fill", "stage: tensors / graph buffers")
     clock.wrap(DecodeGraphs, "_upload", "stage: tensors / graph buffers", device_work=True)
-    clock.wrap(runner, "_eager_forward", "forward (eager)", device_work=True)
-    clock.wrap(DecodeGraphs, "_execute", "forward (graph replay)", device_work=True)
+    clock.wrap(runner, "_eager_forward", "forward: eager", device_work=True)
+    for graphs in (runner.graphs, runner.short_graphs):
+        if graphs is not None:
+            clock.wrap(graphs, "_execute", "forward: decode graph (running block)", device_work=True)
+    if runner.prefill_graphs is not None:
+        for graphs in runner.prefill_graphs.graphs.values():
+            clock.wrap(graphs, "_execute", "forward: prefill graph (the tail's prompt rows)", device_work=True)
     clock.wrap(runner, "_sample_logits", "LM head + sampler launch", device_work=True)
     clock.wrap(runner.sampler, "launch", "LM head + sampler launch", device_work=True)
     clock.wrap(PendingWrites, "result", "wait for the result")
@@ -208,9 +213,10 @@ def _checkpoint(model: str, folder: Path, max_len: int) -> tuple[Path, str]:
     return write_sdar_checkpoint(folder, model.removeprefix("sdar-")), "dummy"
 
 
-def build_engine(model: str, folder: Path, cached: int, tail: int, device: torch.device) -> Any:
+def build_engine(model: str, folder: Path, cached: int, tail: int, device: torch.device, graph_path: bool) -> Any:
     """The sweep's prefix-hit engine: ``multi_bd``, block 4, buffer 1, prefix caching, a budget that takes the
-    whole prompt in one forward (on a CPU, chunks of `CPU_CACHING_CHUNK`: a hit's tail fits one)."""
+    whole prompt in one forward (on a CPU, chunks of `CPU_CACHING_CHUNK`: a hit's tail fits one). On a CPU,
+    ``graph_path`` runs the steps through the graphs' static buffers, uncaptured (a GPU captures them)."""
     max_model_len = cached + tail + SPARE_POSITIONS
     path, load_format = _checkpoint(model, folder, max_model_len)
     fields: dict[str, Any] = {"decoding_strategy": "multi_bd", "block_size": BLOCK_SIZE, "buffer_size": 1,
@@ -219,7 +225,10 @@ def build_engine(model: str, folder: Path, cached: int, tail: int, device: torch
                               "max_num_batched_tokens": max_model_len}
     if device.type != "cuda":
         fields |= {"enable_chunked_prefill": True, "max_num_batched_tokens": CPU_CACHING_CHUNK}
-    return Diffulex(str(path), **fields)
+    engine = Diffulex(str(path), **fields)
+    if device.type != "cuda" and graph_path:  # the graphs' padded buffers through the eager forward
+        engine.enable_static_decode(capture=False)
+    return engine
 
 
 def profile_hit(engine: Any, prompt: list[int], max_steps: int, lines: int) -> str:
@@ -239,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--model {args.model} needs a GPU; on a CPU use --model tiny")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        engine = build_engine(args.model, Path(tmp) / args.model, args.cached, args.tail, device)
+        engine = build_engine(args.model, Path(tmp) / args.model, args.cached, args.tail, device, args.graph_path)
     build_s = time.perf_counter() - started
     try:
         prompt = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, args.cached, 0)[0]
@@ -319,6 +328,8 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=32000, help="prompt tokens cached before the timed hits")
     parser.add_argument("--tail", type=int, default=256, help="uncached tokens after them")
     parser.add_argument("--repeats", type=int, default=5, help="timed hits per mode")
+    parser.add_argument("--graph-path", action="store_true",
+                        help="CPU: run the steps through the graphs' static buffers, uncaptured (a GPU always does)")
     parser.add_argument("--profile", action="store_true", help="add cProfile's table of one more hit")
     parser.add_argument("--profile-lines", type=int, default=40)
     args = parser.parse_args()
