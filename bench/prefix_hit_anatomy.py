@@ -27,6 +27,7 @@ timed request does not hit the cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -36,13 +37,14 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.bench.gpu_profile import KernelInterval, summarize_activity
 from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import cost_model_from_module, step_floors
 from diffulex.bench.sweep_prefill import BLOCK_SIZE, _context_before
@@ -147,9 +149,22 @@ def _waiting(engine: Any, req_id: int) -> Any:
     return next(r for r in engine.scheduler.waiting if r.req_id == req_id)
 
 
-def timed_hit(engine: Any, prompt: list[int], clock: PhaseClock | None, max_steps: int) -> dict[str, Any]:
+def timed_hit(
+    engine: Any, prompt: list[int], clock: PhaseClock | None, max_steps: int, around: Any = None
+) -> dict[str, Any]:
     """One request, alone in the engine, from ``add_request`` to its first token (as the sweep times it), then run
-    to its end untimed. Returns its time to first token, its phases and the steps before the token."""
+    to its end untimed. Returns its time to first token, its phases and the steps before the token. ``around``: a
+    context manager entered for the timed span only (a profiler)."""
+    with around if around is not None else contextlib.nullcontext():
+        req, result = _until_first_token(engine, prompt, clock, max_steps)
+    while not req.is_finished:
+        engine.step()
+    return result
+
+
+def _until_first_token(
+    engine: Any, prompt: list[int], clock: PhaseClock | None, max_steps: int
+) -> tuple[Any, dict[str, Any]]:
     runner = engine.runner
     if clock is not None:
         clock.reset()
@@ -182,14 +197,32 @@ def timed_hit(engine: Any, prompt: list[int], clock: PhaseClock | None, max_step
         clock.recording = False
     if ttft is None:
         raise RuntimeError(f"the prefix-hit request had no token after {max_steps} steps")
-    while not req.is_finished:
-        engine.step()
+    _sync(engine.device)  # the next step's launch may have queued device work: a profiler records it too
     phases = {}
     if clock is not None:
         phases = {label: 1e3 * s for label, s in clock.seconds.items()}
         phases["other (engine loop)"] = 1e3 * ttft - sum(phases.values())
-    return {"ttft_ms": 1e3 * ttft, "phases_ms": phases, "steps": steps,
-            "cached_at_admission": steps[0]["work"][2] if steps else 0}
+    return req, {"ttft_ms": 1e3 * ttft, "phases_ms": phases, "steps": steps,
+                 "cached_at_admission": steps[0]["work"][2] if steps else 0}
+
+
+def kernel_times(engine: Any, prompt: list[int], max_steps: int, top: int) -> dict[str, Any]:
+    """GPU kernel time of one hit's span by category (`diffulex.bench.gpu_profile`) and its longest kernels: what
+    the device spends the time to first token on (the span includes the launch of the step after the first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    result = timed_hit(engine, prompt, None, max_steps, around=profiler)
+    kernels = [KernelInterval(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for k in kernels:
+        by_name[k.name].append((k.end_us - k.start_us) / 1e3)
+    longest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    summary = summarize_activity(kernels, result["ttft_ms"] / 1e3, 1)
+    return {"ttft_ms_profiled": result["ttft_ms"], "busy_ms": summary["gpu_busy_ms_per_step"],
+            "kernel_ms": summary["kernel_ms_per_step"],
+            "longest": [{"kernel": name[:120], "calls": len(ms), "ms": sum(ms)} for name, ms in longest]}
 
 
 def _median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -232,11 +265,18 @@ def build_engine(model: str, folder: Path, cached: int, tail: int, device: torch
 
 
 def profile_hit(engine: Any, prompt: list[int], max_steps: int, lines: int) -> str:
-    """cProfile's cumulative table of one hit (its span only)."""
+    """cProfile's cumulative table of one hit's span (to its first token)."""
     profiler = cProfile.Profile()
-    profiler.enable()
-    timed_hit(engine, prompt, None, max_steps)
-    profiler.disable()
+
+    @contextlib.contextmanager
+    def profiled() -> Iterator[None]:
+        profiler.enable()
+        try:
+            yield
+        finally:
+            profiler.disable()
+
+    timed_hit(engine, prompt, None, max_steps, around=profiled())
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(lines)
     return text.getvalue()
@@ -256,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate([prompt], _greedy(BLOCK_SIZE), use_tqdm=False)
         _sync(engine.device)
         cache_s = time.perf_counter() - t0
-        tails = random_prompts(engine.vocab_limit, engine.mask_token_id, 2 * args.repeats + 2, args.tail, 7)
+        tails = random_prompts(engine.vocab_limit, engine.mask_token_id, 2 * args.repeats + 3, args.tail, 7)
         max_steps = 64
         first = timed_hit(engine, prompt + tails[0], None, max_steps)  # the sweep times a first hit like this
         if first["cached_at_admission"] < args.cached - engine.scheduler.kv_cache.page_size:
@@ -277,6 +317,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 clock.unwrap()
             used += args.repeats
+            missed = [r["cached_at_admission"] for r in runs if r["cached_at_admission"] < first["cached_at_admission"]]
+            if missed:
+                raise SystemExit(f"a timed request found less of its prefix cached: {missed} tokens")
             median = sorted(runs, key=lambda r: r["ttft_ms"])[len(runs) // 2]
             result["modes"][mode] = {
                 "ttft_ms": [r["ttft_ms"] for r in runs], "ttft_median_ms": median["ttft_ms"],
@@ -291,6 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result |= _floor(engine, last_steps, peaks)
         host_ttft = result["modes"]["host"]["ttft_median_ms"]
         result["ttft_vs_floor"] = host_ttft / result["floor_ms"]
+        if device.type == "cuda":
+            result["kernels"] = kernel_times(engine, prompt + tails[-2], max_steps, args.profile_lines)
         if args.profile:
             result["profile"] = profile_hit(engine, prompt + tails[-1], max_steps, args.profile_lines)
     finally:
@@ -315,6 +360,13 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"  step {i}: {step['ms']:.2f} ms, {step['rows']} rows, {step['new_tokens']} new tokens, "
                          f"eager {step['eager_launches']}, prefill replays {step['prefill_replays']}, decode replays "
                          f"{step['graph_replays']}")
+    if "kernels" in result:
+        k = result["kernels"]
+        parts = ", ".join(f"{name} {ms:.2f}" for name, ms in k["kernel_ms"].items())
+        lines.append(f"\n[kernels] one profiled hit: TTFT {k['ttft_ms_profiled']:.2f} ms, GPU busy "
+                     f"{k['busy_ms']:.2f} ms; kernel ms by category: {parts}; longest:")
+        for row in k["longest"]:
+            lines.append(f"  {row['ms']:9.3f}  x{row['calls']:<4d} {row['kernel']}")
     if "profile" in result:
         lines.append("\n" + result["profile"])
     return "\n".join(lines)
