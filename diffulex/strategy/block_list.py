@@ -32,7 +32,8 @@ class BlockList:
             blocks = self._blocks[index]
             if None not in blocks:
                 return blocks
-            return [self._block(i) for i in range(*index.indices(len(self._blocks)))]
+            self._make(range(*index.indices(len(self._blocks))))
+            return self._blocks[index]
         block = self._blocks[index]
         return block if block is not None else self._block(index % len(self._blocks))
 
@@ -54,6 +55,13 @@ class BlockList:
             status = BlockStatus.IN_CACHE if index < self._cached_below else BlockStatus.TO_CACHE
             block = self._blocks[index] = Block(index, index * self.block_size, self.block_size, status)
         return block
+
+    def _make(self, indices: range) -> None:
+        """Make the unread blocks among ``indices`` in one loop (a cold prompt's first step reads all of them)."""
+        blocks, size, cached_below = self._blocks, self.block_size, self._cached_below
+        for i in indices:
+            if blocks[i] is None:
+                blocks[i] = Block(i, i * size, size, BlockStatus.IN_CACHE if i < cached_below else BlockStatus.TO_CACHE)
 
     def append(self, block: Block) -> None:
         self._blocks.append(block)

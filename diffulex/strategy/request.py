@@ -364,16 +364,16 @@ class Request:
         """Blocks stored by this forward become cached and leave the running set; complete blocks commit."""
         stored_end = self.prefill_chunk_end
         self.prefill_chunk_end = None
-        for index in range(self.num_cached_blocks, len(self.blocks)):  # the stored blocks, not the whole prompt's
-            block = self.blocks[index]
+        uncached = self.blocks[self.num_cached_blocks :]
+        for block in uncached:
             if stored_end is not None and block.end > stored_end:
                 break
             if block.status is BlockStatus.TO_CACHE:
                 block.status = BlockStatus.IN_CACHE
         self.running = [b for b in self.running if b.status is not BlockStatus.IN_CACHE]
-        while self.num_cached_blocks < len(self.blocks) and (
-            self.blocks[self.num_cached_blocks].status is BlockStatus.IN_CACHE
-        ):
+        for block in uncached:  # the cached prefix grows by the leading blocks stored now
+            if block.status is not BlockStatus.IN_CACHE:
+                break
             self.num_cached_blocks += 1
         for block in self.running:
             prev = self.blocks[block.index - 1] if block.index > 0 else None
