@@ -124,7 +124,7 @@ def instrument(engine: Any, clock: PhaseClock) -> None:
     clock.wrap(runner, "_eager_forward", "forward: eager", device_work=True)
     for graphs in (runner.graphs, runner.short_graphs):
         if graphs is not None:
-            clock.wrap(graphs, "_execute", "forward: decode graph (running block)", device_work=True)
+            clock.wrap(graphs, "_execute", "forward: decode graph (running block, its sampling)", device_work=True)
     if runner.prefill_graphs is not None:
         for graphs in runner.prefill_graphs.graphs.values():
             clock.wrap(graphs, "_execute", "forward: prefill graph (the tail's prompt rows)", device_work=True)
@@ -286,60 +286,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model != "tiny" and device.type != "cuda":
         raise SystemExit(f"--model {args.model} needs a GPU; on a CPU use --model tiny")
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint folder lives as long as its engine
+        started = time.perf_counter()
         engine = build_engine(args.model, Path(tmp) / args.model, args.cached, args.tail, device, args.graph_path)
-    build_s = time.perf_counter() - started
-    try:
-        prompt = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, args.cached, 0)[0]
-        t0 = time.perf_counter()
-        engine.generate([prompt], _greedy(BLOCK_SIZE), use_tqdm=False)
-        _sync(engine.device)
-        cache_s = time.perf_counter() - t0
-        tails = random_prompts(engine.vocab_limit, engine.mask_token_id, 2 * args.repeats + 3, args.tail, 7)
-        max_steps = 64
-        first = timed_hit(engine, prompt + tails[0], None, max_steps)  # the sweep times a first hit like this
-        if first["cached_at_admission"] < args.cached - engine.scheduler.kv_cache.page_size:
-            raise SystemExit(f"no prefix-cache hit: {first['cached_at_admission']} of {args.cached} tokens cached")
-        modes = ["host", "synced"] if device.type == "cuda" else ["host"]
-        result: dict[str, Any] = {
-            "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "dtype": str(engine.dtype).removeprefix("torch."), "cached_tokens": args.cached, "tail_tokens": args.tail,
-            "page_size": engine.scheduler.kv_cache.page_size, "build_s": build_s, "cache_the_prompt_s": cache_s,
-            "first_hit_ttft_ms": first["ttft_ms"], "modes": {},
+        build_s = time.perf_counter() - started
+        try:
+            return measure(engine, args, device, build_s)
+        finally:
+            engine.exit()
+
+
+def measure(engine: Any, args: argparse.Namespace, device: torch.device, build_s: float) -> dict[str, Any]:
+    """Cache the prompt, time the hits in each mode, then the floor, the kernels (GPU) and the profile."""
+    prompt = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, args.cached, 0)[0]
+    t0 = time.perf_counter()
+    engine.generate([prompt], _greedy(BLOCK_SIZE), use_tqdm=False)
+    _sync(engine.device)
+    cache_s = time.perf_counter() - t0
+    tails = random_prompts(engine.vocab_limit, engine.mask_token_id, 2 * args.repeats + 3, args.tail, 7)
+    max_steps = 64
+    first = timed_hit(engine, prompt + tails[0], None, max_steps)  # the sweep times a first hit like this
+    if first["cached_at_admission"] < args.cached - engine.scheduler.kv_cache.page_size:
+        raise SystemExit(f"no prefix-cache hit: {first['cached_at_admission']} of {args.cached} tokens cached")
+    modes = ["host", "synced"] if device.type == "cuda" else ["host"]
+    result: dict[str, Any] = {
+        "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(engine.dtype).removeprefix("torch."), "cached_tokens": args.cached, "tail_tokens": args.tail,
+        "page_size": engine.scheduler.kv_cache.page_size, "build_s": build_s, "cache_the_prompt_s": cache_s,
+        "first_hit_ttft_ms": first["ttft_ms"], "modes": {},
+    }
+    used = 1
+    for mode in modes:
+        clock = PhaseClock(sync_device=mode == "synced")
+        instrument(engine, clock)
+        try:
+            runs = [timed_hit(engine, prompt + tails[used + i], clock, max_steps) for i in range(args.repeats)]
+        finally:
+            clock.unwrap()
+        used += args.repeats
+        missed = [r["cached_at_admission"] for r in runs if r["cached_at_admission"] < first["cached_at_admission"]]
+        if missed:
+            raise SystemExit(f"a timed request found less of its prefix cached: {missed} tokens")
+        median = sorted(runs, key=lambda r: r["ttft_ms"])[len(runs) // 2]
+        result["modes"][mode] = {
+            "ttft_ms": [r["ttft_ms"] for r in runs], "ttft_median_ms": median["ttft_ms"],
+            "phases_median_ms": _median_phases(runs),
+            "steps": [{k: v for k, v in s.items() if k != "work"} for s in median["steps"]],
         }
-        used = 1
-        for mode in modes:
-            clock = PhaseClock(sync_device=mode == "synced")
-            instrument(engine, clock)
-            try:
-                runs = [timed_hit(engine, prompt + tails[used + i], clock, max_steps) for i in range(args.repeats)]
-            finally:
-                clock.unwrap()
-            used += args.repeats
-            missed = [r["cached_at_admission"] for r in runs if r["cached_at_admission"] < first["cached_at_admission"]]
-            if missed:
-                raise SystemExit(f"a timed request found less of its prefix cached: {missed} tokens")
-            median = sorted(runs, key=lambda r: r["ttft_ms"])[len(runs) // 2]
-            result["modes"][mode] = {
-                "ttft_ms": [r["ttft_ms"] for r in runs], "ttft_median_ms": median["ttft_ms"],
-                "phases_median_ms": _median_phases(runs),
-                "steps": [{k: v for k, v in s.items() if k != "work"} for s in median["steps"]],
-            }
-            result["steps_to_first_token"] = len(median["steps"])
-            result["rows_computed"] = sum(s["rows"] for s in median["steps"])
-            last_steps = median["steps"]
-        peaks = measure_peaks(device, [engine.dtype], quick=device.type != "cuda")
-        result["peaks"] = peaks.to_dict()
-        result |= _floor(engine, last_steps, peaks)
-        host_ttft = result["modes"]["host"]["ttft_median_ms"]
-        result["ttft_vs_floor"] = host_ttft / result["floor_ms"]
-        if device.type == "cuda":
-            result["kernels"] = kernel_times(engine, prompt + tails[-2], max_steps, args.profile_lines)
-        if args.profile:
-            result["profile"] = profile_hit(engine, prompt + tails[-1], max_steps, args.profile_lines)
-    finally:
-        engine.exit()
+        result["steps_to_first_token"] = len(median["steps"])
+        result["rows_computed"] = sum(s["rows"] for s in median["steps"])
+        last_steps = median["steps"]
+    peaks = measure_peaks(device, [engine.dtype], quick=device.type != "cuda")
+    result["peaks"] = peaks.to_dict()
+    result |= _floor(engine, last_steps, peaks)
+    host_ttft = result["modes"]["host"]["ttft_median_ms"]
+    result["ttft_vs_floor"] = host_ttft / result["floor_ms"]
+    if device.type == "cuda":
+        result["kernels"] = kernel_times(engine, prompt + tails[-2], max_steps, args.profile_lines)
+    if args.profile:
+        result["profile"] = profile_hit(engine, prompt + tails[-1], max_steps, args.profile_lines)
     return result
 
 
