@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -107,6 +108,34 @@ class PhaseClock:
         self.calls.clear()
 
 
+class CollectorPauses:
+    """The garbage collector's pauses while entered: how many of each generation and their milliseconds (a pause in
+    the span is reported by the phase that triggered it; this says how much of it was the collector's)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        key = f"generation {info['generation']}"
+        self.ms[key] += 1e3 * (time.perf_counter() - self._started)
+        self.count[key] += 1
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {key: {"count": self.count[key], "ms": self.ms[key]} for key in sorted(self.ms)}
+
+
 def instrument(engine: Any, clock: PhaseClock) -> None:
     runner, scheduler = engine.runner, engine.scheduler
     kv = scheduler.kv_cache
@@ -169,30 +198,31 @@ def _until_first_token(
     if clock is not None:
         clock.reset()
         clock.recording = True
-    _sync(engine.device)
-    t0 = time.perf_counter()
-    req_id = engine.add_request(prompt, _greedy(BLOCK_SIZE))
-    req = _waiting(engine, req_id)
-    steps, ttft = [], None
-    for _ in range(max_steps):
-        before, eager = req.num_cached_tokens, runner.eager_steps
-        prefill, graphed = runner.prefill_replays, runner.graph_replays
-        step_start = time.perf_counter()
-        updates = engine.step()
-        step_end = time.perf_counter()
-        mine = [u for u in updates if u.req_id == req_id]
-        for u in mine:
-            if u.record is not None:
-                steps.append({
-                    "ms": 1e3 * (step_end - step_start), "rows": u.record.query_len,
-                    "new_tokens": u.record.num_new_tokens, "eager_launches": runner.eager_steps - eager,
-                    "prefill_replays": runner.prefill_replays - prefill,
-                    "graph_replays": runner.graph_replays - graphed,
-                    "work": (req, u.record, max(before, _context_before(req, u.record)), req.num_cached_tokens),
-                })
-        if any(u.finished or (u.record is not None and u.record.num_new_tokens > 0) for u in mine):
-            ttft = step_end - t0
-            break
+    with CollectorPauses() as pauses:
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        req_id = engine.add_request(prompt, _greedy(BLOCK_SIZE))
+        req = _waiting(engine, req_id)
+        steps, ttft = [], None
+        for _ in range(max_steps):
+            before, eager = req.num_cached_tokens, runner.eager_steps
+            prefill, graphed = runner.prefill_replays, runner.graph_replays
+            step_start = time.perf_counter()
+            updates = engine.step()
+            step_end = time.perf_counter()
+            mine = [u for u in updates if u.req_id == req_id]
+            for u in mine:
+                if u.record is not None:
+                    steps.append({
+                        "ms": 1e3 * (step_end - step_start), "rows": u.record.query_len,
+                        "new_tokens": u.record.num_new_tokens, "eager_launches": runner.eager_steps - eager,
+                        "prefill_replays": runner.prefill_replays - prefill,
+                        "graph_replays": runner.graph_replays - graphed,
+                        "work": (req, u.record, max(before, _context_before(req, u.record)), req.num_cached_tokens),
+                    })
+            if any(u.finished or (u.record is not None and u.record.num_new_tokens > 0) for u in mine):
+                ttft = step_end - t0
+                break
     if clock is not None:
         clock.recording = False
     if ttft is None:
@@ -202,7 +232,7 @@ def _until_first_token(
     if clock is not None:
         phases = {label: 1e3 * s for label, s in clock.seconds.items()}
         phases["other (engine loop)"] = 1e3 * ttft - sum(phases.values())
-    return req, {"ttft_ms": 1e3 * ttft, "phases_ms": phases, "steps": steps,
+    return req, {"ttft_ms": 1e3 * ttft, "phases_ms": phases, "steps": steps, "gc_pauses": pauses.summary(),
                  "cached_at_admission": steps[0]["work"][2] if steps else 0}
 
 
@@ -330,6 +360,7 @@ def measure(engine: Any, args: argparse.Namespace, device: torch.device, build_s
         median = sorted(runs, key=lambda r: r["ttft_ms"])[len(runs) // 2]
         result["modes"][mode] = {
             "ttft_ms": [r["ttft_ms"] for r in runs], "ttft_median_ms": median["ttft_ms"],
+            "gc_pauses": [r["gc_pauses"] for r in runs],
             "phases_median_ms": _median_phases(runs),
             "steps": [{k: v for k, v in s.items() if k != "work"} for s in median["steps"]],
         }
@@ -361,6 +392,9 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"\n[{mode}] TTFT ms: {runs} (median {data['ttft_median_ms']:.2f}); phases, median ms:")
         for label, ms in sorted(data["phases_median_ms"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  {ms:9.3f}  {label}")
+        pauses = [", ".join(f"{k}: {v['count']} ({v['ms']:.2f} ms)" for k, v in run.items()) or "none"
+                  for run in data["gc_pauses"]]
+        lines.append(f"  garbage collections in each hit's span: {'; '.join(pauses)}")
         for i, step in enumerate(data["steps"]):
             lines.append(f"  step {i}: {step['ms']:.2f} ms, {step['rows']} rows, {step['new_tokens']} new tokens, "
                          f"eager {step['eager_launches']}, prefill replays {step['prefill_replays']}, decode replays "
