@@ -88,7 +88,17 @@ class PageTable(list):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PageTable, (list(self),))
+        """Pickled as its array's bytes (a tensor-parallel step sends every request's table to the workers)."""
+        return (_from_bytes, (self.as_array().tobytes(),))
+
+
+def _from_bytes(data: bytes) -> PageTable:
+    """A table from its int32 bytes, its array already in step with its entries."""
+    pages = np.frombuffer(data, dtype=np.int32)
+    table = PageTable(pages.tolist())
+    table._array[: len(pages)] = pages
+    table._valid = len(pages)
+    return table
 
 
 def page_array(table: Sequence[int]) -> np.ndarray:

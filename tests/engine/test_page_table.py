@@ -65,9 +65,13 @@ def test_a_table_reads_as_the_plain_list_of_its_pages():
     assert PageTable() == []
 
 
-def test_a_pickled_table_keeps_its_pages_and_its_array():
-    table = pickle.loads(pickle.dumps(PageTable([7, 8, 9]), protocol=pickle.HIGHEST_PROTOCOL))
-    assert isinstance(table, PageTable) and table.as_array().tolist() == [7, 8, 9]
+def test_a_pickled_table_keeps_its_pages_and_its_array_and_grows_on():
+    table = pickle.loads(pickle.dumps(PageTable(range(40)), protocol=pickle.HIGHEST_PROTOCOL))
+    assert isinstance(table, PageTable) and table == [*range(40)] and table.as_array().tolist() == [*range(40)]
+    table.append(40)
+    table.pop(0)
+    assert table.as_array().tolist() == [*range(1, 41)]
+    assert pickle.loads(pickle.dumps(PageTable())) == []
 
 
 def test_page_array_converts_a_plain_list_too():
