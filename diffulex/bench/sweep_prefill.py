@@ -47,6 +47,7 @@ from diffulex.engine.prefill_cost import PrefillCostModel
 TTFT_FLOOR_TARGET = 1.3  # time to first token <= 1.3x the compute floor of the prompt's forward
 BESIDE_PREFILL_TARGET = 2.0  # decoders' p99 step beside a chunked prefill <= 2x their step alone
 BLOCK_SIZE = 4
+LONG_PROMPT_SEED_OFFSET = 1000  # the long prompt's seed beside the decoders', so that they share no prefix
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,9 @@ def _beside_one_setting(engine: Any, shape: PrefillShape, setting: ChunkSetting,
         paths = step_paths(engine)
         before = [timed_step()[0] for _ in range(shape.alone_steps)]
         alone_paths = step_paths(engine)
-        long_id = engine.add_request(_prompt(engine, max(shape.prompt_lens), seed), _greedy(BLOCK_SIZE))
+        # another seed than the decoders': the same one would start the prompt with the first decoder's tokens
+        long_id = engine.add_request(_prompt(engine, max(shape.prompt_lens), seed + LONG_PROMPT_SEED_OFFSET),
+                                     _greedy(BLOCK_SIZE))
         long = _waiting(engine, long_id)
         beside: list[float] = []
         chunks: list[tuple[int, int]] = []  # (context before, prompt rows) of each beside step
@@ -416,11 +419,14 @@ def fit_chunk_cost(points: Sequence[tuple[int, int, float]], cost_model: Prefill
 def run_prefill(ctx: SweepContext) -> list[dict[str, Any]]:
     shape = _shape(ctx.quick)
     rows: list[dict[str, Any]] = []
+    parts = ctx.settings.prefill_parts
     for model in shape.models:
-        rows += measure_ttft(ctx, model, shape)
-        release(ctx.device)
-        rows += measure_beside_prefill(ctx, model, shape)
-        release(ctx.device)
+        if "ttft" in parts:
+            rows += measure_ttft(ctx, model, shape)
+            release(ctx.device)
+        if "beside" in parts:
+            rows += measure_beside_prefill(ctx, model, shape)
+            release(ctx.device)
     return rows
 
 

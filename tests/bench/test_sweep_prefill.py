@@ -3,9 +3,14 @@ and the chunk steps' extra time fitted to the cost model."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from diffulex.bench.sweep_common import SweepSettings
 from diffulex.bench.sweep_prefill import beside_summary, fit_chunk_cost
+from diffulex.cli import main
 from diffulex.engine.prefill_cost import PrefillCostModel
 
 
@@ -59,3 +64,17 @@ def test_steps_that_compute_no_prompt_rows_are_left_out_of_the_chunks():
     assert summary["chunks"] == [[0, 32], [32, 16]]
     assert (summary["first_chunk_rows"], summary["last_chunk_rows"]) == (32, 16)
     assert summary["chunk_cost_fit"] == {"points": 2}
+
+
+def test_the_prefill_target_runs_only_the_parts_asked_for(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = ["bench", "sweep", "--quick", "--targets", "prefill", "--prefill-parts", "beside", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads((out / "prefill.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["beside chunked prefill"] * 2
+    assert all(not r["error"] and not r.get("skipped") for r in rows)
+
+
+def test_an_unknown_prefill_part_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"prefill_parts=\['warm'\] is invalid: must name one or more of ttft, beside"):
+        SweepSettings(prefill_parts=["warm"])
