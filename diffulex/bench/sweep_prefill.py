@@ -272,7 +272,8 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape) -
         engine = _engine(ctx, model, shape, max_num_reqs=shape.decoders + 1, enable_chunked_prefill=True,
                          max_num_batched_tokens=max(s.token_budget for s in shape.chunk_settings),
                          max_prefill_chunk_cost=max(max(s.cost_budget for s in shape.chunk_settings), 1))
-        cost_model = engine.scheduler.limits.prefill_cost_model
+        cost_model = engine.scheduler.limits.prefill_cost_model  # None where an engine flag turned the cost off
+        parity = None if cost_model is None else cost_model.parity_context
         warm_up = random_decoder_prompts(engine, shape, 3)
         engine.generate(warm_up, _greedy(2 * BLOCK_SIZE), use_tqdm=False)  # warm-up at this batch
     except Exception as err:
@@ -286,7 +287,7 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape) -
             continue
         try:
             row |= _beside_one_setting(engine, shape, setting, seed=100 + k)
-            row["parity_context"] = cost_model.parity_context
+            row["parity_context"] = parity
             row["met"] = row["p99_vs_alone"] <= BESIDE_PREFILL_TARGET
             fit = row["chunk_cost_fit"]
             ctx.log(f"  {model} {setting.label}: {shape.decoders} decoders alone p50 {row['alone_p50_ms']:.2f} ms; "
@@ -294,7 +295,7 @@ def measure_beside_prefill(ctx: SweepContext, model: str, shape: PrefillShape) -
                     f"{row['first_chunk_rows']} -> {row['last_chunk_rows']} rows) p50 {row['beside_p50_ms']:.2f}, "
                     f"p99 {row['beside_p99_ms']:.2f} ms ({row['p99_vs_alone']:.2f}x alone at the same point); "
                     f"the prompt's TTFT {row['prompt_ttft_ms']:.0f} ms; fitted parity "
-                    f"{fmt(fit.get('parity_context'), '.0f')} (config {cost_model.parity_context:.0f})")
+                    f"{fmt(fit.get('parity_context'), '.0f')} (config {fmt(parity, '.0f')})")
         except Exception as err:
             row["error"] = error_text(err)
             ctx.log(f"  {model} {setting.label} failed: {row['error']}")
@@ -470,7 +471,7 @@ def prefill_table(rows: Sequence[Mapping[str, Any]]) -> str:
                          f"{r['beside_p50_ms']:.2f} / {r['beside_p99_ms']:.2f}; the prompt's TTFT "
                          f"{r['prompt_ttft_ms']:.0f}; chunks {r['first_chunk_rows']} -> {r['last_chunk_rows']} rows; "
                          f"chunk steps' extra time: {fmt(fit.get('fixed_ms'))} ms each + parity "
-                         f"{fmt(fit.get('parity_context'), '.0f')} (config {r['parity_context']:.0f}); graphed "
+                         f"{fmt(fit.get('parity_context'), '.0f')} (config {fmt(r['parity_context'], '.0f')}); graphed "
                          f"{fmt(r.get('beside_graphed_share'), '.0%')}",
                          f"{r['beside_steps']} steps", "-",
                          "-", f"p99 {r['p99_vs_alone']:.2f}x alone at the same point (<= 2x)",
