@@ -118,6 +118,10 @@ def test_a_prompt_chunked_by_cost_beside_decoders_matches_reference_and_its_chun
         trajectories = [finished[i] for i in ids]
         for prompt, traj in zip(prompts, trajectories, strict=True):
             assert traj.token_ids == reference_for_engine(llm, prompt, params).token_ids, f"prompt of {len(prompt)}"
+    with make_engine(peaky_sdar_dir, accept_threshold=0.7, max_num_reqs=4) as unchunked:
+        plain = unchunked.generate(prompts, params, use_tqdm=False).trajectories
+    assert [t.token_ids for t in trajectories] == [t.token_ids for t in plain], "the same tokens as unchunked"
+    assert max(len(t.steps) - t.nfe for t in plain) == 0, "the unchunked run computed every prompt in one step"
     long = trajectories[2]
     chunk_steps = long.steps[: len(long.steps) - long.nfe]
     rows = [s.query_len for s in chunk_steps]
