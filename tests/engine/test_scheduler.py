@@ -542,3 +542,24 @@ def test_a_prompt_beside_decoders_in_flight_is_held_to_the_cost_budget():
     sched.add(long)
     assert sched.schedule(busy={decoder.req_id}) == [long]
     assert prompt_rows(long) == (0, 16)
+
+
+def test_with_prompts_arriving_while_others_decode_no_step_exceeds_the_cost_budget_but_by_one_block():
+    """Prompts of many lengths arrive every few steps; in each step the prompt rows cost at most the budget, or are
+    the one block of the step's only prompt, and every prompt reaches its decoding."""
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=40, budget=64)
+    start_decoding(sched, make)
+    arrivals = [make(n, max_tokens=8) for n in (50, 7, 90, 33, 120, 12, 64, 3, 100)]
+    for step in range(400):
+        if step % 5 == 0 and arrivals:
+            sched.add(arrivals.pop(0))
+        batch = sched.schedule()
+        computing = [prompt_rows(r) for r in batch if prompt_rows(r)[1] > 0]
+        cost = sum(COST_MODEL.rows_cost(rows, start) for start, rows in computing)
+        assert cost <= 40 or [rows for _, rows in computing] == [BLOCK], f"step {step}: {computing} cost {cost:.1f}"
+        assert sum(end - start for start, end in (r.query_range() for r in batch)) <= 64 or len(batch) == 1
+        forward(sched, batch)
+        if not arrivals and len(sched.running) == 1 and not sched.waiting:
+            break
+    assert not arrivals and not sched.waiting and len(sched.running) == 1, "every prompt decoded and finished"
