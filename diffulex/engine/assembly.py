@@ -26,6 +26,7 @@ from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
 from diffulex.engine.memory_plan import plan_num_pages, profile_shape
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
+from diffulex.engine.prefill_cost import PrefillCostModel
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.engine.tensor_parallel import (
     DEATH_WAIT_S,
@@ -38,7 +39,7 @@ from diffulex.engine.tensor_parallel import (
 from diffulex.layers.parallel_state import engine_ranks
 from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
-from diffulex.validation import warn
+from diffulex.validation import invalid_value, warn
 
 if TYPE_CHECKING:
     from diffulex.kernels.parallel_compile import CompileHelpers
@@ -209,7 +210,7 @@ def _build_components(
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(
         config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
-        policy.prefill_chunk_rows,
+        policy.prefill_chunk_rows, config.max_prefill_chunk_cost, _prefill_cost_model(config, model),
     )
     scheduler = Scheduler(limits, kv_cache)
     request_cls = strategy.request_class
@@ -222,6 +223,16 @@ def _build_components(
         device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, runner, scheduler, request_cls, policy,
         build,
     )  # fmt: skip
+
+
+def _prefill_cost_model(config: Config, model: torch.nn.Module) -> PrefillCostModel | None:
+    """The price of prompt rows where ``max_prefill_chunk_cost`` sizes chunks by it, from the model's sizes."""
+    if not (config.enable_chunked_prefill and config.max_prefill_chunk_cost > 0):
+        return None
+    try:
+        return PrefillCostModel.from_model_config(model.config)
+    except ValueError as err:
+        raise invalid_value("max_prefill_chunk_cost", config.max_prefill_chunk_cost, str(err)) from None
 
 
 def _model_runner(
