@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diffulex.engine.page_table import PageTable
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.block_list import BlockList
+from diffulex.strategy.page_table import PageTable
 
 
 class RequestStatus(enum.Enum):
