@@ -257,7 +257,26 @@ def encode_prompt(
     apply_chat_template: bool = False,
     parse_special_tokens: bool = False,
 ) -> list[int]:
-    """The token ids of one prompt: text, a conversation (a list of ``{"role", "content"}`` messages) or token ids.
+    """The token ids of one prompt: `encode_prompt_values` without the int64 values."""
+    return encode_prompt_values(
+        tokenizer, prompt, mask_token_id=mask_token_id, vocab_size=vocab_size,
+        apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+    )[0]  # fmt: skip
+
+
+def encode_prompt_values(
+    tokenizer: Any,
+    prompt: Prompt,
+    *,
+    mask_token_id: int | None,
+    vocab_size: int | None = None,
+    apply_chat_template: bool = False,
+    parse_special_tokens: bool = False,
+) -> tuple[list[int], np.ndarray | None]:
+    """The token ids of one prompt, and for a token-id prompt the int64 array its check converted them to (None
+    otherwise): the engine keeps it as the request's prompt array instead of converting a long prompt again.
+
+    A prompt is text, a conversation (a list of ``{"role", "content"}`` messages) or token ids.
 
     * text: encoded as plain text; with ``apply_chat_template`` and a tokenizer that has a chat template, it is
       the one user message of a conversation instead;
@@ -296,4 +315,4 @@ def encode_prompt(
             f"{ids.index(mask_token_id)}; the mask token marks positions still to be decoded and cannot be part of a "
             "prompt"
         )
-    return ids
+    return ids, values

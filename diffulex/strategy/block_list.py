@@ -6,13 +6,25 @@ read only the blocks of its uncached tail. Here a prompt block is a Block object
 same object every read after, so identity comparisons hold); until then its status is implied: the prompt's blocks
 are final from the start (``TO_CACHE``), and a prefix-cache hit makes the leading ones ``IN_CACHE`` in one step
 (`mark_cached`). Blocks the request opens later are appended as made.
+
+A cold prompt's first step stores every prompt block, and that too makes none of them: `segments` gives the step the
+runs of unread blocks with their one status (the runner turns them into cache slots in vector ops), and `store`
+caches a range of blocks, the unread ones by one assignment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from diffulex.strategy.block import Block, BlockStatus
+
+
+class UnreadBlocks(NamedTuple):
+    """A run of consecutive prompt blocks not read yet, all of one status."""
+
+    indices: range
+    status: BlockStatus
 
 
 class BlockList:
@@ -72,6 +84,51 @@ class BlockList:
         self._cached_below = max(self._cached_below, num_blocks)
         for block in filter(None, self._blocks[:num_blocks]):
             block.status = BlockStatus.IN_CACHE
+
+    def segments(self, lo: int, hi: int) -> Iterator[Block | UnreadBlocks]:
+        """The blocks of indices ``[lo, hi)`` in order, without making any: a block made already as itself, each run
+        of unread ones of one status as `UnreadBlocks`. The made blocks are found at C speed (a cold prompt's 8,000
+        blocks hold a handful of them)."""
+        lo, hi = max(lo, 0), min(hi, len(self._blocks))
+        cursor = lo
+        for block in filter(None, self._blocks[lo:hi]):
+            yield from self._unread(cursor, block.index)
+            yield block
+            cursor = block.index + 1
+        yield from self._unread(cursor, hi)
+
+    def _unread(self, lo: int, hi: int) -> Iterator[UnreadBlocks]:
+        """Unread blocks ``[lo, hi)`` (none of them made) as runs of one status: cached below `_cached_below`."""
+        split = min(max(self._cached_below, lo), hi)
+        if lo < split:
+            yield UnreadBlocks(range(lo, split), BlockStatus.IN_CACHE)
+        if split < hi:
+            yield UnreadBlocks(range(split, hi), BlockStatus.TO_CACHE)
+
+    def store(self, lo: int, hi: int) -> None:
+        """Every ``TO_CACHE`` block of indices ``[lo, hi)`` is ``IN_CACHE`` (a forward wrote their K/V): the unread
+        ones by one assignment, the made ones one by one. Blocks before ``lo`` are cached already (``lo`` is the
+        first block of the request's uncached rest); an unread one among them that is not is made first, keeping its
+status."""
+        hi = min(hi, len(self._blocks))
+        if lo >= hi:
+            return
+        if lo > self._cached_below and None in self._blocks[self._cached_below : lo]:
+            self._make(range(self._cached_below, lo))  # keep their status out of the assignment below
+        for block in filter(None, self._blocks[lo:hi]):
+            if block.status is BlockStatus.TO_CACHE:
+                block.status = BlockStatus.IN_CACHE
+        self._cached_below = max(self._cached_below, hi)
+
+    def first_not_cached(self, lo: int) -> int:
+        """The index of the first block at or after ``lo`` that is not ``IN_CACHE`` (``len`` when there is none)."""
+        for segment in self.segments(lo, len(self._blocks)):
+            if isinstance(segment, UnreadBlocks):
+                if segment.status is not BlockStatus.IN_CACHE:
+                    return segment.indices.start
+            elif segment.status is not BlockStatus.IN_CACHE:
+                return segment.index
+        return len(self._blocks)
 
     def uncache(self) -> None:
         """Every ``IN_CACHE`` block becomes ``TO_CACHE`` (the request lost its pages)."""

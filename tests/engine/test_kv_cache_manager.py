@@ -289,7 +289,7 @@ def test_each_page_of_a_request_is_hashed_once_through_lookups_admission_and_reg
     assert sum(hashed) == 24  # the 20 shared pages and the 4 of the tail, each once
 
 
-def test_a_prefix_hit_on_a_long_prompt_makes_only_the_blocks_its_tail_reads():
+def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
     kv = KVCacheManager(400, PAGE, True)
     cached_request(kv, prompt_of(300 * PAGE + 1))
     hit = make_request(prompt_of(300 * PAGE) + prompt_of(2 * PAGE + 1, start=5000))
@@ -298,4 +298,5 @@ def test_a_prefix_hit_on_a_long_prompt_makes_only_the_blocks_its_tail_reads():
     assert hit.blocks.num_made == 1  # only the block the prompt ends in, opened at creation
     assert hit.query_range() == (300 * PAGE, 302 * PAGE + BLOCK)
     forward(kv, hit)
-    assert hit.blocks.num_made == 1 + 2 * PAGE // BLOCK  # and the tail's blocks, which the forward stored
+    assert hit.num_cached_blocks == 302 * PAGE // BLOCK  # the forward stored the tail
+    assert hit.blocks.num_made == 2  # and read the block before the running one (is it committed?)
