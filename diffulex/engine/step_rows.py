@@ -80,8 +80,26 @@ class StepRows:
 
     def _slots(self) -> np.ndarray:
         slots = np.full(self.num_rows, NO_SLOT, dtype=np.int64)
-        if not self._runs:
-            return slots
+        if len(self._runs) == 1:  # one request stores (a prompt's step, or one decoder's finished block)
+            first_row, lo, hi, _ = self._runs[0]
+            slots[first_row : first_row + hi - lo] = self._run_slots(lo, hi, self._tables[0], self._owners[0])
+        elif self._runs:
+            self._scatter_runs(slots)
+        return slots
+
+    def _run_slots(self, lo: int, hi: int, table: np.ndarray, owner: int) -> np.ndarray:
+        """The slots of positions ``[lo, hi)``, page by page: each page's base slot broadcast over its rows."""
+        page_size = self.page_size
+        first_page, end_page = lo // page_size, -(-hi // page_size)
+        if end_page > table.shape[0]:
+            position = max(lo, table.shape[0] * page_size)
+            raise RuntimeError(f"request {owner}: position {position} is stored but has no page")
+        bases = table[first_page:end_page].astype(np.int64) * page_size
+        offset = lo - first_page * page_size
+        return (bases[:, None] + np.arange(page_size, dtype=np.int64)).ravel()[offset : offset + hi - lo]
+
+    def _scatter_runs(self, slots: np.ndarray) -> None:
+        """The slots of several requests' runs, row by row in one set of vector ops."""
         page_size = self.page_size
         runs = np.array(self._runs, dtype=np.int64)
         first_row, lo, hi, table = runs[:, 0], runs[:, 1], runs[:, 2], runs[:, 3]
@@ -104,4 +122,3 @@ class StepRows:
             offsets = np.cumsum(sizes) - sizes
             pages = np.concatenate(self._tables)[offsets[row_table] + logical]
         slots[first_row[run] + within] = pages.astype(np.int64) * page_size + positions % page_size
-        return slots
