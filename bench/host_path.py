@@ -17,8 +17,8 @@ own loop: records and updates). ``critical`` = everything but the sampler.
 ``--cold-prompts``: instead, the host's part of a cold prompt's time to first token (what the sweep's ``prefill``
 target times: ``add_request`` and the one step that prefills the prompt and accepts its first token, which also
 launches the step after it), per phase: ``add`` (`add_request`), ``schedule``, ``collect``, ``inputs``,
-``forward`` (the stub: a tensor of zeros), ``sampler``, ``finish`` and ``other`` (the engine's loop, what the
-phases leave); the median of ``--repeats`` prompts per length, after an untimed one of the same length.
+``forward`` (the stub: rows of a zero tensor made once), ``sampler``, ``finish`` and ``other`` (the engine's loop,
+what the phases leave); the median of ``--repeats`` prompts per length, after an untimed one of the same length.
 ``--profile N`` prints the N costliest functions of those prompts under cProfile.
 """
 
@@ -102,9 +102,11 @@ def measure_cold_prompt(model_dir: Path, prompt_lens: list[int], repeats: int, p
     llm = Diffulex(str(model_dir), block_size=4, buffer_size=1, max_num_reqs=4, max_model_len=max(prompt_lens) + 64,
                    max_num_batched_tokens=max(prompt_lens) + 64, enable_prefix_caching=True)
     runner, scheduler = llm.runner, llm.scheduler
-    hidden = runner.token_embedding().embedding_dim
+    # the forward's stand-in returns rows of one zero tensor made once: on a GPU the host's part of a prompt's
+    # forward is its launches, not a pass over its rows
+    zeros = torch.zeros(max(prompt_lens) + 64, runner.token_embedding().embedding_dim)
     acc: dict[str, float] = collections.defaultdict(float)
-    runner.forward = _timed(acc, "forward", lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden))
+    runner.forward = _timed(acc, "forward", lambda ids, positions, meta: zeros[: ids.shape[0]])
     scheduler.schedule = _timed(acc, "schedule", scheduler.schedule)
     scheduler.finish_step = _timed(acc, "finish", scheduler.finish_step)
     runner.collect = _timed(acc, "collect", runner.collect)

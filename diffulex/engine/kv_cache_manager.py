@@ -48,12 +48,12 @@ def chained_page_hashes(prev_hash: bytes | None, tokens: Sequence[int] | np.ndar
     """`page_hash` of each whole page of ``tokens`` in turn, the first chained to ``prev_hash``: every token is
     converted to bytes in one call (a copy, from an int64 array), then each page costs one hash call (a 32k-token
     prompt has 1,000 pages)."""
-    data = _token_bytes(tokens)
+    data = memoryview(_token_bytes(tokens))  # pages read in place
     step = page_size * TOKEN_BYTES
     hashes: list[bytes] = []
-    prev = prev_hash or b""
+    prev, blake2b = prev_hash or b"", hashlib.blake2b
     for offset in range(0, len(data) - step + 1, step):
-        prev = hashlib.blake2b(prev + data[offset : offset + step], digest_size=HASH_BYTES).digest()
+        prev = blake2b(prev + data[offset : offset + step], digest_size=HASH_BYTES).digest()
         hashes.append(prev)
     return hashes
 
