@@ -478,7 +478,7 @@ class ModelRunner:
         step, flat = StepInputs(), StepRows(self.settings.page_size)
         for start in range(0, num_tokens, max_model_len):
             n = min(max_model_len, num_tokens - start)
-            flat.add(np.zeros(n, dtype=np.int64), 0, [], None, -1)
+            flat.add(np.zeros(n, dtype=np.int64), 0, [], [], -1)
             step.query_lens.append(n)
             step.context_lens.append(0)
             step.prefix_lens.append(n)
@@ -541,8 +541,7 @@ class ModelRunner:
         s = self.settings
         page = s.page_size
         stored = req.stored_runs(store_from, end) if store_from < end else []
-        table = page_array(req.page_table) if stored else None
-        offset = rows.add(req.input_token_ids(start, end), start, stored, table, req.req_id)
+        offset = rows.add(req.input_token_ids(start, end), start, stored, req.page_table, req.req_id)
         if s.token_merge is not None:
             step.soft_rows.extend(
                 (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end

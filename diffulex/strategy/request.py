@@ -123,7 +123,7 @@ class Request:
     max_nfe: int = field(init=False)  # the explicit cap, or one a request making the guaranteed progress never hits
     # End of this step's prefill chunk (block aligned), or None: the step computes the whole query range
     prefill_chunk_end: int | None = field(init=False, default=None)
-    _prompt_array: np.ndarray | None = field(init=False, default=None, repr=False)  # `prompt_array`, once read
+    _prompt_array: np.ndarray | None = field(init=False, default=None, repr=False, compare=False)  # `prompt_array`
 
     def __post_init__(self) -> None:
         s = self.settings
