@@ -307,8 +307,19 @@ def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
 class OneByOnePool(KVCacheManager):
     """The pool's bookkeeping written page by page: the reference the bulk operations must equal."""
 
+    def _prefix_hits(self, req: Request) -> tuple[list[bytes], list[int]]:
+        hits, num_pages = [], req.shareable_len // self.page_size
+        for h in self._content_hashes(req, num_pages)[:num_pages]:
+            page = self.page_of_hash.get(h)
+            if page is None:
+                break
+            hits.append((h, page))
+        covered = len(hits) * self.page_size
+        hits = hits[: (covered - covered % req.settings.block_size) // self.page_size]
+        return [h for h, _ in hits], [page for _, page in hits]
+
     def admit(self, req: Request) -> None:
-        for h, page in self._prefix_hits(req):
+        for h, page in zip(*self._prefix_hits(req), strict=True):
             if self.ref_counts[page] == 0:
                 del self.free_pages[page]
             self.ref_counts[page] += 1
