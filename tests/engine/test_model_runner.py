@@ -60,6 +60,7 @@ class StagingCheck:
     def __init__(self, llm) -> None:
         runner, self.page_size = llm.runner, llm.config.page_size
         self.steps = self.split_steps = self.prompt_rows = 0
+        self.inside_prompt = 0  # spans that start inside their prompt: a prefix hit's tail (or a later chunk)
         collect, collect_split = runner.collect, runner.collect_split
 
         def checked_collect(batch):
@@ -68,6 +69,7 @@ class StagingCheck:
             assert_staged(step, spans, self.page_size)
             self.steps += 1
             self.prompt_rows += sum(max(0, min(end, req.prompt_len) - start) for req, start, end, _ in spans)
+            self.inside_prompt += sum(0 < start < req.prompt_len for req, start, _, _ in spans)
             return step
 
         def checked_split(batch):
@@ -118,9 +120,9 @@ def test_prefix_hits_and_their_cold_twins_are_staged_as_the_reference_stages_the
     with make_engine(peaky_sdar_dir, **LONG) as llm:
         check = StagingCheck(llm)
         prompt, tail = random_prompts(llm, [321, 37], seed=4)
-        serve(llm, [prompt, prompt[:320] + tail, prompt[:200] + tail], gap=0)
-        serve(llm, [prompt[:320] + tail[:5]])  # a hit on the pages the first prompt registered
-    assert check.steps > 10
+        serve(llm, [prompt, prompt[:320] + tail, prompt[:200] + tail])  # the second and third hit the first's pages
+        serve(llm, [prompt[:320] + tail[:5]])  # a hit on the pages the second registered too
+    assert check.steps > 10 and check.inside_prompt >= 3
 
 
 def test_preempted_requests_rebuilding_their_blocks_are_staged_as_the_reference_stages_them(
