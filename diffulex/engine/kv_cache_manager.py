@@ -24,7 +24,7 @@ from itertools import islice
 
 import numpy as np
 
-from diffulex.engine.page_table import page_array
+from diffulex.strategy.page_table import page_array
 from diffulex.strategy.request import Request
 
 # a token id as the page hash reads it: 8 bytes (int64)

@@ -23,7 +23,6 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
-from diffulex.engine.page_table import page_array
 from diffulex.engine.prefill_graphs import PrefillGraphs
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
@@ -32,6 +31,7 @@ from diffulex.engine.step_rows import StepRows
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
+from diffulex.strategy.page_table import page_array
 from diffulex.strategy.request import Request, SampleTarget
 
 if TYPE_CHECKING:

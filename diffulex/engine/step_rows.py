@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffulex.engine.page_table import page_array
+from diffulex.strategy.page_table import page_array
 
 NO_SLOT = -1  # a row whose K/V is not stored
 # Rows from which a request's span is built in vector ops: a handful of numpy calls cost a few microseconds whatever

@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from diffulex.engine.page_table import PageTable
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.block_list import BlockList, UnreadBlocks
+from diffulex.strategy.page_table import PageTable
 
 
 class RequestStatus(enum.Enum):
