@@ -93,9 +93,13 @@ class DataParallelEngine:
 
     def __init__(
         self, model: str, kwargs: dict[str, Any], config: Config,
-        build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine,
+        build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine, trajectory_steps: bool = True,
     ) -> None:
+        """``trajectory_steps=False``: finished trajectories come back without their step records
+        (`Trajectory.steps` empty), for a caller that reads none of them, such as the HTTP server; see
+        `UpdateEncoder.add` for what they cost."""
         self.config = config
+        self.trajectory_steps = trajectory_steps
         self._build_engine = build_engine  # what each local replica process runs (`serve_replica`)
         self._replicas: list[_Replica] = []
         self._placement = None
@@ -192,7 +196,7 @@ class DataParallelEngine:
             )
         req_id = next(self._ids)
         try:
-            replica.conn.send(("add", req_id, ids, sp))
+            replica.conn.send(("add", req_id, ids, sp, self.trajectory_steps))
         except (BrokenPipeError, OSError):
             self._lose(replica, "its process is gone")
             return self.add_request(ids, sp)

@@ -8,12 +8,14 @@ The same loop runs in a local process (``distributed_executor_backend="mp"``, ov
 from __future__ import annotations
 
 import dataclasses
+import queue
 import signal
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from diffulex.config import Config
@@ -55,6 +57,16 @@ class UpdateEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[int, int] = {}  # the parent's request id -> answer tokens it has
+        self._without_steps: set[int] = set()  # requests whose parent reads no step records of their trajectory
+
+    def add(self, rid: int, trajectory_steps: bool = True) -> None:
+        """Track a new request; ``trajectory_steps=False``: its final trajectory goes without `Trajectory.steps`.
+
+        A trajectory holds one `StepRecord` per forward: a few hundred per answer, most of what a finished request
+        would send, and at a batch that finishes together megabytes in one message that the parent unpickles while
+        this engine waits on the full pipe. A parent that reads none of them (the HTTP server) says so here."""
+        if not trajectory_steps:
+            self._without_steps.add(rid)
 
     def encode(self, update: RequestUpdate, rid: int) -> tuple[Any, ...]:
         """``(rid, record, trajectory)`` for a finished request, else ``(rid, record, (start, tokens, committed))``:
@@ -64,7 +76,9 @@ class UpdateEncoder:
             self._sent.pop(rid, None)
             trajectory = update.trajectory
             if trajectory is not None:
-                trajectory = dataclasses.replace(trajectory, req_id=rid)
+                steps = [] if rid in self._without_steps else trajectory.steps
+                trajectory = dataclasses.replace(trajectory, req_id=rid, steps=steps)
+            self._without_steps.discard(rid)
             return rid, record, trajectory
         sent = self._sent.get(rid, 0)
         length = update.num_answer
@@ -74,6 +88,7 @@ class UpdateEncoder:
 
     def forget(self, rid: int) -> None:
         self._sent.pop(rid, None)
+        self._without_steps.discard(rid)
 
 
 class UpdateDecoder:
@@ -104,6 +119,47 @@ class UpdateDecoder:
         self._answers.pop(rid, None)
 
 
+# How long a closing replica waits for its last messages to be written.
+SENDER_FLUSH_TIMEOUT_S = 30.0
+
+
+class MessageSender:
+    """A replica's messages to its parent, written to the pipe by a thread of their own.
+
+    A pipe holds about 64 KiB. A parent that reads late (its own Python busy with 64-128 streams) would otherwise
+    stop this engine in the middle of a step until it caught up. Here the engine only pickles a message (at once,
+    so that later steps cannot change what it says) and queues the bytes; the thread writes them in order, the GIL
+    released while it waits on the pipe.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._broken: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, name="diffulex-replica-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        """Queue ``message``; raises BrokenPipeError once a write has failed (the parent is gone)."""
+        if self._broken is not None:
+            raise BrokenPipeError("the parent's end of the pipe is closed") from self._broken
+        self._queue.put(ForkingPickler.dumps(message))
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError as err:
+                self._broken = err
+                return
+
+    def close(self) -> None:
+        """Write what is queued, then end the thread (waiting at most `SENDER_FLUSH_TIMEOUT_S` for a parent that
+        reads nothing more)."""
+        self._queue.put(None)
+        self._thread.join(SENDER_FLUSH_TIMEOUT_S)
+
+
 def build_replica_engine(model: str, kwargs: dict[str, Any]) -> Any:
     """A replica's engine: an ordinary `DiffulexEngine` of the given engine fields."""
     from diffulex.engine.engine import DiffulexEngine
@@ -120,11 +176,11 @@ def serve_replica(
     ``build_engine`` (picklable: it crosses to the process) lets a harness run a modified engine behind the same
     protocol, e.g. one whose forward stands in for a GPU (``bench/server_step_rate.py``).
 
-    Messages from the parent: ``("add", id, token_ids, params)``, ``("abort", id)``, ``("close", None)``. To it:
-    ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then ``("updates", messages, load, stepped)``
-    (`UpdateEncoder` messages) after every step (and after commands taken while idle), ``("rejected", id,
-    message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
-    """
+    Messages from the parent: ``("add", id, token_ids, params, trajectory_steps)`` (see `UpdateEncoder.add`),
+    ``("abort", id)``, ``("close", None)``. To it: ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then
+    ``("updates", messages, load, stepped)`` (`UpdateEncoder` messages) after every step (and after commands taken
+    while idle), ``("rejected", id, message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
+"""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when this process ends (its
     # "close", or the end of the pipe), so that a server draining at its first SIGINT still has its engine.
     if threading.current_thread() is threading.main_thread():  # (a Ray actor may run this on another thread)
@@ -142,6 +198,7 @@ def serve_replica(
     parent_id: dict[int, int] = {}  # engine req_id -> the parent's id
     engine_id: dict[int, int] = {}
     encoder = UpdateEncoder()
+    sender = MessageSender(conn)
     try:
         while True:
             messages = [] if not engine.is_finished() else [conn.recv()]  # idle: wait for work
@@ -150,16 +207,17 @@ def serve_replica(
             for kind, *payload in messages:
                 if kind == "close":
                     engine.exit()
-                    conn.send(("closed", None))
+                    sender.send(("closed", None))
                     return
                 if kind == "add":
-                    rid, ids, params = payload
+                    rid, ids, params, trajectory_steps = payload
                     try:
                         local = engine.add_request(ids, params)
                     except ValueError as err:
-                        conn.send(("rejected", rid, str(err)))
+                        sender.send(("rejected", rid, str(err)))
                         continue
                     parent_id[local], engine_id[rid] = rid, local
+                    encoder.add(rid, trajectory_steps)
                 elif kind == "abort":
                     local = engine_id.pop(payload[0], None)
                     if local is not None:
@@ -167,7 +225,7 @@ def serve_replica(
                         encoder.forget(payload[0])
                         engine.abort_request(local)
             if engine.is_finished():
-                conn.send(("updates", [], engine.load(), False))
+                sender.send(("updates", [], engine.load(), False))
                 continue
             out = []
             for update in engine.step():
@@ -177,8 +235,10 @@ def serve_replica(
                 out.append(encoder.encode(update, rid))
                 if update.finished:
                     del parent_id[update.req_id], engine_id[rid]
-            conn.send(("updates", out, engine.load(), True))
+            sender.send(("updates", out, engine.load(), True))
     except (EOFError, BrokenPipeError, OSError):
         return  # the parent is gone
     except Exception:  # noqa: BLE001  (the engine broke: the parent fails this replica's requests)
-        conn.send(("dead", traceback.format_exc()))
+        sender.send(("dead", traceback.format_exc()))
+    finally:
+        sender.close()

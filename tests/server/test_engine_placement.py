@@ -17,7 +17,7 @@ from diffulex import SamplingParams
 from diffulex.engine.data_parallel import DataParallelEngine
 from diffulex.server.engine_placement import build_served_engine, engine_process_allowed
 
-from .conftest import start_server
+from .conftest import ENGINE_FIELDS, start_server
 
 
 def stream_completion(base_url: str, prompt: str, max_tokens: int) -> tuple[list[str], dict]:
@@ -84,3 +84,21 @@ def test_a_server_whose_engine_process_dies_fails_at_once_so_that_it_can_be_rest
         assert "every engine replica process has died" in server.loop.failure
     finally:
         server.stop()
+
+
+def test_the_served_engine_process_returns_answers_without_the_step_records_the_server_never_reads(
+    sdar_dir: Path, reference_engine
+):
+    """One record per forward would cross the pipe with each finished request (megabytes when a batch of 128
+    finishes together); the server reads the answer, its reason and its NFE only."""
+    engine = build_served_engine(str(sdar_dir), dict(ENGINE_FIELDS), "process")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        served = engine.generate(["one two", "three"], params, use_tqdm=False, apply_chat_template=False)
+    finally:
+        engine.exit()
+    alone = reference_engine.generate(["one two", "three"], params, use_tqdm=False, apply_chat_template=False)
+    assert [t.steps for t in served] == [[], []] and all(len(t.steps) == t.nfe > 0 for t in alone)
+    assert [(t.token_ids, t.text, t.nfe, t.completion_reason) for t in served] == [
+        (t.token_ids, t.text, t.nfe, t.completion_reason) for t in alone
+    ]
