@@ -20,7 +20,7 @@ from typing import Any
 
 from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
-from diffulex.engine.request_update import RequestUpdate
+from diffulex.engine.request_update import Interest, RequestUpdate
 from diffulex.strategy.request import DecodeSettings, StepRecord
 
 
@@ -38,6 +38,21 @@ class ReplicaInfo:
     load: EngineLoad
 
 
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """What one step did over its whole batch, for the server's metrics: a replica sends only the updates its
+    parent reads, so these cannot be summed from them there."""
+
+    step_time: float  # wall time of the step, seconds
+    num_tokens: int  # mask positions filled
+    batch_size: int  # requests that took part
+
+    @classmethod
+    def of(cls, updates: list[RequestUpdate]) -> StepTotals:
+        records = [u.record for u in updates if u.record is not None]
+        return cls(records[-1].step_time if records else 0.0, sum(r.num_new_tokens for r in records), len(records))
+
+
 def _record_message(record: StepRecord | None) -> Any:
     """A step record as a plain tuple (cheaper to pickle than the dataclass); a record of another type as itself."""
     if type(record) is not StepRecord:
@@ -46,49 +61,67 @@ def _record_message(record: StepRecord | None) -> Any:
             record.running_token_ids, record.step_time, record.running_start)
 
 
+@dataclass(slots=True)
+class _Reader:
+    """What the parent has of one request, and what it reads of it."""
+
+    interest: Interest = "steps"
+    trajectory_steps: bool = True
+    answer: int = 0  # answer tokens it has
+    committed: int = 0  # committed tokens as of the last update sent
+    nfe: int = 0  # the request's forwards so far, sent or not
+
+
 class UpdateEncoder:
-    """A replica's side of the per-step messages: one tuple per request, carrying only what its answer grew by.
+    """A replica's side of the per-step messages: a tuple per request whose reader has something new, carrying only
+    what its answer grew by.
 
     Sending each running request's whole answer every step costs O(answer length) per request and step in
     copying and pickling (at 64 requests of a few hundred tokens, about as much host time as the step itself on a
     slow CPU). Decoded positions never change again (the engine's `RequestUpdate` relies on the same), so the
     parent's copy of an answer is grown by the new tokens alone; if an answer ever got shorter it is sent whole.
+    And a request is sent only when what its reader reads changed (its `Interest`): a text stream's when its
+    committed tokens grow (a block commits every few steps), a whole answer's at its end; so at 128 streams the
+    parent unpickles and rebuilds about a quarter of the updates, and the step records only of live views.
     """
 
     def __init__(self) -> None:
-        self._sent: dict[int, int] = {}  # the parent's request id -> answer tokens it has
-        self._without_steps: set[int] = set()  # requests whose parent reads no step records of their trajectory
+        self._readers: dict[int, _Reader] = {}  # the parent's request id -> what it has and reads
 
-    def add(self, rid: int, trajectory_steps: bool = True) -> None:
-        """Track a new request; ``trajectory_steps=False``: its final trajectory goes without `Trajectory.steps`.
+    def add(self, rid: int, trajectory_steps: bool = True, interest: Interest = "steps") -> None:
+        """Track a new request: its updates go when ``interest`` says; ``trajectory_steps=False``: its final
+        trajectory goes without `Trajectory.steps`.
 
         A trajectory holds one `StepRecord` per forward: a few hundred per answer, most of what a finished request
         would send, and at a batch that finishes together megabytes in one message that the parent unpickles while
         this engine waits on the full pipe. A parent that reads none of them (the HTTP server) says so here."""
-        if not trajectory_steps:
-            self._without_steps.add(rid)
+        self._readers[rid] = _Reader(interest, trajectory_steps)
 
-    def encode(self, update: RequestUpdate, rid: int) -> tuple[Any, ...]:
-        """``(rid, record, trajectory)`` for a finished request, else ``(rid, record, (start, tokens, committed))``:
-        the answer from ``start`` on and how many of its tokens are committed."""
-        record = _record_message(update.record)
+    def encode(self, update: RequestUpdate, rid: int) -> tuple[Any, ...] | None:
+        """None when the request's reader reads nothing new, else ``(rid, record, body, nfe)``: the record only for
+        a reader of every step; the body the trajectory of a finished request, else ``(start, tokens, committed)``,
+        the answer from ``start`` on and how many of its tokens are committed; ``nfe`` its forwards so far."""
+        reader = self._readers.get(rid) or self._readers.setdefault(rid, _Reader())
+        reader.nfe += update.record is not None
         if update.finished:
-            self._sent.pop(rid, None)
+            del self._readers[rid]
             trajectory = update.trajectory
             if trajectory is not None:
-                steps = [] if rid in self._without_steps else trajectory.steps
+                steps = trajectory.steps if reader.trajectory_steps else []
                 trajectory = dataclasses.replace(trajectory, req_id=rid, steps=steps)
-            self._without_steps.discard(rid)
-            return rid, record, trajectory
-        sent = self._sent.get(rid, 0)
+            return rid, _record_message(update.record), trajectory, reader.nfe
+        if reader.interest != "steps":
+            if reader.interest == "end" or update.num_committed == reader.committed:
+                return None
+        reader.committed = update.num_committed
         length = update.num_answer
-        start = sent if length >= sent else 0
-        self._sent[rid] = length
-        return rid, record, (start, update.answer_tokens_from(start), update.num_committed)
+        start = reader.answer if length >= reader.answer else 0
+        reader.answer = length
+        record = _record_message(update.record) if reader.interest == "steps" else None
+        return rid, record, (start, update.answer_tokens_from(start), update.num_committed), reader.nfe
 
     def forget(self, rid: int) -> None:
-        self._sent.pop(rid, None)
-        self._without_steps.discard(rid)
+        self._readers.pop(rid, None)
 
 
 class UpdateDecoder:
@@ -98,7 +131,7 @@ class UpdateDecoder:
         self._answers: dict[int, list[int]] = {}  # request id -> its answer so far (only appended to)
 
     def decode(self, message: tuple[Any, ...]) -> RequestUpdate:
-        rid, record, body = message
+        rid, record, body, nfe = message
         if isinstance(record, tuple):
             record = StepRecord(*record)
         if not isinstance(body, tuple):  # finished: its trajectory (None only from an engine that reports none)
@@ -106,14 +139,16 @@ class UpdateDecoder:
             answer = body.token_ids if body is not None else []
             update = RequestUpdate.of_answer(rid, record, answer, len(answer), len(answer), body)
             update.finished = True
-            return update
-        start, tokens, committed = body
-        answer = self._answers.get(rid)
-        if answer is None or start < len(answer):
-            # a new list: updates already handed out read the old one up to their own ends
-            answer = self._answers[rid] = ([] if answer is None else answer[:start])
-        answer.extend(tokens)
-        return RequestUpdate.of_answer(rid, record, answer, committed, len(answer))
+        else:
+            start, tokens, committed = body
+            answer = self._answers.get(rid)
+            if answer is None or start < len(answer):
+                # a new list: updates already handed out read the old one up to their own ends
+                answer = self._answers[rid] = ([] if answer is None else answer[:start])
+            answer.extend(tokens)
+            update = RequestUpdate.of_answer(rid, record, answer, committed, len(answer))
+        update.nfe = nfe
+        return update
 
     def forget(self, rid: int) -> None:
         self._answers.pop(rid, None)
@@ -176,10 +211,11 @@ def serve_replica(
     ``build_engine`` (picklable: it crosses to the process) lets a harness run a modified engine behind the same
     protocol, e.g. one whose forward stands in for a GPU (``bench/server_step_rate.py``).
 
-    Messages from the parent: ``("add", id, token_ids, params, trajectory_steps)`` (see `UpdateEncoder.add`),
-    ``("abort", id)``, ``("close", None)``. To it: ``("ready", ReplicaInfo)`` or ``("error", traceback)`` once; then
-    ``("updates", messages, load, stepped)`` (`UpdateEncoder` messages) after every step (and after commands taken
-    while idle), ``("rejected", id, message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
+    Messages from the parent: ``("add", id, token_ids, params, trajectory_steps, interest)`` (see
+    `UpdateEncoder.add`), ``("abort", id)``, ``("close", None)``. To it: ``("ready", ReplicaInfo)`` or ``("error",
+    traceback)`` once; then ``("updates", messages, load, totals)`` (`UpdateEncoder` messages, the step's
+    `StepTotals`) after every step (and after commands taken while idle, totals None), ``("rejected", id,
+    message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
 """
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when this process ends (its
     # "close", or the end of the pipe), so that a server draining at its first SIGINT still has its engine.
@@ -210,14 +246,14 @@ def serve_replica(
                     sender.send(("closed", None))
                     return
                 if kind == "add":
-                    rid, ids, params, trajectory_steps = payload
+                    rid, ids, params, trajectory_steps, interest = payload
                     try:
                         local = engine.add_request(ids, params)
                     except ValueError as err:
                         sender.send(("rejected", rid, str(err)))
                         continue
                     parent_id[local], engine_id[rid] = rid, local
-                    encoder.add(rid, trajectory_steps)
+                    encoder.add(rid, trajectory_steps, interest)
                 elif kind == "abort":
                     local = engine_id.pop(payload[0], None)
                     if local is not None:
@@ -225,17 +261,19 @@ def serve_replica(
                         encoder.forget(payload[0])
                         engine.abort_request(local)
             if engine.is_finished():
-                sender.send(("updates", [], engine.load(), False))
+                sender.send(("updates", [], engine.load(), None))
                 continue
             out = []
-            for update in engine.step():
+            updates = engine.step()
+            for update in updates:
                 rid = parent_id.get(update.req_id)
                 if rid is None:
                     continue  # aborted by the parent
-                out.append(encoder.encode(update, rid))
+                if (message := encoder.encode(update, rid)) is not None:
+                    out.append(message)
                 if update.finished:
                     del parent_id[update.req_id], engine_id[rid]
-            sender.send(("updates", out, engine.load(), True))
+            sender.send(("updates", out, engine.load(), StepTotals.of(updates)))
     except (EOFError, BrokenPipeError, OSError):
         return  # the parent is gone
     except Exception:  # noqa: BLE001  (the engine broke: the parent fails this replica's requests)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from diffulex import Diffulex, SamplingParams
-from diffulex.engine.replica_process import MessageSender, UpdateDecoder, UpdateEncoder
+from diffulex.engine.replica_process import MessageSender, StepTotals, UpdateDecoder, UpdateEncoder
 from diffulex.engine.request_update import RequestUpdate
 from diffulex.strategy.request import StepRecord
 from diffulex.testing import write_tiny_checkpoint
@@ -99,3 +99,35 @@ def test_the_sender_reports_a_parent_that_is_gone():
             sender.send(("updates", [], None, False))
             time.sleep(0.001)
     sender.close()
+
+
+def test_a_replica_sends_a_commits_reader_only_its_commits_and_an_end_reader_only_its_end_each_with_its_nfe(ckpt):
+    encoder, decoder = UpdateEncoder(), UpdateDecoder()
+    sent: dict[int, list[RequestUpdate]] = {10: [], 11: [], 12: []}
+    engine_committed: dict[int, list[int]] = {10: [], 11: [], 12: []}
+    totals = []
+    with Diffulex(str(ckpt), block_size=4, max_model_len=128) as llm:
+        for rid, interest in [(10, "steps"), (11, "commits"), (12, "end")]:
+            llm.add_request("one two", SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+            encoder.add(rid, interest=interest)
+        while not llm.is_finished():
+            updates = llm.step()
+            totals.append((StepTotals.of(updates), updates))
+            for update in updates:
+                rid = 10 + update.req_id
+                engine_committed[rid].append(update.num_committed)
+                if (message := encoder.encode(update, rid)) is not None:
+                    sent[rid].append(decoder.decode(pickle.loads(pickle.dumps(message))))
+    steps = len(engine_committed[10])
+    assert len(sent[10]) == steps and all(u.record is not None for u in sent[10])
+    # commits: one update per growth of the committed tokens (and the end), no step records before the end
+    growths = sum(1 for a, b in zip([0, *engine_committed[11]], engine_committed[11], strict=False) if b > a)
+    assert len(sent[11]) <= growths + 1 and all(u.record is None for u in sent[11][:-1])
+    assert [u.num_committed for u in sent[11][:-1]] == sorted(set(engine_committed[11][:-1]) - {0})
+    assert len(sent[12]) == 1 and sent[12][0].finished
+    for rid in sent:  # every update knows the forwards so far, and the last one says as many as the trajectory
+        assert [u.nfe for u in sent[rid]] == sorted(u.nfe for u in sent[rid])
+        assert sent[rid][-1].nfe == sent[rid][-1].trajectory.nfe == steps
+    for step_totals, updates in totals:
+        assert step_totals.batch_size == len(updates)
+        assert step_totals.num_tokens == sum(u.record.num_new_tokens for u in updates)

@@ -3,6 +3,7 @@ aborts and health as on a thread of the server process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -102,3 +103,60 @@ def test_the_served_engine_process_returns_answers_without_the_step_records_the_
     assert [(t.token_ids, t.text, t.nfe, t.completion_reason) for t in served] == [
         (t.token_ids, t.text, t.nfe, t.completion_reason) for t in alone
     ]
+
+
+def test_128_concurrent_streams_from_an_engine_process_each_get_every_token_once_in_order(
+    sdar_dir: Path, reference_engine
+):
+    """The replica sends a stream's update only when its committed text grew, the step records of none of them:
+    every stream still gets its whole answer, each piece once and in order, with its NFE; the streams closed
+    mid-answer are aborted and leave nothing behind; the metrics still count every step's tokens."""
+    streams, dropped = 128, 8
+    prompts = [f"word {i} " * (1 + i % 5) for i in range(streams)]
+    lengths = [12 + (7 * i) % 29 for i in range(streams)]
+    server = start_server(sdar_dir, engine_placement="process", max_num_reqs=streams, max_waiting=streams,
+                          max_num_batched_tokens=4096)
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[list[str], dict]:
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        texts, usage = [], {}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                texts += [c["text"] for c in chunk["choices"] if c["text"]]
+                if i < dropped and texts:
+                    break  # this client leaves after its first piece: the server aborts its request
+        return texts, usage
+
+    async def run_all() -> list[tuple[list[str], dict]]:
+        limits = httpx.Limits(max_connections=streams)
+        async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(streams)))
+
+    try:
+        results = asyncio.run(run_all())
+        state = server.wait_idle(timeout=30)
+        metrics = httpx.get(server.base_url + "/metrics").text
+    finally:
+        server.stop()
+    alone = reference_engine.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False,
+        apply_chat_template=False,
+    )  # fmt: skip
+    for i, ((texts, usage), expected) in enumerate(zip(results, alone, strict=True)):
+        if i < dropped:
+            assert texts and expected.text.startswith(texts[0])
+            continue
+        assert "".join(texts) == expected.text, i
+        assert (usage["completion_tokens"], usage["nfe"]) == (expected.num_generated_tokens, expected.nfe), i
+    assert (state["in_flight"], state["running"], state["waiting"], state["kv_pages_used"]) == (0, 0, 0, 0)
+    counters = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith(("diffulex_engine_steps_total", "diffulex_decoded_tokens_total"))}
+    finished_tokens = sum(t.num_generated_tokens for t in alone[dropped:])
+    assert counters["diffulex_decoded_tokens_total"] >= finished_tokens
+    assert counters["diffulex_engine_steps_total"] >= max(t.nfe for t in alone)
