@@ -22,6 +22,7 @@ import asyncio
 import cProfile
 import itertools
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -240,9 +241,11 @@ def served_steps_per_s(model: str, fields: dict[str, Any], clients: int, seconds
         time.sleep(WARMUP_S)
         phase("warmup_s")
         here = os.getpid()
-        engine_task = (engine.replica_pids[0], None) if placement == "process" else (here, loop._thread.native_id)
+        engine_task = (engine.replica_pids[0],) * 2 if placement == "process" else (here, loop._thread.native_id)
         watched = {"engine": engine_task, "engine_loop": (here, loop._thread.native_id),
                    "server": (here, thread.native_id), "clients": (client.pid, None)}
+        if placement == "process":  # its stepping thread above; here with the thread that writes its messages
+            watched["engine_process"] = (engine.replica_pids[0], None)
         before = {name: task_times(*task) for name, task in watched.items()}
         event_loop_profiler = cProfile.Profile()
         if prefix:  # cProfile sees the thread that enables it: the server's event loop here, the engine loop's own
@@ -289,6 +292,8 @@ def main() -> None:
                         "measured window, the engine process (placement process) over its whole life")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    # the clients close their streams at the window's end; asyncio then logs each write the server had under way
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.profile:

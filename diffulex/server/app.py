@@ -50,6 +50,7 @@ from diffulex.server.protocol import (
     param_of,
 )
 from diffulex.server.request_body import BodyGuard
+from diffulex.server.sse import TEXT_SLOT, EventTemplate, sse
 from diffulex.server.streams import DenoiseView, TextStream
 
 logger = logging.getLogger("diffulex.server")
@@ -62,11 +63,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # Put into a request's sink by its disconnect watcher.
 _DISCONNECTED = Emission(rid="", index=-1, error="client_disconnected")
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
 
 
 @dataclass
@@ -354,9 +350,14 @@ def create_app(
                     "choices": [choice]}
 
         if body.stream:
+            text_chunks = [EventTemplate(chunk(index, TEXT_SLOT, None)) for index in range(len(job.choices))]
+
             async def events() -> AsyncIterator[str]:
                 async for index, text, final in _text_deltas(job):
-                    if text or final is not None:
+                    if final is None and text:
+                        note_first_text(job, job.choices[index])
+                        yield text_chunks[index].render(text)
+                    elif final is not None:
                         note_first_text(job, job.choices[index])
                         yield sse(chunk(index, text, final))
                 if include_usage:
@@ -402,11 +403,17 @@ def create_app(
                     "choices": [choice]}
 
         if body.stream:
+            text_chunks = [EventTemplate(chunk(index, {"content": TEXT_SLOT}, None))
+                           for index in range(len(job.choices))]
+
             async def events() -> AsyncIterator[str]:
                 for index in range(len(job.choices)):
                     yield sse(chunk(index, {"role": "assistant", "content": ""}, None))
                 async for index, text, final in _text_deltas(job):
-                    if text or final is not None:
+                    if final is None and text:
+                        note_first_text(job, job.choices[index])
+                        yield text_chunks[index].render(text)
+                    elif final is not None:
                         note_first_text(job, job.choices[index])
                         yield sse(chunk(index, {"content": text} if text else {}, final))
                 if include_usage:
