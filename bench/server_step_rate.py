@@ -279,6 +279,11 @@ def served_steps_per_s(model: str, fields: dict[str, Any], clients: int, seconds
             ("requests", "errors", "tokens_per_s", "ttft_p50_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms")}}
 
 
+def _ms(value: float | None) -> str:
+    """A latency, or "-" where no request was read to its end within the window."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[64, 128])
@@ -316,7 +321,7 @@ def main() -> None:
                 c = served["client"]
                 print(f"{clients} streaming clients, engine in a {placement}: {served['steps_per_s']:.0f} steps/s "
                       f"({ratio:.2f}x offline), {c['tokens_per_s']:.0f} tok/s, chunk gap p50/p99 "
-                      f"{c['chunk_gap_p50_ms']:.1f}/{c['chunk_gap_p99_ms']:.1f} ms, {c['errors']} errors", flush=True)
+                      f"{_ms(c['chunk_gap_p50_ms'])}/{_ms(c['chunk_gap_p99_ms'])} ms, {c['errors']} errors", flush=True)
                 print("   ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in served["ms_per_step"].items()),
                       flush=True)
                 phases = served["phases_s"]
