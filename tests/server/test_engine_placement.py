@@ -160,3 +160,40 @@ def test_128_concurrent_streams_from_an_engine_process_each_get_every_token_once
     finished_tokens = sum(t.num_generated_tokens for t in alone[dropped:])
     assert counters["diffulex_decoded_tokens_total"] >= finished_tokens
     assert counters["diffulex_engine_steps_total"] >= max(t.nfe for t in alone)
+
+
+def test_an_engine_process_serves_the_denoising_view_appends_and_whole_answers_as_a_lone_engine_gives_them(
+    sdar_dir: Path, reference_engine
+):
+    """Each reader gets what it reads from a replica that sends only that: the denoising view every step, the
+    appended text at commits, a whole answer at its end; each with the NFE the answer took."""
+    prompt, n = "one two three", 21
+    alone = reference_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                                      use_tqdm=False, apply_chat_template=False).trajectories[0]
+    server = start_server(sdar_dir, engine_placement="process")
+    try:
+        def events(mode: str) -> list[dict]:
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_mode": mode}
+            with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                return [json.loads(line[6:]) for line in response.iter_lines()
+                        if line.startswith("data: ") and line != "data: [DONE]"]
+
+        denoise = events("denoise")
+        snapshots, final = denoise[:-1], denoise[-1]
+        assert [e["event"] for e in snapshots] == ["denoise"] * len(snapshots) and final["event"] == "final"
+        assert [e["nfe"] for e in snapshots] == list(range(1, len(snapshots) + 1))  # one per step
+        assert all(e["blocks"] and e["blocks"][0]["cells"] for e in snapshots)
+        assert (final["text"], final["nfe"]) == (alone.text, alone.nfe)
+
+        appended = events("block_append")
+        assert appended[-1]["event"] == "final" and appended[-1]["nfe"] == alone.nfe
+        assert "".join(e["text"] for e in appended[:-1]) == alone.text
+        assert all(0 < a["nfe"] < b["nfe"] for a, b in zip(appended[:-2], appended[1:-1], strict=True))
+
+        whole = httpx.post(server.base_url + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}, timeout=60).json()
+        assert whole["choices"][0]["text"] == alone.text and whole["usage"]["nfe"] == alone.nfe
+    finally:
+        server.stop()
