@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import itertools
 import json
 import logging
@@ -165,6 +166,27 @@ def per_step_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[f
     return out
 
 
+class GcPauses:
+    """The garbage collector's pauses in this (the server's) process from now until `stop`, which every thread of
+    the process waits out: their CPU seconds, and the longest in wall time (a collection preempted by the OS on a
+    busy machine lasts longer than its CPU time)."""
+
+    def __init__(self) -> None:
+        self.seconds = self.longest = 0.0
+        self._started = (0.0, 0.0)
+        gc.callbacks.append(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = (time.thread_time(), time.perf_counter())
+        else:
+            self.seconds += time.thread_time() - self._started[0]
+            self.longest = max(self.longest, time.perf_counter() - self._started[1])
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._observe)
+
+
 BENCH_FIELDS = ("sleeping_forward_ms", "profile_engine")  # read by `build_sleeping_engine`, not engine fields
 
 
@@ -246,6 +268,7 @@ def served_steps_per_s(model: str, fields: dict[str, Any], clients: int, seconds
                    "server": (here, thread.native_id), "clients": (client.pid, None)}
         if placement == "process":  # its stepping thread above; here with the thread that writes its messages
             watched["engine_process"] = (engine.replica_pids[0], None)
+        pauses = GcPauses()
         before = {name: task_times(*task) for name, task in watched.items()}
         event_loop_profiler = cProfile.Profile()
         if prefix:  # cProfile sees the thread that enables it: the server's event loop here, the engine loop's own
@@ -255,6 +278,7 @@ def served_steps_per_s(model: str, fields: dict[str, Any], clients: int, seconds
         time.sleep(seconds)
         wall, steps = time.perf_counter() - t0, engine.num_steps - start
         after = {name: task_times(*task) for name, task in watched.items()}
+        pauses.stop()
         if prefix:
             loop._loop.call_soon_threadsafe(event_loop_profiler.disable)
             profiling.clear()
@@ -275,6 +299,8 @@ def served_steps_per_s(model: str, fields: dict[str, Any], clients: int, seconds
         sock.close()
     phase("server_stop_s")
     per_step = per_step_ms(before, after, wall, steps, fields["sleeping_forward_ms"])
+    per_step["server_gc"] = 1e3 * pauses.seconds / steps
+    per_step["server_gc_longest"] = 1e3 * pauses.longest
     return {"steps_per_s": rate, "ms_per_step": per_step, "phases_s": phases, "client": {k: load[k] for k in
             ("requests", "errors", "tokens_per_s", "ttft_p50_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms")}}
 

@@ -8,6 +8,7 @@ nothing but the answer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -191,6 +192,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine_loop:
             engine_loop.start(asyncio.get_running_loop())
+        # The app, its schemas and the server live as long as the process: out of the collector's reach (as the
+        # engine's build is), so that a full collection scans only what requests create. Each such collection
+        # stops every stream and the engine loop at once (pauses of 50 ms at 128 streams before this).
+        gc.freeze()
         try:
             yield
         finally:

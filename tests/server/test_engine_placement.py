@@ -4,6 +4,7 @@ aborts and health as on a thread of the server process."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -195,5 +196,16 @@ def test_an_engine_process_serves_the_denoising_view_appends_and_whole_answers_a
         whole = httpx.post(server.base_url + "/v1/completions", json={
             "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}, timeout=60).json()
         assert whole["choices"][0]["text"] == alone.text and whole["usage"]["nfe"] == alone.nfe
+    finally:
+        server.stop()
+
+
+def test_a_started_server_leaves_what_it_built_out_of_the_collectors_reach(sdar_dir: Path):
+    """A full collection stops every stream and the engine loop; once serving, it scans only what requests made."""
+    server = start_server(sdar_dir, engine_placement="process")
+    try:
+        stream_completion(server.base_url, "one two", 8)
+        gc.collect()
+        assert gc.get_freeze_count() > 10 * len(gc.get_objects())
     finally:
         server.stop()
