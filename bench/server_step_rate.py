@@ -1,7 +1,7 @@
 """Engine steps per second alone against under the HTTP server with N streaming clients (CPU; no GPU needed).
 
     CUDA_VISIBLE_DEVICES= python bench/server_step_rate.py [--clients 64 128] [--step-ms 2] [--seconds 8]
-        [--placements thread process] [--json FILE]
+        [--placements thread process] [--profile DIR] [--json FILE]
 
 Why: on a GPU the engine steps at ~2.7 ms at batch 64 offline, but under the server its streamed chunks came 2.5x
 further apart than the steps explain. A step is mostly waiting for the GPU (the GIL released) plus a share of
@@ -12,7 +12,10 @@ that releases the GIL (the GPU's share of a step) and returns zeros, so the host
 prints the engine's steps per second generating a full batch offline, then under the server with ``--clients``
 closed-loop streaming clients (their own process, so the load generator does not hold the server's GIL), once
 per placement of the engine: ``thread`` (a thread of the server process) and ``process`` (a process of its own,
-its updates sent per step over a pipe).
+its updates sent per step over a pipe). Per engine step: each party's CPU and run-queue milliseconds (engine,
+the server's engine loop thread and event loop, the clients), the engine's waits beyond its sleep, the garbage
+collector's share of the server process; per run, each phase's seconds (the window starts once every client has
+its stream open, and at its end the clients drop their streams rather than read them out).
 """
 
 from __future__ import annotations

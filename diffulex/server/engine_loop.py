@@ -5,7 +5,9 @@ command queue (add, abort, stop) and get results back through per-request asynci
 thread fills with one ``loop.call_soon_threadsafe`` per step. A request gets an emission only when something it
 reads changed (its `Interest`): a text stream when its committed tokens grow, a non-streaming answer at the end,
 only the denoising view every step. With a block committed every few steps this spares the event loop most of its
-per-step wakeups at 64-128 streams, host time it would otherwise take from the engine.
+per-step wakeups at 64-128 streams, host time it would otherwise take from the engine. An engine in replica
+processes (`DataParallelEngine`) is told each request's `Interest` and sends only those updates, each with its NFE
+so far, and each step's totals apart for the metrics.
 
 Between two steps the thread takes every queued command, so requests join and leave the batch at step
 granularity; it blocks only while the engine has nothing to do. An add carries token ids, tokenized by the
