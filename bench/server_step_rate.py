@@ -176,15 +176,16 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.seconds = self.longest = 0.0
-        self._started = (0.0, 0.0)
+        self._started: tuple[float, float] | None = None  # None: no collection seen starting (one under way now)
         gc.callbacks.append(self._observe)
 
     def _observe(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = (time.thread_time(), time.perf_counter())
-        else:
+        elif self._started is not None:
             self.seconds += time.thread_time() - self._started[0]
             self.longest = max(self.longest, time.perf_counter() - self._started[1])
+            self._started = None
 
     def stop(self) -> None:
         gc.callbacks.remove(self._observe)
