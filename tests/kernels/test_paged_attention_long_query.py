@@ -1,0 +1,107 @@
+"""The long-query tile class of paged attention (a prompt's prefill): 128-row query tiles whose interior key tiles
+fold without the mask. Against the PyTorch reference under every rule that cuts a tile (the block-causal diagonal,
+prefix-full prompt rows, windows, padding, cached prefixes), and which launches take the class.
+
+Shapes stay small (head_dim 16, a few hundred rows): on the CPU the kernel runs under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels import paged_attention as pa
+from tests.kernels.test_paged_attention import DEVICE, DTYPES, check, make_batch, recorder  # noqa: F401
+from tests.kernels.test_paged_attention_window import check_window
+
+LONG = pa._LONG_QUERY_MIN
+
+
+def launched_long(recorder) -> list[bool]:  # noqa: F811
+    return [dict(variant).get("FULL_TILES", False) for variant in recorder.variants]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size", "prefix_full"),
+    [
+        (4, 2, 4, False),  # 64 positions x 2 heads per tile: the band of each tile's last block is masked
+        (4, 2, 4, True),  # prompt rows see the whole prompt, the answer block after it block-causally
+        (8, 2, 8, False),  # group 4: 32 positions per tile
+        (6, 2, 4, True),  # group 3 padded to 4: padding rows inside every tile
+        (4, 4, 1, False),  # no grouping, causal (block 1): 128 positions per tile
+    ],
+)
+def test_a_long_prompt_matches_reference(num_heads, num_kv_heads, block_size, prefix_full, dtype):
+    """A cold prompt longer than one tile, not a multiple of the tiles nor of the blocks (the last tiles padded)."""
+    check([(0, LONG + 45, LONG + 41)], num_heads, num_kv_heads, 16, 8, block_size, prefix_full, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix_full", [False, True])
+def test_a_long_prompt_beside_decoders_matches_reference(prefix_full, dtype):
+    """A ragged batch: a prompt chunk after a cached prefix (whole cached tiles unmasked, the partial one
+    masked), a cold prompt, decode rows with cached contexts, an empty request and a rebuild inside its prompt."""
+    requests = [(200, LONG + 2, 330), (0, LONG + 9, LONG + 5), (24, 4, 20), (150, 3, 150), (5, 0, 5), (40, 8, 3)]
+    check(requests, 4, 2, 16, 8, 4, prefix_full, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ungrouped_long_prompt_matches_reference(dtype):
+    check([(70, LONG + 3, 90), (0, 6, 6)], 4, 2, 16, 16, 4, False, dtype, grouped=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [17, 70, 200])
+def test_a_long_causal_piece_with_a_sliding_window_matches_reference(window, dtype):
+    """Rows anchored windows: the tiles below the highest floor of a query tile are masked, those above it
+    unmasked; a window wider than the prompt hides nothing."""
+    check_window([(0, LONG + 30, 0), (90, LONG, 0), (3, 5, 0)], 4, 2, 16, window, False, dtype, 1, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_canvas_with_a_window_from_context_matches_reference(dtype):
+    """A canvas of 130 rows after a long context, bidirectional over itself, seeing the last 40 cached keys."""
+    requests = [(180, LONG + 2, 180 + LONG + 2), (50, 4, 54)]
+    check_window(requests, 4, 2, 16, 41, True, dtype, 4, True)
+
+
+def test_the_longest_query_of_a_launch_picks_the_class(recorder):  # noqa: F811
+    """Queries of `_LONG_QUERY_MIN` positions or more launch the long class (never split, never chained by PDL,
+    8 warps); shorter ones the decode-sized classes exactly as before (4 warps, 2 stages unsplit, 1 split)."""
+    for requests, long in [([(0, LONG, LONG)], True), ([(0, LONG - 1, LONG - 1)], False),
+                           ([(64, 4, 10)] * 3 + [(0, LONG + 5, LONG)], True), ([(64, 4, 10)] * 3, False)]:  # fmt: skip
+        q, k, v, k_cache, v_cache, meta = make_batch(requests, 4, 2, 16, 4, 4, False, torch.float32, DEVICE)
+        recorder.variants.clear()
+        pa.triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+        (variant,) = [dict(v) for v in recorder.variants]
+        assert variant.get("FULL_TILES", False) == long, requests
+        if long:
+            assert variant["BLOCK_Q"] == pa._LONG_QUERY_TILES.rows // 2 and variant["num_warps"] == 8
+            assert not variant["SPLIT"] and not variant["USE_PDL"] and "launch_pdl" not in variant
+        else:
+            assert variant["num_warps"] == 4 and variant["num_stages"] == pa._STAGES_UNSPLIT
+            assert variant["BLOCK_Q"] in (pa._SMALL_TILE_ROWS // 2, pa._LARGE_TILE_ROWS // 2)
+
+
+def test_the_long_class_gives_way_where_its_grid_would_need_split_keys(monkeypatch):
+    """On a GPU a long query whose 128-row grid cannot fill the SMs (a prefix-cache hit's short tail on a long
+    context) keeps the 64-row class with split keys; a split asked for, or heads wider than 128, never take it."""
+    from diffulex.kernels import split_counters
+
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
+    tiles = pa._LONG_QUERY_TILES
+    # 8 KV heads, 2 query heads each: 64 positions per long tile
+    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, None, 64) == tiles  # 32 tiles x 8 = 256 programs
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, None, 64) is None  # 5 x 8 = 40: split keys instead
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, 1, 64) == tiles  # one split asked for: no split
+    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, 4, 64) is None
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 4096, None, 64) is None
+    assert pa._long_query_tiles(cuda, LONG - 1, 2, 128, 64, 4096, None, 64) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("rows", 96), ("block_n", 8), ("num_warps", 6), ("num_stages", 0)])
+def test_long_tiles_refuse_shapes_the_kernel_cannot_take(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        pa.LongQueryTiles(**{field: value})
