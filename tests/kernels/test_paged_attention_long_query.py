@@ -105,3 +105,22 @@ def test_the_long_class_gives_way_where_its_grid_would_need_split_keys(monkeypat
 def test_long_tiles_refuse_shapes_the_kernel_cannot_take(field, value):
     with pytest.raises(ValueError, match=f"{field}={value}"):
         pa.LongQueryTiles(**{field: value})
+
+
+def test_the_gpu_bench_script_runs_every_config_and_names_one_to_keep(tmp_path):
+    """``bench/prefill_attention_bench.py --quick`` (tiny shapes, the interpreter): every configuration is checked
+    against the reference and timed, and the one kept ran every case."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "bench/prefill_attention_bench.py", str(tmp_path), "--quick",
+                           "--lengths", "130"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "prefill_attention.json").read_text())
+    assert all(r["error"] is None and r["max_abs_error"] <= 1e-4 for r in report["rows"]), report["rows"]
+    assert report["keep"] in report["geomean_x_floor"] and f"keep: {report['keep']}" in done.stdout
