@@ -124,3 +124,23 @@ def test_the_gpu_bench_script_runs_every_config_and_names_one_to_keep(tmp_path):
     report = json.loads((tmp_path / "prefill_attention.json").read_text())
     assert all(r["error"] is None and r["max_abs_error"] <= 1e-4 for r in report["rows"]), report["rows"]
     assert report["keep"] in report["geomean_x_floor"] and f"keep: {report['keep']}" in done.stdout
+
+
+def test_the_default_long_tiles_compile_for_hopper_without_spilling():
+    """``bench/attention_compile_check.py`` (Triton's ptxas, no GPU): the long class as launched by default fits
+    the registers of 8 warps (no stack) and an H100's shared memory."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "bench/attention_compile_check.py", "--variants", "long", "--only",
+                           "default"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"long default.*?(\d+) registers,\s+(\d+) B stack,\s+(\d+) KiB shared", done.stdout)
+    assert found, done.stdout
+    registers, stack, shared_kib = map(int, found.groups())
+    assert stack == 0 and registers <= 255 and shared_kib <= 227
