@@ -66,6 +66,18 @@ def test_a_long_canvas_with_a_window_from_context_matches_reference(dtype):
     check_window(requests, 4, 2, 16, 41, True, dtype, 4, True)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="realistic head dims are too slow for the interpreter")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "prefix_full"), [(16, False), (32, True)])
+def test_long_prompts_at_realistic_head_dims_gpu(num_heads, prefix_full, dtype):
+    """SDAR-1.7B and 8B head layouts: a 2k prompt, a chunk after a cached prefix and a decode row in one launch
+    (one split asked for: the long class whatever the grid), and a causal piece with a sliding window."""
+    requests = [(0, 2100, 2050), (300, 700, 1000), (40, 4, 20), (0, 0, 0)]
+    check(requests, num_heads, 8, 128, 16, 4, prefix_full, dtype, splits=1)
+    check_window([(0, 1500, 0), (200, 300, 0)], num_heads, 8, 128, 256, False, dtype, 1, False, splits=1,
+                 page_size=16)  # fmt: skip
+
+
 def test_the_longest_query_of_a_launch_picks_the_class(recorder):  # noqa: F811
     """Queries of `_LONG_QUERY_MIN` positions or more launch the long class (never split, never chained by PDL,
     8 warps); shorter ones the decode-sized classes exactly as before (4 warps, 2 stages unsplit, 1 split)."""
