@@ -1,6 +1,7 @@
 """The host's share of an engine step, with the model forward stubbed out (CPU; no GPU needed).
 
     CUDA_VISIBLE_DEVICES= python bench/host_path.py --batch-sizes 1 8 64 128 [--steps 100] [--json FILE]
+    CUDA_VISIBLE_DEVICES= python bench/host_path.py --cold-prompts 2048 8192 32000 [--json FILE]
 
 Why: with CUDA graphs a decode step's GPU work is a few milliseconds, and everything the host does between the
 sampler's result and the next graph launch (finish the step, schedule, collect the inputs) leaves the GPU idle.
@@ -12,6 +13,10 @@ Phases (ms per step): ``schedule``, ``collect`` (the flat inputs), ``inputs`` (t
 part of the graph fill), ``finish`` (`Scheduler.finish_step` for every request), ``sampler`` (host part of
 sampling: on a GPU it runs while the forward does, so it is off the critical path) and ``rest`` (the engine's
 own loop: records and updates). ``critical`` = everything but the sampler.
+
+``--cold-prompts``: instead, the host's part of a cold prompt's time to first token (what the sweep's ``prefill``
+target times: ``add_request`` and the one step that prefills the prompt and accepts its first token), per phase,
+``add`` being the request's admission; each prompt length once after an untimed one of the same length.
 """
 
 from __future__ import annotations
@@ -84,22 +89,65 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int, buffer_siz
     return {"batch": batch, **{k: round(v, 4) for k, v in row.items()}}
 
 
+def measure_cold_prompt(model_dir: Path, prompt_lens: list[int]) -> list[dict]:
+    """Host milliseconds of `add_request` and of the first step of a cold prompt of each length, per phase."""
+    llm = Diffulex(str(model_dir), block_size=4, buffer_size=1, max_num_reqs=4, max_model_len=max(prompt_lens) + 64,
+                   max_num_batched_tokens=max(prompt_lens) + 64, enable_prefix_caching=True)
+    runner, scheduler = llm.runner, llm.scheduler
+    hidden = runner.token_embedding().embedding_dim
+    runner.forward = lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden)
+    acc: dict[str, float] = collections.defaultdict(float)
+    scheduler.schedule = _timed(acc, "schedule", scheduler.schedule)
+    scheduler.finish_step = _timed(acc, "finish", scheduler.finish_step)
+    runner.collect = _timed(acc, "collect", runner.collect)
+    runner._eager_inputs = _timed(acc, "inputs", runner._eager_inputs)
+    runner.sampler.launch = _timed(acc, "sampler", runner.sampler.launch)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rows = []
+    for n in prompt_lens:
+        for seed in (2 * n, 2 * n + 1):  # the first of each length is untimed
+            gen = torch.Generator().manual_seed(seed)
+            prompt = [t if t != llm.mask_token_id else 0
+                      for t in torch.randint(0, llm.vocab_limit, (n,), generator=gen).tolist()]  # fmt: skip
+            acc.clear()
+            t0 = time.perf_counter()
+            llm.add_request(prompt, params)
+            added = time.perf_counter() - t0
+            llm.step()
+            total = time.perf_counter() - t0
+            while llm.scheduler.waiting or llm.scheduler.running:
+                llm.step()
+        rows.append({"prompt_len": n, "add": round(1e3 * added, 4), **{k: round(1e3 * v, 4) for k, v in acc.items()},
+                     "ttft_host": round(1e3 * total, 4)})  # fmt: skip
+    llm.exit()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 128])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--buffer-size", type=int, default=1)
+    parser.add_argument("--cold-prompts", type=int, nargs="+", default=None,
+                        help="measure a cold prompt's first step at these lengths instead")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", family="sdar", seed=0)
-        rows = [measure(model_dir, b, args.steps, args.prompt_len, args.buffer_size) for b in args.batch_sizes]
-    keys = ["schedule", "collect", "inputs", "finish", "rest", "sampler", "critical", "step"]
-    print(f"{'batch':>5} " + " ".join(f"{k:>9}" for k in keys) + "   (ms per step)")
+        if args.cold_prompts:
+            config = json.loads((model_dir / "config.json").read_text())
+            config["max_position_embeddings"] = max(args.cold_prompts) + 64  # the tiny model's positions, widened
+            (model_dir / "config.json").write_text(json.dumps(config))
+            rows = measure_cold_prompt(model_dir, args.cold_prompts)
+            first, keys = "prompt_len", ["add", "schedule", "collect", "inputs", "sampler", "finish", "ttft_host"]
+        else:
+            rows = [measure(model_dir, b, args.steps, args.prompt_len, args.buffer_size) for b in args.batch_sizes]
+            first, keys = "batch", ["schedule", "collect", "inputs", "finish", "rest", "sampler", "critical", "step"]
+    print(f"{first:>10} " + " ".join(f"{k:>9}" for k in keys) + "   (ms)")
     for row in rows:
-        print(f"{row['batch']:>5} " + " ".join(f"{row.get(k, 0.0):>9.3f}" for k in keys))
+        print(f"{row[first]:>10} " + " ".join(f"{row.get(k, 0.0):>9.3f}" for k in keys))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
