@@ -66,6 +66,14 @@ def test_a_long_canvas_with_a_window_from_context_matches_reference(dtype):
     check_window(requests, 4, 2, 16, 41, True, dtype, 4, True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_rows_with_key_tails_match_reference(dtype):
+    """A long row range whose last block reads cached keys after the rows (`key_lens`), beside refinements."""
+    from tests.kernels.test_paged_attention_key_tails import check as check_tails
+
+    check_tails(4, 2, 8, dtype, requests=[(64, LONG + 2, 60, 200), (16, 2, 10, 24), (0, LONG, LONG, LONG)])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="realistic head dims are too slow for the interpreter")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "prefix_full"), [(16, False), (32, True)])
