@@ -1,14 +1,17 @@
 """A prompt's attention alone: the long-query tile class against the 64-row class it replaces, and candidate shapes
 of the long class, against the flops floor.
 
-    PYTHONPATH=. python bench/prefill_attention_bench.py OUT_DIR [--lengths 2048 8192 32000] [--quick]
+    PYTHONPATH=. python bench/prefill_attention_bench.py OUT_DIR [--lengths 2048 8192 32000] [--chunks 30000:2048]
+        [--quick]
 
 For the SDAR-1.7B (16 query heads, 8 KV heads) and SDAR-8B (32, 8) head layouts, head_dim 128, bf16, block 4:
-one cold prompt of each length, one launch of one layer's paged attention (block-causal, no cached keys), timed
+one cold prompt of each length and a chunk of a prompt after a cached prefix (``CACHED:ROWS``, keys read through
+shuffled pages of 16, as a chunked prefill's), one launch of one layer's paged attention (block-causal), timed
 with CUDA events after a warm-up launch that compiles the variant. Its floor is the block-causal (query, key)
-pairs' flops (``4 x heads x head_dim`` per pair, as `diffulex.bench.roofline` counts them) over the measured
-bf16 matmul rate. Every configuration's output is checked at the first length against the PyTorch reference
-(`diffulex.attention.torch_paged`, float32); one that fails it or fails to launch is reported and not kept.
+pairs' flops (``4 x heads x head_dim`` per pair, cached keys included, as `diffulex.bench.roofline` counts them)
+over the measured bf16 matmul rate. Every configuration's output is checked on the first case against the PyTorch
+reference (`diffulex.attention.torch_paged`, float32); one that fails it or fails to launch is reported and not
+kept.
 
 Writes ``OUT_DIR/prefill_attention.json`` and prints a table and the configuration to keep: the lowest geometric
 mean of time over floor across the cases. ``--quick`` runs tiny shapes (on the CPU under the Triton interpreter),
@@ -38,6 +41,8 @@ HEAD_LAYOUTS = {"sdar-1.7b": (16, 8), "sdar-8b": (32, 8)}
 QUICK_HEAD_LAYOUTS = {"tiny 4/2": (4, 2)}
 HEAD_DIM, QUICK_HEAD_DIM = 128, 16
 LENGTHS, QUICK_LENGTHS = (2048, 8192, 32000), (160, 300)
+CHUNKS, QUICK_CHUNKS = ("30000:2048",), ("200:130",)  # CACHED:ROWS
+PAGE_SIZE = 16
 BEFORE = "64-row class (before)"
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
 
@@ -71,27 +76,34 @@ def long_class(tiles) -> Iterator[None]:
         pa._LONG_QUERY_TILES, pa._LONG_QUERY_MIN = saved
 
 
-def prompt_inputs(length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-    """q/k/v of one cold prompt, an unused one-page cache, and its metadata (block-causal, no cached keys)."""
+def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device):  # fmt: skip
+    """q/k/v of `length` prompt rows after `cached` cached positions (in shuffled pages of a random cache), and
+    their metadata (block-causal)."""
     from diffulex.attention.metadata import PagedAttentionMetadata
 
-    gen = torch.Generator(device=device).manual_seed(length)
+    gen = torch.Generator(device=device).manual_seed(cached + length)
     q = torch.randn(length, heads, head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    cache = torch.zeros(1, 16, kv_heads, head_dim, device=device, dtype=dtype)
+    pages = max(1, -(-(cached + length) // PAGE_SIZE))
+    cache = torch.randn(pages, PAGE_SIZE, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    table = torch.randperm(pages, device=device, generator=gen).to(torch.int32)[None]
+    slots = table[0].long().repeat_interleave(PAGE_SIZE) * PAGE_SIZE + torch.arange(PAGE_SIZE, device=device).repeat(
+        pages
+    )
     meta = PagedAttentionMetadata(
         cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32, device=device),
-        context_lens=torch.zeros(1, dtype=torch.int32, device=device),
-        prefix_lens=torch.full((1,), length, dtype=torch.int32, device=device),
-        page_tables=torch.full((1, 1), -1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((length,), -1, dtype=torch.int64, device=device),
+        context_lens=torch.full((1,), cached, dtype=torch.int32, device=device),
+        prefix_lens=torch.full((1,), cached + length, dtype=torch.int32, device=device),
+        page_tables=table,
+        slot_mapping=slots[cached : cached + length],
         block_size=BLOCK_SIZE,
-        page_size=16,
+        page_size=PAGE_SIZE,
         prefix_full=False,
         query_lens_cpu=[length],
-        context_lens_cpu=[0],
-        prefix_lens_cpu=[length],
+        context_lens_cpu=[cached],
+        prefix_lens_cpu=[cached + length],
     )
     return q, k, v, cache, meta
 
@@ -113,16 +125,18 @@ def seconds_per_launch(fn, device: torch.device, length: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, length: int, check: bool, configs,
-                 dtype: torch.dtype, device: torch.device, flops_per_s: float, log=print) -> list[dict[str, object]]:
-    """Every configuration on one prompt; with `check`, each output against the float32 reference."""
+def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: int, length: int, check: bool,
+                 configs, dtype: torch.dtype, device: torch.device, flops_per_s: float,
+                 log=print) -> list[dict[str, object]]:  # fmt: skip
+    """Every configuration on one prompt (`length` rows after `cached` positions); with `check`, each output
+    against the float32 reference."""
     from diffulex.attention.torch_paged import paged_attention
     from diffulex.bench.roofline import block_causal_pairs
     from diffulex.kernels.paged_attention import triton_paged_attention
 
-    q, k, v, cache, meta = prompt_inputs(length, heads, kv_heads, head_dim, dtype, device)
+    q, k, v, cache, meta = prompt_inputs(cached, length, heads, kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
-    flops = 4 * heads * head_dim * block_causal_pairs(0, length, BLOCK_SIZE)
+    flops = 4 * heads * head_dim * block_causal_pairs(cached, cached + length, BLOCK_SIZE)
     expected = None
     if check:
         expected = paged_attention(q.float(), k.float(), v.float(), cache.float(), cache.float(), meta, scale)
@@ -130,7 +144,9 @@ def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, length: 
     launch = functools.partial(triton_paged_attention, q, k, v, cache, cache, meta, scale, out=out)
     rows: list[dict[str, object]] = []
     for name, tiles in configs.items():
-        row: dict[str, object] = {"heads": layout, "prompt_len": length, "config": name, "error": None}
+        case = f"{length}" if cached == 0 else f"{length} after {cached}"
+        row: dict[str, object] = {"heads": layout, "case": case, "cached": cached, "rows": length, "config": name,
+                                  "error": None}  # fmt: skip
         try:
             out.fill_(float("nan"))
             with long_class(tiles):
@@ -141,16 +157,16 @@ def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, length: 
                     raise RuntimeError(f"max abs error {row['max_abs_error']:.3g} > {TOLERANCE}")
             row |= {"ms": 1e3 * seconds, "floor_ms": 1e3 * flops / flops_per_s, "tflops": flops / seconds / 1e12,
                     "x_floor": seconds * flops_per_s / flops}
-            log(f"  {layout:10s} {length:6d} {name:36s} {row['ms']:9.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
+            log(f"  {layout:10s} {case:>16s} {name:36s} {row['ms']:9.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
                 f"{row['x_floor']:5.2f}x floor")
         except Exception as err:  # noqa: BLE001  (a config that cannot launch is reported, not kept)
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            log(f"  {layout:10s} {length:6d} {name:36s} failed: {row['error']}")
+            log(f"  {layout:10s} {case:>16s} {name:36s} failed: {row['error']}")
         rows.append(row)
     return rows
 
 
-def measure(quick: bool, lengths: list[int], log=print) -> dict[str, object]:
+def measure(quick: bool, cases: list[tuple[int, int]], log=print) -> dict[str, object]:
     from diffulex.bench.hardware import measure_matmul_throughput
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,9 +179,9 @@ def measure(quick: bool, lengths: list[int], log=print) -> dict[str, object]:
     configs = candidates()
     rows: list[dict[str, object]] = []
     for layout, (heads, kv_heads) in layouts.items():
-        for length in lengths:
-            rows += measure_case(layout, heads, kv_heads, head_dim, length, length == lengths[0], configs, dtype,
-                                 device, flops_per_s, log)
+        for i, (cached, length) in enumerate(cases):
+            rows += measure_case(layout, heads, kv_heads, head_dim, cached, length, i == 0, configs, dtype, device,
+                                 flops_per_s, log)  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"device": str(device), "dtype": str(dtype), "matmul_TFLOPs": flops_per_s / 1e12, "head_dim": head_dim,
@@ -174,7 +190,7 @@ def measure(quick: bool, lengths: list[int], log=print) -> dict[str, object]:
 
 def choose(rows: list[dict[str, object]], names: list[str]) -> dict[str, object]:
     """The configuration with the lowest geometric mean of time over floor, among those that ran every case."""
-    cases = {(r["heads"], r["prompt_len"]) for r in rows}
+    cases = {(r["heads"], r["case"]) for r in rows}
     score: dict[str, float] = {}
     for name in names:
         mine = [r for r in rows if r["config"] == name and not r["error"]]
@@ -184,10 +200,10 @@ def choose(rows: list[dict[str, object]], names: list[str]) -> dict[str, object]
         raise RuntimeError("no configuration ran every case")
     keep = min(score, key=score.__getitem__)
     best = {}
-    for heads, length in sorted(cases):
-        ran = [r for r in rows if (r["heads"], r["prompt_len"]) == (heads, length) and not r["error"]]
+    for heads, case in sorted(cases):
+        ran = [r for r in rows if (r["heads"], r["case"]) == (heads, case) and not r["error"]]
         if ran:
-            best[f"{heads} {length}"] = min(ran, key=lambda r: r["x_floor"])["config"]
+            best[f"{heads} {case}"] = min(ran, key=lambda r: r["x_floor"])["config"]
     return {"geomean_x_floor": score, "keep": keep, "speedup_vs_before": score.get(BEFORE, math.nan) / score[keep],
             "fastest_per_case": best}
 
@@ -195,7 +211,8 @@ def choose(rows: list[dict[str, object]], names: list[str]) -> dict[str, object]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="cold prompts")
+    ap.add_argument("--chunks", nargs="*", default=None, help="CACHED:ROWS prompt chunks after a cached prefix")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, any device: checks the script, not speed")
     args = ap.parse_args()
     if not args.quick and not torch.cuda.is_available():
@@ -203,8 +220,15 @@ def main() -> int:
               file=sys.stderr)
         return 2
     lengths = args.lengths or list(QUICK_LENGTHS if args.quick else LENGTHS)
+    chunks = args.chunks if args.chunks is not None else list(QUICK_CHUNKS if args.quick else CHUNKS)
+    try:
+        cases = [(0, n) for n in lengths] + [tuple(int(x) for x in c.split(":")) for c in chunks]
+    except ValueError:
+        ap.error(f"--chunks {' '.join(chunks)} is invalid: each must be CACHED:ROWS, two integers")
+    if any(len(c) != 2 or c[0] < 0 or c[1] < 1 for c in cases):
+        ap.error(f"--lengths / --chunks {cases} are invalid: rows must be >= 1 and cached positions >= 0")
     t0 = time.perf_counter()
-    report = measure(args.quick, lengths)
+    report = measure(args.quick, cases)
     report["seconds"] = time.perf_counter() - t0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "prefill_attention.json"
