@@ -85,13 +85,14 @@ def _online_softmax_step(
 ):
     """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator);
     with a ``WINDOW``, keys below each row's ``k_floor`` are hidden. Without ``MASK`` the visibility rule is not
-    evaluated at all: the caller has proved that each valid row sees the whole tile."""
+    evaluated at all: the caller has proved that each valid row sees the whole tile, so every score is finite (no
+    fully masked row to guard) and the scale rides in the exponent's fused multiply-add."""
     if IEEE:
         s = tl.dot(q, tl.trans(k_t), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k_t))
-    s = s * qk_scale
     if MASK:
+        s = s * qk_scale
         visible = (k_pos[None, :] // BLOCK_SIZE) <= q_blk[:, None]
         if PREFIX_FULL:
             visible = tl.where(q_in_prompt[:, None], k_pos[None, :] < prompt_len, visible)
@@ -99,10 +100,14 @@ def _online_softmax_step(
         if WINDOW > 0:
             visible = visible & (k_pos[None, :] >= k_floor[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the scale is positive: the same maximum
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
