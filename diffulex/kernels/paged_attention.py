@@ -631,8 +631,8 @@ class LongQueryTiles:
 
 # The long-query class: a launch whose longest query has at least `_LONG_QUERY_MIN` positions (so more rows than
 # PDL chains: the class never waits on PDL) and heads of at most `_LONG_MAX_HEAD_DIM` (a 128 x 256 fp32 accumulator
-# would spill) folds larger query tiles and skips the mask on interior key tiles. It never splits keys: where its
-# grid is too small to fill the GPU without splits, the 64-row class (more programs, split keys) runs instead.
+# would spill) folds larger query tiles and skips the mask on interior key tiles. It never splits keys: where the
+# longest request's tiles are too few to fill the GPU, the 64-row class (more programs, split keys) runs instead.
 _LONG_QUERY_MIN = 128
 _LONG_MAX_HEAD_DIM = 128
 _LONG_QUERY_TILES = LongQueryTiles()
@@ -656,8 +656,10 @@ def _long_query_tiles(
     num_splits: int | None, min_split_keys: int,
 ) -> LongQueryTiles | None:
     """The long-query class's tiles if this launch takes it (a query of `_LONG_QUERY_MIN` positions or more, heads
-    of at most `_LONG_MAX_HEAD_DIM`, no split asked for, and a grid of ``slots`` (requests x head slots) per query
-    tile that fills the GPU without splitting keys); None: the decode-sized classes of `_tile_shapes`."""
+    of at most `_LONG_MAX_HEAD_DIM`, no split asked for, and the longest request's programs alone, its query tiles
+    times its ``slots`` (head slots), fill the GPU without splitting keys); None: the decode-sized classes of
+    `_tile_shapes`. The longest request's programs, not the grid's: beside a prompt chunk, decoders' programs are
+    short, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it folds its long context."""
     tiles = _LONG_QUERY_TILES
     if max_query_len < _LONG_QUERY_MIN or head_dim > _LONG_MAX_HEAD_DIM or (num_splits or 1) > 1:
         return None
@@ -740,8 +742,8 @@ def triton_paged_attention(
     group_pad = _next_pow2(group) if grouped else 1
     max_query_len = meta.max_query_len
     head_slots = num_kv_heads if grouped else num_heads
-    long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, num_requests * head_slots,
-                                   meta.max_kv_len, num_splits, min_split_keys)
+    long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, head_slots, meta.max_kv_len,
+                                   num_splits, min_split_keys)
     if long_tiles is not None:
         block_q, block_n = max(1, long_tiles.rows // group_pad), long_tiles.block_n
         num_splits = 1

@@ -104,9 +104,10 @@ def test_the_longest_query_of_a_launch_picks_the_class(recorder):  # noqa: F811
             assert variant["BLOCK_Q"] in (pa._SMALL_TILE_ROWS // 2, pa._LARGE_TILE_ROWS // 2)
 
 
-def test_the_long_class_gives_way_where_its_grid_would_need_split_keys(monkeypatch):
-    """On a GPU a long query whose 128-row grid cannot fill the SMs (a prefix-cache hit's short tail on a long
-    context) keeps the 64-row class with split keys; a split asked for, or heads wider than 128, never take it."""
+def test_the_long_class_gives_way_where_its_tiles_would_leave_sms_idle(monkeypatch):
+    """On a GPU a long query whose 128-row tiles cannot fill the SMs (a prefix-cache hit's short tail on a long
+    context, a 512-row chunk beside decoders) keeps the 64-row class; a split asked for, or heads wider than 128,
+    never take it."""
     from diffulex.kernels import split_counters
 
     cuda, sms = torch.device("cuda", 0), 132
@@ -115,6 +116,8 @@ def test_the_long_class_gives_way_where_its_grid_would_need_split_keys(monkeypat
     # 8 KV heads, 2 query heads each: 64 positions per long tile
     assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, None, 64) == tiles  # 32 tiles x 8 = 256 programs
     assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, None, 64) is None  # 5 x 8 = 40: split keys instead
+    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 32000, None, 64) is None  # 8 x 8 = 64, decoders beside or not
+    assert pa._long_query_tiles(cuda, 1088, 2, 128, 8, 32000, None, 64) == tiles  # 17 x 8 = 136 programs
     assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, 1, 64) == tiles  # one split asked for: no split
     assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, 4, 64) is None
     assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 4096, None, 64) is None
