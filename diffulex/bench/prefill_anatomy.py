@@ -256,6 +256,7 @@ def run_anatomy(out_dir: Path, quick: bool, models: Sequence[str] | None = None,
     import tempfile
 
     from diffulex.bench.hardware import measure_peaks
+    from diffulex.bench.sweep_common import release
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = list(models or ([QUICK_MODEL] if quick else MODELS))
@@ -267,8 +268,7 @@ def run_anatomy(out_dir: Path, quick: bool, models: Sequence[str] | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             report["rows"] += anatomy_of_model(model, prompt_lens, Path(tmp), peaks, data_dir, log)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)  # the engine's KV cache, before the next one plans its memory
     report["hardware"] = peaks.to_dict()  # with the matmul rates measured on the way
     report["seconds"] = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
