@@ -237,12 +237,11 @@ def main() -> None:
         write = write_fast_dllm_v2_checkpoint if fdv2 else write_sdar_checkpoint
         path = write(Path(tmp) / args.model, args.model, args.data_dir)
         block_size = args.block_size or (8 if fdv2 else 4)
-        strategy = {}
-        if args.strategy == "fast_dllm_v2":
-            strategy = dict(decoding_strategy="fast_dllm_v2", buffer_size=FDV2_SUB_BLOCKS)
         fields = dict(block_size=block_size, buffer_size=args.buffer_size, max_num_reqs=max(args.batch),
                       max_model_len=1024, load_format="dummy", enable_cudagraph_torch_compile=args.compile,
-                      micro_batches=args.micro_batches, **strategy)
+                      micro_batches=args.micro_batches, decoding_strategy=args.strategy)
+        if args.strategy == "fast_dllm_v2":
+            fields["buffer_size"] = FDV2_SUB_BLOCKS
         engine = Diffulex(str(path), **fields)
         for batch in args.batch:
             prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, 128, 0)

@@ -275,6 +275,13 @@ class Config:
         "Compute a prompt longer than the step's token budget over several steps, one block-aligned chunk per "
         "step, beside the decoding requests (block-causal strategies only; d2f attends the whole prompt).",
     )
+    max_prefill_chunk_cost: int = _field(
+        0,
+        "With enable_chunked_prefill, while other requests decode: the most row equivalents of prompt rows one step "
+        "computes, a row after C cached tokens costing 1 + C / C_parity (C_parity: the context at which a row's "
+        "attention flops equal its linear flops, from the model's sizes), so a long prompt's chunks shrink as its "
+        "context grows. 0 = off (only the token budget and max_prefill_graph_tokens bound a chunk).",
+    )
     num_pages: int = _field(
         -1,
         "KV cache pages; <= 0 = max_num_reqs x max_model_len worth, capped by the memory left (GPU: "
@@ -613,6 +620,7 @@ class Config:
         check_int("max_model_len", self.max_model_len, low=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("max_num_reqs", self.max_num_reqs, low=1)
+        check_int("max_prefill_chunk_cost", self.max_prefill_chunk_cost, low=0)
         check_int("num_pages", self.num_pages)
         if self.cpu_threads is not None:
             check_int("cpu_threads", self.cpu_threads, low=1)
@@ -701,6 +709,12 @@ class Config:
                 break
         if self.enable_chunked_prefill:
             self._check_chunked_prefill()
+        elif self.max_prefill_chunk_cost > 0:
+            raise invalid_value(
+                "max_prefill_chunk_cost",
+                self.max_prefill_chunk_cost,
+                "must be 0 without enable_chunked_prefill=True (it sizes the chunks of a chunked prompt)",
+            )
         elif self.strategy.budgets_prompt_tokens and self.max_num_batched_tokens < self.max_model_len:
             raise invalid_value(
                 "max_num_batched_tokens",

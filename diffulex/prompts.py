@@ -25,9 +25,12 @@ import re
 import secrets
 import threading
 import weakref
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 Message = Mapping[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -219,10 +222,22 @@ def all_plain_ints(values: Sequence[Any]) -> bool:
     return set(map(type, values)) <= {int}
 
 
-def _check_token_ids(prompt: Sequence[Any], vocab_size: int | None) -> list[int]:
+def _int64_values(ids: list[int]) -> np.ndarray | None:
+    """Plain int ids as one int64 array, converted at C speed, or None when one does not fit in 64 bits: the range
+    and mask checks of a 32k-token prompt then take one conversion instead of three passes of Python comparisons."""
+    try:
+        return np.frombuffer(array("q", ids), dtype=np.int64)
+    except OverflowError:
+        return None
+
+
+def _check_token_ids(prompt: Sequence[Any], vocab_size: int | None) -> tuple[list[int], np.ndarray | None]:
+    """The ids of a token-id prompt, checked, and their int64 values where they fit (for the mask check)."""
     ids = list(prompt)
-    if all_plain_ints(ids) and (not ids or vocab_size is None or (min(ids) >= 0 and max(ids) < vocab_size)):
-        return ids
+    if all_plain_ints(ids):
+        values = _int64_values(ids)
+        if vocab_size is None or not ids or (values is not None and values.min() >= 0 and values.max() < vocab_size):
+            return ids, values
     for position, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int):
             raise ValueError(
@@ -230,7 +245,7 @@ def _check_token_ids(prompt: Sequence[Any], vocab_size: int | None) -> list[int]
             )
         if vocab_size is not None and not 0 <= token < vocab_size:
             raise ValueError(f"prompt token id {token} is invalid: must be within [0, {vocab_size})")
-    return ids
+    return ids, None
 
 
 def encode_prompt(
@@ -253,6 +268,7 @@ def encode_prompt(
     ``parse_special_tokens`` lets special-token text inside text and messages act as special tokens. Whatever the
     prompt, the result must not hold ``mask_token_id``. Raises ValueError naming the prompt for anything else.
     """
+    values = None  # a token-id prompt's int64 values (`_check_token_ids`)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt='' is invalid: must be a non-empty string, a list of token ids or of messages")
@@ -264,7 +280,7 @@ def encode_prompt(
         messages = _check_messages(tokenizer, prompt)  # type: ignore[arg-type]
         ids = _encode_conversation(tokenizer, messages, parse_special_tokens)
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        ids = _check_token_ids(prompt, vocab_size)
+        ids, values = _check_token_ids(prompt, vocab_size)
     else:
         raise ValueError(
             f"prompt {preview(prompt)} is invalid: must be a string, a list of token ids or a list of chat messages "
@@ -272,7 +288,9 @@ def encode_prompt(
         )
     if not ids:
         raise ValueError(f"prompt {preview(prompt)} is invalid: it encodes to zero tokens")
-    if mask_token_id is not None and mask_token_id in ids:
+    if mask_token_id is not None and (
+        mask_token_id in ids if values is None else bool((values == mask_token_id).any())
+    ):
         raise ValueError(
             f"prompt {preview(prompt)} is invalid: it holds the mask token id {mask_token_id} at position "
             f"{ids.index(mask_token_id)}; the mask token marks positions still to be decoded and cannot be part of a "

@@ -501,6 +501,18 @@ def test_chunked_prefill_is_refused_for_a_strategy_whose_requests_do_not_chunk(t
         make(tmp_path, model_name="llada2", sampling_mode="edit", decoding_strategy="dmax", enable_chunked_prefill=True)
 
 
+def test_a_prefill_chunk_cost_budget_sizes_chunked_prompts_only(tmp_path):
+    cfg = make(tmp_path, enable_chunked_prefill=True, block_size=4, max_prefill_chunk_cost=96)
+    assert cfg.max_prefill_chunk_cost == 96 and make(tmp_path).max_prefill_chunk_cost == 0
+    with pytest.raises(ValueError, match=r"^max_prefill_chunk_cost=96 is invalid: must be 0 without "
+                                         r"enable_chunked_prefill=True"):
+        make(tmp_path, max_prefill_chunk_cost=96)
+    with pytest.raises(ValueError, match=r"^max_prefill_chunk_cost=-1 is invalid"):
+        make(tmp_path, enable_chunked_prefill=True, max_prefill_chunk_cost=-1)
+    with pytest.raises(ValueError, match=r"^max_prefill_chunk_cost=2.5 is invalid"):
+        make(tmp_path, enable_chunked_prefill=True, max_prefill_chunk_cost=2.5)
+
+
 def test_prefill_graphs_hold_one_prompt_block_and_a_row_or_are_off(tmp_path):
     assert make(tmp_path, block_size=4).max_prefill_graph_tokens == 512
     assert make(tmp_path, block_size=4, max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0

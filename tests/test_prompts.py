@@ -167,6 +167,7 @@ def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tm
         ([5, 7, True], r"token 2 is True, but token ids must be integers"),
         ([5, -1], r"prompt token id -1 is invalid: must be within \[0, 380\)"),
         ([5, 380], r"prompt token id 380 is invalid: must be within \[0, 380\)"),
+        ([5, 2**70], rf"prompt token id {2**70} is invalid: must be within \[0, 380\)"),  # past 64 bits
         ([], r"prompt \[\] is invalid: it encodes to zero tokens"),
         ([{"role": "user"}], r"messages\[0\]\.content=None is invalid: must be a string"),
         ([{"role": "", "content": "x"}], r"messages\[0\]\.role='' is invalid"),
@@ -176,6 +177,21 @@ def test_a_template_that_rewrites_content_still_never_parses_user_markup(tok, tm
 def test_bad_prompts_are_refused_naming_the_prompt(tok, prompt, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         encode_prompt(tok, prompt, mask_token_id=MASK, vocab_size=380)
+
+
+def test_a_long_token_id_prompt_holding_the_mask_token_is_refused_at_its_position(tok) -> None:
+    prompt = [7] * 40_000
+    prompt[33_333] = MASK
+    with pytest.raises(ValueError, match=rf"it holds the mask token id {MASK} at position 33333"):
+        encode_prompt(tok, prompt, mask_token_id=MASK, vocab_size=380)
+    prompt[33_333] = 8
+    assert encode_prompt(tok, prompt, mask_token_id=MASK, vocab_size=380) == prompt
+
+
+def test_without_a_vocabulary_bound_ids_past_64_bits_are_kept_and_still_checked_for_the_mask(tok) -> None:
+    assert encode_prompt(tok, [2**70, 5], mask_token_id=MASK) == [2**70, 5]
+    with pytest.raises(ValueError, match=rf"it holds the mask token id {MASK} at position 1"):
+        encode_prompt(tok, [2**70, MASK], mask_token_id=MASK)
 
 
 def test_token_ids_of_an_int_subclass_are_token_ids(tok) -> None:

@@ -20,7 +20,8 @@ against the hardware floors; it takes the engine flags (``--enforce-eager``, ``-
 milliseconds per DiffusionGemma denoising step against the step's floor (docs/benchmarks.md, "DiffusionGemma
 denoising steps (GPU)"). ``sweep`` runs the
 performance targets (docs/benchmarks.md, "Performance sweep"): ``--targets``, ``--out DIR``, ``--max-seconds`` per
-target, ``--total-seconds`` for all, ``--quick`` (tiny checkpoints, the CPU path), ``--data-dir`` and the engine flags.
+target, ``--total-seconds`` for all, ``--quick`` (tiny checkpoints, the CPU path), ``--prefill-parts`` (the
+prefill target's parts: ``ttft``, ``beside``), ``--data-dir`` and the engine flags.
 
 Exit codes: 0 done, 2 bad config or arguments (the message names the key), 1 the run failed.
 """
@@ -161,11 +162,15 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-dir", dest="tp__data_dir", metavar="DIR",
                        help="folder with the real SDAR-4B-Chat config.json and tokenizer (default: a source "
                             "checkout's tests/data/sdar-4b-chat)")
-    from diffulex.bench.sweep_common import DEFAULT_TARGETS, TARGETS
+    from diffulex.bench.sweep_common import DEFAULT_TARGETS, PREFILL_PARTS, TARGETS
 
     sweep = parser.add_argument_group("sweep (diffulex bench sweep; see docs/benchmarks.md, Performance sweep)")
     sweep.add_argument("--targets", dest="tp__targets", nargs="+", type=str.lower, choices=TARGETS,
                        help=f"what to measure (default: {' '.join(DEFAULT_TARGETS)}; dp needs two devices)")
+    sweep.add_argument("--prefill-parts", dest="tp__prefill_parts", nargs="+", type=str.lower,
+                       choices=PREFILL_PARTS,
+                       help="what the prefill target measures: ttft (time to first token, prefix-cache hit), beside "
+                            "(decoders beside a chunked prefill, per chunk setting); default: both")
     sweep.add_argument("--total-seconds", dest="tp__total_seconds", type=float, metavar="S",
                        help="budget of the whole sweep: each target gets at most its share of what is left "
                             "(and at most --max-seconds)")
@@ -264,7 +269,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + name.replace("_", "-") for name in eval_)
         raise ValueError(f"{flags}: eval keys are not used by 'diffulex bench throughput'")
     opts = throughput_options(args)
-    for name in ("targets", "total_seconds"):
+    for name in ("targets", "total_seconds", "prefill_parts"):
         if name in opts:
             raise ValueError(f"--{name.replace('_', '-')}: only for 'diffulex bench sweep'")
     engine = _engine_flag_overrides(args)
@@ -322,7 +327,7 @@ def cmd_canvas(args: argparse.Namespace) -> int:
     return 0
 
 
-SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "data_dir")
+SWEEP_OPTIONS = ("targets", "out", "quick", "max_seconds", "total_seconds", "data_dir", "prefill_parts")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -330,6 +335,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from diffulex.bench.sweep_common import (
         DEFAULT_TARGET_SECONDS,
         DEFAULT_TARGETS,
+        PREFILL_PARTS,
         QUICK_TARGET_SECONDS,
         SweepSettings,
     )
@@ -356,6 +362,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         targets=opts.get("targets", list(DEFAULT_TARGETS)), out=opts["out"], quick=quick,
         max_seconds=opts.get("max_seconds", QUICK_TARGET_SECONDS if quick else DEFAULT_TARGET_SECONDS),
         total_seconds=opts.get("total_seconds"), data_dir=opts.get("data_dir"), engine_overrides=engine,
+        prefill_parts=opts.get("prefill_parts", list(PREFILL_PARTS)),
     )
     reports = run(settings, log=lambda line: print(line, flush=True))
     failed = [name for name, report in reports.items()

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving", "dp")
+# The parts of the ``prefill`` target (``--prefill-parts``): time to first token with the prefix-cache hit, and
+# decoders beside a chunked prefill.
+PREFILL_PARTS = ("ttft", "beside")
 # What a sweep without --targets runs: every target a one-device machine can run (``dp`` needs two devices).
 DEFAULT_TARGETS = ("batch", "prefill", "strategies", "moe", "start", "serving")
 # Each target's share of ``--total-seconds``: about the engines it builds (builds dominate a short sweep): batch 4,
@@ -50,6 +53,7 @@ class SweepSettings:
     total_seconds: float | None = None  # the whole sweep: each target gets at most its share of what is left
     data_dir: str | None = None  # SDAR-4B-Chat config and tokenizer (the GPU geometries)
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # applied to every engine the sweep builds
+    prefill_parts: list[str] = field(default_factory=lambda: list(PREFILL_PARTS))  # what the prefill target runs
 
     def __post_init__(self) -> None:
         from diffulex.validation import check_number
@@ -60,6 +64,10 @@ class SweepSettings:
             if target not in TARGETS:
                 raise ValueError(f"targets: {target!r} is invalid: must be one of {', '.join(TARGETS)}")
         self.targets = [t for t in TARGETS if t in self.targets]  # one order, each once
+        if not self.prefill_parts or any(part not in PREFILL_PARTS for part in self.prefill_parts):
+            raise ValueError(f"prefill_parts={self.prefill_parts!r} is invalid: must name one or more of "
+                             f"{', '.join(PREFILL_PARTS)}")
+        self.prefill_parts = [p for p in PREFILL_PARTS if p in self.prefill_parts]
         check_number("max_seconds", self.max_seconds, low=0.0, low_open=True)
         if self.total_seconds is not None:
             check_number("total_seconds", self.total_seconds, low=0.0, low_open=True)

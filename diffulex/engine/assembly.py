@@ -12,6 +12,7 @@ import importlib
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.kv_cache_manager import KVCacheManager
 from diffulex.engine.memory_plan import plan_num_pages, profile_shape
 from diffulex.engine.model_runner import ModelRunner, RunnerSettings
+from diffulex.engine.prefill_cost import PrefillCostModel
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.engine.tensor_parallel import (
     DEATH_WAIT_S,
@@ -37,7 +39,7 @@ from diffulex.engine.tensor_parallel import (
 from diffulex.layers.parallel_state import engine_ranks
 from diffulex.strategy.request import DecodeSettings, Request
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
-from diffulex.validation import warn
+from diffulex.validation import invalid_value, warn
 
 if TYPE_CHECKING:
     from diffulex.kernels.parallel_compile import CompileHelpers
@@ -203,11 +205,12 @@ def _build_components(
     if cache_entries is not None:
         after = _triton_cache_entries()
         if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)
-            logger.info("kernels: %d compiled by the build itself after the helper processes", after - cache_entries)
+            logger.info("kernels: %d compiled by the build itself after the helper processes%s",
+                        len(after - cache_entries), _named_counts(_cached_kernel_names(after - cache_entries)))
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
     limits = SchedulerLimits(
         config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
-        policy.prefill_chunk_rows,
+        policy.prefill_chunk_rows, config.max_prefill_chunk_cost, _prefill_cost_model(config, model),
     )
     scheduler = Scheduler(limits, kv_cache)
     request_cls = strategy.request_class
@@ -220,6 +223,16 @@ def _build_components(
         device, dtype, tokenizer, model, mask_token_id, vocab_limit, settings, runner, scheduler, request_cls, policy,
         build,
     )  # fmt: skip
+
+
+def _prefill_cost_model(config: Config, model: torch.nn.Module) -> PrefillCostModel | None:
+    """The price of prompt rows where ``max_prefill_chunk_cost`` sizes chunks by it, from the model's sizes."""
+    if not (config.enable_chunked_prefill and config.max_prefill_chunk_cost > 0):
+        return None
+    try:
+        return PrefillCostModel.from_model_config(model.config)
+    except ValueError as err:
+        raise invalid_value("max_prefill_chunk_cost", config.max_prefill_chunk_cost, str(err)) from None
 
 
 def _model_runner(
@@ -366,20 +379,42 @@ def _compile_in_helpers(
         return
     recorded = ", ".join(f"{name} {count}" for name, count in report.recorded_by.items())
     logger.info(
-        "kernels: %d variants (%s), %d not in the Triton cache, %d compiled by helper processes%s",
-        report.recorded, recorded, report.missing, report.compiled,
+        "kernels: %d variants (%s), %d not in the Triton cache%s, %d compiled by helper processes%s",
+        report.recorded, recorded, report.missing, _named_counts(list(report.missing_names)), report.compiled,
         f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
     )  # fmt: skip
 
 
-def _triton_cache_entries() -> int | None:
-    """Entries of Triton's on-disk cache (one per compiled variant), or None where it cannot be read."""
+def _triton_cache_entries() -> set[str] | None:
+    """Entries of Triton's on-disk cache (one folder per compiled variant), or None where it cannot be read."""
     try:
         import triton
 
-        return len(os.listdir(triton.knobs.cache.dir))
+        return set(os.listdir(triton.knobs.cache.dir))
     except (AttributeError, ImportError, OSError):
         return None
+
+
+def _cached_kernel_names(entries: set[str]) -> list[str]:
+    """The kernel each cache entry holds (its metadata file is named after the kernel), for the build log."""
+    import triton
+
+    names = []
+    for entry in entries:
+        try:
+            files = os.listdir(os.path.join(triton.knobs.cache.dir, entry))
+        except OSError:
+            continue
+        names += [f.removesuffix(".json") for f in files if f.endswith(".json") and not f.startswith("__grp__")]
+    return names
+
+
+def _named_counts(names: list[str]) -> str:
+    """`` (a x2, b)``: which kernels a log line's count is made of; empty for none."""
+    if not names:
+        return ""
+    counts = Counter(names)
+    return " (" + ", ".join(f"{name} x{n}" if n > 1 else name for name, n in sorted(counts.items())) + ")"
 
 
 def _compile_target(device: torch.device) -> object:

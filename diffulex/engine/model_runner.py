@@ -23,6 +23,7 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
+from diffulex.engine.page_table import page_array
 from diffulex.engine.prefill_graphs import PrefillGraphs
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
@@ -574,8 +575,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         s = self.settings
         dev = s.device
-        max_pages = step.max_pages
-        table = [t + [-1] * (max_pages - len(t)) for t in step.page_tables]
+        table = np.full((step.num_requests, step.max_pages), -1, dtype=np.int32)
+        for row, pages in zip(table, step.page_tables, strict=True):
+            row[: len(pages)] = page_array(pages)
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
@@ -585,7 +587,7 @@ class ModelRunner:
             cu_seqlens_q=tensor(step.cu_seqlens_q, torch.int32),
             context_lens=tensor(step.context_lens, torch.int32),
             prefix_lens=tensor(step.prefix_lens, torch.int32),
-            page_tables=tensor(table, torch.int32).view(step.num_requests, max_pages),
+            page_tables=torch.from_numpy(table).to(dev),
             slot_mapping=tensor(step.slot_mapping, torch.long),
             block_size=s.block_size,
             page_size=s.page_size,

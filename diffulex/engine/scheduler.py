@@ -5,6 +5,11 @@ when pages run out, then admits waiting requests first-come first-served while t
 cap and the page pool allow. Prefill and decode chunks share one forward: to the model both are "the uncached
 committed blocks of a request followed by its running set".
 
+With chunked prefill a long prompt is computed a few whole blocks per step, from the rows the decoding requests
+leave; while any request decodes, ``max_prefill_chunk_cost`` also bounds what a step's prompt rows cost
+(`diffulex.engine.prefill_cost`), so that the chunks shrink as a prompt's context grows instead of stretching the
+decoders' steps late in a long prompt.
+
 A preempted request keeps its logical state (tokens, blocks) and loses its pages; when it is admitted again
 its next ordinary step recomputes the K/V of its committed blocks, so it produces the same tokens as if it had
 never been preempted.
@@ -17,6 +22,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from diffulex.engine.kv_cache_manager import KVCacheManager
+from diffulex.engine.prefill_cost import PrefillCostModel
 from diffulex.strategy.request import CompletionReason, Request, RequestStatus
 
 
@@ -34,6 +40,17 @@ class SchedulerLimits:
     # (the largest prefill graph's, `diffulex.engine.prefill_graphs`), so that such a step replays graphs; 0: only
     # the token budget bounds it
     prefill_chunk_rows: int = 0
+    # with chunked_prefill, while any running request decodes: the most row equivalents (`prefill_cost_model`) of
+    # prompt rows one step computes, so that a prompt's chunks shrink as its context grows; the first prompt of a
+    # step still gets one block when that alone costs more. 0: no cost bound
+    max_prefill_chunk_cost: int = 0
+    prefill_cost_model: PrefillCostModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_chunk_cost > 0 and self.prefill_cost_model is None:
+            raise ValueError(
+                f"max_prefill_chunk_cost={self.max_prefill_chunk_cost} needs a prefill_cost_model to price rows with"
+            )
 
 
 class Scheduler:
@@ -67,6 +84,7 @@ class Scheduler:
         cap = self.limits.max_num_reqs if max_reqs is None else min(max_reqs, self.limits.max_num_reqs)
         chunking = self.limits.chunked_prefill
         decoding = False  # the batch has a request that is not computing a prompt
+        cost = self._prompt_cost() if chunking else None
         running = list(self.running)
         if chunking:  # decoding requests first: a long prefill only takes the rows they leave
             running.sort(key=lambda r: _prefilling(r) if r.supports_prefill_chunks else False)
@@ -75,10 +93,12 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.req_id in busy:  # preempted earlier, or in flight
                 continue
-            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(decoding)):
+            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(req, decoding, cost)):
                 continue  # its prefill waits for a step with rows to spare
             if not self._make_room_for(req, busy):
                 continue
+            if cost is not None:
+                cost.charge(req)
             decoding = decoding or not _prefilling(req)
             self.kv_cache.grow(req)
             if req.prefill_chunk_end is None:
@@ -99,8 +119,10 @@ class Scheduler:
             self.kv_cache.admit(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(decoding)):
+            if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(req, decoding, cost)):
                 continue  # admitted with its pages; its first chunk waits for a step with rows to spare
+            if cost is not None:
+                cost.charge(req)
             decoding = decoding or not _prefilling(req)
             if req.prefill_chunk_end is None:
                 req.maybe_activate_block()
@@ -111,11 +133,27 @@ class Scheduler:
                 self.kv_cache.reserve_running_pages(req)
         return batch
 
-    def _prompt_rows_cap(self, decoding: bool) -> int | None:
-        """The most prompt rows of one request this step may compute: beside decoding requests, those of the
-        largest prefill graph (`SchedulerLimits.prefill_chunk_rows`); None for no cap but the budget."""
-        cap = self.limits.prefill_chunk_rows
-        return cap if decoding and cap > 0 else None
+    def _prompt_cost(self) -> _StepPromptCost | None:
+        """The step's prompt cost budget (`SchedulerLimits.max_prefill_chunk_cost`) while a running request decodes,
+        in this batch or not (in flight in the other micro-batch, or left out by the request cap): a prompt alone
+        takes every row the token budget gives it. None: no cost bound this step."""
+        limits = self.limits
+        if limits.max_prefill_chunk_cost <= 0 or limits.prefill_cost_model is None:
+            return None
+        if not any(r.status is RequestStatus.RUNNING and not _prefilling(r) for r in self.running):
+            return None
+        return _StepPromptCost(limits.prefill_cost_model, float(limits.max_prefill_chunk_cost))
+
+    def _prompt_rows_cap(self, req: Request, decoding: bool, cost: _StepPromptCost | None) -> int | None:
+        """The most prompt rows of ``req`` this step may compute: beside decoding requests, those of the largest
+        prefill graph (`SchedulerLimits.prefill_chunk_rows`); under a cost budget, the rows whose cost the step has
+        left; None for no cap but the token budget."""
+        caps = []
+        if decoding and self.limits.prefill_chunk_rows > 0:
+            caps.append(self.limits.prefill_chunk_rows)
+        if cost is not None:
+            caps.append(cost.rows_for(req))
+        return min(caps, default=None)
 
     @staticmethod
     def _fits_or_chunks(req: Request, budget: int, prompt_rows_cap: int | None = None) -> bool:
@@ -180,6 +218,33 @@ class Scheduler:
                     self.finish(req, CompletionReason.ABORTED)
                     return req
         return None
+
+
+class _StepPromptCost:
+    """What is left of one step's prompt cost budget, in row equivalents (`diffulex.engine.prefill_cost`)."""
+
+    def __init__(self, model: PrefillCostModel, budget: float) -> None:
+        self.model = model
+        self.left = budget
+        self.charged = False  # a prompt has taken rows this step: the next one gets no block beyond the budget
+
+    def rows_for(self, req: Request) -> int:
+        """The most rows of ``req``'s uncached prefix (the recomputed row of a shifted family included) whose cost
+        fits what is left; at least one block for the step's first prompt, so that every step makes progress."""
+        rows = self.model.rows_within(self.left, req.chunk_start())
+        if not self.charged:
+            rows = max(rows, _min_chunk_rows(req, req.num_cached_tokens))
+        return rows
+
+    def charge(self, req: Request) -> None:
+        """Take the cost of the prompt rows ``req`` computes this step (none for a decoder: the blocks it stores are
+        in its running set)."""
+        end = req.store_only_end() if req.supports_prefill_chunks else None
+        start = req.chunk_start()
+        if end is None or end <= start:
+            return
+        self.left -= self.model.rows_cost(end - start, start)
+        self.charged = True
 
 
 def _query_len(req: Request) -> int:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,10 +104,22 @@ def join_group(config: Config, rank: int, init_method: str) -> StepChannel:
 
 
 def leave_group() -> None:
-    """Back to the single rank, with ``torch.distributed`` torn down (a later engine may join a new group)."""
+    """Back to the single rank, with ``torch.distributed`` torn down (a later engine may join a new group).
+
+    An NCCL group is aborted rather than destroyed: its collectives captured in CUDA graphs are work that, from the
+    process group's view, never completes (their events were captured, not recorded), and an orderly destroy waits
+    for it forever on every rank (measured on two H200s: both ranks of a TP=2 engine with graphs stuck in
+    ``destroy_process_group``; pytorch/pytorch#115388). The ranks leave only after the stop message
+    (`stop_together`), when no collective is in flight, or after a worker died, when one may never finish: an abort
+    loses nothing in the first case and is what the second needs. Gloo groups are destroyed as
+    usual."""
     reset_tensor_parallel()
     reset_expert_parallel()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        dist.distributed_c10d._abort_process_group()  # also frees a kernel stuck on a dead peer (`kill`)
+    else:
         dist.destroy_process_group()
 
 
@@ -152,10 +166,27 @@ def run_worker(
         reports.send(("failed", traceback.format_exc()))
         raise
     reports.send(("ready", None))
+    if dist.get_backend() != "nccl":
+        try:
+            follow(parts, config, channel)
+        finally:
+            leave_group()
+        return
+    # An NCCL worker ends its process at once when its work is over: with collectives captured in CUDA graphs,
+    # tearing the group down (`leave_group`) or the interpreter's own teardown of it can wait forever (measured on
+    # two H200s: rank 0's abort returned, the worker never exited). Its memory and communicators go with the
+    # process; rank 0 has left the group by then (`TensorParallelWorkers.shutdown`).
+    code = 0
     try:
         follow(parts, config, channel)
+    except BaseException:  # noqa: BLE001  (reported on stderr; the exit code says it failed)
+        traceback.print_exc()
+        code = 1
     finally:
-        leave_group()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def wait_until_joining(workers: list[WorkerProcess]) -> None:

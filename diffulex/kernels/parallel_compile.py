@@ -285,6 +285,7 @@ class CompileReport:
 
     recorded: int = 0
     missing: int = 0
+    missing_names: tuple[str, ...] = ()  # the kernel of each missing variant
     compiled: int = 0
     errors: tuple[str, ...] = ()
     recorded_by: dict[str, int] = field(default_factory=dict)  # variants each named warm-up launched
@@ -329,6 +330,7 @@ class CompileHelpers:
             report.errors = tuple(errors)
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
             report.recorded, report.missing = len(variants), len(missing)
+            report.missing_names = tuple(v.name for v in missing)
             if missing:
                 compiled, helper_errors = self.compile_variants(missing, target)
                 report.compiled, report.errors = compiled, (*report.errors, *helper_errors)

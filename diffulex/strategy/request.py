@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from diffulex.engine.page_table import PageTable
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.block_list import BlockList
 
 
 class RequestStatus(enum.Enum):
@@ -96,7 +98,7 @@ class Request:
     sampling_params: SamplingParams
     settings: DecodeSettings
     token_ids: list[int] = field(init=False)
-    blocks: list[Block] = field(init=False)
+    blocks: BlockList = field(init=False)  # a plain list where a strategy makes its own (DiffusionGemma canvases)
     running: list[Block] = field(init=False)  # the running set, oldest block first
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     completion_reason: CompletionReason | None = field(init=False, default=None)
@@ -106,8 +108,11 @@ class Request:
     stop_pos: int | None = field(init=False, default=None)  # first stop token at a generated position
     frontier: int = field(init=False)  # first position >= prompt_len that still holds the mask token
     num_cached_blocks: int = field(init=False, default=0)  # leading blocks whose K/V is in the cache
-    page_table: list[int] = field(init=False, default_factory=list)  # owned by the KV cache manager
+    page_table: PageTable = field(init=False, default_factory=PageTable)  # owned by the KV cache manager
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
+    # the chained hash of each leading page of final tokens, computed once (`KVCacheManager._content_hashes`): kept
+    # through preemption, since final tokens never change
+    content_hashes: list[bytes] = field(init=False, default_factory=list)
     steps: list[StepRecord] = field(init=False, default_factory=list)
     error: str | None = field(init=False, default=None)  # why it finished with CompletionReason.ERROR
     # Fixed at creation and read many times per step, so stored rather than derived.
@@ -124,7 +129,7 @@ class Request:
         self.generation_end = min(prompt_len + self.sampling_params.max_tokens, s.max_model_len)
         self.max_nfe = self._max_nfe()
         self.token_ids = list(self.prompt_token_ids)
-        self.blocks = [Block(i, i * size, size, BlockStatus.TO_CACHE) for i in range(prompt_len // size)]
+        self.blocks = BlockList(size, prompt_len // size)  # the prompt's whole blocks, made when first read
         self.running = []
         if prompt_len % size:  # the prompt ends mid-block: the rest of that block is generated first
             start = len(self.blocks) * size
@@ -359,15 +364,16 @@ class Request:
         """Blocks stored by this forward become cached and leave the running set; complete blocks commit."""
         stored_end = self.prefill_chunk_end
         self.prefill_chunk_end = None
-        for block in self.blocks[self.num_cached_blocks :]:
+        uncached = self.blocks[self.num_cached_blocks :]
+        for block in uncached:
             if stored_end is not None and block.end > stored_end:
                 break
             if block.status is BlockStatus.TO_CACHE:
                 block.status = BlockStatus.IN_CACHE
         self.running = [b for b in self.running if b.status is not BlockStatus.IN_CACHE]
-        while self.num_cached_blocks < len(self.blocks) and (
-            self.blocks[self.num_cached_blocks].status is BlockStatus.IN_CACHE
-        ):
+        for block in uncached:  # the cached prefix grows by the leading blocks stored now
+            if block.status is not BlockStatus.IN_CACHE:
+                break
             self.num_cached_blocks += 1
         for block in self.running:
             prev = self.blocks[block.index - 1] if block.index > 0 else None
@@ -406,9 +412,7 @@ class Request:
 
     def forget_cache(self) -> None:
         """The request lost its pages: every cached block must have its K/V computed again."""
-        for block in self.blocks:
-            if block.status is BlockStatus.IN_CACHE:
-                block.status = BlockStatus.TO_CACHE
+        self.blocks.uncache()
         self.num_cached_blocks = 0
         self.num_preemptions += 1
         self.prefill_chunk_end = None
@@ -416,8 +420,7 @@ class Request:
     def mark_prefix_cached(self, num_tokens: int) -> None:
         """A prefix-cache hit supplied the K/V of the first ``num_tokens`` positions (block aligned)."""
         num_blocks = num_tokens // self.settings.block_size
-        for block in self.blocks[:num_blocks]:
-            block.status = BlockStatus.IN_CACHE
+        self.blocks.mark_cached(num_blocks)
         self.num_cached_blocks = num_blocks
 
 

@@ -14,6 +14,7 @@ import torch
 from diffulex.bench import sweep, sweep_common
 from diffulex.bench.sweep_decode import BASELINE, strategy_configs
 from diffulex.cli import main
+from diffulex.engine.prefill_cost import PrefillCostModel
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +79,24 @@ def test_prefill_floors_include_attention_and_a_prefix_hit_computes_only_the_tai
     assert hit["hit"] and hit["query_tokens"] == 8 + 4  # the uncached tail and the first block
     # the tail attends to the whole cached prompt: its pairs count keys beyond its own rows
     assert hit["attn_pairs"] >= 12 * 128
-    (beside,) = [r for r in rows if r["case"] == "beside chunked prefill"]
-    assert beside["decoders"] == 3 and beside["beside_steps"] >= 128 // 32
-    assert beside["p99_vs_alone"] == pytest.approx(beside["beside_p99_ms"] / beside["alone_p50_ms"])
-    # on the CPU no step replays a graph: the share is measured, not assumed
-    assert beside["alone_graphed_share"] == beside["beside_graphed_share"] == 0.0
+    fixed, by_cost = [r for r in rows if r["case"] == "beside chunked prefill"]
+    assert (fixed["chunk_tokens"], fixed["chunk_cost"]) == (32, 0)
+    assert (by_cost["chunk_tokens"], by_cost["chunk_cost"]) == (64, 24)
+    for beside in (fixed, by_cost):
+        assert beside["decoders"] == 3 and beside["beside_steps"] >= 128 // 32
+        assert beside["alone_p50_ms"] > 0 and beside["alone_after_p50_ms"] > 0 and beside["p99_vs_alone"] > 0
+        assert beside["met"] == (beside["p99_vs_alone"] <= 2.0)
+        # on the CPU no step replays a graph: the share is measured, not assumed
+        assert beside["alone_graphed_share"] == beside["beside_graphed_share"] == 0.0
+        assert sum(rows for _, rows in beside["chunks"]) == 128, "the whole prompt, chunk after chunk"
+        contexts = [context for context, _ in beside["chunks"]]
+        assert contexts == [sum(rows for _, rows in beside["chunks"][:k]) for k in range(len(contexts))]
+        assert beside["chunk_cost_fit"]["points"] == len(beside["chunks"])
+    assert max(rows for _, rows in fixed["chunks"]) <= 32 - 3 * 4, "the rows the three decoders leave"
+    cost_model = PrefillCostModel(by_cost["parity_context"])
+    assert all(cost_model.rows_cost(rows, context) <= 24 for context, rows in by_cost["chunks"]), by_cost["chunks"]
+    by_cost_rows = [rows for _, rows in by_cost["chunks"]]
+    assert by_cost_rows == sorted(by_cost_rows, reverse=True) and by_cost_rows[0] > by_cost_rows[-2]
 
 
 def test_every_strategy_is_measured_against_its_familys_multi_bd(quick_sweep: Path) -> None:

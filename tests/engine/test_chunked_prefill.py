@@ -95,3 +95,38 @@ def test_chunked_prefill_of_a_shifted_family_with_preemption_and_prefix_hits_mat
         assert_chunked_matches_reference(llm, [first], GREEDY)
         (again,) = assert_chunked_matches_reference(llm, [first[:40] + first[:3]], GREEDY)
     assert again.steps[0].query_len < 40, "the prefix cache was used"
+
+
+def test_a_prompt_chunked_by_cost_beside_decoders_matches_reference_and_its_chunks_shrink(
+    peaky_sdar_dir: Path,
+) -> None:
+    """With ``max_prefill_chunk_cost`` a prompt arriving while others decode gets the rows whose cost fits each step:
+    fewer as its context grows, however many the token budget would give, and the tokens do not change."""
+    max_cost = 18
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, enable_chunked_prefill=True, accept_threshold=0.7, max_num_reqs=4,
+                     max_num_batched_tokens=160, max_prefill_chunk_cost=max_cost) as llm:
+        prompts = random_prompts(llm, [6, 2, 120], seed=26)
+        cost_model = llm.scheduler.limits.prefill_cost_model
+        finished = {}
+        ids = [llm.add_request(p, params) for p in prompts[:2]]
+        for _ in range(2):  # the decoders are decoding before the long prompt arrives
+            llm.step()
+        ids.append(llm.add_request(prompts[2], params))
+        while len(finished) < len(ids):
+            finished |= {u.req_id: u.trajectory for u in llm.step() if u.finished}
+        trajectories = [finished[i] for i in ids]
+        for prompt, traj in zip(prompts, trajectories, strict=True):
+            assert traj.token_ids == reference_for_engine(llm, prompt, params).token_ids, f"prompt of {len(prompt)}"
+    with make_engine(peaky_sdar_dir, accept_threshold=0.7, max_num_reqs=4) as unchunked:
+        plain = unchunked.generate(prompts, params, use_tqdm=False).trajectories
+    assert [t.token_ids for t in trajectories] == [t.token_ids for t in plain], "the same tokens as unchunked"
+    assert max(len(t.steps) - t.nfe for t in plain) == 0, "the unchunked run computed every prompt in one step"
+    long = trajectories[2]
+    chunk_steps = long.steps[: len(long.steps) - long.nfe]
+    rows = [s.query_len for s in chunk_steps]
+    contexts = [sum(rows[:k]) for k in range(len(rows))]
+    assert all(cost_model.rows_cost(r, c) <= max_cost for r, c in zip(rows, contexts, strict=True)), (rows, contexts)
+    assert rows == sorted(rows, reverse=True) and rows[0] > rows[-1], f"chunks shrink as the context grows: {rows}"
+    decoder_steps = {s.step for traj in trajectories[:2] for s in traj.steps}
+    assert {s.step for s in chunk_steps} <= decoder_steps, "every chunk ran beside the decoders"

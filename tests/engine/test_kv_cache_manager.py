@@ -6,7 +6,8 @@ blocks were stored) then `register_cached_pages`.
 
 from __future__ import annotations
 
-from diffulex.engine.kv_cache_manager import KVCacheManager, page_hash
+import diffulex.engine.kv_cache_manager as kv_cache_manager
+from diffulex.engine.kv_cache_manager import KVCacheManager, chained_page_hashes, page_hash
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.request import DecodeSettings, Request
@@ -257,3 +258,44 @@ def test_reusing_a_tail_page_keeps_the_head_of_the_prefix_findable():
     assert other.page_table == [tail]
     assert tail not in kv.hash_of_page and head in kv.hash_of_page
     assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == PAGE
+
+
+def test_chained_page_hashes_equal_the_page_hash_of_each_page_in_turn():
+    tokens = prompt_of(5 * PAGE + 3)  # the partial page is not hashed
+    expected, prev = [], None
+    for i in range(5):
+        prev = page_hash(prev, tokens[i * PAGE : (i + 1) * PAGE])
+        expected.append(prev)
+    assert chained_page_hashes(None, tokens, PAGE) == expected
+    assert chained_page_hashes(expected[1], tokens[2 * PAGE :], PAGE) == expected[2:]
+
+
+def test_each_page_of_a_request_is_hashed_once_through_lookups_admission_and_registration(monkeypatch):
+    hashed: list[int] = []
+
+    def counted(prev, tokens, page_size):
+        hashed.append(len(tokens) // page_size)
+        return chained_page_hashes(prev, tokens, page_size)
+
+    kv = KVCacheManager(64, PAGE, True)
+    cached_request(kv, prompt_of(20 * PAGE + 1))
+    monkeypatch.setattr(kv_cache_manager, "chained_page_hashes", counted)
+    hit = make_request(prompt_of(20 * PAGE) + prompt_of(4 * PAGE + 1, start=500))
+    for _ in range(3):  # a waiting request is looked up at every schedule
+        assert kv.num_cached_prefix_tokens(hit) == 20 * PAGE
+    kv.admit(hit)
+    forward(kv, hit)  # the tail's pages are cached and registered
+    assert len(hit.page_hashes) == 24
+    assert sum(hashed) == 24  # the 20 shared pages and the 4 of the tail, each once
+
+
+def test_a_prefix_hit_on_a_long_prompt_makes_only_the_blocks_its_tail_reads():
+    kv = KVCacheManager(400, PAGE, True)
+    cached_request(kv, prompt_of(300 * PAGE + 1))
+    hit = make_request(prompt_of(300 * PAGE) + prompt_of(2 * PAGE + 1, start=5000))
+    kv.admit(hit)
+    assert hit.num_cached_blocks == 300 * PAGE // BLOCK
+    assert hit.blocks.num_made == 1  # only the block the prompt ends in, opened at creation
+    assert hit.query_range() == (300 * PAGE, 302 * PAGE + BLOCK)
+    forward(kv, hit)
+    assert hit.blocks.num_made == 1 + 2 * PAGE // BLOCK  # and the tail's blocks, which the forward stored

@@ -7,6 +7,7 @@ calling `Scheduler.finish_step`, exactly what the engine does with the sampler's
 from __future__ import annotations
 
 from diffulex.engine.kv_cache_manager import KVCacheManager
+from diffulex.engine.prefill_cost import PrefillCostModel
 from diffulex.engine.scheduler import Scheduler, SchedulerLimits
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
@@ -456,3 +457,109 @@ def test_a_prompt_with_no_decoder_beside_it_takes_the_whole_budget():
     assert sched.schedule() == [long]
     assert long.prefill_chunk_end is None, "one forward: there are no decode rows to keep on the graphs"
     assert long.query_range()[0] == 0 and long.store_only_end() == 28
+
+
+# ----- chunks sized by cost ---------------------------------------------------------------------------------
+
+COST_MODEL = PrefillCostModel(parity_context=32)  # a row after 32 cached tokens costs two rows after none
+
+
+def make_cost_scheduler(max_cost: int, budget: int = 4096) -> Scheduler:
+    limits = SchedulerLimits(8, budget, chunked_prefill=True, max_prefill_chunk_cost=max_cost,
+                             prefill_cost_model=COST_MODEL)
+    return Scheduler(limits, KVCacheManager(512, BLOCK, False))
+
+
+def prompt_rows(req: Request) -> tuple[int, int]:
+    """(first row, rows) of the prompt rows ``req`` computes this step: the store-only rows before its running set."""
+    start = req.query_range()[0]
+    end = req.store_only_end()
+    return start, 0 if end is None else end - start
+
+
+def start_decoding(sched: Scheduler, make: Factory) -> Request:
+    decoder = make(3, max_tokens=800)
+    sched.add(decoder)
+    forward(sched, sched.schedule())
+    assert decoder.nfe == 1
+    return decoder
+
+
+def test_beside_a_decoder_a_prompt_takes_the_rows_whose_cost_fits_and_its_chunks_shrink_as_its_context_grows():
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=24)
+    decoder = start_decoding(sched, make)
+    long = make(120)
+    sched.add(long)
+    chunks = []
+    while long.nfe == 0:
+        batch = sched.schedule()
+        assert decoder in batch and long in batch, "the decoder and the prompt both run in every step"
+        start, rows = prompt_rows(long)
+        chunks.append(rows)
+        cost = COST_MODEL.rows_cost(rows, start)
+        assert cost <= 24 or rows == BLOCK, f"rows [{start}, {start + rows}) cost {cost:.1f} of 24"
+        # the most whole blocks the cost allows: one more would not fit
+        assert rows == BLOCK or COST_MODEL.rows_cost(rows + BLOCK, start) > 24 or start + rows == 120
+        forward(sched, batch)
+    assert sum(chunks) == 120
+    assert chunks[0] == 16 and chunks[-1] == BLOCK, chunks
+    assert chunks == sorted(chunks, reverse=True), f"the chunks grow no larger as the context grows: {chunks}"
+
+
+def test_a_prompt_with_no_decoder_beside_it_takes_the_whole_token_budget_whatever_its_cost():
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=24, budget=64)
+    long = make(120)
+    sched.add(long)
+    assert sched.schedule() == [long]
+    assert prompt_rows(long) == (0, 64)
+
+
+def test_the_first_prompt_of_a_step_gets_one_block_beyond_the_cost_budget_and_the_next_prompt_waits():
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=1)  # not even one row fits
+    decoder = start_decoding(sched, make)
+    first, second = make(12), make(12)
+    sched.add(first)
+    sched.add(second)
+    computed = []
+    while first.nfe == 0 or second.nfe == 0:
+        batch = sched.schedule()
+        assert decoder in batch
+        computed.append([prompt_rows(r)[1] for r in (first, second) if r in batch])
+        forward(sched, batch)
+    # one block a step, the first prompt's three before the second's (which then runs beside two decoders)
+    assert computed == [[BLOCK]] * 3 + [[0, BLOCK]] * 3, computed
+
+
+def test_a_prompt_beside_decoders_in_flight_is_held_to_the_cost_budget():
+    """With micro-batches the decoders may be in flight while the prompt's batch is formed: they still wait for it."""
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=24)
+    decoder = start_decoding(sched, make)
+    long = make(120)
+    sched.add(long)
+    assert sched.schedule(busy={decoder.req_id}) == [long]
+    assert prompt_rows(long) == (0, 16)
+
+
+def test_with_prompts_arriving_while_others_decode_no_step_exceeds_the_cost_budget_but_by_one_block():
+    """Prompts of many lengths arrive every few steps; in each step the prompt rows cost at most the budget, or are
+    the one block of the step's only prompt, and every prompt reaches its decoding."""
+    make = Factory()
+    sched = make_cost_scheduler(max_cost=40, budget=64)
+    start_decoding(sched, make)
+    arrivals = [make(n, max_tokens=8) for n in (50, 7, 90, 33, 120, 12, 64, 3, 100)]
+    for step in range(400):
+        if step % 5 == 0 and arrivals:
+            sched.add(arrivals.pop(0))
+        batch = sched.schedule()
+        computing = [prompt_rows(r) for r in batch if prompt_rows(r)[1] > 0]
+        cost = sum(COST_MODEL.rows_cost(rows, start) for start, rows in computing)
+        assert cost <= 40 or [rows for _, rows in computing] == [BLOCK], f"step {step}: {computing} cost {cost:.1f}"
+        assert sum(end - start for start, end in (r.query_range() for r in batch)) <= 64 or len(batch) == 1
+        forward(sched, batch)
+        if not arrivals and len(sched.running) == 1 and not sched.waiting:
+            break
+    assert not arrivals and not sched.waiting and len(sched.running) == 1, "every prompt decoded and finished"
