@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,9 +124,13 @@ def _context_before(req: Any, record: Any) -> int:
     return req.blocks[ids[0]].start + len(record.running_token_ids) - record.query_len
 
 
-def time_to_first_token(engine: Any, prompt: list[int], max_tokens: int, max_steps: int) -> dict[str, Any]:
+def time_to_first_token(
+    engine: Any, prompt: list[int], max_tokens: int, max_steps: int, on_first_token: Callable[[], Any] | None = None
+) -> dict[str, Any]:
     """Seconds from adding `prompt` (alone in the engine) to the step that accepts its first token, with the
-    work of those steps; the request is then run to its end (`max_tokens`), so its blocks enter the prefix cache."""
+    work of those steps; the request is then run to its end (`max_tokens`), so its blocks enter the prefix cache.
+    ``on_first_token`` is called once the first token is on the host, before the steps that finish the request
+    (a profiler stops there)."""
     from diffulex.bench.throughput import _step_work
 
     device = engine.device
@@ -145,6 +149,8 @@ def time_to_first_token(engine: Any, prompt: list[int], max_tokens: int, max_ste
         if any(u.finished or (u.record is not None and u.record.num_new_tokens > 0) for u in mine):
             first = time.perf_counter() - t0  # the token is on the host: what follows is not its wait
             break
+    if on_first_token is not None:
+        on_first_token()
     if first is None:
         engine.abort_request(req_id)
         raise RuntimeError(f"no token after {max_steps} steps")

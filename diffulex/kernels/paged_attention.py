@@ -33,6 +33,13 @@ Design:
   encoder) or, with ``window_from_context``, its request's context length (DiffusionGemma's decoder: a canvas
   sees the last ``window - 1`` cached positions and all of its own rows). Key tiles below every row's window are
   never read, so a sliding layer's cost stays bounded by the window however long the context.
+* a long-query class for prompts (``FULL_TILES``, `_long_query_tiles`): a launch whose longest query has
+  `_LONG_QUERY_MIN` positions or more takes 128-row query tiles in 8 warps with a deeper pipeline, as a
+  FlashAttention-2 forward does. Each row sees a prefix of key positions (its block's end, the prompt's end for
+  prompt rows under prefix-full) above its window's floor, so the key tiles between the highest floor and the
+  lowest row limit of the tile are seen whole by every row and fold without the mask; only the window's edge, the
+  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) are started first.
+  The decode-sized classes compile exactly as without it.
 * key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
   to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
   block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
@@ -41,6 +48,8 @@ Design:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,25 +81,33 @@ def _online_softmax_step(
     IEEE: tl.constexpr,
     k_floor=None,  # [BLOCK_M] lowest key position each row sees (with a WINDOW)
     WINDOW: tl.constexpr = 0,
+    MASK: tl.constexpr = True,  # False: every row of the tile sees every key of it (an interior tile)
 ):
     """Fold one tile of keys (absolute positions ``k_pos``) into the running (max, denominator, accumulator);
-    with a ``WINDOW``, keys below each row's ``k_floor`` are hidden."""
+    with a ``WINDOW``, keys below each row's ``k_floor`` are hidden. Without ``MASK`` the visibility rule is not
+    evaluated at all: the caller has proved that each valid row sees the whole tile, so every score is finite (no
+    fully masked row to guard) and the scale rides in the exponent's fused multiply-add."""
     if IEEE:
         s = tl.dot(q, tl.trans(k_t), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k_t))
-    s = s * qk_scale
-    visible = (k_pos[None, :] // BLOCK_SIZE) <= q_blk[:, None]
-    if PREFIX_FULL:
-        visible = tl.where(q_in_prompt[:, None], k_pos[None, :] < prompt_len, visible)
-    visible = visible & k_ok[None, :]
-    if WINDOW > 0:
-        visible = visible & (k_pos[None, :] >= k_floor[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    if MASK:
+        s = s * qk_scale
+        visible = (k_pos[None, :] // BLOCK_SIZE) <= q_blk[:, None]
+        if PREFIX_FULL:
+            visible = tl.where(q_in_prompt[:, None], k_pos[None, :] < prompt_len, visible)
+        visible = visible & k_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (k_pos[None, :] >= k_floor[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: contribute exact zeros
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the scale is positive: the same maximum
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
@@ -153,6 +170,63 @@ def _cached_tile(
     return k_t, v_t, k_pos, k_ok
 
 
+@triton.jit
+def _fold_cached(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, start, stop, cache_end, kv_head, offs_n, offs_d,
+    stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt, prompt_len,
+    qk_scale, k_floor, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PREFIX_FULL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """Fold the cached key tiles starting at ``start, start + BLOCK_N, ...`` below ``stop`` (keys valid below
+    ``cache_end``)."""
+    for n_start in range(start, stop, BLOCK_N):
+        k_t, v_t, k_pos, k_ok = _cached_tile(
+            k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
+            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+        )
+        m_i, l_i, acc = _online_softmax_step(
+            q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
+            qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW, MASK,
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold_new(
+    q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, start, stop, new_hi, kv_head, offs_n, offs_d, stride_k_t,
+    stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PREFIX_FULL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+    MASK: tl.constexpr,
+):  # fmt: skip
+    """Fold the request's new key tiles at row indices ``start, start + BLOCK_N, ...`` below ``stop`` (keys
+    valid below ``new_hi``), read from ``k``/``v``."""
+    for n_start in range(start, stop, BLOCK_N):
+        k_idx = n_start + offs_n
+        k_ok = k_idx < new_hi
+        k_rows = (row_start + k_idx).to(tl.int64)
+        k_t = tl.load(k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
+                      mask=k_ok[:, None], other=0.0).to(q.dtype)
+        v_t = tl.load(v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :],
+                      mask=k_ok[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k_t, v_t, ctx + k_idx, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc, qk_scale, BLOCK_SIZE,
+            PREFIX_FULL, IEEE, k_floor, WINDOW, MASK,
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _interior(start, stop, seen_from, seen_to, BLOCK_N: tl.constexpr):
+    """The key tiles of ``[start, stop)`` (tiled from ``start``) that every valid row of the program sees whole:
+    ``[u_lo, u_hi)``, both on the tile grid, ``u_lo`` the first tile at or above ``seen_from`` (the highest
+    window floor), ``u_hi`` the end of the last whole tile below ``min(seen_to, stop)`` (``seen_to``: the
+    lowest row limit). Tiles before ``u_lo`` and from ``u_hi`` on are the edges, folded with the mask."""
+    whole = tl.cdiv(stop - start, BLOCK_N) * BLOCK_N
+    u_lo = start + tl.minimum(tl.cdiv(tl.maximum(seen_from - start, 0), BLOCK_N) * BLOCK_N, tl.maximum(whole, 0))
+    u_hi = u_lo + tl.maximum(tl.minimum(seen_to, stop) - u_lo, 0) // BLOCK_N * BLOCK_N
+    return u_lo, u_hi
+
+
 # An eager step's page tables are as wide as its longest request, so their row stride changes all the time;
 # specialized (ints equal to 1 or divisible by 16), it would be a variant per class, compiled while serving.
 @triton.jit(do_not_specialize=["stride_pt_r", "split_slots"])
@@ -206,6 +280,7 @@ def _paged_attention_kernel(
     WINDOW_FROM_CONTEXT: tl.constexpr = False,  # the window's anchor is the request's context length, not the row
     key_lens_ptr=None,  # [R] int32 end of each request's keys (with KEY_TAIL): cached keys after its rows up to it
     KEY_TAIL: tl.constexpr = False,  # some request attends to cached keys after its rows (`key_lens_ptr`)
+    FULL_TILES: tl.constexpr = False,  # long-query class: interior key tiles unmasked, longest query tiles first
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -215,6 +290,9 @@ def _paged_attention_kernel(
     else:
         tile = tl.program_id(0)
         split = 0
+    if FULL_TILES:
+        # a request's later query tiles see more keys: start them first, so the short ones fill the tail
+        tile = tl.cdiv(tl.num_programs(0), split_slots) - 1 - tile
     req = tl.program_id(1)
     head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
 
@@ -269,6 +347,13 @@ def _paged_attention_kernel(
     else:
         k_floor = q_idx * 0
         key_start = 0
+    if FULL_TILES:
+        # every valid row sees keys [seen_from, seen_to) (and more): visibility is a prefix of positions per row
+        seen_to = tl.min(tl.where(row_ok, row_limit, key_limit), axis=0)
+        if WINDOW > 0:
+            seen_from = tl.max(tl.where(row_ok, k_floor, key_start), axis=0)
+        else:
+            seen_from = key_start
     # this program's share of the key positions [key_start, key_limit)
     if not SPLIT:
         lo = key_start
@@ -342,15 +427,34 @@ def _paged_attention_kernel(
                 acc, qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
             )
         cached_lo = lo + BLOCK_N
-    for n_start in range(cached_lo, cache_end, BLOCK_N):
-        k_t, v_t, k_pos, k_ok = _cached_tile(
-            k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p, stride_kc_s,
-            stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+    if FULL_TILES:
+        # window edge tiles, the tiles every row sees whole (no mask), then the partial last tile
+        u_lo, u_hi = _interior(cached_lo, cache_end, seen_from, seen_to, BLOCK_N)
+        m_i, l_i, acc = _fold_cached(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, cached_lo, u_lo, cache_end, kv_head, offs_n, offs_d,
+            stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
+            prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
-        m_i, l_i, acc = _online_softmax_step(
-            q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
-            qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
+        m_i, l_i, acc = _fold_cached(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, u_lo, u_hi, cache_end, kv_head, offs_n, offs_d,
+            stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
+            prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False,
         )
+        m_i, l_i, acc = _fold_cached(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, u_hi, cache_end, cache_end, kv_head, offs_n, offs_d,
+            stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
+            prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
+        )
+    else:
+        for n_start in range(cached_lo, cache_end, BLOCK_N):
+            k_t, v_t, k_pos, k_ok = _cached_tile(
+                k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p,
+                stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, PAGE_SIZE,
+            )
+            m_i, l_i, acc = _online_softmax_step(
+                q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
+                qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
+            )
 
     # ---- the request's own new keys: absolute positions [max(lo, ctx), min(hi, ctx + q_len)) ----
     new_lo = tl.maximum(lo, ctx) - ctx
@@ -358,33 +462,52 @@ def _paged_attention_kernel(
         new_hi = tl.minimum(hi, rows_end) - ctx
     else:
         new_hi = hi - ctx  # hi <= key_limit <= ctx + q_len
-    for n_start in range(new_lo, new_hi, BLOCK_N):
-        k_idx = n_start + offs_n
-        k_ok = k_idx < new_hi
-        k_rows = (row_start + k_idx).to(tl.int64)
-        k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
-        v_ptrs = v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :]
-        k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
-        v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(
-            q,
-            k_t,
-            v_t,
-            ctx + k_idx,
-            k_ok,
-            q_blk,
-            q_in_prompt,
-            prompt_len,
-            m_i,
-            l_i,
-            acc,
-            qk_scale,
-            BLOCK_SIZE,
-            PREFIX_FULL,
-            IEEE,
-            k_floor,
-            WINDOW,
+    if FULL_TILES:
+        # in row indices: the window's edge, the interior (no mask), the diagonal band of block-causal rows
+        u_lo, u_hi = _interior(new_lo, new_hi, seen_from - ctx, seen_to - ctx, BLOCK_N)
+        m_i, l_i, acc = _fold_new(
+            q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, new_lo, u_lo, new_hi, kv_head, offs_n, offs_d,
+            stride_k_t, stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor,
+            BLOCK_N, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
+        m_i, l_i, acc = _fold_new(
+            q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, u_lo, u_hi, new_hi, kv_head, offs_n, offs_d,
+            stride_k_t, stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor,
+            BLOCK_N, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False,
+        )
+        m_i, l_i, acc = _fold_new(
+            q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, u_hi, new_hi, new_hi, kv_head, offs_n, offs_d,
+            stride_k_t, stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor,
+            BLOCK_N, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
+        )
+    else:
+        for n_start in range(new_lo, new_hi, BLOCK_N):
+            k_idx = n_start + offs_n
+            k_ok = k_idx < new_hi
+            k_rows = (row_start + k_idx).to(tl.int64)
+            k_ptrs = k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :]
+            v_ptrs = v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :]
+            k_t = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+            v_t = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_step(
+                q,
+                k_t,
+                v_t,
+                ctx + k_idx,
+                k_ok,
+                q_blk,
+                q_in_prompt,
+                prompt_len,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                BLOCK_SIZE,
+                PREFIX_FULL,
+                IEEE,
+                k_floor,
+                WINDOW,
+            )
 
     # ---- cached keys after the rows: absolute positions [max(lo, ctx + q_len), hi) ----
     if KEY_TAIL:
@@ -461,9 +584,10 @@ def _next_pow2(x: int) -> int:
 
 
 def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int, elem_size: int = 2) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): 16 rows per tile (the minimum ``tl.dot`` shape) where a request's queries fit them (a
-    decode step), otherwise 64. Two tile classes rather than every power of two between keep the kernel's variants
-    few enough for `warm_up` to compile them all before serving.
+    """(BLOCK_Q, BLOCK_N) of the decode-sized classes: 16 rows per tile (the minimum ``tl.dot`` shape) where a
+    request's queries fit them (a decode step), otherwise 64. Two tile classes rather than every power of two
+    between (and a third for prompts, `_long_query_tiles`) keep the kernel's variants few enough for `warm_up` to
+    compile them all before serving.
 
     Wide heads (``head_dim >= _WIDE_HEAD_DIM``, DiffusionGemma's global layers) always take 16-row tiles: a
     64 x 512 float32 accumulator alone would fill the registers of 8 warps; their key tiles shrink to 16 rows in
@@ -481,6 +605,37 @@ def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int, elem_size: i
 _SMALL_TILE_ROWS = 16
 _LARGE_TILE_ROWS = 64
 _WIDE_HEAD_DIM = 512
+
+
+@dataclass(frozen=True)
+class LongQueryTiles:
+    """The launch shape of the long-query class (a prompt's prefill): ``rows`` query rows per program (positions
+    times the packed heads of one KV head), ``block_n`` keys per inner iteration, and the launch's warps and
+    software-pipeline stages (at most two with 4-byte inputs, whose K/V tiles are twice the size)."""
+
+    rows: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+# The long-query class: a launch whose longest query has at least `_LONG_QUERY_MIN` positions (so more rows than
+# PDL chains: the class never waits on PDL) and heads of at most `_LONG_MAX_HEAD_DIM` (a 128 x 256 fp32 accumulator
+# would spill) folds larger query tiles and skips the mask on interior key tiles. It never splits keys: where the
+# longest request's tiles are too few to fill the GPU, the 64-row class (more programs, split keys) runs instead.
+_LONG_QUERY_MIN = 128
+_LONG_MAX_HEAD_DIM = 128
+_LONG_QUERY_TILES = LongQueryTiles()
 # Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
 # (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
 # mostly short, so 64.
@@ -494,6 +649,25 @@ _STAGES_SPLIT = 1
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
+
+
+def _long_query_tiles(
+    device: torch.device, max_query_len: int, group_pad: int, head_dim: int, slots: int, max_kv_len: int,
+    num_splits: int | None, min_split_keys: int,
+) -> LongQueryTiles | None:
+    """The long-query class's tiles if this launch takes it (a query of `_LONG_QUERY_MIN` positions or more, heads
+    of at most `_LONG_MAX_HEAD_DIM`, no split asked for, and the longest request's programs alone, its query tiles
+    times its ``slots`` (head slots), fill the GPU without splitting keys); None: the decode-sized classes of
+    `_tile_shapes`. The longest request's programs, not the grid's: beside a prompt chunk, decoders' programs are
+    short, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it folds its long context."""
+    tiles = _LONG_QUERY_TILES
+    if max_query_len < _LONG_QUERY_MIN or head_dim > _LONG_MAX_HEAD_DIM or (num_splits or 1) > 1:
+        return None
+    if num_splits is None:
+        programs = triton.cdiv(max_query_len, max(1, tiles.rows // group_pad)) * slots
+        if _auto_num_splits(device, programs, max_kv_len, min_split_keys) > 1:
+            return None
+    return tiles
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -567,9 +741,15 @@ def triton_paged_attention(
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group) if grouped else 1
     max_query_len = meta.max_query_len
-    block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim, q.element_size())
-    q_tiles = triton.cdiv(max_query_len, block_q)
     head_slots = num_kv_heads if grouped else num_heads
+    long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, head_slots, meta.max_kv_len,
+                                   num_splits, min_split_keys)
+    if long_tiles is not None:
+        block_q, block_n = max(1, long_tiles.rows // group_pad), long_tiles.block_n
+        num_splits = 1
+    else:
+        block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim, q.element_size())
+    q_tiles = triton.cdiv(max_query_len, block_q)
     programs = q_tiles * num_requests * head_slots
     if num_splits is None:
         num_splits = _auto_num_splits(q.device, programs, meta.max_kv_len, min_split_keys)
@@ -583,7 +763,13 @@ def triton_paged_attention(
     else:
         part_ml = part_acc = counters = out  # never read
     grid = (q_tiles * split_slots, num_requests, head_slots)
-    use_pdl = pdl_enabled(q.device, num_tokens)
+    use_pdl = long_tiles is None and pdl_enabled(q.device, num_tokens)
+    if long_tiles is not None:
+        num_warps = long_tiles.num_warps
+        num_stages = long_tiles.num_stages if q.element_size() <= 2 else min(long_tiles.num_stages, 2)
+    else:
+        num_warps = 4 if head_dim <= 128 else 8
+        num_stages = _STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT
     _paged_attention_kernel[grid](
         q,
         k,
@@ -634,8 +820,9 @@ def triton_paged_attention(
         WINDOW_FROM_CONTEXT=window_from_context and window > 0,
         key_lens_ptr=meta.key_lens,
         KEY_TAIL=meta.key_lens is not None,
-        num_warps=4 if head_dim <= 128 else 8,
-        num_stages=_STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT,
+        FULL_TILES=long_tiles is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
         **launch_kwargs(use_pdl),
     )
     return out
@@ -656,12 +843,13 @@ def warm_up(
     """Compile now every variant of the kernel a step of this layer geometry can launch, so that none compiles
     while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
 
-    A launch's variant is fixed by its tile class (`_tile_shapes`: a decode-sized query or a longer one), whether
-    it splits keys (not how many: the split count is a runtime argument) and whether it chains by PDL (at most
-    `PDL_MAX_ROWS` rows). Each case here is a tiny launch (one or a few requests, no cached keys) that lands in
-    one of those variants; on a device without PDL the PDL cases fall into variants already compiled. The caches
-    are only read through a request's page table, which here has no pages in use, and nothing is stored. With
-    ``key_tails`` (a strategy whose requests attend past their rows) every case is launched once more with key ends.
+    A launch's variant is fixed by its tile class (`_tile_shapes`: a decode-sized query or a longer one;
+    `_long_query_tiles`: a prompt's, never split nor chained), whether it splits keys (not how many: the split
+    count is a runtime argument) and whether it chains by PDL (at most `PDL_MAX_ROWS` rows). Each case here is a
+    tiny launch (one or a few requests, no cached keys) that lands in one of those variants; on a device without
+    PDL the PDL cases fall into variants already compiled. The caches are only read through a request's page table,
+    which here has no pages in use, and nothing is stored. With ``key_tails`` (a strategy whose requests attend
+    past their rows) every case is launched once more with key ends.
     """
     if k_cache.device.type == "cuda":
         for tails in (False, True) if key_tails else (False,):
@@ -684,6 +872,8 @@ def _launch_every_variant(
     cases = [(1, 1), (PDL_MAX_ROWS + 1, 1), (1, PDL_MAX_ROWS + 1)]  # (requests, queries each)
     if first_large <= PDL_MAX_ROWS:
         cases.append((1, first_large))
+    if head_dim <= _LONG_MAX_HEAD_DIM:
+        cases.append((1, _LONG_QUERY_MIN))  # unsplit: the long-query class; split: the 64-row class's variant
     for num_requests, q_len in cases:
         rows = num_requests * q_len
         q = torch.zeros(rows, num_heads, head_dim, dtype=k_cache.dtype, device=device)

@@ -69,7 +69,9 @@ def test_prefill_floors_include_attention_and_a_prefix_hit_computes_only_the_tai
     cold = [r for r in rows if r["case"] == "cold"]
     assert [r["prompt_len"] for r in cold] == [32, 64, 128]
     for r in cold:
-        assert r["query_tokens"] == r["prompt_len"] + 4  # the prompt and its first block, in one forward
+        # the prompt and its first block, in one forward, whose step accepts the first token: the timed span is
+        # the one step whose floor is counted
+        assert r["steps"] == 1 and r["query_tokens"] == r["prompt_len"] + 4
         assert r["attn_pairs"] > r["prompt_len"] ** 2 / 2  # block-causal pairs over the whole prompt
         assert r["ttft_ms"] > 0 and r["x_compute_floor"] == pytest.approx(r["ttft_ms"] / r["compute_floor_ms"])
     assert cold[0]["compute_floor_ms"] < cold[1]["compute_floor_ms"] < cold[2]["compute_floor_ms"]

@@ -1,0 +1,79 @@
+"""The prefill anatomy (`diffulex.bench.prefill_anatomy`): which class each kernel lands in, each class's floor
+by hand on a small geometry, and one quick run end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffulex.bench import prefill_anatomy as anatomy
+from diffulex.bench.roofline import ModelGeometry, StepWork
+
+GEOMETRY = ModelGeometry(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, vocab_size=1000, tied=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("_paged_attention_kernel", "attention"),
+        ("_store_kv_kernel", "attention"),
+        ("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_TNT", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn_align8>", "gemm"),
+        ("_skinny_kernel", "gemm"),
+        ("_qk_norm_rope_kernel", "elementwise"),
+        ("_rms_norm_kernel", "elementwise"),
+        ("_silu_mul_kernel", "elementwise"),
+        ("_token_inputs_kernel", "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<BFloat16>>", "elementwise"),
+        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "elementwise"),
+        ("_top1_kernel", "sampling"),
+        ("_accept_kernel", "sampling"),
+        ("_advance_kernel", "sampling"),
+        ("_publish_kernel", "sampling"),
+        ("Memcpy HtoD (Pinned -> Device)", "other"),
+        ("Memset (Device)", "other"),
+        ("aten::mm", "gemm"),
+        ("aten::addmm", "gemm"),
+        ("aten::as_strided", "other"),
+    ],
+)
+def test_each_kernel_lands_in_its_class(name, expected):
+    assert anatomy.kernel_class(name) == expected
+
+
+def test_class_floors_by_hand():
+    """Attention: pairs x 4 x layers x heads x head_dim flops; GEMMs: the rows' linear flops or the weights'
+    bytes, the longer; elementwise: the activations read and written once; sampling: the sampled rows' logits."""
+    cost = GEOMETRY.cost_model(itemsize=2)
+    work = StepWork(query_tokens=100, logit_rows=4, context_tokens=0, written_tokens=100, attn_pairs=5200)
+    floors = anatomy.class_floors(GEOMETRY, cost, work, vocab=1000, bandwidth_bps=1e9, flops_per_s=1e12)
+    assert floors["attention"] == pytest.approx(5200 * 4 * 2 * 4 * 16 / 1e12)
+    trunk = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)
+    linear_flops = 2 * trunk * 100 + 2 * 1000 * 64 * 4
+    assert floors["gemm"] == pytest.approx(max(linear_flops / 1e12, cost.weight_bytes / 1e9))
+    per_layer = 8 * 64 + (2 * 64 + 5 * 32) + 3 * 128
+    assert anatomy.activation_elements_per_token(GEOMETRY) == 2 * per_layer + 6 * 64
+    assert floors["elementwise"] == pytest.approx((2 * per_layer + 6 * 64) * 100 * 2 / 1e9)
+    assert floors["sampling"] == pytest.approx(4 * 4 * 1000 / 1e9)
+    assert floors["other"] == 0.0
+
+
+def test_a_quick_run_profiles_one_cold_step_per_prompt(tmp_path: Path):
+    report = anatomy.run_anatomy(tmp_path, quick=True, log=lambda _: None)
+    assert json.loads((tmp_path / "prefill_anatomy.json").read_text()) == report
+    rows = report["rows"]
+    assert [(r["model"], r["prompt_len"]) for r in rows] == [("tiny-sdar", 32), ("tiny-sdar", 64)]
+    for r in rows:
+        # the prompt and its first block in one forward, its first token accepted by that step
+        assert r["steps"] == 1 and r["query_tokens"] == r["prompt_len"] + 4
+        assert set(r["classes"]) == set(anatomy.CLASSES)
+        assert sum(c["ms"] for c in r["classes"].values()) == pytest.approx(r["kernel_ms"])
+        assert r["classes"]["gemm"]["ms"] > 0 and r["classes"]["gemm"]["kernels"] > 0
+        for name in ("attention", "gemm", "elementwise", "sampling"):
+            assert r["classes"][name]["floor_ms"] > 0
+        assert r["class_floor_ms"] == pytest.approx(sum(c["floor_ms"] for c in r["classes"].values()))
+        assert r["ttft_ms"] > 0 and r["top_kernels"]
+    assert rows[1]["classes"]["attention"]["floor_ms"] > 3 * rows[0]["classes"]["attention"]["floor_ms"]

@@ -1,0 +1,172 @@
+"""The long-query tile class of paged attention (a prompt's prefill): 128-row query tiles whose interior key tiles
+fold without the mask. Against the PyTorch reference under every rule that cuts a tile (the block-causal diagonal,
+prefix-full prompt rows, windows, padding, cached prefixes), and which launches take the class.
+
+Shapes stay small (head_dim 16, a few hundred rows): on the CPU the kernel runs under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels import paged_attention as pa
+from tests.kernels.test_paged_attention import DEVICE, DTYPES, check, make_batch, recorder  # noqa: F401
+from tests.kernels.test_paged_attention_window import check_window
+
+LONG = pa._LONG_QUERY_MIN
+
+
+def launched_long(recorder) -> list[bool]:  # noqa: F811
+    return [dict(variant).get("FULL_TILES", False) for variant in recorder.variants]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size", "prefix_full"),
+    [
+        (4, 2, 4, False),  # 64 positions x 2 heads per tile: the band of each tile's last block is masked
+        (4, 2, 4, True),  # prompt rows see the whole prompt, the answer block after it block-causally
+        (8, 2, 8, False),  # group 4: 32 positions per tile
+        (6, 2, 4, True),  # group 3 padded to 4: padding rows inside every tile
+        (4, 4, 1, False),  # no grouping, causal (block 1): 128 positions per tile
+    ],
+)
+def test_a_long_prompt_matches_reference(num_heads, num_kv_heads, block_size, prefix_full, dtype):
+    """A cold prompt longer than one tile, not a multiple of the tiles nor of the blocks (the last tiles padded)."""
+    check([(0, LONG + 45, LONG + 41)], num_heads, num_kv_heads, 16, 8, block_size, prefix_full, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix_full", [False, True])
+def test_a_long_prompt_beside_decoders_matches_reference(prefix_full, dtype):
+    """A ragged batch: a prompt chunk after a cached prefix (whole cached tiles unmasked, the partial one
+    masked), a cold prompt, decode rows with cached contexts, an empty request and a rebuild inside its prompt."""
+    requests = [(200, LONG + 2, 330), (0, LONG + 9, LONG + 5), (24, 4, 20), (150, 3, 150), (5, 0, 5), (40, 8, 3)]
+    check(requests, 4, 2, 16, 8, 4, prefix_full, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ungrouped_long_prompt_matches_reference(dtype):
+    check([(70, LONG + 3, 90), (0, 6, 6)], 4, 2, 16, 16, 4, False, dtype, grouped=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [17, 70, 200])
+def test_a_long_causal_piece_with_a_sliding_window_matches_reference(window, dtype):
+    """Rows anchored windows: the tiles below the highest floor of a query tile are masked, those above it
+    unmasked; a window wider than the prompt hides nothing."""
+    check_window([(0, LONG + 30, 0), (90, LONG, 0), (3, 5, 0)], 4, 2, 16, window, False, dtype, 1, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_canvas_with_a_window_from_context_matches_reference(dtype):
+    """A canvas of 130 rows after a long context, bidirectional over itself, seeing the last 40 cached keys."""
+    requests = [(180, LONG + 2, 180 + LONG + 2), (50, 4, 54)]
+    check_window(requests, 4, 2, 16, 41, True, dtype, 4, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_rows_with_key_tails_match_reference(dtype):
+    """A long row range whose last block reads cached keys after the rows (`key_lens`), beside refinements."""
+    from tests.kernels.test_paged_attention_key_tails import check as check_tails
+
+    check_tails(4, 2, 8, dtype, requests=[(64, LONG + 2, 60, 200), (16, 2, 10, 24), (0, LONG, LONG, LONG)])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="realistic head dims are too slow for the interpreter")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "prefix_full"), [(16, False), (32, True)])
+def test_long_prompts_at_realistic_head_dims_gpu(num_heads, prefix_full, dtype):
+    """SDAR-1.7B and 8B head layouts: a 2k prompt, a chunk after a cached prefix and a decode row in one launch
+    (one split asked for: the long class whatever the grid), and a causal piece with a sliding window."""
+    requests = [(0, 2100, 2050), (300, 700, 1000), (40, 4, 20), (0, 0, 0)]
+    check(requests, num_heads, 8, 128, 16, 4, prefix_full, dtype, splits=1)
+    check_window([(0, 1500, 0), (200, 300, 0)], num_heads, 8, 128, 256, False, dtype, 1, False, splits=1,
+                 page_size=16)  # fmt: skip
+
+
+def test_the_longest_query_of_a_launch_picks_the_class(recorder):  # noqa: F811
+    """Queries of `_LONG_QUERY_MIN` positions or more launch the long class (never split, never chained by PDL,
+    8 warps); shorter ones the decode-sized classes exactly as before (4 warps, 2 stages unsplit, 1 split)."""
+    for requests, long in [([(0, LONG, LONG)], True), ([(0, LONG - 1, LONG - 1)], False),
+                           ([(64, 4, 10)] * 3 + [(0, LONG + 5, LONG)], True), ([(64, 4, 10)] * 3, False)]:  # fmt: skip
+        q, k, v, k_cache, v_cache, meta = make_batch(requests, 4, 2, 16, 4, 4, False, torch.float32, DEVICE)
+        recorder.variants.clear()
+        pa.triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+        (variant,) = [dict(v) for v in recorder.variants]
+        assert variant.get("FULL_TILES", False) == long, requests
+        if long:
+            assert variant["BLOCK_Q"] == pa._LONG_QUERY_TILES.rows // 2 and variant["num_warps"] == 8
+            assert not variant["SPLIT"] and not variant["USE_PDL"] and "launch_pdl" not in variant
+        else:
+            assert variant["num_warps"] == 4 and variant["num_stages"] == pa._STAGES_UNSPLIT
+            assert variant["BLOCK_Q"] in (pa._SMALL_TILE_ROWS // 2, pa._LARGE_TILE_ROWS // 2)
+
+
+def test_the_long_class_gives_way_where_its_tiles_would_leave_sms_idle(monkeypatch):
+    """On a GPU a long query whose 128-row tiles cannot fill the SMs (a prefix-cache hit's short tail on a long
+    context, a 512-row chunk beside decoders) keeps the 64-row class; a split asked for, or heads wider than 128,
+    never take it."""
+    from diffulex.kernels import split_counters
+
+    cuda, sms = torch.device("cuda", 0), 132
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
+    tiles = pa._LONG_QUERY_TILES
+    # 8 KV heads, 2 query heads each: 64 positions per long tile
+    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, None, 64) == tiles  # 32 tiles x 8 = 256 programs
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, None, 64) is None  # 5 x 8 = 40: split keys instead
+    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 32000, None, 64) is None  # 8 x 8 = 64, decoders beside or not
+    assert pa._long_query_tiles(cuda, 1088, 2, 128, 8, 32000, None, 64) == tiles  # 17 x 8 = 136 programs
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, 1, 64) == tiles  # one split asked for: no split
+    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, 4, 64) is None
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 4096, None, 64) is None
+    assert pa._long_query_tiles(cuda, LONG - 1, 2, 128, 64, 4096, None, 64) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("rows", 96), ("block_n", 8), ("num_warps", 6), ("num_stages", 0)])
+def test_long_tiles_refuse_shapes_the_kernel_cannot_take(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        pa.LongQueryTiles(**{field: value})
+
+
+def test_the_gpu_bench_script_runs_every_config_and_names_one_to_keep(tmp_path):
+    """``bench/prefill_attention_bench.py --quick`` (tiny shapes, the interpreter): every configuration is checked
+    against the reference and timed, and the one kept ran every case."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "bench/prefill_attention_bench.py", str(tmp_path), "--quick",
+                           "--lengths", "130"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "prefill_attention.json").read_text())
+    assert all(r["error"] is None for r in report["rows"]), report["rows"]
+    assert {r["case"] for r in report["rows"]} == {"130", "130 after 200"}  # a cold prompt, a chunk after a cache
+    checked = [r for r in report["rows"] if "max_abs_error" in r]  # every configuration on the first case
+    assert len(checked) == len(report["geomean_x_floor"]) and all(r["max_abs_error"] <= 1e-4 for r in checked)
+    assert report["keep"] in report["geomean_x_floor"] and f"keep: {report['keep']}" in done.stdout
+
+
+def test_the_default_long_tiles_compile_for_hopper_without_spilling():
+    """``bench/attention_compile_check.py`` (Triton's ptxas, no GPU): the long class as launched by default fits
+    the registers of 8 warps (no stack) and an H100's shared memory."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "bench/attention_compile_check.py", "--variants", "long", "--only",
+                           "default"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"long default.*?(\d+) registers,\s+(\d+) B stack,\s+(\d+) KiB shared", done.stdout)
+    assert found, done.stdout
+    registers, stack, shared_kib = map(int, found.groups())
+    assert stack == 0 and registers <= 255 and shared_kib <= 227
