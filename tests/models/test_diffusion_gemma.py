@@ -422,3 +422,21 @@ def test_canvases_of_the_published_geometry_take_the_fused_experts_at_one_or_two
     assert experts.impl_for(rows(1)) == "fused" and experts.impl_for(rows(2)) == "fused"
     assert experts.impl_for(rows(4)) == larger and experts.impl_for(rows(8)) == larger
     assert experts.impl_for(rows(1, torch.float32)) == "dense"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_experts_captured_in_a_graph_replay_with_new_routing_gpu() -> None:
+    """The fused path asks the host nothing: a graph captured on one routing computes another's, as an eager call
+    on it does (bit for bit: the same kernels on the same inputs)."""
+    experts, x, weights, chosen = _bf16_experts(40, seed=3)
+    experts.impl = "fused"
+    experts(x, weights, chosen)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts(x, weights, chosen)
+    _, new_x, new_weights, new_chosen = _bf16_experts(40, seed=4)
+    x.copy_(new_x)
+    weights.copy_(new_weights)
+    chosen.copy_(new_chosen)
+    graph.replay()
+    torch.testing.assert_close(out, experts(x, weights, chosen), atol=0, rtol=0)
