@@ -103,8 +103,8 @@ def fused_wins(rows: int, top_k: int, num_experts: int, hidden: int, inter: int)
     """Whether the fused kernels should run a step of ``rows`` rows rather than the grouped GEMM: the measured
     row limit of the geometry, else (unmeasured) while the busiest expert's expected pairs fit one tile of the
     largest `_BLOCK_M_STEPS` (decode: each selected expert streamed once; SDAR-30B-A3B up to 512 rows,
-    LLaDA2-mini up to 1024). Larger steps (prefill) stream each expert once per tile, where the grouped GEMM's
-    large tiles are the better choice."""
+    LLaDA2-mini up to 1024, DiffusionGemma-26B-A4B up to 512: two canvases). Larger steps (prefill) stream each
+    expert once per tile, where the grouped GEMM's large tiles are the better choice."""
     measured = _FASTER_ROWS.get((num_experts, hidden, inter, top_k))
     if measured is not None:
         return rows <= measured
