@@ -1,18 +1,20 @@
-"""The fused MoE kernels against the grouped GEMM on the SDAR-30B-A3B and LLaDA2-mini expert geometries, against
-the floor of the experts each step selects.
+"""The fused MoE kernels against the grouped GEMM on the SDAR-30B-A3B, LLaDA2-mini and DiffusionGemma-26B-A4B
+expert geometries, against the floor of the experts each step selects.
 
 For each geometry and decode row count (SDAR-30B-A3B: block 4 at batch 1, 8 and 32; LLaDA2-mini: block 32 at the
-same batches), with uniform random routing: the experts of one layer through `SparseMoE._fused` and
-`SparseMoE._grouped`, each timed as a CUDA graph of back-to-back calls replayed, consecutive calls reading
-different copies of the stacked weights so that they come from HBM, not from the L2 the previous call filled (a
-real forward reads another layer's). The floor is the bytes of the selected experts' weights over the measured
-copy bandwidth (read + write bytes per second, as `diffulex.bench.roofline` counts), and the flops over
-790 TFLOP/s (the H100's dense bf16 peak); the max error of both paths is taken against a float32 computation of
-the same pairs. LLaDA2-mini's shared expert runs outside the kernels; its time and floor are reported beside.
-A few other tile configs of the fused kernels are timed too, within a time budget, to fill
-`diffulex.kernels.fused_moe`'s tables.
+same batches; DiffusionGemma: 1, 2, 4 and 8 canvases of 256 rows), with uniform random routing: the experts of
+one layer through the model's own fused and grouped paths (`SparseMoE._fused` / `_grouped` with SiLU,
+`StackedExperts._fused` / `_grouped` with GELU-tanh), each timed as a CUDA graph of back-to-back calls replayed,
+consecutive calls reading different copies of the stacked weights so that they come from HBM, not from the L2 the
+previous call filled (a real forward reads another layer's). The floor is the bytes of the selected experts'
+weights over the measured copy bandwidth (read + write bytes per second, as `diffulex.bench.roofline` counts), and
+the flops over 790 TFLOP/s (the H100's dense bf16 peak); the max error of both paths is taken against a float32
+computation of the same pairs. LLaDA2-mini's shared expert runs outside the kernels; its time and floor are
+reported beside. A few other tile configs of the fused kernels are timed too, within a time budget, to fill
+`diffulex.kernels.fused_moe`'s tables (``dispatch_takes_fused`` says what `fused_wins` picks for each row count
+today; ``fused_speedup`` above 1 where the fused kernels should take it).
 
-    PYTHONPATH=. python bench/fused_moe_bench.py OUT_DIR
+    PYTHONPATH=. python bench/fused_moe_bench.py OUT_DIR [--geometries diffusion-gemma-26b-a4b ...]
 
 Writes ``OUT_DIR/fused_moe.json``; exits 1 when the fused result is off the reference by more than bf16 rounding
 (after writing), 2 without a CUDA device.
@@ -34,13 +36,18 @@ import torch.nn.functional as F
 from diffulex.bench.hardware import measure_copy_bandwidth, time_graph_calls
 from diffulex.kernels.fused_moe import FusedMoEConfig, config_for, fused_moe, fused_wins
 from diffulex.layers.moe import SoftmaxRouter, SparseMoE, route
+from diffulex.models.diffusion_gemma import StackedExperts
 
 GEOMETRIES = {
     "sdar-30b-a3b": {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768, "shared_inter": 0,
-                     "rows": (4, 32, 128)},
+                     "activation": "silu", "rows": (4, 32, 128)},
     "llada2-mini": {"experts": 256, "top_k": 8, "hidden": 2048, "inter": 512, "shared_inter": 512,
-                    "rows": (32, 256, 1024)},
+                    "activation": "silu", "rows": (32, 256, 1024)},
+    "diffusion-gemma-26b-a4b": {"experts": 128, "top_k": 8, "hidden": 2816, "inter": 704, "shared_inter": 0,
+                                "activation": "gelu_tanh", "rows": (256, 512, 1024, 2048)},
 }  # fmt: skip
+# The activation each geometry's experts apply to their gate, in PyTorch (the float32 reference).
+TORCH_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
 PEAK_FLOPS = 790e12
 DTYPE = torch.bfloat16
 # Weight copies cycled through: each call's selected experts are hundreds of MB, so the previous call's copy has
@@ -62,38 +69,52 @@ def time_graph(call: Callable[[int], object]) -> float:
 
 
 def reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """float32 ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, expert by expert."""
+              down: torch.Tensor, activation: str) -> torch.Tensor:  # fmt: skip
+    """float32 ``sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t)``, expert by expert."""
     inter = down.shape[2]
+    act = TORCH_ACTIVATIONS[activation]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in experts.unique().tolist():
         token, slot = (experts == e).nonzero(as_tuple=True)
         h = x[token].float() @ gate_up[e].float().T
-        y = (F.silu(h[:, :inter]) * h[:, inter:]) @ down[e].float().T
+        y = (act(h[:, :inter]) * h[:, inter:]) @ down[e].float().T
         out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
     return out
 
 
-def layer(geometry: dict) -> SparseMoE:
-    """A `SparseMoE` of the geometry without weights of its own (meta device): the benchmark sets its stacked
-    weights, the only ones `_fused` and `_grouped` read."""
+def layer(geometry: dict) -> SparseMoE | StackedExperts:
+    """The experts of the geometry without weights of their own (meta device): `use_weights` sets the stacked
+    weights, the only ones the fused and grouped paths read. SiLU geometries are a `SparseMoE`, Gemma's a
+    `StackedExperts`."""
+    E, k, H, inter = geometry["experts"], geometry["top_k"], geometry["hidden"], geometry["inter"]
     with torch.device("meta"):
-        return SparseMoE(geometry["hidden"], geometry["inter"],
-                         SoftmaxRouter(geometry["hidden"], geometry["experts"], geometry["top_k"], True))  # fmt: skip
+        if geometry["activation"] == "gelu_tanh":
+            return StackedExperts(E, H, inter, k)
+        return SparseMoE(H, inter, SoftmaxRouter(H, E, k, True))
 
 
-def measure(name: str, geometry: dict, rows: int, stacks: list, moe: SparseMoE, bandwidth: float,
+def use_weights(moe: SparseMoE | StackedExperts, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """Point the layer's stacked weights at one copy (no data moves)."""
+    if isinstance(moe, StackedExperts):
+        moe.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+        moe.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    else:
+        moe.stack.gate_up, moe.stack.down = gate_up, down
+
+
+def measure(name: str, geometry: dict, rows: int, stacks: list, moe: SparseMoE | StackedExperts, bandwidth: float,
             sweep_until: float) -> dict:  # fmt: skip
     E, k, H, inter = geometry["experts"], geometry["top_k"], geometry["hidden"], geometry["inter"]
+    activation = geometry["activation"]
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, H, device="cuda", generator=gen).to(DTYPE)
     weights, experts = route(torch.randn(rows, E, device="cuda", generator=gen), k, normalize=True)
 
     def run(path: Callable, i: int) -> torch.Tensor:
-        moe.stack.gate_up, moe.stack.down = stacks[i % COPIES]
+        use_weights(moe, *stacks[i % COPIES])
         return path(x, weights, experts)
 
-    expected = reference(x, weights, experts, *stacks[0])
+    expected = reference(x, weights, experts, *stacks[0], activation)
     scale = expected.abs().max().item()
     fused_err = (run(moe._fused, 0).float() - expected).abs().max().item()
     grouped_err = (run(moe._grouped, 0).float() - expected).abs().max().item()
@@ -111,10 +132,10 @@ def measure(name: str, geometry: dict, rows: int, stacks: list, moe: SparseMoE, 
             break
         cfg = FusedMoEConfig(default.block_m, n_gu, n_down, block_k, warps, stages)
         variants[str(tuple(cfg))] = time_graph(
-            lambda i, cfg=cfg: fused_moe(x, weights, experts, *stacks[i % COPIES], config=cfg)
+            lambda i, cfg=cfg: fused_moe(x, weights, experts, *stacks[i % COPIES], config=cfg, activation=activation)
         )
     row = {
-        "geometry": name, "rows": rows, "pairs": rows * k, "selected_experts": selected,
+        "geometry": name, "activation": activation, "rows": rows, "pairs": rows * k, "selected_experts": selected,
         "expert_bytes": expert_bytes, "flops": flops,
         "memory_floor_us": expert_bytes / bandwidth * 1e6, "compute_floor_us": flops / PEAK_FLOPS * 1e6,
         "floor_us": floor_us, "fused_us": fused_us, "grouped_us": grouped_us,
@@ -149,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--sweep-seconds", type=float, default=60.0, help="time budget of the config variants")
+    parser.add_argument("--geometries", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES),
+                        help="expert geometries to time (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fused_moe_bench: no CUDA device; this benchmark times GPU kernels", file=sys.stderr)
@@ -159,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     sweep_until = time.monotonic() + args.sweep_seconds
     results = []
-    for name, geometry in GEOMETRIES.items():
+    for name in args.geometries:
+        geometry = GEOMETRIES[name]
         E, H, inter = geometry["experts"], geometry["hidden"], geometry["inter"]
         stacks = [(torch.empty(E, 2 * inter, H, device="cuda", dtype=DTYPE).normal_(0.0, 0.02),
                    torch.empty(E, H, inter, device="cuda", dtype=DTYPE).normal_(0.0, 0.02))

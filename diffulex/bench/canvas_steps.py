@@ -10,7 +10,9 @@ timed on the host. An engine step applies the step in flight and launches the ne
 first of which also encodes the prompts) and the last none, so ``steps - 2`` calls are timed. The runner computes
 a launched step whole, ending by reading the canvases' argmaxes back, so host time is device time. The decoder
 pass alone (``decoder_ms_per_pass``: the graph replay) is timed apart, so the rest of the step (LM head, each
-canvas's sampling rule and self-conditioning input) is the difference.
+canvas's sampling rule and self-conditioning input) is the difference. Each row names the path the experts took
+over the batch's rows (``experts_impl``: each layer's own choice, or the one ``experts_impl`` forces, so that two
+runs compare the fused kernels with the grouped GEMM on one machine).
 
 The floor of one step (`diffulex.bench.roofline`, MoE accounting included): bytes = every weight outside the
 experts (the tied embedding once, as the LM head) + the experts the step's ``batch x canvas_length`` rows select
@@ -40,6 +42,8 @@ from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import CostModel, StepWork, step_bytes, step_flops
 
 GEOMETRIES = ("26b-a4b", "tiny")
+# Expert paths a run may force: those a CUDA graph captures (the exact loop asks the host which experts ran).
+FORCED_EXPERTS_IMPLS = ("fused", "grouped", "dense")
 # Layers kept per retry when the geometry does not fit: one period of the 5 sliding : 1 full pattern
 LAYER_PERIOD = 6
 # A tiny geometry for checking the tool end to end on the CPU (the shapes of the CPU tests' checkpoints)
@@ -60,6 +64,7 @@ class CanvasBenchSettings:
     steps: int = 12  # denoising steps per canvas (steps - 2 of them timed)
     seed: int = 0
     quick: bool = False  # small peak measurements
+    experts_impl: str | None = None  # None: each layer's experts choose per step (`StackedExperts.impl_for`)
     engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,6 +77,8 @@ class CanvasBenchSettings:
             raise ValueError("prompt_len and every batch size must be >= 1")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1")
+        if self.experts_impl is not None and self.experts_impl not in FORCED_EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {', '.join(FORCED_EXPERTS_IMPLS)}")
 
 
 def write_folder(path: Path, geometry: str, num_layers: int | None) -> tuple[Path, int]:
@@ -121,6 +128,18 @@ def canvas_cost_model(model: torch.nn.Module, itemsize: int) -> CostModel:
         moe_layers=len(stacks), num_experts=config.num_experts, experts_per_token=config.top_k_experts,
         expert_params=3 * config.hidden_size * config.moe_intermediate_size,
     )  # fmt: skip
+
+
+def experts_path(model: torch.nn.Module, impl: str | None, rows: int) -> str:
+    """Set ``impl`` on every layer's experts (None: each chooses per step) and return the path a step of ``rows``
+    rows takes."""
+    from diffulex.models.diffusion_gemma import StackedExperts
+
+    stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    for stack in stacks:
+        stack.impl = impl
+    weight = stacks[0].down_proj
+    return stacks[0].impl_for(torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device))
 
 
 def step_floor(
@@ -239,6 +258,7 @@ def _engine(folder: Path, settings: CanvasBenchSettings, batch: int) -> Any:
 def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any, log: Callable[[str], None]) -> dict:
     engine = _engine(folder, settings, batch)
     try:
+        experts_impl = experts_path(engine.model, settings.experts_impl, batch * engine.model.config.canvas_length)
         time_batch(engine, batch, settings, seed=settings.seed + 1000)  # warm-up: compiles and captures
         times = time_batch(engine, batch, settings, seed=settings.seed)
         decoder_ms = time_decoder_pass(engine, batch, settings.prompt_len)
@@ -257,7 +277,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
             **floor, "floor_ratio": mean_ms / floor["floor_ms"],
             "memory_floor_ratio": mean_ms / floor["memory_floor_ms"],
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
-            "pages": runner.num_pages,
+            "experts_impl": experts_impl, "pages": runner.num_pages,
         }  # fmt: skip
     finally:
         with contextlib.suppress(Exception):
@@ -266,7 +286,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         f"{row['floor_ms']:.2f} ms ({row['bound']}; memory {row['memory_floor_ms']:.2f}: weights "
         f"{row['weight_GB']:.2f} GB + experts {row['experts_GB']:.2f} GB ({row['experts_per_layer']:.1f}/layer) + "
         f"K/V {row['kv_read_GB']:.3f} GB; compute {row['compute_floor_ms']:.2f}: {row['step_TFLOP']:.2f} TFLOP), "
-        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}; decoder pass alone "
+        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}, experts {experts_impl}; decoder pass alone "
         f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms'}")  # fmt: skip
     return row
 

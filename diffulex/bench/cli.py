@@ -179,7 +179,7 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
 def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``diffulex bench canvas`` beyond the throughput flags it shares (--batch-sizes, --prompt-len,
     --out, --quick)."""
-    from diffulex.bench.canvas_steps import GEOMETRIES
+    from diffulex.bench.canvas_steps import FORCED_EXPERTS_IMPLS, GEOMETRIES
 
     group = parser.add_argument_group("canvas (diffulex bench canvas: DiffusionGemma ms per denoising step)")
     group.add_argument("--geometry", dest="cv__geometry", choices=GEOMETRIES,
@@ -188,6 +188,9 @@ def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
                        help="layers of the geometry (default: all, fewer only where they do not fit)")
     group.add_argument("--steps", dest="cv__steps", type=int, metavar="N",
                        help="denoising steps per canvas, steps - 2 of them timed (default: 12)")
+    group.add_argument("--experts-impl", dest="cv__experts_impl", choices=FORCED_EXPERTS_IMPLS,
+                       help="force the experts' path (default: each step's own choice: the fused Triton kernels "
+                            "for one or two canvases on CUDA, the grouped GEMM beyond)")
 
 
 def canvas_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Triton SiLU-and-mul: ``silu(gate) * up`` of a SwiGLU MLP in one launch.
+"""Triton SiLU-and-mul: ``silu(gate) * up`` of a SwiGLU MLP in one launch; and the gated activations' epilogues
+(SiLU and GELU with the tanh approximation) that other kernels end with.
 
 PyTorch runs it as two kernels (``silu``, then the product) with a ``[T, I]`` intermediate in between; at decode
 batch sizes the cost is the launches. The kernel takes ``gate`` and ``up`` as two row-strided ``[T, I]``
@@ -11,6 +12,13 @@ and an IEEE division and rounds to the input dtype; the product is then formed i
 values) and rounded once. On the GPU the exponential is libdevice's ``expf`` (Triton's ``tl.exp`` is the faster
 ``ex2.approx`` form, which PyTorch does not use); the Triton interpreter has no libdevice and uses ``tl.exp``.
 Casts go through `diffulex.kernels.fused_norm.cast_rne` (round to nearest even under the interpreter too).
+
+Gemma's ``gelu_tanh(gate) * up`` (`gelu_tanh_mul_rounded`) keeps the same two roundings: PyTorch's
+``F.gelu(approximate="tanh")`` computes ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` in fp32 with the
+accurate ``tanhf`` and rounds to the input dtype, then the product is formed in fp32 and rounded once. On the GPU
+the tanh is libdevice's ``tanhf``; the interpreter, without libdevice, forms it from ``exp`` (within an fp32 unit
+or two in the last place: the bf16 result parts from PyTorch's, by one unit, only where the activation's fp32
+value sits on a rounding boundary).
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 # The interpreter cannot run libdevice calls; it is only ever the CPU test path.
 PRECISE_EXP = not INTERPRETING
+# PyTorch's constants of the tanh approximation, as fp32: sqrt(2 / pi) and the cubic term's coefficient.
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -63,6 +74,24 @@ def silu_mul_rounded(g, u, out_dtype: tl.constexpr, PRECISE_EXP: tl.constexpr):
         e = tl.exp(-g32)
     silu = cast_rne(tl.fdiv(g32, 1.0 + e, ieee_rounding=True), g.dtype)
     return cast_rne(silu.to(tl.float32) * u.to(tl.float32), out_dtype)
+
+
+@triton.jit
+def gelu_tanh_mul_rounded(g, u, out_dtype: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    """``gelu_tanh(g) * u`` with PyTorch's roundings (module docstring), for any block shape: the epilogue of
+    Gemma-style experts in `diffulex.kernels.fused_moe`. ``PRECISE_EXP``: libdevice is there (its ``tanhf``)."""
+    x = g.to(tl.float32)
+    inner = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+    if PRECISE_EXP:
+        tanh = libdevice.tanh(inner)
+    else:
+        # 1 - 2e / (1 + e), e = exp(-2|y|) in (0, 1]: no overflow, and the small difference from 1 is formed
+        # before it is subtracted, so |tanh| near 1 rounds as a correctly rounded tanhf does
+        e = tl.exp(-2.0 * tl.abs(inner))
+        magnitude = 1.0 - 2.0 * e / (1.0 + e)
+        tanh = tl.where(inner < 0, -magnitude, magnitude)
+    gelu = cast_rne(0.5 * x * (1.0 + tanh), g.dtype)
+    return cast_rne(gelu.to(tl.float32) * u.to(tl.float32), out_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,12 @@ graph captures them:
    expert is outside ``[0, experts)`` (another rank's, under expert parallelism) get no row at all, and an
    expert without pairs gets no tile, so neither costs a weight byte.
 2. ``_gate_up_kernel`` (tiles x column blocks): the tile's rows of ``x`` (gathered by token) times one column
-   block of its expert's gate and up rows, SiLU-and-mul in the epilogue with PyTorch's roundings, stored to a
-   ``[tiles * block_m, inter]`` activation buffer in the padded order.
+   block of its expert's gate and up rows, the gated activation in the epilogue, stored to a
+   ``[tiles * block_m, inter]`` activation buffer in the padded order. The activation is a compile-time choice
+   (`ACTIVATIONS`): ``"silu"`` (SwiGLU: SDAR-MoE, LLaDA2) or ``"gelu_tanh"`` (Gemma's GELU with the tanh
+   approximation: DiffusionGemma). Either rounds as the unfused path does: the gate and up products are rounded
+   to the input dtype (what a GEMM stores), the activation of the gate is computed in float32 and rounded to the
+   dtype, and its product with up is formed in float32 and rounded once (`diffulex.kernels.activation`).
 3. ``_down_kernel`` (tiles x column blocks): the activation rows times the expert's down block; the product is
    rounded to the input dtype (what a separate GEMM stores), multiplied in float32 by the pair's router weight
    and stored per pair, ``[T * top_k, hidden]`` float32.
@@ -43,11 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.activation import PRECISE_EXP, silu_mul_rounded
+from diffulex.kernels.activation import PRECISE_EXP, gelu_tanh_mul_rounded, silu_mul_rounded
 from diffulex.kernels.fused_norm import cast_rne
 from diffulex.kernels.pdl import INTERPRETING, launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The gated activations the gate_up epilogue applies, ``act(gate) * up``.
+ACTIVATIONS = ("silu", "gelu_tanh")
 # An MMA tile has at least 16 rows, and 16 is the smallest reduction tile it takes.
 _MIN_TILE = 16
 # Pairs the alignment reads per step of its loops.
@@ -97,8 +103,8 @@ def fused_wins(rows: int, top_k: int, num_experts: int, hidden: int, inter: int)
     """Whether the fused kernels should run a step of ``rows`` rows rather than the grouped GEMM: the measured
     row limit of the geometry, else (unmeasured) while the busiest expert's expected pairs fit one tile of the
     largest `_BLOCK_M_STEPS` (decode: each selected expert streamed once; SDAR-30B-A3B up to 512 rows,
-    LLaDA2-mini up to 1024). Larger steps (prefill) stream each expert once per tile, where the grouped GEMM's
-    large tiles are the better choice."""
+    LLaDA2-mini up to 1024, DiffusionGemma-26B-A4B up to 512: two canvases). Larger steps (prefill) stream each
+    expert once per tile, where the grouped GEMM's large tiles are the better choice."""
     measured = _FASTER_ROWS.get((num_experts, hidden, inter, top_k))
     if measured is not None:
         return rows <= measured
@@ -199,6 +205,7 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ACTIVATION: tl.constexpr = "silu",  # one of ACTIVATIONS
 ):
     wait_for_inputs(USE_PDL)
     tile = tl.program_id(0)
@@ -230,9 +237,13 @@ def _gate_up_kernel(
         gate_ptrs += BLOCK_K
     release_dependents(USE_PDL)
     out_dtype: tl.constexpr = act_ptr.dtype.element_ty
-    # the two products rounded as a GEMM stores them, then SiLU-and-mul's roundings
+    # the two products rounded as a GEMM stores them, then the activation's roundings
     gate = cast_rne(tl.trans(acc_gate), out_dtype)
-    act = silu_mul_rounded(gate, cast_rne(tl.trans(acc_up), out_dtype), out_dtype, PRECISE_EXP)
+    up = cast_rne(tl.trans(acc_up), out_dtype)
+    if ACTIVATION == "gelu_tanh":
+        act = gelu_tanh_mul_rounded(gate, up, out_dtype, PRECISE_EXP)
+    else:
+        act = silu_mul_rounded(gate, up, out_dtype, PRECISE_EXP)
     act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * inter + offs_n[None, :]
     tl.store(act_ptrs, act, mask=(offs_n < inter)[None, :])
 
@@ -320,8 +331,10 @@ def fused_moe(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     config: FusedMoEConfig | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """``sum_j route_weights[t, j] * expert_{experts[t, j]}(x[t])`` over the ``top_k`` slots, in ``x``'s dtype.
+    """``sum_j route_weights[t, j] * expert_{experts[t, j]}(x[t])`` over the ``top_k`` slots, in ``x``'s dtype,
+    where an expert is ``down @ (act(gate @ x) * (up @ x))`` and ``act`` is `activation` (one of `ACTIVATIONS`).
 
     ``x [T, hidden]``; ``route_weights [T, top_k]`` (float32); ``experts [T, top_k]`` integer indices into the
     stacked weights ``gate_up [E, 2 * inter, hidden]`` (gate rows, then up rows) and ``down [E, hidden, inter]``.
@@ -330,6 +343,8 @@ def fused_moe(
     tests). Works on CUDA and under the Triton interpreter; no host sync, so a CUDA graph may capture it.
     """
     _check(x, route_weights, experts, gate_up, down)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     T, top_k = experts.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -367,7 +382,7 @@ def fused_moe(
         x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=k_gate_up,
         EVEN_K=hidden % k_gate_up == 0, UPCAST=upcast, PRECISION=precision, PRECISE_EXP=PRECISE_EXP,
-        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        USE_PDL=use_pdl, ACTIVATION=activation, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     k_down = _reduction_tile(cfg.block_k, inter)
     _down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](

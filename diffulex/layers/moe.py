@@ -241,6 +241,18 @@ class ExpertStack(JoinedWeights):
         return True
 
 
+def fused_experts_win(x: torch.Tensor, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
+    """Whether the fused kernels take a step of experts over ``x [T, hidden]``: triton present, a half-precision
+    input outside autograd and ``torch.compile`` tracing (`use_fused_kernels`), and a row count
+    `diffulex.kernels.fused_moe.fused_wins` gives them for this geometry. Shared by every family whose experts
+    are stacked (`SparseMoE`, DiffusionGemma's `StackedExperts`)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or not use_fused_kernels(x):
+        return False
+    from diffulex.kernels.fused_moe import fused_wins
+
+    return fused_wins(x.shape[0], top_k, num_experts, hidden, inter)
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether this torch has a grouped GEMM for `x`'s device and dtype: CUDA from compute capability 9.0 in
     bfloat16 (the kernels torch ships); on the CPU, where a tiny probe runs (some supported torch versions have
@@ -360,15 +372,9 @@ class SparseMoE(nn.Module):
         return "grouped" if grouped_mm_supported(x) else "dense"
 
     def _fused_wins(self, x: torch.Tensor) -> bool:
-        """Whether the fused kernels take this step: triton present, a half-precision input outside autograd and
-        ``torch.compile`` tracing (`use_fused_kernels`), and a row count `fused_wins` gives them."""
-        if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or not use_fused_kernels(x):
-            return False
-        from diffulex.kernels.fused_moe import fused_wins
-
         inter, hidden = self.stack.down.shape[2], self.stack.down.shape[1]
         # the pairs per expert are the same on every rank of an expert-parallel group: the whole layer's count
-        return fused_wins(x.shape[0], self.top_k, self.num_experts, hidden, inter)
+        return fused_experts_win(x, self.top_k, self.num_experts, hidden, inter)
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stack.gate_up is None or self.stack.down is None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
-from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, grouped_mm_supported
+from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
 from diffulex.models.family import Family, register_family
@@ -194,19 +194,23 @@ class GemmaAttention(nn.Module):
 
 class StackedExperts(nn.Module):
     """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
-    then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP.
+    then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP of ``top_k`` chosen per row.
 
-    Three ways to compute the same sum (`MOE_IMPLS`), chosen per input unless ``impl`` is set: ``loop`` (the CPU)
+    Four ways to compute the same sum (`MOE_IMPLS`), chosen per input unless ``impl`` is set: ``loop`` (the CPU)
     is the exact path (each chosen expert over its own tokens, accumulated in expert order as transformers does);
-    it asks the host which experts were chosen, so no CUDA graph can capture it. On CUDA: ``grouped`` (bfloat16 on
-    compute capability 9.0+), the grouped GEMM the SDAR-MoE and LLaDA2 families run (`diffulex.layers.moe`):
-    the (token, slot) pairs sorted by expert, each expert's weights read once for its rows; otherwise ``dense``,
-    every expert over every token weighted by the routing (static shapes, for small test models in float32).
-    Both are capturable; they sum the slots in slot order, which differs from ``loop`` by rounding only."""
+    it asks the host which experts were chosen, so no CUDA graph can capture it. On CUDA: ``fused``, the Triton
+    kernels of `diffulex.kernels.fused_moe` with GELU-tanh in the gate_up epilogue, which stream each selected
+    expert's weights once per row tile, for bf16/fp16 steps of the rows where they beat the grouped GEMM
+    (`diffulex.layers.moe.fused_experts_win`: a canvas or two of 256 rows at the 26B-A4B geometry); ``grouped``
+    (bfloat16 on compute capability 9.0+) for larger steps, the grouped GEMM the SDAR-MoE and LLaDA2 families
+    run (`diffulex.layers.moe`): the (token, slot) pairs sorted by expert, each expert's weights read once for its
+    rows; otherwise ``dense``, every expert over every token weighted by the routing (static shapes, for small
+    test models in float32). The three are capturable; they sum the slots in slot order, which differs from
+    ``loop`` by rounding only (``fused`` rounds each expert's output and its activation as ``grouped`` does)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.top_k = num_experts, top_k
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.impl: str | None = None  # None: chosen per input (`impl_for`)
@@ -216,11 +220,16 @@ class StackedExperts(nn.Module):
             return self.impl
         if not x.is_cuda:
             return "loop"
+        hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
+        if fused_experts_win(x, self.top_k, self.num_experts, hidden, inter):
+            return "fused"
         return "grouped" if grouped_mm_supported(x) else "dense"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` -> ``[T, hidden]``."""
         impl = self.impl_for(x)
+        if impl == "fused":
+            return self._fused(x, weights, experts)
         if impl == "grouped":
             return self._grouped(x, weights, experts)
         if impl == "dense":
@@ -234,6 +243,12 @@ class StackedExperts(nn.Module):
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The fused Triton kernels over the stacked weights (on the CPU only under the Triton interpreter)."""
+        from diffulex.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, weights, experts, self.gate_up_proj, self.down_proj, activation="gelu_tanh")
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """(token, slot) pairs sorted by expert; ``offs[e]`` ends expert ``e``'s rows (counted by a scatter: no
@@ -261,7 +276,7 @@ class StackedExperts(nn.Module):
         return _weighted_slots(per_slot, weights, x.dtype)
 
 
-MOE_IMPLS = ("loop", "grouped", "dense")
+MOE_IMPLS = ("loop", "fused", "grouped", "dense")
 
 
 def _weighted_slots(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -282,7 +297,7 @@ class DiffusionGemmaLayer(nn.Module):
         self.self_attn = GemmaAttention(config, geometry)
         self.mlp = GatedMLP(hidden, config.intermediate_size, activation=gelu_tanh)
         self.router = ScaledSoftmaxRouter(hidden, config.num_experts, config.top_k_experts, eps)
-        self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size)
+        self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size, config.top_k_experts)
         for name in (
             "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
             "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2",

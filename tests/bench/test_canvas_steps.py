@@ -33,7 +33,29 @@ def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
         assert row["floor_ms"] == pytest.approx(max(row["memory_floor_ms"], row["compute_floor_ms"]))
         assert 0 < row["experts_per_layer"] <= 4
         assert row["attention"] == "torch" and row["dtype"] == "float32"
+        assert row["experts_impl"] == "loop"  # the CPU's own choice
     assert report["results"][1]["kv_read_GB"] == pytest.approx(2 * report["results"][0]["kv_read_GB"])
+
+
+def test_a_forced_expert_path_is_the_one_run_and_reported(tmp_path: Path, monkeypatch) -> None:
+    """``--experts-impl dense`` sets every layer's experts to every-expert-over-every-row before the warm-up, and
+    the row says so: the timed steps ran the dense path (and not the CPU's loop)."""
+    from diffulex.models.diffusion_gemma import StackedExperts
+
+    ran: set[str] = set()
+    forward = StackedExperts.forward
+
+    def recording(self, x, weights, experts):
+        ran.add(self.impl_for(x))
+        return forward(self, x, weights, experts)
+
+    monkeypatch.setattr(StackedExperts, "forward", recording)
+    out = tmp_path / "canvas.json"
+    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "1", "--prompt-len", "12", "--steps", "3",
+                 "--quick", "--experts-impl", "dense", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    assert json.loads(out.read_text())["results"][0]["experts_impl"] == "dense"
+    assert "dense" in ran and "loop" not in ran
 
 
 def test_the_floor_counts_the_window_the_selected_experts_and_every_weight_once(tmp_path: Path) -> None:
@@ -82,6 +104,7 @@ def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Pa
     ({"steps": 2}, "steps=2 must be >= 3"),
     ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, tiny"),
     ({"num_layers": 0}, "num_layers=0 must be >= 1"),
+    ({"experts_impl": "loop"}, "experts_impl='loop' must be one of fused, grouped, dense"),
 ])  # fmt: skip
 def test_bad_settings_are_refused_by_name(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -184,3 +184,21 @@ def test_the_profile_forward_is_recorded_dry_at_the_memory_plans_shape(peaky_sda
             profile()
     stand_in = [json.loads(v.specialization)["rows"] for v in variants if v.module == ForwardKernel.module]
     assert stand_in == [max(config.max_num_batched_tokens, config.max_model_len)] and launched == []
+
+
+def test_naive_moe_gemm_puts_diffusion_gemma_experts_on_the_reference_path(tmp_path: Path):
+    """``moe_gemm_impl`` reaches DiffusionGemma's stacked experts as it does SparseMoE layers: ``triton`` leaves each
+    layer its own choice (the fused kernels where they win), ``naive`` the reference path (the loop on the CPU),
+    ``vllm`` is refused by name."""
+    from diffulex.models.diffusion_gemma import StackedExperts, load_diffusion_gemma
+    from diffulex.testing.checkpoints import write_tiny_diffusion_gemma_checkpoint
+
+    model = load_diffusion_gemma(write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma", seed=0))
+    experts = [module for module in model.modules() if isinstance(module, StackedExperts)]
+    assert len(experts) == len(model.layers)
+    assembly._select_moe_path(model, "triton", "dgemma")
+    assert {module.impl for module in experts} == {None}
+    assembly._select_moe_path(model, "naive", "dgemma")
+    assert {module.impl for module in experts} == {"loop"}
+    with pytest.raises(ValueError, match="moe_gemm_impl='vllm' for model_name='dgemma'"):
+        assembly._select_moe_path(model, "vllm", "dgemma")

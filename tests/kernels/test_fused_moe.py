@@ -1,5 +1,5 @@
 """The fused MoE kernels against `SparseMoE.reference`, the token-by-token definition, on the CPU under the Triton
-interpreter (small shapes) and natively on a GPU.
+interpreter (small shapes) and natively on a GPU; with SiLU (SwiGLU experts) and with Gemma's GELU-tanh.
 
 float32 must agree to the rounding of a different summation order; bf16 to the rounding of its intermediates
 (the kernels round where the reference's separate GEMMs and activation round, so a difference is an
@@ -8,10 +8,14 @@ intermediate that lands on the other side of a rounding boundary, a few units in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from diffulex.kernels.fused_moe import (
+    ACTIVATIONS,
     FusedMoEConfig,
     config_for,
     fused_moe,
@@ -86,19 +90,55 @@ def stacked(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# What each name of `ACTIVATIONS` computes, in PyTorch.
+TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
 def definition(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """float32 ``sum_j w[t, j] * down_e(silu(gate_e x) * up_e x)`` over the slots whose expert is in range."""
+    """float32 ``sum_j w[t, j] * down_e(act(gate_e x) * up_e x)`` over the slots whose expert is in range."""
+    act_fn = TORCH_ACTIVATIONS[activation]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         for j in range(experts.shape[1]):
             e = int(experts[t, j])
             if 0 <= e < gate_up.shape[0]:
                 h = gate_up[e].float() @ x[t].float()
-                act = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+                act = act_fn(h[:INTER]) * h[INTER:]
                 out[t] += weights[t, j] * (down[e].float() @ act)
     return out
+
+
+def unfused(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """The same sum in ``x``'s dtype as separate PyTorch ops round it (DiffusionGemma's grouped path): each GEMM's
+    output, the activation and its product with up rounded to the dtype, the slots summed in float32."""
+    act_fn = TORCH_ACTIVATIONS[activation]
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(experts.shape[1]):
+        for t in range(x.shape[0]):
+            e = int(experts[t, j])
+            if 0 <= e < gate_up.shape[0]:
+                gate, up = F.linear(x[t : t + 1], gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(act_fn(gate) * up, down[e])
+                total[t] += y[0].float() * weights[t, j]
+    return total.to(x.dtype)
 
 
 def routed(rows: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,11 +207,93 @@ def test_column_blocks_wider_than_the_matrices_are_clamped() -> None:
     assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
 
 
-def test_no_rows_give_an_empty_output() -> None:
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_no_rows_give_an_empty_output(activation: str) -> None:
     gate_up, down = stacked(torch.float32)
     x = torch.zeros(0, HIDDEN, device=DEVICE)
     experts = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
-    assert fused_moe(x, experts.float(), experts, gate_up, down).shape == (0, HIDDEN)
+    assert fused_moe(x, experts.float(), experts, gate_up, down, activation=activation).shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_gelu_experts_equal_the_float32_definition(rows: int) -> None:
+    """Gemma's experts, ``down(gelu_tanh(gate x) * up x)``: float32 agrees with the definition to the rounding of
+    a different summation order (and so differs from the SiLU experts of the same weights)."""
+    gate_up, down = stacked(torch.float32, seed=rows)
+    x, weights, experts = routed(rows, 4, seed=rows)
+    out = fused_moe(x, weights, experts, gate_up, down, activation="gelu_tanh")
+    expected = definition(x, weights, experts, gate_up, down, "gelu_tanh")
+    assert_close_up_to_reordering(out, expected, HIDDEN + INTER + 4)
+    silu = definition(x, weights, experts, gate_up, down, "silu")
+    assert (out - silu).abs().max() > 100 * (out - expected).abs().max()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_bf16_equals_the_unfused_ops_to_their_rounding(top_k: int, activation: str) -> None:
+    """bf16: the unfused ops (GEMM, activation, product, GEMM, each rounded; slots summed in float32) up to an
+    intermediate landing on the other side of a rounding boundary."""
+    gate_up, down = stacked(torch.bfloat16, seed=top_k)
+    x, weights, experts = routed(33, top_k, seed=top_k)
+    x = x.bfloat16()
+    out = fused_moe(x, weights, experts, gate_up, down, activation=activation)
+    assert_matches_reference(out, unfused(x, weights, experts, gate_up, down, activation), top_k)
+
+
+def test_bf16_gelu_rounds_like_the_unfused_ops_not_like_float32_math() -> None:
+    """The GELU epilogue rounds the gate and up products, the activation and its product with up to bf16, as the
+    unfused ops do: the output is nearer their result than the float32 computation of the same bf16 operands."""
+    gate_up, down = stacked(torch.bfloat16, seed=8)
+    x, weights, experts = routed(33, 2, seed=8)
+    x = x.bfloat16()
+    expected = unfused(x, weights, experts, gate_up, down, "gelu_tanh").float()
+    out = fused_moe(x, weights, experts, gate_up, down, activation="gelu_tanh").float()
+    unrounded = definition(x, weights, experts, gate_up, down, "gelu_tanh")
+    assert (out - expected).abs().max() < (unrounded - expected).abs().max()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_the_epilogue_rounds_the_activation_and_its_product_like_the_unfused_ops(activation: str) -> None:
+    """One-hot bf16 rows make each gate and up product one weight, exactly; a down projection that copies its
+    input makes the output's first ``inter`` columns the epilogue's values themselves. They are PyTorch's bf16
+    ``act(gate) * up`` (the activation rounded, then the product), save where the activation's float32 value,
+    whose exp/tanh may differ from PyTorch's by an fp32 unit or two, sits on a bf16 rounding boundary (then by
+    one unit in the last place). Rounding only once, after the product, parts from it ten times as often."""
+    rows = 2 * HIDDEN
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    down = torch.zeros(EXPERTS, HIDDEN, INTER, dtype=torch.bfloat16, device=DEVICE)
+    down[:, :INTER] = torch.eye(INTER, dtype=torch.bfloat16, device=DEVICE)
+    columns = torch.arange(rows, device=DEVICE) % HIDDEN
+    x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+    x[torch.arange(rows, device=DEVICE), columns] = 1.0
+    experts = torch.randint(0, EXPERTS, (rows, 1), generator=gen).to(DEVICE)
+    weights = torch.ones(rows, 1, device=DEVICE)
+    out = fused_moe(x, weights, experts, gate_up, down, activation=activation)[:, :INTER]
+    picked = gate_up[experts[:, 0], :, columns]  # [rows, 2 * inter]: each row's gate and up products
+    gate, up = picked[:, :INTER], picked[:, INTER:]
+    act_fn = TORCH_ACTIVATIONS[activation]
+    expected = act_fn(gate) * up
+    rounded_once = (act_fn(gate.float()) * up.float()).bfloat16()
+    mismatched = out != expected
+    assert mismatched.sum() * 10 < (rounded_once != expected).sum()
+    one_ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs()
+    assert ((out.float() - expected.float()).abs() <= one_ulp)[mismatched].all()
+
+
+def test_gelu_pairs_of_experts_not_held_here_are_skipped() -> None:
+    """Expert parallelism with GELU experts: a rank holding experts 2..5 adds only its own pairs; rows whose
+    every pair is elsewhere come out exactly zero."""
+    gate_up, down = stacked(torch.float32, seed=9)
+    x, weights, experts = routed(33, 3, seed=9)
+    local = experts - 2
+    out = fused_moe(x, weights, local, gate_up[2:6], down[2:6], activation="gelu_tanh")
+    expected = definition(x, weights, local, gate_up[2:6], down[2:6], "gelu_tanh")
+    assert_close_up_to_reordering(out, expected, HIDDEN + INTER + 3)
+    owned = (local >= 0) & (local < 4)
+    elsewhere = ~owned.any(dim=1)
+    assert owned.any() and not owned.all() and elsewhere.any()
+    assert torch.equal(out[elsewhere], torch.zeros_like(out[elsewhere]))
 
 
 def test_mismatched_operands_are_refused_by_name() -> None:
@@ -185,6 +307,8 @@ def test_mismatched_operands_are_refused_by_name() -> None:
         fused_moe(x, weights[:, :1], experts, gate_up, down)
     with pytest.raises(ValueError, match="config block_m must be a power of two >= 16, got 8"):
         fused_moe(x, weights, experts, gate_up, down, config=FusedMoEConfig(8, 16, 16, 32, 4, 2))
+    with pytest.raises(ValueError, match="activation must be one of silu, gelu_tanh, got 'gelu'"):
+        fused_moe(x, weights, experts, gate_up, down, activation="gelu")
 
 
 def test_the_tile_bound_covers_the_worst_padding() -> None:
@@ -211,6 +335,16 @@ def test_the_fused_path_takes_decode_steps_and_leaves_prefill_to_the_grouped_gem
     assert fused_wins(4, 8, 128, 2048, 768)  # SDAR-30B-A3B batch 1
     assert fused_wins(1024, 8, 256, 2048, 512)  # LLaDA2-mini batch 32, block 32
     assert not fused_wins(4096, 8, 128, 2048, 768)  # a prefill chunk
+
+
+def test_diffusion_gemma_canvases_take_the_fused_path_up_to_two_per_step() -> None:
+    """DiffusionGemma-26B-A4B's experts (128, top 8, hidden 2816, inter 704), 256 rows per canvas: one or two
+    canvases keep the busiest expert's expected pairs within one row tile (each selected expert read once);
+    four and more leave the step to the grouped GEMM until a measurement says otherwise."""
+    assert config_for(256 * 8, 128).block_m == 32
+    assert config_for(512 * 8, 128).block_m == 64
+    assert fused_wins(256, 8, 128, 2816, 704) and fused_wins(512, 8, 128, 2816, 704)
+    assert not fused_wins(1024, 8, 128, 2816, 704)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -1,4 +1,5 @@
-"""Each family's tiny checkpoints, written once per session and shared by `test_families.py` and the family modules.
+"""Each family's tiny checkpoints, written once per session and shared by `test_families.py` and the family modules;
+the Triton interpreter on a machine without CUDA.
 
 A family module names its family in ``FAMILY``; its ``ckpt`` and ``peaky`` fixtures are then that family's
 checkpoints (see `family_harness.write_family_checkpoint`).
@@ -6,11 +7,18 @@ checkpoints (see `family_harness.write_family_checkpoint`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from family_harness import CASES, write_family_checkpoint
+
+# Model paths that run Triton kernels (DiffusionGemma's fused experts) run them under the interpreter on the CPU;
+# set before triton is imported. Nothing else here runs a kernel on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FamilyCheckpoint = Callable[[str, str], Path]
 

@@ -20,15 +20,31 @@ from transformers import DiffusionGemmaConfig as HFDiffusionGemmaConfig
 from transformers import DiffusionGemmaForBlockDiffusion
 from transformers.cache_utils import DynamicCache
 
-from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM, EncoderKV, load_diffusion_gemma
+from diffulex.layers.dispatch import triton_available
+from diffulex.layers.moe import grouped_mm_supported
+from diffulex.models.diffusion_gemma import (
+    DiffusionGemmaForDiffusionLM,
+    EncoderKV,
+    StackedExperts,
+    load_diffusion_gemma,
+)
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig
-from diffulex.testing.checkpoints import DIFFUSION_GEMMA_26B_CONFIG, write_tiny_diffusion_gemma_checkpoint
+from diffulex.testing.checkpoints import (
+    DIFFUSION_GEMMA_26B_CONFIG,
+    DIFFUSION_GEMMA_26B_TEXT_CONFIG,
+    write_tiny_diffusion_gemma_checkpoint,
+)
 from diffulex.testing.diffusion_gemma_reference import greedy_generate
 
 # float32 logits of the same network summed in different orders (observed: ~1.2e-6; logits are capped at 30).
 ATOL = 1e-5
 PROMPT_LEN = 13  # longer than the tiny sliding window (8), so the window masks something
 FIRST_TOKEN = 7  # prompts avoid the special ids (0-6)
+# Where the fused expert kernels run: natively on a GPU, else under the Triton interpreter (conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# bf16 outputs of two expert paths that round alike may differ by this many units in the last place of the largest
+# output (a GEMM's float32 sum in another order landing across a rounding boundary)
+BF16_ULPS = 4
 
 
 # The direct calls into transformers' encoder/decoder and its cache layout were verified against 5.24; 5.17 (the
@@ -325,3 +341,102 @@ def test_batched_denoising_over_contexts_of_different_lengths_equals_one_row_at_
     for row, (context, logits) in enumerate(zip(contexts, previous, strict=True)):
         alone = ours.denoise_step(canvases[row : row + 1], context, logits)
         torch.testing.assert_close(batched[row : row + 1], alone, atol=ATOL, rtol=0)
+
+
+def _experts_impl(model: DiffusionGemmaForDiffusionLM, impl: str | None) -> None:
+    for layer in model.layers:
+        layer.experts.impl = impl
+
+
+@pytest.fixture(scope="module")
+def device_model(folder: Path) -> DiffusionGemmaForDiffusionLM:
+    return load_diffusion_gemma(folder, device=DEVICE)
+
+
+def test_encoder_and_decoder_on_the_fused_experts_equal_the_exact_loop(device_model) -> None:
+    """Every layer's experts on the fused Triton kernels (GELU-tanh epilogue): the encoder's K/V and a decoder
+    pass with self-conditioning give what the exact per-expert loop gives, float32, up to summation order."""
+    model = device_model
+    g = torch.Generator().manual_seed(6)
+    prompt = _tokens(g, 2, PROMPT_LEN).to(DEVICE)
+    canvas = _tokens(g, 2, model.config.canvas_length, low=0, high=384).to(DEVICE)
+    previous = (torch.randn(2, model.config.canvas_length, model.config.vocab_size, generator=g) * 4).to(DEVICE)
+    try:
+        _experts_impl(model, "loop")
+        context = model.encode(prompt)
+        expected = model.denoise_step(canvas, context, previous)
+        _experts_impl(model, "fused")
+        fused_context = model.encode(prompt)
+        got = model.denoise_step(canvas, fused_context, previous)
+    finally:
+        _experts_impl(model, None)
+    for ours, theirs in zip(fused_context.keys + fused_context.values, context.keys + context.values, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def _bf16_experts(rows: int, seed: int) -> tuple[StackedExperts, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    experts = StackedExperts(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(8, 64, 64, generator=g) * 0.3)
+        experts.down_proj.copy_(torch.randn(8, 64, 32, generator=g) * 0.3)
+    x = torch.randn(rows, 64, generator=g)
+    chosen = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    return experts.to(DEVICE, torch.bfloat16), x.to(DEVICE, torch.bfloat16), weights.to(DEVICE), chosen.to(DEVICE)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_bf16_fused_experts_round_like_the_static_paths(rows: int) -> None:
+    """bf16: the fused kernels round each expert's GEMMs, its GELU and the product as the static paths' separate
+    ops do and sum the slots in float32 in slot order, so they agree with every expert over every row (and the
+    grouped GEMM where torch has one) to a few units in the last place."""
+    experts, x, weights, chosen = _bf16_experts(rows, seed=rows)
+    experts.impl = "fused"
+    out = experts(x, weights, chosen)
+    impls = ["dense"] + (["grouped"] if grouped_mm_supported(x) else [])
+    for impl in impls:
+        experts.impl = impl
+        expected = experts(x, weights, chosen)
+        atol = BF16_ULPS * torch.finfo(torch.bfloat16).eps * expected.float().abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0, msg=impl)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="the choice is CUDA's")
+def test_canvases_of_the_published_geometry_take_the_fused_experts_at_one_or_two_per_step() -> None:
+    """DiffusionGemma-26B-A4B's experts (128 of 2816 x 704, top 8) over 256-row canvases in bf16: one or two
+    canvases per step on the fused kernels (each selected expert's weights read once), more on the grouped GEMM
+    (or every expert without one); float32 never on the fused kernels' decode tiles."""
+    text = DIFFUSION_GEMMA_26B_TEXT_CONFIG
+    with torch.device("meta"):
+        experts = StackedExperts(
+            text["num_experts"], text["hidden_size"], text["moe_intermediate_size"], text["top_k_experts"]
+        )
+    canvas = DIFFUSION_GEMMA_26B_CONFIG["canvas_length"]
+
+    def rows(canvases: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(canvases * canvas, text["hidden_size"], device="cuda", dtype=dtype)
+
+    larger = "grouped" if grouped_mm_supported(rows(1)) else "dense"
+    assert experts.impl_for(rows(1)) == "fused" and experts.impl_for(rows(2)) == "fused"
+    assert experts.impl_for(rows(4)) == larger and experts.impl_for(rows(8)) == larger
+    assert experts.impl_for(rows(1, torch.float32)) == "dense"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_experts_captured_in_a_graph_replay_with_new_routing_gpu() -> None:
+    """The fused path asks the host nothing: a graph captured on one routing computes another's, as an eager call
+    on it does (bit for bit: the same kernels on the same inputs)."""
+    experts, x, weights, chosen = _bf16_experts(40, seed=3)
+    experts.impl = "fused"
+    experts(x, weights, chosen)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts(x, weights, chosen)
+    _, new_x, new_weights, new_chosen = _bf16_experts(40, seed=4)
+    x.copy_(new_x)
+    weights.copy_(new_weights)
+    chosen.copy_(new_chosen)
+    graph.replay()
+    torch.testing.assert_close(out, experts(x, weights, chosen), atol=0, rtol=0)
