@@ -121,10 +121,17 @@ def entropy_bound_acceptance(entropy: torch.Tensor, bound: float) -> torch.Tenso
 def draw_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of ``probs [C, vocab]``: `torch.multinomial(probs, 1)`'s own method for a single draw (the
     exponential race, argmax of ``p / q`` with ``q ~ Exp(1)`` from ``generator``), so the same numbers and the same
-    generator state after it, without its checks of the distribution, which wait for the device on the host.
-    A distribution with a non-finite entry shows as a non-finite entropy instead (`CanvasSteps.mean_entropy`)."""
+    generator state after it, without its checks of the distribution, which wait for the device on the host
+    (`drawable` checks the draws instead)."""
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return torch.div(probs, race, out=race).argmax(dim=-1)
+
+
+def drawable(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: every row of ``probs`` was a distribution `torch.multinomial` accepts. A softmax row with a
+    non-finite logit is not a number throughout, and the argmax of the race then picks a NaN entry, so the drawn
+    entries' probabilities tell, without reading the whole distribution again."""
+    return torch.isfinite(probs.gather(-1, drawn[:, None])).all()
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,8 @@ class CanvasSteps:
     states: list[CanvasState]  # each canvas's next state (its self-conditioning input unless `last`)
     argmax: torch.Tensor  # [G, C]
     settled: torch.Tensor  # [G] bool: stable and confident
-    mean_entropy: torch.Tensor  # [G] float32; 0 at temperature 0, not finite where no distribution could be drawn
+    mean_entropy: torch.Tensor  # [G] float32; 0 at temperature 0
+    drawable: torch.Tensor  # [G] bool: False where a sampled canvas's logits gave no distribution to draw from
     last: tuple[bool, ...]  # the step is the canvas's last of the schedule (known on the host)
 
     def resolve(self, b: int, settled: bool, mean_entropy: float) -> CanvasStep:
@@ -185,12 +193,13 @@ def denoise_canvases(
     one_hot_soft = None
     if any(scale == 0.0 and not end for scale, end in zip(scales, last, strict=True)):
         one_hot_soft = token_soft_embeddings(argmax)
-    zero = torch.zeros((), device=device)
-    means, next_states = [], []
+    zero, yes = torch.zeros((), device=device), torch.ones((), dtype=torch.bool, device=device)
+    means, valid, next_states = [], [], []
     for b, (state, scale) in enumerate(zip(states, scales, strict=True)):
         soft = None
         if scale == 0.0:
             means.append(zero)
+            valid.append(yes)
             tokens = argmax[b]
             if not last[b]:
                 soft = one_hot_soft[b]
@@ -199,7 +208,10 @@ def denoise_canvases(
             entropy = token_entropy(scaled)
             means.append(entropy.mean())
             generator = step_generator(seeds[b], state.index, state.steps, device)
-            drawn = draw_categorical(torch.softmax(scaled, dim=-1), generator)
+            probs = torch.softmax(scaled, dim=-1)
+            drawn = draw_categorical(probs, generator)
+            valid.append(drawable(probs, drawn))
+            del probs
             noise = torch.randint(0, vocab_limit, (length,), generator=generator, device=device)
             tokens = torch.where(entropy_bound_acceptance(entropy, schedule.entropy_bound), drawn, noise)
             if not last[b]:
@@ -210,7 +222,7 @@ def denoise_canvases(
     # in float64, as the host compares the float32 mean with the threshold (a float32 threshold rounds)
     confident = mean_entropy.double() < schedule.confidence_threshold
     settled = stable_canvases(states, argmax, schedule.stability_threshold) & confident
-    return CanvasSteps(next_states, argmax, settled, mean_entropy, last)
+    return CanvasSteps(next_states, argmax, settled, mean_entropy, torch.stack(valid), last)
 
 
 def stable_canvases(states: Sequence[CanvasState], argmax: torch.Tensor, threshold: int) -> torch.Tensor:

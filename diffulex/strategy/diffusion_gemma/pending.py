@@ -7,7 +7,6 @@ that lost nothing since (a preemption drops it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,15 +22,15 @@ class PendingCanvases(PendingWrites):
     batch: list[CanvasRequest] = field(default_factory=list)
     steps: list[CanvasSteps] = field(default_factory=list)  # the groups of the step, in the batch's order
     preemptions: list[int] = field(default_factory=list)  # each request's count at launch
-    outcome: torch.Tensor | None = None  # [B, C + 1] int64: argmax, then the settled flag (host memory once ready)
+    outcome: torch.Tensor | None = None  # [B, C + 2] int64: argmax, settled, drawable (host memory once ready)
     entropies: torch.Tensor | None = None  # [B] float32 mean entropies (host memory once ready)
 
     @classmethod
     def launch(cls, batch: list[CanvasRequest], steps: list[CanvasSteps]) -> PendingCanvases:
         """Queue the copies of the step's outcome behind its launches (non-blocking into pinned memory on a GPU)."""
         argmax = torch.cat([s.argmax for s in steps])
-        settled = torch.cat([s.settled for s in steps])
-        outcome = torch.cat([argmax, settled[:, None].to(argmax.dtype)], dim=1)
+        flags = torch.stack([torch.cat([s.settled for s in steps]), torch.cat([s.drawable for s in steps])], dim=1)
+        outcome = torch.cat([argmax, flags.to(argmax.dtype)], dim=1)
         entropies = torch.cat([s.mean_entropy for s in steps])
         ready = None
         if outcome.device.type == "cuda":
@@ -53,7 +52,7 @@ class PendingCanvases(PendingWrites):
         if self.ready is not None:
             self.ready.synchronize()
         rows, entropies = self.outcome.tolist(), self.entropies.tolist()
-        failed = [req.req_id for req, mean in zip(self.batch, entropies, strict=True) if not math.isfinite(mean)]
+        failed = [req.req_id for req, row in zip(self.batch, rows, strict=True) if not row[-1]]
         if failed:
             raise RequestFailure(failed, "denoising its canvas failed: its logits give no distribution to draw from")
         canvases = [(group, b) for group in self.steps for b in range(len(group.states))]
@@ -61,8 +60,8 @@ class PendingCanvases(PendingWrites):
                                                      strict=True):  # fmt: skip
             if req.num_preemptions != count or not req.running:  # the step was dropped for it
                 continue
-            req.proposed = group.resolve(b, bool(row[-1]), mean)
-            self.writes[req.req_id] = list(enumerate(row[:-1], req.running[0].start))
+            req.proposed = group.resolve(b, bool(row[-2]), mean)
+            self.writes[req.req_id] = list(enumerate(row[:-2], req.running[0].start))
         self.outcome = self.entropies = None  # a second call returns the same writes
         return self.writes
 
