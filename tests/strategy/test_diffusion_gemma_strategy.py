@@ -200,9 +200,9 @@ def test_a_conversation_that_continues_an_answer_reuses_its_encoded_canvases(fol
 
 def test_the_batched_canvas_rule_gives_the_tokens_of_the_rule_run_per_request(folder: Path) -> None:
     """Six requests in one engine, greedy and sampled at several temperatures and seeds, of different budgets (so
-    their canvases are at different steps), some canvases settling before the schedule ends beside ones that do
-    not, three prompts finding the first page of an earlier request's in the prefix cache: every answer and step count equals that of the same
-    engine whose step runs the canvas rule request by request (`per_request_launch`)."""
+    their canvases are at different steps), some canvases settling before the schedule ends beside ones that do not,
+    three prompts finding the first page of an earlier request's in the prefix cache: every answer and step count
+    equals that of the same engine whose step runs the canvas rule request by request (`per_request_launch`)."""
     batch = prompts(6)
     batch[0] = list(batch[3])  # 21 tokens: one full page of 16
     batch[1] = batch[3][:16] + batch[1]

@@ -17,9 +17,10 @@ One step, for a batch of requests that each have a running canvas:
    canvas attending to its own context in the pages and to itself (`paged`: the Triton kernel on a GPU, the
    PyTorch path elsewhere); on a GPU the pass replays a CUDA graph captured for the smallest bucket of canvases
    that holds the batch (`graphs`);
-3. per request: logits, then its canvas step (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvas`) with
-   its own temperature and random streams; the outcome is proposed to the request and adopted when the engine
-   applies the step.
+3. per group of canvases (`LOGITS_GROUP_BYTES`): one LM-head launch, then the canvas rule for all of them
+   (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvases`), each canvas with its own temperature and random
+   streams; nothing is read on the host until the engine applies the step (`pending.PendingCanvases`), when each
+   request's outcome is proposed to it and adopted.
 """
 
 from __future__ import annotations
