@@ -27,17 +27,8 @@ class PendingCanvases(PendingWrites):
 
     @classmethod
     def launch(cls, batch: list[CanvasRequest], steps: list[CanvasSteps]) -> PendingCanvases:
-        """Queue the copies of the step's outcome behind its launches (non-blocking into pinned memory on a GPU)."""
-        argmax = torch.cat([s.argmax for s in steps])
-        flags = torch.stack([torch.cat([s.settled for s in steps]), torch.cat([s.drawable for s in steps])], dim=1)
-        outcome = torch.cat([argmax, flags.to(argmax.dtype)], dim=1)
-        entropies = torch.cat([s.mean_entropy for s in steps])
-        ready = None
-        if outcome.device.type == "cuda":
-            outcome = _to_host(outcome)
-            entropies = _to_host(entropies)
-            ready = torch.cuda.Event()
-            ready.record()
+        """Queue the copies of the step's outcome behind its launches."""
+        outcome, entropies, ready = copy_outcome(steps)
         writes: dict[int, list[tuple[int, int]]] = {req.req_id: [] for req in batch}
         return cls(writes, ready=ready, batch=batch, steps=steps, preemptions=[r.num_preemptions for r in batch],
                    outcome=outcome, entropies=entropies)  # fmt: skip
@@ -64,6 +55,21 @@ class PendingCanvases(PendingWrites):
             self.writes[req.req_id] = list(enumerate(row[:-2], req.running[0].start))
         self.outcome = self.entropies = None  # a second call returns the same writes
         return self.writes
+
+
+def copy_outcome(steps: list[CanvasSteps]) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    """The step's ``[B, C + 2]`` (argmax, settled, drawable) and ``[B]`` mean entropies on their way to the host
+    (non-blocking into pinned memory on a GPU), and the event to wait for (None: already there)."""
+    argmax = torch.cat([s.argmax for s in steps])
+    flags = torch.stack([torch.cat([s.settled for s in steps]), torch.cat([s.drawable for s in steps])], dim=1)
+    outcome = torch.cat([argmax, flags.to(argmax.dtype)], dim=1)
+    entropies = torch.cat([s.mean_entropy for s in steps])
+    if outcome.device.type != "cuda":
+        return outcome, entropies, None
+    outcome, entropies = _to_host(outcome), _to_host(entropies)
+    ready = torch.cuda.Event()
+    ready.record()
+    return outcome, entropies, ready
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
