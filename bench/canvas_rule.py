@@ -6,10 +6,12 @@ vocabulary 262,144, hidden 2,816, bf16 embedding) or of the tiny CPU geometry; a
 the same outcome, bit for bit, at those shapes (the reductions' split over thread blocks follows the shapes).
 
     PYTHONPATH=. python bench/canvas_rule.py OUT_DIR [--geometry 26b-a4b|tiny] [--batch-sizes 1 8] [--iters 10]
+        [--profile-top 15]
 
 Canvases of a batch cycle through temperatures 1.0, 0.0, 0.7 and 1.3 (greedy among sampled), each at step 2 of the
 checkpoint's schedule with a full stability history. ``queued_ms`` is the host's time to queue the batched step
-(before it waits once); the reference waits for the device several times per canvas. Writes
+(before it waits once); the reference waits for the device several times per canvas. Then both ways are profiled
+at the largest batch: the operators that took the most device time (CPU time on a CPU), per step. Writes
 OUT_DIR/canvas_rule.json; exits 1 when an outcome differs.
 """
 
@@ -145,6 +147,40 @@ def measure(batch: int, geometry: str, iters: int, device: torch.device) -> dict
     return row
 
 
+def profile_step(batch: int, geometry: str, device: torch.device, top: int) -> dict[str, list[dict]]:
+    """Per step, the ``top`` operators by self time on the device (the CPU on a CPU), batched and per canvas."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, vocab, hidden = GEOMETRIES[geometry]
+    options = DiffusionGemmaOptions()
+    embeddings = Embeddings(vocab, hidden, device)
+    logits, states = make_inputs(batch, geometry, device)
+    temperatures = [TEMPERATURES[b % len(TEMPERATURES)] for b in range(batch)]
+    args = (states, temperatures, [100 + b for b in range(batch)], options, vocab, embeddings)
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    ways = {"batched": lambda: read(*run_batched(logits.clone(), *args)[1:]),
+            "per_canvas": lambda: run_reference(logits, *args)}  # fmt: skip
+    report, steps = {}, 3
+    for name, step in ways.items():
+        step()
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            synchronize(device)
+        events = prof.key_averages()
+        key = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+        report[name] = [
+            {"op": e.key, "calls": e.count // steps, "ms": key(e) / 1e3 / steps}
+            for e in sorted(events, key=key, reverse=True)[:top] if key(e) > 0
+        ]  # fmt: skip
+        print(f"profile, {name}, batch {batch}, ms per step by operator ({'device' if on_gpu else 'CPU'}):")
+        for entry in report[name]:
+            print(f"  {entry['ms']:8.3f}  x{entry['calls']:<4} {entry['op']}")
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -152,6 +188,7 @@ def main() -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile-top", type=int, default=15, help="operators listed per profile (0: none)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.geometry != "tiny" and device.type != "cuda":
@@ -166,8 +203,12 @@ def main() -> int:
             print(f"batch {batch}: batched {row['batched_ms']:.2f} ms (queued in {row['queued_ms']:.2f}), "
                   f"per canvas {row['reference_ms']:.2f} ms, {row['speedup']:.2f}x; "
                   f"equal: {row['equal']} {row['differing_canvases'] or ''}")  # fmt: skip
+        profiles = {}
+        if args.profile_top:
+            profiles = profile_step(max(args.batch_sizes), args.geometry, device, args.profile_top)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = {"device": device_name, "torch": torch.__version__, "geometry": args.geometry, "results": rows}
+    report = {"device": device_name, "torch": torch.__version__, "geometry": args.geometry, "results": rows,
+              "profile_batch": max(args.batch_sizes), "profiles": profiles}  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "canvas_rule.json").write_text(json.dumps(report, indent=1))
     print(f"report: {args.out_dir / 'canvas_rule.json'}")

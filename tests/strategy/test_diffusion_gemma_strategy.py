@@ -303,6 +303,31 @@ def test_abort_and_a_bad_request_leave_the_others_untouched(folder: Path, model,
     assert "image_token_id" in finished[bad].error
 
 
+def test_a_canvas_without_a_distribution_fails_its_request_alone(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled request whose logits turn non-finite (injected into its canvas's rows, found by its seed) fails
+    with a message that says so, when its step is read; the requests of the same steps answer as they do without
+    it."""
+    bad_seed = 666
+    params = [SamplingParams(temperature=t, max_tokens=24, seed=s, ignore_eos=True) for t, s in
+              ((1.0, 1), (1.0, bad_seed), (0.0, 2))]  # fmt: skip
+    batch = prompts(3)
+    with engine(folder) as llm:
+        expected = run_requests(llm, [batch[0], batch[2]], [params[0], params[2]])[0]
+        rule = llm.runner._rule
+
+        def poisoned(logits, states, temperatures, seeds):
+            for b, seed in enumerate(seeds):
+                if seed == bad_seed:
+                    logits[b, 0, 0] = float("nan")
+            return rule(logits, states, temperatures, seeds)
+
+        monkeypatch.setattr(llm.runner, "_rule", poisoned)
+        got = run_requests(llm, batch, params)[0]
+    assert got[1].completion_reason == "error" and "no distribution to draw from" in got[1].error
+    assert [got[0].token_ids, got[2].token_ids] == [t.token_ids for t in expected]
+    assert got[0].error is None and got[2].error is None
+
+
 def test_top_p_and_top_k_are_refused_by_name(folder: Path) -> None:
     """The canvas sampler has no top-p/top-k: such a request is refused when added, naming the field, and the
     engine serves the next one."""

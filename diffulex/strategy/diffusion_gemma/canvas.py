@@ -180,7 +180,7 @@ def denoise_canvases(
     ``soft_embeddings(logits [1, C, vocab]) -> [1, C, hidden]`` and ``token_soft_embeddings(tokens [..., C])`` are
     the model's, for the next step's self-conditioning input; it is computed for every canvas that may go on (all
     but those at their schedule's last step), since whether one settled is known only when the step is read."""
-    count, length, vocab = logits.shape
+    _, length, vocab = logits.shape
     device = logits.device
     if vocab_limit < vocab:
         logits[:, :, vocab_limit:] = float("-inf")
