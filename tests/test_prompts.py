@@ -7,9 +7,10 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from diffulex.prompts import encode_prompt, has_chat_template
+from diffulex.prompts import encode_prompt, encode_prompt_values, has_chat_template
 from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
 from diffulex.testing.checkpoints import sdar_reference_dir
 from diffulex.tokenizer import load_tokenizer
@@ -259,3 +260,10 @@ def test_a_tokenizer_without_special_tokens_encodes_text_its_own_way() -> None:
     assert encode_prompt(CharTokenizer(), "a<|x|>", mask_token_id=0) == [ord(c) for c in "a<|x|>"]
     conversation = encode_prompt(CharTokenizer(), [{"role": "user", "content": "hi"}], mask_token_id=0)
     assert conversation == [ord(c) for c in "user: hi\nassistant:"]
+
+
+def test_a_token_prompt_comes_with_the_int64_values_its_check_converted_and_text_without(tok):
+    ids, values = encode_prompt_values(tok, (5, 7, 11), mask_token_id=MASK, vocab_size=100)
+    assert ids == [5, 7, 11] and values.dtype == np.int64 and values.tolist() == ids
+    text_ids, none = encode_prompt_values(tok, "To be", mask_token_id=MASK)
+    assert text_ids == encode_prompt(tok, "To be", mask_token_id=MASK) and none is None

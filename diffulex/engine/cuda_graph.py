@@ -70,10 +70,10 @@ import numpy as np
 import torch
 
 from diffulex.attention import PagedAttentionMetadata
-from diffulex.engine.page_table import page_array
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.dispatch import triton_available
+from diffulex.strategy.page_table import page_array
 
 logger = logging.getLogger("diffulex")
 
@@ -373,7 +373,7 @@ class DecodeGraphs:
         tables = lay[self._head_len : self._head_len + bucket * s.max_pages].reshape(bucket, s.max_pages)
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
-            tables[i, : len(table)] = page_array(table)  # at memory speed (`diffulex.engine.page_table`)
+            tables[i, : len(table)] = page_array(table)  # at memory speed (`diffulex.strategy.page_table`)
         if self.soft_inputs is not None:
             self.soft_inputs.stage(step.soft_rows, n, buffer)
         if not self.capture_graphs:  # a captured graph copies the staging buffer in itself (see `_upload`)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from diffulex.config import Config
@@ -31,7 +32,7 @@ from diffulex.engine.step_profiler import StepProfiler
 from diffulex.engine.tensor_parallel import DEATH_WAIT_S
 from diffulex.errors import EngineClosedError, EngineDeadError, RequestFailure
 from diffulex.outputs import GenerationOutputs, Trajectory
-from diffulex.prompts import Prompt, encode_prompt
+from diffulex.prompts import Prompt, encode_prompt_values
 from diffulex.sampler.rows import PendingWrites
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
@@ -115,24 +116,30 @@ class DiffulexEngine:
 
     # ----- requests -----------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        ids = encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
+    def _encode(self, prompt: Prompt) -> tuple[list[int], np.ndarray | None]:
+        """The prompt's ids and, for token ids, their int64 values (`encode_prompt_values`)."""
+        ids, values = encode_prompt_values(
+            self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit
+        )
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len="
                 f"{self.config.max_model_len} so that at least one token can be generated"
             )
-        return ids
+        return ids, values
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises ValueError for bad input without touching engine state."""
         self._check_open()
-        check_prompt(prompt)
+        if not (isinstance(prompt, list | tuple) and prompt):  # token ids: `_encode` checks each, in one pass
+            check_prompt(prompt)
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
-        ids = self._encode(prompt)
+        ids, values = self._encode(prompt)
         req = self.request_cls(self._next_req_id, ids, sp, self.settings)
+        if values is not None:  # the check's conversion: a long prompt's rows and page hashes read it
+            req.adopt_prompt_array(values)
         kv = self.scheduler.kv_cache
         needed = kv.pages_for(req.max_stored_len)
         if needed > kv.num_pages:

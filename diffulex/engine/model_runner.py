@@ -23,15 +23,15 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
-from diffulex.engine.page_table import page_array
 from diffulex.engine.prefill_graphs import PrefillGraphs
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_inputs import StepInputs
+from diffulex.engine.step_rows import StepRows
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
-from diffulex.strategy.block import Block
+from diffulex.strategy.page_table import page_array
 from diffulex.strategy.request import Request, SampleTarget
 
 if TYPE_CHECKING:
@@ -475,29 +475,27 @@ class ModelRunner:
         """One forward of ``num_tokens`` prompt rows plus logits for ``num_sample_rows`` rows: the activation
         peak the memory planner reserves. The rows form requests of at most ``max_model_len`` positions, as a
         real step would (positions past the model's limit do not exist). Stores nothing in the cache."""
-        step = StepInputs()
+        step, flat = StepInputs(), StepRows(self.settings.page_size)
         for start in range(0, num_tokens, max_model_len):
             n = min(max_model_len, num_tokens - start)
-            step.input_ids.extend([0] * n)
-            step.positions.extend(range(n))
-            step.slot_mapping.extend([-1] * n)
+            flat.add(np.zeros(n, dtype=np.int64), 0, [], [], -1)
             step.query_lens.append(n)
             step.context_lens.append(0)
             step.prefix_lens.append(n)
             step.page_tables.append([])
-            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
-        hidden = self.forward(*self._eager_inputs(step))
+            step.cu_seqlens_q.append(flat.num_rows)
+        hidden = self.forward(*self._eager_inputs(_with_rows(step, flat)))
         rows = hidden[: min(num_sample_rows, num_tokens)]
         logits = self.model.compute_logits(rows)
         torch.softmax(logits.float(), dim=-1).max(dim=-1)
 
     def collect(self, batch: list[Request]) -> StepInputs:
         """Flatten the batch: every request's query range, its cache slots and the rows to sample."""
-        step = StepInputs()
+        step, rows = StepInputs(), StepRows(self.settings.page_size)
         for req in batch:
             start, end = req.query_range()
-            self._add_rows(step, req, start, end, start, req.sample_targets())
-        return step
+            self._add_rows(step, rows, req, start, end, start, req.sample_targets())
+        return _with_rows(step, rows)
 
     def collect_split(self, batch: list[Request]) -> SplitStep | None:
         """The batch as prefill graphs and decode graphs run it (`diffulex.engine.prefill_graphs`): each request's
@@ -507,50 +505,51 @@ class ModelRunner:
         does not fit a prefill bucket, or the runner has no prefill graphs: the step runs unsplit."""
         if self.prefill_graphs is None or self.settings.prefix_full:  # prompt rows that see the whole prompt
             return None
-        split = SplitStep()
+        split, page_size = SplitStep(), self.settings.page_size
+        rest_rows = StepRows(page_size)
         for req in batch:
             start, end = req.query_range()
             prefix_end = req.store_only_end()
             if prefix_end is None or prefix_end <= start:
-                self._add_rows(split.rest, req, start, end, start, req.sample_targets())
+                self._add_rows(split.rest, rest_rows, req, start, end, start, req.sample_targets())
                 continue
-            part = StepInputs()
-            self._add_rows(part, req, start, prefix_end, start, [])
-            rows = self.prefill_graphs.bucket_for(part)
+            part, part_rows = StepInputs(), StepRows(page_size)
+            self._add_rows(part, part_rows, req, start, prefix_end, start, [])
+            rows = self.prefill_graphs.bucket_for(_with_rows(part, part_rows))
             if rows is None:
                 return None
             split.prefills.append((part, rows))
             if end > prefix_end:
                 rest_start = prefix_end - int(req.settings.logits_shift)
-                self._add_rows(split.rest, req, rest_start, end, prefix_end, req.sample_targets())
+                self._add_rows(split.rest, rest_rows, req, rest_start, end, prefix_end, req.sample_targets())
+        _with_rows(split.rest, rest_rows)
         return split
 
     def _add_rows(
-        self, step: StepInputs, req: Request, start: int, end: int, store_from: int, targets: list[SampleTarget]
+        self,
+        step: StepInputs,
+        rows: StepRows,
+        req: Request,
+        start: int,
+        end: int,
+        store_from: int,
+        targets: list[SampleTarget],
     ) -> None:
-        """Append ``req``'s positions ``[start, end)`` to ``step``: their cache slots (from ``store_from`` on; rows
-        before it store nothing) and the rows of ``targets`` to sample."""
+        """Append ``req``'s positions ``[start, end)`` to ``step``: its span to ``rows`` (which builds the flat rows
+        at the end, `diffulex.engine.step_rows`) with the positions it stores (from ``store_from`` on; rows before it
+        store nothing), its layout and the rows of ``targets`` to sample."""
         s = self.settings
-        size, page = s.block_size, s.page_size
-        ids, positions, slots, rows = step.input_ids, step.positions, step.slot_mapping, step.sample_rows
-        offset = len(ids)
-        ids.extend(req.input_token_ids(start, end))
-        positions.extend(range(start, end))
+        page = s.page_size
+        stored = req.stored_runs(store_from, end) if store_from < end else []
+        offset = rows.add(req.input_token_ids(start, end), start, stored, req.page_table, req.req_id)
         if s.token_merge is not None:
             step.soft_rows.extend(
                 (offset + pos - start, soft) for pos, soft in req.soft_inputs().items() if start <= pos < end
             )
-        if store_from > start:
-            slots.extend([-1] * (store_from - start))
-        for block in req.blocks[store_from // size : -(-end // size)]:
-            lo, hi = max(store_from, block.start), min(end, block.end)
-            if req.stores_kv(block):
-                slots.extend(_stored_slots(req, block, lo, hi, page))
-            else:
-                slots.extend([-1] * (hi - lo))
         shift = 1 if req.settings.logits_shift else 0
+        sample_rows = step.sample_rows
         for target in targets:
-            rows.extend(offset + p - shift - start for p in target.positions)
+            sample_rows.extend(offset + p - shift - start for p in target.positions)
             block = target.block
             base = _slot(req, block.start, page)
             step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
@@ -560,7 +559,7 @@ class ModelRunner:
         step.prefix_lens.append(req.prompt_len)
         step.page_tables.append(req.page_table)
         step.key_lens.append(max(end, req.keys_end() or end))
-        step.cu_seqlens_q.append(len(ids))
+        step.cu_seqlens_q.append(rows.num_rows)
 
     def _eager_forward(self, step: StepInputs) -> torch.Tensor:
         merge = None
@@ -579,7 +578,9 @@ class ModelRunner:
         for row, pages in zip(table, step.page_tables, strict=True):
             row[: len(pages)] = page_array(pages)
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        def tensor(values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            if isinstance(values, np.ndarray):  # a step's rows: at memory speed
+                return torch.from_numpy(values).to(device=dev, dtype=dtype)
             return torch.tensor(values, dtype=dtype, device=dev)
 
         tails = step.has_cached_tail
@@ -601,6 +602,12 @@ class ModelRunner:
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
 
 
+def _with_rows(step: StepInputs, rows: StepRows) -> StepInputs:
+    """``step`` with the flat rows ``rows`` collected for it."""
+    step.input_ids, step.positions, step.slot_mapping = rows.build()
+    return step
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU from ``calloc``, whose large blocks are pages the kernel zeroes on first touch, so
     that a page pool sized for the request limits costs neither build time nor memory until its pages are used
@@ -609,22 +616,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def _stored_slots(req: Request, block: Block, lo: int, hi: int, page_size: int) -> range | list[int]:
-    """The cache slots of ``block``'s positions ``[lo, hi)``, which this step stores: one run when they share a
-    page (a block within a page, the common case), else page by page (a block wider than a page)."""
-    slots: list[int] = []
-    while lo < hi:
-        run_end = min(hi, (lo // page_size + 1) * page_size)
-        base = _slot(req, lo, page_size)
-        if base < 0:
-            raise RuntimeError(f"request {req.req_id}: block at {block.start} is stored but has no page")
-        if run_end == hi and not slots:
-            return range(base, base + hi - lo)
-        slots.extend(range(base, base + run_end - lo))
-        lo = run_end
-    return slots
 
 
 def _slot(req: Request, position: int, page_size: int) -> int:

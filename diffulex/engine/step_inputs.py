@@ -1,12 +1,15 @@
 """The host-side description of one forward: flat token rows, cache slots and the ragged request layout.
 
-The model runner builds it from the batch in one pass; the eager path turns it into fresh tensors, the CUDA
-graph path copies it into the static buffers a captured graph reads.
+The model runner builds it from the batch in one pass, its per-row fields as int64 arrays
+(`diffulex.engine.step_rows`); the eager path turns it into tensors, the CUDA graph path copies it into the static
+buffers a captured graph reads. A hand-built step may give lists instead: every reader takes either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from diffulex.layers.token_merge import SoftInput
 from diffulex.strategy.request import Request, SampleTarget
@@ -16,9 +19,9 @@ from diffulex.strategy.request import Request, SampleTarget
 class StepInputs:
     """Flat lists over the ``T`` query rows and the ``R`` requests of one step."""
 
-    input_ids: list[int] = field(default_factory=list)  # [T]
-    positions: list[int] = field(default_factory=list)  # [T] absolute positions
-    slot_mapping: list[int] = field(default_factory=list)  # [T] cache slot to store K/V into, -1 = do not store
+    input_ids: np.ndarray | list[int] = field(default_factory=list)  # [T]
+    positions: np.ndarray | list[int] = field(default_factory=list)  # [T] absolute positions
+    slot_mapping: np.ndarray | list[int] = field(default_factory=list)  # [T] cache slot to store K/V into, -1 = none
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])  # [R + 1]
     query_lens: list[int] = field(default_factory=list)  # [R]
     context_lens: list[int] = field(default_factory=list)  # [R] positions already in the cache

@@ -12,11 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diffulex.engine.page_table import PageTable
+import numpy as np
+
 from diffulex.layers.token_merge import SoftInput
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import Block, BlockStatus
-from diffulex.strategy.block_list import BlockList
+from diffulex.strategy.block_list import BlockList, UnreadBlocks
+from diffulex.strategy.page_table import PageTable
 
 
 class RequestStatus(enum.Enum):
@@ -121,6 +123,7 @@ class Request:
     max_nfe: int = field(init=False)  # the explicit cap, or one a request making the guaranteed progress never hits
     # End of this step's prefill chunk (block aligned), or None: the step computes the whole query range
     prefill_chunk_end: int | None = field(init=False, default=None)
+    _prompt_array: np.ndarray | None = field(init=False, default=None, repr=False, compare=False)  # `prompt_array`
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -157,6 +160,35 @@ class Request:
             + math.ceil(max_tokens / s.block_size)
             + 1
         )
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's tokens as a read-only int64 array, converted once: a long prompt's rows and page hashes read
+        it at memory speed (its tokens never change)."""
+        if self._prompt_array is None:
+            values = np.array(self.prompt_token_ids, dtype=np.int64)
+            values.flags.writeable = False
+            self._prompt_array = values
+        return self._prompt_array
+
+    def adopt_prompt_array(self, values: np.ndarray) -> None:
+        """Take ``values`` (int64, equal to the prompt's tokens: the prompt check's conversion) as `prompt_array`."""
+        if values.shape != (self.prompt_len,) or values.dtype != np.int64:
+            raise ValueError(
+                f"prompt array of shape {values.shape} and dtype {values.dtype} is invalid: must be int64 of shape "
+                f"({self.prompt_len},)"
+            )
+        values.flags.writeable = False
+        self._prompt_array = values
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """The tokens of positions ``[start, end)`` as int64: the prompt's part a view of `prompt_array`, the
+        rest converted from the sequence."""
+        prompt_len = self.prompt_len
+        if end <= prompt_len:
+            return self.prompt_array[start:end]
+        rest = np.array(self.token_ids[max(start, prompt_len) : end], dtype=np.int64)
+        return np.concatenate((self.prompt_array[start:prompt_len], rest)) if start < prompt_len else rest
 
     @property
     def num_cached_tokens(self) -> int:
@@ -296,13 +328,39 @@ class Request:
         then read from the cache (`stored_len` covers them). None: the keys end with the rows."""
         return None
 
-    def input_token_ids(self, start: int, end: int) -> list[int]:
-        """The tokens the forward reads at positions ``[start, end)`` of `query_range`: the sequence itself."""
-        return self.token_ids[start:end]
+    def input_token_ids(self, start: int, end: int) -> list[int] | np.ndarray:
+        """The tokens the forward reads at positions ``[start, end)`` of `query_range`: the sequence itself (with
+        prompt rows, as `token_array`: no conversion of a long prompt's tokens)."""
+        if start >= self.prompt_len:
+            return self.token_ids[start:end]
+        return self.token_array(start, end)
 
     def stores_kv(self, block: Block) -> bool:
-        """Whether this step's forward writes the K/V of ``block``'s rows into the cache: once it is final."""
+        """Whether this step's forward writes the K/V of ``block``'s rows into the cache: once it is final. A
+        subclass may store more blocks, but stores every ``TO_CACHE`` one: a prompt block not read yet
+        (`diffulex.strategy.block_list`) is stored exactly when it is ``TO_CACHE`` (`stored_runs`)."""
         return block.status is BlockStatus.TO_CACHE
+
+    def stored_runs(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The runs ``(start, end)`` of positions within ``[lo, hi)`` whose K/V this step's forward writes
+        (`stores_kv`), adjacent ones merged: a cold prompt's are one run, found without making its blocks."""
+        size = self.settings.block_size
+        runs: list[tuple[int, int]] = []
+        for segment in self.blocks.segments(lo // size, -(-hi // size)):
+            if isinstance(segment, UnreadBlocks):
+                if segment.status is not BlockStatus.TO_CACHE:
+                    continue
+                start, end = segment.indices.start * size, segment.indices.stop * size
+            elif self.stores_kv(segment):
+                start, end = segment.start, segment.end
+            else:
+                continue
+            start, end = max(start, lo), min(end, hi)
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end)
+            elif start < end:
+                runs.append((start, end))
+        return runs
 
     def sample_targets(self) -> list[SampleTarget]:
         if self.prefill_chunk_end is not None:
@@ -364,17 +422,12 @@ class Request:
         """Blocks stored by this forward become cached and leave the running set; complete blocks commit."""
         stored_end = self.prefill_chunk_end
         self.prefill_chunk_end = None
-        uncached = self.blocks[self.num_cached_blocks :]
-        for block in uncached:
-            if stored_end is not None and block.end > stored_end:
-                break
-            if block.status is BlockStatus.TO_CACHE:
-                block.status = BlockStatus.IN_CACHE
+        blocks = self.blocks
+        stored_to = len(blocks) if stored_end is None else stored_end // self.settings.block_size
+        blocks.store(self.num_cached_blocks, stored_to)  # a cold prompt's blocks by one assignment
         self.running = [b for b in self.running if b.status is not BlockStatus.IN_CACHE]
-        for block in uncached:  # the cached prefix grows by the leading blocks stored now
-            if block.status is not BlockStatus.IN_CACHE:
-                break
-            self.num_cached_blocks += 1
+        # the cached prefix grows by the leading blocks stored now
+        self.num_cached_blocks = blocks.first_not_cached(self.num_cached_blocks)
         for block in self.running:
             prev = self.blocks[block.index - 1] if block.index > 0 else None
             prev_committed = prev is None or prev.is_committed

@@ -138,3 +138,9 @@ def test_shifted_logits_read_the_previous_position_and_match_reference(peaky_sda
         assert_matches_reference(llm, [first], GREEDY)
         (again,) = assert_matches_reference(llm, [first[:24] + first[:3]], GREEDY)
     assert again.steps[0].query_len < 24, "the prefix cache was used"
+
+
+def test_cold_prompts_of_fifty_pages_match_reference(peaky_sdar_dir: Path) -> None:
+    # one step stores each prompt's 400 positions (one run over 50 pages) while the short one decodes beside them
+    with make_engine(peaky_sdar_dir, max_model_len=640, max_num_batched_tokens=1024) as llm:
+        assert_matches_reference(llm, random_prompts(llm, [400, 9, 397], seed=12), GREEDY)

@@ -6,6 +6,8 @@ blocks were stored) then `register_cached_pages`.
 
 from __future__ import annotations
 
+import random
+
 import diffulex.engine.kv_cache_manager as kv_cache_manager
 from diffulex.engine.kv_cache_manager import KVCacheManager, chained_page_hashes, page_hash
 from diffulex.sampling_params import SamplingParams
@@ -289,7 +291,7 @@ def test_each_page_of_a_request_is_hashed_once_through_lookups_admission_and_reg
     assert sum(hashed) == 24  # the 20 shared pages and the 4 of the tail, each once
 
 
-def test_a_prefix_hit_on_a_long_prompt_makes_only_the_blocks_its_tail_reads():
+def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
     kv = KVCacheManager(400, PAGE, True)
     cached_request(kv, prompt_of(300 * PAGE + 1))
     hit = make_request(prompt_of(300 * PAGE) + prompt_of(2 * PAGE + 1, start=5000))
@@ -298,4 +300,86 @@ def test_a_prefix_hit_on_a_long_prompt_makes_only_the_blocks_its_tail_reads():
     assert hit.blocks.num_made == 1  # only the block the prompt ends in, opened at creation
     assert hit.query_range() == (300 * PAGE, 302 * PAGE + BLOCK)
     forward(kv, hit)
-    assert hit.blocks.num_made == 1 + 2 * PAGE // BLOCK  # and the tail's blocks, which the forward stored
+    assert hit.num_cached_blocks == 302 * PAGE // BLOCK  # the forward stored the tail
+    assert hit.blocks.num_made == 2  # and read the block before the running one (is it committed?)
+
+
+class OneByOnePool(KVCacheManager):
+    """The pool's bookkeeping written page by page: the reference the bulk operations must equal."""
+
+    def _prefix_hits(self, req: Request) -> tuple[list[bytes], list[int]]:
+        hits, num_pages = [], req.shareable_len // self.page_size
+        for h in self._content_hashes(req, num_pages)[:num_pages]:
+            page = self.page_of_hash.get(h)
+            if page is None:
+                break
+            hits.append((h, page))
+        covered = len(hits) * self.page_size
+        hits = hits[: (covered - covered % req.settings.block_size) // self.page_size]
+        return [h for h, _ in hits], [page for _, page in hits]
+
+    def admit(self, req: Request) -> None:
+        for h, page in zip(*self._prefix_hits(req), strict=True):
+            if self.ref_counts[page] == 0:
+                del self.free_pages[page]
+            self.ref_counts[page] += 1
+            req.page_table.append(page)
+            req.page_hashes.append(h)
+        if req.page_table:
+            req.mark_prefix_cached(len(req.page_table) * self.page_size)
+        self.grow(req)
+
+    def _take_free_pages(self, count: int) -> list[int]:
+        pages = []
+        for _ in range(count):
+            page, _ = self.free_pages.popitem(last=False)
+            stale = self.hash_of_page.pop(page, None)
+            if stale is not None and self.page_of_hash.get(stale) == page:
+                del self.page_of_hash[stale]
+            self.ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def register_cached_pages(self, req: Request) -> None:
+        full_pages = req.num_cached_tokens // self.page_size
+        hashes = self._content_hashes(req, full_pages)
+        for i in range(len(req.page_hashes), full_pages):
+            req.page_hashes.append(hashes[i])
+            if hashes[i] not in self.page_of_hash:
+                self.page_of_hash[hashes[i]] = req.page_table[i]
+                self.hash_of_page[req.page_table[i]] = hashes[i]
+
+    def free(self, req: Request) -> None:
+        for page in reversed(req.page_table):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free_pages[page] = None
+        req.page_table.clear()
+        req.page_hashes.clear()
+
+
+def pool_state(kv: KVCacheManager, requests: list[Request]) -> tuple:
+    return (list(kv.free_pages), list(kv.ref_counts), dict(kv.page_of_hash), dict(kv.hash_of_page),
+            [list(r.page_table) for r in requests], [list(r.page_hashes) for r in requests])  # fmt: skip
+
+
+def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_page():
+    rng = random.Random(0)
+    shared = prompt_of(40 * PAGE, start=3000)
+    pools = [KVCacheManager(160, PAGE, True), OneByOnePool(160, PAGE, True)]
+    held: list[list[Request]] = [[], []]
+    for op in range(60):
+        if held[0] and (rng.random() < 0.4 or sum(len(r.page_table) for r in held[0]) > 100):
+            victim = rng.randrange(len(held[0]))
+            for kv, requests in zip(pools, held, strict=True):
+                kv.free(requests.pop(victim))
+        else:
+            head = shared[: rng.randrange(0, len(shared))]
+            prompt = head + prompt_of(rng.randrange(1, 12 * PAGE), start=rng.randrange(10, 2000))
+            for kv, requests in zip(pools, held, strict=True):
+                req = make_request(prompt)
+                kv.admit(req)
+                forward(kv, req)
+                requests.append(req)
+        assert pool_state(pools[0], held[0]) == pool_state(pools[1], held[1]), f"after operation {op}"
+    assert pools[0].page_of_hash and any(kv.num_cached_prefix_tokens(make_request(shared)) for kv in pools)

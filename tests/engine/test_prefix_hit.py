@@ -70,7 +70,7 @@ def staged_page_tables(llm) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("cached", [20 * PAGE, CACHED])
-def test_a_hit_makes_only_the_blocks_its_steps_compute_however_long_the_prompt(
+def test_a_hit_makes_only_its_answer_blocks_however_long_the_prompt(
     peaky_sdar_dir: Path, cached: int
 ) -> None:
     with make_engine(peaky_sdar_dir, **LONG) as llm:
@@ -81,6 +81,7 @@ def test_a_hit_makes_only_the_blocks_its_steps_compute_however_long_the_prompt(
         while not llm.is_finished():
             llm.step()
     assert req.num_cached_blocks * BLOCK >= cached
-    # the tail's blocks (the one it ends in included) and the answer's, whatever the cached prefix's length
+    # the answer's blocks (the one the prompt ends in included) and the prompt block before them (read for its
+    # status), whatever the cached prefix's and the tail's length: the tail's blocks are stored without being made
     answer_end = len(hit) + PARAMS.max_tokens
-    assert req.blocks.num_made == -(-answer_end // BLOCK) - cached // BLOCK
+    assert req.blocks.num_made == -(-answer_end // BLOCK) - len(hit) // BLOCK + 1

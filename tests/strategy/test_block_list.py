@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from diffulex.strategy.block import Block, BlockStatus
-from diffulex.strategy.block_list import BlockList
+from diffulex.strategy.block_list import BlockList, UnreadBlocks
 
 SIZE = 4
 A, T, C = BlockStatus.ACTIVE, BlockStatus.TO_CACHE, BlockStatus.IN_CACHE
@@ -84,3 +84,61 @@ def test_blocks_opened_after_the_prompt_are_appended_as_made():
     opened = Block(2, 8, SIZE, A)
     blocks.append(opened)
     assert len(blocks) == 3 and blocks[-1] is opened and blocks.num_made == 1
+
+
+def expanded(segments) -> list[tuple[int, BlockStatus, bool]]:
+    """Each block the segments cover: its index, its status and whether it was given as a made block."""
+    out = []
+    for segment in segments:
+        if isinstance(segment, UnreadBlocks):
+            out.extend((i, segment.status, False) for i in segment.indices)
+        else:
+            out.append((segment.index, segment.status, True))
+    return out
+
+
+def test_segments_give_every_block_of_a_range_with_its_status_and_make_none():
+    blocks = BlockList(SIZE, 40)
+    blocks.mark_cached(12)
+    read = [blocks[5], blocks[20], blocks[21]]
+    read[1].status = C  # a forward stored it
+    blocks.append(Block(40, 160, SIZE, A))
+    ranges = ((0, 41), (3, 22), (12, 13), (21, 41), (30, 30))
+    got = {(lo, hi): expanded(blocks.segments(lo, hi)) for lo, hi in ranges}
+    assert blocks.num_made == 4, "segments make no block"
+    for (lo, hi), covered in got.items():
+        assert [(i, status) for i, status, _ in covered] == [(b.index, b.status) for b in blocks[lo:hi]]
+        assert [i for i, _, was_made in covered if was_made] == [i for i in (5, 20, 21, 40) if lo <= i < hi]
+
+
+def test_storing_a_cold_prompt_caches_its_blocks_without_making_them():
+    blocks = BlockList(SIZE, 8000)
+    blocks.append(Block(8000, 32000, SIZE, A))
+    blocks.store(0, 8001)
+    assert blocks.num_made == 1
+    assert blocks[7999].status is C and blocks[8000].status is A
+    assert blocks.first_not_cached(0) == 8000
+
+
+def test_storing_a_range_caches_its_to_cache_blocks_as_an_eager_list_would():
+    blocks, reference = BlockList(SIZE, 30), eager(30)
+    for b in (blocks, reference):
+        b.append(Block(30, 120, SIZE, A))
+    blocks.mark_cached(6)
+    for b in reference[:6]:
+        b.status = C
+    blocks[10].status = A  # a made block another rule holds back (it keeps its status)
+    reference[10].status = A
+    blocks.store(6, 20)
+    for b in reference[6:20]:
+        if b.status is T:
+            b.status = C
+    assert described(blocks) == described(reference)
+    assert blocks.first_not_cached(0) == 10 and blocks.first_not_cached(11) == 20
+
+
+def test_storing_past_an_unread_uncached_gap_keeps_the_gap_to_cache():
+    blocks = BlockList(SIZE, 12)
+    blocks.store(8, 12)  # blocks 0-7 were not stored: they stay TO_CACHE
+    assert [b.status for b in blocks] == [T] * 8 + [C] * 4
+    assert blocks.first_not_cached(0) == 0 and blocks.first_not_cached(8) == 12

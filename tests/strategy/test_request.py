@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from diffulex.sampling_params import SamplingParams
@@ -605,3 +606,68 @@ def test_a_request_that_chooses_its_own_rows_never_splits_them():
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     req = OwnRows(0, list(range(10, 20)), sp, BASE)
     assert req.store_only_end() is None
+
+
+# ----- what a forward reads and stores, without making a long prompt's blocks -------------------------------
+
+
+def stored_by_walking_blocks(req: Request, lo: int, hi: int) -> list[int]:
+    """The positions of ``[lo, hi)`` whose block the forward stores, block by block (this makes every block)."""
+    size = req.settings.block_size
+    return [p for p in range(lo, hi) if req.stores_kv(req.blocks[p // size])]
+
+
+def positions_of(runs: list[tuple[int, int]]) -> list[int]:
+    assert all(lo < hi for lo, hi in runs) and all(a[1] < b[0] for a, b in zip(runs, runs[1:], strict=False)), (
+        "runs are non-empty, ordered and merged"
+    )
+    return [p for lo, hi in runs for p in range(lo, hi)]
+
+
+def test_a_cold_prompt_stores_one_run_found_without_making_its_blocks():
+    req = make_request(4000, buffer_size=1, max_model_len=5000)
+    req.maybe_activate_block()
+    start, end = req.query_range()
+    assert req.stored_runs(start, end) == [(0, 4000)]
+    assert req.blocks.num_made == 1  # the block opened after the prompt
+    req.retire_and_commit()
+    assert req.num_cached_blocks == 1000 and req.blocks.num_made == 2  # and the one before it, read for its status
+
+
+@pytest.mark.parametrize("prompt_len", [13, 16])
+def test_stored_runs_equal_the_blocks_walked_one_by_one_through_hits_steps_and_a_preemption(prompt_len: int):
+    req = make_request(prompt_len, max_tokens=24, ignore_eos=True)
+    req.mark_prefix_cached(8)  # a prefix-cache hit on two blocks
+    seen = 0
+    for step in range(12):
+        if step == 6:
+            req.forget_cache()  # preempted: every cached block is stored again
+        req.maybe_activate_block()
+        start, end = req.query_range()
+        for lo in range(start, end + 1, 3):  # also from inside the rows (a split step stores from its prefix end)
+            runs = req.stored_runs(lo, end)
+            assert positions_of(runs) == stored_by_walking_blocks(req, lo, end), f"step {step}, from {lo}"
+            seen += bool(runs)
+        for target in req.sample_targets():
+            fill(req, target.positions[:2])
+        req.retire_and_commit()
+    assert seen > 10
+
+
+def test_token_arrays_and_input_tokens_read_the_sequence_across_the_prompt_end():
+    req = make_request(10, buffer_size=1)
+    req.maybe_activate_block()
+    fill(req, [10, 11])
+    for start, end in ((0, 10), (3, 12), (10, 12), (0, 16), (12, 16), (5, 5)):
+        assert req.token_array(start, end).tolist() == req.token_ids[start:end]
+        assert list(req.input_token_ids(start, end)) == req.token_ids[start:end]
+    with pytest.raises(ValueError):
+        req.prompt_array[0] = 1  # the prompt's tokens never change
+
+
+def test_a_prompt_array_of_another_shape_or_type_is_refused():
+    req = make_request(10)
+    with pytest.raises(ValueError, match=r"prompt array of shape \(9,\) and dtype int64 is invalid: must be int64"):
+        req.adopt_prompt_array(np.arange(9, dtype=np.int64))
+    with pytest.raises(ValueError, match="dtype int32 is invalid"):
+        req.adopt_prompt_array(np.arange(10, dtype=np.int32))

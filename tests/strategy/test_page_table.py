@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from diffulex.engine.page_table import PageTable, page_array
+from diffulex.strategy.page_table import PageTable, page_array
 
 
 def test_the_array_follows_every_change_of_the_list():
