@@ -21,9 +21,12 @@ is needed; the processes are started with ``spawn`` (CUDA cannot be forked).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import itertools
 import multiprocessing as mp
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -35,8 +38,14 @@ from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
-from diffulex.engine.replica_process import ReplicaInfo, UpdateDecoder, build_replica_engine, serve_replica
-from diffulex.engine.request_update import RequestUpdate
+from diffulex.engine.replica_process import (
+    ReplicaInfo,
+    StepTotals,
+    UpdateDecoder,
+    build_replica_engine,
+    serve_replica,
+)
+from diffulex.engine.request_update import INTERESTS, Interest, RequestUpdate
 from diffulex.errors import EngineClosedError, EngineDeadError
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
@@ -73,6 +82,8 @@ def replica_devices(config: Config) -> list[int | None]:
     return devices[:dp]
 
 
+# Step totals kept for `take_step_totals` (an offline caller takes none).
+MAX_KEPT_STEP_TOTALS = 4096
 # How long a replica may take to exit once closed before it is killed.
 REPLICA_EXIT_TIMEOUT_S = 30
 
@@ -93,9 +104,13 @@ class DataParallelEngine:
 
     def __init__(
         self, model: str, kwargs: dict[str, Any], config: Config,
-        build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine,
+        build_engine: Callable[[str, dict[str, Any]], Any] = build_replica_engine, trajectory_steps: bool = True,
     ) -> None:
+        """``trajectory_steps=False``: finished trajectories come back without their step records
+        (`Trajectory.steps` empty), for a caller that reads none of them, such as the HTTP server; see
+        `UpdateEncoder.add` for what they cost."""
         self.config = config
+        self.trajectory_steps = trajectory_steps
         self._build_engine = build_engine  # what each local replica process runs (`serve_replica`)
         self._replicas: list[_Replica] = []
         self._placement = None
@@ -124,8 +139,18 @@ class DataParallelEngine:
         self._prompts: dict[int, list[int]] = {}
         self._early: list[RequestUpdate] = []  # updates known before the next step (replica deaths)
         self._decoder = UpdateDecoder()
+        # of the replicas' steps since the last `take_step_totals` (the newest ones, for a caller that never takes them)
+        self._step_totals: deque[StepTotals] = deque(maxlen=MAX_KEPT_STEP_TOTALS)
         self._num_steps = 0
         self._closed = False
+        # What this process holds by now (torch, the tokenizer, ...) lives as long as the replicas: out of the
+        # collector's reach, as `DiffulexEngine` puts its build, or every full collection rescans it. In the HTTP
+        # server's process those were pauses of up to 180 ms at 128 streams (about 1 ms per engine step), during
+        # which no stream got a chunk and no step's updates were read.
+        gc.collect()
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once per process, however many engines
+        atexit.register(gc.unfreeze)  # let interpreter shutdown free them
 
     def _start_local(self, model: str, kwargs: dict[str, Any]) -> None:
         context = mp.get_context("spawn")
@@ -163,10 +188,18 @@ class DataParallelEngine:
 
     # ----- the engine's step interface ------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, interest: Interest = "steps",
+    ) -> int:
         """Check and encode the prompt, then queue it on the replica holding the fewest requests; returns its id.
-        Raises ValueError for bad input (no replica sees it) and EngineDeadError when no replica is left."""
+        Raises ValueError for bad input (no replica sees it) and EngineDeadError when no replica is left.
+
+        ``interest`` is what the caller reads of this request's updates: `step` then returns them only when that
+        changed (every step; when its committed tokens grow, without step records; only the last), each with its
+        NFE so far (`RequestUpdate.nfe`), and `take_step_totals` what every step did."""
         self._check_open()
+        if interest not in INTERESTS:
+            raise ValueError(f"interest={interest!r} is invalid: must be one of {', '.join(INTERESTS)}")
         check_prompt(prompt)
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
@@ -192,10 +225,10 @@ class DataParallelEngine:
             )
         req_id = next(self._ids)
         try:
-            replica.conn.send(("add", req_id, ids, sp))
+            replica.conn.send(("add", req_id, ids, sp, self.trajectory_steps, interest))
         except (BrokenPipeError, OSError):
             self._lose(replica, "its process is gone")
-            return self.add_request(ids, sp)
+            return self.add_request(ids, sp, interest)
         replica.held.add(req_id)
         self._owner[req_id] = replica
         self._prompts[req_id] = ids
@@ -247,8 +280,10 @@ class DataParallelEngine:
             self._lose(replica, "its process exited")
             return []
         if kind == "updates":
-            updates, replica.load, stepped = payload
-            self._num_steps += stepped
+            updates, replica.load, totals = payload
+            if totals is not None:
+                self._num_steps += 1
+                self._step_totals.append(totals)
             out = []
             for message in updates:
                 if self._owner.get(message[0]) is not replica:
@@ -288,6 +323,13 @@ class DataParallelEngine:
         message = f"data-parallel replica {replica.rank} died ({why})"
         self._early.extend(self._failed(req_id, message) for req_id in sorted(replica.held))
         replica.held.clear()
+
+    def take_step_totals(self) -> list[StepTotals]:
+        """What each replica step read since the last call did over its whole batch (for metrics: `step` returns
+        only the updates their callers read)."""
+        totals = list(self._step_totals)
+        self._step_totals.clear()
+        return totals
 
     @property
     def replica_pids(self) -> list[int]:

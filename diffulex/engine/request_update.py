@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from diffulex.outputs import Trajectory
 from diffulex.strategy.request import Request, StepRecord
+
+# What a caller reads of a request's updates, hence which it needs: every step's (a live view of the running
+# blocks), those where its committed tokens grew (streamed text), or only its last (a whole answer).
+Interest = Literal["steps", "commits", "end"]
+INTERESTS = ("steps", "commits", "end")
 
 
 class RequestUpdate:
@@ -15,7 +22,8 @@ class RequestUpdate:
     and a caller that reads neither (offline generation) pays nothing per request and step.
     """
 
-    __slots__ = ("req_id", "record", "finished", "trajectory", "_tokens", "_start", "_committed_end", "_answer_end")
+    __slots__ = ("req_id", "record", "finished", "trajectory", "nfe", "_tokens", "_start", "_committed_end",
+                 "_answer_end")
 
     def __init__(
         self,
@@ -43,6 +51,9 @@ class RequestUpdate:
     ) -> None:
         """The answers are ``tokens[start:answer_end]`` (default: to the end), committed up to ``committed_end``."""
         self.req_id, self.record, self.finished, self.trajectory = req_id, record, finished, trajectory
+        # forwards the request has taken part in so far, where the engine reports only some of its steps (a replica
+        # sending what its caller reads); None: one per update that has a record
+        self.nfe: int | None = None
         self._tokens, self._start = tokens, start
         self._committed_end = committed_end
         self._answer_end = len(tokens) if answer_end is None else answer_end

@@ -8,6 +8,7 @@ nothing but the answer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -50,23 +51,18 @@ from diffulex.server.protocol import (
     param_of,
 )
 from diffulex.server.request_body import BodyGuard
+from diffulex.server.sse import TEXT_SLOT, EventTemplate, sse
 from diffulex.server.streams import DenoiseView, TextStream
 
 logger = logging.getLogger("diffulex.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
-DISCONNECT_POLL_S = 0.25
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # Put into a request's sink by its disconnect watcher.
 _DISCONNECTED = Emission(rid="", index=-1, error="client_disconnected")
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
 
 
 @dataclass
@@ -98,8 +94,11 @@ class _Job:
         self.watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        while not await self.request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
+        """Abort when the client goes away. The body has been read, so the server's next message for this request
+        is ``http.disconnect``, sent when the connection is lost (or the response complete): one wait per request,
+        where polling `Request.is_disconnected` cost the event loop a call per request four times a second."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
         self.abort()
         self.sink.put_nowait(_DISCONNECTED)
 
@@ -193,6 +192,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine_loop:
             engine_loop.start(asyncio.get_running_loop())
+        # The app, its schemas and the server live as long as the process: out of the collector's reach (as the
+        # engine's build is), so that a full collection scans only what requests create. Each such collection
+        # stops every stream and the engine loop at once (pauses of 50 ms at 128 streams before this).
+        gc.freeze()
         try:
             yield
         finally:
@@ -354,9 +357,14 @@ def create_app(
                     "choices": [choice]}
 
         if body.stream:
+            text_chunks = [EventTemplate(chunk(index, TEXT_SLOT, None)) for index in range(len(job.choices))]
+
             async def events() -> AsyncIterator[str]:
                 async for index, text, final in _text_deltas(job):
-                    if text or final is not None:
+                    if final is None and text:
+                        note_first_text(job, job.choices[index])
+                        yield text_chunks[index].render(text)
+                    elif final is not None:
                         note_first_text(job, job.choices[index])
                         yield sse(chunk(index, text, final))
                 if include_usage:
@@ -402,11 +410,17 @@ def create_app(
                     "choices": [choice]}
 
         if body.stream:
+            text_chunks = [EventTemplate(chunk(index, {"content": TEXT_SLOT}, None))
+                           for index in range(len(job.choices))]
+
             async def events() -> AsyncIterator[str]:
                 for index in range(len(job.choices)):
                     yield sse(chunk(index, {"role": "assistant", "content": ""}, None))
                 async for index, text, final in _text_deltas(job):
-                    if text or final is not None:
+                    if final is None and text:
+                        note_first_text(job, job.choices[index])
+                        yield text_chunks[index].render(text)
+                    elif final is not None:
                         note_first_text(job, job.choices[index])
                         yield sse(chunk(index, {"content": text} if text else {}, final))
                 if include_usage:

@@ -5,7 +5,9 @@ command queue (add, abort, stop) and get results back through per-request asynci
 thread fills with one ``loop.call_soon_threadsafe`` per step. A request gets an emission only when something it
 reads changed (its `Interest`): a text stream when its committed tokens grow, a non-streaming answer at the end,
 only the denoising view every step. With a block committed every few steps this spares the event loop most of its
-per-step wakeups at 64-128 streams, host time it would otherwise take from the engine.
+per-step wakeups at 64-128 streams, host time it would otherwise take from the engine. An engine in replica
+processes (`DataParallelEngine`) is told each request's `Interest` and sends only those updates, each with its NFE
+so far, and each step's totals apart for the metrics.
 
 Between two steps the thread takes every queued command, so requests join and leave the batch at step
 granularity; it blocks only while the engine has nothing to do. An add carries token ids, tokenized by the
@@ -30,7 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from diffulex.engine.request_update import RequestUpdate
+from diffulex.engine.data_parallel import DataParallelEngine
+from diffulex.engine.request_update import INTERESTS, Interest, RequestUpdate
 from diffulex.errors import EngineDeadError
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.metrics import ServerMetrics
@@ -41,10 +44,6 @@ QueuePolicy = Literal["reject", "wait"]
 # While idle the thread still reads the engine's load this often: an engine in another process (a replica)
 # reports the pages an abort freed after the abort was sent, and /health should show it.
 IDLE_LOAD_REFRESH_S = 0.2
-# What a request's handler reads, hence when it gets an emission: every step (the denoising view), when its
-# committed tokens grow (text streams), or only at its end (a whole answer). The end always comes.
-Interest = Literal["steps", "commits", "end"]
-INTERESTS = ("steps", "commits", "end")
 
 
 class QueueFullError(Exception):
@@ -140,6 +139,9 @@ class EngineLoop:
         if queue_policy not in ("reject", "wait"):
             raise ValueError(f"queue_policy={queue_policy!r} is invalid: must be 'reject' or 'wait'")
         self.engine = engine
+        # Replicas send a request's update only when what its handler reads changed (`DataParallelEngine.add_request`)
+        # and each step's totals apart; an engine on this thread returns every update, totals summed from them.
+        self._replicated = isinstance(engine, DataParallelEngine)
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.mask_token_id: int = engine.mask_token_id
@@ -381,7 +383,10 @@ class EngineLoop:
         added: list[tuple[int, Submitted]] = []
         try:
             for inp, rid, index in zip(command.inputs, command.rids, command.indices, strict=True):
-                req_id = engine.add_request(inp.prompt_token_ids, inp.params)
+                if self._replicated:
+                    req_id = engine.add_request(inp.prompt_token_ids, inp.params, command.interest)
+                else:
+                    req_id = engine.add_request(inp.prompt_token_ids, inp.params)
                 added.append((req_id, Submitted(rid, index, inp.prompt_token_ids)))
         except EngineDeadError as err:  # no replica left to run it: the engine has failed
             for req_id, _ in added:
@@ -439,7 +444,7 @@ class EngineLoop:
             tracked = self._tracked.get(update.req_id)
             if tracked is None:
                 continue
-            tracked.steps += update.record is not None
+            tracked.steps = update.nfe if update.nfe is not None else tracked.steps + (update.record is not None)
             if not update.finished and tracked.interest != "steps":
                 if tracked.interest == "end" or update.num_committed == tracked.committed:
                     continue  # nothing this request's handler reads has changed
@@ -452,7 +457,10 @@ class EngineLoop:
                 self.metrics.observe_finished(
                     traj.completion_reason or "unknown", traj.num_generated_tokens, now - tracked.admitted_at
                 )
-        if updates:
+        if self._replicated:
+            for totals in self.engine.take_step_totals():
+                self.metrics.observe_step(totals.step_time, totals.num_tokens, totals.batch_size)
+        elif updates:
             self.metrics.observe_step(step_time, tokens, len(updates))
         self._refresh_state()
         self._post(out)

@@ -40,17 +40,18 @@ def build_served_engine(model: str, fields: dict[str, Any], placement: EnginePla
         raise ValueError(f"engine_placement={placement!r} is invalid: must be one of {', '.join(ENGINE_PLACEMENTS)}")
     from diffulex import Diffulex
     from diffulex.config import Config
+    from diffulex.engine.data_parallel import DataParallelEngine
 
+    config = Config.from_kwargs(model, **fields)
+    if config.data_parallel_size > 1:  # the server reads no step records of a finished request's trajectory
+        return DataParallelEngine(model, fields, config, trajectory_steps=False)
     if placement == "thread":
         return Diffulex(model, **fields)
-    config = Config.from_kwargs(model, **fields)
     reason = engine_process_allowed(config)
     if reason is not None:
-        if placement == "process" and config.data_parallel_size == 1:
+        if placement == "process":
             raise ValueError(f"engine_placement='process' is invalid here: {reason}; use 'auto' or 'thread'")
         logger.info("engine on a thread of the server process: %s", reason)
         return Diffulex(model, **fields)
-    from diffulex.engine.data_parallel import DataParallelEngine
-
     logger.info("engine in a process of its own")
-    return DataParallelEngine(model, fields, config)
+    return DataParallelEngine(model, fields, config, trajectory_steps=False)
