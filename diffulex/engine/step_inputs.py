@@ -17,7 +17,8 @@ from diffulex.strategy.request import Request, SampleTarget
 
 @dataclass
 class StepInputs:
-    """Flat lists over the ``T`` query rows and the ``R`` requests of one step."""
+    """The ``T`` query rows (int64 arrays, or lists in a hand-built step) and the ``R`` requests (lists) of one
+    step."""
 
     input_ids: np.ndarray | list[int] = field(default_factory=list)  # [T]
     positions: np.ndarray | list[int] = field(default_factory=list)  # [T] absolute positions
@@ -26,7 +27,8 @@ class StepInputs:
     query_lens: list[int] = field(default_factory=list)  # [R]
     context_lens: list[int] = field(default_factory=list)  # [R] positions already in the cache
     prefix_lens: list[int] = field(default_factory=list)  # [R] prompt lengths
-    page_tables: list[list[int]] = field(default_factory=list)  # [R][pages] physical page per logical page
+    # [R][pages] physical page per logical page (each request's `PageTable`, or a plain list in a hand-built step)
+    page_tables: list[list[int]] = field(default_factory=list)
     # [R] end of the keys each request attends to (`Request.keys_end`); empty: every one ends with its rows
     key_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order

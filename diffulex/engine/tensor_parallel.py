@@ -145,7 +145,8 @@ def start_workers(
     for rank in ranks:
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(
-            target=run_worker, args=(build, config, rank, init_method, theirs), name=f"diffulex-tp{rank}", daemon=False
+            target=run_worker, args=(build, config, rank, init_method, theirs, True), name=f"diffulex-tp{rank}",
+            daemon=False,
         )
         process.start()
         theirs.close()
@@ -154,10 +155,17 @@ def start_workers(
 
 
 def run_worker(
-    build: Callable[[Config], EngineParts], config: Config, rank: int, init_method: str, reports: Connection
+    build: Callable[[Config], EngineParts],
+    config: Config,
+    rank: int,
+    init_method: str,
+    reports: Connection,
+    owns_process: bool = False,
 ) -> None:
     """A worker's life: say it is joining, join the group, build the same engine as rank 0 (its shard), report,
-    then repeat rank 0's steps until the stop message."""
+    then repeat rank 0's steps until the stop message. ``owns_process``: the worker is its process's whole life
+    (the ``mp`` placement), so on NCCL it may end the process itself (below); a Ray actor's process is Ray's, and its
+    `run` returns instead."""
     reports.send(("joining", None))
     try:
         channel = join_group(config, rank, init_method)
@@ -166,7 +174,7 @@ def run_worker(
         reports.send(("failed", traceback.format_exc()))
         raise
     reports.send(("ready", None))
-    if dist.get_backend() != "nccl":
+    if not owns_process or dist.get_backend() != "nccl":
         try:
             follow(parts, config, channel)
         finally:
