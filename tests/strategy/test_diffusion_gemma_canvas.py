@@ -1,6 +1,8 @@
-"""The rule of one DiffusionGemma denoising step (`diffulex.strategy.diffusion_gemma.canvas`) against the pieces of
-transformers' generation loop it restates: the temperature schedule, the entropy-bound acceptance and the
-stable-and-confident stopping criterion, on random logits."""
+"""The rule of one DiffusionGemma denoising step, written for one canvas
+(`diffulex.testing.diffusion_gemma_canvas_reference`, from the pieces of `diffulex.strategy.diffusion_gemma.canvas`),
+against the pieces of transformers' generation loop it restates: the temperature schedule, the entropy-bound
+acceptance and the stable-and-confident stopping criterion, on random logits. The strategy's batched rule is held
+to it in test_diffusion_gemma_canvas_batch.py."""
 
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 from diffulex.strategy.diffusion_gemma import DiffusionGemmaOptions
 from diffulex.strategy.diffusion_gemma.canvas import (
     CanvasSchedule,
-    denoise_canvas,
     entropy_bound_acceptance,
     fresh_state,
     initial_canvas,
     token_entropy,
 )
+from diffulex.testing.diffusion_gemma_canvas_reference import denoise_canvas
 
 CANVAS, VOCAB = 16, 50
 

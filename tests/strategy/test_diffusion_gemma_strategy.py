@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,9 @@ import torch
 from diffulex import Diffulex, SamplingParams
 from diffulex.models.diffusion_gemma import load_diffusion_gemma
 from diffulex.strategy.diffusion_gemma.canvas import initial_canvas
+from diffulex.strategy.diffusion_gemma.pending import PendingCanvases
 from diffulex.testing.checkpoints import write_tiny_diffusion_gemma_checkpoint
+from diffulex.testing.diffusion_gemma_canvas_reference import per_request_launch
 from diffulex.testing.diffusion_gemma_reference import greedy_generate
 
 FIRST_TOKEN = 7  # prompts avoid the special ids (0-6)
@@ -195,6 +198,69 @@ def test_a_conversation_that_continues_an_answer_reuses_its_encoded_canvases(fol
     assert traj.token_ids == expected.token_ids
 
 
+def test_the_batched_canvas_rule_gives_the_tokens_of_the_rule_run_per_request(folder: Path) -> None:
+    """Six requests in one engine, greedy and sampled at several temperatures and seeds, of different budgets (so
+    their canvases are at different steps), some canvases settling before the schedule ends beside ones that do not,
+    three prompts finding the first page of an earlier request's in the prefix cache: every answer and step count
+    equals that of the same engine whose step runs the canvas rule request by request (`per_request_launch`)."""
+    batch = prompts(6)
+    batch[0] = list(batch[3])  # 21 tokens: one full page of 16
+    batch[1] = batch[3][:16] + batch[1]
+    temperatures = [0.0, 0.6, 1.0, 0.02, 1.3, 0.0]
+    params = [
+        SamplingParams(temperature=t, max_tokens=m, seed=20 + i, ignore_eos=True)
+        for i, (t, m) in enumerate(zip(temperatures, [40, 24, 33, 16, 48, 20], strict=True))
+    ]
+    results = []
+    for per_request in (False, True):
+        with engine(folder) as llm:
+            if per_request:
+                llm.runner.launch = types.MethodType(per_request_launch, llm.runner)
+            llm.generate([batch[3]], SamplingParams(max_tokens=8, seed=99), use_tqdm=False)  # leaves its first page
+            results.append(run_requests(llm, batch, params))
+    (batched, requests), (reference, _) = results
+    assert [req.prefix_hit_len for req in requests[:2]] == [16, 16]
+    for ours, theirs in zip(batched, reference, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.nfe == theirs.nfe
+        assert ours.error is None
+    steps = [req.nfe / req.canvases_done for req in requests]
+    assert min(steps) < STEPS and max(steps) == STEPS  # canvases that settled early beside ones that ran it all
+
+
+def test_a_step_reads_nothing_on_the_host_until_it_is_applied(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canvas rule of a step and the copy of its outcome read no tensor on the host (no ``item``, ``tolist``,
+    ``bool``, ``torch.equal``, ``torch.multinomial``): the host queues the whole step and waits once, when the
+    engine applies it. Greedy and sampled canvases, at steps with and without a full stability history."""
+    read = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host during the step's launch")
+
+    def refusing(method):
+        def wrapper(*args, **kwargs):
+            with pytest.MonkeyPatch.context() as guard:
+                for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy"):
+                    guard.setattr(torch.Tensor, name, refuse)
+                guard.setattr(torch, "equal", refuse)
+                guard.setattr(torch, "multinomial", refuse)
+                read.append(method.__name__)
+                return method(*args, **kwargs)
+
+        return wrapper
+
+    params = [SamplingParams(temperature=t, max_tokens=32, seed=3, ignore_eos=True) for t in (0.0, 1.0, 0.02)]
+    with engine(folder) as llm:
+        expected = run_requests(llm, prompts(3), params)[0]
+        scale = llm.runner.model._embed_scale(torch.float32)  # a host constant the model makes from a host tensor
+        monkeypatch.setattr(llm.runner.model, "_embed_scale", lambda dtype: scale)
+        monkeypatch.setattr(llm.runner, "_rule", refusing(llm.runner._rule))
+        monkeypatch.setattr(PendingCanvases, "launch", classmethod(refusing(PendingCanvases.launch.__func__)))
+        got = run_requests(llm, prompts(3), params)[0]
+    assert {"_rule", "launch"} <= set(read)
+    assert [t.token_ids for t in got] == [t.token_ids for t in expected]
+
+
 def test_sampled_canvases_follow_the_request_seed(folder: Path) -> None:
     """At temperature > 0 a request's answer depends on its seed only: the same seed gives the same answer in
     another batch, another seed (almost surely) another answer."""
@@ -235,6 +301,31 @@ def test_abort_and_a_bad_request_leave_the_others_untouched(folder: Path, model,
     assert drop not in finished
     assert finished[bad].completion_reason == "error"
     assert "image_token_id" in finished[bad].error
+
+
+def test_a_canvas_without_a_distribution_fails_its_request_alone(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled request whose logits turn non-finite (injected into its canvas's rows, found by its seed) fails
+    with a message that says so, when its step is read; the requests of the same steps answer as they do without
+    it."""
+    bad_seed = 666
+    params = [SamplingParams(temperature=t, max_tokens=24, seed=s, ignore_eos=True) for t, s in
+              ((1.0, 1), (1.0, bad_seed), (0.0, 2))]  # fmt: skip
+    batch = prompts(3)
+    with engine(folder) as llm:
+        expected = run_requests(llm, [batch[0], batch[2]], [params[0], params[2]])[0]
+        rule = llm.runner._rule
+
+        def poisoned(logits, states, temperatures, seeds):
+            for b, seed in enumerate(seeds):
+                if seed == bad_seed:
+                    logits[b, 0, 0] = float("nan")
+            return rule(logits, states, temperatures, seeds)
+
+        monkeypatch.setattr(llm.runner, "_rule", poisoned)
+        got = run_requests(llm, batch, params)[0]
+    assert got[1].completion_reason == "error" and "no distribution to draw from" in got[1].error
+    assert [got[0].token_ids, got[2].token_ids] == [t.token_ids for t in expected]
+    assert got[0].error is None and got[2].error is None
 
 
 def test_top_p_and_top_k_are_refused_by_name(folder: Path) -> None:

@@ -92,7 +92,7 @@ class DiffusionGemma(Strategy):
     request_class = CanvasRequest
     families = ("diffusion_gemma",)
     budgets_prompt_tokens = False  # it schedules whole canvases; its budget is checked per request
-    samples_in_graph = False  # its runner replays graphs of the decoder pass; canvas rules run on the host
+    samples_in_graph = False  # its runner replays graphs of the decoder pass; the canvas rule runs eagerly after
     continues_on_device = False
 
     def normalize(self, config: Config) -> None:

@@ -1,7 +1,9 @@
 """One DiffusionGemma denoising step of one canvas, as transformers' generation loop defines it
 (`DiffusionGemmaGenerationMixin._denoising_step` with `EntropyBoundSampler`, `LinearTemperatureScheduleLogitsProcessor`
-and `StableAndConfidentStoppingCriteria`), written per request so that canvases of many requests share a forward
-while each keeps its own state and random stream.
+and `StableAndConfidentStoppingCriteria`), for every canvas of an engine step at once (`denoise_canvases`): canvases
+of many requests share a forward and the rule's launches, while each keeps its own state and random streams, and
+the host reads nothing until the step's result is applied (`diffulex.strategy.diffusion_gemma.pending`). The same
+rule for one canvas, written plainly, is `diffulex.testing.diffusion_gemma_canvas_reference.denoise_canvas`.
 
 A canvas starts from uniformly random tokens and is denoised for at most ``max_denoising_steps`` (N) steps. Step
 ``k`` (0-based) divides the logits by ``T_k = t_min + (t_max - t_min) * (N - k) / N`` (``t_max`` first, never
@@ -26,8 +28,8 @@ never drawn, neither as noise nor from the logits.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,7 +85,8 @@ def stream_seed(seed: int, canvas: int, stream: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _generator(seed: int, canvas: int, stream: int, device: torch.device) -> torch.Generator:
+def step_generator(seed: int, canvas: int, stream: int, device: torch.device) -> torch.Generator:
+    """The generator of one random stream of a request (`stream_seed`), on ``device``."""
     return torch.Generator(device=device).manual_seed(stream_seed(seed, canvas, stream))
 
 
@@ -92,7 +95,7 @@ def initial_canvas(seed: int, canvas: int, length: int, vocab_limit: int, device
 
     Drawn on the CPU whatever the device (then moved there): a CUDA generator gives other numbers for the same seed,
     and a request's answer must not depend on the device it runs on."""
-    generator = _generator(seed, canvas, NOISE_STREAM, torch.device("cpu"))
+    generator = step_generator(seed, canvas, NOISE_STREAM, torch.device("cpu"))
     return torch.randint(0, vocab_limit, (length,), generator=generator).to(device)
 
 
@@ -115,54 +118,124 @@ def entropy_bound_acceptance(entropy: torch.Tensor, bound: float) -> torch.Tenso
     return torch.zeros_like(entropy, dtype=torch.bool).scatter(0, order, before <= bound)
 
 
-def is_stable(history: tuple[torch.Tensor, ...], argmax: torch.Tensor, threshold: int) -> bool:
-    return len(history) == threshold and all(bool(torch.equal(earlier, argmax)) for earlier in history)
+def draw_categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of ``probs [C, vocab]``: `torch.multinomial(probs, 1)`'s own method for a single draw (the
+    exponential race, argmax of ``p / q`` with ``q ~ Exp(1)`` from ``generator``), so the same numbers and the same
+    generator state after it, without its checks of the distribution, which wait for the device on the host
+    (`drawable` checks the draws instead)."""
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.div(probs, race, out=race).argmax(dim=-1)
 
 
-def denoise_canvas(
+def drawable(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: every row of ``probs`` was a distribution `torch.multinomial` accepts. A softmax row with a
+    non-finite logit is not a number throughout, and the argmax of the race then picks a NaN entry, so the drawn
+    entries' probabilities tell, without reading the whole distribution again."""
+    return torch.isfinite(probs.gather(-1, drawn[:, None])).all()
+
+
+@dataclass(frozen=True)
+class CanvasSteps:
+    """One step of a group of canvases, on the device until the step's result is read; `resolve` turns canvas
+    ``b`` into its `CanvasStep` once the host holds its ``settled`` flag and mean entropy."""
+
+    states: list[CanvasState]  # each canvas's next state (its self-conditioning input unless `last`)
+    argmax: torch.Tensor  # [G, C]
+    settled: torch.Tensor  # [G] bool: stable and confident
+    mean_entropy: torch.Tensor  # [G] float32; 0 at temperature 0
+    drawable: torch.Tensor  # [G] bool: False where a sampled canvas's logits gave no distribution to draw from
+    last: tuple[bool, ...]  # the step is the canvas's last of the schedule (known on the host)
+
+    def resolve(self, b: int, settled: bool, mean_entropy: float) -> CanvasStep:
+        finished = self.last[b] or settled
+        state = self.states[b]
+        if finished and state.soft_embeds is not None:  # computed before it was known; never read
+            state = replace(state, soft_embeds=None)
+        return CanvasStep(state, self.argmax[b], finished, mean_entropy)
+
+
+def denoise_canvases(
     logits: torch.Tensor,
-    state: CanvasState,
+    states: Sequence[CanvasState],
+    temperatures: Sequence[float],
+    seeds: Sequence[int],
     schedule: CanvasSchedule,
-    temperature: float,
     vocab_limit: int,
-    seed: int,
     soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
     token_soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
-) -> CanvasStep:
-    """One step of one canvas from its decoder logits ``[C, vocab]`` (float32, soft-capped); ``temperature`` is
-    the request's, which multiplies the schedule's (a product of 0 is the greedy limit).
+) -> CanvasSteps:
+    """One step of every canvas of a group from their decoder logits ``[G, C, vocab]`` (float32, soft-capped;
+    overwritten: banned ids and each canvas's temperature applied in place); canvas ``b`` is at ``states[b]``, of a
+    request with temperature ``temperatures[b]`` (which multiplies the schedule's; 0 is the greedy limit) and
+    random streams of ``seeds[b]``.
 
-    ``soft_embeddings(logits [1, C, vocab]) -> [1, C, hidden]`` and ``token_soft_embeddings(tokens [C])`` are the
-    model's, for the next step's self-conditioning input."""
-    if vocab_limit < logits.shape[-1]:
-        logits = logits.clone()
-        logits[:, vocab_limit:] = float("-inf")
-    step = state.steps
-    temperature = temperature * schedule.temperature(step)
-    if temperature == 0.0:
-        argmax = logits.argmax(dim=-1)
-        tokens, mean_entropy, confident = argmax, 0.0, schedule.confidence_threshold > 0.0
+    Nothing is read on the host, so the host queues the whole step without waiting for the device. Each canvas gets
+    the numbers of the rule written for one canvas (docs/strategies.md), bit for bit: what one row computes
+    alone whatever the rows beside it runs once for the group (the ban, the argmax, the stability check, the
+    one-hot self-conditioning); what torch rounds differently with the number of rows it is launched over runs per
+    canvas, with that canvas's shapes (the reductions over the vocabulary and over the canvas, whose split over
+    thread blocks follows the row count, and the self-conditioning product, whose GEMM algorithm does), and so do
+    the draws from each canvas's own generator.
+
+    ``soft_embeddings(logits [1, C, vocab]) -> [1, C, hidden]`` and ``token_soft_embeddings(tokens [..., C])`` are
+    the model's, for the next step's self-conditioning input; it is computed for every canvas that may go on (all
+    but those at their schedule's last step), since whether one settled is known only when the step is read."""
+    _, length, vocab = logits.shape
+    device = logits.device
+    if vocab_limit < vocab:
+        logits[:, :, vocab_limit:] = float("-inf")
+    scales = [t * schedule.temperature(state.steps) for t, state in zip(temperatures, states, strict=True)]
+    for b, scale in enumerate(scales):
+        if scale != 0.0:
+            logits[b].div_(scale)  # the kernel of the one-canvas rule's ``logits / temperature``
+    argmax = logits.argmax(dim=-1)
+    last = tuple(state.steps + 1 >= schedule.max_steps for state in states)
+    one_hot_soft = None
+    if any(scale == 0.0 and not end for scale, end in zip(scales, last, strict=True)):
+        one_hot_soft = token_soft_embeddings(argmax)
+    zero, yes = torch.zeros((), device=device), torch.ones((), dtype=torch.bool, device=device)
+    means, valid, next_states = [], [], []
+    for b, (state, scale) in enumerate(zip(states, scales, strict=True)):
         soft = None
-    else:
-        scaled = logits / temperature
-        entropy = token_entropy(scaled)
-        mean_entropy = float(entropy.mean())
-        confident = mean_entropy < schedule.confidence_threshold
-        argmax = scaled.argmax(dim=-1)
-        generator = _generator(seed, state.index, step, logits.device)
-        probs = torch.softmax(scaled, dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        noise = torch.randint(0, vocab_limit, drawn.shape, generator=generator, device=logits.device)
-        tokens = torch.where(entropy_bound_acceptance(entropy, schedule.entropy_bound), drawn, noise)
-        soft = scaled
-    stable = is_stable(state.history, argmax, schedule.stability_threshold)
-    finished = (stable and confident) or step + 1 >= schedule.max_steps
-    kept = schedule.stability_threshold
-    history = (*state.history, argmax)[-kept:] if kept else ()
-    if finished:
-        next_soft = None
-    elif soft is None:
-        next_soft = token_soft_embeddings(argmax)
-    else:
-        next_soft = soft_embeddings(soft[None])[0]
-    return CanvasStep(CanvasState(state.index, tokens, next_soft, history, step + 1), argmax, finished, mean_entropy)
+        if scale == 0.0:
+            means.append(zero)
+            valid.append(yes)
+            tokens = argmax[b]
+            if not last[b]:
+                soft = one_hot_soft[b]
+        else:
+            scaled = logits[b]
+            entropy = token_entropy(scaled)
+            means.append(entropy.mean())
+            generator = step_generator(seeds[b], state.index, state.steps, device)
+            probs = torch.softmax(scaled, dim=-1)
+            drawn = draw_categorical(probs, generator)
+            valid.append(drawable(probs, drawn))
+            del probs
+            noise = torch.randint(0, vocab_limit, (length,), generator=generator, device=device)
+            tokens = torch.where(entropy_bound_acceptance(entropy, schedule.entropy_bound), drawn, noise)
+            if not last[b]:
+                soft = soft_embeddings(scaled[None])[0]
+        history = (*state.history, argmax[b])[-schedule.stability_threshold :]
+        next_states.append(CanvasState(state.index, tokens, soft, history, state.steps + 1))
+    mean_entropy = torch.stack(means)
+    # in float64, as the host compares the float32 mean with the threshold (a float32 threshold rounds)
+    confident = mean_entropy.double() < schedule.confidence_threshold
+    settled = stable_canvases(states, argmax, schedule.stability_threshold) & confident
+    return CanvasSteps(next_states, argmax, settled, mean_entropy, torch.stack(valid), last)
+
+
+def stable_canvases(states: Sequence[CanvasState], argmax: torch.Tensor, threshold: int) -> torch.Tensor:
+    """``[G]`` bool: canvas ``b``'s argmax equals each of the ``threshold`` argmaxes before it (never before it has
+    had that many steps)."""
+    full = [len(state.history) == threshold for state in states]
+    if not any(full):
+        return torch.zeros(len(states), dtype=torch.bool, device=argmax.device)
+    if all(full):
+        history = torch.stack([torch.stack(state.history, dim=0) for state in states])  # [G, threshold, C]
+        return (history == argmax[:, None]).flatten(1).all(dim=1)
+    never = torch.zeros((), dtype=torch.bool, device=argmax.device)
+    return torch.stack([
+        (torch.stack(state.history, dim=0) == argmax[b]).all() if is_full else never
+        for b, (state, is_full) in enumerate(zip(states, full, strict=True))
+    ])  # fmt: skip

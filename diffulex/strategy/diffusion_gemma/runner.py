@@ -17,9 +17,10 @@ One step, for a batch of requests that each have a running canvas:
    canvas attending to its own context in the pages and to itself (`paged`: the Triton kernel on a GPU, the
    PyTorch path elsewhere); on a GPU the pass replays a CUDA graph captured for the smallest bucket of canvases
    that holds the batch (`graphs`);
-3. per request: logits, then its canvas step (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvas`) with
-   its own temperature and random streams; the outcome is proposed to the request and adopted when the engine
-   applies the step.
+3. per group of canvases (`LOGITS_GROUP_BYTES`): one LM-head launch, then the canvas rule for all of them
+   (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvases`), each canvas with its own temperature and random
+   streams; nothing is read on the host until the engine applies the step (`pending.PendingCanvases`), when each
+   request's outcome is proposed to it and adopted.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.diffusion_gemma.canvas import (
     CanvasSchedule,
     CanvasState,
-    CanvasStep,
-    denoise_canvas,
+    CanvasSteps,
+    denoise_canvases,
     fresh_state,
 )
 from diffulex.strategy.diffusion_gemma.graphs import DEFAULT_GRAPH_BUCKETS, CanvasGraph, bucket_for
@@ -48,6 +49,7 @@ from diffulex.strategy.diffusion_gemma.paged import (
     encoder_metadata,
     triton_available,
 )
+from diffulex.strategy.diffusion_gemma.pending import PendingCanvases
 from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 
 logger = logging.getLogger("diffulex")
@@ -161,7 +163,7 @@ class CanvasRunner:
             hidden = self._decode_eager(canvas, None, [length] * rows, [table] * rows)
             logits = self.model.logits(hidden[: self._logits_group_size(rows)])
             state = fresh_state(0, 0, config.canvas_length, self.settings.vocab_limit, device)
-            self._rule(logits[0], state, temperature=1.0, seed=0)  # the rule's temporaries, at a sampled step
+            self._rule(logits[:1], [state], [1.0], [0])  # the rule's temporaries: a sampled canvas's
         finally:
             self.release_kv_cache()
 
@@ -169,8 +171,9 @@ class CanvasRunner:
 
     @torch.inference_mode()
     def launch(self, batch: list[CanvasRequest], micro_batch: int = 0) -> PendingWrites:
-        """Encode what each request still needs, denoise every canvas in one decoder pass, and propose each
-        request's outcome; the writes show each canvas's new argmax."""
+        """Encode what each request still needs, denoise every canvas in one decoder pass and one rule per logits
+        group, and queue the outcome's copy to the host; the host waits for it only when the step is applied
+        (`PendingCanvases.result`, which proposes each request's outcome; the writes show each canvas's argmax)."""
         s, model = self.settings, self.model
         self._encode_missing(batch)
         states = [
@@ -188,16 +191,17 @@ class CanvasRunner:
         contexts = [req.encoded_len for req in batch]
         tables = [req.page_table for req in batch]
         hidden = self.decode(canvas_ids, soft, contexts, tables)
-        writes: dict[int, list[tuple[int, int]]] = {}
+        for req in batch:
+            req.proposed = None
+        steps: list[CanvasSteps] = []
         group = self._logits_group_size(len(batch))
         for first in range(0, len(batch), group):
+            members = batch[first : first + group]
             logits = model.logits(hidden[first : first + group])
-            for offset, req in enumerate(batch[first : first + group]):
-                step = self._canvas_step(req, states[first + offset], logits[offset])
-                req.proposed = step
-                start = req.running[0].start
-                writes[req.req_id] = list(enumerate(step.argmax.tolist(), start))
-        return PendingWrites(writes)
+            temperatures = [req.sampling_params.temperature for req in members]
+            seeds = [self._seed(req) for req in members]
+            steps.append(self._rule(logits, states[first : first + group], temperatures, seeds))
+        return PendingCanvases.launch(batch, steps)
 
     def _logits_group_size(self, batch: int) -> int:
         """Canvases whose float32 logits one LM-head launch computes (at least one)."""
@@ -261,17 +265,14 @@ class CanvasRunner:
         seed = req.sampling_params.seed
         return seed if seed is not None else self.settings.base_seed + req.req_id
 
-    def _canvas_step(self, req: CanvasRequest, state: CanvasState, logits: torch.Tensor) -> CanvasStep:
-        try:
-            return self._rule(logits, state, req.sampling_params.temperature, self._seed(req))
-        except RuntimeError as err:  # e.g. a distribution torch cannot draw from: this request alone fails
-            raise RequestFailure([req.req_id], f"denoising its canvas failed: {err}") from err
-
-    def _rule(self, logits: torch.Tensor, state: CanvasState, temperature: float, seed: int) -> CanvasStep:
+    def _rule(
+        self, logits: torch.Tensor, states: list[CanvasState], temperatures: list[float], seeds: list[int]
+    ) -> CanvasSteps:
+        """The canvas rule over one logits group ``[G, C, vocab]`` (overwritten)."""
         model = self.model
         dtype = model.model.decoder.embed_tokens.weight.dtype
-        return denoise_canvas(
-            logits, state, self.settings.schedule, temperature, self.settings.vocab_limit, seed,
+        return denoise_canvases(
+            logits, states, temperatures, seeds, self.settings.schedule, self.settings.vocab_limit,
             soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
             token_soft_embeddings=model.token_soft_embeddings,
         )  # fmt: skip
