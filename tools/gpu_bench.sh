@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one-GPU measurements by part, each under a time limit, so that a device call runs the parts it has room for
+# and a hung part never spends the rest of it (the two-GPU ones are tools/multi_gpu_bench.sh):
+#   tests     tools/gpu_tests.sh: the GPU test suite over 14 workers (about 4 min)
+#   start     tools/start_gpu_check.sh: engine start, cold and warm caches (about 2 min)
+#   fdv2      Fast-dLLM v2 7B at batch 1: bench/step_anatomy.py beside multi_bd, and `bench throughput` (about 3 min)
+#   prefill   `bench sweep --targets prefill`: TTFT, decoders beside a chunked prompt, prefix hits (about 5 min)
+#   serving   `bench sweep --targets serving` and bench/server_step_rate.py (about 5 min)
+#   moe       `bench sweep --targets moe`: MoE geometries against the selected experts' floor (about 4 min)
+#   batch     `bench sweep --targets batch strategies`: large batches and every strategy (about 5 min)
+# Usage (GPU machine, repository root): tools/gpu_bench.sh OUT_DIR PART...
+# Carry the server's wheels (.wheels) for `serving`; they are installed first when present. Each part's log is
+# OUT_DIR/<part>.log (its tail printed), its results under OUT_DIR/<part>/; sweep folders are packed into
+# OUT_DIR/<part>.tgz, since a device call brings back only a few files. Exits non-zero if any part failed.
+set -uo pipefail
+usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|batch..."
+out=${1:?$usage}
+shift
+[ $# -gt 0 ] || { echo "$usage"; exit 2; }
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_bench: needs a CUDA device')" || exit 2
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ -d .wheels ]; then python -m pip install -q --no-index -f .wheels fastapi uvicorn httpx >/dev/null 2>&1 || echo "wheels not installed"; fi
+declare -A PART_LIMIT_S=([tests]=330 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380)
+
+run_part() {
+  local part=$1 dir=$out/$1
+  mkdir -p "$dir"
+  case "$part" in
+    tests) tools/gpu_tests.sh "$dir" 14 ;;
+    start) tools/start_gpu_check.sh "$dir" ;;
+    fdv2)
+      for strategy in fast_dllm_v2 multi_bd; do
+        python bench/step_anatomy.py --model fdv2-7b --strategy "$strategy" --batch 1 --steps 40 --top 12 \
+          --out "$dir/anatomy_$strategy.json" || return 1
+      done
+      python -m diffulex.cli bench throughput --strategy fast_dllm_v2 --models fdv2-7b --block-cache on \
+        --batch-sizes 1 --out "$dir/throughput.json" ;;
+    prefill) python -m diffulex.cli bench sweep --targets prefill --out "$dir/sweep" --max-seconds 320 ;;
+    serving)
+      python -m diffulex.cli bench sweep --targets serving --out "$dir/sweep" --max-seconds 240 || return 1
+      CUDA_VISIBLE_DEVICES= python bench/server_step_rate.py --clients 64 128 --seconds 6 --json "$dir/ssr.json" ;;
+    moe) python -m diffulex.cli bench sweep --targets moe --out "$dir/sweep" --max-seconds 240 ;;
+    batch) python -m diffulex.cli bench sweep --targets batch strategies --out "$dir/sweep" --total-seconds 330 --max-seconds 170 ;;
+    *) echo "$usage (got '$part')"; return 2 ;;
+  esac
+}
+
+failed=()
+for part in "$@"; do
+  [ -n "${PART_LIMIT_S[$part]:-}" ] || { echo "$usage (got '$part')"; exit 2; }
+  start=$(date +%s)
+  echo "== $part (limit ${PART_LIMIT_S[$part]} s)"
+  export -f run_part
+  export out usage
+  timeout -k 10 "${PART_LIMIT_S[$part]}" bash -c "run_part $part" > "$out/$part.log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    failed+=("$part")
+    [ $rc -eq 124 ] && { echo "== $part: killed after ${PART_LIMIT_S[$part]} s"; pkill -9 -f multiprocessing.spawn; sleep 2; }
+  fi
+  tail -25 "$out/$part.log"
+  if [ -d "$out/$part/sweep" ]; then tar czf "$out/$part.tgz" -C "$out/$part" sweep && rm -rf "$out/$part/sweep"; fi
+  echo "== $part: $(( $(date +%s) - start )) s, rc $rc"
+done
+[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
