@@ -17,14 +17,11 @@ usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|ba
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
-python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_bench: needs a CUDA device')" || exit 2
-nvidia-smi --query-gpu=name --format=csv,noheader
-if [ -d .wheels ]; then python -m pip install -q --no-index -f .wheels fastapi uvicorn httpx >/dev/null 2>&1 || echo "wheels not installed"; fi
+source tools/bench_parts.sh
+bench_setup "$out" 1 gpu_bench
 declare -A PART_LIMIT_S=([tests]=330 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380)
 
-run_part() {
+measure() {
   local part=$1 dir=$out/$1
   mkdir -p "$dir"
   case "$part" in
@@ -43,25 +40,14 @@ run_part() {
       CUDA_VISIBLE_DEVICES= python bench/server_step_rate.py --clients 64 128 --seconds 6 --json "$dir/ssr.json" ;;
     moe) python -m diffulex.cli bench sweep --targets moe --out "$dir/sweep" --max-seconds 240 ;;
     batch) python -m diffulex.cli bench sweep --targets batch strategies --out "$dir/sweep" --total-seconds 330 --max-seconds 170 ;;
-    *) echo "$usage (got '$part')"; return 2 ;;
   esac
 }
 
-failed=()
+export -f measure
+export out usage
 for part in "$@"; do
   [ -n "${PART_LIMIT_S[$part]:-}" ] || { echo "$usage (got '$part')"; exit 2; }
-  start=$(date +%s)
-  echo "== $part (limit ${PART_LIMIT_S[$part]} s)"
-  export -f run_part
-  export out usage
-  timeout -k 10 "${PART_LIMIT_S[$part]}" bash -c "run_part $part" > "$out/$part.log" 2>&1
-  rc=$?
-  if [ $rc -ne 0 ]; then
-    failed+=("$part")
-    [ $rc -eq 124 ] && { echo "== $part: killed after ${PART_LIMIT_S[$part]} s"; pkill -9 -f multiprocessing.spawn; sleep 2; }
-  fi
-  tail -25 "$out/$part.log"
+  run_part "$out" "$part" "${PART_LIMIT_S[$part]}" bash -c "measure $part"
   if [ -d "$out/$part/sweep" ]; then tar czf "$out/$part.tgz" -C "$out/$part" sweep && rm -rf "$out/$part/sweep"; fi
-  echo "== $part: $(( $(date +%s) - start )) s, rc $rc"
 done
-[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
+bench_verdict

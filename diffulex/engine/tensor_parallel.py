@@ -174,27 +174,27 @@ def run_worker(
         reports.send(("failed", traceback.format_exc()))
         raise
     reports.send(("ready", None))
-    if not owns_process or dist.get_backend() != "nccl":
-        try:
-            follow(parts, config, channel)
-        finally:
-            leave_group()
-        return
-    # An NCCL worker ends its process at once when its work is over: with collectives captured in CUDA graphs,
-    # tearing the group down (`leave_group`) or the interpreter's own teardown of it can wait forever (measured on
-    # two H200s: rank 0's abort returned, the worker never exited). Its memory and communicators go with the
-    # process; rank 0 has left the group by then (`TensorParallelWorkers.shutdown`).
+    # An NCCL worker that owns its process ends the process at once when its work is over: with collectives captured
+    # in CUDA graphs, tearing the group down (`leave_group`) or the interpreter's own teardown of it can wait forever
+    # (measured on two H200s: rank 0's abort returned, the worker never exited). Its memory and communicators go
+    # with the process; rank 0 has left the group by then (`TensorParallelWorkers.shutdown`).
+    ends_process = owns_process and dist.get_backend() == "nccl"
     code = 0
     try:
         follow(parts, config, channel)
-    except BaseException:  # noqa: BLE001  (reported on stderr; the exit code says it failed)
-        traceback.print_exc()
+    except BaseException:
+        if not ends_process:
+            raise
+        traceback.print_exc()  # the exit code says it failed
         code = 1
     finally:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        if not ends_process:
+            leave_group()
+        else:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def wait_until_joining(workers: list[WorkerProcess]) -> None:

@@ -43,14 +43,12 @@ class PageTable(list):
             self._valid = n
         return self._array[:n]
 
-    def _keep(self, entries: int) -> None:
-        self._valid = min(self._valid, entries)
-
     # changes that keep the leading entries: appends add after them, pop and clear remove from the end
     def pop(self, index: SupportsIndex = -1) -> int:
         page = super().pop(index)
         position = int(index)
-        self._keep(position if position >= 0 else position + len(self) + 1)  # where the removed entry was
+        removed_at = position if position >= 0 else position + len(self) + 1
+        self._valid = min(self._valid, removed_at)  # the entries before it are unchanged
         return page
 
     def clear(self) -> None:
