@@ -19,7 +19,7 @@ shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
-declare -A PART_LIMIT_S=([tests]=330 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380)
+declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380)
 
 measure() {
   local part=$1 dir=$out/$1

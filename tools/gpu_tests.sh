@@ -3,15 +3,15 @@
 # graphs, continuations, the strategies' engine steps, plugins), spread over pytest-xdist workers so that Triton's
 # first compiles run in parallel.
 # Usage (on a GPU machine, from the repository root): tools/gpu_tests.sh [LOG_DIR] [WORKERS]
-# Writes LOG_DIR/gpu_tests.log (default: $OUT, else the current folder) and prints the verdict, the wall time and
-# the slowest tests.
+# Writes LOG_DIR/gpu_tests.log (one line per test as it finishes, so a killed run still names its failures;
+# default: $OUT, else the current folder) and prints the failures, the verdict, the wall time and the slowest tests.
 set -uo pipefail
 log_dir=${1:-${OUT:-.}}
 workers=${2:-8}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
-python -m pytest -n "$workers" --durations=12 -q -p no:warnings \
+python -m pytest -n "$workers" --durations=12 -v -p no:warnings \
   tests/kernels tests/layers tests/models tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
   tests/engine/test_engine_matches_reference.py tests/engine/test_fast_dllm_v2_engine.py tests/engine/test_edit_mode.py \
   tests/engine/test_static_soft_inputs.py tests/engine/test_prefill_graphs.py \
@@ -20,6 +20,7 @@ python -m pytest -n "$workers" --durations=12 -q -p no:warnings \
   > "$log_dir/gpu_tests.log" 2>&1
 rc=$?
 echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers"
-grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -3
+grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$log_dir/gpu_tests.log" | sort -u | head -20
+grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -1
 sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -16
 exit $rc

@@ -94,16 +94,17 @@ def config_for(num_pairs: int, num_experts: int) -> FusedMoEConfig:
 
 
 # (experts, hidden, inter, top_k) -> the most rows of a step at which the fused kernels measured faster than the
-# grouped GEMM (`bench/fused_moe_bench.py`, bf16, CUDA-graph replay). Not measured yet: every geometry takes the
-# `fused_wins` default.
-_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {}
+# grouped GEMM (`bench/fused_moe_bench.py`, bf16, CUDA-graph replay); unlisted geometries take the `fused_wins`
+# default. DiffusionGemma-26B-A4B (H100, 2026-11-26): fused 580 / 650 / 824 / 1386 us against grouped 775 / 876 /
+# 1116 / 1696 us at 256 / 512 / 1024 / 2048 rows (1 to 8 canvases), the largest row count measured.
+_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {(128, 2816, 704, 8): 2048}
 
 
 def fused_wins(rows: int, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
     """Whether the fused kernels should run a step of ``rows`` rows rather than the grouped GEMM: the measured
     row limit of the geometry, else (unmeasured) while the busiest expert's expected pairs fit one tile of the
     largest `_BLOCK_M_STEPS` (decode: each selected expert streamed once; SDAR-30B-A3B up to 512 rows,
-    LLaDA2-mini up to 1024, DiffusionGemma-26B-A4B up to 512: two canvases). Larger steps (prefill) stream each
+    LLaDA2-mini up to 1024). Larger steps (prefill) stream each
     expert once per tile, where the grouped GEMM's large tiles are the better choice."""
     measured = _FASTER_ROWS.get((num_experts, hidden, inter, top_k))
     if measured is not None:

@@ -75,20 +75,24 @@ def test_long_rows_with_key_tails_match_reference(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="realistic head dims are too slow for the interpreter")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "prefix_full"), [(16, False), (32, True)])
 def test_long_prompts_at_realistic_head_dims_gpu(num_heads, prefix_full, dtype):
     """SDAR-1.7B and 8B head layouts: a 2k prompt, a chunk after a cached prefix and a decode row in one launch
-    (one split asked for: the long class whatever the grid), and a causal piece with a sliding window."""
+    (one split asked for: the long class whatever the grid), and a causal piece with a sliding window. In bfloat16,
+    the dtype prompts are served in: float32's long class is checked at small head dims above, and at these its
+    compile alone took 3 minutes of the GPU suite's 5 on an H100."""
     requests = [(0, 2100, 2050), (300, 700, 1000), (40, 4, 20), (0, 0, 0)]
     check(requests, num_heads, 8, 128, 16, 4, prefix_full, dtype, splits=1)
     check_window([(0, 1500, 0), (200, 300, 0)], num_heads, 8, 128, 256, False, dtype, 1, False, splits=1,
                  page_size=16)  # fmt: skip
 
 
-def test_the_longest_query_of_a_launch_picks_the_class(recorder):  # noqa: F811
-    """Queries of `_LONG_QUERY_MIN` positions or more launch the long class (never split, never chained by PDL,
-    8 warps); shorter ones the decode-sized classes exactly as before (4 warps, 2 stages unsplit, 1 split)."""
+def test_the_longest_query_of_a_launch_picks_the_class(recorder, monkeypatch):  # noqa: F811
+    """Where the grid fills the GPU, queries of `_LONG_QUERY_MIN` positions or more launch the long class (never
+    split, never chained by PDL, 8 warps); shorter ones the decode-sized classes exactly as before (4 warps, 2 stages
+    unsplit). Which grids fill the GPU is the next test's statement."""
+    monkeypatch.setattr(pa, "_auto_num_splits", lambda *args: 1)
     for requests, long in [([(0, LONG, LONG)], True), ([(0, LONG - 1, LONG - 1)], False),
                            ([(64, 4, 10)] * 3 + [(0, LONG + 5, LONG)], True), ([(64, 4, 10)] * 3, False)]:  # fmt: skip
         q, k, v, k_cache, v_cache, meta = make_batch(requests, 4, 2, 16, 4, 4, False, torch.float32, DEVICE)
@@ -130,6 +134,7 @@ def test_long_tiles_refuse_shapes_the_kernel_cannot_take(field, value):
         pa.LongQueryTiles(**{field: value})
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU, tools/prefill_gpu_check.sh runs the script natively")
 def test_the_gpu_bench_script_runs_every_config_and_names_one_to_keep(tmp_path):
     """``bench/prefill_attention_bench.py --quick`` (tiny shapes, the interpreter): every configuration is checked
     against the reference and timed, and the one kept ran every case."""
