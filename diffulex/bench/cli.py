@@ -190,7 +190,7 @@ def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
                        help="denoising steps per canvas, steps - 2 of them timed (default: 12)")
     group.add_argument("--experts-impl", dest="cv__experts_impl", choices=FORCED_EXPERTS_IMPLS,
                        help="force the experts' path (default: each step's own choice: the fused Triton kernels "
-                            "for one or two canvases on CUDA, the grouped GEMM beyond)")
+                            "up to 8 canvases on CUDA at the 26B-A4B geometry, the grouped GEMM beyond)")
 
 
 def canvas_options(args: argparse.Namespace) -> dict[str, Any]:

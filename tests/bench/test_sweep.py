@@ -77,6 +77,7 @@ def test_prefill_floors_include_attention_and_a_prefix_hit_computes_only_the_tai
     assert cold[0]["compute_floor_ms"] < cold[1]["compute_floor_ms"] < cold[2]["compute_floor_ms"]
     (hit,) = [r for r in rows if r["case"] == "prefix hit"]
     assert hit["hit"] and hit["query_tokens"] == 8 + 4  # the uncached tail and the first block
+    assert hit["met"] == (hit["x_tail_floor"] <= 1.3)  # the tail's cost: its floor with a cold prompt's allowance
     # the tail attends to the whole cached prompt: its pairs count keys beyond its own rows
     assert hit["attn_pairs"] >= 12 * 128
     fixed, by_cost = [r for r in rows if r["case"] == "beside chunked prefill"]
