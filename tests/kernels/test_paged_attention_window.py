@@ -101,10 +101,12 @@ def test_wide_heads_match_reference(dtype):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="realistic canvases are too slow for the interpreter")
 @pytest.mark.parametrize("splits", [None, 1, 4])  # one test per split choice: each compiles its own variants
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_diffusion_gemma_geometry_gpu(dtype, splits):
     """The 26B-A4B shapes: 16 heads, 8 KV heads of 256 with a 1024 window; 2 KV heads of 512, no window; canvas
-    of 256 rows after contexts around and beyond the window; encoder pieces of a long prompt."""
+    of 256 rows after contexts around and beyond the window; encoder pieces of a long prompt. In bf16, the dtype the
+    model is served in: float32 at heads of 512 is checked on a smaller canvas above, and at these shapes its
+    compile alone took over 2 minutes of the GPU suite's 5 on an H100."""
     contexts = [0, 100, 1023, 1024, 3000]
     check_window(canvases(contexts, 256), 16, 8, 256, 1024, True, dtype, 256, True, splits=splits, page_size=256)
     check_window(canvases(contexts, 256), 16, 2, 512, 0, True, dtype, 256, True, splits=splits, page_size=256)
