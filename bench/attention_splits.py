@@ -1,13 +1,16 @@
-"""Batch-1 decode attention against the split-KV minimum (`min_split_keys`): µs per call, graph-replayed.
+"""Decode attention against the split-KV settings: µs per call, graph-replayed.
 
-    PYTHONPATH=. python bench/attention_splits.py [--out FILE]
+    PYTHONPATH=. python bench/attention_splits.py [--out FILE] [--bound 4096] [--contexts 128 ... 4096]
+        [--min-keys 64 128 256 512 1024] [--splits 16 32 64] [--split-stages 1 2]
 
-A decode step at batch 1 launches one attention per layer whose split count is fixed by the graph's key bound
+A decode step launches one attention per layer whose split count is fixed by the graph's key bound
 (``max_model_len``), while the actual context may be much shorter. Each call is timed inside a CUDA graph of 20
-back-to-back calls (no launch overhead), for SDAR-1.7B and SDAR-8B head shapes, contexts 128 to 4096, and the
-minimum keys per split the kernel may use.
+back-to-back calls (no launch overhead), for SDAR-1.7B and SDAR-8B head shapes (4 rows, batch 1), each context,
+and each minimum of keys per split the kernel may use (columns ``minN``, the split count automatic). With
+``--splits``, also each forced split count (columns ``sN``), and with ``--split-stages``, every split launch at
+each software-pipeline depth (column suffix ``/stagesK``; without it, the kernel's own choice, `_split_stages`).
+Reports the K/V bytes each call reads over its time beside (``TB/s`` of the best column).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -26,11 +29,11 @@ from diffulex.kernels import triton_paged_attention  # noqa: E402
 CALLS = 20
 
 
-def per_call_us(q, k, v, k_cache, v_cache, meta, min_split_keys: int) -> float:
+def per_call_us(q, k, v, k_cache, v_cache, meta, min_split_keys: int, num_splits: int | None = None) -> float:
     def calls() -> None:
         for _ in range(CALLS):
             triton_paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5,
-                                   min_split_keys=min_split_keys)
+                                   min_split_keys=min_split_keys, num_splits=num_splits)
 
     calls()
     torch.cuda.synchronize()
@@ -41,18 +44,40 @@ def per_call_us(q, k, v, k_cache, v_cache, meta, min_split_keys: int) -> float:
 
 
 def main() -> None:
+    from diffulex.kernels import paged_attention as pa
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--bound", type=int, default=4096, help="max_kv_len the launch is sized for")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--min-keys", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--splits", type=int, nargs="*", default=[], help="forced split counts to time as well")
+    ap.add_argument("--split-stages", type=int, nargs="*", default=[], help="forced pipeline depths of split launches")
     args = ap.parse_args()
+    if max(args.contexts) + 4 > args.bound:
+        ap.error(f"--bound {args.bound} must cover the longest context plus the block ({max(args.contexts) + 4})")
     rows = []
+    saved = pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG
     for name, heads in (("1.7b", 16), ("8b", 32)):
-        for ctx in (128, 256, 512, 1024, 2048, 4096):
+        for ctx in args.contexts:
             q, k, v, kc, vc, meta = make_batch([(ctx, 4, 100)], heads, 8, 128, 16, 4, False, torch.bfloat16)
             meta = PagedAttentionMetadata(**{**meta.__dict__, "max_kv_len": args.bound})
-            row = {"model": name, "context": ctx}
-            for min_keys in (64, 128, 256, 512, 1024):
-                row[f"min{min_keys}"] = round(per_call_us(q, k, v, kc, vc, meta, min_keys), 2)
+            row: dict[str, object] = {"model": name, "context": ctx}
+            for stages in [None, *args.split_stages]:  # None: the kernel's own choice
+                suffix = "" if stages is None else f"/stages{stages}"
+                if stages is not None:
+                    pa._STAGES_SPLIT = pa._STAGES_SPLIT_LONG = stages
+                try:
+                    for min_keys in args.min_keys:
+                        row[f"min{min_keys}{suffix}"] = round(per_call_us(q, k, v, kc, vc, meta, min_keys), 2)
+                    for splits in args.splits:
+                        row[f"s{splits}{suffix}"] = round(per_call_us(q, k, v, kc, vc, meta, 64, splits), 2)
+                finally:
+                    pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG = saved
+            timed = {key: us for key, us in row.items() if key not in ("model", "context")}
+            best = min(timed, key=timed.__getitem__)
+            kv_bytes = (ctx + 4) * 8 * 128 * 2 * 2  # K and V of 8 KV heads, bf16
+            row |= {"best": best, "best_TBps": round(kv_bytes / (timed[best] * 1e-6) / 1e12, 3)}
             rows.append(row)
             print(row, flush=True)
     if args.out:

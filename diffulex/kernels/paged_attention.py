@@ -49,7 +49,7 @@ Design:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -641,11 +641,17 @@ _LONG_QUERY_TILES = LongQueryTiles()
 # mostly short, so 64.
 _MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 32
-# Software-pipeline depth of the key loops. A split program folds only a few tiles, where the pipeline's prologue
-# costs more than it hides: one stage replayed the SDAR-1.7B batch-1 graph 0.012 ms faster on an H100 (1.478 against
-# 1.490 ms). Unsplit launches (large grids, long key loops) keep two.
+# Software-pipeline depth of the key loops. A split program sized for short contexts folds only a few tiles, where
+# the pipeline's prologue costs more than it hides: one stage replayed the SDAR-1.7B batch-1 graph 0.012 ms faster on
+# an H100 (1.478 against 1.490 ms). A launch sized for long contexts (its key bound gives a split
+# `_PIPELINED_SPLIT_KEYS` keys or more) takes two: on an H100, 4 decode rows at batch 1, graph-replayed
+# (`bench/attention_splits.py --bound 40960 --split-stages 1 2 3`), a 32k context 73 -> 63 us a layer, 8k 25.7 ->
+# 24.3, while a 2k context under the same bound pays 12.2 -> 12.9. Unsplit launches (large grids, long key loops)
+# keep two.
 _STAGES_UNSPLIT = 2
 _STAGES_SPLIT = 1
+_STAGES_SPLIT_LONG = 2
+_PIPELINED_SPLIT_KEYS = 256
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
@@ -668,6 +674,12 @@ def _long_query_tiles(
         if _auto_num_splits(device, programs, max_kv_len, min_split_keys) > 1:
             return None
     return tiles
+
+
+def _split_stages(max_kv_len: int, num_splits: int) -> int:
+    """Pipeline stages of a split launch: two where its key bound gives each split `_PIPELINED_SPLIT_KEYS` keys or
+    more (long contexts: enough tiles per program for the prologue to pay), else one."""
+    return _STAGES_SPLIT_LONG if max_kv_len >= _PIPELINED_SPLIT_KEYS * num_splits else _STAGES_SPLIT
 
 
 def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_split_keys: int) -> int:
@@ -769,7 +781,7 @@ def triton_paged_attention(
         num_stages = long_tiles.num_stages if q.element_size() <= 2 else min(long_tiles.num_stages, 2)
     else:
         num_warps = 4 if head_dim <= 128 else 8
-        num_stages = _STAGES_SPLIT if split_slots > 1 else _STAGES_UNSPLIT
+        num_stages = _split_stages(meta.max_kv_len, num_splits) if split_slots > 1 else _STAGES_UNSPLIT
     _paged_attention_kernel[grid](
         q,
         k,
@@ -892,8 +904,10 @@ def _launch_every_variant(
             prefix_lens_cpu=[q_len] * num_requests,
             key_lens=torch.zeros(num_requests, dtype=torch.int32, device=device) if key_tails else None,
         )
-        for num_splits in (1, 2):
+        # unsplit; split under a short key bound (one stage); split under a long one (`_split_stages`: two)
+        long_bound = replace(meta, max_kv_len=2 * _PIPELINED_SPLIT_KEYS)
+        for num_splits, launch_meta in ((1, meta), (2, meta), (2, long_bound)):
             triton_paged_attention(
-                q, kv, kv, k_cache, v_cache, meta, 1.0, grouped=grouped, num_splits=num_splits, window=window,
-                window_from_context=window_from_context,
+                q, kv, kv, k_cache, v_cache, launch_meta, 1.0, grouped=grouped, num_splits=num_splits,
+                window=window, window_from_context=window_from_context,
             )
