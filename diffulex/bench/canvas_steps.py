@@ -12,7 +12,8 @@ a launched step whole, ending by reading the canvases' argmaxes back, so host ti
 pass alone (``decoder_ms_per_pass``: the graph replay) is timed apart, so the rest of the step (LM head, each
 canvas's sampling rule and self-conditioning input) is the difference. Each row names the path the experts took
 over the batch's rows (``experts_impl``: each layer's own choice, or the one ``experts_impl`` forces, so that two
-runs compare the fused kernels with the grouped GEMM on one machine).
+runs compare the fused kernels with the grouped GEMM on one machine). With ``profile`` (``--profile``), one more
+batch's steps and the decoder pass alone run under the profiler: GPU time by kernel kind and the longest kernels.
 
 The floor of one step (`diffulex.bench.roofline`, MoE accounting included): bytes = every weight outside the
 experts (the tied embedding once, as the LM head) + the experts the step's ``batch x canvas_length`` rows select
@@ -65,6 +66,7 @@ class CanvasBenchSettings:
     seed: int = 0
     quick: bool = False  # small peak measurements
     experts_impl: str | None = None  # None: each layer's experts choose per step (`StackedExperts.impl_for`)
+    profile: bool = False  # also profile the steps and the decoder pass: kernel time by kind, the longest kernels
     engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -214,10 +216,10 @@ def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int
     return times
 
 
-def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) -> float | None:
-    """Milliseconds of the decoder pass alone (`CanvasRunner.decode`: the graph replayed where the batch has a
-    bucket) over ``batch`` canvases after ``prompt_len`` positions of pages (their contents do not matter for
-    time), self-conditioning on; None when the pool has too few pages."""
+def decoder_pass(engine: Any, batch: int, prompt_len: int) -> Callable[[], object] | None:
+    """The decoder pass alone (`CanvasRunner.decode`: the graph replayed where the batch has a bucket) over
+    ``batch`` canvases after ``prompt_len`` positions of pages (their contents do not matter for time),
+    self-conditioning on, as a call; None when the pool has too few pages."""
     runner, config, device = engine.runner, engine.model.config, engine.device
     C = config.canvas_length
     pages_each = -(-(prompt_len + C) // runner.settings.page_size)
@@ -227,14 +229,63 @@ def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) 
     canvas = torch.randint(0, engine.vocab_limit, (batch, C), device=device)
     dtype = next(engine.model.parameters()).dtype
     soft = torch.zeros(batch, C, config.hidden_size, dtype=dtype, device=device)
-    with torch.inference_mode():
-        runner.decode(canvas, soft, [prompt_len] * batch, tables)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            runner.decode(canvas, soft, [prompt_len] * batch, tables)
-        _sync(device)
+
+    def run() -> object:
+        with torch.inference_mode():
+            return runner.decode(canvas, soft, [prompt_len] * batch, tables)
+
+    return run
+
+
+def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) -> float | None:
+    """Milliseconds of `decoder_pass` (None when the pool has too few pages)."""
+    run = decoder_pass(engine, batch, prompt_len)
+    if run is None:
+        return None
+    run()
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    _sync(engine.device)
     return 1e3 * (time.perf_counter() - t0) / iters
+
+
+PROFILE_TOP_KERNELS = 15
+
+
+def profile_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> dict[str, Any]:
+    """Where the GPU time of the timed steps and of the decoder pass alone goes (`diffulex.bench.gpu_profile`):
+    ``steps`` (engine steps of one denoising step of every canvas each, as `time_batch` times them) and
+    ``decoder_pass``, each with its kernel time by kind and its longest kernels."""
+    from diffulex.bench.gpu_profile import profile_steps
+
+    device = engine.device
+    requests = _requests(engine, batch, settings, seed)
+    engine.step()
+    steps = profile_steps(engine.step, settings.steps - 2, device, top=PROFILE_TOP_KERNELS)
+    while not engine.is_finished():
+        engine.step()
+    if any(req.nfe != settings.steps for req in requests):
+        raise RuntimeError(f"canvases took {sorted({r.nfe for r in requests})} steps, not {settings.steps} each")
+    run = decoder_pass(engine, batch, settings.prompt_len)
+    profile: dict[str, Any] = {"steps": steps, "decoder_pass": None}
+    if run is not None:
+        run()
+        profile["decoder_pass"] = profile_steps(run, 3, device, top=PROFILE_TOP_KERNELS)
+    return profile
+
+
+def _log_profile(profile: dict[str, Any], log: Callable[[str], None]) -> None:
+    for part in ("steps", "decoder_pass"):
+        summary = profile.get(part)
+        if summary is None:
+            continue
+        kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in summary["kernel_ms_per_step"].items())
+        log(f"  profiled {part}: GPU busy {summary['gpu_busy_ms_per_step']:.2f} ms of "
+            f"{summary['wall_ms_per_step']:.2f} a call; kernel ms by kind: {kinds}")  # fmt: skip
+        for k in summary.get("top_kernels", []):
+            log(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6.1f} [{k['category']}] {k['kernel'][:90]}")
 
 
 def _engine(folder: Path, settings: CanvasBenchSettings, batch: int) -> Any:
@@ -279,6 +330,8 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
             "experts_impl": experts_impl, "pages": runner.num_pages,
         }  # fmt: skip
+        if settings.profile:
+            row["profile"] = profile_batch(engine, batch, settings, seed=settings.seed + 2000)
     finally:
         with contextlib.suppress(Exception):
             engine.exit()
@@ -288,6 +341,8 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         f"K/V {row['kv_read_GB']:.3f} GB; compute {row['compute_floor_ms']:.2f}: {row['step_TFLOP']:.2f} TFLOP), "
         f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}, experts {experts_impl}; decoder pass alone "
         f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms'}")  # fmt: skip
+    if "profile" in row:
+        _log_profile(row["profile"], log)
     return row
 
 

@@ -150,7 +150,8 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quick", dest="tp__quick", action="store_true", default=None,
                        help="smoke run: 32 tokens, at most 8 timed steps, small peak measurements")
     group.add_argument("--profile", dest="tp__profile", action="store_true", default=None,
-                       help="also profile decode steps (CUDA): GPU busy/idle share and kernel time by category")
+                       help="also profile decode steps (CUDA): GPU busy/idle share and kernel time by category "
+                            "(canvas: the steps and the decoder pass, with their longest kernels)")
     group.add_argument("--profile-batch", dest="tp__profile_batch", type=int, metavar="N",
                        help="batch size of the profile (default: 1)")
     group.add_argument("--profile-steps", dest="tp__profile_steps", type=int, metavar="N",
@@ -178,7 +179,7 @@ def add_throughput_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of ``diffulex bench canvas`` beyond the throughput flags it shares (--batch-sizes, --prompt-len,
-    --out, --quick)."""
+    --out, --quick, --profile)."""
     from diffulex.bench.canvas_steps import FORCED_EXPERTS_IMPLS, GEOMETRIES
 
     group = parser.add_argument_group("canvas (diffulex bench canvas: DiffusionGemma ms per denoising step)")
@@ -315,7 +316,7 @@ def cmd_canvas(args: argparse.Namespace) -> int:
     if args.runs or args.config or args.set or args.check or args.json or args.model_path:
         raise ValueError("diffulex bench canvas takes no run directories, --model, --config, --set, --check or --json")
     shared = throughput_options(args)
-    unused = set(shared) - {"batch_sizes", "prompt_len", "out", "quick"}
+    unused = set(shared) - {"batch_sizes", "prompt_len", "out", "quick", "profile"}
     if unused or eval_overrides(args):
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(unused | set(eval_overrides(args))))
         raise ValueError(f"{flags}: not used by 'diffulex bench canvas'")
@@ -323,6 +324,7 @@ def cmd_canvas(args: argparse.Namespace) -> int:
         batch_sizes=shared.get("batch_sizes", [1, 8]),
         prompt_len=shared.get("prompt_len", 512),
         quick=bool(shared.get("quick")),
+        profile=bool(shared.get("profile")),
         engine_overrides=_engine_flag_overrides(args),
         **canvas_options(args),
     )

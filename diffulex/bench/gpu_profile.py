@@ -64,14 +64,15 @@ def union_length(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: int) -> dict[str, object]:
-    """Busy and idle share of `wall_s`, kernels per step, and the kernel time of each category."""
+def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: int, top: int = 0) -> dict[str, object]:
+    """Busy and idle share of `wall_s`, kernels per step, the kernel time of each category and, with ``top``, the
+    ``top`` kernels of most time (per step: calls and milliseconds)."""
     compute = [k for k in kernels if category(k.name) != "copy"]
     busy_s = union_length([(k.start_us, k.end_us) for k in compute]) / 1e6
     by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES} | {"other": 0.0, "copy": 0.0}
     for k in kernels:
         by_category[category(k.name)] += (k.end_us - k.start_us) / 1e3
-    return {
+    summary: dict[str, object] = {
         "steps": steps,
         "wall_ms_per_step": 1e3 * wall_s / steps,
         "gpu_busy_ms_per_step": 1e3 * busy_s / steps,
@@ -80,10 +81,23 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
         "kernels_per_step": len(compute) / steps,
         "kernel_ms_per_step": {label: ms / steps for label, ms in by_category.items()},
     }
+    if top > 0:
+        per_name: dict[str, list[float]] = {}
+        for k in kernels:
+            calls_ms = per_name.setdefault(k.name, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += (k.end_us - k.start_us) / 1e3
+        longest = sorted(per_name.items(), key=lambda item: -item[1][1])[:top]
+        summary["top_kernels"] = [
+            {"kernel": name, "category": category(name), "calls_per_step": calls / steps, "ms_per_step": ms / steps}
+            for name, (calls, ms) in longest
+        ]
+    return summary
 
 
-def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, object]:
-    """Run `step` `steps` times under torch.profiler (CPU + CUDA activity) and summarize the GPU's activity.
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device, top: int = 0) -> dict[str, object]:
+    """Run `step` `steps` times under torch.profiler (CPU + CUDA activity) and summarize the GPU's activity (with
+    ``top``, also its ``top`` longest kernels).
 
     The wall time is taken between two device synchronizations around the loop, so it includes every gap. The
     profiler's own overhead (callbacks on each launch) lengthens the host part, so the idle share under it is an
@@ -113,7 +127,7 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
     ]
-    summary = summarize_activity(kernels, wall_s, steps)
+    summary = summarize_activity(kernels, wall_s, steps, top)
     busy_ms = summary["gpu_busy_ms_per_step"]
     summary["wall_ms_per_step_unprofiled"] = 1e3 * plain_wall_s / steps
     summary["gpu_idle_share_unprofiled"] = max(0.0, 1.0 - busy_ms * steps / (1e3 * plain_wall_s))

@@ -37,6 +37,34 @@ def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
     assert report["results"][1]["kv_read_GB"] == pytest.approx(2 * report["results"][0]["kv_read_GB"])
 
 
+def test_profile_breaks_the_steps_and_the_decoder_pass_down_by_kernel(tmp_path: Path, monkeypatch) -> None:
+    """``--profile`` runs one more batch's steps and the decoder pass under the profiler: each part reports its
+    calls, its GPU time by kernel kind and its longest kernels (on the CPU no CUDA kernel runs, so none are
+    listed and the kinds add up to nothing), and the timed rows are those of a run without it."""
+    from diffulex.bench import gpu_profile
+
+    calls: list[tuple[int, int]] = []
+    profile_steps = gpu_profile.profile_steps
+
+    def recording(step, steps, device, top=0):
+        calls.append((steps, top))
+        return profile_steps(step, steps, device, top)
+
+    monkeypatch.setattr(gpu_profile, "profile_steps", recording)
+    out = tmp_path / "canvas.json"
+    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "1", "--prompt-len", "12", "--steps", "4",
+                 "--quick", "--profile", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["timed_steps"] == 2
+    assert calls == [(2, canvas_steps.PROFILE_TOP_KERNELS), (3, canvas_steps.PROFILE_TOP_KERNELS)]
+    for part, steps in (("steps", 2), ("decoder_pass", 3)):
+        summary = row["profile"][part]
+        assert summary["steps"] == steps and summary["wall_ms_per_step"] > 0
+        assert set(summary["kernel_ms_per_step"]) >= {"moe", "attention", "gemm", "sampler", "other", "copy"}
+        assert summary["top_kernels"] == [] and sum(summary["kernel_ms_per_step"].values()) == 0
+
+
 def test_a_forced_expert_path_is_the_one_run_and_reported(tmp_path: Path, monkeypatch) -> None:
     """``--experts-impl dense`` sets every layer's experts to every-expert-over-every-row before the warm-up, and
     the row says so: the timed steps ran the dense path (and not the CPU's loop)."""

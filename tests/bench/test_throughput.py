@@ -264,6 +264,16 @@ def test_activity_summary_counts_copies_as_idle():
     assert summary["kernel_ms_per_step"]["gemm"] == pytest.approx(0.2)
     assert summary["kernel_ms_per_step"]["copy"] == pytest.approx(0.15)
     assert summary["kernel_ms_per_step"]["moe"] == 0.0
+    assert "top_kernels" not in summary
+
+
+def test_activity_summary_names_the_longest_kernels_per_step():
+    kernels = [KernelInterval("gemm", 0, 400), KernelInterval("_rms_norm_kernel", 400, 450),
+               KernelInterval("gemm", 500, 700), KernelInterval("_paged_attention_kernel", 700, 1000)]  # fmt: skip
+    top = summarize_activity(kernels, wall_s=1e-3, steps=2, top=2)["top_kernels"]
+    assert [k["kernel"] for k in top] == ["gemm", "_paged_attention_kernel"]
+    assert top[0] == {"kernel": "gemm", "category": "gemm", "calls_per_step": 1.0, "ms_per_step": pytest.approx(0.3)}
+    assert top[1]["ms_per_step"] == pytest.approx(0.15) and top[1]["category"] == "attention"
 
 
 # ----- SDAR geometry folders ---------------------------------------------------------------------------------
