@@ -109,20 +109,12 @@ def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim:
 
 
 def seconds_per_launch(fn, device: torch.device, length: int) -> float:
-    fn()  # compiles the variant
-    iters = max(2, min(20, 40_000 // length))
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    """Seconds per launch after one that compiles the variant: CUDA events over up to 20 launches on a GPU, one
+    launch elsewhere (the interpreter is slow, and its time means nothing)."""
+    from diffulex.bench.hardware import time_per_call
+
+    iters = max(2, min(20, 40_000 // length)) if device.type == "cuda" else 1
+    return time_per_call(fn, device, iters, warmup=1)
 
 
 def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: int, length: int, check: bool,

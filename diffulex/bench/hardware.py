@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-def _time_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+def time_per_call(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
     """Seconds per call of `fn`, averaged over `iters` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
@@ -59,7 +59,7 @@ def measure_copy_bandwidth(device: torch.device, num_bytes: int, iters: int = 10
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     src.fill_(1)
     dst = torch.empty_like(src)
-    seconds = _time_per_call(lambda: dst.copy_(src), device, iters)
+    seconds = time_per_call(lambda: dst.copy_(src), device, iters)
     return 2 * num_bytes / seconds
 
 
@@ -69,7 +69,7 @@ def measure_matmul_throughput(device: torch.device, dtype: torch.dtype, size: in
     a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     out = torch.empty(size, size, device=device, dtype=dtype)
-    seconds = _time_per_call(lambda: torch.matmul(a, b, out=out), device, iters)
+    seconds = time_per_call(lambda: torch.matmul(a, b, out=out), device, iters)
     return 2 * size**3 / seconds
 
 
@@ -118,7 +118,7 @@ def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype
     x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
     if device.type != "cuda":
         w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
-        return _time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)
+        return time_per_call(lambda: torch.nn.functional.linear(x, w), device, iters, warmup=3)
     weight_bytes = n * k * torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(iters, -(-_COLD_WEIGHT_BYTES // weight_bytes)))
     weights = [torch.randn(n, k, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
@@ -135,7 +135,7 @@ def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    return _time_per_call(graph.replay, device, 3, warmup=1) / iters
+    return time_per_call(graph.replay, device, 3, warmup=1) / iters
 
 
 def time_graph_calls(call: Callable[[int], object], calls: int, replays: int = 5, warmup: int = 3) -> float:
