@@ -39,7 +39,8 @@ Design:
   prompt rows under prefix-full) above its window's floor, so the key tiles between the highest floor and the
   lowest row limit of the tile are seen whole by every row and fold without the mask; only the window's edge, the
   diagonal band and the padded last tile are masked. The latest query tiles (the most keys) are started first.
-  The decode-sized classes compile exactly as without it.
+  Its keys are split like the other classes' where its grid cannot fill the GPU (a short prompt tail after a long
+  cached context). The decode-sized classes compile exactly as without it.
 * key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
   to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
   block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
@@ -631,8 +632,9 @@ class LongQueryTiles:
 
 # The long-query class: a launch whose longest query has at least `_LONG_QUERY_MIN` positions (so more rows than
 # PDL chains: the class never waits on PDL) and heads of at most `_LONG_MAX_HEAD_DIM` (a 128 x 256 fp32 accumulator
-# would spill) folds larger query tiles and skips the mask on interior key tiles. It never splits keys: where the
-# longest request's tiles are too few to fill the GPU, the 64-row class (more programs, split keys) runs instead.
+# would spill) folds larger query tiles and skips the mask on interior key tiles. Where its grid cannot fill the GPU
+# its keys are split as the other classes' are; where the grid fills it but the longest request's tiles alone do
+# not (a chunk beside many decoders, unsplit), the 64-row class (more programs for the long request) runs instead.
 _LONG_QUERY_MIN = 128
 _LONG_MAX_HEAD_DIM = 128
 _LONG_QUERY_TILES = LongQueryTiles()
@@ -658,20 +660,23 @@ _PREFETCH_KEYS = 128
 
 
 def _long_query_tiles(
-    device: torch.device, max_query_len: int, group_pad: int, head_dim: int, slots: int, max_kv_len: int,
-    num_splits: int | None, min_split_keys: int,
+    device: torch.device, max_query_len: int, group_pad: int, head_dim: int, slots: int, num_requests: int,
+    max_kv_len: int, num_splits: int | None, min_split_keys: int,
 ) -> LongQueryTiles | None:
     """The long-query class's tiles if this launch takes it (a query of `_LONG_QUERY_MIN` positions or more, heads
-    of at most `_LONG_MAX_HEAD_DIM`, no split asked for, and the longest request's programs alone, its query tiles
-    times its ``slots`` (head slots), fill the GPU without splitting keys); None: the decode-sized classes of
-    `_tile_shapes`. The longest request's programs, not the grid's: beside a prompt chunk, decoders' programs are
-    short, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it folds its long context."""
+    of at most `_LONG_MAX_HEAD_DIM`); None: the decode-sized classes of `_tile_shapes`. A split count asked for
+    is taken as is. Otherwise the class runs where the longest request's programs alone (its query tiles times its
+    ``slots``, the head slots) fill the GPU, or where the whole grid does not and its keys are split anyway (a
+    prefix hit's tail, a prompt chunk's prefill graph: one request over a long context). It gives way where the
+    grid fills the GPU but the longest request's programs do not (a chunk beside many decoders in one launch): no
+    split then, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it folds its long context."""
     tiles = _LONG_QUERY_TILES
-    if max_query_len < _LONG_QUERY_MIN or head_dim > _LONG_MAX_HEAD_DIM or (num_splits or 1) > 1:
+    if max_query_len < _LONG_QUERY_MIN or head_dim > _LONG_MAX_HEAD_DIM:
         return None
     if num_splits is None:
-        programs = triton.cdiv(max_query_len, max(1, tiles.rows // group_pad)) * slots
-        if _auto_num_splits(device, programs, max_kv_len, min_split_keys) > 1:
+        longest = triton.cdiv(max_query_len, max(1, tiles.rows // group_pad)) * slots
+        grid_splits = _auto_num_splits(device, longest * num_requests, max_kv_len, min_split_keys)
+        if _auto_num_splits(device, longest, max_kv_len, min_split_keys) > 1 and grid_splits == 1:
             return None
     return tiles
 
@@ -754,11 +759,10 @@ def triton_paged_attention(
     group_pad = _next_pow2(group) if grouped else 1
     max_query_len = meta.max_query_len
     head_slots = num_kv_heads if grouped else num_heads
-    long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, head_slots, meta.max_kv_len,
-                                   num_splits, min_split_keys)
+    long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, head_slots, num_requests,
+                                   meta.max_kv_len, num_splits, min_split_keys)
     if long_tiles is not None:
         block_q, block_n = max(1, long_tiles.rows // group_pad), long_tiles.block_n
-        num_splits = 1
     else:
         block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim, q.element_size())
     q_tiles = triton.cdiv(max_query_len, block_q)
@@ -827,7 +831,8 @@ def triton_paged_attention(
         USE_PDL=use_pdl,
         PREFETCH_KEYS=_PREFETCH_KEYS if use_pdl else 0,
         LINE_ELEMS=min(head_dim, 128 // k_cache.element_size()),
-        PRELOAD_TILE=split_slots > 1,  # a split program loads its first cached tile before its PDL wait
+        # a split program of the decode-sized classes loads its first cached tile before its PDL wait
+        PRELOAD_TILE=split_slots > 1 and long_tiles is None,
         WINDOW=window,
         WINDOW_FROM_CONTEXT=window_from_context and window > 0,
         key_lens_ptr=meta.key_lens,
@@ -856,7 +861,7 @@ def warm_up(
     while serving (a compile stalls its step for a second or more; the first short prompt would pay it).
 
     A launch's variant is fixed by its tile class (`_tile_shapes`: a decode-sized query or a longer one;
-    `_long_query_tiles`: a prompt's, never split nor chained), whether it splits keys (not how many: the split
+    `_long_query_tiles`: a prompt's, never chained), whether it splits keys (not how many: the split
     count is a runtime argument) and whether it chains by PDL (at most `PDL_MAX_ROWS` rows). Each case here is a
     tiny launch (one or a few requests, no cached keys) that lands in one of those variants; on a device without
     PDL the PDL cases fall into variants already compiled. The caches are only read through a request's page table,
@@ -885,7 +890,7 @@ def _launch_every_variant(
     if first_large <= PDL_MAX_ROWS:
         cases.append((1, first_large))
     if head_dim <= _LONG_MAX_HEAD_DIM:
-        cases.append((1, _LONG_QUERY_MIN))  # unsplit: the long-query class; split: the 64-row class's variant
+        cases.append((1, _LONG_QUERY_MIN))  # the long-query class, split or not
     for num_requests, q_len in cases:
         rows = num_requests * q_len
         q = torch.zeros(rows, num_heads, head_dim, dtype=k_cache.dtype, device=device)

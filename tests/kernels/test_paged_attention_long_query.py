@@ -108,24 +108,48 @@ def test_the_longest_query_of_a_launch_picks_the_class(recorder, monkeypatch):  
             assert variant["BLOCK_Q"] in (pa._SMALL_TILE_ROWS // 2, pa._LARGE_TILE_ROWS // 2)
 
 
-def test_the_long_class_gives_way_where_its_tiles_would_leave_sms_idle(monkeypatch):
-    """On a GPU a long query whose 128-row tiles cannot fill the SMs (a prefix-cache hit's short tail on a long
-    context, a 512-row chunk beside decoders) keeps the 64-row class; a split asked for, or heads wider than 128,
-    never take it."""
+def test_the_long_class_gives_way_only_where_the_grid_fills_the_gpu_but_the_longest_request_does_not(monkeypatch):
+    """On a GPU the long class runs where the longest request's 128-row tiles fill the SMs, or where the whole grid
+    does not and the keys are split (a prefix-cache hit's short tail on a long context: one request); it gives way
+    to the 64-row class where the grid fills the GPU but the longest request's tiles do not (a 512-row chunk beside
+    many decoders: no split, and a few large tiles would fold the long context alone). A split count asked for is
+    taken as is; heads wider than 128 never take it."""
     from diffulex.kernels import split_counters
 
     cuda, sms = torch.device("cuda", 0), 132
     monkeypatch.setitem(split_counters._SM_COUNT, cuda, sms)
     tiles = pa._LONG_QUERY_TILES
-    # 8 KV heads, 2 query heads each: 64 positions per long tile
-    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, None, 64) == tiles  # 32 tiles x 8 = 256 programs
-    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, None, 64) is None  # 5 x 8 = 40: split keys instead
-    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 32000, None, 64) is None  # 8 x 8 = 64, decoders beside or not
-    assert pa._long_query_tiles(cuda, 1088, 2, 128, 8, 32000, None, 64) == tiles  # 17 x 8 = 136 programs
-    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 32000, 1, 64) == tiles  # one split asked for: no split
-    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 4096, 4, 64) is None
-    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 4096, None, 64) is None
-    assert pa._long_query_tiles(cuda, LONG - 1, 2, 128, 64, 4096, None, 64) is None
+    # 8 KV heads, 2 query heads each: 64 positions per long tile; (max_query_len, group_pad, head_dim, slots,
+    # requests, max_kv_len, splits asked, min split keys)
+    assert pa._long_query_tiles(cuda, 2048, 2, 128, 8, 1, 4096, None, 64) == tiles  # 32 tiles x 8 = 256 programs
+    assert pa._long_query_tiles(cuda, 1088, 2, 128, 8, 40, 32000, None, 64) == tiles  # 17 x 8 = 136 programs
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 1, 32000, None, 64) == tiles  # 5 x 8 = 40: split keys
+    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 1, 32000, None, 64) == tiles  # 8 x 8 = 64: split keys
+    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 33, 32000, None, 64) is None  # 64 x 33 fill: no split
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 40, 32000, 1, 64) == tiles  # one split asked for
+    assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 1, 32000, 4, 64) == tiles  # four asked for
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 1, 4096, None, 64) is None
+    assert pa._long_query_tiles(cuda, LONG - 1, 2, 128, 64, 1, 4096, None, 64) is None
+
+
+def test_a_split_long_query_launch_keeps_the_long_tiles_without_preloading(recorder):  # noqa: F811
+    """Split keys and the long class together: 128-row tiles in 8 warps, split, never chained by PDL and without
+    the decode classes' preloaded first tile (8 warps of 128-row tiles have no registers to spare for it)."""
+    q, k, v, k_cache, v_cache, meta = make_batch([(300, LONG + 4, 300 + LONG + 4)], 4, 2, 16, 8, 4, False,
+                                                 torch.float32, DEVICE)  # fmt: skip
+    pa.triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=3)
+    (variant,) = [dict(v) for v in recorder.variants]
+    assert variant["FULL_TILES"] and variant["SPLIT"] and variant["num_warps"] == 8
+    assert not variant["PRELOAD_TILE"] and not variant["USE_PDL"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_long_tiles_with_split_keys_match_reference(splits, dtype):
+    """The long class with its keys split (a prompt tail after a long cached context, a prefill chunk, beside a
+    decode row): every split's partial is combined into the unsplit result, block-causal and prefix-full."""
+    for prefix_full in (False, True):
+        check([(300, LONG + 4, 300 + LONG + 4), (90, 4, 20)], 4, 2, 16, 8, 4, prefix_full, dtype, splits=splits)
 
 
 @pytest.mark.parametrize(("field", "value"), [("rows", 96), ("block_n", 8), ("num_warps", 6), ("num_stages", 0)])
