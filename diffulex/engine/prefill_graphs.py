@@ -38,12 +38,14 @@ logger = logging.getLogger("diffulex")
 
 # The smallest prefill bucket: fewer rows pad to it (a forward that small is bound by its weight reads anyway).
 MIN_PREFILL_BUCKET_ROWS = 16
-# The chunk graphs: the most rows one request of a step may have (the chunk), the rows a bucket holds per request
-# beyond the decode width (a chunk of CHUNK_GRAPH_ROWS fits with 8 requests or more), and their attention's split
-# of a long context: CHUNK_SPLITS splits of at least CHUNK_MIN_SPLIT_KEYS keys, so a 32k context folds in 16
-# parallel programs per tile while a decoder's context of under 2k keys is not split.
+# The chunk graphs: the most rows one request of a step may have (the chunk); the rows a bucket holds per request
+# beyond the decode width, few, since every padded row costs the whole forward's flops (a chunk of CHUNK_GRAPH_ROWS
+# fits beside 31 decoders of one block in a bucket of 32, a chunk of 28 rows beside 8 in a bucket of 16; smaller
+# batches split the step as before); and their attention's split of a long context: CHUNK_SPLITS splits of at
+# least CHUNK_MIN_SPLIT_KEYS keys, so a 32k context folds in 16 parallel programs per tile while a decoder's
+# context of under 2k keys is not split.
 CHUNK_GRAPH_ROWS = 64
-CHUNK_EXTRA_ROWS_PER_REQUEST = CHUNK_GRAPH_ROWS // 8
+CHUNK_EXTRA_ROWS_PER_REQUEST = 2
 CHUNK_SPLITS = 16
 CHUNK_MIN_SPLIT_KEYS = 1024
 
