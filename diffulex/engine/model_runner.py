@@ -283,13 +283,17 @@ class ModelRunner:
         return pending
 
     def _plan(self, batch: list[Request]) -> _StepPlan:
-        """How the batch runs: its prefill replays (`collect_split`), then its step on the decode graphs, or
-        (without prefills and a bucket) through the eager forward."""
-        if self.chunk_graphs is not None and any(_has_prompt_prefix(req) for req in batch):
+        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward);
+        else its prefill replays (`collect_split`), then its step on the decode graphs, or (without prefills and a
+        bucket) through the eager forward."""
+        chunk = self.chunk_graphs
+        if chunk is not None and any(_has_prompt_prefix(req) for req in batch) and all(
+            req.query_range()[1] - req.query_range()[0] <= chunk.shape.max_query_len for req in batch
+        ):
             step = self.collect(batch)
-            bucket = self.chunk_graphs.bucket_for(step)
-            if bucket is not None:  # the chunk's rows ride with the decoders': every weight read once
-                return _StepPlan([], step, self.chunk_graphs, bucket)
+            bucket = chunk.bucket_for(step)
+            if bucket is not None:  # the prompt's rows ride with the decoders': every weight read once
+                return _StepPlan([], step, chunk, bucket)
         split = self.collect_split(batch) if self.graphs is not None else None
         if split is not None:
             if split.prefills and not split.rest.num_requests:
@@ -312,7 +316,8 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            short, chunk = graphs is not None and graphs is self.short_graphs, graphs is self.chunk_graphs
+            short = graphs is not None and graphs is self.short_graphs
+            chunk = graphs is not None and graphs is self.chunk_graphs
             self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short, prefills, chunk))
             for part, rows in prefills:  # before the decode graph, on the same stream: it reads their K/V
                 hidden = self.prefill_graphs.run(part, rows)
