@@ -51,6 +51,11 @@ class PagedAttentionMetadata:
     # [R] int32 on the device: the same key ends for the kernels (a value at or below ``context_len + query_len``
     # means none past the rows). None: no request attends past its rows, and the kernels compile no tail loop.
     key_lens: torch.Tensor | None = None
+    # The launch's split-KV settings (`triton_paged_attention`'s ``num_splits`` and ``min_split_keys``) where the
+    # step's shape decides them rather than the grid: a CUDA graph whose grid fills the GPU but whose one long
+    # request (a prompt chunk beside decoders) must fold its long context in parallel. None: the kernel's choice.
+    num_splits: int | None = None
+    min_split_keys: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_query_len <= 0:

@@ -150,6 +150,10 @@ class GraphShape:
     # rows a bucket holds per request, on average over its requests (0: max_query_len, every request's full width):
     # narrower graphs for steps whose requests mostly compute fewer rows than the widest one may
     row_capacity: int = 0
+    # the attention's split-KV settings where the graph's shape must decide them (`PagedAttentionMetadata`): the
+    # chunk graphs, whose one long request's context is split although the grid fills the GPU. None: the kernel's
+    num_splits: int | None = None
+    min_split_keys: int | None = None
 
     @property
     def rows_per_request(self) -> int:
@@ -329,6 +333,8 @@ class DecodeGraphs:
             max_query_len=s.max_query_len,
             max_kv_len=s.max_kv_len,
             key_lens=lay[3 * R + 1 : 3 * R + 1 + bucket] if s.key_tails else None,
+            num_splits=s.num_splits,
+            min_split_keys=s.min_split_keys,
         )
 
     # ----- filling -------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from diffulex.engine.cpu_resources import available_memory
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.model_runner import ModelRunner
+from diffulex.engine.prefill_graphs import CHUNK_EXTRA_ROWS_PER_REQUEST
 from diffulex.layers.parallel_state import engine_ranks
 
 logger = logging.getLogger("diffulex")
@@ -96,6 +97,8 @@ def gpu_kv_budget(
         # the graphs' pool holds one decode forward of the largest bucket (scale the measured peak) and its
         # sampling graph's logits, which cover every row of the bucket
         rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
+        if policy.prefill_graph_rows:  # and the chunk graphs' (`diffulex.engine.prefill_graphs`), a pool of their own
+            rows += policy.max_rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
         # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it
         pool_tokens = max(graph_tokens, policy.prefill_graph_rows)

@@ -23,7 +23,7 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
-from diffulex.engine.prefill_graphs import PrefillGraphs
+from diffulex.engine.prefill_graphs import CHUNK_GRAPH_ROWS, PrefillGraphs, chunk_graph_shape
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_inputs import StepInputs
@@ -58,6 +58,12 @@ class SplitStep:
 
     prefills: list[tuple[StepInputs, int]] = field(default_factory=list)
     rest: StepInputs = field(default_factory=StepInputs)
+
+
+def _has_prompt_prefix(req: Request) -> bool:
+    """Whether the request's rows this step begin with store-only prompt rows (`Request.store_only_end`)."""
+    prefix_end = req.store_only_end()
+    return prefix_end is not None and prefix_end > req.query_range()[0]
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class ModelRunner:
         self._graph_logits_shift = 0  # 1 where the graphs' sampled rows predict the position after them
         self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
         self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, one request a replay
+        self.chunk_graphs: DecodeGraphs | None = None  # a short prompt chunk and the decoders in one forward
         self._replayed: _ReplayedStep | None = None
         # steps launched so far (continuations included), and those of them through the eager forward: what share of
         # the steps a benchmark times ran on the graph path (on the CPU's uncaptured static path, which left it)
@@ -129,7 +136,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs = self.short_graphs = None
-        self.prefill_graphs = None
+        self.prefill_graphs = self.chunk_graphs = None
         self._replayed = None
         self.num_pages = 0
 
@@ -178,7 +185,7 @@ class ModelRunner:
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
         s = self.settings
-        kept = (self.graphs, self.short_graphs, self.prefill_graphs, self._graph_logits_shift)
+        kept = (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self._graph_logits_shift)
         shape = GraphShape(
             max_requests=min(max_requests, MAX_GRAPH_REQUESTS),
             max_query_len=max_query_len,
@@ -205,25 +212,33 @@ class ModelRunner:
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
             )
-        self.prefill_graphs = None
+        self.prefill_graphs = self.chunk_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
             self.prefill_graphs = PrefillGraphs(
                 min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
                 self.graph_forward, s.device, capture,
             )  # fmt: skip
+            # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
+            if s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False):
+                self.chunk_graphs = DecodeGraphs(
+                    chunk_graph_shape(shape, min(max_prefill_rows, CHUNK_GRAPH_ROWS)), self.graph_forward, s.device,
+                    capture, staging_buffers, greedy_sample,
+                )  # fmt: skip
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
         if warm_up_only:
-            for graphs in (self.graphs, self.short_graphs, self.prefill_graphs):
+            for graphs in (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs):
                 if graphs is not None:
                     graphs.warm_up()
-            self.graphs, self.short_graphs, self.prefill_graphs, self._graph_logits_shift = kept
+            self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self._graph_logits_shift = kept
             return
         self.graphs.capture()
         if self.short_graphs is not None:
             self.short_graphs.capture()
         if self.prefill_graphs is not None:  # replayed before the decode graphs, never beside them: one pool
             self.prefill_graphs.capture(pool=self.graphs.pool)
+        if self.chunk_graphs is not None:
+            self.chunk_graphs.capture()
 
     def greedy_sample(
         self,
@@ -268,8 +283,17 @@ class ModelRunner:
         return pending
 
     def _plan(self, batch: list[Request]) -> _StepPlan:
-        """How the batch runs: its prefill replays (`collect_split`), then its step on the decode graphs, or
-        (without prefills and a bucket) through the eager forward."""
+        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward);
+        else its prefill replays (`collect_split`), then its step on the decode graphs, or (without prefills and a
+        bucket) through the eager forward."""
+        chunk = self.chunk_graphs
+        if chunk is not None and any(_has_prompt_prefix(req) for req in batch) and all(
+            req.query_range()[1] - req.query_range()[0] <= chunk.shape.max_query_len for req in batch
+        ):
+            step = self.collect(batch)
+            bucket = chunk.bucket_for(step)
+            if bucket is not None:  # the prompt's rows ride with the decoders': every weight read once
+                return _StepPlan([], step, chunk, bucket)
         split = self.collect_split(batch) if self.graphs is not None else None
         if split is not None:
             if split.prefills and not split.rest.num_requests:
@@ -292,8 +316,9 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            short = graphs is not None and graphs is not self.graphs
-            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short, prefills))
+            short = graphs is not None and graphs is self.short_graphs
+            chunk = graphs is not None and graphs is self.chunk_graphs
+            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short, prefills, chunk))
             for part, rows in prefills:  # before the decode graph, on the same stream: it reads their K/V
                 hidden = self.prefill_graphs.run(part, rows)
             if bucket is None:  # the prefills were the whole step: nothing to sample
@@ -321,7 +346,7 @@ class ModelRunner:
     def graph_replays(self) -> int:
         """Steps (continuations included) that replayed captured CUDA graphs so far: a benchmark reads it around
         the steps it times to say whether they ran on the graphed path, instead of assuming it."""
-        return sum(g.num_replays for g in (self.graphs, self.short_graphs) if g is not None)
+        return sum(g.num_replays for g in (self.graphs, self.short_graphs, self.chunk_graphs) if g is not None)
 
     @property
     def prefill_replays(self) -> int:
@@ -418,7 +443,7 @@ class ModelRunner:
                 hidden = self.prefill_graphs.run(part, rows)
             if message.bucket is None:
                 return hidden
-            graphs = self.short_graphs if message.short else self.graphs
+            graphs = self.chunk_graphs if message.chunk else self.short_graphs if message.short else self.graphs
             hidden, result = graphs.run(step, message.bucket, message.micro_batch, message.sampled)
             if result is not None:
                 return hidden

@@ -14,6 +14,11 @@ last layer skips what only the LM head would read. Several prefixes in one step 
 same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
 the step's decode graph; the graphs share the decode graphs' memory pool, since one stream runs them in turn.
 
+A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
+step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
+buckets whose requests may each have up to `CHUNK_GRAPH_ROWS` rows, and whose attention splits every long context
+(the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU.
+
 A prefix longer than the largest bucket runs eagerly with the rest of its step: at that size the forward is
 bound by its matmuls, not by the launches a graph saves, and a lone long prompt keeps the larger matmuls of one
 forward. With ``enable_chunked_prefill`` the scheduler keeps the chunks of a prompt beside decoding requests within
@@ -33,6 +38,35 @@ logger = logging.getLogger("diffulex")
 
 # The smallest prefill bucket: fewer rows pad to it (a forward that small is bound by its weight reads anyway).
 MIN_PREFILL_BUCKET_ROWS = 16
+# The chunk graphs: the most rows one request of a step may have (the chunk); the rows a bucket holds per request
+# beyond the decode width, few, since every padded row costs the whole forward's flops (a chunk of CHUNK_GRAPH_ROWS
+# fits beside 31 decoders of one block in a bucket of 32, a chunk of 28 rows beside 8 in a bucket of 16; smaller
+# batches split the step as before); and their attention's split of a long context: CHUNK_SPLITS splits of at
+# least CHUNK_MIN_SPLIT_KEYS keys, so a 32k context folds in 16 parallel programs per tile while a decoder's
+# context of under 2k keys is not split.
+CHUNK_GRAPH_ROWS = 64
+CHUNK_EXTRA_ROWS_PER_REQUEST = 2
+CHUNK_SPLITS = 16
+CHUNK_MIN_SPLIT_KEYS = 1024
+
+
+def chunk_graph_shape(decode: GraphShape, max_rows: int) -> GraphShape:
+    """The chunk graphs' shape from the decode graphs': requests of up to ``max_rows`` rows (a prompt chunk and
+    decoders), `CHUNK_EXTRA_ROWS_PER_REQUEST` more rows per request on average than a decode bucket holds, and
+    the split of long contexts fixed (`CHUNK_SPLITS`, `CHUNK_MIN_SPLIT_KEYS`)."""
+    return GraphShape(
+        max_requests=decode.max_requests,
+        max_query_len=max(max_rows, decode.max_query_len),
+        max_pages=decode.max_pages,
+        max_kv_len=decode.max_kv_len,
+        block_size=decode.block_size,
+        page_size=decode.page_size,
+        prefix_full=decode.prefix_full,
+        key_tails=decode.key_tails,
+        row_capacity=decode.rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST,
+        num_splits=CHUNK_SPLITS,
+        min_split_keys=CHUNK_MIN_SPLIT_KEYS,
+    )
 
 
 def prefill_buckets(max_rows: int) -> list[int]:

@@ -44,6 +44,8 @@ class StepMessage:
     capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
     # GRAPH, CONTINUATION: the step replays the runner's short graphs (`Strategy.short_step_rows`)
     short: bool = False
+    # GRAPH: the step replays the runner's chunk graphs (a prompt's rows and the decoders' in one forward)
+    chunk: bool = False
     # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
     # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
     prefills: tuple[tuple[StepInputs, int], ...] = ()
@@ -57,11 +59,12 @@ class StepMessage:
         sampled: SampledRows | None,
         short: bool = False,
         prefills: Sequence[tuple[StepInputs, int]] = (),
+        chunk: bool = False,
     ) -> StepMessage:
         wire = dataclasses.replace(step, work=[])
         wire_prefills = tuple((dataclasses.replace(part, work=[]), rows) for part, rows in prefills)
         kind = MessageKind.GRAPH if bucket is not None or prefills else MessageKind.EAGER
-        return cls(kind, wire, bucket, micro_batch, sampled, short=short, prefills=wire_prefills)
+        return cls(kind, wire, bucket, micro_batch, sampled, short=short, chunk=chunk, prefills=wire_prefills)
 
 
 class StepChannel:

@@ -37,7 +37,7 @@ def store_and_attend(
         return torch.ops.diffulex.paged_attention_step(
             q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.prefix_lens, meta.page_tables,
             meta.slot_mapping, scale, meta.block_size, meta.page_size, meta.prefix_full, meta.max_query_len,
-            meta.max_kv_len, grouped, meta.key_lens,
+            meta.max_kv_len, grouped, meta.key_lens, meta.num_splits, meta.min_split_keys,
         )
     triton_store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
@@ -87,6 +87,8 @@ def _paged_attention_step(
     max_kv_len: int,
     grouped: bool,
     key_lens: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    min_split_keys: int | None = None,
 ) -> torch.Tensor:
     meta = PagedAttentionMetadata(
         cu_seqlens_q=cu_seqlens_q,
@@ -103,6 +105,8 @@ def _paged_attention_step(
         max_query_len=max_query_len,
         max_kv_len=max_kv_len,
         key_lens=key_lens,
+        num_splits=num_splits,
+        min_split_keys=min_split_keys,
     )
     triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
     return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, grouped=grouped)
@@ -110,5 +114,6 @@ def _paged_attention_step(
 
 @_paged_attention_step.register_fake
 def _(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens, prefix_lens, page_tables, slot_mapping, scale,
-      block_size, page_size, prefix_full, max_query_len, max_kv_len, grouped, key_lens=None):
+      block_size, page_size, prefix_full, max_query_len, max_kv_len, grouped, key_lens=None, num_splits=None,
+      min_split_keys=None):
     return torch.empty_like(q)

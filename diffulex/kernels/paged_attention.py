@@ -710,7 +710,7 @@ def triton_paged_attention(
     grouped: bool = True,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    min_split_keys: int = _MIN_KEYS_PER_SPLIT,
+    min_split_keys: int | None = None,
     window: int = 0,
     window_from_context: bool = False,
 ) -> torch.Tensor:
@@ -721,7 +721,9 @@ def triton_paged_attention(
     may be given to write into; every row of a request with ``q_len > 0`` is written. ``num_splits`` forces the
     split-KV factor (default: chosen from the grid size and the longest context, 1 off CUDA; one more program per
     tile takes the chunk that the boundary of cached and new keys cuts in two); ``min_split_keys`` (a
-    multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has.
+    multiple of 64) is the fewest keys one split takes, so short contexts use fewer splits than the launch has
+    (default `_MIN_KEYS_PER_SPLIT`); either left None takes the metadata's (`PagedAttentionMetadata.num_splits`,
+    ``min_split_keys``), where a step's shape fixes them.
     ``window > 0`` is a sliding window (`torch_paged.paged_attention`'s ``window`` and ``window_from_context``).
     With the metadata's device ``key_lens`` a request also attends to the cached keys after its rows, up to its
     key length (`PagedAttentionMetadata.key_lens`).
@@ -740,6 +742,10 @@ def triton_paged_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must have q's shape and dtype and be contiguous in head_dim")
+    if num_splits is None:
+        num_splits = meta.num_splits
+    if min_split_keys is None:
+        min_split_keys = meta.min_split_keys or _MIN_KEYS_PER_SPLIT
     num_requests = meta.page_tables.shape[0]
     if num_tokens == 0 or num_requests == 0 or meta.max_query_len == 0:
         return out

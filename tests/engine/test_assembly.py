@@ -21,7 +21,7 @@ import torch
 from diffulex import SamplingParams
 from diffulex.engine import assembly
 from diffulex.engine.cuda_graph import request_buckets
-from diffulex.engine.prefill_graphs import prefill_buckets
+from diffulex.engine.prefill_graphs import CHUNK_EXTRA_ROWS_PER_REQUEST, prefill_buckets
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 from tests.engine.test_engine_matches_reference import make_engine
 
@@ -83,22 +83,24 @@ def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(pea
     with make_engine(peaky_sdar_dir, max_num_reqs=5, max_prefill_graph_tokens=40) as llm:
         runner, config = llm.runner, llm.config
         policy = dataclasses.replace(llm.policy, cuda_graphs=True, prefill_graph_rows=40)
-        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs)
+        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs)
         launched: list[int] = []
         runner.graph_forward = with_forward_launches(runner.graph_forward, launched)
         with pc.dry_pass() as variants:
             policy.rehearse_capture(runner, config)
-        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs) == kept
+        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs) == kept
         rows = policy.max_rows_per_request
         decode = [bucket * rows for bucket in reversed(request_buckets(config.max_num_reqs))]
         prefill = list(reversed(prefill_buckets(40)))
-        expected = list(dict.fromkeys(decode + prefill))  # a row count both sets run is one variant
+        chunk_rows = rows + CHUNK_EXTRA_ROWS_PER_REQUEST
+        chunk = [bucket * chunk_rows for bucket in reversed(request_buckets(config.max_num_reqs))]
+        expected = list(dict.fromkeys(decode + prefill + chunk))  # a row count two sets run is one variant
         # (on a GPU the engine's own kernels are compiled already: they launch, and only the stand-in is recorded)
         stand_in = [v for v in variants if v.module == ForwardKernel.module]
         assert [json.loads(v.specialization)["rows"] for v in stand_in] == expected
         assert launched == []  # every launch skipped
         policy.rehearse_capture(runner, config)  # not dry: each bucket's forward launches once
-        assert sorted(launched) == sorted(decode + prefill)
+        assert sorted(launched) == sorted(decode + prefill + chunk)
 
 
 class StandInHelpers:

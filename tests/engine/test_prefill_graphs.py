@@ -1,6 +1,7 @@
 """Steps that carry a prompt stay on the graph path: each request's store-only prompt rows replay a prefill graph,
 then the rest of the step (the decoders, and that request's running set) replays the decode graphs, with exactly
-the eager engine's tokens.
+the eager engine's tokens; or, where the whole step fits them (a short prompt or chunk beside decoders), the step
+replays the chunk graphs in one forward.
 
 On the CPU the graphs' padded buffers run through the eager forward (``capture=False``), as in test_cuda_graph.py:
 what can go wrong in our code (where a step is split, which rows store, which rows the rest reads from the cache,
@@ -26,13 +27,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 @dataclass
 class Replays:
-    """What the graph path ran, in order: ``("prefill", part, rows)`` and ``("decode", step, bucket)``."""
+    """What the graph path ran, in order: ``("prefill", part, rows)``, ``("decode", step, bucket)`` and
+    ``("chunk", step, bucket)``."""
 
     events: list[tuple[str, StepInputs, int]] = field(default_factory=list)
 
     @property
     def prefills(self) -> list[StepInputs]:
         return [step for kind, step, _ in self.events if kind == "prefill"]
+
+    @property
+    def chunk_steps(self) -> list[StepInputs]:
+        return [step for kind, step, _ in self.events if kind == "chunk"]
 
     def prefills_before_a_decode_of(self, min_requests: int) -> int:
         """Prefill replays directly followed (after the step's other prefills) by a decode graph of at least
@@ -50,26 +56,31 @@ class Replays:
 
 
 def record_replays(llm) -> Replays:
-    """Wrap the runner's decode and prefill graphs so the test sees every run of the graph path."""
+    """Wrap the runner's decode, prefill and chunk graphs so the test sees every run of the graph path."""
     replays = Replays()
     runner = llm.runner
-    decode, prefill = runner.graphs.run, runner.prefill_graphs.run
 
-    def run_decode(step, bucket, buffer=0, sampled=None):
-        replays.events.append(("decode", step, bucket))
-        return decode(step, bucket, buffer, sampled)
+    def recording(kind, run):
+        def wrapped(step, bucket, *args):
+            replays.events.append((kind, step, bucket))
+            return run(step, bucket, *args)
 
-    def run_prefill(part, rows):
-        replays.events.append(("prefill", part, rows))
-        return prefill(part, rows)
+        return wrapped
 
-    runner.graphs.run, runner.prefill_graphs.run = run_decode, run_prefill
+    runner.graphs.run = recording("decode", runner.graphs.run)
+    runner.prefill_graphs.run = recording("prefill", runner.prefill_graphs.run)
+    if runner.chunk_graphs is not None:
+        runner.chunk_graphs.run = recording("chunk", runner.chunk_graphs.run)
     return replays
 
 
-def static_engine(model_dir: Path, **fields):
+def static_engine(model_dir: Path, chunk_graphs: bool = False, **fields):
+    """An engine on the graph path, uncaptured; without ``chunk_graphs`` (as a tensor-parallel worker runs) every
+    step that carries a prompt splits into prefill replays and the rest."""
     llm = make_engine(model_dir, **fields)
     llm.enable_static_decode(capture=False)
+    if not chunk_graphs:
+        llm.runner.chunk_graphs = None
     return llm
 
 
@@ -85,14 +96,14 @@ class ArrivalRun:
 
 
 def eager_then_graphed(
-    model_dir: Path, fields: dict, make_prompts, params: SamplingParams, gap: int
+    model_dir: Path, fields: dict, make_prompts, params: SamplingParams, gap: int, chunk_graphs: bool = False
 ) -> ArrivalRun:
     """`serve_arrivals` of ``make_prompts(engine)`` on an eager engine, then on a graph-path engine of the same
     fields, recording the latter's replays."""
     with make_engine(model_dir, **fields) as eager:
         prompts = make_prompts(eager)
         expected = serve_arrivals(eager, prompts, params, gap)
-    with static_engine(model_dir, **fields) as llm:
+    with static_engine(model_dir, chunk_graphs, **fields) as llm:
         replays = record_replays(llm)
         got = serve_arrivals(llm, prompts, params, gap)
         eager_steps = llm.runner.eager_steps
@@ -136,6 +147,59 @@ def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(pea
     assert len(long_rows) >= 110 // 17, "the long prompt took several chunks"
     assert max(long_rows) <= 17
     assert run.replays.prefills_before_a_decode_of(min_requests=8) >= 3, "chunks replayed beside the eight decoders"
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
+def test_prompts_arriving_beside_decoders_ride_with_them_in_one_chunk_graph_forward(
+    peaky_sdar_dir: Path, shifted: bool
+) -> None:
+    """With the chunk graphs, a step whose new prompt fits them runs whole in one forward (every weight read once),
+    with the eager engine's tokens; no prefill graph is replayed for those prompts."""
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8)
+    if shifted:
+        fields["model_name"] = shifted_sdar_family().name
+    lengths = [9, 14, 21, 6, 17, 30, 12]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=41), GREEDY, 2,
+                             chunk_graphs=True)  # fmt: skip
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    beside = [step for step in run.replays.chunk_steps if step.num_requests >= 2]
+    assert len(beside) >= len(lengths) - 1, "prompts beside decoders, in one forward with them"
+    assert max(step.num_tokens - 2 * 4 * (step.num_requests - 1) for step in beside) > 8, "a prompt's rows ride"
+
+
+def test_chunks_of_a_long_prompt_beside_eight_decoders_ride_in_the_chunk_graphs(peaky_sdar_dir: Path) -> None:
+    """Chunked prefill beside eight decoders: each chunk step replays the chunk graphs whole, the long prompt's
+    chunk and the decoders' blocks in one forward, with the eager engine's tokens."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=12, enable_chunked_prefill=True,
+                  max_num_batched_tokens=96, max_prefill_graph_tokens=17)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    lengths = [6, 3, 9, 5, 7, 2, 10, 4, 110]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=42), params, 1,
+                             chunk_graphs=True)  # fmt: skip
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    long_steps = [step for step in run.replays.chunk_steps if 110 in step.prefix_lens and step.num_requests >= 8]
+    assert len(long_steps) >= 3, "chunks of the long prompt beside the decoders, in the chunk graphs"
+
+
+def test_the_chunk_graphs_fix_the_split_of_long_contexts_and_widen_the_decode_buckets() -> None:
+    from diffulex.engine.cuda_graph import GraphShape
+    from diffulex.engine.prefill_graphs import (
+        CHUNK_EXTRA_ROWS_PER_REQUEST,
+        CHUNK_MIN_SPLIT_KEYS,
+        CHUNK_SPLITS,
+        chunk_graph_shape,
+    )
+
+    decode = GraphShape(max_requests=48, max_query_len=5, max_pages=64, max_kv_len=1024, block_size=4, page_size=16,
+                        prefix_full=False)  # fmt: skip
+    chunk = chunk_graph_shape(decode, 64)
+    assert chunk.max_query_len == 64 and chunk.max_requests == 48 and chunk.max_kv_len == 1024
+    assert chunk.rows_per_request == 5 + CHUNK_EXTRA_ROWS_PER_REQUEST
+    assert chunk.bucket_rows(32) >= 31 * 5 + 64, "a full chunk beside 31 decoders fits a bucket of 32"
+    assert (chunk.num_splits, chunk.min_split_keys) == (CHUNK_SPLITS, CHUNK_MIN_SPLIT_KEYS)
+    assert decode.num_splits is None and decode.min_split_keys is None
 
 
 def test_chunks_of_a_prompt_alone_are_steps_of_prefill_replays_only(peaky_sdar_dir: Path) -> None:

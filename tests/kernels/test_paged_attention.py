@@ -204,6 +204,22 @@ def test_all_requests_empty():
     assert out.shape == (0, 2, 16)
 
 
+def test_the_metadata_fixes_the_split_settings_of_a_launch():
+    """`PagedAttentionMetadata.num_splits` / ``min_split_keys`` act as the launch's own arguments: a long context
+    split as told gives the explicitly split launch's bits, and a context under the minimum keys per split is
+    folded whole, bit for bit as unsplit (the chunk graphs' decoders beside a split long prompt)."""
+    import dataclasses
+
+    requests = [(300, 4, 10), (40, 6, 12)]
+    q, k, v, k_cache, v_cache, meta = make_batch(requests, 4, 2, 16, 4, 4, False, torch.float32, DEVICE)
+    explicit = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=3)
+    told = triton_paged_attention(q, k, v, k_cache, v_cache, dataclasses.replace(meta, num_splits=3), 0.25)
+    assert torch.equal(told, explicit)
+    unsplit = triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=1)
+    whole = dataclasses.replace(meta, num_splits=3, min_split_keys=1024)  # 304 keys at most: one split each
+    assert torch.equal(triton_paged_attention(q, k, v, k_cache, v_cache, whole, 0.25), unsplit)
+
+
 class LaunchRecorder:
     """Stands in for the kernel: records each launch's variant (its constexprs and launch options) and runs
     nothing."""
