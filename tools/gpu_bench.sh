@@ -10,19 +10,20 @@
 #   batch     `bench sweep --targets batch strategies`: large batches and every strategy (about 5 min)
 #   phit      bench/prefix_hit_anatomy.py: a 32k prefix hit's time to first token, phase by phase (about 2 min)
 #   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind (about 3 min)
+#   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
 # Usage (GPU machine, repository root): tools/gpu_bench.sh OUT_DIR PART...
 # Carry the server's wheels (.wheels) for `serving`; they are installed first when present. Each part's log is
 # OUT_DIR/<part>.log (its tail printed), its results under OUT_DIR/<part>/; sweep folders are packed into
 # OUT_DIR/<part>.tgz, since a device call brings back only a few files. Exits non-zero if any part failed.
 set -uo pipefail
-usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|batch|phit|canvas..."
+usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|batch|phit|canvas|attention..."
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
 declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380
-  [phit]=180 [canvas]=300)
+  [phit]=180 [canvas]=300 [attention]=200)
 
 measure() {
   local part=$1 dir=$out/$1
@@ -45,6 +46,7 @@ measure() {
     batch) python -m diffulex.cli bench sweep --targets batch strategies --out "$dir/sweep" --total-seconds 330 --max-seconds 170 ;;
     phit) PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir" ;;
     canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" ;;
+    attention) PYTHONPATH=. python bench/prefill_attention_bench.py "$dir" ;;
   esac
 }
 
