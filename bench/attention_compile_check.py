@@ -74,6 +74,7 @@ def load_module(path: Path) -> ModuleType:
     """A paged-attention module from a file (another version of it), under a name of its own."""
     spec = importlib.util.spec_from_file_location(f"paged_attention_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
     spec.loader.exec_module(module)
     return module
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from diffulex.bench.sweep_common import sync
 from diffulex.strategy.diffusion_gemma import DiffusionGemmaOptions
 from diffulex.strategy.diffusion_gemma.canvas import CanvasState, CanvasSteps, denoise_canvases, initial_canvas
 from diffulex.strategy.diffusion_gemma.pending import copy_outcome
@@ -66,11 +67,6 @@ def make_inputs(batch: int, geometry: str, device: torch.device) -> tuple[torch.
         history = tuple(torch.randint(0, vocab, (canvas,), generator=g, device=device) for _ in range(2))
         states.append(CanvasState(0, tokens, None, history, START_STEP))
     return logits, states
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_batched(logits, states, temperatures, seeds, options, vocab, embeddings) -> tuple[CanvasSteps, list, list]:
@@ -123,17 +119,17 @@ def measure(batch: int, geometry: str, iters: int, device: torch.device) -> dict
     batched_ms, queued_ms, reference_ms = [], [], []
     for _ in range(iters):
         work = logits.clone()
-        synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         pending = run_batched(work, *args)
         t1 = time.perf_counter()
         read(*pending[1:])
         t2 = time.perf_counter()
         del pending, work
-        synchronize(device)
+        sync(device)
         t3 = time.perf_counter()
         run_reference(logits, *args)
-        synchronize(device)
+        sync(device)
         t4 = time.perf_counter()
         queued_ms.append((t1 - t0) * 1e3)
         batched_ms.append((t2 - t0) * 1e3)
@@ -164,11 +160,11 @@ def profile_step(batch: int, geometry: str, device: torch.device, top: int) -> d
     report, steps = {}, 3
     for name, step in ways.items():
         step()
-        synchronize(device)
+        sync(device)
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
-            synchronize(device)
+            sync(device)
         events = prof.key_averages()
         key = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
         report[name] = [

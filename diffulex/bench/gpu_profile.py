@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,17 +82,24 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
         "kernel_ms_per_step": {label: ms / steps for label, ms in by_category.items()},
     }
     if top > 0:
-        per_name: dict[str, list[float]] = {}
-        for k in kernels:
-            calls_ms = per_name.setdefault(k.name, [0, 0.0])
-            calls_ms[0] += 1
-            calls_ms[1] += (k.end_us - k.start_us) / 1e3
-        longest = sorted(per_name.items(), key=lambda item: -item[1][1])[:top]
+        longest = longest_kernels(((k.name, (k.end_us - k.start_us) / 1e3) for k in kernels), top)
         summary["top_kernels"] = [
             {"kernel": name, "category": category(name), "calls_per_step": calls / steps, "ms_per_step": ms / steps}
-            for name, (calls, ms) in longest
+            for name, calls, ms in longest
         ]
     return summary
+
+
+def longest_kernels(durations: Iterable[tuple[str, float]], count: int) -> list[tuple[str, int, float]]:
+    """The ``count`` names of most total time among ``(name, duration)`` pairs, longest first: ``(name, calls,
+    total duration)``."""
+    totals: dict[str, list] = {}
+    for name, duration in durations:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
+    return [(name, calls, total) for name, (calls, total) in ranked]
 
 
 def profile_steps(step: Callable[[], object], steps: int, device: torch.device, top: int = 0) -> dict[str, object]:

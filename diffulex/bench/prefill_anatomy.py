@@ -30,7 +30,6 @@ import contextlib
 import json
 import re
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import torch
 
-from diffulex.bench.gpu_profile import category, union_length
+from diffulex.bench.gpu_profile import category, longest_kernels, union_length
 from diffulex.bench.roofline import CostModel, ModelGeometry, StepWork
 
 CLASSES = ("attention", "gemm", "elementwise", "sampling", "other")
@@ -132,11 +131,8 @@ def time_by_class(kernels: Sequence[KernelTime]) -> dict[str, dict[str, float]]:
 
 
 def top_kernels(kernels: Sequence[KernelTime], count: int = TOP_KERNELS) -> list[dict[str, Any]]:
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for k in kernels:
-        by_name[k.name[:120]].append(k.seconds)
-    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:count]
-    return [{"name": n, "class": kernel_class(n), "calls": len(v), "ms": 1e3 * sum(v)} for n, v in ranked]
+    longest = longest_kernels(((k.name[:120], k.seconds) for k in kernels), count)
+    return [{"name": n, "class": kernel_class(n), "calls": calls, "ms": 1e3 * s} for n, calls, s in longest]
 
 
 def profile_first_token(engine: Any, prompt: list[int], max_steps: int) -> tuple[dict[str, Any], list[KernelTime]]:

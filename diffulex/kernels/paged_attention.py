@@ -447,6 +447,9 @@ def _paged_attention_kernel(
             prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
     else:
+        # written out, not `_fold_cached(..., MASK=True)`: through the helpers the decode-sized variants compile
+        # differently (the 64-row class 248 -> 255 registers and a stack spill; `bench/attention_compile_check.py
+        # --against`), and so do the loops below
         for n_start in range(cached_lo, cache_end, BLOCK_N):
             k_t, v_t, k_pos, k_ok = _cached_tile(
                 k_cache_ptr, v_cache_ptr, pt_row, n_start, cache_end, kv_head, offs_n, offs_d, stride_kc_p,

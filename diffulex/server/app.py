@@ -12,7 +12,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,6 +329,17 @@ def create_app(
             if choice is job.choices[0]:
                 metrics.observe_ttft(time.monotonic() - job.arrived)
 
+    async def delta_events(
+        job: _Job, text_chunks: list[EventTemplate], final_chunk: Callable[[int, str, Emission], str]
+    ) -> AsyncIterator[str]:
+        """A stream's events for its choices' text: a chunk of new text rendered from the choice's template, a
+        choice's last chunk (with its finish reason) in full."""
+        async for index, text, final in _text_deltas(job):
+            if final is None and not text:
+                continue
+            note_first_text(job, job.choices[index])
+            yield text_chunks[index].render(text) if final is None else final_chunk(index, text, final)
+
     # ----- OpenAI routes ---------------------------------------------------------------------------------
 
     @app.get("/v1/models")
@@ -360,13 +371,8 @@ def create_app(
             text_chunks = [EventTemplate(chunk(index, TEXT_SLOT, None)) for index in range(len(job.choices))]
 
             async def events() -> AsyncIterator[str]:
-                async for index, text, final in _text_deltas(job):
-                    if final is None and text:
-                        note_first_text(job, job.choices[index])
-                        yield text_chunks[index].render(text)
-                    elif final is not None:
-                        note_first_text(job, job.choices[index])
-                        yield sse(chunk(index, text, final))
+                async for event in delta_events(job, text_chunks, lambda i, text, final: sse(chunk(i, text, final))):
+                    yield event
                 if include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
                                "choices": [], "usage": job.usage()})
@@ -416,13 +422,9 @@ def create_app(
             async def events() -> AsyncIterator[str]:
                 for index in range(len(job.choices)):
                     yield sse(chunk(index, {"role": "assistant", "content": ""}, None))
-                async for index, text, final in _text_deltas(job):
-                    if final is None and text:
-                        note_first_text(job, job.choices[index])
-                        yield text_chunks[index].render(text)
-                    elif final is not None:
-                        note_first_text(job, job.choices[index])
-                        yield sse(chunk(index, {"content": text} if text else {}, final))
+                async for event in delta_events(job, text_chunks, lambda i, text, final: sse(
+                        chunk(i, {"content": text} if text else {}, final))):  # fmt: skip
+                    yield event
                 if include_usage:
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                                "choices": [], "usage": job.usage()})
