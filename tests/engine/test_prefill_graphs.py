@@ -268,7 +268,7 @@ def test_d2f_whose_prompt_rows_see_the_whole_prompt_keeps_its_prompts_eager(tmp_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
 def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Path) -> None:
     fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, dtype="float32", device_start=0)
-    lengths = [9, 14, 21, 6, 17, 30, 12]
+    lengths = [9, 14, 21, 6, 17, 30, 12, 90]  # the longest is wider than the chunk graphs
     with make_engine(peaky_sdar_dir, enforce_eager=True, **fields) as eager:
         prompts = random_prompts(eager, lengths, seed=41)
         expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
@@ -276,7 +276,9 @@ def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Pa
         got = serve_arrivals(llm, prompts, GREEDY, gap=2)
         runner = llm.runner
         assert runner.prefill_graphs is not None and runner.eager_steps == 0
-        assert runner.prefill_replays >= len(lengths), "every prompt's rows replayed a captured prefill graph"
+        prompt_replays = runner.prefill_replays + (runner.chunk_graphs.num_replays if runner.chunk_graphs else 0)
+        assert prompt_replays >= len(lengths), "every prompt's rows replayed a captured prefill or chunk graph"
+        assert runner.prefill_replays >= 1, "the prompt wider than the chunk graphs replayed a prefill graph"
     assert got == expected
 
 
