@@ -49,6 +49,8 @@ TTFT_FLOOR_TARGET = 1.3  # time to first token <= 1.3x the compute floor of the 
 BESIDE_PREFILL_TARGET = 2.0  # decoders' p99 step beside a chunked prefill <= 2x their step alone
 BLOCK_SIZE = 4
 LONG_PROMPT_SEED_OFFSET = 1000  # the long prompt's seed beside the decoders', so that they share no prefix
+# the long prompt's answer: it decodes among the decoders for a few blocks once it has its first token
+LONG_ANSWER_TOKENS = 16 * BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -319,10 +321,10 @@ def random_decoder_prompts(engine: Any, shape: PrefillShape, seed: int) -> list[
 
 
 def _beside_one_setting(engine: Any, shape: PrefillShape, setting: ChunkSetting, seed: int) -> dict[str, Any]:
-    """Fresh decoders (so that every setting starts from the same contexts), alone, beside the long prompt, alone
-    again. Each beside step is compared with the alone step time at the same point, interpolated between the two
-    alone phases: the decoders' contexts grow by about a token a step, which over a long prefill slows their
-    steps by itself."""
+    """Fresh decoders (so that every setting starts from the same contexts), alone, beside the long prompt, joined
+    by it (its answer decoding among them, up to ``alone_steps`` steps), alone again. Each beside step is compared
+    with the alone step time at the same point, interpolated between the two alone phases: the decoders' contexts
+    grow by about a token a step, which over a long prefill slows their steps by itself."""
     from diffulex.bench.throughput import _admit_until_decoding, graphed_share, step_paths
 
     limits = engine.scheduler.limits
@@ -348,7 +350,7 @@ def _beside_one_setting(engine: Any, shape: PrefillShape, setting: ChunkSetting,
         alone_paths = step_paths(engine)
         # another seed than the decoders': the same one would start the prompt with the first decoder's tokens
         long_id = engine.add_request(_prompt(engine, max(shape.prompt_lens), seed + LONG_PROMPT_SEED_OFFSET),
-                                     _greedy(BLOCK_SIZE))
+                                     _greedy(LONG_ANSWER_TOKENS))
         long = _waiting(engine, long_id)
         beside: list[float] = []
         chunks: list[tuple[int, int]] = []  # (context before, prompt rows) of each beside step
@@ -359,12 +361,19 @@ def _beside_one_setting(engine: Any, shape: PrefillShape, setting: ChunkSetting,
             chunks.append((cached, max(long.num_cached_tokens - cached, 0)))
             if any(u.finished for u in updates if u.req_id != long_id):
                 raise RuntimeError("a decoder finished during the measurement: raise max_model_len")
-            if any(u.req_id == long_id and (u.finished or (u.record is not None and u.record.num_new_tokens > 0))
-                   for u in updates):
+            long_finished = any(u.finished for u in updates if u.req_id == long_id)
+            if long_finished or any(u.req_id == long_id and u.record is not None and u.record.num_new_tokens > 0
+                                    for u in updates):
                 break
         else:
             raise RuntimeError(f"the long prompt had no token after {shape.max_step_count} steps")
         beside_paths = step_paths(engine)
+        joined: list[float] = []
+        while not long_finished and len(joined) < shape.alone_steps:
+            seconds, updates = timed_step()
+            joined.append(seconds)
+            long_finished = any(u.finished for u in updates if u.req_id == long_id)
+        joined_paths = step_paths(engine)
         engine.abort_request(long_id)
         after = [timed_step()[0] for _ in range(shape.alone_steps)]
         sync(engine.device)
@@ -372,16 +381,19 @@ def _beside_one_setting(engine: Any, shape: PrefillShape, setting: ChunkSetting,
         for rid in ids if long_id is None else [*ids, long_id]:
             engine.abort_request(rid)
         engine.scheduler.limits = limits
-    return beside_summary(before, beside, after, chunks, engine.scheduler.limits.prefill_cost_model) | {
+    return beside_summary(before, beside, after, chunks, engine.scheduler.limits.prefill_cost_model, joined) | {
         "alone_graphed_share": graphed_share(paths, alone_paths),
         "beside_graphed_share": graphed_share(alone_paths, beside_paths),
+        "joined_graphed_share": graphed_share(beside_paths, joined_paths),
     }
 
 
 def beside_summary(before: Sequence[float], beside: Sequence[float], after: Sequence[float],
-                   chunks: Sequence[tuple[int, int]], cost_model: PrefillCostModel | None) -> dict[str, Any]:
-    """The decoders' step times (seconds) alone before, beside the prefill and alone after, as milliseconds: each
-    beside step against the alone p50 at its point (interpolated between the two alone phases), the prompt's
+                   chunks: Sequence[tuple[int, int]], cost_model: PrefillCostModel | None,
+                   joined: Sequence[float] = ()) -> dict[str, Any]:
+    """The decoders' step times (seconds) alone before, beside the prefill, joined by the prompt's decoding
+    (``joined``) and alone after, as milliseconds: each beside step against the alone p50 at its point
+    (interpolated between the two alone phases), the joined steps' p50 against the alone p50 after, the prompt's
     time to first token, its chunk rows, and the fit of the chunk steps' extra time to the cost model."""
     alone_before, alone_after = statistics.median(before), statistics.median(after)
     n = len(beside)
@@ -394,6 +406,10 @@ def beside_summary(before: Sequence[float], beside: Sequence[float], after: Sequ
         "beside_steps": n, "beside_p50_ms": 1e3 * statistics.median(beside),
         "beside_p99_ms": 1e3 * _percentile(beside, 0.99), "beside_max_ms": 1e3 * max(beside),
         "prompt_ttft_ms": 1e3 * sum(beside),  # the long prompt's first token, taken in those steps
+        "joined_steps": len(joined),
+        "joined_p50_ms": 1e3 * statistics.median(joined) if joined else None,
+        "joined_p99_ms": 1e3 * _percentile(joined, 0.99) if joined else None,
+        "joined_vs_alone": statistics.median(joined) / alone_after if joined else None,
         "p99_vs_alone": _percentile(ratios, 0.99),
         "first_chunk_rows": computed[0] if computed else 0, "last_chunk_rows": computed[-1] if computed else 0,
         "chunks": [[context, rows] for context, rows in chunks if rows > 0],  # (context before, prompt rows)
@@ -477,7 +493,9 @@ def prefill_table(rows: Sequence[Mapping[str, Any]]) -> str:
             body.append([r["model"], _beside_case(r), r["prompt_len"],
                          f"step p50/p99: alone {r['alone_p50_ms']:.2f} / {r['alone_p99_ms']:.2f} (after: "
                          f"{r['alone_after_p50_ms']:.2f} / {r['alone_after_p99_ms']:.2f}), beside "
-                         f"{r['beside_p50_ms']:.2f} / {r['beside_p99_ms']:.2f}; the prompt's TTFT "
+                         f"{r['beside_p50_ms']:.2f} / {r['beside_p99_ms']:.2f}, joined by the prompt's decoding "
+                         f"{fmt(r.get('joined_p50_ms'))} / {fmt(r.get('joined_p99_ms'))} "
+                         f"({fmt(r.get('joined_vs_alone'))}x alone after); the prompt's TTFT "
                          f"{r['prompt_ttft_ms']:.0f}; chunks {r['first_chunk_rows']} -> {r['last_chunk_rows']} rows; "
                          f"chunk steps' extra time: {fmt(fit.get('fixed_ms'))} ms each + parity "
                          f"{fmt(fit.get('parity_context'), '.0f')} (config {fmt(r['parity_context'], '.0f')}); graphed "

@@ -23,7 +23,12 @@ from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
-from diffulex.engine.prefill_graphs import CHUNK_GRAPH_ROWS, PrefillGraphs, chunk_graph_shape
+from diffulex.engine.prefill_graphs import (
+    CHUNK_GRAPH_ROWS,
+    PrefillGraphs,
+    chunk_graph_shape,
+    has_straggling_context,
+)
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
 from diffulex.engine.step_inputs import StepInputs
@@ -64,6 +69,13 @@ def _has_prompt_prefix(req: Request) -> bool:
     """Whether the request's rows this step begin with store-only prompt rows (`Request.store_only_end`)."""
     prefix_end = req.store_only_end()
     return prefix_end is not None and prefix_end > req.query_range()[0]
+
+
+def _wants_chunk_graphs(batch: list[Request]) -> bool:
+    """Whether a step belongs on the chunk graphs: it carries prompt rows, or one context stands out."""
+    return any(_has_prompt_prefix(req) for req in batch) or has_straggling_context(
+        [req.query_range()[1] for req in batch]
+    )
 
 
 @dataclass(frozen=True)
@@ -283,11 +295,12 @@ class ModelRunner:
         return pending
 
     def _plan(self, batch: list[Request]) -> _StepPlan:
-        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward);
-        else its prefill replays (`collect_split`), then its step on the decode graphs, or (without prefills and a
-        bucket) through the eager forward."""
+        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward) or
+        one context that stands out (`has_straggling_context`: their attention splits it); else its prefill replays
+        (`collect_split`), then its step on the decode graphs, or (without prefills and a bucket) through the eager
+        forward."""
         chunk = self.chunk_graphs
-        if chunk is not None and any(_has_prompt_prefix(req) for req in batch) and all(
+        if chunk is not None and _wants_chunk_graphs(batch) and all(
             req.query_range()[1] - req.query_range()[0] <= chunk.shape.max_query_len for req in batch
         ):
             step = self.collect(batch)

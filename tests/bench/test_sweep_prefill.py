@@ -58,6 +58,14 @@ def test_each_step_beside_the_prompt_is_compared_with_the_alone_time_at_its_poin
     assert summary["chunks"] == [list(c) for c in chunks] and summary["first_chunk_rows"] == 64
 
 
+def test_the_steps_joined_by_the_prompts_decoding_are_compared_with_the_decoders_alone_after():
+    summary = beside_summary([1e-3] * 4, [2e-3] * 4, [2e-3] * 4, [(0, 32)] * 4, None, joined=[3e-3, 5e-3, 4e-3])
+    assert summary["joined_steps"] == 3
+    assert summary["joined_p50_ms"] == pytest.approx(4.0) and summary["joined_vs_alone"] == pytest.approx(2.0)
+    alone = beside_summary([1e-3] * 4, [2e-3] * 4, [2e-3] * 4, [(0, 32)] * 4, None)
+    assert alone["joined_steps"] == 0 and alone["joined_p50_ms"] is None
+
+
 def test_steps_that_compute_no_prompt_rows_are_left_out_of_the_chunks():
     chunks = [(0, 32), (32, 16), (48, 0), (48, 0)]  # the prompt's last chunk, then its first decoding steps
     summary = beside_summary([1e-3] * 4, [2e-3] * 4, [1e-3] * 4, chunks, None)
@@ -73,6 +81,7 @@ def test_the_prefill_target_runs_only_the_parts_asked_for(tmp_path: Path) -> Non
     rows = json.loads((out / "prefill.json").read_text())["rows"]
     assert [r["case"] for r in rows] == ["beside chunked prefill"] * 2
     assert all(not r["error"] and not r.get("skipped") for r in rows)
+    assert all(r["joined_steps"] > 0 for r in rows), "the prompt decoded among the decoders before it was aborted"
 
 
 def test_an_unknown_prefill_part_is_refused_by_name() -> None:

@@ -183,6 +183,38 @@ def test_chunks_of_a_long_prompt_beside_eight_decoders_ride_in_the_chunk_graphs(
     assert len(long_steps) >= 3, "chunks of the long prompt beside the decoders, in the chunk graphs"
 
 
+def test_one_context_standing_out_among_decoders_sends_the_step_to_the_chunk_graphs() -> None:
+    from diffulex.engine.prefill_graphs import CHUNK_CONTEXT_MIN_KEYS, has_straggling_context
+
+    long = 16 * CHUNK_CONTEXT_MIN_KEYS
+    assert has_straggling_context([300] * 32 + [long]), "one long context among 32 short ones"
+    assert not has_straggling_context([long] * 32), "balanced long contexts fill the grid evenly"
+    assert not has_straggling_context([10] * 32 + [CHUNK_CONTEXT_MIN_KEYS - 1]), "too short to split"
+    assert not has_straggling_context([long, long // 2]), "two contexts of the same order"
+    assert not has_straggling_context([])
+
+
+def test_decoders_beside_a_long_context_ride_in_the_chunk_graphs_with_the_eager_tokens(
+    peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a long prompt decodes among short decoders, their decode steps replay the chunk graphs (whose attention
+    splits the long context) with the eager engine's tokens; the length that counts as long is lowered to the tiny
+    model's scale."""
+    import diffulex.engine.prefill_graphs as prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=12, max_model_len=320)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    lengths = [200, 6, 3, 9, 5, 7, 2, 10, 4]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=43), params, 1,
+                             chunk_graphs=True)  # fmt: skip
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    decode_rows = 4  # one block of four a request
+    decodes = [step for step in run.replays.chunk_steps if step.num_tokens <= decode_rows * step.num_requests]
+    assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the chunk graphs"
+
+
 def test_the_chunk_graphs_fix_the_split_of_long_contexts_and_widen_the_decode_buckets() -> None:
     from diffulex.engine.cuda_graph import GraphShape
     from diffulex.engine.prefill_graphs import (
