@@ -47,6 +47,7 @@ from torch import nn
 
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import ColumnParallelLinear, JoinedWeights, ReplicatedLinear, RowParallelLinear
+from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
 
 MOE_IMPLS = ("fused", "grouped", "dense", "loop")
@@ -150,8 +151,7 @@ class ScaledSoftmaxRouter(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x32 = x.float()
-        normed = (x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        normed = gemma_rms_norm(x, None, self.eps)
         weights, experts = route(self.proj(normed * self.scale * self.input_scale), self.top_k, normalize=True)
         return weights * self.per_expert_scale[experts], experts
 

@@ -72,3 +72,32 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+def gemma_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    plus: torch.Tensor | None = None,
+    then_add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps)`` times ``weight`` (None: no weight) in float32, rounded to
+    ``x.dtype`` once (Gemma's rounding, unlike `RMSNorm`'s). ``plus`` is added to ``x`` first and ``then_add`` to
+    the result, each add in the model dtype as the model's own code does; on CUDA all of it is one launch
+    (`diffulex.kernels.gemma_norm`), this torch code elsewhere and as the reference."""
+    if (
+        x.shape[-1] <= _MAX_FUSED_COLS
+        and all(t is None or (t.shape == x.shape and t.dtype == x.dtype) for t in (plus, then_add))
+        and use_fused_kernels(x, weight, plus, then_add)
+    ):
+        from diffulex.kernels.gemma_norm import gemma_rms_norm as fused
+
+        return fused(x, weight, eps, plus, then_add)
+    if plus is not None:
+        x = x + plus
+    x32 = x.float()
+    normed = x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.float()
+    normed = normed.to(x.dtype)
+    return normed if then_add is None else then_add + normed

@@ -39,6 +39,7 @@ from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
 from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
+from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
 from diffulex.models.family import Family, register_family
@@ -52,25 +53,19 @@ LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, bool],
 VISION_CHECKPOINT_KEYS = (r"^model\.encoder\.vision_tower\.", r"^model\.encoder\.embed_vision\.")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` in float32, cast back to ``x.dtype`` last (Gemma's rounding)."""
-    x32 = x.float()
-    normed = x32 * torch.pow(x32.pow(2).mean(dim=-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        normed = normed * weight.float()
-    return normed.to(x.dtype)
-
-
 class GemmaRMSNorm(nn.Module):
-    """RMSNorm scaled by its weight ``w`` (ones at init), or unscaled (``with_scale=False``: no parameter)."""
+    """RMSNorm scaled by its weight ``w`` (ones at init), or unscaled (``with_scale=False``: no parameter), with
+    Gemma's rounding; ``plus`` is added to the input first and ``then_add`` to the result (`gemma_rms_norm`)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, plus: torch.Tensor | None = None, then_add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps, plus, then_add)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +168,7 @@ class GemmaAttention(nn.Module):
         k_raw = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)
         v_raw = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
         k = self.k_norm(k_raw)
-        v = rms_norm(v_raw, None, self.eps)
+        v = gemma_rms_norm(v_raw, None, self.eps)
         q = apply_rotary(q.view(B * n, self.num_heads, self.head_dim), cos.repeat(B, 1), sin.repeat(B, 1))
         k = apply_rotary(k.reshape(B * n, self.num_kv_heads, self.head_dim), cos.repeat(B, 1), sin.repeat(B, 1))
         return q.view(B, n, self.num_heads, self.head_dim), k.view(B, n, self.num_kv_heads, self.head_dim), v
@@ -319,13 +314,13 @@ class DiffusionGemmaLayer(nn.Module):
 
     def after_attention(self, h: torch.Tensor, attn: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
         """The layer after its attention output ``attn`` (``h``'s shape): the two MLPs, the norms, the scalar."""
-        residual = h + self.post_attention_layernorm(attn)
+        residual = self.post_attention_layernorm(attn, then_add=h)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
         weights, experts = self.router.route(flat)
         routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
         routed = self.post_feedforward_layernorm_2(routed.view(residual.shape))
-        out = residual + self.post_feedforward_layernorm(dense + routed)
+        out = self.post_feedforward_layernorm(dense, plus=routed, then_add=residual)
         return out * layer_scalar
 
 
@@ -344,10 +339,11 @@ class SelfConditioning(nn.Module):
 
     def forward(self, embeds: torch.Tensor, soft_embeds: torch.Tensor | None) -> torch.Tensor:
         """``soft_embeds`` None: no previous prediction (first step); the MLP of zeros is zero, so it is skipped."""
-        if soft_embeds is not None:
-            s = self.pre_norm(soft_embeds)
-            embeds = embeds + self.down_proj(gelu_tanh(self.gate_proj(s)) * self.up_proj(s))
-        return rms_norm(embeds, None, self.eps)
+        if soft_embeds is None:
+            return gemma_rms_norm(embeds, None, self.eps)
+        s = self.pre_norm(soft_embeds)
+        mixed = self.down_proj(gelu_tanh(self.gate_proj(s)) * self.up_proj(s))
+        return gemma_rms_norm(embeds, None, self.eps, plus=mixed)
 
 
 class DiffusionGemmaDecoder(nn.Module):

@@ -1,0 +1,65 @@
+"""Gemma's fused RMSNorm against its torch code (`diffulex.layers.norm.gemma_rms_norm` on the CPU): the same
+roundings in one launch, with the add before the norm and the residual add after it folded in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels.gemma_norm import gemma_rms_norm as fused
+from diffulex.layers.norm import gemma_rms_norm
+from tests.kernels.test_fused_norm import DEVICE, DTYPES, assert_matches
+
+
+def _rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 2.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+def _on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (7, 256), (5, 200), (3, 2816)])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_the_norm_rounds_once_after_the_weight_like_gemmas_code(dtype, rows, hidden, with_weight):
+    x = _rows((rows, hidden), dtype, rows + hidden)
+    weight = _rows((hidden,), dtype, 7, scale=0.5) + 1 if with_weight else None
+    expected = gemma_rms_norm(x, weight, 1e-6)  # CPU tensors: the torch code
+    actual = fused(x.to(DEVICE), _on_device(weight), 1e-6)
+    assert actual.dtype == dtype and actual.shape == x.shape
+    assert_matches(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", ["plus", "then_add", "both"])
+def test_the_adds_around_the_norm_round_like_the_torch_adds(dtype, parts):
+    """``residual + norm(dense + routed)``: the sum rounded to the model dtype before the norm, the residual added
+    after it and rounded, as the model's own adds do."""
+    rows, hidden = 6, 320
+    x, weight = _rows((rows, hidden), dtype, 1), _rows((hidden,), dtype, 2, scale=0.3) + 1
+    plus = _rows((rows, hidden), dtype, 3) if parts in ("plus", "both") else None
+    then_add = _rows((rows, hidden), dtype, 4, scale=5.0) if parts in ("then_add", "both") else None
+    expected = gemma_rms_norm(x, weight, 1e-6, plus, then_add)
+    actual = fused(x.to(DEVICE), weight.to(DEVICE), 1e-6, _on_device(plus), _on_device(then_add))
+    # an ulp of the norm is up to an ulp of the larger addend in the sum after it
+    assert_matches(actual, expected, scale=float(then_add.abs().max()) if then_add is not None else 0.0)
+
+
+def test_per_head_norms_read_strided_rows_of_a_projection():
+    """q/k norms run over heads of a projection's output viewed ``[B, n, H, D]``, here a slice of a wider row."""
+    wide = _rows((2, 3, 4 * 64 + 32), torch.bfloat16, 5)
+    heads = wide[..., 32:].unflatten(-1, (4, 64))  # [2, 3, 4, 64], row stride not 64
+    weight = _rows((64,), torch.bfloat16, 6, scale=0.2) + 1
+    expected = gemma_rms_norm(heads, weight, 1e-6)
+    actual = fused(heads.to(DEVICE), weight.to(DEVICE), 1e-6)
+    assert actual.shape == heads.shape and actual.is_contiguous()
+    assert_matches(actual, expected)
+
+
+def test_operands_of_another_shape_or_dtype_are_refused_by_name():
+    x = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="plus must have x's shape"):
+        fused(x, None, 1e-6, plus=torch.zeros(2, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="then_add must have x's shape .* and dtype"):
+        fused(x, None, 1e-6, then_add=torch.zeros(2, 64, device=DEVICE, dtype=torch.bfloat16))
