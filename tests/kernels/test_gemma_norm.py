@@ -28,7 +28,8 @@ def test_the_norm_rounds_once_after_the_weight_like_gemmas_code(dtype, rows, hid
     expected = gemma_rms_norm(x, weight, 1e-6)  # CPU tensors: the torch code
     actual = fused(x.to(DEVICE), _on_device(weight), 1e-6)
     assert actual.dtype == dtype and actual.shape == x.shape
-    assert_matches(actual, expected)
+    # in fp32 nothing rounds the GPU's approximate rsqrt (2 ulps) away: a few ulps of the row's largest value
+    assert_matches(actual, expected, scale=8 * float(expected.abs().max()) if dtype == torch.float32 else 0.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
