@@ -39,6 +39,7 @@ from diffulex.bench.throughput import (
     write_fast_dllm_v2_checkpoint,
     write_sdar_checkpoint,
 )
+from diffulex.testing.distributed import free_port
 
 FDV2_MODEL = "fdv2-7b"
 FDV2_SUB_BLOCKS = 4  # sub-blocks per block: the checkpoints' blocks of 32 at sub-blocks of 8
@@ -227,6 +228,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks the model is sharded over (one GPU each); the profile is rank 0's")
     ap.add_argument("--out")
     args = ap.parse_args()
     report = []
@@ -242,6 +245,9 @@ def main() -> None:
                       micro_batches=args.micro_batches, decoding_strategy=args.strategy)
         if args.strategy == "fast_dllm_v2":
             fields["buffer_size"] = FDV2_SUB_BLOCKS
+        if args.tensor_parallel_size > 1:
+            fields |= dict(tensor_parallel_size=args.tensor_parallel_size, master_addr="127.0.0.1",
+                           master_port=free_port())
         engine = Diffulex(str(path), **fields)
         for batch in args.batch:
             prompts = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, 128, 0)
