@@ -102,7 +102,9 @@ def longest_kernels(durations: Iterable[tuple[str, float]], count: int) -> list[
     return [(name, calls, total) for name, (calls, total) in ranked]
 
 
-def profile_steps(step: Callable[[], object], steps: int, device: torch.device, top: int = 0) -> dict[str, object]:
+def profile_steps(
+    step: Callable[[], object], steps: int, device: torch.device, top: int = 0, time_unprofiled: bool = True
+) -> dict[str, object]:
     """Run `step` `steps` times under torch.profiler (CPU + CUDA activity) and summarize the GPU's activity (with
     ``top``, also its ``top`` longest kernels).
 
@@ -110,6 +112,8 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
     profiler's own overhead (callbacks on each launch) lengthens the host part, so the idle share under it is an
     overestimate; the same number of steps is therefore also timed without the profiler first, and
     ``gpu_idle_share_unprofiled`` = 1 - profiled kernel time / unprofiled wall time is the estimate without it.
+    A workload with only `steps` steps left (requests that finish) passes ``time_unprofiled=False``: the
+    unprofiled loop would consume them, and both entries are None.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -123,7 +127,7 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    plain_wall_s = timed_loop()
+    plain_wall_s = timed_loop() if time_unprofiled else None
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -136,6 +140,9 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
     ]
     summary = summarize_activity(kernels, wall_s, steps, top)
     busy_ms = summary["gpu_busy_ms_per_step"]
+    if plain_wall_s is None:
+        summary["wall_ms_per_step_unprofiled"] = summary["gpu_idle_share_unprofiled"] = None
+        return summary
     summary["wall_ms_per_step_unprofiled"] = 1e3 * plain_wall_s / steps
     summary["gpu_idle_share_unprofiled"] = max(0.0, 1.0 - busy_ms * steps / (1e3 * plain_wall_s))
     return summary

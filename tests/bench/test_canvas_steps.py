@@ -44,11 +44,18 @@ def test_profile_breaks_the_steps_and_the_decoder_pass_down_by_kernel(tmp_path: 
     from diffulex.bench import gpu_profile
 
     calls: list[tuple[int, int]] = []
+    step_calls: list[int] = []  # how often each profiled part's step ran
     profile_steps = gpu_profile.profile_steps
 
-    def recording(step, steps, device, top=0):
+    def recording(step, steps, device, top=0, time_unprofiled=True):
         calls.append((steps, top))
-        return profile_steps(step, steps, device, top)
+        step_calls.append(0)
+
+        def counted():
+            step_calls[-1] += 1
+            return step()
+
+        return profile_steps(counted, steps, device, top, time_unprofiled)
 
     monkeypatch.setattr(gpu_profile, "profile_steps", recording)
     out = tmp_path / "canvas.json"
@@ -58,6 +65,7 @@ def test_profile_breaks_the_steps_and_the_decoder_pass_down_by_kernel(tmp_path: 
     (row,) = json.loads(out.read_text())["results"]
     assert row["timed_steps"] == 2
     assert calls == [(2, canvas_steps.PROFILE_TOP_KERNELS), (3, canvas_steps.PROFILE_TOP_KERNELS)]
+    assert step_calls[0] == 2, "the canvases' last two steps run under the profiler, none before it"
     for part, steps in (("steps", 2), ("decoder_pass", 3)):
         summary = row["profile"][part]
         assert summary["steps"] == steps and summary["wall_ms_per_step"] > 0
