@@ -844,6 +844,7 @@ def _sweep_engine(
     elif settings.profile_batch is not None:
         log("  profile skipped: it reads GPU kernel times and this run has no CUDA device")
     _close(engine)
+    engine = None  # the last reference: the next configuration's engine must find its memory returned
     _release(device)
 
 
