@@ -259,7 +259,10 @@ def main() -> None:
                 engine.step()
             counts = (engine.num_steps, engine.num_continuations, engine.num_dropped_continuations)
             phases = host_phases(engine, args.steps)
-            phases.update(replay_cost(engine))
+            if args.tensor_parallel_size == 1:
+                # a bare replay outside the engine's steps: with collectives in the graph, rank 0 would wait
+                # forever for workers that were never told to follow
+                phases.update(replay_cost(engine))
             phases.update(sampler_cost(engine, args.steps))
             rows, wall, busy = kernel_table(engine, args.steps)
             # steps queued on the device before their predecessor's result, and of those the ones dropped
