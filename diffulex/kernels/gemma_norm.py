@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.fused_norm import as_rows, cast_rne
+from diffulex.kernels.fused_norm import _next_pow2, _norm_warps, as_rows, cast_rne
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 # Widest row one program holds in registers; wider rows take the torch path.
@@ -74,10 +74,6 @@ def _gemma_rms_norm_kernel(
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 def gemma_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -123,7 +119,7 @@ def gemma_rms_norm(
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         USE_PDL=use_pdl,
-        num_warps=16 if block_n >= 2048 else 4,
+        num_warps=_norm_warps(block_n),
         enable_fp_fusion=False,
         **launch_kwargs(use_pdl),
     )
