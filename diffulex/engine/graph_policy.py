@@ -12,6 +12,7 @@ import torch
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
 from diffulex.engine.model_runner import ModelRunner
+from diffulex.engine.prefill_graphs import CHUNK_GRAPH_ROWS, contexts_may_straggle
 from diffulex.strategy.strategy import StepRunner
 
 logger = logging.getLogger("diffulex")
@@ -35,6 +36,10 @@ class GraphPolicy:
     # the most store-only prompt rows of one request the prefill graphs hold (`diffulex.engine.prefill_graphs`); 0:
     # none, where the strategy's prompt rows may not be split from the rest of their step
     prefill_graph_rows: int = 0
+    # the most rows one request of a chunk-graph step may have (`diffulex.engine.prefill_graphs.chunk_graph_shape`):
+    # a prompt chunk's where there are prefill graphs; else the decode width, the chunk graphs then taking only the
+    # decode steps where one context stands out; 0: no chunk graphs (no context can stand out, and no prefill graphs)
+    chunk_graph_rows: int = 0
 
     @classmethod
     def decide(
@@ -56,15 +61,18 @@ class GraphPolicy:
             and config.strategy.continues_steps(config)
             and config.strategy.samples_in_graph  # a continuation replays the graph's own sampling
         )
+        max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
+        prefill_graph_rows = _prefill_graph_rows(config)
         return cls(
             cuda_graphs=cuda_graphs,
             continues=continues,
             staging_buffers=2 if continues else config.micro_batches,
-            max_rows_per_request=config.buffer_size * config.block_size + int(logits_shift),
+            max_rows_per_request=max_rows_per_request,
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config),
-            prefill_graph_rows=_prefill_graph_rows(config),
+            prefill_graph_rows=prefill_graph_rows,
+            chunk_graph_rows=_chunk_graph_rows(config, prefill_graph_rows, max_rows_per_request),
         )
 
     @property
@@ -113,6 +121,7 @@ class GraphPolicy:
             key_tails=self.key_tails,
             short_rows_per_request=self.short_rows_per_request,
             max_prefill_rows=self.prefill_graph_rows,
+            max_chunk_rows=self.chunk_graph_rows,
             warm_up_only=warm_up_only,
         )
 
@@ -125,3 +134,12 @@ def _prefill_graph_rows(config: Config) -> int:
     if config.multi_block_prefix_full or request_class is None or not request_class.supports_prefill_chunks:
         return 0
     return min(config.max_prefill_graph_tokens, config.max_model_len)
+
+
+def _chunk_graph_rows(config: Config, prefill_graph_rows: int, max_rows_per_request: int) -> int:
+    """`GraphPolicy.chunk_graph_rows`: a prompt chunk rides with the decoders where its rows could run in a prefill
+    graph of their own, up to `CHUNK_GRAPH_ROWS`; elsewhere the chunk graphs are only worth their capture where a
+    context may stand out (`contexts_may_straggle`)."""
+    if prefill_graph_rows:
+        return max(min(prefill_graph_rows, CHUNK_GRAPH_ROWS), max_rows_per_request)
+    return max_rows_per_request if contexts_may_straggle(config.max_model_len) else 0

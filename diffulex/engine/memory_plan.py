@@ -97,7 +97,7 @@ def gpu_kv_budget(
         # the graphs' pool holds one decode forward of the largest bucket (scale the measured peak) and its
         # sampling graph's logits, which cover every row of the bucket
         rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
-        if policy.prefill_graph_rows:  # and the chunk graphs' (`diffulex.engine.prefill_graphs`), a pool of their own
+        if policy.chunk_graph_rows:  # and the chunk graphs' (`diffulex.engine.prefill_graphs`), a pool of their own
             rows += policy.max_rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
         # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it

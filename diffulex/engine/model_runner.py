@@ -24,7 +24,6 @@ from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.prefill_graphs import (
-    CHUNK_GRAPH_ROWS,
     PrefillGraphs,
     chunk_graph_shape,
     has_straggling_context,
@@ -71,11 +70,12 @@ def _has_prompt_prefix(req: Request) -> bool:
     return prefix_end is not None and prefix_end > req.query_range()[0]
 
 
-def _wants_chunk_graphs(batch: list[Request]) -> bool:
-    """Whether a step belongs on the chunk graphs: it carries prompt rows, or one context stands out."""
-    return any(_has_prompt_prefix(req) for req in batch) or has_straggling_context(
-        [req.query_range()[1] for req in batch]
-    )
+def _wants_chunk_graphs(batch: list[Request], with_prompts: bool) -> bool:
+    """Whether a step belongs on the chunk graphs: it carries prompt rows (``with_prompts``: where they could have
+    run in prefill graphs of their own), or one context stands out."""
+    if with_prompts and any(_has_prompt_prefix(req) for req in batch):
+        return True
+    return has_straggling_context([req.query_range()[1] for req in batch])
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ class ModelRunner:
         key_tails: bool = False,
         short_rows_per_request: int | None = None,
         max_prefill_rows: int = 0,
+        max_chunk_rows: int = 0,
         warm_up_only: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
@@ -188,7 +189,10 @@ class ModelRunner:
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
         with fewer rows than in the full set (and continues as the full set does); ``max_prefill_rows``
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
-        rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`).
+        rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`);
+        ``max_chunk_rows`` (0: none) adds the chunk graphs, whose requests have up to that many rows: a step with a
+        prompt whose rows fit them (only beside prefill graphs: where its rows could have been split off) or with
+        one context standing out replays them instead.
 
         With ``warm_up_only`` the graphs are built as for a capture, their buckets' forwards run once each, as
         before a capture, and the runner is left with the graphs it had: what a build's dry pass runs to record the
@@ -230,12 +234,12 @@ class ModelRunner:
                 min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
                 self.graph_forward, s.device, capture,
             )  # fmt: skip
-            # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
-            if s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False):
-                self.chunk_graphs = DecodeGraphs(
-                    chunk_graph_shape(shape, min(max_prefill_rows, CHUNK_GRAPH_ROWS)), self.graph_forward, s.device,
-                    capture, staging_buffers, greedy_sample,
-                )  # fmt: skip
+        # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
+        if max_chunk_rows > 0 and s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False):
+            self.chunk_graphs = DecodeGraphs(
+                chunk_graph_shape(shape, max_chunk_rows), self.graph_forward, s.device, capture, staging_buffers,
+                greedy_sample,
+            )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
         if warm_up_only:
@@ -300,7 +304,7 @@ class ModelRunner:
         (`collect_split`), then its step on the decode graphs, or (without prefills and a bucket) through the eager
         forward."""
         chunk = self.chunk_graphs
-        if chunk is not None and _wants_chunk_graphs(batch) and all(
+        if chunk is not None and _wants_chunk_graphs(batch, self.prefill_graphs is not None) and all(
             req.query_range()[1] - req.query_range()[0] <= chunk.shape.max_query_len for req in batch
         ):
             step = self.collect(batch)

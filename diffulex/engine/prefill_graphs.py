@@ -58,6 +58,11 @@ CHUNK_CONTEXT_MIN_KEYS = 2 * CHUNK_MIN_SPLIT_KEYS
 CHUNK_CONTEXT_IMBALANCE = 4
 
 
+def contexts_may_straggle(max_model_len: int) -> bool:
+    """Whether a request may reach a context that `has_straggling_context` counts as standing out."""
+    return max_model_len >= CHUNK_CONTEXT_MIN_KEYS
+
+
 def has_straggling_context(key_ends: list[int]) -> bool:
     """Whether a step whose requests' key ranges end at ``key_ends`` has one long enough, and long enough against
     the others', that its attention is bound by folding it serially unless its keys are split

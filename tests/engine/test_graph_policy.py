@@ -1,5 +1,5 @@
-"""What the graph policy decides from the config for prompt rows: the prefill graphs' largest bucket, and the prompt
-rows a chunk beside decoders may take."""
+"""What the graph policy decides from the config for prompt rows: the prefill graphs' largest bucket, the prompt
+rows a chunk beside decoders may take, and whether there are chunk graphs and how wide."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
 
+def policy_for(model_dir: Path, **fields) -> GraphPolicy:
+    cfg = Config(str(model_dir), **{"block_size": 4, "page_size": 8, "max_model_len": 160, **fields})
+    return GraphPolicy.decide(cfg, torch.device("cpu"), object(), logits_shift=False)
+
+
 def prefill_graph_rows(model_dir: Path, **fields) -> int:
-    cfg = Config(str(model_dir), block_size=4, page_size=8, max_model_len=160, **fields)
-    return GraphPolicy.decide(cfg, torch.device("cpu"), object(), logits_shift=False).prefill_graph_rows
+    return policy_for(model_dir, **fields).prefill_graph_rows
 
 
 def test_block_causal_prompts_get_prefill_graphs_up_to_the_setting_and_the_model_length(peaky_sdar_dir: Path):
@@ -34,3 +38,17 @@ def test_chunks_beside_decoders_are_bounded_only_where_steps_replay_graphs(peaky
                          logits_shift=False, prefill_graph_rows=64)  # fmt: skip
     assert policy.prefill_chunk_rows == 64
     assert dataclasses.replace(policy, cuda_graphs=False).prefill_chunk_rows == 0
+
+
+def test_chunk_graphs_hold_a_prompt_chunk_beside_prefill_graphs_else_only_where_a_context_may_stand_out(
+    peaky_sdar_dir: Path, tmp_path: Path
+):
+    from diffulex.engine.prefill_graphs import CHUNK_CONTEXT_MIN_KEYS, CHUNK_GRAPH_ROWS
+
+    assert policy_for(peaky_sdar_dir).chunk_graph_rows == CHUNK_GRAPH_ROWS, "prompt chunks of up to 64 rows"
+    assert policy_for(peaky_sdar_dir, max_prefill_graph_tokens=17).chunk_graph_rows == 17
+    dream = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2)
+    short = policy_for(dream, decoding_strategy="d2f", buffer_size=2)
+    assert short.chunk_graph_rows == 0, "no prefill graphs, and no context reaches the length that stands out"
+    long = policy_for(dream, decoding_strategy="d2f", buffer_size=2, max_model_len=CHUNK_CONTEXT_MIN_KEYS)
+    assert long.chunk_graph_rows == long.max_rows_per_request == 8, "decode steps only: the decode width"

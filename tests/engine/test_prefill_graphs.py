@@ -68,7 +68,8 @@ def record_replays(llm) -> Replays:
         return wrapped
 
     runner.graphs.run = recording("decode", runner.graphs.run)
-    runner.prefill_graphs.run = recording("prefill", runner.prefill_graphs.run)
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.run = recording("prefill", runner.prefill_graphs.run)
     if runner.chunk_graphs is not None:
         runner.chunk_graphs.run = recording("chunk", runner.chunk_graphs.run)
     return replays
@@ -213,6 +214,29 @@ def test_decoders_beside_a_long_context_ride_in_the_chunk_graphs_with_the_eager_
     decode_rows = 4  # one block of four a request
     decodes = [step for step in run.replays.chunk_steps if step.num_tokens <= decode_rows * step.num_requests]
     assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the chunk graphs"
+
+
+def test_without_prefill_graphs_only_the_steps_with_a_standing_out_context_ride_in_the_chunk_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d2f, whose prompt rows see the whole prompt, has no prefill graphs, so its steps that carry a prompt stay
+    eager; the chunk graphs are still built (a context may stand out at this model length) and take the decode
+    steps where the long prompt's context stands out among short ones, with the eager engine's tokens."""
+    import diffulex.engine.prefill_graphs as prefill_graphs
+    from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+    monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
+    model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
+    fields = dict(decoding_strategy="d2f", buffer_size=2, accept_threshold=0.7, max_num_reqs=12, max_model_len=320)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lengths = [250, 6, 3, 9, 5, 7, 2, 10]
+    run = eager_then_graphed(model, fields, lambda llm: random_prompts(llm, lengths, seed=45), params, 1,
+                             chunk_graphs=True)  # fmt: skip
+    assert run.got == run.expected
+    assert run.replays.prefills == [], "no prefill graphs"
+    assert run.eager_steps >= 2, "each step carrying a prompt ran eagerly"
+    assert len(run.replays.chunk_steps) >= 3, "decode steps beside the long context, in the chunk graphs"
+    assert all(step.num_tokens < 250 for step in run.replays.chunk_steps), "no prompt rode in them"
 
 
 def test_the_chunk_graphs_fix_the_split_of_long_contexts_and_widen_the_decode_buckets() -> None:
