@@ -55,12 +55,26 @@ MOE_IMPLS = ("fused", "grouped", "dense", "loop")
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, top_k] float32, experts [T, top_k] int64)``: softmax over all experts in float32, the `top_k`
-    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``)."""
+    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``). On CUDA one launch
+    (`diffulex.kernels.moe_routing`); this torch code elsewhere and as the reference."""
+    if (
+        router_logits.dim() == 2
+        and router_logits.shape[-1] <= _MAX_FUSED_ROUTED_EXPERTS
+        and use_fused_kernels(router_logits)
+    ):
+        from diffulex.kernels.moe_routing import softmax_topk
+
+        return softmax_topk(router_logits, top_k, normalize)
     probs = router_logits.float().softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+# Most experts the fused routing kernel holds per row (`diffulex.kernels.moe_routing.MAX_ROUTED_EXPERTS`; kept here
+# so that checking it imports nothing).
+_MAX_FUSED_ROUTED_EXPERTS = 1024
 
 
 def _check_top_k(top_k: int, num_experts: int) -> None:
