@@ -126,10 +126,21 @@ class GroupLimitedRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        group_size = num_experts // n_group
+        # the fused selection holds a row as [groups, experts per group], both powers of two
+        self._fused_selection = num_experts <= _MAX_FUSED_ROUTED_EXPERTS and all(
+            n > 0 and n & (n - 1) == 0 for n in (n_group, group_size)
+        )
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = (x.float() @ self.weight.float().T).sigmoid()
+        logits = x.float() @ self.weight.float().T
+        if self._fused_selection and use_fused_kernels(logits):
+            from diffulex.kernels.moe_routing import group_limited_topk
+
+            return group_limited_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
+                                      self.scaling, _WEIGHT_SUM_FLOOR)  # fmt: skip
+        scores = logits.sigmoid()
         biased = scores if self.expert_bias is None else scores + self.expert_bias.float()
         T = x.shape[0]
         groups = biased.view(T, self.n_group, -1)
