@@ -55,12 +55,26 @@ MOE_IMPLS = ("fused", "grouped", "dense", "loop")
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, top_k] float32, experts [T, top_k] int64)``: softmax over all experts in float32, the `top_k`
-    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``)."""
+    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``). On CUDA one launch
+    (`diffulex.kernels.moe_routing`); this torch code elsewhere and as the reference."""
+    if (
+        router_logits.dim() == 2
+        and router_logits.shape[-1] <= _MAX_FUSED_ROUTED_EXPERTS
+        and use_fused_kernels(router_logits)
+    ):
+        from diffulex.kernels.moe_routing import softmax_topk
+
+        return softmax_topk(router_logits, top_k, normalize)
     probs = router_logits.float().softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+# Most experts the fused routing kernel holds per row (`diffulex.kernels.moe_routing.MAX_ROUTED_EXPERTS`; kept here
+# so that checking it imports nothing).
+_MAX_FUSED_ROUTED_EXPERTS = 1024
 
 
 def _check_top_k(top_k: int, num_experts: int) -> None:
@@ -112,10 +126,21 @@ class GroupLimitedRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        group_size = num_experts // n_group
+        # the fused selection holds a row as [groups, experts per group], both powers of two
+        self._fused_selection = num_experts <= _MAX_FUSED_ROUTED_EXPERTS and all(
+            n > 0 and n & (n - 1) == 0 for n in (n_group, group_size)
+        )
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = (x.float() @ self.weight.float().T).sigmoid()
+        logits = x.float() @ self.weight.float().T
+        if self._fused_selection and use_fused_kernels(logits):
+            from diffulex.kernels.moe_routing import group_limited_topk
+
+            return group_limited_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
+                                      self.scaling, _WEIGHT_SUM_FLOOR)  # fmt: skip
+        scores = logits.sigmoid()
         biased = scores if self.expert_bias is None else scores + self.expert_bias.float()
         T = x.shape[0]
         groups = biased.view(T, self.n_group, -1)

@@ -1,0 +1,243 @@
+"""A mixture-of-experts router's selection in one launch: softmax and top-k (`softmax_topk`), or LLaDA2's sigmoid
+scores chosen within the best expert groups (`group_limited_topk`).
+
+`diffulex.layers.moe.route` is five PyTorch kernels per MoE layer (the float32 cast, the softmax, the top-k, the sum
+of the chosen weights and the division), none of which takes part in programmatic dependent launch: at decode
+sizes each costs its launch latency and stalls the chain of the kernels around it (SDAR-30B-A3B at batch 1 runs
+823 kernels a step on an H100, the softmax and top-k kernels of its 48 routers and its sampler 0.6 ms of a 4.5 ms
+step). Here one program holds a few rows of
+router logits in registers, takes the softmax in float32, picks the ``top_k`` largest probabilities one after the
+other (the lowest expert index among equal ones) and renormalizes them.
+
+LLaDA2's router (`diffulex.layers.moe.GroupLimitedRouter`) was about fifteen PyTorch kernels a layer after its
+projection (sigmoid, bias, the groups' two best scores, the best groups, their mask, the top-k, the gather and the
+renormalization); `group_limited_topk` is all of it in one launch, each row's experts held as ``[groups, experts
+per group]`` in registers.
+
+Against the torch code (the CPU path and the reference): the same probabilities up to the order of the softmax's
+sum and the exponential's rounding (an ulp or so in float32), hence the same choice of experts except where two
+probabilities (or two groups' scores) lie within those ulps of each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from diffulex.kernels.parallel_compile import in_dry_pass
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
+# Most experts one program holds per row (a row of logits in registers); more take the torch path.
+MAX_ROUTED_EXPERTS = 1024
+_ROWS_PER_PROGRAM_ELEMS = 2048  # a program's rows x experts
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _softmax_topk_kernel(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    n_rows,
+    n_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    release_dependents(USE_PDL)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < n_experts)[None, :]
+    wait_for_inputs(USE_PDL)
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
+    x = x.to(tl.float32)
+    peak = tl.max(x, axis=1)
+    e = tl.where(mask, tl.exp(x - peak[:, None]), 0.0)
+    probs = e / tl.sum(e, axis=1)[:, None]
+    remaining = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 marks a taken or absent expert
+    slots = tl.arange(0, TOP_K_PAD)
+    chosen_w = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.float32)
+    chosen_e = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        index = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        chosen_w = tl.where(slots[None, :] == j, best[:, None], chosen_w)
+        chosen_e = tl.where(slots[None, :] == j, index.to(tl.int64)[:, None], chosen_e)
+        remaining = tl.where(cols[None, :] == index[:, None], -1.0, remaining)
+    if NORMALIZE:
+        chosen_w = chosen_w / tl.sum(chosen_w, axis=1)[:, None]
+    out = rows[:, None] * TOP_K + slots[None, :]
+    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, chosen_w, mask=out_mask)
+    tl.store(experts_ptr + out, chosen_e, mask=out_mask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`diffulex.layers.moe.route` in one launch: ``(weights [T, top_k] float32, experts [T, top_k] int64)`` of
+    router logits ``[T, E]`` (rows may be strided), the chosen experts in decreasing probability."""
+    n_rows, n_experts = logits.shape
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, {n_experts}] (the router's experts)")
+    weights = torch.empty(n_rows, top_k, dtype=torch.float32, device=logits.device)
+    # a build's dry pass only records the launch (`diffulex.kernels.parallel_compile`), and the PyTorch code after
+    # a router indexes with its experts: valid indices then, not whatever the memory held
+    experts = (torch.zeros if in_dry_pass() else torch.empty)(n_rows, top_k, dtype=torch.int64, device=logits.device)
+    if n_rows == 0:
+        return weights, experts
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block_e = _next_pow2(n_experts)
+    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // block_e, _next_pow2(n_rows)))
+    use_pdl = pdl_enabled(logits.device, n_rows)
+    _softmax_topk_kernel[(triton.cdiv(n_rows, block_r),)](
+        logits,
+        weights,
+        experts,
+        n_rows,
+        n_experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        TOP_K_PAD=_next_pow2(top_k),
+        NORMALIZE=normalize,
+        BLOCK_R=block_r,
+        BLOCK_E=block_e,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        **launch_kwargs(use_pdl),
+    )
+    return weights, experts
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _group_limited_topk_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    experts_ptr,
+    n_rows,
+    stride_l,
+    scaling,
+    weight_sum_floor,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    N_EXPERTS: tl.constexpr = N_GROUP * GROUP_SIZE
+    release_dependents(USE_PDL)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, N_EXPERTS)
+    row_ok = rows < n_rows
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols).to(tl.float32)
+    wait_for_inputs(USE_PDL)
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=row_ok[:, None], other=0.0)
+    scores = tl.sigmoid(x.to(tl.float32))
+    biased = scores
+    if HAS_BIAS:
+        biased = scores + bias[None, :]
+    # each group's two best biased scores, summed
+    grouped = tl.reshape(biased, (BLOCK_R, N_GROUP, GROUP_SIZE))
+    within = tl.arange(0, GROUP_SIZE)
+    first = tl.max(grouped, axis=2)
+    if GROUP_SIZE > 1:
+        first_at = tl.min(tl.where(grouped == first[:, :, None], within[None, None, :], GROUP_SIZE), axis=2)
+        second = tl.max(tl.where(within[None, None, :] == first_at[:, :, None], float("-inf"), grouped), axis=2)
+        group_scores = first + second
+    else:
+        group_scores = first
+    # the TOPK_GROUP best groups (the lowest group first among equal scores)
+    groups = tl.arange(0, N_GROUP)
+    open_groups = tl.zeros([BLOCK_R, N_GROUP], dtype=tl.int1)
+    remaining_groups = group_scores
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(remaining_groups, axis=1)
+        at = tl.min(tl.where(remaining_groups == best[:, None], groups[None, :], N_GROUP), axis=1)
+        taken = groups[None, :] == at[:, None]
+        open_groups = open_groups | taken
+        remaining_groups = tl.where(taken, float("-inf"), remaining_groups)
+    allowed = tl.reshape(tl.broadcast_to(open_groups[:, :, None], (BLOCK_R, N_GROUP, GROUP_SIZE)), (BLOCK_R, N_EXPERTS))
+    # the TOP_K best biased scores of the open groups; their unbiased scores are the weights
+    remaining = tl.where(allowed, biased, float("-inf"))
+    slots = tl.arange(0, TOP_K_PAD)
+    chosen_w = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.float32)
+    chosen_e = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        index = tl.min(tl.where(remaining == best[:, None], cols[None, :], N_EXPERTS), axis=1)
+        picked = cols[None, :] == index[:, None]
+        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)
+        chosen_w = tl.where(slots[None, :] == j, weight[:, None], chosen_w)
+        chosen_e = tl.where(slots[None, :] == j, index.to(tl.int64)[:, None], chosen_e)
+        remaining = tl.where(picked, float("-inf"), remaining)
+    if TOP_K > 1:
+        chosen_w = chosen_w / (tl.sum(chosen_w, axis=1)[:, None] + weight_sum_floor)
+    chosen_w = chosen_w * scaling
+    out = rows[:, None] * TOP_K + slots[None, :]
+    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, chosen_w, mask=out_mask)
+    tl.store(experts_ptr + out, chosen_e, mask=out_mask)
+
+
+def group_limited_topk(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    scaling: float,
+    weight_sum_floor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`diffulex.layers.moe.GroupLimitedRouter`'s selection after its projection, in one launch: ``(weights [T,
+    top_k] float32, experts [T, top_k] int64)`` of router logits ``[T, E]`` (float32; the sigmoid is taken here).
+    ``E / n_group`` must be a power of two, as must ``n_group`` (LLaDA2: 256 experts in 8 groups)."""
+    n_rows, n_experts = logits.shape
+    group_size = n_experts // n_group
+    if n_group * group_size != n_experts or not _pow2(n_group) or not _pow2(group_size):
+        raise ValueError(f"n_group={n_group} and num_experts={n_experts} must be powers of two, n_group dividing it")
+    weights = torch.empty(n_rows, top_k, dtype=torch.float32, device=logits.device)
+    experts = (torch.zeros if in_dry_pass() else torch.empty)(n_rows, top_k, dtype=torch.int64, device=logits.device)
+    if n_rows == 0:
+        return weights, experts
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // n_experts, _next_pow2(n_rows)))
+    use_pdl = pdl_enabled(logits.device, n_rows)
+    _group_limited_topk_kernel[(triton.cdiv(n_rows, block_r),)](
+        logits,
+        logits if expert_bias is None else expert_bias,
+        weights,
+        experts,
+        n_rows,
+        logits.stride(0),
+        float(scaling),
+        float(weight_sum_floor),
+        N_GROUP=n_group,
+        GROUP_SIZE=group_size,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        TOP_K_PAD=_next_pow2(top_k),
+        HAS_BIAS=expert_bias is not None,
+        BLOCK_R=block_r,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        **launch_kwargs(use_pdl),
+    )
+    return weights, experts
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0

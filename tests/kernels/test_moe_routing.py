@@ -1,0 +1,90 @@
+"""The router's fused softmax and top-k against the torch code of `diffulex.layers.moe.route` (the CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex.kernels.moe_routing import softmax_topk
+from diffulex.layers.moe import route
+from tests.kernels.test_fused_norm import DEVICE
+
+
+def _logits(rows: int, experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Distinct logits in every row (steps of 1/16, exact in bf16): which of two equal probabilities comes first
+    is the one thing the kernel and torch's top-k need not agree on (the next test says what the kernel does)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = torch.stack([torch.randperm(experts, generator=gen) for _ in range(rows)])
+    return (steps.float() / 16 - experts / 32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "experts", "top_k"), [(1, 128, 8), (7, 128, 8), (33, 64, 4), (5, 100, 2), (3, 8, 1)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_chosen_experts_and_their_weights_are_the_torch_routes(dtype, rows, experts, top_k, normalize):
+    logits = _logits(rows, experts, dtype, rows * 100 + experts)
+    want_w, want_e = route(logits, top_k, normalize)  # CPU tensors: the torch code
+    got_w, got_e = softmax_topk(logits.to(DEVICE), top_k, normalize)
+    assert got_w.dtype == torch.float32 and got_e.dtype == torch.int64
+    assert got_w.shape == got_e.shape == (rows, top_k)
+    assert torch.equal(got_e.cpu(), want_e), "the same experts, in decreasing probability"
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=4e-6, atol=1e-7)
+
+
+def test_strided_logits_are_read_in_place():
+    wide = _logits(6, 160, torch.float32, 3)
+    logits = wide[:, 16:144]  # rows 160 apart
+    want_w, want_e = route(logits, 8, True)
+    got_w, got_e = softmax_topk(logits.to(DEVICE), 8, True)
+    assert torch.equal(got_e.cpu(), want_e)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=4e-6, atol=1e-7)
+
+
+def test_equal_probabilities_go_to_the_lower_expert_first():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]], device=DEVICE)
+    weights, experts = softmax_topk(logits, 3, normalize=True)
+    assert experts.cpu().tolist() == [[1, 3, 4]]
+    torch.testing.assert_close(weights.cpu(), torch.full((1, 3), 1 / 3))
+
+
+def test_a_top_k_outside_the_experts_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"top_k=9 must be in \[1, 8\]"):
+        softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, normalize=True)
+
+
+@pytest.mark.parametrize(
+    ("experts", "n_group", "topk_group", "top_k", "with_bias"),
+    [(256, 8, 4, 8, True), (256, 8, 4, 8, False), (64, 4, 2, 1, True), (32, 1, 1, 4, True)],
+)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_group_limited_choice_and_weights_are_llada2s_router(experts, n_group, topk_group, top_k, with_bias, rows):
+    from diffulex.kernels.moe_routing import group_limited_topk
+    from diffulex.layers.moe import _WEIGHT_SUM_FLOOR, GroupLimitedRouter
+
+    hidden = 48
+    router = GroupLimitedRouter(hidden, experts, top_k, n_group, topk_group, scaling=2.5, expert_bias=with_bias)
+    gen = torch.Generator().manual_seed(experts + rows)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, hidden, generator=gen) / hidden**0.5)
+        if with_bias:
+            router.expert_bias.copy_(0.3 * torch.randn(experts, generator=gen))
+    x = torch.randn(rows, hidden, generator=gen)
+    with torch.no_grad():
+        want_w, want_e = router.route(x)  # CPU: the torch code
+        logits = x.float() @ router.weight.float().T
+    bias = router.expert_bias.to(DEVICE) if with_bias else None
+    got_w, got_e = group_limited_topk(logits.to(DEVICE), bias, n_group, topk_group, top_k, 2.5, _WEIGHT_SUM_FLOOR)
+    assert torch.equal(got_e.cpu(), want_e), "the same experts, in decreasing biased score"
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=4e-6, atol=1e-7)
+
+
+def test_the_experts_of_a_closed_group_are_never_chosen():
+    """Group 1's best expert beats every expert of group 0, but group 0's two best sum higher: with one open group,
+    every chosen expert is group 0's."""
+    from diffulex.kernels.moe_routing import group_limited_topk
+
+    logits = torch.full((1, 8), -4.0)
+    logits[0, :4] = torch.tensor([1.0, 0.9, 0.8, -3.0])  # group 0: two best sum highest
+    logits[0, 4:] = torch.tensor([3.0, -3.0, -3.5, -3.9])  # group 1: the single best expert
+    _, experts = group_limited_topk(logits.to(DEVICE), None, 2, 1, 3, 1.0, 1e-20)
+    assert experts.cpu().tolist() == [[0, 1, 2]]
