@@ -56,9 +56,9 @@ def _softmax_topk_kernel(
     wait_for_inputs(USE_PDL)
     x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
-    peak = tl.max(x, axis=1)
+    peak = tl.where(row_ok, tl.max(x, axis=1), 0.0)  # rows past the last hold no logits: no -inf - -inf
     e = tl.where(mask, tl.exp(x - peak[:, None]), 0.0)
-    probs = e / tl.sum(e, axis=1)[:, None]
+    probs = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
     remaining = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 marks a taken or absent expert
     slots = tl.arange(0, TOP_K_PAD)
     chosen_w = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.float32)
