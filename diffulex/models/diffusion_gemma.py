@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
+from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
 from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.rotary import apply_rotary
@@ -627,8 +628,13 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in the model dtype, then float32 and ``cap * tanh(logits / cap)``."""
-        logits = F.linear(hidden, self.lm_head.weight).float()
+        product = F.linear(hidden, self.lm_head.weight)
         cap = self.config.final_logit_softcapping
+        if cap is not None and use_fused_kernels(product):  # one pass over the logits (`kernels.logit_softcap`)
+            from diffulex.kernels.logit_softcap import softcapped_logits
+
+            return softcapped_logits(product, cap)
+        logits = product.float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
