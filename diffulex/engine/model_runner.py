@@ -65,16 +65,18 @@ class SplitStep:
     rest: StepInputs = field(default_factory=StepInputs)
 
 
-def _has_prompt_prefix(req: Request) -> bool:
-    """Whether the request's rows this step begin with store-only prompt rows (`Request.store_only_end`)."""
+def _has_prompt_prefix(req: Request, first_row: int) -> bool:
+    """Whether the request's rows this step, from ``first_row`` (its `Request.query_range` start), begin with
+    store-only prompt rows (`Request.store_only_end`)."""
     prefix_end = req.store_only_end()
-    return prefix_end is not None and prefix_end > req.query_range()[0]
+    return prefix_end is not None and prefix_end > first_row
 
 
-def _wants_chunk_graphs(batch: list[Request]) -> bool:
-    """Whether a step belongs on the chunk graphs: it carries prompt rows, or one context stands out."""
-    return any(_has_prompt_prefix(req) for req in batch) or has_straggling_context(
-        [req.query_range()[1] for req in batch]
+def _wants_chunk_graphs(batch: list[Request], ranges: list[tuple[int, int]]) -> bool:
+    """Whether a step (its requests' `Request.query_range` in ``ranges``) belongs on the chunk graphs: it carries
+    prompt rows, or one context stands out."""
+    return any(_has_prompt_prefix(req, start) for req, (start, _) in zip(batch, ranges, strict=True)) or (
+        has_straggling_context([end for _, end in ranges])
     )
 
 
@@ -300,8 +302,9 @@ class ModelRunner:
         (`collect_split`), then its step on the decode graphs, or (without prefills and a bucket) through the eager
         forward."""
         chunk = self.chunk_graphs
-        if chunk is not None and _wants_chunk_graphs(batch) and all(
-            req.query_range()[1] - req.query_range()[0] <= chunk.shape.max_query_len for req in batch
+        ranges = [req.query_range() for req in batch] if chunk is not None else []
+        if chunk is not None and _wants_chunk_graphs(batch, ranges) and all(
+            end - start <= chunk.shape.max_query_len for start, end in ranges
         ):
             step = self.collect(batch)
             bucket = chunk.bucket_for(step)

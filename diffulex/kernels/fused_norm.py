@@ -63,6 +63,21 @@ def cast_rne(x, dtype: tl.constexpr):
     return y
 
 
+@triton.jit
+def row_tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's ``BLOCK_R`` rows of a row-wise kernel, whole rows of up to ``BLOCK_N`` columns: the row and
+    column indices, the columns in range, and the mask of the elements in range."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    return rows, cols, col_ok, (rows < n_rows)[:, None] & col_ok[None, :]
+
+
+def rows_per_program(block_n: int, n_rows: int) -> int:
+    """Rows one program of a row-wise kernel holds: about 1,024 elements, never more rows than there are."""
+    return min(max(1, 1024 // block_n), _next_pow2(n_rows))
+
+
 # The row count changes with every eager step; specialized (as Triton does for ints equal to 1 or divisible by
 # 16) it would be a variant per class, each compiled on first use while serving.
 @triton.jit(do_not_specialize=["n_rows"])
@@ -89,10 +104,7 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_dependents(USE_PDL)
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows, cols, col_ok, mask = row_tile(n_rows, n_cols, BLOCK_R, BLOCK_N)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     wait_for_inputs(USE_PDL)
     if NUM_PARTS > 0:  # the split-K sum the GEMM left out: in split order from zero, rounded once
@@ -194,7 +206,7 @@ def _launch_rms_norm(
     r2 = x2 if residual is None else as_rows(residual)
     s2 = out.view(-1, n_cols) if summed is None else summed.view(-1, n_cols)
     block_n = _next_pow2(n_cols)
-    block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
+    block_r = rows_per_program(block_n, n_rows)
     num_warps = _norm_warps(block_n)
     use_pdl = pdl_enabled(x.device, n_rows)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](

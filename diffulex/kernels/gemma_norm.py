@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from diffulex.kernels.fused_norm import _next_pow2, _norm_warps, as_rows, cast_rne
+from diffulex.kernels.fused_norm import _next_pow2, _norm_warps, as_rows, cast_rne, row_tile, rows_per_program
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 # Widest row one program holds in registers; wider rows take the torch path.
@@ -51,10 +51,7 @@ def _gemma_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_dependents(USE_PDL)
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows, cols, col_ok, mask = row_tile(n_rows, n_cols, BLOCK_R, BLOCK_N)
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     wait_for_inputs(USE_PDL)
@@ -97,7 +94,7 @@ def gemma_rms_norm(
     a2 = x2 if then_add is None else as_rows(then_add)
     n_rows = x2.shape[0]
     block_n = _next_pow2(n_cols)
-    block_r = min(max(1, 1024 // block_n), _next_pow2(n_rows))
+    block_r = rows_per_program(block_n, n_rows)
     use_pdl = pdl_enabled(x.device, n_rows)
     _gemma_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2,

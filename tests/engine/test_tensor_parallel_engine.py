@@ -149,12 +149,10 @@ def test_fast_dllm_v2_refinements_continued_in_the_short_graphs_follow_on_the_wo
     assert results[2] == results[1]
 
 
-def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worker_too(dense_dir: Path) -> None:
-    """A step carrying a prompt on the graph path: the prompt's store-only rows replay a prefill graph, then the
-    decode graph replays the rest (`StepMessage.prefills`); the worker repeats both in that order, or its half of
-    the prompt's K/V would be missing (other tokens) or its collectives would not match rank 0's (a time-out).
-    The first prompt, alone and chunked, has steps of prefill replays only. (Rank 0's chunk graphs are put aside,
-    so that every such step splits; the next test replays them.)"""
+def arrivals_counting_replays(dense_dir: Path, graphs: str) -> dict[int, tuple]:
+    """At TP=1 and TP=2 (uncaptured graph path, chunked prefill), five prompts arriving two steps apart: the tokens,
+    the replays of the runner's ``graphs`` ("prefill_graphs" or "chunk_graphs"; with the former the chunk graphs
+    are put aside, so that every step carrying a prompt splits) and the eager steps, by TP size."""
     from diffulex.testing.arrivals import serve_arrivals
 
     results = {}
@@ -162,18 +160,29 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
         with make_engine(dense_dir, "sdar", size, buffer_size=1, num_pages=40, enable_chunked_prefill=True,
                          max_num_batched_tokens=24) as llm:
             llm.enable_static_decode(capture=False)
-            llm.runner.chunk_graphs = None
+            if graphs == "prefill_graphs":
+                llm.runner.chunk_graphs = None
             runs = []
-            prefill = llm.runner.prefill_graphs.run
+            run = getattr(llm.runner, graphs).run
 
-            def counted(part, rows, prefill=prefill, runs=runs):
-                runs.append(rows)
-                return prefill(part, rows)
+            def counted(*args, run=run, runs=runs):
+                runs.append(args[1])
+                return run(*args)
 
-            llm.runner.prefill_graphs.run = counted
+            getattr(llm.runner, graphs).run = counted
             prompts = random_prompts(llm, [40, 6, 13, 9, 21], seed=6)
             tokens = serve_arrivals(llm, prompts, GREEDY, gap=2)
             results[size] = (tokens, len(runs), llm.runner.eager_steps)
+    return results
+
+
+def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worker_too(dense_dir: Path) -> None:
+    """A step carrying a prompt on the graph path: the prompt's store-only rows replay a prefill graph, then the
+    decode graph replays the rest (`StepMessage.prefills`); the worker repeats both in that order, or its half of
+    the prompt's K/V would be missing (other tokens) or its collectives would not match rank 0's (a time-out).
+    The first prompt, alone and chunked, has steps of prefill replays only. (Rank 0's chunk graphs are put aside,
+    so that every such step splits; the next test replays them.)"""
+    results = arrivals_counting_replays(dense_dir, "prefill_graphs")
     assert results[1][1] >= 4, "the prompts must replay prefill graphs"
     assert results[1][2] == 0
     assert results[2] == results[1]
@@ -182,24 +191,7 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
 def test_prompts_beside_decoders_replay_the_chunk_graphs_on_the_worker_too(dense_dir: Path) -> None:
     """A step whose prompt rides with the decoders in one chunk-graph forward (`StepMessage.chunk`): the worker
     replays its own chunk graphs, with TP=1's tokens (its collectives match rank 0's, or the step would time out)."""
-    from diffulex.testing.arrivals import serve_arrivals
-
-    results = {}
-    for size in (1, 2):
-        with make_engine(dense_dir, "sdar", size, buffer_size=1, num_pages=40, enable_chunked_prefill=True,
-                         max_num_batched_tokens=24) as llm:
-            llm.enable_static_decode(capture=False)
-            runs = []
-            chunk = llm.runner.chunk_graphs.run
-
-            def counted(step, bucket, *args, chunk=chunk, runs=runs):
-                runs.append(bucket)
-                return chunk(step, bucket, *args)
-
-            llm.runner.chunk_graphs.run = counted
-            prompts = random_prompts(llm, [40, 6, 13, 9, 21], seed=6)
-            tokens = serve_arrivals(llm, prompts, GREEDY, gap=2)
-            results[size] = (tokens, len(runs), llm.runner.eager_steps)
+    results = arrivals_counting_replays(dense_dir, "chunk_graphs")
     assert results[1][1] >= 3, "prompts beside decoders must replay the chunk graphs"
     assert results[1][2] == 0
     assert results[2] == results[1]
