@@ -1,6 +1,6 @@
-"""DiffusionGemma's soft-capped float32 logits in one pass against its torch code (the CPU path): on the GPU bit for
-bit (the same IEEE division and libdevice tanh), under the interpreter (tanh from an exponential there) within a
-few ulps of the cap."""
+"""DiffusionGemma's soft-capped float32 logits in one pass against its torch code (the CPU path): within a few ulps
+of the cap, on the GPU (libdevice's tanh is not bit for bit the one PyTorch's CUDA kernel runs) and under the
+interpreter (tanh from an exponential there)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,7 @@ def test_the_capped_logits_are_the_torch_codes(dtype, shape):
     got = softcapped_logits(product.to(DEVICE), 30.0)
     want = _torch_softcap(product.to(DEVICE), 30.0)
     assert got.dtype == torch.float32 and got.shape == product.shape and got.is_contiguous()
-    if DEVICE == "cuda":
-        assert torch.equal(got, want)
-    else:
-        assert_matches(got, want.cpu(), scale=4 * 30.0)
+    assert_matches(got, want, scale=4 * 30.0)
     assert got.abs().max() <= 30.0, "every logit within the cap"
 
 
