@@ -194,7 +194,8 @@ class ModelRunner:
         rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`);
         ``max_chunk_rows`` (0: none) adds the chunk graphs, whose requests have up to that many rows: a step with a
         prompt whose rows fit them (only beside prefill graphs: where its rows could have been split off) or with
-        one context standing out replays them instead.
+        one context standing out replays them instead; a decode step of the latter continues on them as on the
+        decode graphs.
 
         With ``warm_up_only`` the graphs are built as for a capture, their buckets' forwards run once each, as
         before a capture, and the runner is left with the graphs it had: what a build's dry pass runs to record the
@@ -240,7 +241,7 @@ class ModelRunner:
         if max_chunk_rows > 0 and s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False):
             self.chunk_graphs = DecodeGraphs(
                 chunk_graph_shape(shape, max_chunk_rows), self.graph_forward, s.device, capture, staging_buffers,
-                greedy_sample,
+                greedy_sample, advance,
             )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
@@ -408,9 +409,9 @@ class ModelRunner:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
         num_rows = len(replayed.layout.positions)
-        short = replayed.graphs is not self.graphs
+        short, chunk = replayed.graphs is self.short_graphs, replayed.graphs is self.chunk_graphs
         self._announce(lambda: StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
-                                           num_rows=num_rows, short=short))  # fmt: skip
+                                           num_rows=num_rows, short=short, chunk=chunk))  # fmt: skip
         hidden, result = replayed.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
         self.launched_steps += 1
@@ -454,7 +455,7 @@ class ModelRunner:
         sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
         (their device work queued, not awaited)."""
         if message.kind is MessageKind.CONTINUATION:
-            graphs = self.short_graphs if message.short else self.graphs
+            graphs = self.chunk_graphs if message.chunk else self.short_graphs if message.short else self.graphs
             hidden, _ = graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
             return hidden
         step = message.step

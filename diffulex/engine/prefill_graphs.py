@@ -52,8 +52,9 @@ CHUNK_MIN_SPLIT_KEYS = 1024
 # only where its grid cannot fill the GPU, so among many short decoders one long context is folded by a single
 # program per head while the rest of the GPU idles (measured on an H100: 32 decoders and one 32k context, 33 ms a
 # step against 3.4 alone at SDAR-1.7B). A step's longest key range counts as standing out from the first length the
-# chunk graphs split (two splits' worth) at CHUNK_CONTEXT_IMBALANCE times its requests' mean or more; balanced
-# long contexts fill the grid evenly and stay on the decode graphs (and their continuations).
+# chunk graphs split (two splits' worth) at CHUNK_CONTEXT_IMBALANCE times its requests' mean or more (such a
+# step's successor is continued on the chunk graphs, `diffulex.engine.continuation`); balanced long contexts fill
+# the grid evenly and stay on the decode graphs.
 CHUNK_CONTEXT_MIN_KEYS = 2 * CHUNK_MIN_SPLIT_KEYS
 CHUNK_CONTEXT_IMBALANCE = 4
 

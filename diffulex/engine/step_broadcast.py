@@ -44,7 +44,8 @@ class StepMessage:
     capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
     # GRAPH, CONTINUATION: the step replays the runner's short graphs (`Strategy.short_step_rows`)
     short: bool = False
-    # GRAPH: the step replays the runner's chunk graphs (a prompt's rows and the decoders' in one forward)
+    # GRAPH, CONTINUATION: the step replays the runner's chunk graphs (a prompt's rows and the decoders' in one
+    # forward, or decoders among a context that stands out)
     chunk: bool = False
     # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
     # step and its bucket's rows, in order; with ``bucket`` None they are the whole step

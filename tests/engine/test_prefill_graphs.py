@@ -216,6 +216,31 @@ def test_decoders_beside_a_long_context_ride_in_the_chunk_graphs_with_the_eager_
     assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the chunk graphs"
 
 
+def test_decode_steps_on_the_chunk_graphs_are_continued_on_them_with_the_eager_tokens(
+    peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step among a context that stands out replays the chunk graphs; its successor is queued on them
+    before its result is read (a continuation), as on the decode graphs, and the tokens stay the eager engine's.
+    Equal prompts and one token a step (threshold 1) keep the decoders' blocks in step, so that most steps may be
+    continued."""
+    import diffulex.engine.prefill_graphs as prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
+    fields = dict(buffer_size=1, accept_threshold=1.0, max_num_reqs=12, max_model_len=320)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [250] + [4] * 8, seed=47)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with static_engine(peaky_sdar_dir, chunk_graphs=True, **fields) as llm:
+        chunk = llm.runner.chunk_graphs
+        continued = []
+        replay_continuation = chunk.replay_continuation
+        chunk.replay_continuation = lambda *args: continued.append(args) or replay_continuation(*args)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert len(continued) >= 10, "decode steps beside the long context continued on the chunk graphs"
+
+
 def test_without_prefill_graphs_only_the_steps_with_a_standing_out_context_ride_in_the_chunk_graphs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -197,6 +197,29 @@ def test_prompts_beside_decoders_replay_the_chunk_graphs_on_the_worker_too(dense
     assert results[2] == results[1]
 
 
+def test_decode_steps_continued_on_the_chunk_graphs_follow_on_the_worker(dense_dir: Path, monkeypatch) -> None:
+    """Decode steps among a context that stands out replay the chunk graphs and are continued there: the worker
+    replays each continuation in its own chunk graphs (`StepMessage.chunk`), with TP=1's tokens. The length that
+    counts as long is lowered to the tiny model's scale (rank 0 alone decides where a step runs)."""
+    import diffulex.engine.prefill_graphs as prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for size in (1, 2):
+        with make_engine(dense_dir, "sdar", size, buffer_size=1, accept_threshold=1.0, max_model_len=320,
+                         max_num_reqs=12) as llm:  # fmt: skip
+            llm.enable_static_decode(capture=False)
+            chunk, continued = llm.runner.chunk_graphs, []
+            replay = chunk.replay_continuation
+            chunk.replay_continuation = lambda *args, replay=replay, seen=continued: seen.append(args) or replay(*args)
+            prompts = random_prompts(llm, [250] + [4] * 8, seed=9)
+            trajectories = llm.generate(prompts, params, use_tqdm=False).trajectories
+            results[size] = ([describe(t) for t in trajectories], len(continued))
+    assert results[1][1] >= 5, "the scenario must continue steps on the chunk graphs"
+    assert results[2] == results[1]
+
+
 def test_each_step_reaches_the_worker_in_one_broadcast(dense_dir: Path, monkeypatch) -> None:
     """Rank 0 talks to the worker once per launched step, whatever the batch: no per-request conversation."""
     import torch.distributed as dist
