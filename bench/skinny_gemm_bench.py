@@ -64,6 +64,16 @@ GEOMETRIES: dict[str, dict[str, tuple[int, int]]] = {
     "sdar-8b": _sdar_linears("8b"),
     # a rank's shapes of SDAR-8B at tensor_parallel_size=2 (bench/tp_decode.py's geometry)
     "sdar-8b-tp2": _tensor_parallel_shard(_sdar_linears("8b"), 2),
+    # the dense linears of the MoE geometries (`bench sweep --targets moe`): SDAR-30B-A3B at 4 rows a request,
+    # LLaDA2-mini (blocks of 32) at 32, with its shared expert
+    "sdar-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096), "lm_head": (151936, 2048)},
+    "llada2-mini": {
+        "qkv": (3072, 2048),
+        "o_proj": (2048, 2048),
+        "gate_up": (1024, 2048),
+        "down": (2048, 512),
+        "lm_head": (157184, 2048),
+    },
     # not in the config table: these check the generic config (Qwen3-4B and Qwen2.5-7B / Dream-7B layouts)
     "sdar-4b": _sdar_linears("4b"),
     "dream-7b": {

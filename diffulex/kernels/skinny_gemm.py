@@ -315,6 +315,31 @@ _TABLE: dict[tuple[int, int, int], SkinnyConfig | None] = {
     (75968, 4096, 4): _C(64, 256, 4, 4, True, 1),
     (75968, 4096, 8): _C(64, 128, 4, 6, True, 1),
     (75968, 4096, 16): _C(64, 128, 4, 6, True, 1),
+    # The dense linears of the MoE geometries on an H100 (`bench/skinny_gemm_bench.py --sweep --geometries
+    # sdar-30b-a3b llada2-mini`, 2026-11-26): SDAR-30B-A3B's qkv, o and (at 32 rows) LM head, 1.02-1.45x cuBLAS;
+    # LLaDA2-mini's qkv, o and LM head at 32 rows (a block of 32 a request) and its shared expert, 1.03-1.39x.
+    # SDAR-1.7B's entries of the same shapes above stay (they were chosen in its batch-1 chain).
+    (5120, 2048, 1): _C(64, 128, 4, 6, True, 1),
+    **{(5120, 2048, b): _C(64, 128, 4, 4, True, 1, True) for b in (4, 8, 16)},
+    (5120, 2048, 32): _C(64, 128, 4, 6, True, 1),
+    (2048, 4096, 1): _C(64, 128, 4, 6, True, 4),
+    **{(2048, 4096, b): _C(64, 256, 4, 3, True, 4) for b in (4, 8)},
+    **{(2048, 4096, b): _C(64, 128, 4, 6, True, 4) for b in (16, 32)},
+    (151936, 2048, 32): _C(64, 128, 4, 6, True, 1),
+    (3072, 2048, 1): _C(64, 128, 4, 4, True, 3),
+    **{(3072, 2048, b): _C(32, 256, 4, 4, True, 6) for b in (4, 8)},
+    **{(3072, 2048, b): _C(64, 128, 4, 6, True, 1, True) for b in (16, 32)},
+    (2048, 2048, 32): _C(64, 128, 4, 6, True, 4),
+    (1024, 2048, 1): _C(64, 256, 4, 4, True, 8),
+    (1024, 2048, 4): _C(64, 256, 4, 3, True, 8),
+    (1024, 2048, 8): _C(64, 256, 4, 4, True, 8),
+    (1024, 2048, 16): _C(64, 128, 4, 6, True, 8),
+    (1024, 2048, 32): _C(16, 512, 4, 4, True, 2),
+    (2048, 512, 1): _C(16, 512, 4, 1, False, 1),
+    **{(2048, 512, b): _C(64, 128, 4, 4, True, 1, True) for b in (4, 8, 16, 32)},
+    **{(157184, 2048, b): _C(64, 256, 4, 4, True, 1) for b in (1, 4, 8)},
+    (157184, 2048, 16): _C(64, 128, 4, 6, True, 1),
+    (157184, 2048, 32): _C(64, 128, 4, 4, True, 1, True),
 }
 # Shapes the table does not list get the config that won most of it, when they look like the measured ones:
 # at least 4M weights (8 MB in bf16; smaller matrices are all launch latency) and K a multiple of the tile.
