@@ -3,7 +3,8 @@
 the host reads it makes (`diffulex.testing.diffusion_gemma_canvas_reference.denoise_canvas`, then each canvas's
 argmax read, as the runner did before), on random logits of the DiffusionGemma-26B-A4B shapes (canvas 256,
 vocabulary 262,144, hidden 2,816, bf16 embedding) or of the tiny CPU geometry; and whether both give every canvas
-the same outcome, bit for bit, at those shapes (the reductions' split over thread blocks follows the shapes).
+the same outcome at those shapes: the same tokens, argmax and end, with the mean entropy and self-conditioning input
+bit for bit on the CPU and within float32 rounding on a GPU (`same`).
 
     PYTHONPATH=. python bench/canvas_rule.py OUT_DIR [--geometry 26b-a4b|tiny] [--batch-sizes 1 8] [--iters 10]
         [--profile-top 15]
@@ -29,7 +30,13 @@ import torch
 
 from diffulex.bench.sweep_common import sync
 from diffulex.strategy.diffusion_gemma import DiffusionGemmaOptions
-from diffulex.strategy.diffusion_gemma.canvas import CanvasState, CanvasSteps, denoise_canvases, initial_canvas
+from diffulex.strategy.diffusion_gemma.canvas import (
+    CanvasState,
+    CanvasSteps,
+    denoise_canvases,
+    initial_canvas,
+    self_conditioning_probs,
+)
 from diffulex.strategy.diffusion_gemma.pending import copy_outcome
 from diffulex.testing.diffusion_gemma_canvas_reference import denoise_canvas
 
@@ -50,7 +57,9 @@ class Embeddings:
         self.scale = torch.tensor(hidden**0.5, dtype=torch.bfloat16).item()
 
     def soft(self, scaled: torch.Tensor) -> torch.Tensor:
-        probs = scaled.to(self.weight.dtype).softmax(dim=-1, dtype=torch.float32).to(self.weight.dtype)
+        return self.soft_of_probs(self_conditioning_probs(scaled, self.weight.dtype))
+
+    def soft_of_probs(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.matmul(probs, self.weight) * self.scale
 
     def one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -70,8 +79,8 @@ def make_inputs(batch: int, geometry: str, device: torch.device) -> tuple[torch.
 
 
 def run_batched(logits, states, temperatures, seeds, options, vocab, embeddings) -> tuple[CanvasSteps, list, list]:
-    group = denoise_canvases(logits, states, temperatures, seeds, options.schedule, vocab, embeddings.soft,
-                             embeddings.one_hot)  # fmt: skip
+    group = denoise_canvases(logits, states, temperatures, seeds, options.schedule, vocab, embeddings.soft_of_probs,
+                             embeddings.one_hot, embeddings.weight.dtype)  # fmt: skip
     outcome, entropies, ready = copy_outcome([group])
     return group, outcome, entropies, ready
 
@@ -92,14 +101,29 @@ def run_reference(logits, states, temperatures, seeds, options, vocab, embedding
     return steps
 
 
+# On a GPU the batched rule's sampled canvases take two fused passes over their logits (`sample_canvas`), whose
+# float32 sums round otherwise than PyTorch's: their mean entropy within this relative distance of the reference's,
+# their self-conditioning inputs within bf16 rounding. On the CPU both are the same code, bit for bit.
+ENTROPY_RTOL = 1e-5
+SOFT_RTOL, SOFT_ATOL = 2e-2, 1e-3
+
+
 def same(ours, theirs) -> bool:
+    """The same tokens, argmax and end; the mean entropy and self-conditioning input equal on the CPU, within
+    float32 rounding (`ENTROPY_RTOL`, `SOFT_RTOL`) on a GPU."""
     if not (torch.equal(ours.argmax, theirs.argmax) and torch.equal(ours.state.tokens, theirs.state.tokens)):
         return False
-    if ours.finished != theirs.finished or ours.mean_entropy != theirs.mean_entropy:
+    exact = ours.argmax.device.type == "cpu"
+    entropy_ok = math.isclose(ours.mean_entropy, theirs.mean_entropy, rel_tol=0 if exact else ENTROPY_RTOL)
+    if ours.finished != theirs.finished or not entropy_ok:
         return False
     if (ours.state.soft_embeds is None) != (theirs.state.soft_embeds is None):
         return False
-    return theirs.state.soft_embeds is None or torch.equal(ours.state.soft_embeds, theirs.state.soft_embeds)
+    if theirs.state.soft_embeds is None:
+        return True
+    if exact:
+        return torch.equal(ours.state.soft_embeds, theirs.state.soft_embeds)
+    return torch.allclose(ours.state.soft_embeds.float(), theirs.state.soft_embeds.float(), SOFT_RTOL, SOFT_ATOL)
 
 
 def measure(batch: int, geometry: str, iters: int, device: torch.device) -> dict:

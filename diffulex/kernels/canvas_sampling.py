@@ -25,6 +25,12 @@ softmax takes a cheaper exponential, some 10 ulps from either). The draw is `dra
 of the largest ``p / race`` (IEEE division), ``race`` being the caller's ``Exp(1)`` numbers (drawn with the
 request's generator, exactly as `draw_categorical` draws them).
 
+The self-conditioning input is another softmax: that of the scaled logits rounded to the model dtype (the model is
+handed its logits in its dtype, `diffulex.strategy.diffusion_gemma.canvas.self_conditioning_probs`), rounded to the
+model dtype again. Asked for that dtype, `row_statistics` also keeps the maximum and the sum of the exponentials of
+the rounded logits (``probs_max``, ``probs_sum``; the rounding in registers), and `draw_and_probs` writes
+``exp(r(x) - probs_max) / probs_sum`` in that dtype, ``r`` the rounding to it.
+
 A row with a NaN, a ``+inf`` or no finite entry at all is no distribution `torch.multinomial` accepts: its
 ``finite`` flag is False (`drawable`'s verdict), its entropy NaN (as `token_entropy`'s), its argmax and maximum
 those of ``torch.argmax`` and ``torch.max`` (the first NaN; else the first ``+inf``), and its draw some index in
@@ -70,6 +76,12 @@ class RowStatistics(NamedTuple):
     log_sum: torch.Tensor  # float32: log(s), so log_softmax(x) = x - m - log_sum
     entropy: torch.Tensor  # float32: entropy of softmax(x), -inf entries contributing 0
     finite: torch.Tensor  # bool: no NaN, no +inf and some entry above -inf (a distribution to draw from)
+    probs_max: torch.Tensor  # float32: max of x rounded to the probabilities' dtype (max itself for float32)
+    probs_sum: torch.Tensor  # float32: sum exp(r(x) - probs_max), r the rounding (sum itself for float32)
+
+
+# The dtypes the probabilities are formed in, as Triton names them.
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -91,6 +103,29 @@ def _log(x):
 
 
 @triton.jit
+def _rounded(x, ROUND_TO: tl.constexpr):
+    """``x`` as the model dtype holds it (rounded to nearest even), back in float32."""
+    if ROUND_TO == tl.float32:
+        y = x
+    else:
+        y = cast_rne(x, ROUND_TO).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _add_weight(m, s, x):
+    """A running maximum ``m`` and sum ``s = sum exp(v - m)`` with ``x`` added: the sum rescaled where ``x`` raises
+    the maximum. One exponential, ``exp(-|x - m|)``; ``-inf`` (and NaN) entries weigh 0."""
+    above = x > m
+    hi = tl.where(above, x, m)
+    lo = tl.where(above, m, x)
+    counts = lo > float("-inf")
+    hi_or_0 = tl.where(hi > float("-inf"), hi, 0.0)
+    z = tl.where(counts, _exp(tl.where(counts, lo, hi_or_0) - hi_or_0), 0.0)
+    return hi, tl.where(above, s * z + 1.0, s + z)
+
+
+@triton.jit
 def _row_statistics_kernel(
     x_ptr,
     argmax_ptr,
@@ -99,8 +134,11 @@ def _row_statistics_kernel(
     log_sum_ptr,
     entropy_ptr,
     finite_ptr,
+    probs_max_ptr,
+    probs_sum_ptr,
     vocab,
     BLOCK: tl.constexpr,
+    ROUND_TO: tl.constexpr,  # the probabilities' dtype; float32: no statistics of their own
 ):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * vocab
@@ -110,6 +148,8 @@ def _row_statistics_kernel(
     s = tl.zeros((BLOCK,), tl.float32)  # sum exp(x - m) over the lane
     t = tl.zeros((BLOCK,), tl.float32)  # sum exp(x - m) * (x - m) over the lane
     first_nan = tl.full((BLOCK,), _NO_INDEX, tl.int32)
+    pm = tl.full((BLOCK,), float("-inf"), tl.float32)  # the same maximum and sum of the rounded logits
+    ps = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         ids = start + lanes
         x = tl.load(base + ids, mask=ids < vocab, other=float("-inf"))
@@ -128,6 +168,8 @@ def _row_statistics_kernel(
         best = tl.where(above, ids, best)
         m = hi
         first_nan = tl.minimum(first_nan, tl.where(x != x, ids, _NO_INDEX))
+        if ROUND_TO != tl.float32:
+            pm, ps = _add_weight(pm, ps, _rounded(x, ROUND_TO))
     # merge the lanes: rescale each lane's sums to the row maximum
     row_max = tl.max(m, axis=0)
     arg = tl.min(tl.where(m == row_max, best, _NO_INDEX), axis=0)
@@ -147,6 +189,11 @@ def _row_statistics_kernel(
     tl.store(log_sum_ptr + row, log_s)
     tl.store(entropy_ptr + row, tl.where(finite, entropy, float("nan")))
     tl.store(finite_ptr + row, finite.to(tl.int8))
+    if ROUND_TO != tl.float32:
+        probs_max = tl.max(pm, axis=0)
+        probs_shift = tl.where(probs_max == float("-inf"), 0.0, probs_max)
+        tl.store(probs_max_ptr + row, probs_max)
+        tl.store(probs_sum_ptr + row, tl.sum(ps * _exp(pm - probs_shift), axis=0))
 
 
 @triton.jit
@@ -156,6 +203,8 @@ def _draw_kernel(
     max_ptr,
     sum_ptr,
     finite_ptr,
+    probs_max_ptr,
+    probs_sum_ptr,
     drawn_ptr,
     valid_ptr,
     probs_ptr,
@@ -168,6 +217,8 @@ def _draw_kernel(
     lanes = tl.arange(0, BLOCK)
     row_max = tl.load(max_ptr + row)
     row_sum = tl.load(sum_ptr + row)
+    probs_max = tl.load(probs_max_ptr + row)
+    probs_sum = tl.load(probs_sum_ptr + row)
     best_q = tl.full((BLOCK,), -1.0, tl.float32)  # below every quotient p / race >= 0
     best = tl.zeros((BLOCK,), tl.int32)  # index 0 until a lane sees a number: a draw in range whatever the row
     for start in range(0, vocab, BLOCK):
@@ -177,7 +228,9 @@ def _draw_kernel(
         race = tl.load(race_ptr + offset + ids, mask=ok, other=1.0)
         p = tl.math.div_rn(_exp(x - row_max), row_sum)
         if WRITE_PROBS:
-            tl.store(probs_ptr + offset + ids, cast_rne(p, probs_ptr.dtype.element_ty), mask=ok)
+            dtype = probs_ptr.dtype.element_ty
+            soft = tl.math.div_rn(_exp(_rounded(x, dtype) - probs_max), probs_sum)
+            tl.store(probs_ptr + offset + ids, cast_rne(soft, dtype), mask=ok)
         q = tl.math.div_rn(p, race)
         better = ok & (q > best_q)  # strictly: a lane keeps its lowest index among equal quotients
         best_q = tl.where(better, q, best_q)
@@ -199,20 +252,30 @@ def _check_logits(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} has a vocabulary of {x.shape[1]}; at most {_MAX_VOCAB - 1} ids are allowed")
 
 
-def row_statistics(scaled: torch.Tensor) -> RowStatistics:
+def row_statistics(scaled: torch.Tensor, probs_dtype: torch.dtype | None = None) -> RowStatistics:
     """One pass over ``scaled [R, V]`` (float32, contiguous, already divided by its temperature, banned ids
     ``-inf``): each row's argmax, maximum, softmax denominator and its log, entropy and finiteness (`RowStatistics`;
-    the module docstring says how they round and what a non-finite row gets)."""
+    the module docstring says how they round and what a non-finite row gets). With ``probs_dtype`` (one of
+    `PROBS_DTYPES`; the dtype `draw_and_probs` will write the probabilities in) also the maximum and denominator of
+    the logits rounded to it."""
     _check_logits("scaled", scaled)
+    if probs_dtype is not None and probs_dtype not in PROBS_DTYPES:
+        raise ValueError(f"probs_dtype={probs_dtype} is invalid: allowed {', '.join(map(str, PROBS_DTYPES))}")
+    round_to = _TRITON_DTYPES[probs_dtype or torch.float32]
     rows, vocab = scaled.shape
     device = scaled.device
+    row_max = torch.empty(rows, dtype=torch.float32, device=device)
+    row_sum = torch.empty(rows, dtype=torch.float32, device=device)
+    rounded = round_to != tl.float32
     stats = RowStatistics(
         argmax=torch.empty(rows, dtype=torch.int64, device=device),
-        max=torch.empty(rows, dtype=torch.float32, device=device),
-        sum=torch.empty(rows, dtype=torch.float32, device=device),
+        max=row_max,
+        sum=row_sum,
         log_sum=torch.empty(rows, dtype=torch.float32, device=device),
         entropy=torch.empty(rows, dtype=torch.float32, device=device),
         finite=torch.empty(rows, dtype=torch.bool, device=device),
+        probs_max=torch.empty_like(row_max) if rounded else row_max,
+        probs_sum=torch.empty_like(row_sum) if rounded else row_sum,
     )
     if rows == 0:
         return stats
@@ -226,8 +289,11 @@ def row_statistics(scaled: torch.Tensor) -> RowStatistics:
         stats.log_sum,
         stats.entropy,
         stats.finite.view(torch.int8),
+        stats.probs_max,
+        stats.probs_sum,
         vocab,
         BLOCK=BLOCK,
+        ROUND_TO=round_to,
         num_warps=_NUM_WARPS,
     )
     return stats
@@ -243,7 +309,8 @@ def draw_and_probs(
     lowest index on ties), given ``race [R, V]`` (float32 ``Exp(1)`` numbers) and ``stats = row_statistics(scaled)``.
     Returns ``(drawn, valid)``: ``[R]`` int64 indices and ``[R]`` bool, False where the row is no distribution to draw
     from (``stats.finite``; `drawable`'s verdict). When ``probs_out`` (``[R, V]`` contiguous, one of
-    `PROBS_DTYPES`) is given, ``softmax(scaled)`` is also written there, rounded to nearest even."""
+    `PROBS_DTYPES`) is given, the softmax of ``scaled`` rounded to its dtype is also written there, rounded to
+    nearest even: ``stats`` must then be ``row_statistics(scaled, probs_out.dtype)``."""
     _check_logits("scaled", scaled)
     _check_logits("race", race)
     if race.shape != scaled.shape:
@@ -274,6 +341,8 @@ def draw_and_probs(
         stats.max,
         stats.sum,
         stats.finite.view(torch.int8),
+        stats.probs_max,
+        stats.probs_sum,
         drawn,
         valid.view(torch.int8),
         scaled if probs_out is None else probs_out,

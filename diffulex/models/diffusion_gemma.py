@@ -485,11 +485,16 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
     def soft_embeddings(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``softmax(logits) @ E * sqrt(hidden)`` (softmax in float32); rows where ``mask [B]`` is False are 0."""
         weight = self.model.decoder.embed_tokens.weight
-        probs = logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-        soft = torch.matmul(probs, weight) * self._embed_scale(weight.dtype)
+        soft = self.probs_soft_embeddings(logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype))
         if mask is not None:
             soft = soft * mask.to(soft.dtype)[:, None, None]
         return soft
+
+    def probs_soft_embeddings(self, probs: torch.Tensor) -> torch.Tensor:
+        """`soft_embeddings` from the probabilities, already in the model dtype: the canvas rule computes them
+        with its own sampling pass (`diffulex.kernels.canvas_sampling`)."""
+        weight = self.model.decoder.embed_tokens.weight
+        return torch.matmul(probs, weight) * self._embed_scale(weight.dtype)
 
     @torch.no_grad()
     def denoise_step(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diffulex.kernels.canvas_sampling import BLOCK, RowStatistics, draw_and_probs, row_statistics
-from diffulex.strategy.diffusion_gemma.canvas import token_entropy
+from diffulex.strategy.diffusion_gemma.canvas import self_conditioning_probs, token_entropy
 from tests.kernels.test_fused_norm import DEVICE, assert_matches, ulps
 
 NEG_INF = float("-inf")
@@ -122,19 +122,25 @@ def test_equal_quotients_go_to_the_lowest_index():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [5000, 300])
-def test_the_probabilities_are_torch_softmax_in_the_requested_dtype(dtype, vocab):
+def test_the_probabilities_are_the_self_conditioning_softmax_in_the_requested_dtype(dtype, vocab):
+    """The probabilities written are `self_conditioning_probs`: the softmax of the logits rounded to the model
+    dtype, rounded to it again; the draw stays the one from the float32 logits."""
     x = canvas_rows(vocab, seed=3)
     race = torch.empty_like(x).exponential_(1.0, generator=torch.Generator().manual_seed(3))
     probs = torch.full(x.shape, float("nan"), dtype=dtype, device=DEVICE)
-    stats = row_statistics(x.to(DEVICE))
+    stats = row_statistics(x.to(DEVICE), dtype)
     drawn, _ = draw_and_probs(x.to(DEVICE), race.to(DEVICE), stats, probs_out=probs)
     if dtype == torch.float32:
         # CUDA's softmax formula, with torch's accurate exp (its CPU softmax uses a cheaper one, 11 ulps off here)
         e = torch.exp(x - x.max(dim=-1, keepdim=True).values)
         assert ulps(probs, e / e.sum(dim=-1, keepdim=True)).max() <= PROBS_ULPS
     else:  # at most one ulp of the model dtype, almost all bit for bit
-        assert_matches(probs, torch.softmax(x, dim=-1).to(dtype))
-    without, _ = draw_and_probs(x.to(DEVICE), race.to(DEVICE), stats)
+        assert_matches(probs, self_conditioning_probs(x, dtype))
+        rounded = x.to(dtype).float()
+        torch.testing.assert_close(stats.probs_max.cpu(), rounded.max(dim=-1).values, rtol=0, atol=0)
+        want_sum = torch.exp(rounded - rounded.max(dim=-1, keepdim=True).values).sum(dim=-1)
+        torch.testing.assert_close(stats.probs_sum.cpu(), want_sum, rtol=1e-6, atol=0)
+    without, _ = draw_and_probs(x.to(DEVICE), race.to(DEVICE), row_statistics(x.to(DEVICE)))
     assert torch.equal(drawn, without), "writing the probabilities changes nothing about the draw"
 
 
@@ -166,3 +172,31 @@ def test_bad_arguments_are_refused_by_name():
         draw_and_probs(x, x, stats, probs_out=torch.empty(3, 100, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match=r"probs_out has shape \(3, 50\)"):
         draw_and_probs(x, x, stats, probs_out=torch.empty(3, 50, device=DEVICE))
+    with pytest.raises(ValueError, match=r"probs_dtype=torch.int8 is invalid: allowed torch.bfloat16"):
+        row_statistics(x, torch.int8)
+
+
+@pytest.mark.parametrize("probs_dtype", [None, torch.bfloat16, torch.float32])
+def test_a_canvas_sampled_in_the_fused_passes_gets_the_torch_codes_draws(probs_dtype):
+    """`fused_sample_canvas` (the canvas rule's GPU path) against `torch_sample_canvas`: the same draws, drawable
+    flag and generator state after them (the re-noising numbers come next), the entropies within float32 rounding,
+    the self-conditioning probabilities within one unit of their dtype (a few of float32)."""
+    from diffulex.strategy.diffusion_gemma.canvas import fused_sample_canvas, torch_sample_canvas
+
+    vocab, limit = 300, 280
+    scaled = 3 * torch.randn(16, vocab, generator=torch.Generator().manual_seed(4)) / 0.7
+    scaled[:, limit:] = NEG_INF
+    fused_gen, torch_gen = (torch.Generator(device=DEVICE).manual_seed(8) for _ in range(2))
+    fused = fused_sample_canvas(scaled.to(DEVICE), fused_gen, probs_dtype)
+    want = torch_sample_canvas(scaled.to(DEVICE), torch_gen, probs_dtype)
+    assert torch.equal(fused.drawn, want.drawn)
+    assert bool(fused.drawable) and bool(want.drawable)
+    after = [torch.randint(0, limit, (16,), generator=g, device=DEVICE) for g in (fused_gen, torch_gen)]
+    assert torch.equal(*after)
+    torch.testing.assert_close(fused.entropy, want.entropy, rtol=ENTROPY_RTOL, atol=ENTROPY_ATOL)
+    if probs_dtype is None:
+        assert fused.probs is None and want.probs is None
+    else:
+        assert fused.probs.dtype == probs_dtype
+        units = PROBS_ULPS if probs_dtype == torch.float32 else 1  # float32: PyTorch's CPU exp is the cheaper one
+        torch.testing.assert_close(fused.probs, want.probs, rtol=units * torch.finfo(probs_dtype).eps, atol=1e-7)

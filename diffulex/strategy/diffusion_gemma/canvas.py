@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from diffulex.layers.dispatch import triton_available
+
 # Stream index of a canvas's initial noise among its random streams (steps use 0, 1, ...).
 NOISE_STREAM = -1
 
@@ -134,6 +136,64 @@ def drawable(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(probs.gather(-1, drawn[:, None])).all()
 
 
+def self_conditioning_probs(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The next step's self-conditioning probabilities in the model dtype: the softmax (in float32) of the scaled
+    logits rounded to the model dtype, as the model's `soft_embeddings` computes it from logits it is handed in
+    its dtype."""
+    return scaled.to(dtype).softmax(dim=-1, dtype=torch.float32).to(dtype)
+
+
+@dataclass(frozen=True)
+class CanvasDraw:
+    """What a sampled canvas's step takes from its scaled logits: each position's entropy and draw, whether every
+    row was a distribution to draw from, and (unless the canvas ends) its self-conditioning probabilities."""
+
+    entropy: torch.Tensor  # [C] float32
+    drawn: torch.Tensor  # [C] int64
+    drawable: torch.Tensor  # 0-dim bool
+    probs: torch.Tensor | None  # [C, vocab] in the model dtype
+
+
+def sample_canvas(
+    scaled: torch.Tensor, generator: torch.Generator, probs_dtype: torch.dtype | None
+) -> CanvasDraw:
+    """One sampled canvas's entropies, draws (from ``generator``, which it leaves where `draw_categorical` does)
+    and, with a ``probs_dtype``, self-conditioning probabilities, from its scaled logits ``[C, vocab]``: on a GPU
+    with Triton `fused_sample_canvas`, else the PyTorch code (`torch_sample_canvas`, the reference)."""
+    if scaled.is_cuda and triton_available():
+        return fused_sample_canvas(scaled, generator, probs_dtype)
+    return torch_sample_canvas(scaled, generator, probs_dtype)
+
+
+def torch_sample_canvas(
+    scaled: torch.Tensor, generator: torch.Generator, probs_dtype: torch.dtype | None
+) -> CanvasDraw:
+    """`sample_canvas` in PyTorch, the one-canvas rule's operations: about twenty float32 passes over the logits."""
+    entropy = token_entropy(scaled)
+    probs = torch.softmax(scaled, dim=-1)
+    drawn = draw_categorical(probs, generator)
+    valid = drawable(probs, drawn)
+    del probs
+    soft_probs = None if probs_dtype is None else self_conditioning_probs(scaled, probs_dtype)
+    return CanvasDraw(entropy, drawn, valid, soft_probs)
+
+
+def fused_sample_canvas(
+    scaled: torch.Tensor, generator: torch.Generator, probs_dtype: torch.dtype | None
+) -> CanvasDraw:
+    """`sample_canvas` in two passes over the logits (`diffulex.kernels.canvas_sampling`): each row's maximum,
+    normalizer and entropy (and those of the logits rounded to ``probs_dtype``), then the draw from the same
+    exponential race as `draw_categorical`'s, with the probabilities written once in ``probs_dtype``. Within
+    float32 rounding of `torch_sample_canvas`: the sums run in another order."""
+    from diffulex.kernels.canvas_sampling import draw_and_probs, row_statistics
+
+    stats = row_statistics(scaled, probs_dtype)
+    race = torch.empty_like(scaled).exponential_(1.0, generator=generator)
+    probs = None if probs_dtype is None else torch.empty(scaled.shape, dtype=probs_dtype, device=scaled.device)
+    drawn, finite = draw_and_probs(scaled, race, stats, probs)
+    return CanvasDraw(stats.entropy, drawn, finite.all(), probs)
+
+
 @dataclass(frozen=True)
 class CanvasSteps:
     """One step of a group of canvases, on the device until the step's result is read; `resolve` turns canvas
@@ -163,6 +223,7 @@ def denoise_canvases(
     vocab_limit: int,
     soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
     token_soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
+    probs_dtype: torch.dtype,
 ) -> CanvasSteps:
     """One step of every canvas of a group from their decoder logits ``[G, C, vocab]`` (float32, soft-capped;
     overwritten: banned ids and each canvas's temperature applied in place); canvas ``b`` is at ``states[b]``, of a
@@ -170,16 +231,18 @@ def denoise_canvases(
     random streams of ``seeds[b]``.
 
     Nothing is read on the host, so the host queues the whole step without waiting for the device. Each canvas gets
-    the numbers of the rule written for one canvas (docs/strategies.md), bit for bit: what one row computes
-    alone whatever the rows beside it runs once for the group (the ban, the argmax, the stability check, the
-    one-hot self-conditioning); what torch rounds differently with the number of rows it is launched over runs per
-    canvas, with that canvas's shapes (the reductions over the vocabulary and over the canvas, whose split over
-    thread blocks follows the row count, and the self-conditioning product, whose GEMM algorithm does), and so do
-    the draws from each canvas's own generator.
+    the numbers it would get in a group of its own, bit for bit, and on the CPU those of the rule written for one
+    canvas (docs/strategies.md; on a GPU its sampled canvases take `sample_canvas`'s two-pass kernels, within
+    float32 rounding of it): what one row computes alone whatever the rows beside it runs once for the group (the
+    ban, the argmax, the stability check, the one-hot self-conditioning); what torch rounds differently with the
+    number of rows it is launched over runs per canvas, with that canvas's shapes (the reductions over the
+    vocabulary and over the canvas, whose split over thread blocks follows the row count, and the
+    self-conditioning product, whose GEMM algorithm does), and so do the draws from each canvas's own generator.
 
-    ``soft_embeddings(logits [1, C, vocab]) -> [1, C, hidden]`` and ``token_soft_embeddings(tokens [..., C])`` are
-    the model's, for the next step's self-conditioning input; it is computed for every canvas that may go on (all
-    but those at their schedule's last step), since whether one settled is known only when the step is read."""
+    ``soft_embeddings(probs [1, C, vocab]) -> [1, C, hidden]`` (probabilities in ``probs_dtype``, the model's:
+    `self_conditioning_probs`) and ``token_soft_embeddings(tokens [..., C])`` are the model's, for the next step's
+    self-conditioning input; it is computed for every canvas that may go on (all but those at their schedule's
+    last step), since whether one settled is known only when the step is read."""
     _, length, vocab = logits.shape
     device = logits.device
     if vocab_limit < vocab:
@@ -204,18 +267,14 @@ def denoise_canvases(
             if not last[b]:
                 soft = one_hot_soft[b]
         else:
-            scaled = logits[b]
-            entropy = token_entropy(scaled)
-            means.append(entropy.mean())
             generator = step_generator(seeds[b], state.index, state.steps, device)
-            probs = torch.softmax(scaled, dim=-1)
-            drawn = draw_categorical(probs, generator)
-            valid.append(drawable(probs, drawn))
-            del probs
+            draw = sample_canvas(logits[b], generator, None if last[b] else probs_dtype)
+            means.append(draw.entropy.mean())
+            valid.append(draw.drawable)
             noise = torch.randint(0, vocab_limit, (length,), generator=generator, device=device)
-            tokens = torch.where(entropy_bound_acceptance(entropy, schedule.entropy_bound), drawn, noise)
-            if not last[b]:
-                soft = soft_embeddings(scaled[None])[0]
+            tokens = torch.where(entropy_bound_acceptance(draw.entropy, schedule.entropy_bound), draw.drawn, noise)
+            if draw.probs is not None:
+                soft = soft_embeddings(draw.probs[None])[0]
         history = (*state.history, argmax[b])[-schedule.stability_threshold :]
         next_states.append(CanvasState(state.index, tokens, soft, history, state.steps + 1))
     mean_entropy = torch.stack(means)

@@ -273,8 +273,8 @@ class CanvasRunner:
         dtype = model.model.decoder.embed_tokens.weight.dtype
         return denoise_canvases(
             logits, states, temperatures, seeds, self.settings.schedule, self.settings.vocab_limit,
-            soft_embeddings=lambda scaled: model.soft_embeddings(scaled.to(dtype)),
-            token_soft_embeddings=model.token_soft_embeddings,
+            soft_embeddings=model.probs_soft_embeddings, token_soft_embeddings=model.token_soft_embeddings,
+            probs_dtype=dtype,
         )  # fmt: skip
 
     # ----- the encoder ------------------------------------------------------------------------------------
