@@ -58,9 +58,14 @@ REPLAYS = 5
 # The fused result may be off the float32 computation by this many bf16 units in the last place of the output's
 # largest value, or by twice the grouped GEMM's error, whichever is larger.
 MAX_ULPS = 8
-# Tile configs timed beside `config_for`'s, while the sweep's budget lasts: (block_n gate_up, block_n down,
-# block_k, warps, stages); the row tile stays `config_for`'s.
-VARIANTS = [(64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3), (32, 32, 256, 4, 3), (128, 128, 64, 8, 4)]
+# Tile configs timed beside `config_for`'s, while the sweep's budget lasts: (row tile as a multiple of
+# `config_for`'s, block_n gate_up, block_n down, block_k, warps, stages). Row tiles of 2x and 4x are tried where an
+# expert's pairs would otherwise span several tiles (each tile streams the expert's weights again), up to
+# `MAX_BLOCK_M` rows.
+VARIANTS = [(1, 64, 64, 128, 4, 4), (1, 32, 64, 128, 4, 4), (1, 64, 128, 128, 4, 3), (1, 32, 32, 256, 4, 3),
+            (1, 128, 128, 64, 8, 4), (2, 64, 64, 64, 4, 3), (2, 128, 128, 64, 8, 3), (2, 64, 128, 64, 8, 4),
+            (4, 64, 64, 64, 8, 3), (4, 128, 128, 64, 8, 3), (4, 64, 128, 32, 8, 4)]  # fmt: skip
+MAX_BLOCK_M = 256
 
 
 def time_graph(call: Callable[[int], object]) -> float:
@@ -125,15 +130,20 @@ def measure(name: str, geometry: dict, rows: int, stacks: list, moe: SparseMoE |
     expert_bytes = selected * 3 * H * inter * torch.finfo(DTYPE).bits // 8
     flops = 2 * rows * k * 3 * H * inter
     floor_us = max(expert_bytes / bandwidth, flops / PEAK_FLOPS) * 1e6
-    default = config_for(rows * k, E)
+    default = config_for(rows * k, E, H, inter)
     variants = {}
-    for n_gu, n_down, block_k, warps, stages in VARIANTS:
+    for scale, n_gu, n_down, block_k, warps, stages in VARIANTS:
         if time.monotonic() > sweep_until:
             break
-        cfg = FusedMoEConfig(default.block_m, n_gu, n_down, block_k, warps, stages)
-        variants[str(tuple(cfg))] = time_graph(
-            lambda i, cfg=cfg: fused_moe(x, weights, experts, *stacks[i % COPIES], config=cfg, activation=activation)
-        )
+        block_m = default.block_m * scale
+        if scale > 1 and (block_m > MAX_BLOCK_M or rows * k < E * block_m // 2):
+            continue  # no expert's pairs would fill half of the larger tile
+        cfg = FusedMoEConfig(block_m, n_gu, n_down, block_k, warps, stages)
+        try:
+            variants[str(tuple(cfg))] = time_graph(lambda i, cfg=cfg: fused_moe(
+                x, weights, experts, *stacks[i % COPIES], config=cfg, activation=activation))  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
+            print(f"  {name} T={rows} {tuple(cfg)} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
     row = {
         "geometry": name, "activation": activation, "rows": rows, "pairs": rows * k, "selected_experts": selected,
         "expert_bytes": expert_bytes, "flops": flops,

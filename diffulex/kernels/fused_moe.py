@@ -34,8 +34,9 @@ read exactly once. Accumulation is float32 on the tensor cores (``tl.dot``); flo
 not TF32. Programmatic dependent launch chains the four launches at decode row counts (`diffulex.kernels.pdl`);
 nothing of a launch's inputs is known before the previous one completes, so no prefetch precedes the wait.
 
-No autotuning at run time; `config_for` picks the tile from the pairs per expert. Under ``TRITON_INTERPRET=1``
-(the CPU tests) the tiles are multiplied in float32, as the interpreter's ``tl.dot`` mishandles bf16 operands;
+No autotuning at run time; `config_for` picks the tile from the pairs per expert (or a measured table). Under
+``TRITON_INTERPRET=1`` (the CPU tests) the tiles are multiplied in float32, as the interpreter's ``tl.dot``
+mishandles bf16 operands;
 products of bf16/fp16 values are exact in float32, so the result is the one the tensor cores accumulate.
 """
 
@@ -82,12 +83,24 @@ _BLOCK_M_STEPS = (16, 32, 64)
 _SPREAD = 2
 
 
-def config_for(num_pairs: int, num_experts: int) -> FusedMoEConfig:
-    """The config of a layer whose ``num_pairs`` token-expert pairs fall on ``num_experts`` experts. Not yet
-    measured per geometry (`bench/fused_moe_bench.py` times other configs beside it): 64 columns per program and
-    128-wide reduction tiles, the skinny GEMM's measured choice for weight streams of this size
+# (experts, hidden, inter) -> (fewest pairs, config): configs measured faster than the default from that many pairs
+# on (`bench/fused_moe_bench.py`, H100, 2026-11-26). DiffusionGemma-26B-A4B at 8 canvases (2,048 rows): 1,158 us
+# against 1,383 a layer, each expert's 128 pairs in two tiles of 64 whose programs take 128 columns in 8 warps; at
+# 1,024 rows and fewer the default was as fast or faster. (Row tiles of 128 and 256 were slower everywhere.)
+MEASURED_CONFIGS: dict[tuple[int, int, int], tuple[int, FusedMoEConfig]] = {
+    (128, 2816, 704): (2048 * 8, FusedMoEConfig(64, 128, 128, 64, 8, 4)),
+}
+
+
+def config_for(num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0) -> FusedMoEConfig:
+    """The config of a layer whose ``num_pairs`` token-expert pairs fall on ``num_experts`` experts of
+    ``hidden x inter``: a measured one (`MEASURED_CONFIGS`) where there is one for that many pairs, else 64 columns per
+    program and 128-wide reduction tiles, the skinny GEMM's measured choice for weight streams of this size
     (`diffulex.kernels.skinny_gemm`); three pipeline stages, so that two gate_up programs (a gate and an up tile
     per stage) share an SM's shared memory; and the row tile of `_BLOCK_M_STEPS`."""
+    measured = MEASURED_CONFIGS.get((num_experts, hidden, inter))
+    if measured is not None and num_pairs >= measured[0]:
+        return measured[1]
     busiest = triton.cdiv(num_pairs * _SPREAD, max(1, num_experts))
     block_m = next((m for m in _BLOCK_M_STEPS if m >= busiest), _BLOCK_M_STEPS[-1])
     return FusedMoEConfig(block_m, 64, 64, 128, 4, 3)
@@ -353,7 +366,7 @@ def fused_moe(
     if T == 0:
         return out
     num_pairs = T * top_k
-    cfg = config if config is not None else config_for(num_pairs, num_experts)
+    cfg = config if config is not None else config_for(num_pairs, num_experts, hidden, inter)
     if cfg.block_m < _MIN_TILE or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"config block_m must be a power of two >= {_MIN_TILE}, got {cfg.block_m}")
     tiles = max_tiles(num_pairs, num_experts, cfg.block_m)

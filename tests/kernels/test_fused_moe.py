@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from diffulex.kernels.fused_moe import (
     ACTIVATIONS,
+    MEASURED_CONFIGS,
     FusedMoEConfig,
     config_for,
     fused_moe,
@@ -207,6 +208,16 @@ def test_column_blocks_wider_than_the_matrices_are_clamped() -> None:
     assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
 
 
+@pytest.mark.parametrize("config", [config for _, config in MEASURED_CONFIGS.values()])
+def test_each_measured_config_gives_the_definitions_result(config: FusedMoEConfig) -> None:
+    """The configs of the measured table (wider programs, more warps) compute what the definition does."""
+    gate_up, down = stacked(torch.float32, seed=7)
+    x, weights, experts = routed(40, 2, seed=7)
+    out = fused_moe(x, weights, experts, gate_up, down, config=config, activation="gelu_tanh")
+    want = definition(x, weights, experts, gate_up, down, activation="gelu_tanh")
+    assert_close_up_to_reordering(out, want, HIDDEN + INTER + 2)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_no_rows_give_an_empty_output(activation: str) -> None:
     gate_up, down = stacked(torch.float32)
@@ -346,6 +357,16 @@ def test_diffusion_gemma_canvases_take_the_fused_path_up_to_the_rows_measured_fa
     assert all(fused_wins(256 * canvases, 8, 128, 2816, 704) for canvases in (1, 2, 4, 8))
     assert not fused_wins(256 * 9, 8, 128, 2816, 704)
     assert not fused_wins(1024, 8, 128, 2048, 768)  # an unmeasured geometry keeps the default
+
+
+def test_a_geometry_measured_faster_with_wider_programs_takes_them_from_its_measured_rows() -> None:
+    """DiffusionGemma-26B-A4B at 8 canvases (2,048 rows) measured faster with 128-column programs in 8 warps; at
+    fewer rows, and for the same expert count of another shape, the default config stays."""
+    dg = dict(num_experts=128, hidden=2816, inter=704)
+    eight = config_for(2048 * 8, **dg)
+    assert (eight.block_m, eight.block_n_gate_up, eight.block_n_down, eight.num_warps) == (64, 128, 128, 8)
+    assert config_for(1024 * 8, **dg) == config_for(1024 * 8, 128)
+    assert config_for(2048 * 8, 128, 2048, 768) == config_for(2048 * 8, 128)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
