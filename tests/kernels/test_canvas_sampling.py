@@ -49,7 +49,8 @@ def assert_statistics_are_the_torch_codes(stats: RowStatistics, x: torch.Tensor)
     rows = finite
     want_sum = torch.exp(x[rows] - m[rows]).sum(dim=-1)
     torch.testing.assert_close(stats.sum.cpu()[rows], want_sum, rtol=1e-6, atol=0)
-    torch.testing.assert_close(stats.log_sum.cpu()[rows], want_sum.log(), rtol=1e-6, atol=1e-7)
+    # log(s) is off by about the sum's relative error, absolutely (s near 1: log(s) near 0)
+    torch.testing.assert_close(stats.log_sum.cpu()[rows], want_sum.log(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stats.entropy.cpu()[rows], token_entropy(x[rows]), rtol=ENTROPY_RTOL, atol=ENTROPY_ATOL)
     assert stats.entropy.cpu()[~rows].isnan().all(), "a row with no distribution has entropy NaN, as torch's"
 
