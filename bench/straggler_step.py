@@ -1,7 +1,7 @@
 """What one long context does to the decode steps of many short requests: step time alone and with it among them.
 
     PYTHONPATH=. python bench/straggler_step.py OUT_DIR [--model 1.7b] [--strategies multi_bd d2f]
-        [--decoders 32] [--long 16000] [--steps 24] [--buffer-size 1] [--quick]
+        [--decoders 32] [--long 16000] [--steps 24] [--buffer-size 1] [--profile-top N] [--quick]
 
 For each strategy, an engine of the SDAR geometry with random weights (bf16, graphs, block 4, buffer 1 unless
 ``--buffer-size``) admits ``--decoders`` requests of 128-token prompts and times ``--steps`` decode steps (their
@@ -13,8 +13,9 @@ grid cannot fill the GPU), and the share of steps launched as continuations (bef
 `multi_bd` has had chunk graphs beside its prefill graphs; `d2f`, whose prompts cannot be split off, has them only
 for such steps.
 
-Writes ``OUT_DIR/straggler_step.json``. ``--quick`` runs a tiny checkpoint on whatever device there is (the CPU
-tests), with contexts scaled down; its times mean nothing.
+``--profile-top N`` profiles as many more steps of each phase and lists their N longest kernels (and the kernel
+time by kind). Writes ``OUT_DIR/straggler_step.json``. ``--quick`` runs a tiny checkpoint on whatever device there
+is (the CPU tests), with contexts scaled down; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -52,8 +53,25 @@ def _chunk_replays(engine: Diffulex) -> int:
     return 0 if chunk is None else chunk.num_replays
 
 
-def measure(path: Path, strategy: str, decoders: int, long_len: int, steps: int, fields: dict[str, Any]) -> dict:
-    """One strategy's steps alone and joined by the long request (milliseconds, means)."""
+def _profile(engine: Diffulex, steps: int, top: int) -> dict[str, object]:
+    """GPU activity of ``steps`` more steps (`diffulex.bench.gpu_profile`), its ``top`` kernels printed."""
+    from diffulex.bench.gpu_profile import profile_steps
+
+    summary = profile_steps(engine.step, steps, engine.device, top=top, time_unprofiled=False)
+    by_kind = ", ".join(f"{kind} {ms:.2f}" for kind, ms in summary["kernel_ms_per_step"].items())
+    print(f"    GPU busy {summary['gpu_busy_ms_per_step']:.2f} ms of {summary['wall_ms_per_step']:.2f} a step; "
+          f"kernel ms by kind: {by_kind}", flush=True)  # fmt: skip
+    for kernel in summary.get("top_kernels", []):
+        print(f"    {kernel['ms_per_step']:8.3f} ms  x{kernel['calls_per_step']:<6.1f} [{kernel['category']}] "
+              f"{kernel['kernel'][:90]}", flush=True)  # fmt: skip
+    return summary
+
+
+def measure(
+    path: Path, strategy: str, decoders: int, long_len: int, steps: int, fields: dict[str, Any], profile_top: int = 0
+) -> dict:
+    """One strategy's steps alone and joined by the long request (milliseconds, means); with ``profile_top``, the
+    GPU activity of as many more steps of each phase and their ``profile_top`` longest kernels."""
     max_model_len = long_len + 8 * steps + 256
     # d2f cannot split a prompt, so a step must hold the whole long prompt; only decode steps are timed
     engine = Diffulex(str(path), decoding_strategy=strategy, max_num_reqs=decoders + 1, max_model_len=max_model_len,
@@ -68,6 +86,10 @@ def measure(path: Path, strategy: str, decoders: int, long_len: int, steps: int,
         continued = engine.num_continuations
         alone = _timed_steps(engine, steps)
         alone_continued = (engine.num_continuations - continued) / steps
+        profiles = {}
+        if profile_top:
+            print(f"  {strategy}, {decoders} decoders alone:", flush=True)
+            profiles["alone"] = _profile(engine, steps, profile_top)
         (long_prompt,) = random_prompts(engine.vocab_limit, engine.mask_token_id, 1, long_len, 1)
         long_id = engine.add_request(long_prompt, _greedy(answer))
         (long_req,) = [r for r in engine.scheduler.waiting if r.req_id == long_id]
@@ -76,13 +98,16 @@ def measure(path: Path, strategy: str, decoders: int, long_len: int, steps: int,
         joined = _timed_steps(engine, steps)
         joined_continued = (engine.num_continuations - continued) / steps
         chunk_share = (_chunk_replays(engine) - replays) / steps
+        if profile_top:
+            print(f"  {strategy}, joined by the {long_len}-token context:", flush=True)
+            profiles["joined"] = _profile(engine, steps, profile_top)
     finally:
         engine.exit()
     alone_ms, joined_ms = 1e3 * alone, 1e3 * joined
     return {"strategy": strategy, "decoders": decoders, "long_len": long_len, "steps": steps,
             "alone_ms": alone_ms, "joined_ms": joined_ms, "joined_vs_alone": joined_ms / alone_ms,
             "joined_chunk_graph_share": chunk_share, "alone_continued_share": alone_continued,
-            "joined_continued_share": joined_continued}  # fmt: skip
+            "joined_continued_share": joined_continued, "profiles": profiles}  # fmt: skip
 
 
 def main() -> None:
@@ -94,6 +119,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=16000)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--buffer-size", type=int, default=1, help="blocks in flight (the engine's default is 4)")
+    ap.add_argument("--profile-top", type=int, default=0, help="profile both phases, listing this many kernels")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     out = Path(args.out_dir)
@@ -111,7 +137,7 @@ def main() -> None:
             fields = dict(block_size=4, buffer_size=args.buffer_size, load_format="dummy")
             decoders, long_len, steps = args.decoders, args.long, args.steps
         for strategy in args.strategies:
-            row = measure(path, strategy, decoders, long_len, steps, fields)
+            row = measure(path, strategy, decoders, long_len, steps, fields, args.profile_top)
             rows.append(row)
             print(f"{strategy:>9}: {decoders} decoders alone {row['alone_ms']:.2f} ms, joined by a {long_len}-token "
                   f"context {row['joined_ms']:.2f} ms ({row['joined_vs_alone']:.2f}x), "
