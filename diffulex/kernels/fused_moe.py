@@ -92,14 +92,17 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], tuple[int, FusedMoEConfig]] = {
 }
 
 
-def config_for(num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0) -> FusedMoEConfig:
+def config_for(
+    num_pairs: int, num_experts: int, hidden: int = 0, inter: int = 0, elem_size: int = 2
+) -> FusedMoEConfig:
     """The config of a layer whose ``num_pairs`` token-expert pairs fall on ``num_experts`` experts of
-    ``hidden x inter``: a measured one (`MEASURED_CONFIGS`) where there is one for that many pairs, else 64 columns per
+    ``hidden x inter`` in inputs of ``elem_size`` bytes: a measured one (`MEASURED_CONFIGS`, bf16, whose tiles
+    would not fit shared memory in float32) where there is one for that many pairs, else 64 columns per
     program and 128-wide reduction tiles, the skinny GEMM's measured choice for weight streams of this size
     (`diffulex.kernels.skinny_gemm`); three pipeline stages, so that two gate_up programs (a gate and an up tile
     per stage) share an SM's shared memory; and the row tile of `_BLOCK_M_STEPS`."""
     measured = MEASURED_CONFIGS.get((num_experts, hidden, inter))
-    if measured is not None and num_pairs >= measured[0]:
+    if measured is not None and num_pairs >= measured[0] and elem_size <= 2:
         return measured[1]
     busiest = triton.cdiv(num_pairs * _SPREAD, max(1, num_experts))
     block_m = next((m for m in _BLOCK_M_STEPS if m >= busiest), _BLOCK_M_STEPS[-1])
@@ -366,7 +369,7 @@ def fused_moe(
     if T == 0:
         return out
     num_pairs = T * top_k
-    cfg = config if config is not None else config_for(num_pairs, num_experts, hidden, inter)
+    cfg = config if config is not None else config_for(num_pairs, num_experts, hidden, inter, x.element_size())
     if cfg.block_m < _MIN_TILE or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"config block_m must be a power of two >= {_MIN_TILE}, got {cfg.block_m}")
     tiles = max_tiles(num_pairs, num_experts, cfg.block_m)
