@@ -37,9 +37,11 @@ class GraphPolicy:
     # none, where the strategy's prompt rows may not be split from the rest of their step
     prefill_graph_rows: int = 0
     # the most rows one request of a chunk-graph step may have (`diffulex.engine.prefill_graphs.chunk_graph_shape`):
-    # a prompt chunk's where there are prefill graphs; else the decode width, the chunk graphs then taking only the
-    # decode steps where one context stands out; 0: no chunk graphs (no context can stand out, and no prefill graphs)
+    # a prompt chunk's, where there are prefill graphs; 0: no chunk graphs
     chunk_graph_rows: int = 0
+    # decode steps where one context stands out replay graphs of their own, which split it
+    # (`diffulex.engine.prefill_graphs.straggler_graph_shape`): where a context may reach that length
+    straggler_graphs: bool = False
 
     @classmethod
     def decide(
@@ -72,7 +74,8 @@ class GraphPolicy:
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config),
             prefill_graph_rows=prefill_graph_rows,
-            chunk_graph_rows=_chunk_graph_rows(config, prefill_graph_rows, max_rows_per_request),
+            chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
+            straggler_graphs=contexts_may_straggle(config.max_model_len),
         )
 
     @property
@@ -122,6 +125,7 @@ class GraphPolicy:
             short_rows_per_request=self.short_rows_per_request,
             max_prefill_rows=self.prefill_graph_rows,
             max_chunk_rows=self.chunk_graph_rows,
+            straggler_graphs=self.straggler_graphs,
             warm_up_only=warm_up_only,
         )
 
@@ -136,10 +140,9 @@ def _prefill_graph_rows(config: Config) -> int:
     return min(config.max_prefill_graph_tokens, config.max_model_len)
 
 
-def _chunk_graph_rows(config: Config, prefill_graph_rows: int, max_rows_per_request: int) -> int:
+def _chunk_graph_rows(prefill_graph_rows: int, max_rows_per_request: int) -> int:
     """`GraphPolicy.chunk_graph_rows`: a prompt chunk rides with the decoders where its rows could run in a prefill
-    graph of their own, up to `CHUNK_GRAPH_ROWS`; elsewhere the chunk graphs are only worth their capture where a
-    context may stand out (`contexts_may_straggle`)."""
+    graph of their own, up to `CHUNK_GRAPH_ROWS`; elsewhere there are no chunk graphs."""
     if prefill_graph_rows:
         return max(min(prefill_graph_rows, CHUNK_GRAPH_ROWS), max_rows_per_request)
-    return max_rows_per_request if contexts_may_straggle(config.max_model_len) else 0
+    return 0

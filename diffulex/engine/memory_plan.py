@@ -99,6 +99,8 @@ def gpu_kv_budget(
         rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
         if policy.chunk_graph_rows:  # and the chunk graphs' (`diffulex.engine.prefill_graphs`), a pool of their own
             rows += policy.max_rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST
+        if policy.straggler_graphs:  # and the straggler graphs', the decode graphs' shape in a pool of their own
+            rows += policy.max_rows_per_request
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
         # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it
         pool_tokens = max(graph_tokens, policy.prefill_graph_rows)

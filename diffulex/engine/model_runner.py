@@ -27,6 +27,7 @@ from diffulex.engine.prefill_graphs import (
     PrefillGraphs,
     chunk_graph_shape,
     has_straggling_context,
+    straggler_graph_shape,
 )
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_broadcast import MessageKind, StepMessage
@@ -71,13 +72,13 @@ def _has_prompt_prefix(req: Request, first_row: int) -> bool:
     return prefix_end is not None and prefix_end > first_row
 
 
-def _wants_chunk_graphs(batch: list[Request], ranges: list[tuple[int, int]], with_prompts: bool) -> bool:
-    """Whether a step (its requests' `Request.query_range` in ``ranges``) belongs on the chunk graphs: it carries
-    prompt rows (``with_prompts``: where they could have run in prefill graphs of their own), or one context stands
-    out."""
-    if with_prompts and any(_has_prompt_prefix(req, start) for req, (start, _) in zip(batch, ranges, strict=True)):
-        return True
-    return has_straggling_context([end for _, end in ranges])
+def _carries_prompt(batch: list[Request], ranges: list[tuple[int, int]]) -> bool:
+    """Whether a step (its requests' `Request.query_range` in ``ranges``) carries store-only prompt rows."""
+    return any(_has_prompt_prefix(req, start) for req, (start, _) in zip(batch, ranges, strict=True))
+
+
+# The runner's decode-shaped graph sets by the name a tensor-parallel message gives them (`StepMessage.graph_set`).
+GRAPH_SETS = ("decode", "short", "chunk", "straggler")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class ModelRunner:
         self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
         self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, one request a replay
         self.chunk_graphs: DecodeGraphs | None = None  # a short prompt chunk and the decoders in one forward
+        self.straggler_graphs: DecodeGraphs | None = None  # decode steps among which one context stands out
         self._replayed: _ReplayedStep | None = None
         # steps launched so far (continuations included), and those of them through the eager forward: what share of
         # the steps a benchmark times ran on the graph path (on the CPU's uncaptured static path, which left it)
@@ -150,7 +152,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs = self.short_graphs = None
-        self.prefill_graphs = self.chunk_graphs = None
+        self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         self._replayed = None
         self.num_pages = 0
 
@@ -179,6 +181,7 @@ class ModelRunner:
         short_rows_per_request: int | None = None,
         max_prefill_rows: int = 0,
         max_chunk_rows: int = 0,
+        straggler_graphs: bool = False,
         warm_up_only: bool = False,
     ) -> None:
         """Serve decode-shaped steps from padded static buffers, captured as CUDA graphs when ``capture``; one
@@ -193,9 +196,9 @@ class ModelRunner:
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
         rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`);
         ``max_chunk_rows`` (0: none) adds the chunk graphs, whose requests have up to that many rows: a step with a
-        prompt whose rows fit them (only beside prefill graphs: where its rows could have been split off) or with
-        one context standing out replays them instead; a decode step of the latter continues on them as on the
-        decode graphs.
+        prompt whose rows fit them (beside prefill graphs: where its rows could have been split off) replays them
+        instead; ``straggler_graphs`` adds graphs of the decode shape whose attention splits long contexts, which a
+        decode step among which one context stands out replays (and continues on, as on the decode graphs).
 
         With ``warm_up_only`` the graphs are built as for a capture, their buckets' forwards run once each, as
         before a capture, and the runner is left with the graphs it had: what a build's dry pass runs to record the
@@ -204,7 +207,8 @@ class ModelRunner:
         Call after `allocate_kv_cache`: the graphs bind the cache tensors they were captured with.
         """
         s = self.settings
-        kept = (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self._graph_logits_shift)
+        kept = (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self.straggler_graphs,
+                self._graph_logits_shift)  # fmt: skip
         shape = GraphShape(
             max_requests=min(max_requests, MAX_GRAPH_REQUESTS),
             max_query_len=max_query_len,
@@ -231,25 +235,33 @@ class ModelRunner:
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
             )
-        self.prefill_graphs = self.chunk_graphs = None
+        self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
             self.prefill_graphs = PrefillGraphs(
                 min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
                 self.graph_forward, s.device, capture,
             )  # fmt: skip
         # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
-        if max_chunk_rows > 0 and s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False):
+        plain_inputs = s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False)
+        if max_chunk_rows > 0 and plain_inputs:
             self.chunk_graphs = DecodeGraphs(
                 chunk_graph_shape(shape, max_chunk_rows), self.graph_forward, s.device, capture, staging_buffers,
                 greedy_sample, advance,
             )
+        if straggler_graphs and plain_inputs:
+            self.straggler_graphs = DecodeGraphs(
+                straggler_graph_shape(shape), self.graph_forward, s.device, capture, staging_buffers, greedy_sample,
+                advance,
+            )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
         if warm_up_only:
-            for graphs in (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs):
+            for graphs in (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs,
+                           self.straggler_graphs):  # fmt: skip
                 if graphs is not None:
                     graphs.warm_up()
-            self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self._graph_logits_shift = kept
+            (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self.straggler_graphs,
+             self._graph_logits_shift) = kept  # fmt: skip
             return
         self.graphs.capture()
         if self.short_graphs is not None:
@@ -258,6 +270,8 @@ class ModelRunner:
             self.prefill_graphs.capture(pool=self.graphs.pool)
         if self.chunk_graphs is not None:
             self.chunk_graphs.capture()
+        if self.straggler_graphs is not None:
+            self.straggler_graphs.capture()
 
     def greedy_sample(
         self,
@@ -302,19 +316,25 @@ class ModelRunner:
         return pending
 
     def _plan(self, batch: list[Request]) -> _StepPlan:
-        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward) or
-        one context that stands out (`has_straggling_context`: their attention splits it); else its prefill replays
-        (`collect_split`), then its step on the decode graphs, or (without prefills and a bucket) through the eager
-        forward."""
-        chunk = self.chunk_graphs
-        ranges = [req.query_range() for req in batch] if chunk is not None else []
-        if chunk is not None and _wants_chunk_graphs(batch, ranges, self.prefill_graphs is not None) and all(
+        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward), on
+        the straggler graphs where one context stands out (`has_straggling_context`: their attention splits it);
+        else its prefill replays (`collect_split`), then its step on the decode graphs, or (without prefills and a
+        bucket) through the eager forward."""
+        chunk, straggler = self.chunk_graphs, self.straggler_graphs
+        ranges = [req.query_range() for req in batch] if chunk is not None or straggler is not None else []
+        whole = None  # the batch collected as one step, once a plan needs it
+        if chunk is not None and _carries_prompt(batch, ranges) and all(
             end - start <= chunk.shape.max_query_len for start, end in ranges
         ):
-            step = self.collect(batch)
-            bucket = chunk.bucket_for(step)
+            whole = self.collect(batch)
+            bucket = chunk.bucket_for(whole)
             if bucket is not None:  # the prompt's rows ride with the decoders': every weight read once
-                return _StepPlan([], step, chunk, bucket)
+                return _StepPlan([], whole, chunk, bucket)
+        if straggler is not None and has_straggling_context([end for _, end in ranges]):
+            whole = whole if whole is not None else self.collect(batch)
+            bucket = None if whole.has_cached_tail and not straggler.shape.key_tails else straggler.bucket_for(whole)
+            if bucket is not None:
+                return _StepPlan([], whole, straggler, bucket)
         split = self.collect_split(batch) if self.graphs is not None else None
         if split is not None:
             if split.prefills and not split.rest.num_requests:
@@ -337,9 +357,8 @@ class ModelRunner:
                 sampled = SampledRows(
                     step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
                 )
-            short = graphs is not None and graphs is self.short_graphs
-            chunk = graphs is not None and graphs is self.chunk_graphs
-            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, short, prefills, chunk))
+            graph_set = self._graph_set_name(graphs)
+            self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, graph_set, prefills))
             for part, rows in prefills:  # before the decode graph, on the same stream: it reads their K/V
                 hidden = self.prefill_graphs.run(part, rows)
             if bucket is None:  # the prefills were the whole step: nothing to sample
@@ -367,7 +386,7 @@ class ModelRunner:
     def graph_replays(self) -> int:
         """Steps (continuations included) that replayed captured CUDA graphs so far: a benchmark reads it around
         the steps it times to say whether they ran on the graphed path, instead of assuming it."""
-        return sum(g.num_replays for g in (self.graphs, self.short_graphs, self.chunk_graphs) if g is not None)
+        return sum(g.num_replays for g in self._decode_shaped_graphs() if g is not None)
 
     @property
     def prefill_replays(self) -> int:
@@ -386,6 +405,24 @@ class ModelRunner:
         if not options:
             return None, None
         return min(options, key=lambda option: option[0].shape.bucket_rows(option[1]))
+
+    def _decode_shaped_graphs(self) -> tuple[DecodeGraphs | None, ...]:
+        """The runner's `DecodeGraphs` sets, in the order of `GRAPH_SETS`."""
+        return self.graphs, self.short_graphs, self.chunk_graphs, self.straggler_graphs
+
+    def _graph_set(self, name: str) -> DecodeGraphs:
+        """The graph set a tensor-parallel message names (`GRAPH_SETS`)."""
+        graphs = dict(zip(GRAPH_SETS, self._decode_shaped_graphs(), strict=True))[name]
+        if graphs is None:
+            raise RuntimeError(f"rank 0 replayed the {name} graphs, which this rank did not build")
+        return graphs
+
+    def _graph_set_name(self, graphs: DecodeGraphs | None) -> str:
+        """The name of one of the runner's graph sets (`GRAPH_SETS`; the decode graphs' for none)."""
+        for name, candidate in zip(GRAPH_SETS, self._decode_shaped_graphs(), strict=True):
+            if graphs is not None and graphs is candidate:
+                return name
+        return GRAPH_SETS[0]
 
     def forget_launches(self) -> None:
         """After a failed step: no launch may be continued (its device inputs are not what the host expects)."""
@@ -409,9 +446,9 @@ class ModelRunner:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
         num_rows = len(replayed.layout.positions)
-        short, chunk = replayed.graphs is self.short_graphs, replayed.graphs is self.chunk_graphs
+        graph_set = self._graph_set_name(replayed.graphs)
         self._announce(lambda: StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
-                                           num_rows=num_rows, short=short, chunk=chunk))  # fmt: skip
+                                           num_rows=num_rows, graph_set=graph_set))  # fmt: skip
         hidden, result = replayed.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
         self.launched_steps += 1
@@ -455,7 +492,7 @@ class ModelRunner:
         sampler runs too). Nothing is sampled eagerly: rank 0 alone applies results. Returns the hidden states
         (their device work queued, not awaited)."""
         if message.kind is MessageKind.CONTINUATION:
-            graphs = self.chunk_graphs if message.chunk else self.short_graphs if message.short else self.graphs
+            graphs = self._graph_set(message.graph_set)
             hidden, _ = graphs.replay_continuation(message.bucket, message.micro_batch, message.num_rows)
             return hidden
         step = message.step
@@ -464,7 +501,7 @@ class ModelRunner:
                 hidden = self.prefill_graphs.run(part, rows)
             if message.bucket is None:
                 return hidden
-            graphs = self.chunk_graphs if message.chunk else self.short_graphs if message.short else self.graphs
+            graphs = self._graph_set(message.graph_set)
             hidden, result = graphs.run(step, message.bucket, message.micro_batch, message.sampled)
             if result is not None:
                 return hidden

@@ -17,7 +17,9 @@ the step's decode graph; the graphs share the decode graphs' memory pool, since 
 A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
 buckets whose requests may each have up to `CHUNK_GRAPH_ROWS` rows, and whose attention splits every long context
-(the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU.
+(the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU. The straggler graphs
+(`straggler_graph_shape`) split long contexts the same way in the decode graphs' shape, for decode steps among
+which one context stands out.
 
 A prefix longer than the largest bucket runs eagerly with the rest of its step: at that size the forward is
 bound by its matmuls, not by the launches a graph saves, and a lone long prompt keeps the larger matmuls of one
@@ -27,6 +29,7 @@ the largest bucket (`diffulex.engine.scheduler.SchedulerLimits.prefill_chunk_row
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -48,13 +51,13 @@ CHUNK_GRAPH_ROWS = 64
 CHUNK_EXTRA_ROWS_PER_REQUEST = 2
 CHUNK_SPLITS = 16
 CHUNK_MIN_SPLIT_KEYS = 1024
-# A decode step replays the chunk graphs too where one context stands out: the decode graphs' attention splits keys
-# only where its grid cannot fill the GPU, so among many short decoders one long context is folded by a single
-# program per head while the rest of the GPU idles (measured on an H100: 32 decoders and one 32k context, 33 ms a
-# step against 3.4 alone at SDAR-1.7B). A step's longest key range counts as standing out from the first length the
-# chunk graphs split (two splits' worth) at CHUNK_CONTEXT_IMBALANCE times its requests' mean or more (such a
-# step's successor is continued on the chunk graphs, `diffulex.engine.continuation`); balanced long contexts fill
-# the grid evenly and stay on the decode graphs.
+# A decode step where one context stands out replays the straggler graphs (`straggler_graph_shape`): the decode
+# graphs' attention splits keys only where its grid cannot fill the GPU, so among many short decoders one long
+# context is folded by a single program per head while the rest of the GPU idles (measured on an H100: 32 decoders
+# and one 32k context, 33 ms a step against 3.4 alone at SDAR-1.7B). A step's longest key range counts as standing
+# out from the first length those graphs split (two splits' worth) at CHUNK_CONTEXT_IMBALANCE times its requests'
+# mean or more (such a step's successor is continued on them, `diffulex.engine.continuation`); balanced long
+# contexts fill the grid evenly and stay on the decode graphs.
 CHUNK_CONTEXT_MIN_KEYS = 2 * CHUNK_MIN_SPLIT_KEYS
 CHUNK_CONTEXT_IMBALANCE = 4
 
@@ -91,6 +94,15 @@ def chunk_graph_shape(decode: GraphShape, max_rows: int) -> GraphShape:
         num_splits=CHUNK_SPLITS,
         min_split_keys=CHUNK_MIN_SPLIT_KEYS,
     )
+
+
+def straggler_graph_shape(decode: GraphShape) -> GraphShape:
+    """The straggler graphs' shape: the decode graphs' with the chunk graphs' split of long contexts fixed. A
+    decode step among which one context stands out (`has_straggling_context`) replays them: its rows are a decode
+    step's, so its attention keeps the decode-sized query tiles (the chunk graphs, shaped for a prompt chunk's 64
+    rows, take 64-row tiles for every request: measured on an H100, 32 decoders beside a 16k context took 5.5 ms a
+    step there against 2.5 alone, the same beside a 4k one)."""
+    return dataclasses.replace(decode, num_splits=CHUNK_SPLITS, min_split_keys=CHUNK_MIN_SPLIT_KEYS)
 
 
 def prefill_buckets(max_rows: int) -> list[int]:

@@ -42,11 +42,9 @@ class StepMessage:
     sampled: SampledRows | None = None
     num_rows: int = 0  # a continuation's sampled rows
     capture: bool = False  # STATIC_DECODE: capture CUDA graphs (else the uncaptured padded path)
-    # GRAPH, CONTINUATION: the step replays the runner's short graphs (`Strategy.short_step_rows`)
-    short: bool = False
-    # GRAPH, CONTINUATION: the step replays the runner's chunk graphs (a prompt's rows and the decoders' in one
-    # forward, or decoders among a context that stands out)
-    chunk: bool = False
+    # GRAPH, CONTINUATION: which of the runner's decode-shaped graph sets the step replays
+    # (`diffulex.engine.model_runner.GRAPH_SETS`: the decode graphs, the short, chunk or straggler graphs)
+    graph_set: str = "decode"
     # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
     # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
     prefills: tuple[tuple[StepInputs, int], ...] = ()
@@ -58,14 +56,13 @@ class StepMessage:
         bucket: int | None,
         micro_batch: int,
         sampled: SampledRows | None,
-        short: bool = False,
+        graph_set: str = "decode",
         prefills: Sequence[tuple[StepInputs, int]] = (),
-        chunk: bool = False,
     ) -> StepMessage:
         wire = dataclasses.replace(step, work=[])
         wire_prefills = tuple((dataclasses.replace(part, work=[]), rows) for part, rows in prefills)
         kind = MessageKind.GRAPH if bucket is not None or prefills else MessageKind.EAGER
-        return cls(kind, wire, bucket, micro_batch, sampled, short=short, chunk=chunk, prefills=wire_prefills)
+        return cls(kind, wire, bucket, micro_batch, sampled, graph_set=graph_set, prefills=wire_prefills)
 
 
 class StepChannel:

@@ -40,15 +40,18 @@ def test_chunks_beside_decoders_are_bounded_only_where_steps_replay_graphs(peaky
     assert dataclasses.replace(policy, cuda_graphs=False).prefill_chunk_rows == 0
 
 
-def test_chunk_graphs_hold_a_prompt_chunk_beside_prefill_graphs_else_only_where_a_context_may_stand_out(
+def test_chunk_graphs_hold_a_prompt_chunk_beside_prefill_graphs_and_straggler_graphs_come_where_a_context_may_stand_out(
     peaky_sdar_dir: Path, tmp_path: Path
 ):
     from diffulex.engine.prefill_graphs import CHUNK_CONTEXT_MIN_KEYS, CHUNK_GRAPH_ROWS
 
     assert policy_for(peaky_sdar_dir).chunk_graph_rows == CHUNK_GRAPH_ROWS, "prompt chunks of up to 64 rows"
     assert policy_for(peaky_sdar_dir, max_prefill_graph_tokens=17).chunk_graph_rows == 17
+    assert not policy_for(peaky_sdar_dir).straggler_graphs, "no context reaches the length that stands out"
+    assert policy_for(peaky_sdar_dir, max_model_len=CHUNK_CONTEXT_MIN_KEYS).straggler_graphs
     dream = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2)
     short = policy_for(dream, decoding_strategy="d2f", buffer_size=2)
-    assert short.chunk_graph_rows == 0, "no prefill graphs, and no context reaches the length that stands out"
+    assert short.chunk_graph_rows == 0 and not short.straggler_graphs
     long = policy_for(dream, decoding_strategy="d2f", buffer_size=2, max_model_len=CHUNK_CONTEXT_MIN_KEYS)
-    assert long.chunk_graph_rows == long.max_rows_per_request == 8, "decode steps only: the decode width"
+    assert long.chunk_graph_rows == 0, "no prefill graphs: no prompt chunk rides with the decoders"
+    assert long.straggler_graphs

@@ -27,8 +27,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 @dataclass
 class Replays:
-    """What the graph path ran, in order: ``("prefill", part, rows)``, ``("decode", step, bucket)`` and
-    ``("chunk", step, bucket)``."""
+    """What the graph path ran, in order: ``("prefill", part, rows)``, ``("decode", step, bucket)``,
+    ``("chunk", step, bucket)`` and ``("straggler", step, bucket)``."""
 
     events: list[tuple[str, StepInputs, int]] = field(default_factory=list)
 
@@ -39,6 +39,10 @@ class Replays:
     @property
     def chunk_steps(self) -> list[StepInputs]:
         return [step for kind, step, _ in self.events if kind == "chunk"]
+
+    @property
+    def straggler_steps(self) -> list[StepInputs]:
+        return [step for kind, step, _ in self.events if kind == "straggler"]
 
     def prefills_before_a_decode_of(self, min_requests: int) -> int:
         """Prefill replays directly followed (after the step's other prefills) by a decode graph of at least
@@ -56,7 +60,8 @@ class Replays:
 
 
 def record_replays(llm) -> Replays:
-    """Wrap the runner's decode, prefill and chunk graphs so the test sees every run of the graph path."""
+    """Wrap the runner's decode, prefill, chunk and straggler graphs so the test sees every run of the graph
+    path."""
     replays = Replays()
     runner = llm.runner
 
@@ -72,12 +77,14 @@ def record_replays(llm) -> Replays:
         runner.prefill_graphs.run = recording("prefill", runner.prefill_graphs.run)
     if runner.chunk_graphs is not None:
         runner.chunk_graphs.run = recording("chunk", runner.chunk_graphs.run)
+    if runner.straggler_graphs is not None:
+        runner.straggler_graphs.run = recording("straggler", runner.straggler_graphs.run)
     return replays
 
 
 def static_engine(model_dir: Path, chunk_graphs: bool = False, **fields):
-    """An engine on the graph path, uncaptured; without ``chunk_graphs`` (as a tensor-parallel worker runs) every
-    step that carries a prompt splits into prefill replays and the rest."""
+    """An engine on the graph path, uncaptured; without ``chunk_graphs`` every step that carries a prompt splits
+    into prefill replays and the rest."""
     llm = make_engine(model_dir, **fields)
     llm.enable_static_decode(capture=False)
     if not chunk_graphs:
@@ -195,12 +202,12 @@ def test_one_context_standing_out_among_decoders_sends_the_step_to_the_chunk_gra
     assert not has_straggling_context([])
 
 
-def test_decoders_beside_a_long_context_ride_in_the_chunk_graphs_with_the_eager_tokens(
+def test_decoders_beside_a_long_context_ride_in_the_straggler_graphs_with_the_eager_tokens(
     peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Once a long prompt decodes among short decoders, their decode steps replay the chunk graphs (whose attention
-    splits the long context) with the eager engine's tokens; the length that counts as long is lowered to the tiny
-    model's scale."""
+    """Once a long prompt decodes among short decoders, their decode steps replay the straggler graphs (the decode
+    graphs' shape, whose attention splits the long context) with the eager engine's tokens; the chunk graphs take
+    only steps that carry a prompt. The length that counts as long is lowered to the tiny model's scale."""
     import diffulex.engine.prefill_graphs as prefill_graphs
 
     monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
@@ -212,14 +219,15 @@ def test_decoders_beside_a_long_context_ride_in_the_chunk_graphs_with_the_eager_
     assert run.got == run.expected
     assert run.eager_steps == 0
     decode_rows = 4  # one block of four a request
-    decodes = [step for step in run.replays.chunk_steps if step.num_tokens <= decode_rows * step.num_requests]
-    assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the chunk graphs"
+    decodes = run.replays.straggler_steps
+    assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the straggler graphs"
+    assert all(step.num_tokens <= decode_rows * step.num_requests for step in decodes), "decode steps only"
 
 
-def test_decode_steps_on_the_chunk_graphs_are_continued_on_them_with_the_eager_tokens(
+def test_decode_steps_on_the_straggler_graphs_are_continued_on_them_with_the_eager_tokens(
     peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A decode step among a context that stands out replays the chunk graphs; its successor is queued on them
+    """A decode step among a context that stands out replays the straggler graphs; its successor is queued on them
     before its result is read (a continuation), as on the decode graphs, and the tokens stay the eager engine's.
     Equal prompts and one token a step (threshold 1) keep the decoders' blocks in step, so that most steps may be
     continued."""
@@ -232,21 +240,22 @@ def test_decode_steps_on_the_chunk_graphs_are_continued_on_them_with_the_eager_t
         prompts = random_prompts(eager, [250] + [4] * 8, seed=47)
         expected = eager.generate(prompts, params, use_tqdm=False)
     with static_engine(peaky_sdar_dir, chunk_graphs=True, **fields) as llm:
-        chunk = llm.runner.chunk_graphs
+        straggler = llm.runner.straggler_graphs
         continued = []
-        replay_continuation = chunk.replay_continuation
-        chunk.replay_continuation = lambda *args: continued.append(args) or replay_continuation(*args)
+        replay_continuation = straggler.replay_continuation
+        straggler.replay_continuation = lambda *args: continued.append(args) or replay_continuation(*args)
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
-    assert len(continued) >= 10, "decode steps beside the long context continued on the chunk graphs"
+    assert len(continued) >= 10, "decode steps beside the long context continued on the straggler graphs"
 
 
-def test_without_prefill_graphs_only_the_steps_with_a_standing_out_context_ride_in_the_chunk_graphs(
+def test_without_prefill_graphs_the_steps_with_a_standing_out_context_still_ride_in_the_straggler_graphs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """d2f, whose prompt rows see the whole prompt, has no prefill graphs, so its steps that carry a prompt stay
-    eager; the chunk graphs are still built (a context may stand out at this model length) and take the decode
-    steps where the long prompt's context stands out among short ones, with the eager engine's tokens."""
+    """d2f, whose prompt rows see the whole prompt, has no prefill graphs (nor chunk graphs), so its steps that
+    carry a prompt stay eager; the straggler graphs are built (a context may stand out at this model length) and
+    take the decode steps where the long prompt's context stands out among short ones, with the eager engine's
+    tokens."""
     import diffulex.engine.prefill_graphs as prefill_graphs
     from diffulex.testing.checkpoints import write_tiny_checkpoint
 
@@ -260,8 +269,9 @@ def test_without_prefill_graphs_only_the_steps_with_a_standing_out_context_ride_
     assert run.got == run.expected
     assert run.replays.prefills == [], "no prefill graphs"
     assert run.eager_steps >= 2, "each step carrying a prompt ran eagerly"
-    assert len(run.replays.chunk_steps) >= 3, "decode steps beside the long context, in the chunk graphs"
-    assert all(step.num_tokens < 250 for step in run.replays.chunk_steps), "no prompt rode in them"
+    assert run.replays.chunk_steps == [], "no chunk graphs"
+    assert len(run.replays.straggler_steps) >= 3, "decode steps beside the long context, in the straggler graphs"
+    assert all(step.num_tokens < 250 for step in run.replays.straggler_steps), "no prompt rode in them"
 
 
 def test_the_chunk_graphs_fix_the_split_of_long_contexts_and_widen_the_decode_buckets() -> None:
@@ -281,6 +291,19 @@ def test_the_chunk_graphs_fix_the_split_of_long_contexts_and_widen_the_decode_bu
     assert chunk.bucket_rows(32) >= 31 * 5 + 64, "a full chunk beside 31 decoders fits a bucket of 32"
     assert (chunk.num_splits, chunk.min_split_keys) == (CHUNK_SPLITS, CHUNK_MIN_SPLIT_KEYS)
     assert decode.num_splits is None and decode.min_split_keys is None
+
+
+def test_the_straggler_graphs_are_the_decode_graphs_with_the_split_of_long_contexts_fixed() -> None:
+    """Decode-sized query tiles for decode steps (the chunk graphs' 64-row requests take 64-row tiles)."""
+    from diffulex.engine.cuda_graph import GraphShape
+    from diffulex.engine.prefill_graphs import CHUNK_MIN_SPLIT_KEYS, CHUNK_SPLITS, straggler_graph_shape
+
+    decode = GraphShape(max_requests=48, max_query_len=5, max_pages=64, max_kv_len=1024, block_size=4, page_size=16,
+                        prefix_full=False, key_tails=True)  # fmt: skip
+    straggler = straggler_graph_shape(decode)
+    assert (straggler.num_splits, straggler.min_split_keys) == (CHUNK_SPLITS, CHUNK_MIN_SPLIT_KEYS)
+    assert straggler.max_query_len == 5 and straggler.rows_per_request == decode.rows_per_request
+    assert straggler.key_tails and straggler.bucket_rows(32) == decode.bucket_rows(32)
 
 
 def test_chunks_of_a_prompt_alone_are_steps_of_prefill_replays_only(peaky_sdar_dir: Path) -> None:

@@ -135,7 +135,7 @@ def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir
 
 def test_fast_dllm_v2_refinements_continued_in_the_short_graphs_follow_on_the_worker(tmp_path: Path) -> None:
     """Fast-dLLM v2's lone refinements replay the short graphs and are continued there: the worker replays each
-    continuation in the same graphs as rank 0 (`StepMessage.short`)."""
+    continuation in the same graphs as rank 0 (`StepMessage.graph_set`)."""
     model_dir = write_tiny_checkpoint(tmp_path / "fdv2", "fast_dllm_v2", seed=1, init_std=1.0, num_key_value_heads=2)
     params = SamplingParams(temperature=0.0, max_tokens=40)
     results = {}
@@ -189,7 +189,7 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
 
 
 def test_prompts_beside_decoders_replay_the_chunk_graphs_on_the_worker_too(dense_dir: Path) -> None:
-    """A step whose prompt rides with the decoders in one chunk-graph forward (`StepMessage.chunk`): the worker
+    """A step whose prompt rides with the decoders in one chunk-graph forward (`StepMessage.graph_set`): the worker
     replays its own chunk graphs, with TP=1's tokens (its collectives match rank 0's, or the step would time out)."""
     results = arrivals_counting_replays(dense_dir, "chunk_graphs")
     assert results[1][1] >= 3, "prompts beside decoders must replay the chunk graphs"
@@ -197,26 +197,29 @@ def test_prompts_beside_decoders_replay_the_chunk_graphs_on_the_worker_too(dense
     assert results[2] == results[1]
 
 
-def test_decode_steps_continued_on_the_chunk_graphs_follow_on_the_worker(dense_dir: Path, monkeypatch) -> None:
-    """Decode steps among a context that stands out replay the chunk graphs and are continued there: the worker
-    replays each continuation in its own chunk graphs (`StepMessage.chunk`), with TP=1's tokens. The length that
-    counts as long is lowered to the tiny model's scale (rank 0 alone decides where a step runs)."""
+def test_decode_steps_continued_on_the_straggler_graphs_follow_on_the_worker(dense_dir: Path, monkeypatch) -> None:
+    """Decode steps among a context that stands out replay the straggler graphs and are continued there: the worker
+    replays each step and continuation in its own straggler graphs (`StepMessage.graph_set`), with TP=1's tokens.
+    Both ranks build those graphs at this model length; the length that counts as long is lowered to the tiny
+    model's scale on rank 0, which alone decides where a step runs."""
     import diffulex.engine.prefill_graphs as prefill_graphs
 
+    max_model_len = prefill_graphs.CHUNK_CONTEXT_MIN_KEYS  # a context may stand out: the worker builds them too
     monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
     for size in (1, 2):
-        with make_engine(dense_dir, "sdar", size, buffer_size=1, accept_threshold=1.0, max_model_len=320,
-                         max_num_reqs=12) as llm:  # fmt: skip
+        with make_engine(dense_dir, "sdar", size, buffer_size=1, accept_threshold=1.0, max_model_len=max_model_len,
+                         max_num_batched_tokens=max_model_len, max_num_reqs=12) as llm:  # fmt: skip
             llm.enable_static_decode(capture=False)
-            chunk, continued = llm.runner.chunk_graphs, []
-            replay = chunk.replay_continuation
-            chunk.replay_continuation = lambda *args, replay=replay, seen=continued: seen.append(args) or replay(*args)
+            straggler, continued = llm.runner.straggler_graphs, []
+            replay = straggler.replay_continuation
+            straggler.replay_continuation = lambda *args, replay=replay, seen=continued: (seen.append(args)
+                                                                                        or replay(*args))  # fmt: skip
             prompts = random_prompts(llm, [250] + [4] * 8, seed=9)
             trajectories = llm.generate(prompts, params, use_tqdm=False).trajectories
             results[size] = ([describe(t) for t in trajectories], len(continued))
-    assert results[1][1] >= 5, "the scenario must continue steps on the chunk graphs"
+    assert results[1][1] >= 5, "the scenario must continue steps on the straggler graphs"
     assert results[2] == results[1]
 
 
