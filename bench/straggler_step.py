@@ -7,11 +7,9 @@ For each strategy, an engine of the SDAR geometry with random weights (bf16, gra
 ``--buffer-size``) admits ``--decoders`` requests of 128-token prompts and times ``--steps`` decode steps (their
 mean); then a request of a ``--long``-token prompt joins, and once it decodes (its first token) the same number of
 steps is timed with it among them. Reported: both means, their ratio, the share of the joined steps that replayed
-the chunk graphs (whose attention splits a context that stands out,
+the straggler graphs (whose attention splits a context that stands out,
 `diffulex.engine.prefill_graphs.has_straggling_context`; the decode graphs' attention splits keys only where its
 grid cannot fill the GPU), and the share of steps launched as continuations (before their predecessor's result).
-`multi_bd` has had chunk graphs beside its prefill graphs; `d2f`, whose prompts cannot be split off, has them only
-for such steps.
 
 ``--profile-top N`` profiles as many more steps of each phase and lists their N longest kernels (and the kernel
 time by kind). Writes ``OUT_DIR/straggler_step.json``. ``--quick`` runs a tiny checkpoint on whatever device there
@@ -48,9 +46,9 @@ def _timed_steps(engine: Diffulex, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def _chunk_replays(engine: Diffulex) -> int:
-    chunk = engine.runner.chunk_graphs
-    return 0 if chunk is None else chunk.num_replays
+def _straggler_replays(engine: Diffulex) -> int:
+    straggler = engine.runner.straggler_graphs
+    return 0 if straggler is None else straggler.num_replays
 
 
 def _profile(engine: Diffulex, steps: int, top: int) -> dict[str, object]:
@@ -94,10 +92,10 @@ def measure(
         long_id = engine.add_request(long_prompt, _greedy(answer))
         (long_req,) = [r for r in engine.scheduler.waiting if r.req_id == long_id]
         _admit_until_decoding(engine, [long_req], 64 + long_len // 16)
-        replays, continued = _chunk_replays(engine), engine.num_continuations
+        replays, continued = _straggler_replays(engine), engine.num_continuations
         joined = _timed_steps(engine, steps)
         joined_continued = (engine.num_continuations - continued) / steps
-        chunk_share = (_chunk_replays(engine) - replays) / steps
+        straggler_share = (_straggler_replays(engine) - replays) / steps
         if profile_top:
             print(f"  {strategy}, joined by the {long_len}-token context:", flush=True)
             profiles["joined"] = _profile(engine, steps, profile_top)
@@ -106,7 +104,7 @@ def measure(
     alone_ms, joined_ms = 1e3 * alone, 1e3 * joined
     return {"strategy": strategy, "decoders": decoders, "long_len": long_len, "steps": steps,
             "alone_ms": alone_ms, "joined_ms": joined_ms, "joined_vs_alone": joined_ms / alone_ms,
-            "joined_chunk_graph_share": chunk_share, "alone_continued_share": alone_continued,
+            "joined_straggler_graph_share": straggler_share, "alone_continued_share": alone_continued,
             "joined_continued_share": joined_continued, "profiles": profiles}  # fmt: skip
 
 
@@ -141,7 +139,7 @@ def main() -> None:
             rows.append(row)
             print(f"{strategy:>9}: {decoders} decoders alone {row['alone_ms']:.2f} ms, joined by a {long_len}-token "
                   f"context {row['joined_ms']:.2f} ms ({row['joined_vs_alone']:.2f}x), "
-                  f"{row['joined_chunk_graph_share']:.0%} of those steps on the chunk graphs; continuations "
+                  f"{row['joined_straggler_graph_share']:.0%} of those steps on the straggler graphs; continuations "
                   f"{row['alone_continued_share']:.0%} / {row['joined_continued_share']:.0%}", flush=True)  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = {"tool": "bench/straggler_step.py", "device": device, "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -21,4 +21,4 @@ def test_each_strategy_is_timed_alone_and_joined_by_the_long_context(tmp_path: P
     for row in report["rows"]:
         assert row["alone_ms"] > 0 and row["joined_ms"] > 0
         assert row["joined_vs_alone"] == row["joined_ms"] / row["alone_ms"]
-        assert row["joined_chunk_graph_share"] == 0, "no graphs on the CPU"
+        assert row["joined_straggler_graph_share"] == 0, "no graphs on the CPU"
