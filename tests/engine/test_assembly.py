@@ -83,12 +83,13 @@ def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(pea
     with make_engine(peaky_sdar_dir, max_num_reqs=5, max_prefill_graph_tokens=40) as llm:
         runner, config = llm.runner, llm.config
         policy = dataclasses.replace(llm.policy, cuda_graphs=True, prefill_graph_rows=40)
-        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs)
+        kept = (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs, runner.straggler_graphs)
         launched: list[int] = []
         runner.graph_forward = with_forward_launches(runner.graph_forward, launched)
         with pc.dry_pass() as variants:
             policy.rehearse_capture(runner, config)
-        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs) == kept
+        assert (runner.graphs, runner.short_graphs, runner.prefill_graphs, runner.chunk_graphs,
+                runner.straggler_graphs) == kept  # fmt: skip
         rows = policy.max_rows_per_request
         decode = [bucket * rows for bucket in reversed(request_buckets(config.max_num_reqs))]
         prefill = list(reversed(prefill_buckets(40)))
