@@ -1,7 +1,11 @@
-"""Where one decode step's time goes: host phases and GPU kernels, for one SDAR geometry and batch size.
+"""Where one decode step's time goes: host phases and GPU kernels, for one model geometry and batch size.
 
     PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--micro-batches 2] [--out FILE]
     PYTHONPATH=. python bench/step_anatomy.py --model fdv2-7b --strategy fast_dllm_v2 --batch 1 [--block-size 8]
+    PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 1 8
+
+``--model`` is an SDAR size (``1.7b``, ``4b``, ``8b``, ``30b-a3b``), ``llada2-mini`` (LLaDA2.0-mini's geometry, blocks
+of 32 by default) or ``fdv2-7b``.
 
 ``--model fdv2-7b`` is the Fast-dLLM v2 7B geometry (Qwen2.5-7B shapes); with ``--strategy fast_dllm_v2`` its native
 strategy (sub-blocks of ``--block-size``, 8 by default there, in blocks of 4 of them), otherwise `multi_bd` on the
@@ -33,16 +37,27 @@ import torch
 import diffulex.sampler.rows as rows
 from diffulex import Diffulex
 from diffulex.bench.throughput import (
+    LLADA2_SIZES,
     _admit_until_decoding,
     _greedy,
     random_prompts,
     write_fast_dllm_v2_checkpoint,
+    write_llada2_checkpoint,
     write_sdar_checkpoint,
 )
 from diffulex.testing.distributed import free_port
 
 FDV2_MODEL = "fdv2-7b"
 FDV2_SUB_BLOCKS = 4  # sub-blocks per block: the checkpoints' blocks of 32 at sub-blocks of 8
+
+
+def write_model(path: Path, model: str, data_dir: str) -> tuple[Path, int]:
+    """The weightless checkpoint folder of ``model`` and its block size by default (the checkpoints' own)."""
+    if model == FDV2_MODEL:
+        return write_fast_dllm_v2_checkpoint(path, model, data_dir), 8
+    if model in LLADA2_SIZES:
+        return write_llada2_checkpoint(path, model), 32
+    return write_sdar_checkpoint(path, model, data_dir), 4
 
 
 def _wrap(obj, name: str, phases: dict[str, list[float]], label: str, saved: list) -> None:
@@ -223,7 +238,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--buffer-size", type=int, default=1)
     ap.add_argument("--strategy", choices=["multi_bd", "fast_dllm_v2"], default="multi_bd")
-    ap.add_argument("--block-size", type=int, default=None, help="default: 4 (SDAR), 8 (fdv2-7b)")
+    ap.add_argument("--block-size", type=int, default=None, help="default: 4 (SDAR), 32 (llada2-mini), 8 (fdv2-7b)")
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--micro-batches", type=int, default=1)
@@ -237,9 +252,8 @@ def main() -> None:
         fdv2 = args.model == FDV2_MODEL
         if args.strategy == "fast_dllm_v2" and not fdv2:
             ap.error(f"--strategy fast_dllm_v2 runs on --model {FDV2_MODEL}")
-        write = write_fast_dllm_v2_checkpoint if fdv2 else write_sdar_checkpoint
-        path = write(Path(tmp) / args.model, args.model, args.data_dir)
-        block_size = args.block_size or (8 if fdv2 else 4)
+        path, default_block = write_model(Path(tmp) / args.model, args.model, args.data_dir)
+        block_size = args.block_size or default_block
         fields = dict(block_size=block_size, buffer_size=args.buffer_size, max_num_reqs=max(args.batch),
                       max_model_len=1024, load_format="dummy", enable_cudagraph_torch_compile=args.compile,
                       micro_batches=args.micro_batches, decoding_strategy=args.strategy)

@@ -81,16 +81,23 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def _selection(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's outputs for ``logits [T, E]``: float32 weights and int64 experts ``[T, top_k]``. A build's dry
+    pass only records the launch (`diffulex.kernels.parallel_compile`), and the PyTorch code after a router indexes
+    with its experts: zeros then (valid indices), not whatever the memory held."""
+    n_rows = logits.shape[0]
+    weights = torch.empty(n_rows, top_k, dtype=torch.float32, device=logits.device)
+    experts = (torch.zeros if in_dry_pass() else torch.empty)(n_rows, top_k, dtype=torch.int64, device=logits.device)
+    return weights, experts
+
+
 def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`diffulex.layers.moe.route` in one launch: ``(weights [T, top_k] float32, experts [T, top_k] int64)`` of
     router logits ``[T, E]`` (rows may be strided), the chosen experts in decreasing probability."""
     n_rows, n_experts = logits.shape
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {n_experts}] (the router's experts)")
-    weights = torch.empty(n_rows, top_k, dtype=torch.float32, device=logits.device)
-    # a build's dry pass only records the launch (`diffulex.kernels.parallel_compile`), and the PyTorch code after
-    # a router indexes with its experts: valid indices then, not whatever the memory held
-    experts = (torch.zeros if in_dry_pass() else torch.empty)(n_rows, top_k, dtype=torch.int64, device=logits.device)
+    weights, experts = _selection(logits, top_k)
     if n_rows == 0:
         return weights, experts
     if logits.stride(-1) != 1:
@@ -208,8 +215,7 @@ def group_limited_topk(
     group_size = n_experts // n_group
     if n_group * group_size != n_experts or not _pow2(n_group) or not _pow2(group_size):
         raise ValueError(f"n_group={n_group} and num_experts={n_experts} must be powers of two, n_group dividing it")
-    weights = torch.empty(n_rows, top_k, dtype=torch.float32, device=logits.device)
-    experts = (torch.zeros if in_dry_pass() else torch.empty)(n_rows, top_k, dtype=torch.int64, device=logits.device)
+    weights, experts = _selection(logits, top_k)
     if n_rows == 0:
         return weights, experts
     if logits.stride(-1) != 1:
