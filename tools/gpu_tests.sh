@@ -9,6 +9,9 @@ set -uo pipefail
 log_dir=${1:-${OUT:-.}}
 workers=${2:-8}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+# Every worker builds engines; each build would start up to 8 compile helper processes (each importing torch and
+# triton) for the cores the workers already keep busy: one helper a build at most here.
+export DIFFULEX_COMPILE_HELPERS=${DIFFULEX_COMPILE_HELPERS:-1}
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
 python -m pytest -n "$workers" --durations=12 -v -p no:warnings \

@@ -12,8 +12,9 @@ import importlib
 import logging
 import math
 import os
+import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ logger = logging.getLogger("diffulex")
 
 # Compiling in helper processes pays off only with at least this many cores beside the build's own.
 MIN_SPARE_CORES_FOR_HELPERS = 2
+# The most compile helpers a build starts (0: none), where many builds share the host's cores: a test suite over
+# pytest workers, several engines started side by side. Unset: as many as the spare cores allow.
+COMPILE_HELPERS_ENV = "DIFFULEX_COMPILE_HELPERS"
 # The build phase in which the helper processes compile the warm-ups' kernel variants.
 HELPER_PHASE = "kernels compiled in helper processes"
 # The module that loads tokenizers (transformers only for a folder it cannot build itself), imported in its own phase.
@@ -319,9 +323,20 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
         return None
     from diffulex.kernels.parallel_compile import MAX_HELPERS, CompileHelpers, parallel_compile_supported
 
-    if not parallel_compile_supported():
+    count = min(MAX_HELPERS, spare, helper_limit())
+    if count < 1 or not parallel_compile_supported():
         return None
-    return CompileHelpers(min(MAX_HELPERS, spare))
+    return CompileHelpers(count)
+
+
+def helper_limit(environ: Mapping[str, str] | None = None) -> int:
+    """`COMPILE_HELPERS_ENV` as a count of helpers (a non-negative integer), or no limit where it is unset."""
+    raw = (os.environ if environ is None else environ).get(COMPILE_HELPERS_ENV, "").strip()
+    if not raw:
+        return sys.maxsize
+    if not raw.isdigit():
+        raise ValueError(f"{COMPILE_HELPERS_ENV}={raw!r} is invalid: must be an integer >= 0 (0: no compile helpers)")
+    return int(raw)
 
 
 def _dry_warm_ups(

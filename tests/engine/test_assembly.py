@@ -205,3 +205,29 @@ def test_naive_moe_gemm_puts_diffusion_gemma_experts_on_the_reference_path(tmp_p
     assert {module.impl for module in experts} == {"loop"}
     with pytest.raises(ValueError, match="moe_gemm_impl='vllm' for model_name='dgemma'"):
         assembly._select_moe_path(model, "vllm", "dgemma")
+
+
+@pytest.mark.parametrize(("setting", "started"), [(None, 8), ("3", 3), ("0", None)])
+def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkeypatch, setting, started):
+    """`DIFFULEX_COMPILE_HELPERS` caps the helper processes of a build (0: none), where many builds share the cores
+    (a test suite over pytest workers); unset, the spare cores decide (up to `MAX_HELPERS`)."""
+    import types
+
+    import diffulex.kernels.parallel_compile as parallel_compile
+
+    monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
+    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
+    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count: count)
+    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
+    if setting is None:
+        monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(assembly.COMPILE_HELPERS_ENV, setting)
+    config = types.SimpleNamespace(attn_impl="triton")  # all the helpers' start reads of the config
+    assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
+
+
+def test_a_bad_compile_helpers_setting_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"DIFFULEX_COMPILE_HELPERS='-1' is invalid: must be an integer >= 0"):
+        assembly.helper_limit({"DIFFULEX_COMPILE_HELPERS": "-1"})
+    assert assembly.helper_limit({}) > assembly.helper_limit({"DIFFULEX_COMPILE_HELPERS": "5"}) == 5
