@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from diffulex.kernels.activation import PRECISE_EXP
 from diffulex.kernels.fused_norm import cast_rne
-from diffulex.kernels.pdl import INTERPRETING
 
 # Vocabulary entries a program reads per step of its loop, and its warps: measured on an H100 over a canvas of
 # 256 x 262,144 (one program per row, so few programs: wide tiles and many warps keep loads in flight):
@@ -74,7 +74,7 @@ _UNDERFLOW = tl.constexpr(-87.0)
 PROBS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_VOCAB = 2**30  # indices are int32, with room for a tile's lanes past the last id
 _NO_INDEX = tl.constexpr(2**31 - 1)  # larger than any vocabulary index: "none yet" in index minimums
-_PRECISE = tl.constexpr(not INTERPRETING)  # libdevice's expf/logf on the GPU; the interpreter has no libdevice
+_PRECISE = tl.constexpr(PRECISE_EXP)  # libdevice's expf/logf on the GPU; the interpreter has no libdevice
 
 
 class RowStatistics(NamedTuple):

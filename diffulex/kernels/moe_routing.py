@@ -28,9 +28,36 @@ import triton.language as tl
 from diffulex.kernels.parallel_compile import in_dry_pass
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
-# Most experts one program holds per row (a row of logits in registers); more take the torch path.
-MAX_ROUTED_EXPERTS = 1024
 _ROWS_PER_PROGRAM_ELEMS = 2048  # a program's rows x experts
+
+
+@triton.jit
+def _take_top_k(keys, weights, cols, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
+    """The ``TOP_K`` largest ``keys [R, E]`` of each row one after the other (the lowest column among equal keys),
+    as ``[R, TOP_K_PAD]`` slots: each one's entry of ``weights [R, E]`` and its column."""
+    slots = tl.arange(0, TOP_K_PAD)
+    chosen_w = tl.zeros([keys.shape[0], TOP_K_PAD], dtype=tl.float32)
+    chosen_e = tl.zeros([keys.shape[0], TOP_K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)
+        index = tl.min(tl.where(keys == best[:, None], cols[None, :], keys.shape[1]), axis=1)
+        picked = cols[None, :] == index[:, None]
+        weight = tl.sum(tl.where(picked, weights, 0.0), axis=1)
+        chosen_w = tl.where(slots[None, :] == j, weight[:, None], chosen_w)
+        chosen_e = tl.where(slots[None, :] == j, index.to(tl.int64)[:, None], chosen_e)
+        keys = tl.where(picked, float("-inf"), keys)
+    return chosen_w, chosen_e
+
+
+@triton.jit
+def _store_top_k(weights_ptr, experts_ptr, rows, row_ok, chosen_w, chosen_e, TOP_K: tl.constexpr,
+                 TOP_K_PAD: tl.constexpr):  # fmt: skip
+    """Each row's ``TOP_K`` slots of ``chosen_w`` and ``chosen_e`` into the ``[T, TOP_K]`` outputs."""
+    slots = tl.arange(0, TOP_K_PAD)
+    out = rows[:, None] * TOP_K + slots[None, :]
+    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, chosen_w, mask=out_mask)
+    tl.store(experts_ptr + out, chosen_e, mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -59,26 +86,11 @@ def _softmax_topk_kernel(
     peak = tl.where(row_ok, tl.max(x, axis=1), 0.0)  # rows past the last hold no logits: no -inf - -inf
     e = tl.where(mask, tl.exp(x - peak[:, None]), 0.0)
     probs = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
-    remaining = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 marks a taken or absent expert
-    slots = tl.arange(0, TOP_K_PAD)
-    chosen_w = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.float32)
-    chosen_e = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        index = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        chosen_w = tl.where(slots[None, :] == j, best[:, None], chosen_w)
-        chosen_e = tl.where(slots[None, :] == j, index.to(tl.int64)[:, None], chosen_e)
-        remaining = tl.where(cols[None, :] == index[:, None], -1.0, remaining)
+    keys = tl.where(mask, probs, -1.0)  # probabilities are >= 0: -1 marks an absent expert
+    chosen_w, chosen_e = _take_top_k(keys, probs, cols, TOP_K, TOP_K_PAD)
     if NORMALIZE:
         chosen_w = chosen_w / tl.sum(chosen_w, axis=1)[:, None]
-    out = rows[:, None] * TOP_K + slots[None, :]
-    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
-    tl.store(weights_ptr + out, chosen_w, mask=out_mask)
-    tl.store(experts_ptr + out, chosen_e, mask=out_mask)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+    _store_top_k(weights_ptr, experts_ptr, rows, row_ok, chosen_w, chosen_e, TOP_K, TOP_K_PAD)
 
 
 def _selection(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +114,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
         return weights, experts
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block_e = _next_pow2(n_experts)
-    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // block_e, _next_pow2(n_rows)))
+    block_e = triton.next_power_of_2(n_experts)
+    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // block_e, triton.next_power_of_2(n_rows)))
     use_pdl = pdl_enabled(logits.device, n_rows)
     _softmax_topk_kernel[(triton.cdiv(n_rows, block_r),)](
         logits,
@@ -113,7 +125,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
         n_experts,
         logits.stride(0),
         TOP_K=top_k,
-        TOP_K_PAD=_next_pow2(top_k),
+        TOP_K_PAD=triton.next_power_of_2(top_k),
         NORMALIZE=normalize,
         BLOCK_R=block_r,
         BLOCK_E=block_e,
@@ -178,26 +190,12 @@ def _group_limited_topk_kernel(
         remaining_groups = tl.where(taken, float("-inf"), remaining_groups)
     allowed = tl.reshape(tl.broadcast_to(open_groups[:, :, None], (BLOCK_R, N_GROUP, GROUP_SIZE)), (BLOCK_R, N_EXPERTS))
     # the TOP_K best biased scores of the open groups; their unbiased scores are the weights
-    remaining = tl.where(allowed, biased, float("-inf"))
-    slots = tl.arange(0, TOP_K_PAD)
-    chosen_w = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.float32)
-    chosen_e = tl.zeros([BLOCK_R, TOP_K_PAD], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        index = tl.min(tl.where(remaining == best[:, None], cols[None, :], N_EXPERTS), axis=1)
-        picked = cols[None, :] == index[:, None]
-        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)
-        chosen_w = tl.where(slots[None, :] == j, weight[:, None], chosen_w)
-        chosen_e = tl.where(slots[None, :] == j, index.to(tl.int64)[:, None], chosen_e)
-        remaining = tl.where(picked, float("-inf"), remaining)
+    keys = tl.where(allowed, biased, float("-inf"))
+    chosen_w, chosen_e = _take_top_k(keys, scores, cols, TOP_K, TOP_K_PAD)
     if TOP_K > 1:
         chosen_w = chosen_w / (tl.sum(chosen_w, axis=1)[:, None] + weight_sum_floor)
     chosen_w = chosen_w * scaling
-    out = rows[:, None] * TOP_K + slots[None, :]
-    out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
-    tl.store(weights_ptr + out, chosen_w, mask=out_mask)
-    tl.store(experts_ptr + out, chosen_e, mask=out_mask)
-
+    _store_top_k(weights_ptr, experts_ptr, rows, row_ok, chosen_w, chosen_e, TOP_K, TOP_K_PAD)
 
 def group_limited_topk(
     logits: torch.Tensor,
@@ -220,7 +218,7 @@ def group_limited_topk(
         return weights, experts
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // n_experts, _next_pow2(n_rows)))
+    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // n_experts, triton.next_power_of_2(n_rows)))
     use_pdl = pdl_enabled(logits.device, n_rows)
     _group_limited_topk_kernel[(triton.cdiv(n_rows, block_r),)](
         logits,
@@ -235,7 +233,7 @@ def group_limited_topk(
         GROUP_SIZE=group_size,
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
-        TOP_K_PAD=_next_pow2(top_k),
+        TOP_K_PAD=triton.next_power_of_2(top_k),
         HAS_BIAS=expert_bias is not None,
         BLOCK_R=block_r,
         USE_PDL=use_pdl,

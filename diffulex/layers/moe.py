@@ -72,8 +72,8 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights, experts
 
 
-# Most experts the fused routing kernel holds per row (`diffulex.kernels.moe_routing.MAX_ROUTED_EXPERTS`; kept here
-# so that checking it imports nothing).
+# Most experts the fused routing kernels (`diffulex.kernels.moe_routing`) hold per row, a row of logits in
+# registers; more take the torch path.
 _MAX_FUSED_ROUTED_EXPERTS = 1024
 
 
