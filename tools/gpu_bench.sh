@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU measurements by part, each under a time limit, so that a device call runs the parts it has room for
 # and a hung part never spends the rest of it (the two-GPU ones are tools/multi_gpu_bench.sh):
-#   tests     tools/gpu_tests.sh: the GPU test suite over 14 workers (about 4 min)
+#   tests     tools/gpu_tests.sh: the GPU test suite over 16 workers (about 5 min)
 #   start     tools/start_gpu_check.sh: engine start, cold and warm caches (about 2 min)
 #   fdv2      Fast-dLLM v2 7B at batch 1: bench/step_anatomy.py beside multi_bd, and `bench throughput` (about 3 min)
 #   prefill   `bench sweep --targets prefill`: TTFT, decoders beside a chunked prompt, prefix hits (about 5 min)
@@ -29,7 +29,7 @@ measure() {
   local part=$1 dir=$out/$1
   mkdir -p "$dir"
   case "$part" in
-    tests) tools/gpu_tests.sh "$dir" 14 ;;
+    tests) tools/gpu_tests.sh "$dir" ;;
     start) tools/start_gpu_check.sh "$dir" ;;
     fdv2)
       for strategy in fast_dllm_v2 multi_bd; do

@@ -7,14 +7,13 @@
 # default: $OUT, else the current folder) and prints the failures, the verdict, the wall time and the slowest tests.
 set -uo pipefail
 log_dir=${1:-${OUT:-.}}
-workers=${2:-8}
+workers=${2:-16}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
-# Every worker builds engines; each build would start up to 8 compile helper processes (each importing torch and
-# triton) for the cores the workers already keep busy: one helper a build at most here.
-export DIFFULEX_COMPILE_HELPERS=${DIFFULEX_COMPILE_HELPERS:-1}
+# Set DIFFULEX_TRITON_COMPILE_LOG=FILE to log every Triton compile (tests/conftest.py) for
+# tools/compile_time_report.py: where the suite's time goes (the workers are CPU-bound, mostly compiling).
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
-python -m pytest -n "$workers" --durations=12 -v -p no:warnings \
+python -m pytest -n "$workers" --dist worksteal --durations=40 -o addopts= -v -p no:warnings \
   tests/kernels tests/layers tests/models tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
   tests/engine/test_engine_matches_reference.py tests/engine/test_fast_dllm_v2_engine.py tests/engine/test_edit_mode.py \
   tests/engine/test_static_soft_inputs.py tests/engine/test_prefill_graphs.py \
@@ -22,8 +21,9 @@ python -m pytest -n "$workers" --durations=12 -v -p no:warnings \
   tests/strategy tests/test_plugins.py \
   > "$log_dir/gpu_tests.log" 2>&1
 rc=$?
+echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
 echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers"
 grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$log_dir/gpu_tests.log" | sort -u | head -20
 grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -1
-sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -16
+sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -44
 exit $rc

@@ -312,7 +312,9 @@ def _decode_settings(config: Config, tokenizer: object, mask_token_id: int) -> D
 
 def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpers | None:
     """Helper processes that will compile the build's kernel variants side by side (`CompileHelpers`), where they
-    can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else."""
+    can: a CUDA device, Triton attention, a triton with the hook a dry run needs, spare cores. None else. They start
+    now (importing while the weights load) only where Triton's cache is empty; else once the dry pass has found what
+    the cache lacks."""
     from diffulex.attention.layer import TRITON_IMPLS
     from diffulex.layers.dispatch import triton_available
 
@@ -326,7 +328,7 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
     count = min(MAX_HELPERS, spare, helper_limit())
     if count < 1 or not parallel_compile_supported():
         return None
-    return CompileHelpers(count)
+    return CompileHelpers(count, start_now=not _triton_cache_entries())  # an empty cache: every variant to compile
 
 
 def helper_limit(environ: Mapping[str, str] | None = None) -> int:

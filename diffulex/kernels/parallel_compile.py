@@ -67,6 +67,10 @@ HELPER_MODULES = (
 WARM_STATE = (("diffulex.kernels.skinny_gemm", "_WARMED"),)
 MAX_HELPERS = 8
 ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
+# fewer missing variants than this are left to the build's own warm-ups when no helper runs yet: starting one costs
+# its imports, about as long as compiling one variant
+MIN_MISSING_FOR_HELPERS = 3
+LOCK_SLOTS = 1 << 20  # bytes of the lock file the variants' locks are spread over (`_variant_lock`)
 HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
 
 
@@ -244,11 +248,46 @@ def is_cached(variant: KernelVariant, target: Any) -> bool:
 
 
 def compile_variant(variant: KernelVariant, target: Any) -> None:
-    """Compile one variant for `target` into Triton's on-disk cache (no device needed)."""
+    """Compile one variant for `target` into Triton's on-disk cache (no device needed). Builds on one machine
+    (replicas, tensor-parallel ranks, a test suite's workers) wait for each other's compile of a variant
+    (`_variant_lock`), and ``triton.compile`` then finds it in the cache instead of compiling it again."""
     import triton
 
-    src, options = _compile_inputs(variant, target)
-    triton.compile(src, target=target, options=options)
+    with _variant_lock(variant, target):
+        src, options = _compile_inputs(variant, target)
+        triton.compile(src, target=target, options=options)
+
+
+def variant_lock_slot(variant: KernelVariant, target: Any) -> tuple[str, int]:
+    """The lock file and the byte of it (of `LOCK_SLOTS`, by the variant's hash) that stand for this variant of
+    this Triton cache, for this target."""
+    import hashlib
+    import tempfile
+
+    import triton
+
+    key = json.dumps([triton.knobs.cache.dir, asdict(variant), [target.backend, target.arch, target.warp_size]])
+    slot = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % LOCK_SLOTS
+    return os.path.join(tempfile.gettempdir(), f"diffulex-compile-{os.getuid()}.lock"), slot
+
+
+@contextlib.contextmanager
+def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
+    """Hold, across this machine's processes, the lock of this variant (`variant_lock_slot`): a POSIX record lock
+    on one byte, released when the process closes the file or ends. Two variants whose bytes collide only wait for
+    each other. No lock where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: the compiles may repeat, nothing else changes
+        yield
+        return
+    path, slot = variant_lock_slot(variant, target)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read_jobs(lines: Iterator[str]) -> Iterator[tuple[KernelVariant, Any]]:
@@ -292,19 +331,36 @@ class CompileReport:
 
 
 class CompileHelpers:
-    """Helper processes started now, used once by `compile_for`, ended by it or by `close`."""
+    """Up to `count` helper processes, used once by `compile_for`, ended by it or by `close`.
 
-    def __init__(self, count: int) -> None:
+    With `start_now` they all start at once, so that their imports (about as long as one compile) run while the
+    weights load: what a first start on a machine wants, every variant being missing. Otherwise they start only once
+    the dry pass has found variants the cache lacks, as many as those variants (up to `count`), and none for fewer
+    than `MIN_MISSING_FOR_HELPERS`: a warm start starts none, and engines built one after another on a busy machine
+    (a test suite, several replicas) do not spend a core's import on each build."""
+
+    def __init__(self, count: int, start_now: bool = True) -> None:
         package_parent = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
-        self._helpers = [
+        self._env = {**os.environ, "PYTHONPATH": path}
+        self.count = count
+        self._helpers: list[subprocess.Popen[str]] = []
+        if start_now:
+            self._start(count)
+
+    def _start(self, count: int) -> None:
+        self._helpers += [
             subprocess.Popen(
                 [sys.executable, "-c", HELPER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True, env=env,
+                stderr=subprocess.DEVNULL, text=True, env=self._env,
             )  # fmt: skip
             for _ in range(count)
         ]
+
+    @property
+    def started(self) -> int:
+        """How many helpers have been started."""
+        return len(self._helpers)
 
     def compile_for(
         self, warm_ups: Mapping[str, Callable[[], None]] | Callable[[], None], target: Any
@@ -331,7 +387,7 @@ class CompileHelpers:
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
             report.recorded, report.missing = len(variants), len(missing)
             report.missing_names = tuple(v.name for v in missing)
-            if missing:
+            if len(missing) >= (1 if self._helpers else MIN_MISSING_FOR_HELPERS):
                 compiled, helper_errors = self.compile_variants(missing, target)
                 report.compiled, report.errors = compiled, (*report.errors, *helper_errors)
         except Exception as err:  # noqa: BLE001  (the real warm-up compiles what is missing, or raises it again)
@@ -341,7 +397,9 @@ class CompileHelpers:
         return report
 
     def compile_variants(self, variants: list[KernelVariant], target: Any) -> tuple[int, tuple[str, ...]]:
-        """Share `variants` among the helpers and wait for them: how many compiled, and what failed (by name)."""
+        """Share `variants` among the helpers (started now where fewer than `count` and than the variants run) and wait
+        for them: how many compiled, and what failed (by name)."""
+        self._start(min(self.count, len(variants)) - len(self._helpers))
         target_fields = [target.backend, target.arch, target.warp_size]
         shares = [variants[i :: len(self._helpers)] for i in range(len(self._helpers))]
         for helper, share in zip(self._helpers, shares, strict=True):

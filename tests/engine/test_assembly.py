@@ -217,7 +217,7 @@ def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkey
 
     monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
     monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
-    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count: count)
+    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: count)
     monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
     if setting is None:
         monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
@@ -225,6 +225,24 @@ def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkey
         monkeypatch.setenv(assembly.COMPILE_HELPERS_ENV, setting)
     config = types.SimpleNamespace(attn_impl="triton")  # all the helpers' start reads of the config
     assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
+
+
+@pytest.mark.parametrize(("entries", "start_now"), [(set(), True), (None, True), ({"a1b2"}, False)])
+def test_the_helpers_start_with_the_build_only_on_an_empty_triton_cache(monkeypatch, entries, start_now):
+    """A first start compiles everything, so the helpers import while the weights load; with a filled cache they wait
+    for the dry pass to find what is missing (most often nothing)."""
+    import types
+
+    import diffulex.kernels.parallel_compile as parallel_compile
+
+    monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
+    monkeypatch.setattr(assembly, "_triton_cache_entries", lambda: entries)
+    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
+    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: start_now)
+    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
+    monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
+    config = types.SimpleNamespace(attn_impl="triton")
+    assert assembly._start_compile_helpers(config, torch.device("cuda")) is start_now
 
 
 def test_a_bad_compile_helpers_setting_is_refused_naming_it() -> None:

@@ -158,6 +158,59 @@ def test_helpers_are_ended_when_the_warm_up_compiles_nothing(tmp_path):
     assert seen["report"] == [0, 0, 0] and seen["ended"]
 
 
+def test_helpers_not_started_with_the_build_start_only_for_enough_missing_variants(tmp_path):
+    seen = run_case(tmp_path, f'''
+        x, y = torch.ones(1024), torch.zeros(1024)
+
+        def launches(count):
+            return lambda: [scale[(4,)](x, y, 1024, BLOCK=2 ** (4 + i)) for i in range(count)]
+
+        few, many = {pc.MIN_MISSING_FOR_HELPERS - 1}, {pc.MIN_MISSING_FOR_HELPERS}
+        seen = {{}}
+        for name, count in (("few", few), ("many", many)):
+            helpers = pc.CompileHelpers(8, start_now=False)
+            at_build = helpers.started
+            report = helpers.compile_for(launches(count), HOPPER)
+            seen[name] = [at_build, report.missing, helpers.started, report.compiled, helpers.ended()]
+        print(json.dumps(seen))
+    ''')
+    few, many = pc.MIN_MISSING_FOR_HELPERS - 1, pc.MIN_MISSING_FOR_HELPERS
+    assert seen["few"] == [0, few, 0, 0, True]  # left to the build's own warm-ups: no helper's imports for them
+    assert seen["many"] == [0, many, many, many, True]  # one helper a variant, up to the cap
+
+
+def test_a_variant_being_compiled_is_locked_for_every_other_process(tmp_path):
+    seen = run_case(tmp_path, '''
+        import fcntl, subprocess, sys
+        (variant,) = pc.record_launches(lambda: scale[(1,)](torch.ones(64), torch.zeros(64), 64, BLOCK=64))
+        (other,) = pc.record_launches(lambda: scale[(1,)](torch.ones(64), torch.zeros(64), 64, BLOCK=32))
+        probe = """
+        import fcntl, os, sys
+        fd = os.open(sys.argv[1], os.O_RDWR)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, int(sys.argv[2]))
+            print("free")
+        except OSError:
+            print("held")
+        """
+
+        def seen_by_another_process(v):
+            path, slot = pc.variant_lock_slot(v, HOPPER)
+            probed = subprocess.run([sys.executable, "-c", probe, path, str(slot)], capture_output=True, text=True,
+                                    check=True)
+            return probed.stdout.strip()
+
+        with pc._variant_lock(variant, HOPPER):
+            during = [seen_by_another_process(variant), seen_by_another_process(other)]
+        slots = [pc.variant_lock_slot(v, HOPPER) for v in (variant, other)]
+        print(json.dumps({"during": during, "after": seen_by_another_process(variant),
+                          "slots_differ": slots[0] != slots[1]}))
+    ''')
+    assert seen["slots_differ"]
+    assert seen["during"] == ["held", "free"]  # another variant's compile does not wait
+    assert seen["after"] == "free"
+
+
 def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
     seen = run_case(tmp_path, '''
         def broken():
