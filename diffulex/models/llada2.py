@@ -88,7 +88,8 @@ def _mlp(config: LLaDA2Config, index: int) -> nn.Module:
     )  # fmt: skip
     shared = None
     if config.num_shared_experts:
-        shared = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+        shared = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts,
+                          merge_gate_up=True)  # fmt: skip
     return SparseMoE(config.hidden_size, config.moe_intermediate_size, gate, shared)
 
 

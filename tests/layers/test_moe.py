@@ -240,6 +240,48 @@ def test_the_shared_expert_is_added_for_every_token():
 
 
 
+def test_a_merged_shared_expert_computes_gate_and_up_in_one_product_with_the_same_result():
+    torch.manual_seed(0)
+    shared = GatedMLP(HIDDEN, 4, merge_gate_up=True)
+    with torch.no_grad():
+        for param in shared.parameters():
+            param.normal_(0.0, 0.5)
+    x = torch.randn(6, HIDDEN)
+    separate = shared(x)
+    assert merge_projections(shared) == 1
+    assert shared.gate_up.weight.shape == (8, HIDDEN)
+    assert shared.up_proj.weight.data_ptr() == shared.gate_up.weight[4:].data_ptr()  # the names stay, as views
+    assert_close_up_to_reordering(shared(x), separate, HIDDEN + 4)
+    assert "gate_up" not in "".join(shared.state_dict())  # the checkpoint's names only
+
+
+def test_an_expert_never_merges_its_own_gate_and_up():
+    """Its layer's `ExpertStack` joins its weights: a second join would copy them away from the stack."""
+    moe = make_moe()
+    merge_projections(moe)
+    assert all(expert.gate_up is None for expert in moe.experts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the float32 product of two-byte inputs is a CUDA GEMM")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_logits_of_two_byte_inputs_are_the_float32_product_gpu(dtype):
+    from diffulex.layers.moe import float32_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 2048, device="cuda").to(dtype)
+    weight = (0.02 * torch.randn(256, 2048, device="cuda")).to(dtype)  # scores away from the sigmoid's saturation
+    logits = float32_logits(x, weight)
+    assert logits.dtype == torch.float32
+    # the products are exact in float32; only the order of the 2,048 sums differs from the float32 GEMM's
+    assert_close_up_to_reordering(logits, (x.double() @ weight.double().T).float(), 2048)
+    router = GroupLimitedRouter(2048, 256, 8, n_group=8, topk_group=4, scaling=2.5).to("cuda", dtype)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+    _, experts = router.route(x)
+    _, float32_experts = router.float().route(x.float())
+    assert (experts.sort(-1).values == float32_experts.sort(-1).values).float().mean() > 0.99
+
+
 def test_scaled_softmax_router_normalizes_scales_then_weights_each_expert():
     """DiffusionGemma's router, against its definition in float64: the input RMS-normalized (no weight), times
     ``scale`` and ``hidden ** -0.5``, projected; softmax, top-k renormalized to 1, then each chosen weight times
