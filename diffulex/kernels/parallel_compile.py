@@ -67,9 +67,12 @@ HELPER_MODULES = (
 WARM_STATE = (("diffulex.kernels.skinny_gemm", "_WARMED"),)
 MAX_HELPERS = 8
 ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
-# fewer missing variants than this are left to the build's own warm-ups when no helper runs yet: starting one costs
-# its imports, about as long as compiling one variant
-MIN_MISSING_FOR_HELPERS = 3
+# fewer missing variants than this are left to the build's own warm-ups when no helper runs yet: starting helpers
+# costs their imports (about 4 s on an H100 host: as long as compiling several variants one after another), and a
+# warm start's dry pass records a few skinny-GEMM variants the real warm-ups never launch (so never cached), which
+# a helper would compile on every start (SDAR-1.7B on an H100: 4 such variants, the warm start 15.1 s with helpers
+# started for them)
+MIN_MISSING_FOR_HELPERS = 8
 LOCK_SLOTS = 1 << 20  # bytes of the lock file the variants' locks are spread over (`_variant_lock`)
 HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
 
