@@ -159,24 +159,23 @@ def test_helpers_are_ended_when_the_warm_up_compiles_nothing(tmp_path):
 
 
 def test_helpers_not_started_with_the_build_start_only_for_enough_missing_variants(tmp_path):
-    seen = run_case(tmp_path, f'''
+    seen = run_case(tmp_path, '''
+        pc.MIN_MISSING_FOR_HELPERS = 3  # the rule at a threshold this machine's cores start quickly
         x, y = torch.ones(1024), torch.zeros(1024)
 
         def launches(count):
             return lambda: [scale[(4,)](x, y, 1024, BLOCK=2 ** (4 + i)) for i in range(count)]
 
-        few, many = {pc.MIN_MISSING_FOR_HELPERS - 1}, {pc.MIN_MISSING_FOR_HELPERS}
-        seen = {{}}
-        for name, count in (("few", few), ("many", many)):
+        seen = {}
+        for name, count in (("few", 2), ("many", 3)):
             helpers = pc.CompileHelpers(8, start_now=False)
             at_build = helpers.started
             report = helpers.compile_for(launches(count), HOPPER)
             seen[name] = [at_build, report.missing, helpers.started, report.compiled, helpers.ended()]
         print(json.dumps(seen))
     ''')
-    few, many = pc.MIN_MISSING_FOR_HELPERS - 1, pc.MIN_MISSING_FOR_HELPERS
-    assert seen["few"] == [0, few, 0, 0, True]  # left to the build's own warm-ups: no helper's imports for them
-    assert seen["many"] == [0, many, many, many, True]  # one helper a variant, up to the cap
+    assert seen["few"] == [0, 2, 0, 0, True]  # left to the build's own warm-ups: no helper's imports for them
+    assert seen["many"] == [0, 3, 3, 3, True]  # one helper a variant, up to the cap
 
 
 def test_a_variant_being_compiled_is_locked_for_every_other_process(tmp_path):
