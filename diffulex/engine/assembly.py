@@ -197,15 +197,16 @@ def _build_components(
         _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
         cache_entries = _triton_cache_entries()
         build.done(HELPER_PHASE)
-    num_pages = plan_num_pages(config, runner, device, dtype, policy)
-    runner.allocate_kv_cache(num_pages)
-    build.done("memory plan and KV cache")
-    runner.warm_up_attention()
-    build.done("attention kernels")
-    policy.maybe_capture(runner, config, device)
-    build.done("CUDA graphs")
-    runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
-    build.done("sampling kernels")
+    with _compile_locks(device):  # another build on this host compiling a variant: wait, then load it
+        num_pages = plan_num_pages(config, runner, device, dtype, policy)
+        runner.allocate_kv_cache(num_pages)
+        build.done("memory plan and KV cache")
+        runner.warm_up_attention()
+        build.done("attention kernels")
+        policy.maybe_capture(runner, config, device)
+        build.done("CUDA graphs")
+        runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
+        build.done("sampling kernels")
     if cache_entries is not None:
         after = _triton_cache_entries()
         if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)
@@ -329,6 +330,18 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
     if count < 1 or not parallel_compile_supported():
         return None
     return CompileHelpers(count, start_now=not _triton_cache_entries())  # an empty cache: every variant to compile
+
+
+def _compile_locks(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """`diffulex.kernels.parallel_compile.compile_locks` where the build compiles Triton kernels for a GPU; a block
+    that does nothing elsewhere."""
+    from diffulex.layers.dispatch import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return contextlib.nullcontext()
+    from diffulex.kernels.parallel_compile import compile_locks, parallel_compile_supported
+
+    return compile_locks() if parallel_compile_supported() else contextlib.nullcontext()
 
 
 def helper_limit(environ: Mapping[str, str] | None = None) -> int:

@@ -293,6 +293,41 @@ def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def compile_locks() -> Iterator[None]:
+    """Within the block, each compile a launch of this process starts holds its variant's lock (`_variant_lock`,
+    the lock a helper compiling that variant holds): processes building at once on one host (tensor-parallel
+    ranks, replicas, test workers) compile a variant once, the others then finding it in Triton's cache
+    (``triton.compile`` looks there first). Taken in Triton's ``jit_cache_hook`` (called before a compile) and
+    released in its ``jit_post_compile_hook`` (after it) or at the block's end; the hooks in place before are still
+    called, and put back at the end. Needs triton (`parallel_compile_supported`)."""
+    import triton
+    from triton.runtime import driver
+
+    runtime = triton.knobs.runtime
+    previous_before, previous_after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    held = contextlib.ExitStack()
+
+    def before(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool:
+        if previous_before is not None and previous_before(fn=fn, compile=compile, **kwargs):
+            return True  # another hook skips this compile: nothing to lock
+        variant = KernelVariant(fn.module, fn.name, compile["specialization_data"])
+        held.enter_context(_variant_lock(variant, driver.active.get_current_target()))
+        return False
+
+    def after(**kwargs: Any) -> None:
+        held.close()
+        if previous_after is not None:
+            previous_after(**kwargs)
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+    try:
+        yield
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = previous_before, previous_after
+        held.close()
+
+
 def _read_jobs(lines: Iterator[str]) -> Iterator[tuple[KernelVariant, Any]]:
     from triton.backends.compiler import GPUTarget
 

@@ -245,6 +245,20 @@ def test_the_helpers_start_with_the_build_only_on_an_empty_triton_cache(monkeypa
     assert assembly._start_compile_helpers(config, torch.device("cuda")) is start_now
 
 
+def test_the_build_compiles_under_the_variant_locks_only_for_a_gpu(monkeypatch):
+    """Its real warm-ups hold each compiling variant's lock, shared with the other builds of the host."""
+    import contextlib
+
+    import diffulex.kernels.parallel_compile as parallel_compile
+
+    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
+    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
+    locks = contextlib.nullcontext("locks")
+    monkeypatch.setattr(parallel_compile, "compile_locks", lambda: locks)
+    assert assembly._compile_locks(torch.device("cuda")) is locks
+    assert assembly._compile_locks(torch.device("cpu")) is not locks
+
+
 def test_a_bad_compile_helpers_setting_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"DIFFULEX_COMPILE_HELPERS='-1' is invalid: must be an integer >= 0"):
         assembly.helper_limit({"DIFFULEX_COMPILE_HELPERS": "-1"})

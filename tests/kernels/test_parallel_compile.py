@@ -210,6 +210,35 @@ def test_a_variant_being_compiled_is_locked_for_every_other_process(tmp_path):
     assert seen["after"] == "free"
 
 
+def test_a_launch_under_compile_locks_waits_for_another_process_compiling_its_variant(tmp_path):
+    """The other process (a helper, a rank, a test worker) holds the variant's lock while it compiles; the launch
+    waits for it, then finds the variant in the cache instead of compiling it again."""
+    (tmp_path / "launcher.py").write_text(PRELUDE + textwrap.dedent('''
+        import time
+        import triton
+        hits = []
+        triton.knobs.compilation.listener = lambda *, cache_hit, **kwargs: hits.append(cache_hit)
+        start = time.monotonic()
+        with pc.compile_locks():
+            scale.warmup(torch.ones(64), torch.zeros(64), 64, BLOCK=64, grid=(1,))
+        print(json.dumps({"hits": hits, "waited_s": time.monotonic() - start}))
+    '''))
+    seen = run_case(tmp_path, '''
+        import subprocess, sys, time
+        import triton
+        (variant,) = pc.record_launches(lambda: scale[(1,)](torch.ones(64), torch.zeros(64), 64, BLOCK=64))
+        with pc._variant_lock(variant, HOPPER):
+            launcher = subprocess.Popen([sys.executable, "launcher.py"], stdout=subprocess.PIPE, text=True)
+            time.sleep(10)  # the launcher imports, launches and waits for the lock (unlocked, it compiles now)
+            src, options = pc._compile_inputs(variant, HOPPER)
+            triton.compile(src, target=HOPPER, options=options)
+        out, _ = launcher.communicate(timeout=120)
+        print(out.strip().splitlines()[-1])
+    ''')
+    assert seen["hits"] == [True]  # one compile asked for, found in the cache
+    assert seen["waited_s"] > 1.0
+
+
 def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
     seen = run_case(tmp_path, '''
         def broken():
