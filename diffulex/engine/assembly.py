@@ -43,7 +43,7 @@ from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import invalid_value, warn
 
 if TYPE_CHECKING:
-    from diffulex.kernels.parallel_compile import CompileHelpers
+    from diffulex.kernels.parallel_compile import CompileHelpers, CompileReport
 
 logger = logging.getLogger("diffulex")
 
@@ -192,12 +192,12 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
-    cache_entries = None
+    cache_entries = report = None
     if helpers is not None:
-        _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
+        report = _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
         cache_entries = _triton_cache_entries()
         build.done(HELPER_PHASE)
-    with _compile_locks(device):  # another build on this host compiling a variant: wait, then load it
+    with _compile_locks(device) as launched:  # another build on this host compiling a variant: wait, then load it
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
         runner.allocate_kv_cache(num_pages)
         build.done("memory plan and KV cache")
@@ -207,6 +207,13 @@ def _build_components(
         build.done("CUDA graphs")
         runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
         build.done("sampling kernels")
+    if report is not None and launched is not None:
+        from diffulex.kernels.parallel_compile import never_launched
+
+        unlaunched = never_launched(report.variants, launched)
+        if unlaunched:
+            logger.info("kernels: %d recorded by the dry pass but never launched: %s", len(unlaunched),
+                        " | ".join(unlaunched))  # fmt: skip
     if cache_entries is not None:
         after = _triton_cache_entries()
         if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)
@@ -389,10 +396,10 @@ def _dry_warm_ups(
 
 def _compile_in_helpers(
     helpers: CompileHelpers, runner: StepRunner, warm_ups: dict[str, Callable[[], None]], device: torch.device
-) -> None:
+) -> CompileReport | None:
     """Have `helpers` compile what `warm_ups` would compile (a dry pass of them, over a cache of one page, dropped
-    after), for this device's target. Whatever goes wrong here is logged and costs only time: the warm-ups that
-    follow compile what is missing themselves."""
+    after), for this device's target; their report, or None where that failed. Whatever goes wrong here is logged
+    and costs only time: the warm-ups that follow compile what is missing themselves."""
     try:
         target = _compile_target(device)
         runner.allocate_kv_cache(1)  # attention needs a bound cache; a dry pass stores nothing
@@ -406,13 +413,14 @@ def _compile_in_helpers(
         helpers.close()
         logger.warning("kernels: compiling in helper processes failed (%s: %s); the build compiles them itself",
                        type(err).__name__, err)  # fmt: skip
-        return
+        return None
     recorded = ", ".join(f"{name} {count}" for name, count in report.recorded_by.items())
     logger.info(
         "kernels: %d variants (%s), %d not in the Triton cache%s, %d compiled by helper processes%s",
         report.recorded, recorded, report.missing, _named_counts(list(report.missing_names)), report.compiled,
         f" ({len(report.errors)} left to the build: {' | '.join(report.errors)})" if report.errors else "",
     )  # fmt: skip
+    return report
 
 
 def _triton_cache_entries() -> set[str] | None:

@@ -294,24 +294,27 @@ def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compile_locks() -> Iterator[None]:
+def compile_locks() -> Iterator[list[KernelVariant]]:
     """Within the block, each compile a launch of this process starts holds its variant's lock (`_variant_lock`,
     the lock a helper compiling that variant holds): processes building at once on one host (tensor-parallel
     ranks, replicas, test workers) compile a variant once, the others then finding it in Triton's cache
     (``triton.compile`` looks there first). Taken in Triton's ``jit_cache_hook`` (called before a compile) and
     released in its ``jit_post_compile_hook`` (after it) or at the block's end; the hooks in place before are still
-    called, and put back at the end. Needs triton (`parallel_compile_supported`)."""
+    called, and put back at the end. Yields the list of the variants compiled (or looked up on disk) in the block, in
+    order. Needs triton (`parallel_compile_supported`)."""
     import triton
     from triton.runtime import driver
 
     runtime = triton.knobs.runtime
     previous_before, previous_after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
     held = contextlib.ExitStack()
+    launched: list[KernelVariant] = []
 
     def before(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool:
         if previous_before is not None and previous_before(fn=fn, compile=compile, **kwargs):
             return True  # another hook skips this compile: nothing to lock
         variant = KernelVariant(fn.module, fn.name, compile["specialization_data"])
+        launched.append(variant)
         held.enter_context(_variant_lock(variant, driver.active.get_current_target()))
         return False
 
@@ -322,7 +325,7 @@ def compile_locks() -> Iterator[None]:
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
     try:
-        yield
+        yield launched
     finally:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = previous_before, previous_after
         held.close()
@@ -366,6 +369,31 @@ class CompileReport:
     compiled: int = 0
     errors: tuple[str, ...] = ()
     recorded_by: dict[str, int] = field(default_factory=dict)  # variants each named warm-up launched
+    variants: tuple[KernelVariant, ...] = ()  # those recorded, in order
+
+
+def never_launched(recorded: tuple[KernelVariant, ...], launched: list[KernelVariant]) -> list[str]:
+    """Each variant the dry pass recorded that the real warm-ups never compiled (`compile_locks` saw them all), with
+    what tells it from the nearest variant of that kernel they did compile: the specialization fields that differ,
+    each as ``field=recorded (launched: value)``. A warm start finds such a variant missing from the cache every
+    time, so it is what a dry pass that foresees the warm-ups exactly must not produce."""
+    seen = set(launched)
+    lines = []
+    for variant in recorded:
+        if variant in seen:
+            continue
+        mine = json.loads(variant.specialization)
+        closest: list[str] | None = None
+        for other in launched:
+            if (other.module, other.name) != (variant.module, variant.name):
+                continue
+            theirs = json.loads(other.specialization)
+            differing = [f"{key}={mine.get(key)} (launched: {theirs.get(key)})"
+                         for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]  # fmt: skip
+            if closest is None or len(differing) < len(closest):
+                closest = differing
+        lines.append(f"{variant.name}: " + ("; ".join(closest) if closest else "no launched variant of that kernel"))
+    return lines
 
 
 class CompileHelpers:
@@ -423,7 +451,7 @@ class CompileHelpers:
                     report.recorded_by[name] = len(variants) - before
             report.errors = tuple(errors)
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
-            report.recorded, report.missing = len(variants), len(missing)
+            report.recorded, report.missing, report.variants = len(variants), len(missing), tuple(variants)
             report.missing_names = tuple(v.name for v in missing)
             if len(missing) >= (1 if self._helpers else MIN_MISSING_FOR_HELPERS):
                 compiled, helper_errors = self.compile_variants(missing, target)

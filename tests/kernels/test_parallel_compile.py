@@ -219,9 +219,10 @@ def test_a_launch_under_compile_locks_waits_for_another_process_compiling_its_va
         hits = []
         triton.knobs.compilation.listener = lambda *, cache_hit, **kwargs: hits.append(cache_hit)
         start = time.monotonic()
-        with pc.compile_locks():
+        with pc.compile_locks() as launched:
             scale.warmup(torch.ones(64), torch.zeros(64), 64, BLOCK=64, grid=(1,))
-        print(json.dumps({"hits": hits, "waited_s": time.monotonic() - start}))
+        print(json.dumps({"hits": hits, "waited_s": time.monotonic() - start,
+                          "launched": [[v.name, v.specialization] for v in launched]}))
     '''))
     seen = run_case(tmp_path, '''
         import subprocess, sys, time
@@ -233,10 +234,25 @@ def test_a_launch_under_compile_locks_waits_for_another_process_compiling_its_va
             src, options = pc._compile_inputs(variant, HOPPER)
             triton.compile(src, target=HOPPER, options=options)
         out, _ = launcher.communicate(timeout=120)
-        print(out.strip().splitlines()[-1])
+        seen = json.loads(out.strip().splitlines()[-1])
+        seen["recorded"] = [variant.name, variant.specialization]
+        print(json.dumps(seen))
     ''')
     assert seen["hits"] == [True]  # one compile asked for, found in the cache
     assert seen["waited_s"] > 1.0
+    assert seen["launched"] == [seen["recorded"]]  # what a launch compiles is named as a dry pass records it
+
+
+def test_a_recorded_variant_never_launched_is_named_with_what_differs():
+    def variant(name: str, **spec) -> pc.KernelVariant:
+        return pc.KernelVariant("kernels", name, json.dumps(spec))
+
+    launched = [variant("skinny", attrs=[[16]], warps=4), variant("skinny", attrs=[[1]], warps=8), variant("norm")]
+    recorded = (launched[0], variant("skinny", attrs=[[1]], warps=4), variant("top1", warps=4))
+    assert pc.never_launched(recorded, launched) == [
+        "skinny: attrs=[[1]] (launched: [[16]])",  # the nearest launched variant differs in one field
+        "top1: no launched variant of that kernel",
+    ]
 
 
 def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
