@@ -74,6 +74,8 @@ ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from
 # started for them)
 MIN_MISSING_FOR_HELPERS = 8
 LOCK_SLOTS = 1 << 20  # bytes of the lock file the variants' locks are spread over (`_variant_lock`)
+LOCK_WAIT_S = 60.0  # the longest a compile waits for another process's compile of its variant (some take 20 s)
+LOCK_POLL_S = 0.05
 HELPER_TIMEOUT_S = 120.0  # past this the helpers are ended and the real warm-up compiles what is left
 
 
@@ -278,7 +280,9 @@ def variant_lock_slot(variant: KernelVariant, target: Any) -> tuple[str, int]:
 def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
     """Hold, across this machine's processes, the lock of this variant (`variant_lock_slot`): a POSIX record lock
     on one byte, released when the process closes the file or ends. Two variants whose bytes collide only wait for
-    each other. No lock where fcntl is missing."""
+    each other. The wait is bounded (`LOCK_WAIT_S`), then the block runs without the lock: a holder that never lets
+    go (a rank whose compile failed and which now waits in a collective for this one) costs a repeated compile,
+    never a hang. No lock where fcntl is missing."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system: the compiles may repeat, nothing else changes
@@ -287,7 +291,15 @@ def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
     path, slot = variant_lock_slot(variant, target)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+                break
+            except OSError:  # held by another process
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(LOCK_POLL_S)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -243,6 +243,25 @@ def test_a_launch_under_compile_locks_waits_for_another_process_compiling_its_va
     assert seen["launched"] == [seen["recorded"]]  # what a launch compiles is named as a dry pass records it
 
 
+def test_a_lock_never_let_go_delays_a_compile_but_never_hangs_it(tmp_path):
+    (tmp_path / "waiter.py").write_text(PRELUDE + textwrap.dedent('''
+        import sys, time
+        pc.LOCK_WAIT_S = 1.0
+        (variant,) = pc.record_launches(lambda: scale[(1,)](torch.ones(64), torch.zeros(64), 64, BLOCK=64))
+        start = time.monotonic()
+        with pc._variant_lock(variant, HOPPER):
+            print(json.dumps({"entered_after_s": time.monotonic() - start}))
+    '''))
+    seen = run_case(tmp_path, '''
+        import subprocess, sys
+        (variant,) = pc.record_launches(lambda: scale[(1,)](torch.ones(64), torch.zeros(64), 64, BLOCK=64))
+        with pc._variant_lock(variant, HOPPER):  # held for the waiter's whole life
+            done = subprocess.run([sys.executable, "waiter.py"], capture_output=True, text=True, timeout=120)
+        print(done.stdout.strip().splitlines()[-1])
+    ''')
+    assert 1.0 <= seen["entered_after_s"] < 30.0
+
+
 def test_a_recorded_variant_never_launched_is_named_with_what_differs():
     def variant(name: str, **spec) -> pc.KernelVariant:
         return pc.KernelVariant("kernels", name, json.dumps(spec))
