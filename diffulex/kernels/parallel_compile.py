@@ -323,6 +323,7 @@ def compile_locks() -> Iterator[list[KernelVariant]]:
     launched: list[KernelVariant] = []
 
     def before(*, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool:
+        held.close()  # the lock of a compile that raised (no post-compile call came for it)
         if previous_before is not None and previous_before(fn=fn, compile=compile, **kwargs):
             return True  # another hook skips this compile: nothing to lock
         variant = KernelVariant(fn.module, fn.name, compile["specialization_data"])
