@@ -4,13 +4,18 @@ Why processes: a cold start compiles its variants one after another, and Triton'
 lock for nearly all of its work, so threads cannot share it (measured with triton 3.6 on two cores: six compiles
 took 1.16 s on one thread, 1.30 s on two threads, 0.76 s on two processes).
 
-How: `CompileHelpers` starts the helpers when the build begins, so that their imports (torch, triton, the kernel
-modules) run while the weights load. `CompileHelpers.compile_for` then runs the build's warm-ups *dry*
+How: on an empty Triton cache `CompileHelpers` starts the helpers when the build begins, so that their imports
+(torch, triton, the kernel modules) run while the weights load; otherwise it starts them only for what turns out to
+be missing. `CompileHelpers.compile_for` then runs the build's warm-ups *dry*
 (`dry_pass`): through Triton's ``jit_cache_hook`` every launch that would compile is recorded and skipped (nothing
 is compiled, that kernel does not run). The recorded variants that Triton's on-disk cache lacks are shared among
 the helpers, which compile them into that cache; then the caller runs the warm-ups for real and finds each variant
 there. The engine's build (`diffulex.engine.assembly`) runs its profile forward, the attention warm-up, the CUDA
 graphs' warm-up forwards and the sampling warm-up dry, in one pass before the first of them runs for real.
+
+Builds on one host at once (tensor-parallel ranks, data-parallel replicas, a test suite's workers) would compile
+the same variants side by side: every compile, a helper's or a real warm-up's (`compile_locks`), holds a lock per
+variant that the others wait on, and then find the variant in the cache.
 
 The helpers only ever fill the cache: one that fails, is slow or compiles under another key changes nothing but the
 time, since the real warm-up compiles whatever it does not find (and raises what a broken kernel raises). They are
@@ -412,8 +417,8 @@ def never_launched(recorded: tuple[KernelVariant, ...], launched: list[KernelVar
 class CompileHelpers:
     """Up to `count` helper processes, used once by `compile_for`, ended by it or by `close`.
 
-    With `start_now` they all start at once, so that their imports (about as long as one compile) run while the
-    weights load: what a first start on a machine wants, every variant being missing. Otherwise they start only once
+    With `start_now` they all start at once, so that their imports (seconds: as long as several compiles) run while
+    the weights load: what a first start on a machine wants, every variant being missing. Otherwise they start only once
     the dry pass has found variants the cache lacks, as many as those variants (up to `count`), and none for fewer
     than `MIN_MISSING_FOR_HELPERS`: a warm start starts none, and engines built one after another on a busy machine
     (a test suite, several replicas) do not spend a core's import on each build."""
