@@ -342,11 +342,9 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
 def _compile_locks(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """`diffulex.kernels.parallel_compile.compile_locks` where the build compiles Triton kernels for a GPU; a block
     that does nothing elsewhere."""
-    from diffulex.layers.dispatch import triton_available
-
-    if device.type != "cuda" or not triton_available():
+    if device.type != "cuda":
         return contextlib.nullcontext()
-    from diffulex.kernels.parallel_compile import compile_locks, parallel_compile_supported
+    from diffulex.kernels.parallel_compile import compile_locks, parallel_compile_supported  # imports no triton
 
     return compile_locks() if parallel_compile_supported() else contextlib.nullcontext()
 

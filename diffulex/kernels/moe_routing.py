@@ -197,6 +197,7 @@ def _group_limited_topk_kernel(
     chosen_w = chosen_w * scaling
     _store_top_k(weights_ptr, experts_ptr, rows, row_ok, chosen_w, chosen_e, TOP_K, TOP_K_PAD)
 
+
 def group_limited_topk(
     logits: torch.Tensor,
     expert_bias: torch.Tensor | None,

@@ -381,13 +381,17 @@ class CompileReport:
     """What the helpers did for the warm-ups: variants recorded (all told and per warm-up), of them missing from the
     cache, compiled; the dry runs' and the helpers' errors."""
 
-    recorded: int = 0
+    variants: tuple[KernelVariant, ...] = ()  # those recorded, in order
     missing: int = 0
     missing_names: tuple[str, ...] = ()  # the kernel of each missing variant
     compiled: int = 0
     errors: tuple[str, ...] = ()
     recorded_by: dict[str, int] = field(default_factory=dict)  # variants each named warm-up launched
-    variants: tuple[KernelVariant, ...] = ()  # those recorded, in order
+
+    @property
+    def recorded(self) -> int:
+        """How many variants the dry pass recorded."""
+        return len(self.variants)
 
 
 def never_launched(recorded: tuple[KernelVariant, ...], launched: list[KernelVariant]) -> list[str]:
@@ -469,7 +473,7 @@ class CompileHelpers:
                     report.recorded_by[name] = len(variants) - before
             report.errors = tuple(errors)
             missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
-            report.recorded, report.missing, report.variants = len(variants), len(missing), tuple(variants)
+            report.variants, report.missing = tuple(variants), len(missing)
             report.missing_names = tuple(v.name for v in missing)
             if len(missing) >= (1 if self._helpers else MIN_MISSING_FOR_HELPERS):
                 compiled, helper_errors = self.compile_variants(missing, target)

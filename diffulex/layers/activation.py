@@ -14,6 +14,15 @@ from torch import nn
 from diffulex.layers.dispatch import use_fused_kernels
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: one launch on CUDA, reading ``gate`` and ``up`` where they lie (`SiluAndMul`)."""
+    if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
+        from diffulex.kernels.activation import silu_mul
+
+        return silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """``silu(gate) * up``.
 
@@ -24,11 +33,7 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
-            from diffulex.kernels.activation import silu_mul
-
-            return silu_mul(gate, up)
-        return F.silu(gate) * up
+        return silu_and_mul(gate, up)
 
     def split(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The same activation on a concatenated ``[..., 2 * I]`` tensor (gate first, then up)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffulex.layers.activation import silu_and_mul
 from diffulex.layers.dispatch import triton_available
 from diffulex.layers.parallel_state import TensorParallelGroup, tensor_parallel_group
 
@@ -390,15 +391,18 @@ class MergedProjection(JoinedWeights):
             return tuple(m(x) if readers is None else m(x, readers=readers) for m in self.linears)
         return linear(x, self.weight, self.bias, self.release_early, readers).split(self.sizes, dim=-1)
 
-    def silu_mul(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor | None:
-        """``silu(gate(x)) * up(x)`` of a merged gate/up pair in one skinny-GEMM launch (the activation in its
-        epilogue), or None where that launch does not apply: unmerged, not two equal halves, or not a decode-sized
-        CUDA input (`diffulex.kernels.skinny_gemm.maybe_skinny_linear`). The caller then runs the projection and
-        the activation separately; both ways give the same bits. ``readers`` as in `linear`."""
-        if self.weight is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
-            return None
-        skinny = _skinny_for(x)
-        return skinny(x, self.weight, self.bias, output="silu_mul", readers=readers) if skinny is not None else None
+    def silu_mul(self, x: torch.Tensor, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)`` of a gate/up pair: one skinny-GEMM launch with the activation in its epilogue
+        where that applies (merged into two equal halves, a decode-sized CUDA input whose shape the table takes
+        without splitting K: `diffulex.kernels.skinny_gemm.maybe_skinny_linear`), else the projection, then one
+        activation launch over its two halves in place (`diffulex.layers.activation.silu_and_mul`); both ways give
+        the same bits. ``readers`` as in `linear`."""
+        if self.weight is not None and len(self.sizes) == 2 and self.sizes[0] == self.sizes[1]:
+            skinny = _skinny_for(x)
+            act = skinny(x, self.weight, self.bias, output="silu_mul", readers=readers) if skinny is not None else None
+            if act is not None:
+                return act
+        return silu_and_mul(*self(x, readers))
 
 
 def _join(params: list[torch.Tensor]) -> torch.Tensor:

@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffulex.layers.activation import SiluAndMul
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import (
     ColumnParallelLinear,
@@ -200,7 +199,6 @@ class ScaledSoftmaxRouter(nn.Module):
 
 # Added to the sum of the chosen experts' sigmoid scores before dividing by it, as LLaDA2's router does.
 _WEIGHT_SUM_FLOOR = 1e-20
-_SILU_AND_MUL = SiluAndMul()  # stateless: ``silu(gate) * up`` in one launch on CUDA, reading the two halves in place
 Router = SoftmaxRouter | GroupLimitedRouter
 
 
@@ -232,11 +230,10 @@ class GatedMLP(nn.Module):
         """``act(gate(x)) * up(x)``: down_proj's input."""
         if self.gate_up is None:
             return self.activation(self.gate_proj(x)) * self.up_proj(x)
-        if self.activation is not F.silu:
-            gate, up = self.gate_up(x)
-            return self.activation(gate) * up
-        act = self.gate_up.silu_mul(x)  # SiLU in the GEMM's epilogue, where its table has the shape
-        return act if act is not None else _SILU_AND_MUL(*self.gate_up(x))  # else one launch over the two halves
+        if self.activation is F.silu:
+            return self.gate_up.silu_mul(x)
+        gate, up = self.gate_up(x)
+        return self.activation(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activated(x))

@@ -27,7 +27,6 @@ from diffulex.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     UnsummedProduct,
     VocabEmbedding,
 )
@@ -199,16 +198,13 @@ class DenseMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inter, bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.gate_up = MergedProjection(self.gate_proj, self.up_proj)
-        self.act_fn = SiluAndMul()
 
     def forward(
         self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None
     ) -> torch.Tensor | UnsummedProduct:
         """The MLP's output; with ``unsummed`` possibly as down_proj's K splits (see `DenseAttention.forward`).
         ``readers``: `run_decoder`."""
-        act = self.gate_up.silu_mul(x, readers)  # one launch with the activation in its epilogue, where it applies
-        if act is None:
-            act = self.act_fn(*self.gate_up(x, readers))
+        act = self.gate_up.silu_mul(x, readers)
         return self.down_proj.forward_unsummed(act, readers) if unsummed else self.down_proj(act, readers=readers)
 
 

@@ -252,7 +252,6 @@ def test_the_build_compiles_under_the_variant_locks_only_for_a_gpu(monkeypatch):
     import diffulex.kernels.parallel_compile as parallel_compile
 
     monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
-    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
     locks = contextlib.nullcontext("locks")
     monkeypatch.setattr(parallel_compile, "compile_locks", lambda: locks)
     assert assembly._compile_locks(torch.device("cuda")) is locks
