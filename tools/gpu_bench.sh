@@ -2,7 +2,7 @@
 # The one-GPU measurements by part, each under a time limit, so that a device call runs the parts it has room for
 # and a hung part never spends the rest of it (the two-GPU ones are tools/multi_gpu_bench.sh):
 #   tests     tools/gpu_tests.sh: the GPU test suite over 16 workers (about 5 min)
-#   start     tools/start_gpu_check.sh: engine start, cold and warm caches (about 2 min)
+#   start     tools/start_gpu_check.sh: engine start, cold and warm caches (about 1 min)
 #   fdv2      Fast-dLLM v2 7B at batch 1: bench/step_anatomy.py beside multi_bd, and `bench throughput` (about 3 min)
 #   prefill   `bench sweep --targets prefill`: TTFT, decoders beside a chunked prompt, prefix hits (about 5 min)
 #   serving   `bench sweep --targets serving` and bench/server_step_rate.py (about 5 min)

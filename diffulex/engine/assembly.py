@@ -43,6 +43,7 @@ from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import invalid_value, warn
 
 if TYPE_CHECKING:
+    from diffulex.kernels.build_manifest import BuildManifest
     from diffulex.kernels.parallel_compile import CompileHelpers, CompileReport
 
 logger = logging.getLogger("diffulex")
@@ -192,10 +193,16 @@ def _build_components(
     policy = GraphPolicy.decide(config, device, runner, settings.logits_shift)
     policy.maybe_compile(runner, config)
     build.done("runner")
-    cache_entries = report = None
+    cache_entries = report = manifest = None
     if helpers is not None:
-        report = _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
-        cache_entries = _triton_cache_entries()
+        manifest = _open_manifest(config, device, dtype)
+        if manifest is not None and manifest.ready:
+            helpers.close()
+            logger.info("kernels: the %d variants this engine's last build launched are all in the Triton cache: no "
+                        "dry pass", len(manifest.variants or ()))  # fmt: skip
+        else:
+            report = _compile_in_helpers(helpers, runner, _dry_warm_ups(config, runner, policy, dtype), device)
+            cache_entries = _triton_cache_entries()
         build.done(HELPER_PHASE)
     with _compile_locks(device) as launched:  # another build on this host compiling a variant: wait, then load it
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
@@ -207,6 +214,8 @@ def _build_components(
         build.done("CUDA graphs")
         runner.warm_up_sampling(config.max_num_reqs * policy.max_rows_per_request, dtype)
         build.done("sampling kernels")
+    if manifest is not None and launched is not None:
+        manifest.record(launched)
     if report is not None and launched is not None:
         from diffulex.kernels.parallel_compile import never_launched
 
@@ -339,6 +348,27 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
     return CompileHelpers(count, start_now=not _triton_cache_entries())  # an empty cache: every variant to compile
 
 
+def _open_manifest(config: Config, device: torch.device, dtype: torch.dtype) -> BuildManifest | None:
+    """This build's manifest of kernel variants (`diffulex.kernels.build_manifest`), named by what decides them, or
+    None where it cannot be (Triton's cache folder or target unknown)."""
+    try:
+        import triton
+
+        from diffulex.kernels.build_manifest import BuildManifest
+
+        fields = {
+            "engine": {name: value for name, value in config.to_dict().items() if name != "model"},
+            "model": config.model_config_dict,
+            "dtype": str(dtype),
+            "device": [torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))],
+            "versions": [torch.__version__, triton.__version__],
+        }
+        return BuildManifest.open(triton.knobs.cache.dir, fields, _compile_target(device))
+    except Exception as err:  # noqa: BLE001  (no manifest costs only the dry pass it would have saved)
+        logger.info("kernels: no build manifest (%s: %s)", type(err).__name__, err)
+        return None
+
+
 def _compile_locks(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """`diffulex.kernels.parallel_compile.compile_locks` where the build compiles Triton kernels for a GPU; a block
     that does nothing elsewhere."""
@@ -426,7 +456,9 @@ def _triton_cache_entries() -> set[str] | None:
     try:
         import triton
 
-        return set(os.listdir(triton.knobs.cache.dir))
+        from diffulex.kernels.build_manifest import MANIFEST_FOLDER
+
+        return set(os.listdir(triton.knobs.cache.dir)) - {MANIFEST_FOLDER}
     except (AttributeError, ImportError, OSError):
         return None
 

@@ -8,10 +8,13 @@ How: on an empty Triton cache `CompileHelpers` starts the helpers when the build
 (torch, triton, the kernel modules) run while the weights load; otherwise it starts them only for what turns out to
 be missing. `CompileHelpers.compile_for` then runs the build's warm-ups *dry*
 (`dry_pass`): through Triton's ``jit_cache_hook`` every launch that would compile is recorded and skipped (nothing
-is compiled, that kernel does not run). The recorded variants that Triton's on-disk cache lacks are shared among
-the helpers, which compile them into that cache; then the caller runs the warm-ups for real and finds each variant
-there. The engine's build (`diffulex.engine.assembly`) runs its profile forward, the attention warm-up, the CUDA
-graphs' warm-up forwards and the sampling warm-up dry, in one pass before the first of them runs for real.
+is compiled, that kernel does not run). The recorded variants that Triton's on-disk cache lacks are handed to the
+helpers one at a time, the longest kernels first, and they compile them into that cache; then the caller runs the
+warm-ups for real and finds each variant there. The engine's build (`diffulex.engine.assembly`) runs its profile
+forward, the attention warm-up, the CUDA graphs' warm-up forwards and the sampling warm-up dry, in one pass before the
+first of them runs for real (unless its manifest, `diffulex.kernels.build_manifest`, shows every variant it will
+launch cached already). Once done compiling, each helper builds its variants' launchers as well (`build_launcher`),
+the host-side C modules Triton otherwise builds on a variant's first launch.
 
 Builds on one host at once (tensor-parallel ranks, data-parallel replicas, a test suite's workers) would compile
 the same variants side by side: every compile, a helper's or a real warm-up's (`compile_locks`), holds a lock per
@@ -42,9 +45,11 @@ import importlib
 import json
 import logging
 import os
+import selectors
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,13 +75,13 @@ HELPER_MODULES = (
 # Sets in which a launch records that it has compiled a variant, so that later calls skip it: (module, name). A dry
 # pass skips the compile, so it puts each back as it found it.
 WARM_STATE = (("diffulex.kernels.skinny_gemm", "_WARMED"),)
-MAX_HELPERS = 8
+# Helpers compile one variant each at a time, on a core each (a compile is single-threaded and CPU-bound), so a
+# start compiles about as fast as it has idle cores up to this many; builds that share a host's cores (a test
+# suite's workers) cap theirs with DIFFULEX_COMPILE_HELPERS (`diffulex.engine.assembly.helper_limit`).
+MAX_HELPERS = 16
 ANSWER_PREFIX = "DIFFULEX_COMPILED "  # a helper's answer lines, told apart from anything a library prints
 # fewer missing variants than this are left to the build's own warm-ups when no helper runs yet: starting helpers
-# costs their imports (about 4 s on an H100 host: as long as compiling several variants one after another), and a
-# warm start's dry pass records a few skinny-GEMM variants the real warm-ups never launch (so never cached), which
-# a helper would compile on every start (SDAR-1.7B on an H100: 4 such variants, the warm start 15.1 s with helpers
-# started for them)
+# costs their imports (about 4 s on an H100 host: as long as compiling several variants one after another)
 MIN_MISSING_FOR_HELPERS = 8
 LOCK_SLOTS = 1 << 20  # bytes of the lock file the variants' locks are spread over (`_variant_lock`)
 LOCK_WAIT_S = 60.0  # the longest a compile waits for another process's compile of its variant (some take 20 s)
@@ -149,13 +154,13 @@ def _host_reads_refused() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _warm_state_kept() -> Iterator[None]:
-    """Put each of `WARM_STATE`'s sets (of the modules already imported) back as it was when the block began."""
+    """Put each of `WARM_STATE`'s sets back as it was when the block began. Its module is imported first where no
+    launch has imported it yet: otherwise the first launch inside the block would import it and fill its set, which
+    would then outlive the block, so that the real warm-ups would skip (as done) every variant the dry pass recorded
+    and leave it to the graphs' capture to compile."""
     saved = []
     for module_name, name in WARM_STATE:
-        module = sys.modules.get(module_name)
-        if module is None:  # never imported: nothing launched through it yet, and a dry launch compiles nothing
-            continue
-        state = getattr(module, name)
+        state = getattr(importlib.import_module(module_name), name)
         saved.append((state, set(state)))
     try:
         yield
@@ -257,43 +262,72 @@ def is_cached(variant: KernelVariant, target: Any) -> bool:
     return bool((manager.get_group(name) or {}).get(name))
 
 
-def compile_variant(variant: KernelVariant, target: Any) -> None:
-    """Compile one variant for `target` into Triton's on-disk cache (no device needed). Builds on one machine
-    (replicas, tensor-parallel ranks, a test suite's workers) wait for each other's compile of a variant
-    (`_variant_lock`), and ``triton.compile`` then finds it in the cache instead of compiling it again."""
+def compile_variant(variant: KernelVariant, target: Any) -> Any:
+    """Compile one variant for `target` into Triton's on-disk cache (no device needed); the compiled kernel (for
+    `build_launcher`). Builds on one machine (replicas, tensor-parallel ranks, a test suite's workers) wait for each
+    other's compile of a variant (`_variant_lock`), and ``triton.compile`` then finds it in the cache instead of
+    compiling it again."""
     import triton
 
     with _variant_lock(variant, target):
         src, options = _compile_inputs(variant, target)
-        triton.compile(src, target=target, options=options)
+        return triton.compile(src, target=target, options=options)
+
+
+def build_launcher(kernel: Any, target: Any) -> None:
+    """Build the host-side launcher of a compiled variant into Triton's cache, as its first launch would.
+
+    Why: on NVIDIA GPUs Triton launches a kernel through a small C module made for its argument types, compiled with
+    the system's C compiler on the first launch in a process whose cache lacks it (half a second to a second each;
+    the SDAR-1.7B geometry's build needs about ten, which its first start otherwise compiled one after another
+    while capturing its graphs). It needs no device. Any failure is left unsaid: the first launch builds it."""
+    if getattr(target, "backend", None) != "cuda":
+        return
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        # one launcher serves every variant of its argument types: helpers building it at once wait for the first
+        key = repr([sorted(kernel.src.signature.items()), getattr(kernel.metadata, "tensordesc_meta", None)])
+        with _slot_lock(*_lock_slot(key)):
+            CudaLauncher(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001, S110  (an internal of triton changed: the launch builds its launcher itself)
+        pass
 
 
 def variant_lock_slot(variant: KernelVariant, target: Any) -> tuple[str, int]:
     """The lock file and the byte of it (of `LOCK_SLOTS`, by the variant's hash) that stand for this variant of
     this Triton cache, for this target."""
+    return _lock_slot(json.dumps([asdict(variant), [target.backend, target.arch, target.warp_size]]))
+
+
+def _lock_slot(key: str) -> tuple[str, int]:
+    """The lock file and the byte of it that stand for `key` in this Triton cache."""
     import hashlib
     import tempfile
 
     import triton
 
-    key = json.dumps([triton.knobs.cache.dir, asdict(variant), [target.backend, target.arch, target.warp_size]])
-    slot = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % LOCK_SLOTS
+    digest = hashlib.sha256(json.dumps([triton.knobs.cache.dir, key]).encode()).digest()
+    slot = int.from_bytes(digest[:8], "little") % LOCK_SLOTS
     return os.path.join(tempfile.gettempdir(), f"diffulex-compile-{os.getuid()}.lock"), slot
 
 
+def _variant_lock(variant: KernelVariant, target: Any) -> contextlib.AbstractContextManager[None]:
+    """Hold, across this machine's processes, the lock of this variant (`variant_lock_slot`)."""
+    return _slot_lock(*variant_lock_slot(variant, target))
+
+
 @contextlib.contextmanager
-def _variant_lock(variant: KernelVariant, target: Any) -> Iterator[None]:
-    """Hold, across this machine's processes, the lock of this variant (`variant_lock_slot`): a POSIX record lock
-    on one byte, released when the process closes the file or ends. Two variants whose bytes collide only wait for
-    each other. The wait is bounded (`LOCK_WAIT_S`), then the block runs without the lock: a holder that never lets
-    go (a rank whose compile failed and which now waits in a collective for this one) costs a repeated compile,
-    never a hang. No lock where fcntl is missing."""
+def _slot_lock(path: str, slot: int) -> Iterator[None]:
+    """Hold a POSIX record lock on byte `slot` of `path`, released when the process closes the file or ends. Two
+    keys whose bytes collide only wait for each other. The wait is bounded (`LOCK_WAIT_S`), then the block runs
+    without the lock: a holder that never lets go (a rank whose compile failed and which now waits in a collective
+    for this one) costs a repeated compile, never a hang. No lock where fcntl is missing."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system: the compiles may repeat, nothing else changes
         yield
         return
-    path, slot = variant_lock_slot(variant, target)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
@@ -361,19 +395,22 @@ def _read_jobs(lines: Iterator[str]) -> Iterator[tuple[KernelVariant, Any]]:
 def serve() -> None:
     """A helper's life: import the kernels, then compile each variant read from stdin (one JSON line each) until
     stdin ends, answering one line per variant on stdout (`ANSWER_PREFIX`, then JSON; an error is reported there,
-    never raised)."""
+    never raised); then build the compiled variants' launchers (`build_launcher`)."""
     for module in HELPER_MODULES:
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001, S112  (a variant of that module then fails alone, and is reported)
             continue
+    compiled = []
     for variant, target in _read_jobs(iter(sys.stdin.readline, "")):
         try:
-            compile_variant(variant, target)
+            compiled.append((compile_variant(variant, target), target))
             answer: dict[str, Any] = {"ok": True}
         except Exception as err:  # noqa: BLE001  (the real warm-up compiles it again and raises for itself)
             answer = {"ok": False, "error": f"{variant.name}: {type(err).__name__}: {err}"}
         print(ANSWER_PREFIX + json.dumps(answer), flush=True)
+    for kernel, target in compiled:  # after every compile: a launcher another helper is building is waited for
+        build_launcher(kernel, target)
 
 
 @dataclass
@@ -432,7 +469,7 @@ class CompileHelpers:
         path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)
         self._env = {**os.environ, "PYTHONPATH": path}
         self.count = count
-        self._helpers: list[subprocess.Popen[str]] = []
+        self._helpers: list[subprocess.Popen[bytes]] = []
         if start_now:
             self._start(count)
 
@@ -440,7 +477,7 @@ class CompileHelpers:
         self._helpers += [
             subprocess.Popen(
                 [sys.executable, "-c", HELPER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True, env=self._env,
+                stderr=subprocess.DEVNULL, env=self._env,
             )  # fmt: skip
             for _ in range(count)
         ]
@@ -472,7 +509,7 @@ class CompileHelpers:
                         errors.append(f"{name}: {type(err).__name__}: {err}")
                     report.recorded_by[name] = len(variants) - before
             report.errors = tuple(errors)
-            missing = [v for v in variants if not _cached_or_unknown_false(v, target)]
+            missing = [v for v in variants if not cached_or_unknown_false(v, target)]
             report.variants, report.missing = tuple(variants), len(missing)
             report.missing_names = tuple(v.name for v in missing)
             if len(missing) >= (1 if self._helpers else MIN_MISSING_FOR_HELPERS):
@@ -485,33 +522,45 @@ class CompileHelpers:
         return report
 
     def compile_variants(self, variants: list[KernelVariant], target: Any) -> tuple[int, tuple[str, ...]]:
-        """Share `variants` among the helpers (started now where fewer than `count` and than the variants run) and wait
-        for them: how many compiled, and what failed (by name)."""
+        """Have the helpers (started now where fewer than `count` and than the variants run) compile `variants` and
+        wait for them: how many compiled, and what failed (by name). Each helper holds one variant at a time and is
+        handed the next as it answers, the longest kernels first (`_compile_cost`): compile times differ tenfold
+        (an attention variant against an argmax), so shares fixed beforehand would leave helpers idle while one
+        still works through its long ones."""
         self._start(min(self.count, len(variants)) - len(self._helpers))
+        jobs = deque(sorted(variants, key=_compile_cost, reverse=True))
         target_fields = [target.backend, target.arch, target.warp_size]
-        shares = [variants[i :: len(self._helpers)] for i in range(len(self._helpers))]
-        for helper, share in zip(self._helpers, shares, strict=True):
-            lines = "".join(json.dumps({"variant": asdict(v), "target": target_fields}) + "\n" for v in share)
-            try:
-                helper.stdin.write(lines)
-                helper.stdin.close()
-            except OSError:  # a helper that died: its share is compiled by the real warm-up
-                continue
         compiled, errors = 0, []
         deadline = time.monotonic() + HELPER_TIMEOUT_S
-        for helper in self._helpers:
-            try:  # answers are a few bytes per variant: the helper never blocks on a full pipe
+        with selectors.DefaultSelector() as selector:
+            for helper in self._helpers:
+                working = _HelperPipe(helper)
+                if working.hand(jobs, target_fields):
+                    selector.register(helper.stdout, selectors.EVENT_READ, working)
+            while selector.get_map():
+                ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    errors.append(f"the helpers did not finish in {HELPER_TIMEOUT_S:.0f} s")
+                    break
+                for key, _ in ready:
+                    working = key.data
+                    answers = working.answers()
+                    if answers is None:  # it died: what it held is compiled by the real warm-up
+                        errors.append(f"a helper ended while compiling {working.holding}")
+                        selector.unregister(key.fileobj)
+                        continue
+                    for answer in answers:
+                        compiled += bool(answer["ok"])
+                        if not answer["ok"]:
+                            errors.append(answer["error"])
+                        if not working.hand(jobs, target_fields):
+                            selector.unregister(key.fileobj)
+                            break
+        for helper in self._helpers:  # building their variants' launchers (`serve`), which nothing waits for later
+            try:
                 helper.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                errors.append(f"a helper did not finish in {HELPER_TIMEOUT_S:.0f} s")
-                continue
-            for line in helper.stdout.read().splitlines():
-                if not line.startswith(ANSWER_PREFIX):  # anything else a library printed
-                    continue
-                answer = json.loads(line[len(ANSWER_PREFIX) :])
-                compiled += bool(answer["ok"])
-                if not answer["ok"]:
-                    errors.append(answer["error"])
+                break
         return compiled, tuple(errors)
 
     def ended(self) -> bool:
@@ -529,7 +578,50 @@ class CompileHelpers:
                     stream.close()
 
 
-def _cached_or_unknown_false(variant: KernelVariant, target: Any) -> bool:
+class _HelperPipe:
+    """The parent's end of one helper: the variant it holds, and its answers as whole lines (read from the pipe's
+    descriptor as they come, so that a selector never waits on a line already buffered)."""
+
+    def __init__(self, helper: subprocess.Popen[bytes]) -> None:
+        self.helper = helper
+        self.holding = ""
+        self._pending = b""
+
+    def hand(self, jobs: deque[KernelVariant], target_fields: list[Any]) -> bool:
+        """Hand the helper the next job; with none left, close its input (it then builds its launchers and ends).
+        Whether it holds a job now."""
+        try:
+            if not jobs:
+                self.helper.stdin.close()
+                return False
+            variant = jobs.popleft()
+            self.helper.stdin.write((json.dumps({"variant": asdict(variant), "target": target_fields}) + "\n").encode())
+            self.helper.stdin.flush()
+        except OSError:  # it died: the real warm-up compiles what it would have
+            return False
+        self.holding = variant.name
+        return True
+
+    def answers(self) -> list[dict[str, Any]] | None:
+        """The answers read now (maybe none: half a line so far), or None once the helper's output has ended."""
+        chunk = os.read(self.helper.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return None
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        prefix = ANSWER_PREFIX.encode()
+        return [json.loads(line[len(prefix) :]) for line in lines if line.startswith(prefix)]  # not a library's print
+
+
+def _compile_cost(variant: KernelVariant) -> int:
+    """How long a variant's compile takes, roughly: its kernel's source length (0 where the kernel cannot be
+    found; the helper then reports it)."""
+    try:
+        return len(_kernel(variant).src)
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def cached_or_unknown_false(variant: KernelVariant, target: Any) -> bool:
     """`is_cached`, with a lookup this triton does not support counted as not cached (the helper compiles it)."""
     try:
         return is_cached(variant, target)

@@ -427,9 +427,39 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return torch.cuda.is_current_stream_capturing() or weight.numel() * weight.element_size() >= _EAGER_MIN_BYTES
 
 
-# Kernel variants that an eager call has compiled: (config, padded rows, weight shape, bias, dtype, device). The
-# shape stands for what the launch derives from it (even K, split count, the L2 prefetch of PDL launches).
+# Kernel variants that an eager call has compiled (`_eager_variant`).
 _WARMED: set[tuple] = set()
+# Triton specializes a pointer or integer argument on its divisibility by this (and an integer equal to 1 on its value)
+_SPECIALIZATION_DIVISOR = 16
+
+
+def _specialization(value: int) -> int:
+    """What Triton's compiled variant records of an integer argument (or a pointer's address): 1 for the value 1,
+    else whether it divides by `_SPECIALIZATION_DIVISOR`."""
+    return 1 if value == 1 else int(value % _SPECIALIZATION_DIVISOR == 0) * _SPECIALIZATION_DIVISOR
+
+
+def _eager_variant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: SkinnyConfig,
+    mode: Output,
+    readers: torch.Tensor | None,
+) -> tuple:
+    """What tells an eager launch's compiled kernel variant from another's: the config, output and padded rows; the
+    weight's shape, for what the launch derives from it (even K, split count, the L2 prefetch of PDL launches); and
+    Triton's specialization of the arguments that vary between calls (rows, x's row stride, the readers' count and
+    the addresses of x, bias and readers). Two calls with equal keys launch the same compiled kernel, so the first
+    eager call per key compiles every variant a captured graph of those shapes will launch (a capture must not
+    compile); e.g. 18 rows pad to the tile of 32 but compile apart from 32 rows (18 is not a multiple of 16)."""
+    m = x.shape[0]
+    varying = [m, x.stride(0), readers.numel() if readers is not None else 0]
+    varying += [t.data_ptr() if t is not None else 0 for t in (x, bias, readers)]
+    return (
+        cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device, _reader_slots(readers),
+        *(_specialization(value) for value in varying),
+    )  # fmt: skip
 
 
 def maybe_skinny_linear(
@@ -472,8 +502,7 @@ def maybe_skinny_linear(
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
-        variant = (cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device)
-        variant += (_reader_slots(readers),)
+        variant = _eager_variant(x, weight, bias, cfg, mode, readers)
         if variant in _WARMED:
             return None
         _WARMED.add(variant)

@@ -131,8 +131,9 @@ class StandInHelpers:
         self.closed = True
 
 
-def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers):
-    """An engine built as on a GPU with helper processes (`helpers`), recording every KV cache it allocates."""
+def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers, manifest: StandInManifest | None = None):
+    """An engine built as on a GPU with helper processes (`helpers`) and the kernel manifest `manifest` (none: the
+    build runs its dry pass), recording every KV cache it allocates."""
     pages: list[int] = []
     allocate = assembly.ModelRunner.allocate_kv_cache
 
@@ -142,6 +143,7 @@ def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers):
 
     monkeypatch.setattr(assembly, "_start_compile_helpers", lambda config, device: helpers)
     monkeypatch.setattr(assembly, "_compile_target", lambda device: "hopper")
+    monkeypatch.setattr(assembly, "_open_manifest", lambda config, device, dtype: manifest)
     monkeypatch.setattr(assembly.ModelRunner, "allocate_kv_cache", recording_allocate)
     return make_engine(model_dir), pages
 
@@ -152,8 +154,8 @@ def test_the_helpers_phase_compiles_the_dry_warm_ups_before_the_memory_plan(monk
     with caplog.at_level(logging.INFO, logger="diffulex"):
         llm, pages = build_with(monkeypatch, peaky_sdar_dir, helpers)
     # the build says how many variants it still compiled itself once the helpers were done (0 when all foreseen)
-    assert any(re.fullmatch(r"kernels: -?\d+ compiled by the build itself after the helper processes", r.message)
-               for r in caplog.records)
+    itself = r"kernels: -?\d+ compiled by the build itself after the helper processes( \(.+\))?"
+    assert any(re.fullmatch(itself, r.message) for r in caplog.records)
     with llm:
         phases = list(llm.build_seconds)
         assert helpers.names == BUILD_ORDER and helpers.target == "hopper" and helpers.closed
@@ -175,6 +177,48 @@ def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sd
         assert pages[0] == 1 and pages[-1] == llm.runner.num_pages
         assert all(layer.k_cache.shape[0] == llm.runner.num_pages for layer in llm.runner.attention_layers)
         assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+class StandInManifest:
+    """A build's manifest of kernel variants (`diffulex.kernels.build_manifest.BuildManifest`): ready or not, and
+    what the build records in it."""
+
+    def __init__(self, ready: bool, variants: list | None = None) -> None:
+        self.ready, self.variants = ready, variants
+        self.recorded: list | None = None
+
+    def record(self, launched) -> None:
+        self.recorded = list(launched)
+
+
+def test_a_build_whose_manifest_is_all_cached_skips_the_dry_pass(monkeypatch, peaky_sdar_dir: Path, caplog):
+    helpers = StandInHelpers()
+    manifest = StandInManifest(ready=True, variants=[pc.KernelVariant("m", "k", "{}")] * 3)
+    with caplog.at_level(logging.INFO, logger="diffulex"):
+        llm, _ = build_with(monkeypatch, peaky_sdar_dir, helpers, manifest)
+    with llm:
+        assert helpers.names == [] and helpers.closed, "no warm-up ran dry; the helpers were let go"
+        assert any("the 3 variants this engine's last build launched are all in the Triton cache: no dry pass"
+                   in r.message for r in caplog.records)  # fmt: skip
+        assert assembly.HELPER_PHASE in llm.build_seconds
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_a_build_records_in_its_manifest_what_its_real_warm_ups_launched(monkeypatch, peaky_sdar_dir: Path):
+    import contextlib
+
+    helpers, manifest = StandInHelpers(), StandInManifest(ready=False)
+    launched = [pc.KernelVariant("m", "k", '{"rows": 4}')]
+
+    @contextlib.contextmanager
+    def locks(device):
+        yield launched
+
+    monkeypatch.setattr(assembly, "_compile_locks", locks)
+    llm, _ = build_with(monkeypatch, peaky_sdar_dir, helpers, manifest)
+    with llm:
+        assert helpers.names == BUILD_ORDER, "a manifest that is not all cached leaves the dry pass to run"
+        assert manifest.recorded == launched
 
 
 def test_the_profile_forward_is_recorded_dry_at_the_memory_plans_shape(peaky_sdar_dir: Path):
@@ -207,10 +251,10 @@ def test_naive_moe_gemm_puts_diffusion_gemma_experts_on_the_reference_path(tmp_p
         assembly._select_moe_path(model, "vllm", "dgemma")
 
 
-@pytest.mark.parametrize(("setting", "started"), [(None, 8), ("3", 3), ("0", None)])
+@pytest.mark.parametrize(("setting", "started"), [(None, 15), ("3", 3), ("0", None)])
 def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkeypatch, setting, started):
     """`DIFFULEX_COMPILE_HELPERS` caps the helper processes of a build (0: none), where many builds share the cores
-    (a test suite over pytest workers); unset, the spare cores decide (up to `MAX_HELPERS`)."""
+    (a test suite over pytest workers); unset, the spare cores decide (all but the build's own, up to `MAX_HELPERS`)."""
     import types
 
     import diffulex.kernels.parallel_compile as parallel_compile

@@ -133,6 +133,58 @@ def test_the_launches_find_what_the_helpers_compiled(tmp_path):
     assert len(seen["after_new_variant"]) == len(seen["by_helpers"]) + 1  # what no helper compiled is compiled here
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a launch needs a GPU")
+def test_a_first_launch_finds_the_launcher_a_helper_built_gpu(tmp_path):
+    """A helper builds the variant's host-side launcher too (a C module per argument signature), so that the
+    build's first launch of it compiles nothing at all."""
+    (tmp_path / "kernel_for_parallel_compile_test.py").write_text(KERNEL_SOURCE)
+    body = textwrap.dedent('''
+        import json, os
+        import torch
+        from triton.runtime import driver
+        import diffulex.kernels.parallel_compile as pc
+        from kernel_for_parallel_compile_test import scale
+
+        x, y = torch.ones(1000, device="cuda"), torch.zeros(1000, device="cuda")
+        (variant,) = pc.record_launches(lambda: scale[(4,)](x, y, 1000, BLOCK=256))
+        target = driver.active.get_current_target()
+        pc.build_launcher(pc.compile_variant(variant, target), target)  # as a helper does
+        folder = os.environ["TRITON_CACHE_DIR"]
+        by_helper = sorted(os.listdir(folder))
+        scale[(4,)](x, y, 1000, BLOCK=256)
+        print(json.dumps({"by_helper": by_helper, "after_launch": sorted(os.listdir(folder)),
+                          "doubled": bool((y == 2).all())}))
+    ''')
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, "-c", body], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["doubled"]
+    assert len(seen["by_helper"]) >= 2, "the kernel and its launcher"
+    assert seen["after_launch"] == seen["by_helper"]
+
+
+def test_helpers_are_handed_variants_one_at_a_time_until_none_is_left(tmp_path):
+    """Fewer helpers than variants: each is handed the next as it answers, and every variant gets compiled."""
+    seen = run_case(tmp_path, '''
+        x, y = torch.ones(1024), torch.zeros(1024)
+        launches = [(n, block) for n in (1024, 1000) for block in (128, 256)]
+        variants = pc.record_launches(lambda: [scale[(4,)](x, y, n, BLOCK=block) for n, block in launches])
+        helpers = pc.CompileHelpers(2)
+        try:
+            compiled, errors = helpers.compile_variants(variants, HOPPER)
+        finally:
+            helpers.close()
+        print(json.dumps({"recorded": len(variants), "compiled": compiled, "errors": list(errors),
+                          "cached": [pc.is_cached(v, HOPPER) for v in variants]}))
+    ''')
+    assert seen["recorded"] == 4 and seen["compiled"] == 4 and seen["errors"] == []
+    assert all(seen["cached"])
+
+
 def test_a_variant_a_helper_cannot_compile_is_reported_not_raised(tmp_path):
     seen = run_case(tmp_path, '''
         import dataclasses
@@ -355,6 +407,22 @@ def test_a_dry_pass_forgets_the_variants_an_eager_skinny_call_recorded():
         assert ("a variant whose compile the dry pass skipped",) not in skinny_gemm._WARMED
     finally:
         skinny_gemm._WARMED.discard(earlier)
+
+
+def test_a_dry_pass_forgets_them_too_when_its_first_launch_imports_the_skinny_gemm():
+    """In a fresh process nothing has imported the skinny GEMM before the build's dry pass, whose first dense forward
+    then does: what it records there must still be gone afterwards, or the real warm-ups skip every such variant."""
+    script = textwrap.dedent("""
+        import sys
+        import diffulex.kernels.parallel_compile as pc
+        assert "diffulex.kernels.skinny_gemm" not in sys.modules
+        with pc.dry_pass():
+            from diffulex.kernels import skinny_gemm
+            skinny_gemm._WARMED.add(("recorded dry",))
+        assert skinny_gemm._WARMED == set(), skinny_gemm._WARMED
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_hook_in_place_before_a_dry_pass_is_put_back_after_one_that_raised():

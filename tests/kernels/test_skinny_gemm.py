@@ -16,11 +16,14 @@ from diffulex.kernels.skinny_gemm import (
     GENERIC_MAX_ROWS,
     MAX_ROWS,
     UNSUMMED_PROGRAMS,
+    Output,
     SkinnyConfig,
+    _eager_variant,
     _releases_early,
     _tma_usable,
     config_for,
     gated_config,
+    maybe_skinny_linear,
     skinny_linear,
     skinny_partials,
     skinny_silu_mul,
@@ -269,6 +272,45 @@ def test_config_table_rows_and_fallback() -> None:
     assert config_for(4352, 3584, GENERIC_MAX_ROWS + 1) is None, "above 16 rows only measured shapes"
     assert config_for(3584, 3584, 33) is not None and config_for(37888, 3584, 33) is None  # the table decides
     assert config_for(4608, 3584, 4) is None, "a measured shape where cuBLAS wins"
+
+
+def test_eager_calls_that_compile_apart_are_warmed_apart() -> None:
+    """The eager dedup keys on what Triton specializes: rows that pad to one tile but differ in divisibility by 16
+    (or equal 1) are different compiled kernels, and a graph captured later must find each compiled."""
+    cfg = SkinnyConfig(64, 128, 4, 4, use_dot=True, split_k=1)
+    w = torch.empty(256, 128, dtype=torch.float16)
+
+    def key(rows: int, readers: torch.Tensor | None = None) -> tuple:
+        return _eager_variant(torch.empty(rows, 128, dtype=torch.float16), w, None, cfg, Output.SUM, readers)
+
+    assert key(18) != key(32), "18 rows compile apart from 32"
+    assert key(17) == key(19) == key(31), "all pad to 32 rows, none a multiple of 16"
+    assert key(1) != key(2)
+    assert key(16, torch.arange(16)) != key(16, torch.arange(18)), "the readers' count is specialized too"
+    assert key(16, torch.arange(16)) != key(16, torch.arange(17)[1:]), "so is their address's alignment"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_after_the_eager_warm_up_compiles_nothing_gpu() -> None:
+    from diffulex.kernels.skinny_gemm import _skinny_kernel
+
+    assert config_for(2048, 2048, 18) is not None and config_for(2048, 2048, 32) is not None
+    n, k = 2048, 2048  # SDAR-1.7B's o_proj: the table takes 18 and 32 rows
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for rows in (32, 18)]
+    for x in inputs:  # the eager warm-up before a capture, largest first
+        maybe_skinny_linear(x, w)
+    compiled = sum(len(caches[0]) for caches in _skinny_kernel.device_caches.values())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outputs = [maybe_skinny_linear(x, w) for x in inputs]
+    assert all(y is not None for y in outputs), "under capture the skinny GEMM takes every shape of its table"
+    assert sum(len(caches[0]) for caches in _skinny_kernel.device_caches.values()) == compiled
+    graph.replay()
+    for x, y in zip(inputs, outputs, strict=True):
+        check(y, reference(x, w, None), torch.bfloat16)
 
 
 def test_layers_on_cpu_are_exactly_f_linear() -> None:
