@@ -217,12 +217,12 @@ def _build_components(
     if manifest is not None and launched is not None:
         manifest.record(launched)
     if report is not None and launched is not None:
-        from diffulex.kernels.parallel_compile import never_launched
+        from diffulex.kernels.parallel_compile import never_launched, unforeseen
 
-        unlaunched = never_launched(report.variants, launched)
-        if unlaunched:
-            logger.info("kernels: %d recorded by the dry pass but never launched: %s", len(unlaunched),
-                        " | ".join(unlaunched))  # fmt: skip
+        for lines, what in ((never_launched(report.variants, launched), "recorded by the dry pass but never launched"),
+                            (unforeseen(launched, report.variants), "launched but not recorded by the dry pass")):
+            if lines:
+                logger.info("kernels: %d %s: %s", len(lines), what, " | ".join(lines))
     if cache_entries is not None:
         after = _triton_cache_entries()
         if after is not None:  # what the dry pass did not foresee (or a helper compiled under another key)

@@ -433,26 +433,66 @@ class CompileReport:
 
 def never_launched(recorded: tuple[KernelVariant, ...], launched: list[KernelVariant]) -> list[str]:
     """Each variant the dry pass recorded that the real warm-ups never compiled (`compile_locks` saw them all), with
-    what tells it from the nearest variant of that kernel they did compile: the specialization fields that differ,
-    each as ``field=recorded (launched: value)``. A warm start finds such a variant missing from the cache every
-    time, so it is what a dry pass that foresees the warm-ups exactly must not produce."""
-    seen = set(launched)
+    what tells it from the nearest variant of that kernel they did compile (`_unmatched`). A warm start finds such a
+    variant missing from the cache every time, so it is what a dry pass that foresees the warm-ups exactly must not
+    produce."""
+    return _unmatched(list(recorded), launched, "launched")
+
+
+def unforeseen(launched: list[KernelVariant], recorded: tuple[KernelVariant, ...]) -> list[str]:
+    """Each variant the real warm-ups compiled that the dry pass did not record, with what tells it from the nearest
+    recorded variant of that kernel (`_unmatched`): the compiles the build still made itself, one after another
+    (a capture's among them), which the dry pass should have foreseen."""
+    return _unmatched(launched, list(recorded), "recorded")
+
+
+def _unmatched(variants: list[KernelVariant], others: list[KernelVariant], label: str) -> list[str]:
+    """``kernel: field=value (label: other value); ...`` for each of `variants` not among `others`, the fields
+    (`_spec_fields`) in which it differs from the nearest of `others` of the same kernel."""
+    seen = set(others)
     lines = []
-    for variant in recorded:
+    for variant in dict.fromkeys(variants):
         if variant in seen:
             continue
-        mine = json.loads(variant.specialization)
+        mine = _spec_fields(variant.specialization)
         closest: list[str] | None = None
-        for other in launched:
+        for other in others:
             if (other.module, other.name) != (variant.module, variant.name):
                 continue
-            theirs = json.loads(other.specialization)
-            differing = [f"{key}={mine.get(key)} (launched: {theirs.get(key)})"
+            theirs = _spec_fields(other.specialization)
+            differing = [f"{key}={mine.get(key)} ({label}: {theirs.get(key)})"
                          for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]  # fmt: skip
             if closest is None or len(differing) < len(closest):
                 closest = differing
-        lines.append(f"{variant.name}: " + ("; ".join(closest) if closest else "no launched variant of that kernel"))
+        lines.append(f"{variant.name}: " + ("; ".join(closest) if closest else f"no {label} variant of that kernel"))
     return lines
+
+
+def _spec_fields(specialization: str) -> dict[str, str]:
+    """A variant's specialization (Triton's JSON) as named fields: each argument's type, constant value and
+    attributes (divisibility) under the argument's name, each option; other entries as they are."""
+    spec = json.loads(specialization)
+    names = list(spec.get("signature", {}))
+
+    def name(key: Any) -> str:
+        index = key[0] if isinstance(key, list) and key else None
+        return names[index] if isinstance(index, int) and 0 <= index < len(names) else json.dumps(key)
+
+    fields: dict[str, str] = {}
+    for entry, value in spec.items():
+        if entry in ("name", "key", "constant_keys", "attrs_keys"):  # the cache key repeats the rest
+            continue
+        if entry == "signature" and isinstance(value, dict):
+            fields.update({f"{arg} type": str(kind) for arg, kind in value.items()})
+        elif entry in ("constant_vals", "attrs_vals"):
+            keys = spec.get(entry.replace("_vals", "_keys"), [])
+            suffix = " attrs" if entry == "attrs_vals" else ""
+            fields.update({name(key) + suffix: json.dumps(v) for key, v in zip(keys, value, strict=False)})
+        elif entry == "options" and isinstance(value, dict):
+            fields.update({f"option {option}": json.dumps(v) for option, v in value.items()})
+        else:
+            fields[entry] = json.dumps(value)
+    return fields
 
 
 class CompileHelpers:

@@ -326,6 +326,22 @@ def test_a_recorded_variant_never_launched_is_named_with_what_differs():
     ]
 
 
+def test_a_launched_variant_the_dry_pass_missed_is_named_by_the_argument_that_differs():
+    def variant(readers_divisibility: list, block: int = 64) -> pc.KernelVariant:
+        spec = {"name": "skinny", "signature": {"x_ptr": "*bf16", "num_readers": "i32", "BLOCK": "constexpr"},
+                "constant_keys": [[2]], "constant_vals": [block], "attrs_keys": [[0], [1]],
+                "attrs_vals": [[["tt.divisibility", 16]], readers_divisibility], "options": {"num_warps": 4},
+                "key": "the cache key, which repeats the rest"}
+        return pc.KernelVariant("kernels", "skinny", json.dumps(spec))
+
+    recorded = (variant([["tt.divisibility", 16]]), variant([["tt.divisibility", 16]], block=128))
+    launched = [recorded[0], variant([])]
+    assert pc.unforeseen(launched, recorded) == [
+        'skinny: num_readers attrs=[] (recorded: [["tt.divisibility", 16]])'
+    ]
+    assert pc.never_launched(recorded, launched) == ["skinny: BLOCK=128 (launched: 64)"]
+
+
 def test_a_warm_up_that_fails_in_the_dry_run_is_left_to_the_real_one(tmp_path):
     seen = run_case(tmp_path, '''
         def broken():
