@@ -449,16 +449,16 @@ def _eager_variant(
 ) -> tuple:
     """What tells an eager launch's compiled kernel variant from another's: the config, output and padded rows; the
     weight's shape, for what the launch derives from it (even K, split count, the L2 prefetch of PDL launches); and
-    Triton's specialization of the arguments that vary between calls (rows, x's row stride, the readers' count and
-    the addresses of x, bias and readers). Two calls with equal keys launch the same compiled kernel, so the first
-    eager call per key compiles every variant a captured graph of those shapes will launch (a capture must not
-    compile); e.g. 18 rows pad to the tile of 32 but compile apart from 32 rows (18 is not a multiple of 16)."""
-    m = x.shape[0]
-    varying = [m, x.stride(0), readers.numel() if readers is not None else 0]
+    Triton's specialization of the arguments that vary between calls (x's row stride, the readers' count and the
+    addresses of x, bias and readers; the row count and ``k_per_split`` are not specialized). Two calls with equal
+    keys launch the same compiled kernel, so the first eager call per key compiles every variant a captured graph
+    of those shapes will launch (a capture must not compile): e.g. 18 readers compile apart from 32 (18 is not a
+    multiple of 16), though both take 32 reader slots."""
+    varying = [x.stride(0), readers.numel() if readers is not None else 0]
     varying += [t.data_ptr() if t is not None else 0 for t in (x, bias, readers)]
     return (
-        cfg, mode, _block_m(cfg, m), tuple(weight.shape), bias is not None, x.dtype, x.device, _reader_slots(readers),
-        *(_specialization(value) for value in varying),
+        cfg, mode, _block_m(cfg, x.shape[0]), tuple(weight.shape), bias is not None, x.dtype, x.device,
+        _reader_slots(readers), *(_specialization(value) for value in varying),
     )  # fmt: skip
 
 

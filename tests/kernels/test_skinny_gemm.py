@@ -275,19 +275,19 @@ def test_config_table_rows_and_fallback() -> None:
 
 
 def test_eager_calls_that_compile_apart_are_warmed_apart() -> None:
-    """The eager dedup keys on what Triton specializes: rows that pad to one tile but differ in divisibility by 16
-    (or equal 1) are different compiled kernels, and a graph captured later must find each compiled."""
+    """The eager dedup keys on what Triton specializes: reader counts that pad to the same slots but differ in
+    divisibility by 16 are different compiled kernels, and a graph captured later must find each compiled; row
+    counts of one tile are one (the kernel does not specialize on them)."""
     cfg = SkinnyConfig(64, 128, 4, 4, use_dot=True, split_k=1)
     w = torch.empty(256, 128, dtype=torch.float16)
 
     def key(rows: int, readers: torch.Tensor | None = None) -> tuple:
         return _eager_variant(torch.empty(rows, 128, dtype=torch.float16), w, None, cfg, Output.SUM, readers)
 
-    assert key(18) != key(32), "18 rows compile apart from 32"
-    assert key(17) == key(19) == key(31), "all pad to 32 rows, none a multiple of 16"
-    assert key(1) != key(2)
-    assert key(16, torch.arange(16)) != key(16, torch.arange(18)), "the readers' count is specialized too"
-    assert key(16, torch.arange(16)) != key(16, torch.arange(17)[1:]), "so is their address's alignment"
+    assert key(18, torch.arange(18)) != key(32, torch.arange(32)), "18 readers compile apart from 32"
+    assert key(17, torch.arange(17)) == key(19, torch.arange(19)), "neither a multiple of 16, both 32 slots"
+    assert key(18) == key(32) and key(1) == key(2), "rows of one tile: one kernel"
+    assert key(16, torch.arange(16)) != key(16, torch.arange(17)[1:]), "the readers' address is specialized too"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -298,14 +298,15 @@ def test_a_capture_after_the_eager_warm_up_compiles_nothing_gpu() -> None:
     n, k = 2048, 2048  # SDAR-1.7B's o_proj: the table takes 18 and 32 rows
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for rows in (32, 18)]
-    for x in inputs:  # the eager warm-up before a capture, largest first
-        maybe_skinny_linear(x, w)
+    readers = [torch.arange(x.shape[0], device="cuda") for x in inputs]  # all rows read: a graph's last layer
+    for x, rows in zip(inputs, readers, strict=True):  # the eager warm-up before a capture, largest first
+        maybe_skinny_linear(x, w, readers=rows)
     compiled = sum(len(caches[0]) for caches in _skinny_kernel.device_caches.values())
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            outputs = [maybe_skinny_linear(x, w) for x in inputs]
+            outputs = [maybe_skinny_linear(x, w, readers=rows) for x, rows in zip(inputs, readers, strict=True)]
     assert all(y is not None for y in outputs), "under capture the skinny GEMM takes every shape of its table"
     assert sum(len(caches[0]) for caches in _skinny_kernel.device_caches.values()) == compiled
     graph.replay()
