@@ -615,7 +615,8 @@ class CompileHelpers:
             helper.wait()
             for stream in (helper.stdin, helper.stdout):
                 if stream is not None and not stream.closed:
-                    stream.close()
+                    with contextlib.suppress(OSError):  # a job written to a helper that had died: nowhere to go
+                        stream.close()
 
 
 class _HelperPipe:
@@ -630,14 +631,16 @@ class _HelperPipe:
     def hand(self, jobs: deque[KernelVariant], target_fields: list[Any]) -> bool:
         """Hand the helper the next job; with none left, close its input (it then builds its launchers and ends).
         Whether it holds a job now."""
-        try:
-            if not jobs:
+        if not jobs:
+            with contextlib.suppress(OSError):  # it died meanwhile: nothing was left for it anyway
                 self.helper.stdin.close()
-                return False
-            variant = jobs.popleft()
+            return False
+        variant = jobs.popleft()
+        try:
             self.helper.stdin.write((json.dumps({"variant": asdict(variant), "target": target_fields}) + "\n").encode())
             self.helper.stdin.flush()
-        except OSError:  # it died: the real warm-up compiles what it would have
+        except OSError:  # it died: another helper (or the real warm-up) compiles the variant
+            jobs.appendleft(variant)
             return False
         self.holding = variant.name
         return True

@@ -185,6 +185,24 @@ def test_helpers_are_handed_variants_one_at_a_time_until_none_is_left(tmp_path):
     assert all(seen["cached"])
 
 
+def test_the_variants_of_a_helper_that_died_go_to_the_others(tmp_path):
+    seen = run_case(tmp_path, '''
+        x, y = torch.ones(1024), torch.zeros(1024)
+        launches = [(n, block) for n in (1024, 1000) for block in (128, 256)]
+        variants = pc.record_launches(lambda: [scale[(4,)](x, y, n, BLOCK=block) for n, block in launches])
+        helpers = pc.CompileHelpers(2)
+        try:
+            dead = helpers._helpers[0]
+            dead.kill()
+            dead.wait()
+            compiled, errors = helpers.compile_variants(variants, HOPPER)
+        finally:
+            helpers.close()
+        print(json.dumps({"compiled": compiled, "errors": list(errors)}))
+    ''')
+    assert seen == {"compiled": 4, "errors": []}
+
+
 def test_a_variant_a_helper_cannot_compile_is_reported_not_raised(tmp_path):
     seen = run_case(tmp_path, '''
         import dataclasses
