@@ -337,7 +337,9 @@ def _start_compile_helpers(config: Config, device: torch.device) -> CompileHelpe
 
     if device.type != "cuda" or config.attn_impl not in TRITON_IMPLS or not triton_available():
         return None
-    spare = usable_cores() - 1  # the build's own thread keeps one
+    # an engine's ranks build at once on one host (tensor or expert parallel): each takes its share of the cores, of
+    # which its own thread keeps one
+    spare = usable_cores() // engine_world_size(config) - 1
     if spare < MIN_SPARE_CORES_FOR_HELPERS:
         return None
     from diffulex.kernels.parallel_compile import MAX_HELPERS, CompileHelpers, parallel_compile_supported

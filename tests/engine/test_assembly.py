@@ -267,7 +267,27 @@ def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkey
         monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
     else:
         monkeypatch.setenv(assembly.COMPILE_HELPERS_ENV, setting)
-    config = types.SimpleNamespace(attn_impl="triton")  # all the helpers' start reads of the config
+    # all the helpers' start reads of the config
+    config = types.SimpleNamespace(attn_impl="triton", tensor_parallel_size=1, expert_parallel_size=1)
+    assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
+
+
+@pytest.mark.parametrize(("tensor_parallel", "expert_parallel", "started"), [(1, 1, 15), (2, 1, 7), (1, 4, 3)])
+def test_the_ranks_of_one_engine_share_the_hosts_cores_among_their_helpers(
+    monkeypatch, tensor_parallel, expert_parallel, started
+):
+    import types
+
+    import diffulex.kernels.parallel_compile as parallel_compile
+
+    monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
+    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
+    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: count)
+    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
+    monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
+    config = types.SimpleNamespace(
+        attn_impl="triton", tensor_parallel_size=tensor_parallel, expert_parallel_size=expert_parallel
+    )
     assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
 
 
@@ -285,7 +305,7 @@ def test_the_helpers_start_with_the_build_only_on_an_empty_triton_cache(monkeypa
     monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: start_now)
     monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
     monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
-    config = types.SimpleNamespace(attn_impl="triton")
+    config = types.SimpleNamespace(attn_impl="triton", tensor_parallel_size=1, expert_parallel_size=1)
     assert assembly._start_compile_helpers(config, torch.device("cuda")) is start_now
 
 
