@@ -493,12 +493,7 @@ def maybe_skinny_linear(
     a capture leaves nothing to compile or allocate inside the capture; later eager calls go to cuBLAS.
     """
     mode = Output(output)
-    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
-        return None
-    if mode is Output.PARTIALS and bias is not None:
-        return None
-    m, k = x.shape
-    cfg = output_config(mode, weight.shape[0], k, m)
+    cfg = capture_config(x, weight, bias, mode.value)
     if cfg is None:
         return None
     if not torch.cuda.is_current_stream_capturing() and weight.numel() * weight.element_size() < _EAGER_MIN_BYTES:
@@ -507,6 +502,21 @@ def maybe_skinny_linear(
             return None
         _WARMED.add(variant)
     return _launch(x, weight, bias, cfg, mode, release_early, readers)
+
+
+def capture_config(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, output: str = "sum"
+) -> SkinnyConfig | None:
+    """The config a launch of this call under graph capture uses, or None where the kernel does not take it (the
+    caller uses cuBLAS). An eager call of a config'd shape launches only the first time per variant
+    (`maybe_skinny_linear`), and a caller whose later eager call comes back None must then take cuBLAS for the
+    whole product, not another output of this kernel that no capture of the call would launch (and compile)."""
+    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
+        return None
+    mode = Output(output)
+    if mode is Output.PARTIALS and bias is not None:
+        return None
+    return output_config(mode, weight.shape[0], x.shape[1], x.shape[0])
 
 
 def output_config(output: Output, n: int, k: int, m: int) -> SkinnyConfig | None:

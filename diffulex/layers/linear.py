@@ -62,6 +62,16 @@ class UnsummedProduct:
         return total.to(self.dtype)
 
 
+def _captured_by_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, output: str) -> bool:
+    """Whether a graph capture of this call launches the skinny GEMM's `output`: then an eager call of it that came
+    back None (the kernel compiled by an earlier one: `maybe_skinny_linear`) takes cuBLAS for the whole product,
+    as the warm-up's later calls do, rather than a plain skinny product that no capture launches here (whose first
+    eager call would compile a variant for nothing, during the warm-up before a capture)."""
+    from diffulex.kernels.skinny_gemm import capture_config
+
+    return capture_config(x, weight, bias, output) is not None
+
+
 def _skinny_for(x: torch.Tensor) -> Callable[..., torch.Tensor | None] | None:
     """`maybe_skinny_linear` when ``x`` is a decode-sized CUDA input outside ``torch.compile`` tracing, else None
     (the cheap checks, made before anything imports triton)."""
@@ -247,6 +257,8 @@ class RowParallelLinear(_Linear):
             parts = skinny(x, self.weight, None, output="partials", readers=readers)
             if parts is not None:
                 return UnsummedProduct(parts, x.dtype)
+            if _captured_by_skinny(x, self.weight, None, "partials"):  # an eager call after the first: cuBLAS
+                return nn.functional.linear(x, self.weight)
         return self(x, readers=readers)
 
 
@@ -402,6 +414,8 @@ class MergedProjection(JoinedWeights):
             act = skinny(x, self.weight, self.bias, output="silu_mul", readers=readers) if skinny is not None else None
             if act is not None:
                 return act
+            if skinny is not None and _captured_by_skinny(x, self.weight, self.bias, "silu_mul"):  # after the first
+                return silu_and_mul(*nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
         return silu_and_mul(*self(x, readers))
 
 

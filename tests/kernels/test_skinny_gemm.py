@@ -330,6 +330,37 @@ def test_layers_on_cpu_are_exactly_f_linear() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("captured", [True, False], ids=["captured-by-the-kernel", "not-the-kernels-shape"])
+def test_an_eager_call_after_the_first_takes_cublas_not_another_output_of_the_kernel(monkeypatch, captured) -> None:
+    """Once the kernel's unsummed (or gated) variant is compiled, later eager calls come back None: where a capture
+    would launch that output, they take the plain product from cuBLAS, never the kernel's summed output (whose first
+    eager call would compile a variant no capture launches); elsewhere they go the layer's usual way."""
+    from diffulex.kernels import skinny_gemm
+    from diffulex.layers import linear as linear_module
+
+    outputs: list[str] = []
+
+    def compiled_already(x, weight, bias=None, *, output="sum", release_early=False, readers=None):
+        outputs.append(output)
+        return None
+
+    monkeypatch.setattr(linear_module, "_skinny_for", lambda x: compiled_already)
+    monkeypatch.setattr(skinny_gemm, "capture_config", lambda *args: CONFIGS[0] if captured else None)
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    row = RowParallelLinear(64, 32)
+    assert torch.equal(row.forward_unsummed(x), nn.functional.linear(x, row.weight))
+    assert outputs == (["partials"] if captured else ["partials", "sum"])
+
+    outputs.clear()
+    gate, up = nn.Linear(64, 48, bias=False), nn.Linear(64, 48, bias=False)
+    merged = MergedProjection(gate, up)
+    assert merged.merge()
+    expected = silu_mul(nn.functional.linear(x, gate.weight), nn.functional.linear(x, up.weight))
+    torch.testing.assert_close(merged.silu_mul(x), expected)
+    assert outputs == (["silu_mul"] if captured else ["silu_mul", "sum"])
+
+
 def test_forward_hooks_still_see_the_layer_output() -> None:
     """LoRA applied per forward is a forward hook on the layer; the overridden forward must keep it working."""
     from diffulex.lora import _lora_forward_hook
