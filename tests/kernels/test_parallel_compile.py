@@ -167,40 +167,27 @@ def test_a_first_launch_finds_the_launcher_a_helper_built_gpu(tmp_path):
     assert seen["after_launch"] == seen["by_helper"]
 
 
-def test_helpers_are_handed_variants_one_at_a_time_until_none_is_left(tmp_path):
-    """Fewer helpers than variants: each is handed the next as it answers, and every variant gets compiled."""
-    seen = run_case(tmp_path, '''
+@pytest.mark.parametrize("one_died", [False, True], ids=["both-working", "one-died-first"])
+def test_helpers_are_handed_variants_one_at_a_time_until_none_is_left(tmp_path, one_died):
+    """Fewer helpers than variants: each is handed the next as it answers, and every variant gets compiled, those
+    handed to a helper that had died by another."""
+    seen = run_case(tmp_path, f'''
         x, y = torch.ones(1024), torch.zeros(1024)
         launches = [(n, block) for n in (1024, 1000) for block in (128, 256)]
         variants = pc.record_launches(lambda: [scale[(4,)](x, y, n, BLOCK=block) for n, block in launches])
         helpers = pc.CompileHelpers(2)
         try:
+            if {one_died}:
+                helpers._helpers[0].kill()
+                helpers._helpers[0].wait()
             compiled, errors = helpers.compile_variants(variants, HOPPER)
         finally:
             helpers.close()
-        print(json.dumps({"recorded": len(variants), "compiled": compiled, "errors": list(errors),
-                          "cached": [pc.is_cached(v, HOPPER) for v in variants]}))
+        print(json.dumps({{"recorded": len(variants), "compiled": compiled, "errors": list(errors),
+                          "cached": [pc.is_cached(v, HOPPER) for v in variants]}}))
     ''')
     assert seen["recorded"] == 4 and seen["compiled"] == 4 and seen["errors"] == []
     assert all(seen["cached"])
-
-
-def test_the_variants_of_a_helper_that_died_go_to_the_others(tmp_path):
-    seen = run_case(tmp_path, '''
-        x, y = torch.ones(1024), torch.zeros(1024)
-        launches = [(n, block) for n in (1024, 1000) for block in (128, 256)]
-        variants = pc.record_launches(lambda: [scale[(4,)](x, y, n, BLOCK=block) for n, block in launches])
-        helpers = pc.CompileHelpers(2)
-        try:
-            dead = helpers._helpers[0]
-            dead.kill()
-            dead.wait()
-            compiled, errors = helpers.compile_variants(variants, HOPPER)
-        finally:
-            helpers.close()
-        print(json.dumps({"compiled": compiled, "errors": list(errors)}))
-    ''')
-    assert seen == {"compiled": 4, "errors": []}
 
 
 def test_a_variant_a_helper_cannot_compile_is_reported_not_raised(tmp_path):
