@@ -251,62 +251,48 @@ def test_naive_moe_gemm_puts_diffusion_gemma_experts_on_the_reference_path(tmp_p
         assembly._select_moe_path(model, "vllm", "dgemma")
 
 
-@pytest.mark.parametrize(("setting", "started"), [(None, 15), ("3", 3), ("0", None)])
-def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkeypatch, setting, started):
-    """`DIFFULEX_COMPILE_HELPERS` caps the helper processes of a build (0: none), where many builds share the cores
-    (a test suite over pytest workers); unset, the spare cores decide (all but the build's own, up to `MAX_HELPERS`)."""
+def helpers_started_on_16_cores(monkeypatch, stand_in=lambda count, start_now: count, **config):
+    """What `_start_compile_helpers` gives on a 16-core host with triton's hook, `CompileHelpers` replaced by
+    `stand_in`, for a config of these fields (the only ones the helpers' start reads; one rank by default)."""
     import types
 
     import diffulex.kernels.parallel_compile as parallel_compile
 
     monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
     monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
-    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: count)
+    monkeypatch.setattr(parallel_compile, "CompileHelpers", stand_in)
     monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
+    fields = {"attn_impl": "triton", "tensor_parallel_size": 1, "expert_parallel_size": 1, **config}
+    return assembly._start_compile_helpers(types.SimpleNamespace(**fields), torch.device("cuda"))
+
+
+@pytest.mark.parametrize(("setting", "started"), [(None, 15), ("3", 3), ("0", None)])
+def test_the_compile_helpers_a_build_starts_are_capped_by_the_environment(monkeypatch, setting, started):
+    """`DIFFULEX_COMPILE_HELPERS` caps the helper processes of a build (0: none), where many builds share the cores
+    (a test suite over pytest workers); unset, the spare cores decide (all but the build's own, up to `MAX_HELPERS`)."""
     if setting is None:
         monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
     else:
         monkeypatch.setenv(assembly.COMPILE_HELPERS_ENV, setting)
-    # all the helpers' start reads of the config
-    config = types.SimpleNamespace(attn_impl="triton", tensor_parallel_size=1, expert_parallel_size=1)
-    assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
+    assert helpers_started_on_16_cores(monkeypatch) == started
 
 
 @pytest.mark.parametrize(("tensor_parallel", "expert_parallel", "started"), [(1, 1, 15), (2, 1, 7), (1, 4, 3)])
 def test_the_ranks_of_one_engine_share_the_hosts_cores_among_their_helpers(
     monkeypatch, tensor_parallel, expert_parallel, started
 ):
-    import types
-
-    import diffulex.kernels.parallel_compile as parallel_compile
-
-    monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
-    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
-    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: count)
-    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
     monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
-    config = types.SimpleNamespace(
-        attn_impl="triton", tensor_parallel_size=tensor_parallel, expert_parallel_size=expert_parallel
-    )
-    assert assembly._start_compile_helpers(config, torch.device("cuda")) == started
+    ranks = {"tensor_parallel_size": tensor_parallel, "expert_parallel_size": expert_parallel}
+    assert helpers_started_on_16_cores(monkeypatch, **ranks) == started
 
 
 @pytest.mark.parametrize(("entries", "start_now"), [(set(), True), (None, True), ({"a1b2"}, False)])
 def test_the_helpers_start_with_the_build_only_on_an_empty_triton_cache(monkeypatch, entries, start_now):
     """A first start compiles everything, so the helpers import while the weights load; with a filled cache they wait
     for the dry pass to find what is missing (most often nothing)."""
-    import types
-
-    import diffulex.kernels.parallel_compile as parallel_compile
-
-    monkeypatch.setattr(assembly, "usable_cores", lambda: 16)
     monkeypatch.setattr(assembly, "_triton_cache_entries", lambda: entries)
-    monkeypatch.setattr(parallel_compile, "parallel_compile_supported", lambda: True)
-    monkeypatch.setattr(parallel_compile, "CompileHelpers", lambda count, start_now: start_now)
-    monkeypatch.setattr("diffulex.layers.dispatch.triton_available", lambda: True)
     monkeypatch.delenv(assembly.COMPILE_HELPERS_ENV, raising=False)
-    config = types.SimpleNamespace(attn_impl="triton", tensor_parallel_size=1, expert_parallel_size=1)
-    assert assembly._start_compile_helpers(config, torch.device("cuda")) is start_now
+    assert helpers_started_on_16_cores(monkeypatch, stand_in=lambda count, start_now: start_now) is start_now
 
 
 def test_the_build_compiles_under_the_variant_locks_only_for_a_gpu(monkeypatch):
