@@ -133,6 +133,7 @@ def _assemble_parts(
     helpers: CompileHelpers | None,
 ) -> EngineParts:
     """The rank's parts once its device is up: weights, tokenizer, then the components."""
+    from diffulex.layers.peer_exchange import connect_peer_exchange
     from diffulex.models.loader import build_model
 
     step_threads = None
@@ -147,6 +148,7 @@ def _assemble_parts(
             merge_lora=config.pre_merge_lora,
         )  # fmt: skip
         _select_moe_path(model, config.moe_gemm_impl, config.model_name)
+        connect_peer_exchange(model, device, dtype, config.distributed_timeout_seconds)
         build.done("weights")
         # a phase of its own, so that a slow first import shows in the log (transformers takes seconds; it is imported
         # only for a tokenizer folder that diffulex.tokenizer cannot build itself)
@@ -454,13 +456,15 @@ def _compile_in_helpers(
 
 
 def _triton_cache_entries() -> set[str] | None:
-    """Entries of Triton's on-disk cache (one folder per compiled variant), or None where it cannot be read."""
+    """Entries of Triton's on-disk cache (one folder per compiled variant; none before its first compile), or None
+    where it cannot be read."""
     try:
         import triton
 
         from diffulex.kernels.build_manifest import MANIFEST_FOLDER
 
-        return set(os.listdir(triton.knobs.cache.dir)) - {MANIFEST_FOLDER}
+        folder = triton.knobs.cache.dir
+        return set(os.listdir(folder)) - {MANIFEST_FOLDER} if os.path.exists(folder) else set()
     except (AttributeError, ImportError, OSError):
         return None
 

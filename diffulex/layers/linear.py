@@ -62,6 +62,26 @@ class UnsummedProduct:
         return total.to(self.dtype)
 
 
+@dataclass(frozen=True)
+class PartialOverRanks:
+    """A row-parallel projection's output before its all-reduce: ``local`` is this rank's partial product (model
+    dtype), whose sum over the tensor-parallel ranks is the output.
+
+    Why: the RMSNorm that follows can do the all-reduce itself, over peer memory, with the residual add and the
+    norm in the same launch (`diffulex.kernels.peer_all_reduce`): at decode sizes the all-reduce is latency, and
+    NCCL's plus the separate norm cost twice what the fused kernel does. ``exchange`` is the rank's
+    `diffulex.layers.peer_exchange.PeerExchange`; a consumer without the fused path calls `materialize`.
+    """
+
+    local: torch.Tensor
+    exchange: object
+    tp: TensorParallelGroup
+
+    def materialize(self) -> torch.Tensor:
+        """The output: ``local`` all-reduced by NCCL (in place)."""
+        return self.tp.all_reduce(self.local)
+
+
 def _captured_by_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, output: str) -> bool:
     """Whether a graph capture of this call launches the skinny GEMM's `output`: then an eager call of it that came
     back None (the kernel compiled by an earlier one: `maybe_skinny_linear`) takes cuBLAS for the whole product,
@@ -212,6 +232,10 @@ class RowParallelLinear(_Linear):
     the input by its columns of the weight, and the partial products are all-reduced; the bias is added once,
     after the sum."""
 
+    # The rank group's peer-memory inboxes (`diffulex.layers.peer_exchange.attach_peer_exchange`), through which
+    # `forward_unsummed` lets the next norm all-reduce the output; None: NCCL's all-reduce here.
+    peer_exchange: object = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp = tensor_parallel_group()
         super().__init__(tp.shard(input_size, "input features")[1], output_size, bias=bias)
@@ -245,15 +269,21 @@ class RowParallelLinear(_Linear):
 
     def forward_unsummed(
         self, x: torch.Tensor, readers: torch.Tensor | None = None
-    ) -> torch.Tensor | UnsummedProduct:
-        """The output, or where the skinny GEMM computes it in K splits, those splits unsummed (`UnsummedProduct`).
+    ) -> torch.Tensor | UnsummedProduct | PartialOverRanks:
+        """The output, or where the skinny GEMM computes it in K splits, those splits unsummed (`UnsummedProduct`),
+        or on a sharded layer with peer inboxes, this rank's partial before the all-reduce (`PartialOverRanks`).
 
         For callers that hand the result straight to `RMSNorm` (which sums them); a module with hooks (LoRA) or
-        a bias always returns the tensor, so that hooks see the output and the bias is added once, and so does a
-        sharded one, whose output is only complete after the all-reduce. ``readers`` as in `linear`.
+        a bias always returns the tensor, so that hooks see the output and the bias is added once. ``readers`` as
+        in `linear`.
         """
-        skinny = _skinny_for(x) if self.tp.size == 1 else None
-        if skinny is not None and self.bias is None and not (self._forward_hooks or self._forward_pre_hooks):
+        plain = self.bias is None and not (self._forward_hooks or self._forward_pre_hooks)
+        if self.tp.size > 1:
+            if plain and self.peer_exchange is not None:
+                return PartialOverRanks(linear(x, self.weight, None, readers=readers), self.peer_exchange, self.tp)
+            return self(x, readers=readers)
+        skinny = _skinny_for(x)
+        if skinny is not None and plain:
             parts = skinny(x, self.weight, None, output="partials", readers=readers)
             if parts is not None:
                 return UnsummedProduct(parts, x.dtype)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from diffulex.layers.dispatch import use_fused_kernels
-from diffulex.layers.linear import UnsummedProduct
+from diffulex.layers.linear import PartialOverRanks, UnsummedProduct
 
 # Widest row the fused kernel takes (`diffulex.kernels.fused_norm.MAX_NORM_COLS`; kept here so that checking it
 # imports nothing).
@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
     residual add into the following norm.
 
     ``x`` may be an `UnsummedProduct` (a projection's K splits): the fused kernel sums them while it loads the
-    row, exactly as the projection would have; elsewhere they are summed first.
+    row, exactly as the projection would have; elsewhere they are summed first. Or a `PartialOverRanks` (a
+    sharded projection's output before its all-reduce): the all-reduce happens in the norm's launch where its
+    peer exchange takes the rows (`diffulex.kernels.peer_all_reduce`), else by NCCL first.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -44,8 +46,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor | UnsummedProduct, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | UnsummedProduct | PartialOverRanks, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, PartialOverRanks):
+            if x.exchange.supports(x.local, residual) and use_fused_kernels(x.local, residual, self.weight):
+                from diffulex.kernels.peer_all_reduce import all_reduce_rms_norm
+
+                return all_reduce_rms_norm(x.local, x.exchange, self.weight, self.eps, residual)
+            x = x.materialize()
         if isinstance(x, UnsummedProduct):
             parts = x.parts
             if (

@@ -24,6 +24,7 @@ from diffulex.layers import (
     HeadParallelLinear,
     LMHead,
     MergedProjection,
+    PartialOverRanks,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -71,7 +72,7 @@ def add_and_norm(
     layer there is nothing to add yet (``residual`` is None) and the stream is `hidden` itself.
     """
     if residual is None:
-        if isinstance(hidden, UnsummedProduct):  # it becomes the residual stream, which is a tensor
+        if isinstance(hidden, (UnsummedProduct, PartialOverRanks)):  # it becomes the residual stream, a tensor
             hidden = hidden.materialize()
         return norm(hidden), hidden
     return norm(hidden, residual)

@@ -297,7 +297,11 @@ def test_the_epilogue_rounds_the_activation_and_its_product_like_the_unfused_ops
     mismatched = out != expected
     assert mismatched.sum() * 10 < (rounded_once != expected).sum()
     one_ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs()
-    assert ((out.float() - expected.float()).abs() <= one_ulp)[mismatched].all()
+    # where the activation saturates (GELU's tanh within an fp32 unit of -1), PyTorch's exact 0 and the kernel's
+    # 0.5 * gate * (that unit) * up differ by far less than the output's scale
+    saturated = torch.finfo(torch.float32).eps * (gate.float() * up.float()).abs()
+    difference = (out.float() - expected.float()).abs()
+    assert ((difference <= one_ulp) | (difference <= saturated))[mismatched].all()
 
 
 def test_gelu_pairs_of_experts_not_held_here_are_skipped() -> None:

@@ -31,7 +31,8 @@ def check(
         tokens, conf = triton_top1(logits.to(DEVICE), vocab_limit, banned_id, num_splits=num_splits)
         assert tokens.dtype == torch.int64 and conf.dtype == torch.float32
         assert tokens.cpu().tolist() == ref_tokens.tolist(), f"num_splits={num_splits}"
-        torch.testing.assert_close(conf.cpu(), ref_conf, rtol=1e-5, atol=0)
+        # the confidence's normalizer sums the whole row's exponentials in fp32, in an order of the kernel's own
+        torch.testing.assert_close(conf.cpu(), ref_conf, rtol=2e-5, atol=0)
         answers.append((tokens.cpu().tolist(), conf.cpu().tolist()))
     return answers[0]
 

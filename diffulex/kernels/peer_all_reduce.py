@@ -1,0 +1,243 @@
+"""A row-parallel projection's all-reduce, the residual add and the RMSNorm after it, in one launch over peer memory.
+
+Why: under tensor parallelism a decode step at batch 1 runs two all-reduces a layer of a few kilobytes each, and
+each one is latency, not bytes: NCCL's took 6.8 us on two H100s (SDAR-8B, 73 a step: 0.49 ms of a 3.9 ms step),
+plus the RMSNorm launch after it, which cannot start its PDL prologue behind a NCCL kernel. Here every rank writes
+its partial rows straight into every rank's inbox (symmetric memory, `diffulex.layers.peer_exchange`), then
+reads its own inbox, sums the ranks' rows in rank order, adds the residual and normalizes, all in the kernel that
+the norm already was.
+
+The wire format carries its own readiness: each 8-byte word is 4 bytes of the row (two bf16/fp16 values or one
+fp32) and a 4-byte flag, stored together, so a reader never sees a word's data without its flag and needs no
+barrier. The flag is the count of this row position's exchanges so far (`PeerExchange.uses`, one counter a row
+position, bumped by the program that owns the row), the same on every rank because every rank runs the same
+exchanges in the same order. A row position alternates between two inbox slots, so a slot is written again only
+two exchanges of that position later; by then its reader is done with it, because a rank can only have finished
+the exchange between them once every peer had pushed into it, which each did after finishing its own previous
+kernels. Every exchange is such a collective step, so no separate barrier is needed anywhere.
+
+The result equals NCCL's all-reduce followed by `diffulex.kernels.fused_norm.rms_norm` with the residual: the
+ranks' rows are summed in fp32 in rank order and rounded once to the model dtype (NCCL's sum of two bf16 values
+is that rounding too), and every rank computes the same sum. The norm's roundings are `rms_norm`'s.
+
+A rank that never pushes (dead, or far behind) would hold its peers' kernels: a reader gives up after
+``timeout_ns`` of device time (`PeerExchange.timeout_ns`, the engine's collective timeout) and marks the exchange
+failed (`PeerExchange.failed`). An engine's exchange then traps (`PeerExchange.trap_on_timeout`): the step fails
+with a CUDA error, as a timed-out NCCL collective fails it, rather than handing on rows that are not the sum; an
+exchange of a test goes on with what it has, so that the flag can be read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from diffulex.kernels.fused_norm import INTERPRETING, as_rows, cast_rne
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
+_WORD_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_NORM_WARPS = 16
+_INTERPRETING = tl.constexpr(INTERPRETING)
+# Under the Triton interpreter (no device clock) the wait is bounded by polls instead of nanoseconds.
+_INTERPRETED_POLLS = 64
+
+
+@triton.jit
+def _now_ns():
+    """The device's global timer in nanoseconds."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    """Abort the kernel (and the CUDA context's work): a sticky launch error on the host."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _unpack(payload, PER_WORD: tl.constexpr, X_DTYPE: tl.constexpr):
+    """A word's 4 data bytes as fp32 values: (low half, high half) for 16-bit dtypes, (the value, 0) for fp32."""
+    if PER_WORD == 2:
+        low = (payload & 0xFFFF).to(tl.uint16).to(X_DTYPE, bitcast=True).to(tl.float32)
+        high = ((payload >> 16) & 0xFFFF).to(tl.uint16).to(X_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        low = payload.to(tl.float32, bitcast=True)
+        high = tl.zeros_like(low)
+    return low, high
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _all_reduce_norm_kernel(
+    local_ptr,  # int32 words of this rank's partial rows
+    inboxes_ptr,  # int64: the address of every rank's inbox
+    inbox_ptr,  # int64 words: this rank's inbox [2 slots, ranks, rows, words]
+    uses_ptr,  # int32 per row position: its exchanges so far
+    failed_ptr,  # int32: set when a wait timed out
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n_rows,
+    n_words,
+    stride_local,
+    stride_r,
+    stride_o,
+    stride_s,
+    slot_words,
+    rank_words,
+    row_words,
+    rank,
+    inv_n,
+    eps,
+    timeout_ns,
+    WORLD: tl.constexpr,
+    PER_WORD: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+    PUSH: tl.constexpr,
+    GATHER: tl.constexpr,
+    TRAP_ON_TIMEOUT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    release_dependents(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.arange(0, BLOCK_W)
+    ok = words < n_words
+    wait_for_inputs(USE_PDL)
+    flag = tl.load(uses_ptr + row) + 1
+    slot = (flag % 2).to(tl.int64)
+    mine = slot * slot_words + rank * rank_words + row * row_words
+    if PUSH:
+        payload = tl.load(local_ptr + row * stride_local + words, mask=ok, other=0)
+        packed = (flag.to(tl.int64) << 32) | (payload.to(tl.int64) & 0xFFFFFFFF)
+        for peer in tl.static_range(WORLD):
+            inbox = tl.load(inboxes_ptr + peer).to(tl.pointer_type(tl.int64))
+            tl.store(inbox + mine + words, packed, mask=ok)
+    if GATHER:
+        low = tl.zeros([BLOCK_W], dtype=tl.float32)
+        high = tl.zeros([BLOCK_W], dtype=tl.float32)
+        if not _INTERPRETING:
+            start = _now_ns()
+        for source in tl.static_range(WORLD):
+            ptrs = inbox_ptr + slot * slot_words + source * rank_words + row * row_words + words
+            word = tl.load(ptrs, mask=ok, other=0, volatile=True)
+            waiting = tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0)
+            polls = 0
+            while waiting > 0:
+                word = tl.load(ptrs, mask=ok, other=0, volatile=True)
+                waiting = tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0)
+                polls += 1
+                if _INTERPRETING:
+                    late = polls >= _INTERPRETED_POLLS
+                else:
+                    late = _now_ns() - start > timeout_ns
+                if late & (waiting > 0):
+                    tl.atomic_max(failed_ptr, 1)
+                    if TRAP_ON_TIMEOUT:
+                        _trap()
+                    waiting = waiting * 0
+            part_low, part_high = _unpack(word.to(tl.int32), PER_WORD, X_DTYPE)
+            low += part_low
+            high += part_high
+        tl.store(uses_ptr + row, flag)
+        # the sum over the ranks rounded once, then the residual add and the norm exactly as `rms_norm` does them
+        cols = words * PER_WORD
+        col_ok = ok
+        x_low = cast_rne(low, X_DTYPE)
+        r_low = tl.load(res_ptr + row * stride_r + cols, mask=col_ok, other=0.0)
+        s_low = cast_rne(x_low.to(tl.float32) + r_low.to(tl.float32), sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, s_low, mask=col_ok)
+        s32_low = s_low.to(tl.float32)
+        square_sum = tl.sum(s32_low * s32_low, axis=0)
+        if PER_WORD == 2:
+            x_high = cast_rne(high, X_DTYPE)
+            r_high = tl.load(res_ptr + row * stride_r + cols + 1, mask=col_ok, other=0.0)
+            s_high = cast_rne(x_high.to(tl.float32) + r_high.to(tl.float32), sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * stride_s + cols + 1, s_high, mask=col_ok)
+            s32_high = s_high.to(tl.float32)
+            square_sum += tl.sum(s32_high * s32_high, axis=0)
+        rstd = tl.math.rsqrt(square_sum * inv_n + eps)
+        w_low = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out_low = w_low * cast_rne(s32_low * rstd, s_low.dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, cast_rne(out_low, out_ptr.dtype.element_ty), mask=col_ok)
+        if PER_WORD == 2:
+            w_high = tl.load(w_ptr + cols + 1, mask=col_ok, other=0.0).to(tl.float32)
+            out_high = w_high * cast_rne(s32_high * rstd, s_high.dtype).to(tl.float32)
+            tl.store(out_ptr + row * stride_o + cols + 1, cast_rne(out_high, out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def exchange_supports(local: torch.Tensor, residual: torch.Tensor | None, row_bytes: int, max_rows: int) -> bool:
+    """Whether `all_reduce_rms_norm` takes this partial (else NCCL's all-reduce and the plain norm): a model dtype
+    it packs, a residual of its shape and dtype, rows that fit an inbox of ``max_rows`` rows of ``row_bytes``."""
+    if local.dtype not in _WORD_DTYPES or residual is None or residual.shape != local.shape:
+        return False
+    if residual.dtype != local.dtype or local.shape[-1] * local.element_size() % 4:
+        return False
+    rows = local.numel() // max(1, local.shape[-1])
+    return 0 < rows <= max_rows and local.shape[-1] * local.element_size() <= row_bytes
+
+
+def all_reduce_rms_norm(
+    local: torch.Tensor,
+    exchange: object,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    phases: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(sum over ranks of local + residual), that sum + residual)``: `RMSNorm.forward` of the all-reduced
+    ``local`` with ``residual`` (`diffulex.layers.norm`), every rank getting the same result.
+
+    ``exchange``: this rank's `diffulex.layers.peer_exchange.PeerExchange`; `exchange_supports` must hold.
+    ``phases``: (push, gather). One launch does both; where ranks share one sequential executor (the Triton
+    interpreter running every rank in one process, as the CPU tests do) every rank pushes before any gathers.
+    """
+    n_cols = local.shape[-1]
+    x2 = as_rows(local)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    n_rows = x2.shape[0]
+    per_word = 4 // local.element_size()
+    n_words = n_cols // per_word
+    r2 = as_rows(residual)
+    out = torch.empty(local.shape, dtype=torch.promote_types(weight.dtype, local.dtype), device=local.device)
+    summed = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    inbox = exchange.inbox
+    use_pdl = pdl_enabled(local.device, n_rows)
+    _all_reduce_norm_kernel[(n_rows,)](
+        x2.view(torch.int32),
+        exchange.inboxes,
+        inbox,
+        exchange.uses,
+        exchange.failed,
+        r2,
+        weight if weight.is_contiguous() else weight.contiguous(),
+        out.view(-1, n_cols),
+        summed.view(-1, n_cols),
+        n_rows,
+        n_words,
+        x2.stride(0) // per_word,
+        r2.stride(0),
+        n_cols,
+        n_cols,
+        inbox.stride(0),
+        inbox.stride(1),
+        inbox.stride(2),
+        exchange.rank,
+        1.0 / n_cols,
+        eps,
+        exchange.timeout_ns,
+        WORLD=exchange.world,
+        PER_WORD=per_word,
+        X_DTYPE=_WORD_DTYPES[local.dtype],
+        PUSH=phases[0],
+        GATHER=phases[1],
+        TRAP_ON_TIMEOUT=exchange.trap_on_timeout and not INTERPRETING,
+        BLOCK_W=triton.next_power_of_2(n_words),
+        USE_PDL=use_pdl,
+        num_warps=_NORM_WARPS,
+        enable_fp_fusion=False,
+        **launch_kwargs(use_pdl),
+    )
+    return out, summed

@@ -1,0 +1,181 @@
+"""The inboxes a tensor-parallel rank's peers write its all-reduce rows into (`diffulex.kernels.peer_all_reduce`).
+
+Why its own object: the fused all-reduce + RMSNorm needs memory every rank of the group can store into (PyTorch's
+symmetric memory: one allocation per rank, mapped into every peer's address space), the table of those addresses,
+and per-row-position counters that are the wire format's flags; they are allocated once per engine, before the
+KV cache is planned, and read by the kernel on every decode step. The row-parallel layers of a model hold it
+(`attach_peer_exchange`), and their partials take it whenever they fit (`exchange_supports`); anything larger
+(prefill chunks, the memory-profile forward) takes NCCL as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diffulex.layers.parallel_state import TensorParallelGroup
+
+logger = logging.getLogger("diffulex")
+
+# Rows an exchange carries at most: decode steps (a batch's blocks) and short chunks; larger launches are
+# bandwidth-bound, where NCCL's ring is as good, and would make every inbox that much larger.
+EXCHANGE_MAX_ROWS = 256
+_SLOTS = 2  # each row position alternates between two inbox slots (see the kernel's module docstring)
+_WORD_BYTES = 8  # 4 data bytes and a 4-byte flag
+
+
+@dataclass(frozen=True)
+class PeerExchange:
+    """This rank's inbox ``[2 slots, ranks, rows, words]`` of int64 words, the addresses of every rank's inbox
+    (``inboxes``, int64 on the device), the per-row-position exchange counts (``uses``), the flag a timed-out wait
+    sets (``failed``) and what keeps the peers' inboxes mapped (``handle``). ``trap_on_timeout``: a timed-out wait
+    aborts the step with a CUDA error (an engine's exchange) instead of only setting ``failed`` (a test's)."""
+
+    rank: int
+    world: int
+    inbox: torch.Tensor
+    inboxes: torch.Tensor
+    uses: torch.Tensor
+    failed: torch.Tensor
+    timeout_ns: int
+    handle: object = None
+    trap_on_timeout: bool = False
+
+    @property
+    def max_rows(self) -> int:
+        return self.inbox.shape[2]
+
+    @property
+    def row_bytes(self) -> int:
+        """The widest row (in bytes of the model dtype) an exchange carries."""
+        return self.inbox.shape[3] * 4
+
+    def supports(self, local: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether ``local`` (this rank's partial) with ``residual`` goes through this exchange."""
+        from diffulex.kernels.peer_all_reduce import exchange_supports
+
+        return local.device == self.inbox.device and exchange_supports(local, residual, self.row_bytes, self.max_rows)
+
+    def timed_out(self) -> bool:
+        """Whether a wait for a peer's rows ever gave up (that step's result is not the sum; reads the device)."""
+        return bool(self.failed.item())
+
+
+def inbox_shape(world: int, row_bytes: int, max_rows: int) -> tuple[int, int, int, int]:
+    return (_SLOTS, world, max_rows, -(-row_bytes // 4))
+
+
+# Whether this process has mapped an exchange already. PyTorch's symmetric memory numbers each rendezvous by how
+# many this process has done (pytorch/pytorch#196082, fixed after the torch versions supported here), so rank 0 of a
+# second tensor-parallel engine in one process, whose workers are new processes, waits under another key than they
+# do: it hung (two H100s, 2026-11-27). Mapping the inboxes by CUDA IPC instead hit an illegal address on the peer.
+# So a process maps peer memory for its first sharded engine only.
+_mapped_in_this_process = False
+
+
+def open_peer_exchange(
+    group: TensorParallelGroup,
+    device: torch.device,
+    row_bytes: int,
+    timeout_s: float,
+    max_rows: int = EXCHANGE_MAX_ROWS,
+) -> PeerExchange | None:
+    """Allocate and map this rank's inbox among the group's ranks (a collective: every rank calls it, in the same
+    order as its other collectives). None, with the reason logged, where the ranks cannot map each other's memory
+    (no CUDA, no symmetric memory in this PyTorch, no peer access, or an earlier engine of this process mapped
+    it): the all-reduces stay NCCL's."""
+    global _mapped_in_this_process
+    if group.size == 1 or device.type != "cuda" or group.process_group is None:
+        return None
+    flags = torch.tensor([int(_mapped_in_this_process)], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, group=group.process_group)  # every rank takes the same path
+    if flags.item():
+        logger.info("tensor parallel: an earlier engine of this process mapped peer memory: all-reduces by NCCL")
+        return None
+    try:
+        from torch.distributed import _symmetric_memory as symmetric_memory
+    except ImportError as err:
+        logger.info("tensor parallel: no symmetric memory in this PyTorch (%s): all-reduces by NCCL", err)
+        return None
+    _mapped_in_this_process = True
+    shape = inbox_shape(group.size, row_bytes, max_rows)
+    try:
+        inbox = symmetric_memory.empty(shape, dtype=torch.int64, device=device)
+        handle = symmetric_memory.rendezvous(inbox, group.process_group)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        logger.info("tensor parallel: peer memory unavailable (%s): all-reduces by NCCL", err)
+        return None
+    inbox.zero_()
+    addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group.process_group)  # no rank pushes before every inbox is zeroed
+    logger.info(
+        "tensor parallel: all-reduces before a norm go through peer memory up to %d rows of %d bytes (%.1f MiB an "
+        "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
+    )  # fmt: skip
+    return PeerExchange(
+        rank=group.rank,
+        world=group.size,
+        inbox=inbox,
+        inboxes=addresses,
+        uses=torch.zeros(max_rows, dtype=torch.int32, device=device),
+        failed=torch.zeros(1, dtype=torch.int32, device=device),
+        timeout_ns=int(timeout_s * 1e9),
+        handle=handle,
+        trap_on_timeout=True,
+    )
+
+
+def exchanges_in_one_process(
+    world: int, device: torch.device, row_bytes: int, max_rows: int = 8, timeout_s: float = 10.0
+) -> list[PeerExchange]:
+    """``world`` exchanges over plain memory of one process, each rank's inbox reachable from the others: how tests
+    run every rank's kernel in one process (on the CPU under the Triton interpreter, or on one GPU on several
+    streams)."""
+    inboxes = [
+        torch.zeros(inbox_shape(world, row_bytes, max_rows), dtype=torch.int64, device=device) for _ in range(world)
+    ]
+    addresses = torch.tensor([inbox.data_ptr() for inbox in inboxes], dtype=torch.int64, device=device)
+    return [
+        PeerExchange(
+            rank=rank,
+            world=world,
+            inbox=inboxes[rank],
+            inboxes=addresses,
+            uses=torch.zeros(max_rows, dtype=torch.int32, device=device),
+            failed=torch.zeros(1, dtype=torch.int32, device=device),
+            timeout_ns=int(timeout_s * 1e9),
+        )
+        for rank in range(world)
+    ]
+
+
+def attach_peer_exchange(model: nn.Module, exchange: PeerExchange) -> int:
+    """Hand ``exchange`` to every row-parallel projection of ``model`` whose output feeds a norm; returns how many."""
+    from diffulex.layers.linear import RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.tp.size == exchange.world:
+            module.peer_exchange = exchange
+            count += 1
+    return count
+
+
+def connect_peer_exchange(model: nn.Module, device: torch.device, dtype: torch.dtype, timeout_s: float) -> int:
+    """Open the tensor-parallel group's exchange (`open_peer_exchange`, a collective) sized for ``model``'s widest
+    row-parallel output in ``dtype``, and hand it to those projections; how many took it (0: NCCL all-reduces)."""
+    from diffulex.layers.linear import RowParallelLinear
+    from diffulex.layers.parallel_state import tensor_parallel_group
+
+    group = tensor_parallel_group()
+    widths = [module.weight.shape[0] for module in model.modules() if isinstance(module, RowParallelLinear)]
+    if group.size == 1 or not widths:
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    exchange = open_peer_exchange(group, device, max(widths) * itemsize, timeout_s)
+    return 0 if exchange is None else attach_peer_exchange(model, exchange)
