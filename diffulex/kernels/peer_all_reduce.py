@@ -29,12 +29,17 @@ exchange of a test goes on with what it has, so that the flag can be read.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from diffulex.kernels.fused_norm import INTERPRETING, as_rows, cast_rne
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
+
+if TYPE_CHECKING:
+    from diffulex.layers.peer_exchange import PeerExchange
 
 _WORD_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _NORM_WARPS = 16
@@ -180,7 +185,7 @@ def exchange_supports(local: torch.Tensor, residual: torch.Tensor | None, row_by
 
 def all_reduce_rms_norm(
     local: torch.Tensor,
-    exchange: object,
+    exchange: PeerExchange,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor,

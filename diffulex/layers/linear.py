@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch import nn
 from diffulex.layers.activation import silu_and_mul
 from diffulex.layers.dispatch import triton_available
 from diffulex.layers.parallel_state import TensorParallelGroup, tensor_parallel_group
+
+if TYPE_CHECKING:
+    from diffulex.layers.peer_exchange import PeerExchange
 
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
 # inputs skip importing it): decode steps of a few requests, and whole-block forwards of a few dozen rows.
@@ -74,7 +78,7 @@ class PartialOverRanks:
     """
 
     local: torch.Tensor
-    exchange: object
+    exchange: PeerExchange
     tp: TensorParallelGroup
 
     def materialize(self) -> torch.Tensor:
@@ -234,7 +238,7 @@ class RowParallelLinear(_Linear):
 
     # The rank group's peer-memory inboxes (`diffulex.layers.peer_exchange.attach_peer_exchange`), through which
     # `forward_unsummed` lets the next norm all-reduce the output; None: NCCL's all-reduce here.
-    peer_exchange: object = None
+    peer_exchange: PeerExchange | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp = tensor_parallel_group()
