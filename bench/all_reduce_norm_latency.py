@@ -38,7 +38,8 @@ def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return best
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> list[dict]:
+    """This rank's measurements, one dict per row count."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
@@ -71,8 +72,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: d
         expected, got = nccl(), fused()
         torch.cuda.synchronize()
         same_sum = torch.equal(expected[1], got[1])
-        ulps = (expected[0].float() - got[0].float()).abs().max().item()
-        row = {"rows": rows, "same_sum": same_sum, "normed_max_abs_diff": ulps}
+        normed_diff = (expected[0].float() - got[0].float()).abs().max().item()
+        row = {"rows": rows, "same_sum": same_sum, "normed_max_abs_diff": normed_diff}
         for name, call in (("nccl", nccl), ("fused", fused)):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -89,17 +90,15 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: d
             row[f"{name}_us"] = _time_graph(graph, args.replays) / args.calls * 1e6
         row["timed_out"] = exchange.timed_out()
         rows_out.append(row)
-    if rank == 0:
-        results["rows"] = rows_out
     dist.barrier()
     dist.destroy_process_group()
+    return rows_out
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
-    results: dict = {}
-    _rank(rank, world, port, args, results)
+    rows = _rank(rank, world, port, args)
     if rank == 0:
-        queue.put(results)
+        queue.put({"rows": rows})
 
 
 def main() -> int:

@@ -55,10 +55,10 @@ def tokens_with_graphs(path: Path, inspect: Callable[[Diffulex], Any], **layout:
 
 
 def check_tokens(tmp: Path) -> dict:
-    """TP=1 and TP=2 engines with captured decode graphs, float32: the same tokens."""
+    """TP=1 and then two TP=2 engines with captured decode graphs, float32: the same tokens."""
     path = write_tiny_checkpoint(tmp / "small", "sdar", seed=1, init_std=1.0, dtype=torch.float32, **SMALL_GEOMETRY)
     tokens, graphs = {}, {}
-    # TP=2 twice: a second sharded engine in the same process maps its new workers' memory afresh
+    # TP=2 twice: a second sharded engine of a process builds too (its all-reduces NCCL's: layers/peer_exchange.py)
     for run, size in enumerate((*TP_SIZES, TP_SIZES[-1])):
         tokens[run], graphs[run], continued = tokens_with_graphs(
             path, lambda llm: llm.num_continuations, tensor_parallel_size=size

@@ -72,6 +72,25 @@ def _unpack(payload, PER_WORD: tl.constexpr, X_DTYPE: tl.constexpr):
     return low, high
 
 
+@triton.jit
+def _add_residual(total, res_ptrs, sum_ptrs, ok, X_DTYPE: tl.constexpr):
+    """The ranks' fp32 ``total`` rounded to the model dtype, plus the residual (the torch add, rounded): stored as
+    the next residual and returned in fp32."""
+    summed = cast_rne(
+        cast_rne(total, X_DTYPE).to(tl.float32) + tl.load(res_ptrs, mask=ok, other=0.0).to(tl.float32),
+        sum_ptrs.dtype.element_ty,
+    )
+    tl.store(sum_ptrs, summed, mask=ok)
+    return summed.to(tl.float32)
+
+
+@triton.jit
+def _store_normed(s32, rstd, w_ptrs, out_ptrs, ok, SUM_DTYPE: tl.constexpr):
+    """``weight * (s * rstd rounded to the sum's dtype)``, rounded once to the output's dtype, stored."""
+    out = tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32) * cast_rne(s32 * rstd, SUM_DTYPE).to(tl.float32)
+    tl.store(out_ptrs, cast_rne(out, out_ptrs.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _all_reduce_norm_kernel(
     local_ptr,  # int32 words of this rank's partial rows
@@ -146,30 +165,22 @@ def _all_reduce_norm_kernel(
             low += part_low
             high += part_high
         tl.store(uses_ptr + row, flag)
-        # the sum over the ranks rounded once, then the residual add and the norm exactly as `rms_norm` does them
+        # the sum over the ranks rounded once, then the residual add and the norm exactly as `rms_norm` does them;
+        # a 16-bit row is two halves of the words (even and odd columns), an fp32 row one
         cols = words * PER_WORD
-        col_ok = ok
-        x_low = cast_rne(low, X_DTYPE)
-        r_low = tl.load(res_ptr + row * stride_r + cols, mask=col_ok, other=0.0)
-        s_low = cast_rne(x_low.to(tl.float32) + r_low.to(tl.float32), sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + cols, s_low, mask=col_ok)
-        s32_low = s_low.to(tl.float32)
-        square_sum = tl.sum(s32_low * s32_low, axis=0)
+        s_low = _add_residual(low, res_ptr + row * stride_r + cols, sum_ptr + row * stride_s + cols, ok, X_DTYPE)
+        square_sum = tl.sum(s_low * s_low, axis=0)
         if PER_WORD == 2:
-            x_high = cast_rne(high, X_DTYPE)
-            r_high = tl.load(res_ptr + row * stride_r + cols + 1, mask=col_ok, other=0.0)
-            s_high = cast_rne(x_high.to(tl.float32) + r_high.to(tl.float32), sum_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * stride_s + cols + 1, s_high, mask=col_ok)
-            s32_high = s_high.to(tl.float32)
-            square_sum += tl.sum(s32_high * s32_high, axis=0)
+            s_high = _add_residual(
+                high, res_ptr + row * stride_r + cols + 1, sum_ptr + row * stride_s + cols + 1, ok, X_DTYPE
+            )
+            square_sum += tl.sum(s_high * s_high, axis=0)
         rstd = tl.math.rsqrt(square_sum * inv_n + eps)
-        w_low = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out_low = w_low * cast_rne(s32_low * rstd, s_low.dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, cast_rne(out_low, out_ptr.dtype.element_ty), mask=col_ok)
+        _store_normed(s_low, rstd, w_ptr + cols, out_ptr + row * stride_o + cols, ok, sum_ptr.dtype.element_ty)
         if PER_WORD == 2:
-            w_high = tl.load(w_ptr + cols + 1, mask=col_ok, other=0.0).to(tl.float32)
-            out_high = w_high * cast_rne(s32_high * rstd, s_high.dtype).to(tl.float32)
-            tl.store(out_ptr + row * stride_o + cols + 1, cast_rne(out_high, out_ptr.dtype.element_ty), mask=col_ok)
+            _store_normed(
+                s_high, rstd, w_ptr + cols + 1, out_ptr + row * stride_o + cols + 1, ok, sum_ptr.dtype.element_ty
+            )
 
 
 def exchange_supports(local: torch.Tensor, residual: torch.Tensor | None, row_bytes: int, max_rows: int) -> bool:

@@ -36,7 +36,6 @@ class PeerExchange:
     aborts the step with a CUDA error (an engine's exchange) instead of only setting ``failed`` (a test's)."""
 
     rank: int
-    world: int
     inbox: torch.Tensor
     inboxes: torch.Tensor
     uses: torch.Tensor
@@ -44,6 +43,32 @@ class PeerExchange:
     timeout_ns: int
     handle: object = None
     trap_on_timeout: bool = False
+
+    @classmethod
+    def over(
+        cls,
+        rank: int,
+        inbox: torch.Tensor,
+        inboxes: torch.Tensor,
+        timeout_s: float,
+        handle: object = None,
+        trap_on_timeout: bool = False,
+    ) -> PeerExchange:
+        """The exchange of ``rank`` over its ``inbox`` (zeroed) and every rank's inbox address, its counters new."""
+        return cls(
+            rank=rank,
+            inbox=inbox,
+            inboxes=inboxes,
+            uses=torch.zeros(inbox.shape[2], dtype=torch.int32, device=inbox.device),
+            failed=torch.zeros(1, dtype=torch.int32, device=inbox.device),
+            timeout_ns=int(timeout_s * 1e9),
+            handle=handle,
+            trap_on_timeout=trap_on_timeout,
+        )
+
+    @property
+    def world(self) -> int:
+        return self.inbox.shape[1]
 
     @property
     def max_rows(self) -> int:
@@ -117,45 +142,25 @@ def open_peer_exchange(
         "tensor parallel: all-reduces before a norm go through peer memory up to %d rows of %d bytes (%.1f MiB an "
         "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
     )  # fmt: skip
-    return PeerExchange(
-        rank=group.rank,
-        world=group.size,
-        inbox=inbox,
-        inboxes=addresses,
-        uses=torch.zeros(max_rows, dtype=torch.int32, device=device),
-        failed=torch.zeros(1, dtype=torch.int32, device=device),
-        timeout_ns=int(timeout_s * 1e9),
-        handle=handle,
-        trap_on_timeout=True,
-    )
+    return PeerExchange.over(group.rank, inbox, addresses, timeout_s, handle=handle, trap_on_timeout=True)
 
 
 def exchanges_in_one_process(
     world: int, device: torch.device, row_bytes: int, max_rows: int = 8, timeout_s: float = 10.0
 ) -> list[PeerExchange]:
     """``world`` exchanges over plain memory of one process, each rank's inbox reachable from the others: how tests
-    run every rank's kernel in one process (on the CPU under the Triton interpreter, or on one GPU on several
-    streams)."""
+    run every rank's kernel in one process, one rank after another (on the CPU under the Triton interpreter, or on
+    one GPU)."""
     inboxes = [
         torch.zeros(inbox_shape(world, row_bytes, max_rows), dtype=torch.int64, device=device) for _ in range(world)
     ]
     addresses = torch.tensor([inbox.data_ptr() for inbox in inboxes], dtype=torch.int64, device=device)
-    return [
-        PeerExchange(
-            rank=rank,
-            world=world,
-            inbox=inboxes[rank],
-            inboxes=addresses,
-            uses=torch.zeros(max_rows, dtype=torch.int32, device=device),
-            failed=torch.zeros(1, dtype=torch.int32, device=device),
-            timeout_ns=int(timeout_s * 1e9),
-        )
-        for rank in range(world)
-    ]
+    return [PeerExchange.over(rank, inbox, addresses, timeout_s) for rank, inbox in enumerate(inboxes)]
 
 
 def attach_peer_exchange(model: nn.Module, exchange: PeerExchange) -> int:
-    """Hand ``exchange`` to every row-parallel projection of ``model`` whose output feeds a norm; returns how many."""
+    """Hand ``exchange`` to every row-parallel projection of ``model`` sharded over its ranks (their unsummed output
+    then goes to the next norm through it, `RowParallelLinear.forward_unsummed`); returns how many."""
     from diffulex.layers.linear import RowParallelLinear
 
     count = 0
@@ -176,6 +181,5 @@ def connect_peer_exchange(model: nn.Module, device: torch.device, dtype: torch.d
     widths = [module.weight.shape[0] for module in model.modules() if isinstance(module, RowParallelLinear)]
     if group.size == 1 or not widths:
         return 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    exchange = open_peer_exchange(group, device, max(widths) * itemsize, timeout_s)
+    exchange = open_peer_exchange(group, device, max(widths) * dtype.itemsize, timeout_s)
     return 0 if exchange is None else attach_peer_exchange(model, exchange)
