@@ -5,25 +5,21 @@ the decode step time of the SDAR-8B geometry at TP=2 against TP=1 (batch 1, bf16
 
 1. Correctness (float32, a small random checkpoint with 64-wide heads, so that the Triton attention and the graphs
    run): the same prompts through TP=1 and then two TP=2 engines one after the other, each with its decode steps
-   replayed from captured graphs; the tokens must be equal, and the TP=2 engines must have captured graphs.
+   replayed from captured graphs; the tokens must be equal, and the TP=2 engines must have captured graphs and
+   all-reduce in their norms over peer memory (the second engine of a process too).
 2. Timing: `diffulex bench throughput`'s decode measurement (`run_sweep`) of the SDAR geometry with random weights,
    once with ``tensor_parallel_size=1`` and once with 2; the issue's bar is TP=2 <= 0.6 x TP=1 ms per step.
 
-Each part runs in a process of its own, so that its first TP=2 engine is its process's first sharded engine, the one
-that maps peer memory for the fused all-reduces (a process's later sharded engines all-reduce by NCCL:
-`diffulex.layers.peer_exchange`); the check's second TP=2 engine is such a later one.
-
 Prints the results and writes ``OUT_DIR/tp_decode.json`` after each part (a failed part is recorded with its
 traceback and the others still run; if the graph timing fails, eager step times are taken instead); exits non-zero
-when a check fails. Needs two CUDA devices and the source checkout's tests/data/sdar-4b-chat (config and tokenizer
-of the SDAR geometry).
+when a check fails. Needs two CUDA
+devices and the source checkout's tests/data/sdar-4b-chat (config and tokenizer of the SDAR geometry).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,19 +55,31 @@ def tokens_with_graphs(path: Path, inspect: Callable[[Diffulex], Any], **layout:
         return [t.token_ids for t in out.trajectories], captured, inspect(llm)
 
 
+def peer_exchanged_projections(llm: Diffulex) -> int:
+    """How many row-parallel projections of rank 0's model hand their all-reduce to the next norm over peer memory
+    (`diffulex.layers.peer_exchange`); 0 where they all-reduce by NCCL."""
+    from diffulex.layers.linear import RowParallelLinear
+
+    return sum(isinstance(m, RowParallelLinear) and m.peer_exchange is not None for m in llm.runner.model.modules())
+
+
 def check_tokens(tmp: Path) -> dict:
-    """TP=1 and then two TP=2 engines with captured decode graphs, float32: the same tokens."""
+    """TP=1 and then two TP=2 engines with captured decode graphs, float32: the same tokens, and each TP=2 engine's
+    all-reduces fused into its norms over peer memory."""
     path = write_tiny_checkpoint(tmp / "small", "sdar", seed=1, init_std=1.0, dtype=torch.float32, **SMALL_GEOMETRY)
-    tokens, graphs = {}, {}
-    # TP=2 twice: a second sharded engine of a process builds too (its all-reduces NCCL's: layers/peer_exchange.py)
-    for run, size in enumerate((*TP_SIZES, TP_SIZES[-1])):
-        tokens[run], graphs[run], continued = tokens_with_graphs(
-            path, lambda llm: llm.num_continuations, tensor_parallel_size=size
+    tokens, graphs, fused = {}, {}, {}
+    # TP=2 twice: a process's second sharded engine maps its peers' memory as its first did
+    sizes = (*TP_SIZES, TP_SIZES[-1])
+    for run, size in enumerate(sizes):
+        tokens[run], graphs[run], (continued, fused[run]) = tokens_with_graphs(
+            path, lambda llm: (llm.num_continuations, peer_exchanged_projections(llm)), tensor_parallel_size=size
         )
-        print(f"TP={size}: graphs captured {graphs[run]}, {continued} continued steps, "
-              f"first answer {tokens[run][0][:12]}")  # fmt: skip
+        print(f"TP={size}: graphs captured {graphs[run]}, {continued} continued steps, {fused[run]} projections "
+              f"all-reduced in the next norm over peer memory, first answer {tokens[run][0][:12]}")  # fmt: skip
     same = all(answer == tokens[0] for answer in tokens.values())
-    return {"tokens_match": same, "graphs_captured": graphs, "ok": same and all(graphs.values())}
+    sharded_fused = all(fused[run] > 0 for run, size in enumerate(sizes) if size > 1)
+    return {"tokens_match": same, "graphs_captured": graphs, "peer_exchanged_projections": fused,
+            "ok": same and all(graphs.values()) and sharded_fused}  # fmt: skip
 
 
 def time_steps(tmp: Path, size: str, max_steps: int, enforce_eager: bool) -> dict:
@@ -110,51 +118,25 @@ def attempt(report: dict, key: str, out: Path, part: Callable[[], dict]) -> dict
     return report[key]
 
 
-def run_part(part: str, args: argparse.Namespace) -> dict:
-    """One part of the measurement (``correctness`` or ``timing``), in this process."""
-    with tempfile.TemporaryDirectory(prefix="diffulex-tp-") as tmp:
-        if part == "correctness":
-            return check_tokens(Path(tmp))
-        timing = time_steps(Path(tmp), args.size, args.max_steps, False)
-        if "ms_per_step" not in timing:  # the graphs failed: at least the eager step times
-            timing["eager"] = time_steps(Path(tmp), args.size, args.max_steps, True)
-        return timing
-
-
-def part_in_new_process(part: str, args: argparse.Namespace) -> dict:
-    """`run_part` in a new Python process (see the module's docstring for why), its result read back."""
-    with tempfile.TemporaryDirectory(prefix="diffulex-tp-part-") as tmp:
-        result = Path(tmp) / "part.json"
-        command = [sys.executable, __file__, args.out_dir, "--size", args.size, "--max-steps", str(args.max_steps),
-                   "--part", part, "--part-result", str(result)]  # fmt: skip
-        done = subprocess.run(command, check=False)
-        if not result.exists():
-            raise RuntimeError(f"the {part} process exited with code {done.returncode} and no result")
-        return json.loads(result.read_text())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
     ap.add_argument("--size", default="8b")
     ap.add_argument("--max-steps", type=int, default=200)
-    ap.add_argument("--part", choices=("correctness", "timing"), help=argparse.SUPPRESS)
-    ap.add_argument("--part-result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < max(TP_SIZES):
         print(f"needs {max(TP_SIZES)} CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    if args.part:  # a part's own process
-        report: dict = {}
-        attempt(report, args.part, Path(args.part_result), lambda: run_part(args.part, args))
-        return 0
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "tp_decode.json"
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
-    correctness = attempt(report, "correctness", out, lambda: part_in_new_process("correctness", args)["correctness"])
-    timing = attempt(report, "timing", out, lambda: part_in_new_process("timing", args)["timing"])
+    with tempfile.TemporaryDirectory(prefix="diffulex-tp-") as tmp:
+        correctness = attempt(report, "correctness", out, lambda: check_tokens(Path(tmp)))
+        timing = attempt(report, "timing", out, lambda: time_steps(Path(tmp), args.size, args.max_steps, False))
+        if "ms_per_step" not in timing:  # the graphs failed: at least the eager step times
+            attempt(report, "timing_eager", out, lambda: time_steps(Path(tmp), args.size, args.max_steps, True))
     print(f"results: {out}")
     return 0 if correctness.get("ok") and "ms_per_step" in timing else 1
 

@@ -1,7 +1,8 @@
 """The inboxes a tensor-parallel rank's peers write its all-reduce rows into (`diffulex.kernels.peer_all_reduce`).
 
-Why its own object: the fused all-reduce + RMSNorm needs memory every rank of the group can store into (PyTorch's
-symmetric memory: one allocation per rank, mapped into every peer's address space), the table of those addresses,
+Why its own object: the fused all-reduce + RMSNorm needs memory every rank of the group can store into (one
+allocation per rank, mapped into every peer's address space by CUDA IPC: `open_peer_exchange`), the table of
+those addresses,
 and per-row-position counters that are the wire format's flags; they are allocated once per engine, before the
 KV cache is planned, and read by the kernel on every decode step. The row-parallel layers of a model hold it
 (`attach_peer_exchange`), and their partials take it whenever they fit (`exchange_supports`); anything larger
@@ -32,8 +33,9 @@ _WORD_BYTES = 8  # 4 data bytes and a 4-byte flag
 class PeerExchange:
     """This rank's inbox ``[2 slots, ranks, rows, words]`` of int64 words, the addresses of every rank's inbox
     (``inboxes``, int64 on the device), the per-row-position exchange counts (``uses``), the flag a timed-out wait
-    sets (``failed``) and what keeps the peers' inboxes mapped (``handle``). ``trap_on_timeout``: a timed-out wait
-    aborts the step with a CUDA error (an engine's exchange) instead of only setting ``failed`` (a test's)."""
+    sets (``failed``) and what keeps the peers' inboxes mapped (``handle``: their storages in this process).
+    ``trap_on_timeout``: a timed-out wait aborts the step with a CUDA error (an engine's exchange) instead of only
+    setting ``failed`` (a test's)."""
 
     rank: int
     inbox: torch.Tensor
@@ -94,12 +96,29 @@ def inbox_shape(world: int, row_bytes: int, max_rows: int) -> tuple[int, int, in
     return (_SLOTS, world, max_rows, -(-row_bytes // 4))
 
 
-# Whether this process has mapped an exchange already. PyTorch's symmetric memory numbers each rendezvous by how
-# many this process has done (pytorch/pytorch#196082, fixed after the torch versions supported here), so rank 0 of a
-# second tensor-parallel engine in one process, whose workers are new processes, waits under another key than they
-# do: it hung (two H100s, 2026-11-27). Mapping the inboxes by CUDA IPC instead hit an illegal address on the peer.
-# So a process maps peer memory for its first sharded engine only.
-_mapped_in_this_process = False
+def _map_peer_inboxes(inbox: torch.Tensor, group: TensorParallelGroup) -> tuple[list[int], list[torch.UntypedStorage]]:
+    """Every rank's inbox address in this process (a collective): its own, and each peer's inbox opened from the
+    CUDA IPC handle the peer shares, with this rank's device current, so that this device is the one given access
+    to the peer's memory. Returns the addresses and the opened storages (the mappings live as long as they do).
+
+    Why CUDA IPC rather than PyTorch's symmetric memory: the latter keys each rendezvous by how many the process
+    has done (pytorch/pytorch#196082), so the second sharded engine of a process, whose workers are new processes,
+    waited forever under another key than theirs (measured: two H100s, 2026-11-27)."""
+    device = inbox.device
+    shared = inbox.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ref counter, event...)
+    gathered: list = [None] * group.size
+    dist.all_gather_object(gathered, (device.index, shared[1:]), group=group.process_group)
+    addresses, opened = [], []
+    for rank, (peer_device, peer_inbox) in enumerate(gathered):
+        if rank == group.rank:
+            addresses.append(inbox.data_ptr())
+            continue
+        if not torch.cuda.can_device_access_peer(device, peer_device):
+            raise RuntimeError(f"cuda:{device.index} cannot access the memory of cuda:{peer_device} (rank {rank})")
+        storage = torch.UntypedStorage._new_shared_cuda(device.index, *peer_inbox)
+        opened.append(storage)
+        addresses.append(storage.data_ptr())
+    return addresses, opened
 
 
 def open_peer_exchange(
@@ -109,40 +128,33 @@ def open_peer_exchange(
     timeout_s: float,
     max_rows: int = EXCHANGE_MAX_ROWS,
 ) -> PeerExchange | None:
-    """Allocate and map this rank's inbox among the group's ranks (a collective: every rank calls it, in the same
-    order as its other collectives). None, with the reason logged, where the ranks cannot map each other's memory
-    (no CUDA, no symmetric memory in this PyTorch, no peer access, or an earlier engine of this process mapped
-    it): the all-reduces stay NCCL's."""
-    global _mapped_in_this_process
+    """Allocate this rank's inbox and map every peer's (a collective: every rank calls it, in the same order as its
+    other collectives). None, with the reason logged, where the ranks cannot map each other's memory (no CUDA, a
+    device without peer access to another's, an allocator whose memory CUDA IPC cannot share): the all-reduces
+    stay NCCL's."""
     if group.size == 1 or device.type != "cuda" or group.process_group is None:
         return None
-    flags = torch.tensor([int(_mapped_in_this_process)], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, group=group.process_group)  # every rank takes the same path
-    if flags.item():
-        logger.info("tensor parallel: an earlier engine of this process mapped peer memory: all-reduces by NCCL")
-        return None
+    inbox = torch.zeros(inbox_shape(group.size, row_bytes, max_rows), dtype=torch.int64, device=device)
+    failure = ""
     try:
-        from torch.distributed import _symmetric_memory as symmetric_memory
-    except ImportError as err:
-        logger.info("tensor parallel: no symmetric memory in this PyTorch (%s): all-reduces by NCCL", err)
+        addresses, opened = _map_peer_inboxes(inbox, group)
+    except RuntimeError as err:  # every rank still joins the agreement below
+        failure = f"rank {group.rank}: {err}"
+    failures = [None] * group.size
+    dist.all_gather_object(failures, failure, group=group.process_group)  # every rank takes the same path
+    if any(failures):
+        logger.info(
+            "tensor parallel: peer memory unavailable (%s): all-reduces by NCCL", "; ".join(filter(None, failures))
+        )
         return None
-    _mapped_in_this_process = True
-    shape = inbox_shape(group.size, row_bytes, max_rows)
-    try:
-        inbox = symmetric_memory.empty(shape, dtype=torch.int64, device=device)
-        handle = symmetric_memory.rendezvous(inbox, group.process_group)
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        logger.info("tensor parallel: peer memory unavailable (%s): all-reduces by NCCL", err)
-        return None
-    inbox.zero_()
-    addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
-    dist.barrier(group=group.process_group)  # no rank pushes before every inbox is zeroed
+    dist.barrier(group=group.process_group)  # no rank pushes before every inbox is zeroed and mapped
     logger.info(
         "tensor parallel: all-reduces before a norm go through peer memory up to %d rows of %d bytes (%.1f MiB an "
         "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
     )  # fmt: skip
-    return PeerExchange.over(group.rank, inbox, addresses, timeout_s, handle=handle, trap_on_timeout=True)
+    table = torch.tensor(addresses, dtype=torch.int64, device=device)
+    return PeerExchange.over(group.rank, inbox, table, timeout_s, handle=opened, trap_on_timeout=True)
 
 
 def exchanges_in_one_process(
