@@ -136,9 +136,10 @@ def open_peer_exchange(
         return None
     inbox = torch.zeros(inbox_shape(group.size, row_bytes, max_rows), dtype=torch.int64, device=device)
     failure = ""
+    # a rank that cannot map its peers (or whose PyTorch lacks the storage IPC calls) still joins the agreement below
     try:
         addresses, opened = _map_peer_inboxes(inbox, group)
-    except RuntimeError as err:  # every rank still joins the agreement below
+    except (RuntimeError, AttributeError, TypeError) as err:
         failure = f"rank {group.rank}: {err}"
     failures = [None] * group.size
     dist.all_gather_object(failures, failure, group=group.process_group)  # every rank takes the same path
