@@ -51,6 +51,7 @@ from diffulex.layers.parallel_state import (
     reset_expert_parallel,
     reset_tensor_parallel,
 )
+from diffulex.layers.peer_exchange import release_peer_exchange
 
 if TYPE_CHECKING:
     from diffulex.config import Config
@@ -191,6 +192,9 @@ def run_worker(
         if not ends_process:
             leave_group()
         else:
+            if code == 0:  # its steps are over: unmap the peers' inboxes, so that rank 0's is freed (not if a
+                # collective failed, when a kernel may still be on them)
+                release_peer_exchange(parts.runner.model)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -87,6 +87,14 @@ class PeerExchange:
 
         return local.device == self.inbox.device and exchange_supports(local, residual, self.row_bytes, self.max_rows)
 
+    def release(self) -> None:
+        """Unmap the peers' inboxes (drop the storages opened from their handles): before a process ends, so that each
+        peer's inbox is freed rather than held for a reader that is gone (PyTorch warns at the peer's exit then:
+        "Producer process has been terminated before all shared CUDA tensors released"). No launch may use the
+        exchange afterwards."""
+        if isinstance(self.handle, list):
+            self.handle.clear()
+
     def timed_out(self) -> bool:
         """Whether a wait for a peer's rows ever gave up (that step's result is not the sum; reads the device)."""
         return bool(self.failed.item())
@@ -149,7 +157,7 @@ def open_peer_exchange(
         )
         return None
     torch.cuda.synchronize(device)
-    dist.barrier(group=group.process_group)  # no rank pushes before every inbox is zeroed and mapped
+    dist.barrier(group=group.process_group, device_ids=[device.index])  # no push before every inbox is mapped
     logger.info(
         "tensor parallel: all-reduces before a norm go through peer memory up to %d rows of %d bytes (%.1f MiB an "
         "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
@@ -182,6 +190,17 @@ def attach_peer_exchange(model: nn.Module, exchange: PeerExchange) -> int:
             module.peer_exchange = exchange
             count += 1
     return count
+
+
+def release_peer_exchange(model: nn.Module) -> None:
+    """Take the peer exchange from ``model``'s projections and unmap the peers' inboxes (`PeerExchange.release`),
+    after its last step: the projections all-reduce by NCCL from then on."""
+    from diffulex.layers.linear import RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.peer_exchange is not None:
+            module.peer_exchange.release()
+            module.peer_exchange = None
 
 
 def connect_peer_exchange(model: nn.Module, device: torch.device, dtype: torch.dtype, timeout_s: float) -> int:
