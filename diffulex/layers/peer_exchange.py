@@ -157,7 +157,9 @@ def open_peer_exchange(
         )
         return None
     torch.cuda.synchronize(device)
-    dist.barrier(group=group.process_group, device_ids=[device.index])  # no push before every inbox is mapped
+    # no rank pushes before every inbox is zeroed and mapped (the device named for NCCL, which would warn otherwise)
+    nccl = dist.get_backend(group.process_group) == "nccl"
+    dist.barrier(group=group.process_group, device_ids=[device.index] if nccl else None)
     logger.info(
         "tensor parallel: all-reduces before a norm go through peer memory up to %d rows of %d bytes (%.1f MiB an "
         "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
