@@ -2,11 +2,10 @@
 
 Why its own object: the fused all-reduce + RMSNorm needs memory every rank of the group can store into (one
 allocation per rank, mapped into every peer's address space by CUDA IPC: `open_peer_exchange`), the table of
-those addresses,
-and per-row-position counters that are the wire format's flags; they are allocated once per engine, before the
-KV cache is planned, and read by the kernel on every decode step. The row-parallel layers of a model hold it
-(`attach_peer_exchange`), and their partials take it whenever they fit (`exchange_supports`); anything larger
-(prefill chunks, the memory-profile forward) takes NCCL as before.
+those addresses, and per-row-position counters that are the wire format's flags; they are allocated once per
+engine, before the KV cache is planned, and read by the kernel on every decode step. The row-parallel layers of a
+model hold it (`attach_peer_exchange`), and their partials take it whenever they fit (`exchange_supports`);
+anything larger (prefill chunks, the memory-profile forward) takes NCCL as before.
 """
 
 from __future__ import annotations
