@@ -23,26 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """The best replay's seconds."""
-    best = float("inf")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
-
-
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> list[dict]:
     """This rank's measurements, one dict per row count."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
+    from diffulex.bench.hardware import time_graph_calls
     from diffulex.kernels.fused_norm import rms_norm
     from diffulex.kernels.peer_all_reduce import all_reduce_rms_norm
     from diffulex.layers.parallel_state import init_tensor_parallel
@@ -75,19 +61,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> list[di
         normed_diff = (expected[0].float() - got[0].float()).abs().max().item()
         row = {"rows": rows, "same_sum": same_sum, "normed_max_abs_diff": normed_diff}
         for name, call in (("nccl", nccl), ("fused", fused)):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(args.calls):
-                    call()
-            torch.cuda.synchronize()
-            row[f"{name}_us"] = _time_graph(graph, args.replays) / args.calls * 1e6
+            # every rank replays at once: each waits for the others before its timed replay
+            row[f"{name}_us"] = time_graph_calls(lambda _, call=call: call(), args.calls, args.replays,
+                                                 before_replay=dist.barrier)  # fmt: skip
         row["timed_out"] = exchange.timed_out()
         rows_out.append(row)
     dist.barrier()

@@ -138,11 +138,18 @@ def time_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype
     return time_per_call(graph.replay, device, 3, warmup=1) / iters
 
 
-def time_graph_calls(call: Callable[[int], object], calls: int, replays: int = 5, warmup: int = 3) -> float:
+def time_graph_calls(
+    call: Callable[[int], object],
+    calls: int,
+    replays: int = 5,
+    warmup: int = 3,
+    before_replay: Callable[[], object] | None = None,
+) -> float:
     """Microseconds per call of ``call(i)`` for ``i`` in ``range(calls)``, captured once in a CUDA graph and
     replayed (the best of ``replays``): a kernel's time as a decode step's graph launches it, without the host's
     launch latency. ``call`` may cycle through copies of its weights by ``i`` so that none comes from the L2 cache.
-    ``warmup`` untimed calls on a side stream first (library handles, Triton compiles)."""
+    ``warmup`` untimed calls on a side stream first (library handles, Triton compiles). ``before_replay`` runs
+    before each timed replay, after the device is idle (ranks that time a collective meet there)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -158,6 +165,9 @@ def time_graph_calls(call: Callable[[int], object], calls: int, replays: int = 5
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(replays):
+        if before_replay is not None:
+            torch.cuda.synchronize()
+            before_replay()
         start.record()
         graph.replay()
         end.record()

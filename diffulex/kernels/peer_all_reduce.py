@@ -66,6 +66,12 @@ def _trap():
 
 
 @triton.jit
+def _unflagged(word, ok, flag):
+    """How many of a row's words (those ``ok``) do not carry ``flag`` yet."""
+    return tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _wait_for_words(row_ptr, words, ok, flag, deadline):
     """The inbox words ``row_ptr[words]`` once each carries ``flag``, or as they are at ``deadline`` (device ns;
     under the interpreter, which has no device clock, after `_INTERPRETED_POLLS` polls).
@@ -74,11 +80,11 @@ def _wait_for_words(row_ptr, words, ok, flag, deadline):
     spins on its own words measured slower on two H100s: 6.2 against 5.1 us at one row, its words' loads one after
     another instead of together.)"""
     word = tl.load(row_ptr + words, mask=ok, other=0, volatile=True)
-    waiting = tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0)
+    waiting = _unflagged(word, ok, flag)
     polls = 0
     while waiting > 0:
         word = tl.load(row_ptr + words, mask=ok, other=0, volatile=True)
-        waiting = tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0)
+        waiting = _unflagged(word, ok, flag)
         polls += 1
         if _INTERPRETING:
             late = polls >= _INTERPRETED_POLLS
@@ -184,7 +190,7 @@ def _all_reduce_norm_kernel(
             else:
                 row_ptr = inbox_ptr + slot * slot_words + source * rank_words + row * row_words
                 word = _wait_for_words(row_ptr, words, ok, flag, deadline)
-                late = tl.sum((((word >> 32).to(tl.int32) != flag) & ok).to(tl.int32), axis=0) > 0
+                late = _unflagged(word, ok, flag) > 0
                 if late:
                     tl.atomic_max(failed_ptr, 1)
                     if TRAP_ON_TIMEOUT:

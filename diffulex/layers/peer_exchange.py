@@ -11,7 +11,7 @@ anything larger (prefill chunks, the memory-profile forward) takes NCCL as befor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ _WORD_BYTES = 8  # 4 data bytes and a 4-byte flag
 class PeerExchange:
     """This rank's inbox ``[2 slots, ranks, rows, words]`` of int64 words, the addresses of every rank's inbox
     (``inboxes``, int64 on the device), the per-row-position exchange counts (``uses``), the flag a timed-out wait
-    sets (``failed``) and what keeps the peers' inboxes mapped (``handle``: their storages in this process).
+    sets (``failed``) and what keeps the peers' inboxes mapped (``peer_storages``: theirs, opened in this process).
     ``trap_on_timeout``: a timed-out wait aborts the step with a CUDA error (an engine's exchange) instead of only
     setting ``failed`` (a test's)."""
 
@@ -42,7 +42,7 @@ class PeerExchange:
     uses: torch.Tensor
     failed: torch.Tensor
     timeout_ns: int
-    handle: object = None
+    peer_storages: list[torch.UntypedStorage] = field(default_factory=list)
     trap_on_timeout: bool = False
 
     @classmethod
@@ -52,7 +52,7 @@ class PeerExchange:
         inbox: torch.Tensor,
         inboxes: torch.Tensor,
         timeout_s: float,
-        handle: object = None,
+        peer_storages: list[torch.UntypedStorage] | None = None,
         trap_on_timeout: bool = False,
     ) -> PeerExchange:
         """The exchange of ``rank`` over its ``inbox`` (zeroed) and every rank's inbox address, its counters new."""
@@ -63,7 +63,7 @@ class PeerExchange:
             uses=torch.zeros(inbox.shape[2], dtype=torch.int32, device=inbox.device),
             failed=torch.zeros(1, dtype=torch.int32, device=inbox.device),
             timeout_ns=int(timeout_s * 1e9),
-            handle=handle,
+            peer_storages=peer_storages or [],
             trap_on_timeout=trap_on_timeout,
         )
 
@@ -91,8 +91,7 @@ class PeerExchange:
         peer's inbox is freed rather than held for a reader that is gone (PyTorch warns at the peer's exit then:
         "Producer process has been terminated before all shared CUDA tensors released"). No launch may use the
         exchange afterwards."""
-        if isinstance(self.handle, list):
-            self.handle.clear()
+        self.peer_storages.clear()
 
     def timed_out(self) -> bool:
         """Whether a wait for a peer's rows ever gave up (that step's result is not the sum; reads the device)."""
@@ -164,7 +163,7 @@ def open_peer_exchange(
         "inbox); larger ones by NCCL", max_rows, row_bytes, inbox.numel() * _WORD_BYTES / 2**20,
     )  # fmt: skip
     table = torch.tensor(addresses, dtype=torch.int64, device=device)
-    return PeerExchange.over(group.rank, inbox, table, timeout_s, handle=opened, trap_on_timeout=True)
+    return PeerExchange.over(group.rank, inbox, table, timeout_s, peer_storages=opened, trap_on_timeout=True)
 
 
 def exchanges_in_one_process(
