@@ -26,6 +26,8 @@ logger = logging.getLogger("diffulex")
 EXCHANGE_MAX_ROWS = 256
 _SLOTS = 2  # each row position alternates between two inbox slots (see the kernel's module docstring)
 _WORD_BYTES = 8  # 4 data bytes and a 4-byte flag
+# Copies of each row position's exchange count: the most programs that push one row (the kernel's `row_programs`).
+ROW_PROGRAMS_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class PeerExchange:
             rank=rank,
             inbox=inbox,
             inboxes=inboxes,
-            uses=torch.zeros(inbox.shape[2], dtype=torch.int32, device=inbox.device),
+            uses=torch.zeros(inbox.shape[2], ROW_PROGRAMS_MAX, dtype=torch.int32, device=inbox.device),
             failed=torch.zeros(1, dtype=torch.int32, device=inbox.device),
             timeout_ns=int(timeout_s * 1e9),
             peer_storages=peer_storages or [],

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex.kernels.peer_all_reduce import all_reduce_rms_norm, exchange_supports
+from diffulex.kernels.peer_all_reduce import all_reduce_rms_norm, exchange_supports, row_programs
 from diffulex.layers import RMSNorm
-from diffulex.layers.peer_exchange import PeerExchange, exchanges_in_one_process
+from diffulex.layers.peer_exchange import ROW_PROGRAMS_MAX, PeerExchange, exchanges_in_one_process
 from tests.kernels.test_fused_norm import assert_matches, make_norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,21 +70,31 @@ def test_every_rank_gets_the_all_reduced_rows_normalized(dtype, world, rows, hid
     assert not any(exchange.timed_out() for exchange in exchanges)
 
 
-def test_consecutive_exchanges_of_different_row_counts_each_get_their_own_rows() -> None:
-    """Row positions alternate between two inbox slots, each exchange flagged by its position's count: a step of 4
-    rows, then 2, then 4 again, each summing only its own partials."""
-    hidden, dtype = 64, torch.bfloat16
+@pytest.mark.parametrize("hidden", [64, 1024])
+def test_consecutive_exchanges_of_different_row_counts_each_get_their_own_rows(hidden) -> None:
+    """Row positions alternate between two inbox slots, each exchange flagged by its position's count: steps of
+    4, 16, 4, 4 and 1 rows, each summing only its own partials. Rows of 1024 are pushed by several programs each,
+    as many as the step's row count leaves room for (4, 1, 4, 4, 8), and every copy of a position's count moves on."""
+    dtype = torch.bfloat16
     norm = make_norm(hidden, dtype, seed=1).to(DEVICE)
-    exchanges = exchanges_in_one_process(2, DEVICE, hidden * 2)
-    for step, rows in enumerate([4, 2, 4, 4, 1]):
+    exchanges = exchanges_in_one_process(2, DEVICE, hidden * 2, max_rows=16)
+    for step, rows in enumerate([4, 16, 4, 4, 1]):
         partials, residual = random_rows(2, rows, hidden, dtype, seed=step)
         results = exchange_rows(exchanges, partials, norm, residual)
         expected_normed, expected_summed = reference(partials, norm, residual)
         for normed, summed in results:
             assert torch.equal(summed, expected_summed), f"step {step}"
             assert_matches(normed, expected_normed)
-    assert exchanges[0].uses.tolist()[:4] == [5, 4, 3, 3]
+    counts = exchanges[0].uses[:5]
+    assert counts.tolist() == [[count] * counts.shape[1] for count in (5, 4, 4, 4, 1)]
     assert not exchanges[0].timed_out()
+
+
+@pytest.mark.parametrize(("rows", "words", "programs"), [(1, 2048, 8), (4, 2048, 4), (8, 2048, 2), (16, 2048, 1),
+                                                         (1, 32, 1), (2, 128, 2)])  # fmt: skip
+def test_a_row_is_pushed_by_more_programs_the_fewer_rows_an_exchange_has(rows, words, programs) -> None:
+    assert row_programs(rows, words, ROW_PROGRAMS_MAX)[0] == programs
+    assert row_programs(rows, words, ROW_PROGRAMS_MAX)[1] * programs >= words
 
 
 def test_a_peer_that_never_sends_times_the_wait_out_instead_of_taking_older_rows() -> None:
