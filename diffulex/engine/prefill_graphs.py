@@ -14,6 +14,10 @@ last layer skips what only the LM head would read. Several prefixes in one step 
 same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
 the step's decode graph; the graphs share the decode graphs' memory pool, since one stream runs them in turn.
 
+A request alone needs no second forward for the few rows it samples from: where they fit its prefix's bucket, the
+bucket replays over its whole step and those rows are read from it (`ModelRunner._lone_prompt_plan`); a second
+forward would read every weight and the whole context again for them.
+
 A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
 buckets whose requests may each have up to `CHUNK_GRAPH_ROWS` rows, and whose attention splits every long context

@@ -137,8 +137,9 @@ def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_ea
     assert run.got == run.expected
     assert run.eager_steps == 0, "every step, those carrying a prompt too, ran on the graph path"
     assert run.replays.prefills_before_a_decode_of(min_requests=2) >= len(lengths) - 1, "prompts beside decoders"
-    for part in run.replays.prefills:
-        assert part.num_requests == 1 and not part.sample_rows, "one request a replay, nothing sampled"
+    assert all(part.num_requests == 1 for part in run.replays.prefills), "one request a replay"
+    sampling = [part for part in run.replays.prefills if part.sample_rows]
+    assert len(sampling) <= 1, "only a prompt arriving alone (the first) samples its first block in its replay"
 
 
 def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(peaky_sdar_dir: Path) -> None:
@@ -392,3 +393,32 @@ def test_a_prompt_longer_than_the_largest_prefill_graph_runs_its_step_eagerly(pe
     assert run.got == run.expected
     assert run.eager_steps == 1, "only the long prompt's step"
     assert all(part.num_tokens <= 17 for part in run.replays.prefills)
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
+def test_a_lone_prompt_and_its_first_block_run_in_one_prefill_graph_forward(
+    peaky_sdar_dir: Path, shifted: bool
+) -> None:
+    """A request alone: its store-only prompt rows and the block it samples from replay the prompt's prefill bucket
+    together (one forward, the block's rows sampled after it) where the block fits that bucket too; a prompt that
+    fills its bucket exactly still splits (the block replays a decode graph) rather than take a bucket twice its
+    size. Either way the tokens are the eager engine's."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=4, max_prefill_graph_tokens=64)
+    if shifted:
+        fields["model_name"] = shifted_sdar_family().name
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for length, together in ((21, True), (32, False)):
+        with make_engine(peaky_sdar_dir, **fields) as eager:
+            prompts = random_prompts(eager, [length], seed=length)
+            expected = eager.generate(prompts, params, use_tqdm=False)
+        with static_engine(peaky_sdar_dir, **fields) as llm:
+            replays = record_replays(llm)
+            got = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.runner.eager_steps == 0
+        assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories], length
+        (kind, first, bucket), (next_kind, _, _) = replays.events[:2]
+        assert (kind, bucket) == ("prefill", 32), "the prompt's rows replay their prefill bucket"
+        assert bool(first.sample_rows) is together, f"a {length}-token prompt's first block sampled in that forward"
+        assert first.num_tokens == (24 if together else 32)
+        assert next_kind == "decode"
+        assert sum(1 for _, step, _ in replays.events if step.sample_rows) == len(replays.events) - (not together)
