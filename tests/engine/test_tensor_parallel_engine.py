@@ -188,6 +188,32 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
     assert results[2] == results[1]
 
 
+def test_a_lone_prompt_sampled_in_its_prefill_replay_follows_on_the_worker(dense_dir: Path) -> None:
+    """A request alone whose first block fits its prompt's prefill bucket: the bucket replays over the whole step
+    and the block's rows are sampled after it (`ModelRunner._lone_prompt_plan`); the worker replays the same and
+    joins the LM head's gather (else the step would time out), with TP=1's tokens. (The chunk graphs, which take
+    a prompt this short whole, are put aside.)"""
+    results = {}
+    for size in (1, 2):
+        with make_engine(dense_dir, "sdar", size, buffer_size=1) as llm:
+            llm.enable_static_decode(capture=False)
+            llm.runner.chunk_graphs = None
+            sampled_in_prefill = []
+            run = llm.runner.prefill_graphs.run
+
+            def counted(part, rows, run=run, sampled_in_prefill=sampled_in_prefill):
+                sampled_in_prefill.append(bool(part.sample_rows))
+                return run(part, rows)
+
+            llm.runner.prefill_graphs.run = counted
+            prompts = random_prompts(llm, [21], seed=8)
+            tokens = [t.token_ids for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
+            results[size] = (tokens, sampled_in_prefill, llm.runner.eager_steps)
+    assert results[1][1] == [True], "the prompt and its first block in one prefill replay"
+    assert results[1][2] == 0
+    assert results[2] == results[1]
+
+
 def test_prompts_beside_decoders_replay_the_chunk_graphs_on_the_worker_too(dense_dir: Path) -> None:
     """A step whose prompt rides with the decoders in one chunk-graph forward (`StepMessage.graph_set`): the worker
     replays its own chunk graphs, with TP=1's tokens (its collectives match rank 0's, or the step would time out)."""
