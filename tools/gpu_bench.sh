@@ -8,7 +8,9 @@
 #   serving   `bench sweep --targets serving` and bench/server_step_rate.py (about 5 min)
 #   moe       `bench sweep --targets moe`: MoE geometries against the selected experts' floor (about 4 min)
 #   batch     `bench sweep --targets batch strategies`: large batches and every strategy (about 5 min)
-#   phit      bench/prefix_hit_anatomy.py: a 32k prefix hit's time to first token, phase by phase (about 2 min)
+#   phit      bench/prefix_hit_anatomy.py: a 32k prefix hit's time to first token, phase by phase, with a 256-token
+#             tail (its prefill bucket full: the first block replays a decode graph of its own) and a 250-token
+#             one (the block rides in the tail's forward) (about 2 min)
 #   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind (about 3 min)
 #   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
 # Usage (GPU machine, repository root): tools/gpu_bench.sh OUT_DIR PART...
@@ -23,7 +25,7 @@ shift
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
 declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380
-  [phit]=180 [canvas]=300 [attention]=200)
+  [phit]=240 [canvas]=300 [attention]=200)
 
 measure() {
   local part=$1 dir=$out/$1
@@ -44,7 +46,9 @@ measure() {
       CUDA_VISIBLE_DEVICES= python bench/server_step_rate.py --clients 64 128 --seconds 6 --json "$dir/ssr.json" ;;
     moe) python -m diffulex.cli bench sweep --targets moe --out "$dir/sweep" --max-seconds 240 ;;
     batch) python -m diffulex.cli bench sweep --targets batch strategies --out "$dir/sweep" --total-seconds 330 --max-seconds 170 ;;
-    phit) PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir" ;;
+    phit)
+      PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail256" || return 1
+      PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail250" --tail 250 ;;
     canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" ;;
     attention) PYTHONPATH=. python bench/prefill_attention_bench.py "$dir" ;;
   esac
