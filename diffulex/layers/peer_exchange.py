@@ -33,7 +33,8 @@ ROW_PROGRAMS_MAX = 8
 @dataclass(frozen=True)
 class PeerExchange:
     """This rank's inbox ``[2 slots, ranks, rows, words]`` of int64 words, the addresses of every rank's inbox
-    (``inboxes``, int64 on the device), the per-row-position exchange counts (``uses``), the flag a timed-out wait
+    (``inboxes``, int64 on the device), the per-row-position exchange counts (``uses``: `ROW_PROGRAMS_MAX` equal
+    copies a row position, one for each program that may push the row), the flag a timed-out wait
     sets (``failed``) and what keeps the peers' inboxes mapped (``peer_storages``: theirs, opened in this process).
     ``trap_on_timeout``: a timed-out wait aborts the step with a CUDA error (an engine's exchange) instead of only
     setting ``failed`` (a test's)."""
