@@ -58,9 +58,9 @@ def tokens_with_graphs(path: Path, inspect: Callable[[Diffulex], Any], **layout:
 def peer_exchanged_projections(llm: Diffulex) -> int:
     """How many row-parallel projections of rank 0's model hand their all-reduce to the next norm over peer memory
     (`diffulex.layers.peer_exchange`); 0 where they all-reduce by NCCL."""
-    from diffulex.layers.linear import RowParallelLinear
+    from diffulex.layers.peer_exchange import row_parallel_projections
 
-    return sum(isinstance(m, RowParallelLinear) and m.peer_exchange is not None for m in llm.runner.model.modules())
+    return sum(m.peer_exchange is not None for m in row_parallel_projections(llm.runner.model))
 
 
 def check_tokens(tmp: Path) -> dict:

@@ -337,28 +337,28 @@ class ModelRunner:
                 return _StepPlan([], whole, straggler, bucket)
         split = self.collect_split(batch) if self.graphs is not None else None
         if split is not None:
-            lone = self._lone_prompt_plan(batch, split)
-            if lone is not None:
-                return lone
+            if len(batch) == 1 and len(split.prefills) == 1 and split.rest.num_requests:
+                whole = whole if whole is not None else self.collect(batch)
+                lone = self._lone_prompt_plan(whole, split)
+                if lone is not None:
+                    return lone
             if split.prefills and not split.rest.num_requests:
                 return _StepPlan(split.prefills, split.rest, None, None)
             graphs, bucket = self._graphs_for(split.rest)
             if bucket is not None or not split.prefills:  # without prefills the rest is the whole step
                 return _StepPlan(split.prefills, split.rest, graphs, bucket)
-        step = self.collect(batch)
+        step = whole if whole is not None else self.collect(batch)
         return _StepPlan([], step, *self._graphs_for(step))
 
-    def _lone_prompt_plan(self, batch: list[Request], split: SplitStep) -> _StepPlan | None:
-        """One request alone, its store-only prompt rows and the rows it samples from in one forward: the prefix's
-        prefill bucket replayed over the whole step, the sampled rows read from it and sampled after the replay.
+    def _lone_prompt_plan(self, whole: StepInputs, split: SplitStep) -> _StepPlan | None:
+        """A request alone (``whole``: its step unsplit; ``split``: its one prefix and the rest), its store-only
+        prompt rows and the rows it samples from in one forward: the prefix's prefill bucket replayed over the
+        whole step, the sampled rows read from it and sampled after the replay.
         Split, the rows sampled from would replay a decode graph of their own, which reads every weight and the
         whole context again for a block's rows (a prefix-cache hit's first block after 32,000 cached positions:
         3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). Only where the whole step needs no larger bucket
         than the prefix (a larger one computes its padded rows in every matmul) and no key ends past its rows,
         which the prefill graphs do not stage."""
-        if len(batch) != 1 or len(split.prefills) != 1 or not split.rest.num_requests:
-            return None
-        whole = self.collect(batch)
         rows = self.prefill_graphs.bucket_for(whole) if not whole.has_cached_tail else None
         if rows is None or rows != split.prefills[0][1]:
             return None

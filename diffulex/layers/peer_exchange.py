@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from diffulex.layers.parallel_state import TensorParallelGroup
+
+if TYPE_CHECKING:
+    from diffulex.layers.linear import RowParallelLinear
 
 logger = logging.getLogger("diffulex")
 
@@ -182,38 +186,40 @@ def exchanges_in_one_process(
     return [PeerExchange.over(rank, inbox, addresses, timeout_s) for rank, inbox in enumerate(inboxes)]
 
 
+def row_parallel_projections(model: nn.Module) -> list[RowParallelLinear]:
+    """``model``'s row-parallel projections: the layers whose partial outputs an exchange all-reduces."""
+    from diffulex.layers.linear import RowParallelLinear
+
+    return [module for module in model.modules() if isinstance(module, RowParallelLinear)]
+
+
 def attach_peer_exchange(model: nn.Module, exchange: PeerExchange) -> int:
     """Hand ``exchange`` to every row-parallel projection of ``model`` sharded over its ranks (their unsummed output
     then goes to the next norm through it, `RowParallelLinear.forward_unsummed`); returns how many."""
-    from diffulex.layers.linear import RowParallelLinear
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, RowParallelLinear) and module.tp.size == exchange.world:
-            module.peer_exchange = exchange
-            count += 1
-    return count
+    sharded = [module for module in row_parallel_projections(model) if module.tp.size == exchange.world]
+    for module in sharded:
+        module.peer_exchange = exchange
+    return len(sharded)
 
 
 def release_peer_exchange(model: nn.Module) -> None:
     """Take the peer exchange from ``model``'s projections and unmap the peers' inboxes (`PeerExchange.release`),
     after its last step: the projections all-reduce by NCCL from then on."""
-    from diffulex.layers.linear import RowParallelLinear
-
-    for module in model.modules():
-        if isinstance(module, RowParallelLinear) and module.peer_exchange is not None:
-            module.peer_exchange.release()
-            module.peer_exchange = None
+    exchanges = {id(module.peer_exchange): module.peer_exchange for module in row_parallel_projections(model)}
+    for module in row_parallel_projections(model):
+        module.peer_exchange = None
+    for exchange in exchanges.values():
+        if exchange is not None:
+            exchange.release()
 
 
 def connect_peer_exchange(model: nn.Module, device: torch.device, dtype: torch.dtype, timeout_s: float) -> int:
     """Open the tensor-parallel group's exchange (`open_peer_exchange`, a collective) sized for ``model``'s widest
     row-parallel output in ``dtype``, and hand it to those projections; how many took it (0: NCCL all-reduces)."""
-    from diffulex.layers.linear import RowParallelLinear
     from diffulex.layers.parallel_state import tensor_parallel_group
 
     group = tensor_parallel_group()
-    widths = [module.weight.shape[0] for module in model.modules() if isinstance(module, RowParallelLinear)]
+    widths = [module.weight.shape[0] for module in row_parallel_projections(model)]
     if group.size == 1 or not widths:
         return 0
     exchange = open_peer_exchange(group, device, max(widths) * dtype.itemsize, timeout_s)
