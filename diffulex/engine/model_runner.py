@@ -238,8 +238,8 @@ class ModelRunner:
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
             self.prefill_graphs = PrefillGraphs(
-                min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
-                self.graph_forward, s.device, capture,
+                min(max_prefill_rows, max_model_len), max_query_len, shape.max_pages, max_model_len, s.block_size,
+                s.page_size, self.graph_forward, s.device, capture,
             )  # fmt: skip
         # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
         plain_inputs = s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False)
@@ -339,7 +339,7 @@ class ModelRunner:
         if split is not None:
             if len(batch) == 1 and len(split.prefills) == 1 and split.rest.num_requests:
                 whole = whole if whole is not None else self.collect(batch)
-                lone = self._lone_prompt_plan(whole, split)
+                lone = self._lone_prompt_plan(whole)
                 if lone is not None:
                     return lone
             if split.prefills and not split.rest.num_requests:
@@ -350,19 +350,17 @@ class ModelRunner:
         step = whole if whole is not None else self.collect(batch)
         return _StepPlan([], step, *self._graphs_for(step))
 
-    def _lone_prompt_plan(self, whole: StepInputs, split: SplitStep) -> _StepPlan | None:
-        """A request alone (``whole``: its step unsplit; ``split``: its one prefix and the rest), its store-only
-        prompt rows and the rows it samples from in one forward: the prefix's prefill bucket replayed over the
-        whole step, the sampled rows read from it and sampled after the replay.
+    def _lone_prompt_plan(self, whole: StepInputs) -> _StepPlan | None:
+        """A request alone (``whole``: its step unsplit), its store-only prompt rows and the rows it samples from in
+        one forward: the smallest prefill bucket that holds the whole step replayed over it, the sampled rows read
+        from it and sampled after the replay.
         Split, the rows sampled from would replay a decode graph of their own, which reads every weight and the
         whole context again for a block's rows (a prefix-cache hit's first block after 32,000 cached positions:
-        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). Only where the whole step needs no larger bucket
-        than the prefix (a larger one computes its padded rows in every matmul) and no key ends past its rows,
-        which the prefill graphs do not stage."""
+        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). A prefix that fills its bucket takes the bucket's
+        sibling, wider by the decode rows (`diffulex.engine.prefill_graphs.prefill_buckets`), not one twice its size.
+        Not where a key ends past the step's rows, which the prefill graphs do not stage."""
         rows = self.prefill_graphs.bucket_for(whole) if not whole.has_cached_tail else None
-        if rows is None or rows != split.prefills[0][1]:
-            return None
-        return _StepPlan([(whole, rows)], whole, None, None)
+        return None if rows is None else _StepPlan([(whole, rows)], whole, None, None)
 
     def _launch(self, batch: list[Request], micro_batch: int) -> PendingWrites:
         plan = self._plan(batch)
