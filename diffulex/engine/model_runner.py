@@ -238,8 +238,8 @@ class ModelRunner:
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
             self.prefill_graphs = PrefillGraphs(
-                min(max_prefill_rows, max_model_len), max_query_len, shape.max_pages, max_model_len, s.block_size,
-                s.page_size, self.graph_forward, s.device, capture,
+                min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
+                self.graph_forward, s.device, capture,
             )  # fmt: skip
         # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
         plain_inputs = s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False)
@@ -356,9 +356,10 @@ class ModelRunner:
         from it and sampled after the replay.
         Split, the rows sampled from would replay a decode graph of their own, which reads every weight and the
         whole context again for a block's rows (a prefix-cache hit's first block after 32,000 cached positions:
-        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). A prefix that fills its bucket takes the bucket's
-        sibling, wider by the decode rows (`diffulex.engine.prefill_graphs.prefill_buckets`), not one twice its size.
-        Not where a key ends past the step's rows, which the prefill graphs do not stage."""
+        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). A prefix that fills its bucket takes the next one,
+        twice as wide: its padded rows cost the matmuls less than that second forward costs (and attention nothing:
+        no query tile holds only padded rows). Not where a key ends past the step's rows, which the prefill graphs do
+        not stage."""
         rows = self.prefill_graphs.bucket_for(whole) if not whole.has_cached_tail else None
         return None if rows is None else _StepPlan([(whole, rows)], whole, None, None)
 

@@ -8,8 +8,7 @@ them in a forward of their own, before the rest of the step, and the rest (the d
 running set, which then reads the prefix from the cache) replays the decode graphs as any decode step does.
 
 Each bucket is a one-request `DecodeGraphs` of that many rows (``16, 32, 64, ...`` up to the largest, the
-``max_prefill_graph_tokens`` setting, each beside a sibling wider by the rows a request decodes in a step, below):
-a prefix of ``n`` rows replays the smallest bucket of at least ``n`` rows,
+``max_prefill_graph_tokens`` setting): a prefix of ``n`` rows replays the smallest bucket of at least ``n`` rows,
 padded as a decode bucket is (padded rows store nothing). Its forward reads no row (nothing is sampled), so the
 last layer skips what only the LM head would read. Several prefixes in one step replay one after another on the
 same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
@@ -17,9 +16,7 @@ the step's decode graph; the graphs share the decode graphs' memory pool, since 
 
 A request alone needs no second forward for the few rows it samples from: the smallest bucket that holds its whole
 step replays over it and those rows are read from it (`ModelRunner._lone_prompt_plan`); a second forward would read
-every weight and the whole context again for them. A prefix that fills a bucket exactly (a prompt or a prefix
-hit's tail of 256 or 512 tokens) would take the next one, twice as wide, for a few more rows: each bucket has a
-sibling that many rows wider (`prefill_buckets`), which holds the prefix and its request's decode rows.
+every weight and the whole context again for them.
 
 A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
@@ -112,19 +109,14 @@ def straggler_graph_shape(decode: GraphShape) -> GraphShape:
     return dataclasses.replace(decode, num_splits=CHUNK_SPLITS, min_split_keys=CHUNK_MIN_SPLIT_KEYS)
 
 
-def prefill_buckets(max_rows: int, decode_rows: int = 0, limit: int | None = None) -> list[int]:
-    """``16, 32, 64, ...`` below ``max_rows``, then ``max_rows`` itself (the only bucket when it is below 16); with
-    ``decode_rows``, each beside a sibling that many rows wider (up to ``limit`` rows), sorted: a prefix that fills
-    its bucket and the rows its request decodes in the step (at most ``decode_rows``) fit the sibling."""
+def prefill_buckets(max_rows: int) -> list[int]:
+    """``16, 32, 64, ...`` below ``max_rows``, then ``max_rows`` itself (the only bucket when it is below 16)."""
     buckets = []
     rows = MIN_PREFILL_BUCKET_ROWS
     while rows < max_rows:
         buckets.append(rows)
         rows *= 2
-    buckets.append(max_rows)
-    if decode_rows > 0:
-        buckets += [rows + decode_rows for rows in buckets if limit is None or rows + decode_rows <= limit]
-    return sorted(set(buckets))
+    return buckets + [max_rows]
 
 
 class PrefillGraphs:
@@ -136,7 +128,6 @@ class PrefillGraphs:
     def __init__(
         self,
         max_rows: int,
-        decode_rows: int,
         max_pages: int,
         max_kv_len: int,
         block_size: int,
@@ -149,7 +140,7 @@ class PrefillGraphs:
             raise ValueError(f"prefill graphs need at least one row, got max_rows={max_rows}")
         self.max_rows = max_rows
         self.max_pages = max_pages
-        self.buckets = prefill_buckets(max_rows, decode_rows, max_kv_len)
+        self.buckets = prefill_buckets(max_rows)
         self.graphs = {
             rows: DecodeGraphs(
                 GraphShape(

@@ -125,11 +125,6 @@ def test_prefill_buckets_double_from_sixteen_up_to_the_largest() -> None:
     assert prefill_buckets(9) == [9]
 
 
-def test_each_prefill_bucket_has_a_sibling_wider_by_a_requests_decode_rows_within_the_limit() -> None:
-    assert prefill_buckets(512, 4) == [16, 20, 32, 36, 64, 68, 128, 132, 256, 260, 512, 516]
-    assert prefill_buckets(100, 5, limit=104) == [16, 21, 32, 37, 64, 69, 100]
-    assert prefill_buckets(16, 16) == [16, 32]
-
 
 @pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
 def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_eager_tokens(
@@ -407,13 +402,13 @@ def test_a_lone_prompt_and_its_first_block_run_in_one_prefill_graph_forward(
 ) -> None:
     """A request alone: its store-only prompt rows and the block it samples from replay one prefill bucket together
     (one forward, the block's rows sampled after it), the smallest that holds both: a prompt that fills a bucket
-    exactly takes that bucket's sibling, wider by the block, not the next bucket. The tokens are the eager
-    engine's."""
+    exactly takes the next one. Only a step that no bucket holds splits (the largest bucket's prompt: its block
+    replays a decode graph). The tokens are the eager engine's."""
     fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=4, max_prefill_graph_tokens=64)
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    for length, rows, power_bucket in ((21, 24, 32), (32, 36, 32), (64, 68, 64)):
+    for length, rows, bucket in ((21, 24, 32), (32, 36, 64), (64, 64, 64)):
         with make_engine(peaky_sdar_dir, **fields) as eager:
             prompts = random_prompts(eager, [length], seed=length)
             expected = eager.generate(prompts, params, use_tqdm=False)
@@ -421,12 +416,11 @@ def test_a_lone_prompt_and_its_first_block_run_in_one_prefill_graph_forward(
             replays = record_replays(llm)
             got = llm.generate(prompts, params, use_tqdm=False)
             assert llm.runner.eager_steps == 0
-            decode_rows = llm.runner.graphs.shape.max_query_len
         assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories], length
-        (kind, first, bucket), (next_kind, _, _) = replays.events[:2]
-        expected_bucket = power_bucket if rows <= power_bucket else power_bucket + decode_rows
-        assert (kind, bucket) == ("prefill", expected_bucket), f"a {length}-token prompt's step and its bucket"
-        assert first.sample_rows, f"a {length}-token prompt's first block sampled in that forward"
+        (kind, first, first_bucket), (next_kind, _, _) = replays.events[:2]
+        assert (kind, first_bucket) == ("prefill", bucket), f"a {length}-token prompt's first forward and its bucket"
         assert first.num_tokens == rows
+        assert bool(first.sample_rows) == (length < 64), f"a {length}-token prompt's block sampled in that forward"
         assert next_kind == "decode"
-        assert all(step.sample_rows for _, step, _ in replays.events), "no forward without rows to sample"
+        unsampled = sum(1 for _, step, _ in replays.events if not step.sample_rows)
+        assert unsampled == (length == 64), "a forward without rows to sample only where the step split"
