@@ -16,8 +16,9 @@ its kernels are summed per class, each against the floor of what that class must
   once in float32, over the copy bandwidth;
 * ``other`` (copies, memsets, anything unmatched): no floor.
 
-The time to first token is also measured without the profiler; what the kernels do not cover of it is the host's
-share (the request's admission, scheduling, the step's metadata, launches) and the gaps between kernels.
+The time to first token is also measured without the profiler, the median of `TTFT_REPEATS` prompts of the
+length (each with tokens of its own, after a warm-up one); what the kernels do not cover of it is the host's share
+(the request's admission, scheduling, the step's metadata, launches) and the gaps between kernels.
 
 On a CPU (``quick``: the tiny SDAR checkpoint, short prompts) the "kernels" are PyTorch's operators by their own
 time, classed by name: the PyTorch attention path is matmuls and a softmax there, so the classes only check the
@@ -46,6 +47,7 @@ PROMPT_LENS = (2048, 8192, 32000)
 QUICK_MODEL = "tiny-sdar"
 QUICK_PROMPT_LENS = (32, 64)
 TOP_KERNELS = 12  # kernels listed per prompt, by device time
+TTFT_REPEATS = 5  # timed prompts per length, unprofiled: the median is the row's time to first token
 _TAIL_TOKENS = 256  # room after the longest prompt, as the sweep leaves it
 
 # PyTorch's CPU operators that are matmuls (named as CUDA kernels never are)
@@ -179,7 +181,7 @@ def anatomy_of_model(
     from diffulex.bench.hardware import add_matmul_peak
     from diffulex.bench.roofline import cost_model_from_module, step_floors
     from diffulex.bench.sweep_models import write_model
-    from diffulex.bench.sweep_prefill import BLOCK_SIZE, _prompt, time_to_first_token
+    from diffulex.bench.sweep_prefill import BLOCK_SIZE, _prompt, median_time_to_first_token, time_to_first_token
 
     path = write_model(model, workdir / model, data_dir)
     load_format = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
@@ -194,7 +196,8 @@ def anatomy_of_model(
         max_steps = 64
         for k, n in enumerate(prompt_lens):
             time_to_first_token(engine, _prompt(engine, n, 1000 + k), BLOCK_SIZE, max_steps)  # compiles, warms
-            plain = time_to_first_token(engine, _prompt(engine, n, k), BLOCK_SIZE, max_steps)
+            prompts = [_prompt(engine, n, k + 100 * r) for r in range(TTFT_REPEATS)]
+            plain, times = median_time_to_first_token(engine, prompts, BLOCK_SIZE, max_steps)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             profiled, kernels = profile_first_token(engine, _prompt(engine, n, 2000 + k), max_steps)
@@ -217,7 +220,8 @@ def anatomy_of_model(
             row = {
                 "model": model, "prompt_len": n, "steps": len(works),
                 "query_tokens": sum(w.query_tokens for w in works), "attn_pairs": sum(w.attn_pairs for w in works),
-                "ttft_ms": 1e3 * plain["ttft_s"], "profiled_ttft_ms": 1e3 * profiled["ttft_s"],
+                "ttft_ms": 1e3 * plain["ttft_s"], "ttft_runs_ms": [1e3 * t for t in times],
+                "profiled_ttft_ms": 1e3 * profiled["ttft_s"],
                 "kernel_ms": 1e3 * sum(k.seconds for k in kernels), "busy_ms": 1e3 * busy_s,
                 "classes": classes, "class_floor_ms": 1e3 * sum(floors.values()),
                 "compute_floor_ms": 1e3 * compute_floor_s, "top_kernels": top_kernels(kernels),

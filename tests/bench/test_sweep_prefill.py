@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from diffulex.bench import sweep_prefill
 from diffulex.bench.sweep_common import SweepSettings
-from diffulex.bench.sweep_prefill import beside_summary, fit_chunk_cost
+from diffulex.bench.sweep_prefill import beside_summary, fit_chunk_cost, median_time_to_first_token
 from diffulex.cli import main
 from diffulex.engine.prefill_cost import PrefillCostModel
 
@@ -87,3 +88,16 @@ def test_the_prefill_target_runs_only_the_parts_asked_for(tmp_path: Path) -> Non
 def test_an_unknown_prefill_part_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"prefill_parts=\['warm'\] is invalid: must name one or more of ttft, beside"):
         SweepSettings(prefill_parts=["warm"])
+
+
+def test_the_time_to_first_token_of_several_prompts_is_the_median_one(monkeypatch) -> None:
+    times = {1: 0.027, 2: 0.083, 3: 0.029, 4: 0.024, 5: 0.024}  # an H100's 2,048-token prompts after a warm-up
+
+    def timed(engine, prompt, max_tokens, max_steps):
+        return {"ttft_s": times[prompt[0]], "prompt": prompt}
+
+    monkeypatch.setattr(sweep_prefill, "time_to_first_token", timed)
+    median, every = median_time_to_first_token(None, [[k] for k in times], 4, 64)
+    assert median["prompt"] == [1] and every == list(times.values())
+    median, every = median_time_to_first_token(None, [[2], [4]], 4, 64)
+    assert median["prompt"] == [4], "of an even count, the lower middle one"
