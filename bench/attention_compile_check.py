@@ -117,11 +117,12 @@ def resource_usage(compiled) -> dict[str, int]:
 
 
 def code(compiled) -> str:
-    """The PTX without what names source files and lines: its debug sections, ``.loc`` / ``.file`` lines and
-    comments."""
+    """The PTX without what names source files and lines: its debug sections, ``.loc`` / ``.file`` lines, the
+    ``$L__tmp`` labels only those sections refer to (numbered by inlined call sites, so a helper called instead of
+    its body written out renumbers them) and comments."""
     text = compiled.asm["ptx"].split(".section\t.debug")[0].split(".section .debug")[0]
     lines = (re.sub(r"\s*//.*$", "", line) for line in text.splitlines())
-    return "\n".join(line for line in lines if not re.match(r"\s*\.(loc|file)\b", line))
+    return "\n".join(line for line in lines if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp\d+:\s*$)", line))
 
 
 def main() -> int:

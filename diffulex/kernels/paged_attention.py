@@ -458,29 +458,11 @@ def _paged_attention_kernel(
             prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
     else:
-        # written out, not `_fold_cached(..., MASK=True)`: through the helpers the decode-sized variants compile
-        # differently (the 64-row class 248 -> 255 registers and a stack spill; `bench/attention_compile_check.py
-        # --against`), and so do the loops below
-        # each tile's cache rows looked up one iteration ahead, as `_fold_cached` does
-        k_pos = cached_lo + offs_n
-        kc_rows, vc_rows = _cache_rows(
-            pt_row, k_pos, k_pos < cache_end, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p,
-            stride_vc_s, stride_vc_h, PAGE_SIZE,
+        m_i, l_i, acc = _fold_cached(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, cached_lo, cache_end, cache_end, kv_head, offs_n,
+            offs_d, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
+            prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
-        for n_start in range(cached_lo, cache_end, BLOCK_N):
-            k_pos = n_start + offs_n
-            k_ok = k_pos < cache_end
-            k_t = tl.load(k_cache_ptr + kc_rows[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            v_t = tl.load(v_cache_ptr + vc_rows[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            ahead = k_pos + BLOCK_N
-            kc_rows, vc_rows = _cache_rows(
-                pt_row, ahead, ahead < cache_end, kv_head, stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p,
-                stride_vc_s, stride_vc_h, PAGE_SIZE,
-            )
-            m_i, l_i, acc = _online_softmax_step(
-                q, k_t.to(q.dtype), v_t.to(q.dtype), k_pos, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc,
-                qk_scale, BLOCK_SIZE, PREFIX_FULL, IEEE, k_floor, WINDOW,
-            )
 
     # ---- the request's own new keys: absolute positions [max(lo, ctx), min(hi, ctx + q_len)) ----
     new_lo = tl.maximum(lo, ctx) - ctx
