@@ -4,6 +4,10 @@ GPU time per kernel class (attention, GEMMs, elementwise, sampling, other) again
 
     PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR [--models sdar-1.7b sdar-8b] [--lengths 2048 8192 32000]
     PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR --quick    # the tiny checkpoint on a CPU: the plumbing
+    PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR --lengths 2048 --max-prefill-graph-tokens 2048
+
+With ``--max-prefill-graph-tokens`` the engine takes prompts up to that many rows into prefill graphs (by default
+a prompt over 512 rows runs its step eagerly, whose launches can outlast its kernels on a small model).
 
 Writes ``OUT_DIR/prefill_anatomy.json`` and prints a table per prompt.
 """
@@ -26,12 +30,17 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--data-dir", default=None, help="SDAR config and tokenizer files (default: tests/data)")
     ap.add_argument("--quick", action="store_true", help="the tiny SDAR checkpoint and short prompts, any device")
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                    help="the engine field (default: its own, 512): the longest prompt prefix a prefill graph takes; "
+                         "longer ones run their step eagerly")
     args = ap.parse_args()
     if not args.quick and not torch.cuda.is_available():
         print("prefill_anatomy: no CUDA device (the GPU geometries need one; --quick runs the tiny checkpoint)",
               file=sys.stderr)
         return 2
-    report = run_anatomy(args.out_dir, args.quick, args.models, args.lengths, args.data_dir)
+    graph_tokens = args.max_prefill_graph_tokens
+    fields = {} if graph_tokens is None else {"max_prefill_graph_tokens": graph_tokens}
+    report = run_anatomy(args.out_dir, args.quick, args.models, args.lengths, args.data_dir, engine_fields=fields)
     print(f"wrote {args.out_dir / 'prefill_anatomy.json'} ({report['seconds']:.0f} s)")
     return 0
 

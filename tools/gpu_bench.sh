@@ -13,19 +13,21 @@
 #             one (the block rides in the tail's forward) (about 2 min)
 #   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind (about 3 min)
 #   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
+#   cold      bench/prefill_anatomy.py: a cold 2,048-token prompt (1.7B, 8B) run eagerly (the default 512-row largest
+#             prefill graph) and replayed in a 2,048-row prefill graph (about 4 min)
 # Usage (GPU machine, repository root): tools/gpu_bench.sh OUT_DIR PART...
 # Carry the server's wheels (.wheels) for `serving`; they are installed first when present. Each part's log is
 # OUT_DIR/<part>.log (its tail printed), its results under OUT_DIR/<part>/; sweep folders are packed into
 # OUT_DIR/<part>.tgz, since a device call brings back only a few files. Exits non-zero if any part failed.
 set -uo pipefail
-usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|batch|phit|canvas|attention..."
+usage="usage: tools/gpu_bench.sh OUT_DIR tests|start|fdv2|prefill|serving|moe|batch|phit|canvas|attention|cold..."
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
 declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380
-  [phit]=240 [canvas]=300 [attention]=200)
+  [phit]=240 [canvas]=300 [attention]=200 [cold]=300)
 
 measure() {
   local part=$1 dir=$out/$1
@@ -51,6 +53,11 @@ measure() {
       PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail250" --tail 250 ;;
     canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" ;;
     attention) PYTHONPATH=. python bench/prefill_attention_bench.py "$dir" ;;
+    cold)
+      for rows in 512 2048; do
+        PYTHONPATH=. python bench/prefill_anatomy.py "$dir/graphs$rows" --lengths 2048 \
+          --max-prefill-graph-tokens "$rows" || return 1
+      done ;;
   esac
 }
 

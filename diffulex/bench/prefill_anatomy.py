@@ -31,7 +31,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,18 +163,18 @@ def profile_first_token(engine: Any, prompt: list[int], max_steps: int) -> tuple
     return measured, profiled_kernels(prof, engine.device)
 
 
-def _engine(path: Path, load_format: str, max_model_len: int) -> Any:
+def _engine(path: Path, load_format: str, max_model_len: int, fields: Mapping[str, Any] | None = None) -> Any:
     from diffulex import Diffulex
     from diffulex.bench.sweep_prefill import BLOCK_SIZE
 
     return Diffulex(str(path), decoding_strategy="multi_bd", block_size=BLOCK_SIZE, buffer_size=1,
                     max_model_len=max_model_len, load_format=load_format, seed=0, max_num_reqs=4,
-                    max_num_batched_tokens=max_model_len, enable_prefix_caching=True)
+                    max_num_batched_tokens=max_model_len, enable_prefix_caching=True, **(fields or {}))
 
 
 def anatomy_of_model(
     model: str, prompt_lens: Sequence[int], workdir: Path, peaks: Any, data_dir: str | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, engine_fields: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Each prompt length of one geometry (random weights): warm-up, the time to first token without the
     profiler, then another prompt's under it, its kernels per class against the class floors."""
@@ -186,7 +186,7 @@ def anatomy_of_model(
     path = write_model(model, workdir / model, data_dir)
     load_format = "safetensors" if any(path.glob("*.safetensors")) else "dummy"
     geometry = ModelGeometry.from_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
-    engine = _engine(path, load_format, max(prompt_lens) + _TAIL_TOKENS + 16 * BLOCK_SIZE)
+    engine = _engine(path, load_format, max(prompt_lens) + _TAIL_TOKENS + 16 * BLOCK_SIZE, engine_fields)
     rows: list[dict[str, Any]] = []
     try:
         device = engine.device
@@ -251,8 +251,11 @@ def format_row(row: dict[str, Any]) -> str:
 
 def run_anatomy(out_dir: Path, quick: bool, models: Sequence[str] | None = None,
                 prompt_lens: Sequence[int] | None = None, data_dir: str | None = None,
-                log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
-    """Every model and prompt length; writes ``out_dir/prefill_anatomy.json`` and returns its content."""
+                log: Callable[[str], None] = print,
+                engine_fields: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every model and prompt length; writes ``out_dir/prefill_anatomy.json`` and returns its content.
+    ``engine_fields``: engine fields over the anatomy's own (``max_prefill_graph_tokens``: which prompts replay
+    prefill graphs rather than run eagerly)."""
     import tempfile
 
     from diffulex.bench.hardware import measure_peaks
@@ -264,10 +267,11 @@ def run_anatomy(out_dir: Path, quick: bool, models: Sequence[str] | None = None,
     t0 = time.perf_counter()
     peaks = measure_peaks(device, [], quick=quick or device.type != "cuda")
     report: dict[str, Any] = {"tool": "prefill_anatomy", "hardware": peaks.to_dict(), "models": models,
-                              "prompt_lens": prompt_lens, "rows": []}  # fmt: skip
+                              "prompt_lens": prompt_lens, "engine_fields": dict(engine_fields or {}),
+                              "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            report["rows"] += anatomy_of_model(model, prompt_lens, Path(tmp), peaks, data_dir, log)
+            report["rows"] += anatomy_of_model(model, prompt_lens, Path(tmp), peaks, data_dir, log, engine_fields)
             release(device)  # the engine's KV cache, before the next one plans its memory
     report["hardware"] = peaks.to_dict()  # with the matmul rates measured on the way
     report["seconds"] = time.perf_counter() - t0

@@ -77,3 +77,13 @@ def test_a_quick_run_profiles_one_cold_step_per_prompt(tmp_path: Path):
         assert r["class_floor_ms"] == pytest.approx(sum(c["floor_ms"] for c in r["classes"].values()))
         assert r["ttft_ms"] > 0 and r["top_kernels"]
     assert rows[1]["classes"]["attention"]["floor_ms"] > 3 * rows[0]["classes"]["attention"]["floor_ms"]
+
+
+def test_engine_fields_reach_the_engine_and_the_report(tmp_path: Path):
+    """``max_prefill_graph_tokens`` (which prompts replay prefill graphs) is the engine's field, validated there."""
+    report = anatomy.run_anatomy(tmp_path, quick=True, prompt_lens=[32], log=lambda _: None,
+                                 engine_fields={"max_prefill_graph_tokens": 64})  # fmt: skip
+    assert report["engine_fields"] == {"max_prefill_graph_tokens": 64} and len(report["rows"]) == 1
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        anatomy.run_anatomy(tmp_path, quick=True, prompt_lens=[32], log=lambda _: None,
+                            engine_fields={"max_prefill_graph_tokens": 2})  # fmt: skip
