@@ -682,17 +682,24 @@ class ModelRunner:
         for row, pages in zip(table, step.page_tables, strict=True):
             row[: len(pages)] = page_array(pages)
 
+        pin = dev.type == "cuda"
+
         def tensor(values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            """On the device through pinned memory, the copy queued on the stream: a copy from pageable memory
+            would hold the host until the device has run everything queued before it (a step still in flight)."""
             if isinstance(values, np.ndarray):  # a step's rows: at memory speed
-                return torch.from_numpy(values).to(device=dev, dtype=dtype)
-            return torch.tensor(values, dtype=dtype, device=dev)
+                host = torch.from_numpy(values).to(dtype)
+                host = host.pin_memory() if pin else host
+            else:
+                host = torch.tensor(values, dtype=dtype, pin_memory=pin)
+            return host.to(dev, non_blocking=True)
 
         tails = step.has_cached_tail
         meta = PagedAttentionMetadata(
             cu_seqlens_q=tensor(step.cu_seqlens_q, torch.int32),
             context_lens=tensor(step.context_lens, torch.int32),
             prefix_lens=tensor(step.prefix_lens, torch.int32),
-            page_tables=torch.from_numpy(table).to(dev),
+            page_tables=tensor(table, torch.int32),
             slot_mapping=tensor(step.slot_mapping, torch.long),
             block_size=s.block_size,
             page_size=s.page_size,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 from diffulex import SamplingParams
 from diffulex.engine.step_inputs import StepInputs
@@ -143,3 +145,24 @@ def test_split_steps_of_the_prefill_graphs_are_staged_as_the_reference_stages_th
         short, mid, long = random_prompts(llm, [9, 50, 300], seed=7)
         serve(llm, [short, mid, long, mid[:40] + short])
     assert check.split_steps > 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_eager_steps_inputs_reach_the_device_without_holding_the_host(peaky_sdar_dir: Path) -> None:
+    """Staged through pinned memory, an eager step's inputs never wait for the device: a copy from pageable memory
+    would hold the host until the device has run everything queued before it (a step still in flight)."""
+    with make_engine(peaky_sdar_dir, enforce_eager=True, **LONG) as llm:
+        assert llm.runner.settings.device.type == "cuda"
+        stage, staged = llm.runner._eager_inputs, []
+
+        def without_syncs(step: StepInputs):
+            torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+            try:
+                staged.append(stage(step))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            return staged[-1]
+
+        llm.runner._eager_inputs = without_syncs
+        serve(llm, random_prompts(llm, [9, 300], seed=5))
+    assert len(staged) > 5
