@@ -6,7 +6,8 @@
 #   fdv2      Fast-dLLM v2 7B at batch 1: bench/step_anatomy.py beside multi_bd, and `bench throughput` (about 3 min)
 #   prefill   `bench sweep --targets prefill`: TTFT, decoders beside a chunked prompt, prefix hits (about 5 min)
 #   serving   `bench sweep --targets serving` and bench/server_step_rate.py (about 5 min)
-#   moe       `bench sweep --targets moe`: MoE geometries against the selected experts' floor (about 4 min)
+#   moe       `bench sweep --targets moe`: MoE geometries against the selected experts' floor, and
+#             bench/moe_routing_bench.py: the routers' selection per rows-per-program (about 5 min)
 #   batch     `bench sweep --targets batch strategies`: large batches and every strategy (about 5 min)
 #   phit      bench/prefix_hit_anatomy.py: a 32k prefix hit's time to first token, phase by phase, with a 256-token
 #             tail (its prefill bucket full: the first block replays a decode graph of its own) and a 250-token
@@ -26,7 +27,7 @@ shift
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
-declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=300 [batch]=380
+declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=330 [batch]=380
   [phit]=240 [canvas]=300 [attention]=200 [cold]=300)
 
 measure() {
@@ -46,7 +47,9 @@ measure() {
     serving)
       python -m diffulex.cli bench sweep --targets serving --out "$dir/sweep" --max-seconds 240 || return 1
       CUDA_VISIBLE_DEVICES= python bench/server_step_rate.py --clients 64 128 --seconds 6 --json "$dir/ssr.json" ;;
-    moe) python -m diffulex.cli bench sweep --targets moe --out "$dir/sweep" --max-seconds 240 ;;
+    moe)
+      PYTHONPATH=. python bench/moe_routing_bench.py --out "$dir/routing.json" || return 1
+      python -m diffulex.cli bench sweep --targets moe --out "$dir/sweep" --max-seconds 240 ;;
     batch) python -m diffulex.cli bench sweep --targets batch strategies --out "$dir/sweep" --total-seconds 330 --max-seconds 170 ;;
     phit)
       PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail256" || return 1

@@ -103,7 +103,19 @@ def _selection(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Te
     return weights, experts
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_per_program(rows_per_program: int | None, experts: int, n_rows: int) -> int:
+    """The rows one program selects for: ``rows_per_program`` where given (`bench/moe_routing_bench.py` times the
+    choices), else as many as fit `_ROWS_PER_PROGRAM_ELEMS` router scores, at most the rows there are."""
+    if rows_per_program is None:
+        return max(1, min(_ROWS_PER_PROGRAM_ELEMS // experts, triton.next_power_of_2(n_rows)))
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program={rows_per_program!r} is invalid: must be a power of two >= 1")
+    return rows_per_program
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, normalize: bool, rows_per_program: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`diffulex.layers.moe.route` in one launch: ``(weights [T, top_k] float32, experts [T, top_k] int64)`` of
     router logits ``[T, E]`` (rows may be strided), the chosen experts in decreasing probability."""
     n_rows, n_experts = logits.shape
@@ -115,7 +127,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block_e = triton.next_power_of_2(n_experts)
-    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // block_e, triton.next_power_of_2(n_rows)))
+    block_r = _rows_per_program(rows_per_program, block_e, n_rows)
     use_pdl = pdl_enabled(logits.device, n_rows)
     _softmax_topk_kernel[(triton.cdiv(n_rows, block_r),)](
         logits,
@@ -206,6 +218,7 @@ def group_limited_topk(
     top_k: int,
     scaling: float,
     weight_sum_floor: float,
+    rows_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`diffulex.layers.moe.GroupLimitedRouter`'s selection after its projection, in one launch: ``(weights [T,
     top_k] float32, experts [T, top_k] int64)`` of router logits ``[T, E]`` (float32; the sigmoid is taken here).
@@ -219,7 +232,7 @@ def group_limited_topk(
         return weights, experts
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block_r = max(1, min(_ROWS_PER_PROGRAM_ELEMS // n_experts, triton.next_power_of_2(n_rows)))
+    block_r = _rows_per_program(rows_per_program, n_experts, n_rows)
     use_pdl = pdl_enabled(logits.device, n_rows)
     _group_limited_topk_kernel[(triton.cdiv(n_rows, block_r),)](
         logits,

@@ -88,3 +88,22 @@ def test_the_experts_of_a_closed_group_are_never_chosen():
     logits[0, 4:] = torch.tensor([3.0, -3.0, -3.5, -3.9])  # group 1: the single best expert
     _, experts = group_limited_topk(logits.to(DEVICE), None, 2, 1, 3, 1.0, 1e-20)
     assert experts.cpu().tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 2, 16])
+def test_the_choice_is_the_same_whatever_rows_each_program_takes(rows_per_program):
+    """The rows a program selects for only change the launch's shape (`bench/moe_routing_bench.py` times them)."""
+    from diffulex.kernels.moe_routing import group_limited_topk
+
+    logits = _logits(9, 256, torch.float32, 5).to(DEVICE)
+    for got, want in (
+        (softmax_topk(logits, 8, True, rows_per_program), softmax_topk(logits, 8, True)),
+        (group_limited_topk(logits, None, 8, 4, 8, 2.5, 1e-20, rows_per_program),
+         group_limited_topk(logits, None, 8, 4, 8, 2.5, 1e-20)),
+    ):  # fmt: skip
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_rows_per_program_other_than_a_power_of_two_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"rows_per_program=3 is invalid: must be a power of two >= 1"):
+        softmax_topk(torch.zeros(2, 8, device=DEVICE), 2, normalize=True, rows_per_program=3)
