@@ -9,7 +9,8 @@ over every expert, after LLaDA2's ``topk_group`` rounds over the groups), so the
 launch's parallelism against each round's width. LLaDA2-mini at batch 1 (32 rows) showed 8 us a selection in a
 step's profile (`bench/step_anatomy.py`), wait for the router GEMM included.
 
-Each call is timed inside a CUDA graph of 20 back-to-back calls (no launch overhead), for SDAR-30B-A3B's softmax
+Each call is timed inside a CUDA graph of 20 back-to-back calls (no launch overhead; the best of 5 replays,
+`diffulex.bench.hardware.time_graph_calls`), for SDAR-30B-A3B's softmax
 router (128 experts, top 8, renormalized) and LLaDA2-mini's group-limited one (256 experts in 8 groups, 4 open, top
 8, with the expert bias), float32 router scores, at each row count: one column per forced rows-per-program
 (``rpN``) and the kernel's own choice (``auto``, the rows-per-program it takes in brackets). Every forced choice's
@@ -25,10 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kernel_check import time_ms  # noqa: E402
-
-from diffulex.kernels import moe_routing  # noqa: E402
+from diffulex.bench.hardware import time_graph_calls
+from diffulex.kernels import moe_routing
 
 CALLS = 20
 # (name, experts, top_k, groups, open groups): the routers of the MoE geometries (docs/models.md)
@@ -36,26 +35,14 @@ ROUTERS = (("sdar-30b-a3b softmax", 128, 8, None, None), ("llada2-mini group-lim
 
 
 def selection(router: tuple, logits: torch.Tensor, bias: torch.Tensor, rows_per_program: int | None):
-    """The router's selection call over ``logits`` with the given rows per program (None: the kernel's choice)."""
+    """The router's selection over ``logits`` with the given rows per program (None: the kernel's choice), as a
+    call `time_graph_calls` can repeat (its call index unused)."""
     _, _, top_k, groups, open_groups = router
     if groups is None:
-        return lambda: moe_routing.softmax_topk(logits, top_k, True, rows_per_program)
-    return lambda: moe_routing.group_limited_topk(
+        return lambda _call=0: moe_routing.softmax_topk(logits, top_k, True, rows_per_program)
+    return lambda _call=0: moe_routing.group_limited_topk(
         logits, bias, groups, open_groups, top_k, 2.5, 1e-20, rows_per_program
     )
-
-
-def per_call_us(call) -> float:
-    def calls() -> None:
-        for _ in range(CALLS):
-            call()
-
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return 1e3 * time_ms(graph.replay, 3, 20) / CALLS
 
 
 def main() -> int:
@@ -78,12 +65,11 @@ def main() -> int:
             auto = moe_routing._rows_per_program(None, experts, rows)
             _, want = selection(router, logits, bias, None)()
             row = {"router": name, "rows": rows, "auto_rows_per_program": auto}
-            for rpp in args.rows_per_program:
-                _, got = selection(router, logits, bias, rpp)()
-                if not torch.equal(got, want):
+            for rpp in [*args.rows_per_program, None]:
+                call = selection(router, logits, bias, rpp)
+                if not torch.equal(call()[1], want):
                     raise SystemExit(f"{name}, {rows} rows: {rpp} rows a program chose other experts")
-                row[f"rp{rpp}"] = round(per_call_us(selection(router, logits, bias, rpp)), 2)
-            row["auto"] = round(per_call_us(selection(router, logits, bias, None)), 2)
+                row["auto" if rpp is None else f"rp{rpp}"] = round(time_graph_calls(call, CALLS), 2)
             results.append(row)
             print(row, flush=True)
     if args.out:
