@@ -28,7 +28,10 @@ import triton.language as tl
 from diffulex.kernels.parallel_compile import in_dry_pass
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
-_ROWS_PER_PROGRAM_ELEMS = 2048  # a program's rows x experts
+# a program's rows x experts: 4 rows of a 128-expert router, 2 of a 256-expert one. Fewer rows a program shorten
+# each program's serial top-k rounds; one row a program was slower again (`bench/moe_routing_bench.py`, H100:
+# docs/benchmarks.md "MoE routers' selection")
+_ROWS_PER_PROGRAM_ELEMS = 512
 
 
 @triton.jit

@@ -92,7 +92,9 @@ def test_the_experts_of_a_closed_group_are_never_chosen():
 
 @pytest.mark.parametrize("rows_per_program", [1, 2, 16])
 def test_the_choice_is_the_same_whatever_rows_each_program_takes(rows_per_program):
-    """The rows a program selects for only change the launch's shape (`bench/moe_routing_bench.py` times them)."""
+    """The rows a program selects for change the launch's shape (`bench/moe_routing_bench.py` times them), never
+    the experts chosen; the weights only by the rounding of a softmax summed in another order (a one-row program
+    reduces its scores in another layout on a GPU)."""
     from diffulex.kernels.moe_routing import group_limited_topk
 
     logits = _logits(9, 256, torch.float32, 5).to(DEVICE)
@@ -101,7 +103,8 @@ def test_the_choice_is_the_same_whatever_rows_each_program_takes(rows_per_progra
         (group_limited_topk(logits, None, 8, 4, 8, 2.5, 1e-20, rows_per_program),
          group_limited_topk(logits, None, 8, 4, 8, 2.5, 1e-20)),
     ):  # fmt: skip
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
 
 
 def test_rows_per_program_other_than_a_power_of_two_is_refused_by_name():
