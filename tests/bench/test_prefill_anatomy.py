@@ -87,3 +87,21 @@ def test_engine_fields_reach_the_engine_and_the_report(tmp_path: Path):
     with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
         anatomy.run_anatomy(tmp_path, quick=True, prompt_lens=[32], log=lambda _: None,
                             engine_fields={"max_prefill_graph_tokens": 2})  # fmt: skip
+
+
+
+def test_the_profile_holds_the_steps_before_the_first_token_and_not_the_next(tmp_path: Path):
+    """The engine launches the next step before `step` returns the token; the profile stops before that launch, so
+    a prompt whose first step gives the token shows one forward: one embedding lookup (``index_select``)."""
+    from diffulex.bench.sweep_models import write_model
+    from diffulex.bench.sweep_prefill import _prompt
+
+    engine = anatomy._engine(write_model("tiny-sdar", tmp_path / "tiny"), "safetensors", 256)
+    try:
+        measured, kernels = anatomy.profile_first_token(engine, _prompt(engine, 32, 1), max_steps=64)
+        assert measured["steps"] == 1
+        assert sum(k.name == "aten::index_select" for k in kernels) == 1
+        assert "_launch" not in vars(engine)  # the engine's own method again
+        engine.generate([_prompt(engine, 32, 2)])  # and it still serves
+    finally:
+        engine.exit()
