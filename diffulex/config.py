@@ -322,9 +322,10 @@ class Config:
     torch_compile_mode: str = _field("reduce-overhead", "Mode passed to torch.compile.", TORCH_COMPILE_MODES)
     enable_vllm_layers: bool = _field(True, "Use vLLM-backed common layers when vLLM is installed.")
     max_prefill_graph_tokens: int = _field(
-        512,
+        2048,
         "Most store-only prompt rows of one request that a step computes in a captured prefill graph before its "
-        "decode graph (block-causal strategies); longer ones run the step eagerly. 0 = off; else >= block_size + 1.",
+        "decode graph, or with its first block when it is alone (block-causal strategies); longer ones run the "
+        "step eagerly. 0 = off; else >= block_size + 1.",
     )
     enable_prefill_cudagraph: bool = _field(False, "Capture CUDA graphs for prefill steps too.")
     prefill_cudagraph_max_len: int = _field(0, "Longest prefill captured in a CUDA graph (>= 0).")

@@ -514,7 +514,7 @@ def test_a_prefill_chunk_cost_budget_sizes_chunked_prompts_only(tmp_path):
 
 
 def test_prefill_graphs_hold_one_prompt_block_and_a_row_or_are_off(tmp_path):
-    assert make(tmp_path, block_size=4).max_prefill_graph_tokens == 512
+    assert make(tmp_path, block_size=4).max_prefill_graph_tokens == 2048
     assert make(tmp_path, block_size=4, max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
     assert make(tmp_path, block_size=4, max_prefill_graph_tokens=5).max_prefill_graph_tokens == 5
     with pytest.raises(ValueError, match=r"^max_prefill_graph_tokens=4 is invalid: must be 0 \(no prefill graphs\) or "

@@ -112,7 +112,7 @@ class DiffulexEngine:
         if self.workers is not None:
             self.workers.send(StepMessage(MessageKind.STATIC_DECODE, capture=capture))
         self.policy.enable_static_decode(self.runner, self.config, capture)
-        self.scheduler.limits.prefill_chunk_rows = self.policy.prefill_graph_rows  # chunks beside decoders fit them
+        self.scheduler.limits.prefill_chunk_rows = self.policy.graph_path_chunk_rows  # chunks beside decoders fit them
 
     # ----- requests -----------------------------------------------------------------------------------------
 

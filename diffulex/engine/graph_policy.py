@@ -12,7 +12,7 @@ import torch
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
 from diffulex.engine.model_runner import ModelRunner
-from diffulex.engine.prefill_graphs import CHUNK_GRAPH_ROWS, contexts_may_straggle
+from diffulex.engine.prefill_graphs import CHUNK_BESIDE_DECODERS_ROWS, CHUNK_GRAPH_ROWS, contexts_may_straggle
 from diffulex.strategy.strategy import StepRunner
 
 logger = logging.getLogger("diffulex")
@@ -80,9 +80,15 @@ class GraphPolicy:
 
     @property
     def prefill_chunk_rows(self) -> int:
-        """The most prompt rows a chunked prefill may put in a step beside decoding requests: the largest prefill
-        graph's, so that the step replays graphs (`SchedulerLimits.prefill_chunk_rows`); 0: no such cap."""
-        return self.prefill_graph_rows if self.cuda_graphs else 0
+        """`graph_path_chunk_rows` where steps replay captured graphs; 0: no such cap."""
+        return self.graph_path_chunk_rows if self.cuda_graphs else 0
+
+    @property
+    def graph_path_chunk_rows(self) -> int:
+        """The most prompt rows a chunked prefill may put in a step beside decoding requests on the graph path:
+        within the largest prefill graph's, so that the step replays graphs, and `CHUNK_BESIDE_DECODERS_ROWS`, so
+        that the decoders wait for no longer chunk (`SchedulerLimits.prefill_chunk_rows`)."""
+        return min(self.prefill_graph_rows, CHUNK_BESIDE_DECODERS_ROWS)
 
     def maybe_compile(self, runner: ModelRunner, config: Config) -> None:
         """``enable_torch_compile`` with ``enable_cudagraph_torch_compile``: compile the forward the graphs capture."""

@@ -102,8 +102,10 @@ def gpu_kv_budget(
         if policy.straggler_graphs:  # and the straggler graphs', the decode graphs' shape in a pool of their own
             rows += policy.max_rows_per_request
         graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
-        # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it
-        pool_tokens = max(graph_tokens, policy.prefill_graph_rows)
+        # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it (the
+        # largest prefill bucket: a prompt's rows and a running set's, `diffulex.engine.prefill_graphs`)
+        prefill_tokens = policy.prefill_graph_rows + policy.max_rows_per_request if policy.prefill_graph_rows else 0
+        pool_tokens = max(graph_tokens, prefill_tokens)
         graphs = int(activations * min(1.0, pool_tokens / num_tokens))
         embedding = runner.token_embedding()  # the logits are the whole vocabulary's, also on a sharded rank
         graphs += graph_tokens * getattr(embedding, "vocab_size", embedding.num_embeddings) * dtype.itemsize

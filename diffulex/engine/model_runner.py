@@ -194,7 +194,8 @@ class ModelRunner:
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
         with fewer rows than in the full set (and continues as the full set does); ``max_prefill_rows``
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
-        rows per request before the rest of the step replays the decode graphs (`diffulex.engine.prefill_graphs`);
+        rows per request before the rest of the step replays the decode graphs, or a lone request's whole step (up
+        to ``max_query_len`` rows more) (`diffulex.engine.prefill_graphs`);
         ``max_chunk_rows`` (0: none) adds the chunk graphs, whose requests have up to that many rows: a step with a
         prompt whose rows fit them (beside prefill graphs: where its rows could have been split off) replays them
         instead; ``straggler_graphs`` adds graphs of the decode shape whose attention splits long contexts, which a
@@ -238,8 +239,8 @@ class ModelRunner:
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
             self.prefill_graphs = PrefillGraphs(
-                min(max_prefill_rows, max_model_len), shape.max_pages, max_model_len, s.block_size, s.page_size,
-                self.graph_forward, s.device, capture,
+                min(max_prefill_rows, max_model_len), max_query_len, shape.max_pages, max_model_len, s.block_size,
+                s.page_size, self.graph_forward, s.device, capture,
             )  # fmt: skip
         # soft inputs ride only in the decode graphs, and a sampler that reads the step's inputs reads theirs
         plain_inputs = s.token_merge is None and not getattr(self.sampler, "greedy_reads_inputs", False)
@@ -356,10 +357,11 @@ class ModelRunner:
         from it and sampled after the replay.
         Split, the rows sampled from would replay a decode graph of their own, which reads every weight and the
         whole context again for a block's rows (a prefix-cache hit's first block after 32,000 cached positions:
-        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). A prefix that fills its bucket takes the next one,
-        twice as wide: its padded rows cost the matmuls less than that second forward costs (and attention nothing:
-        no query tile holds only padded rows). Not where a key ends past the step's rows, which the prefill graphs do
-        not stage."""
+        3.4 of the 14.7 ms its step took on an H100 at SDAR-1.7B). Each bucket holds a power of two of prompt rows
+        and a running set's (`diffulex.engine.prefill_graphs.prefill_buckets`), so a prompt of a power of two fits
+        its own; one past it takes the next bucket, twice as wide: its padded rows cost the matmuls less than that
+        second forward costs (and attention nothing: no query tile holds only padded rows). Not where a key ends past
+        the step's rows, which the prefill graphs do not stage."""
         rows = self.prefill_graphs.bucket_for(whole) if not whole.has_cached_tail else None
         return None if rows is None else _StepPlan([(whole, rows)], whole, None, None)
 

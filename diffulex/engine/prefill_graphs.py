@@ -7,8 +7,9 @@ K/V do not depend on the rows after them (`Request.store_only_end` says where th
 them in a forward of their own, before the rest of the step, and the rest (the decoders, and that request's
 running set, which then reads the prefix from the cache) replays the decode graphs as any decode step does.
 
-Each bucket is a one-request `DecodeGraphs` of that many rows (``16, 32, 64, ...`` up to the largest, the
-``max_prefill_graph_tokens`` setting): a prefix of ``n`` rows replays the smallest bucket of at least ``n`` rows,
+Each bucket is a one-request `DecodeGraphs` of a power of two of prompt rows (``16, 32, 64, ...`` up to the largest,
+the ``max_prefill_graph_tokens`` setting) and the rows one request adds to a decode step (its running set): a prefix
+of ``n`` rows replays the smallest bucket of at least ``n`` rows,
 padded as a decode bucket is (padded rows store nothing). Its forward reads no row (nothing is sampled), so the
 last layer skips what only the LM head would read. Several prefixes in one step replay one after another on the
 same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
@@ -16,7 +17,10 @@ the step's decode graph; the graphs share the decode graphs' memory pool, since 
 
 A request alone needs no second forward for the few rows it samples from: the smallest bucket that holds its whole
 step replays over it and those rows are read from it (`ModelRunner._lone_prompt_plan`); a second forward would read
-every weight and the whole context again for them.
+every weight and the whole context again for them. The running set's rows on top of each power of two are for this:
+a prompt of ``2^k`` tokens and its first block replay one bucket (measured on an H100, a 2,048-token prompt with
+buckets of powers of two replayed 2,048 rows and then a decode graph for its block's 4: at SDAR-8B 54 ms against 50
+for the whole step eagerly).
 
 A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
@@ -27,8 +31,11 @@ which one context stands out.
 
 A prefix longer than the largest bucket runs eagerly with the rest of its step: at that size the forward is
 bound by its matmuls, not by the launches a graph saves, and a lone long prompt keeps the larger matmuls of one
-forward. With ``enable_chunked_prefill`` the scheduler keeps the chunks of a prompt beside decoding requests within
-the largest bucket (`diffulex.engine.scheduler.SchedulerLimits.prefill_chunk_rows`), so those steps replay.
+forward. Below it the launches can bound an eager forward: a 2,048-token prompt at SDAR-1.7B took 17-38 ms eagerly on
+an H100 (its host's launches; 13.7 ms of kernels) and 14.6 ms replayed, hence the default largest bucket of 2,048
+prompt rows. The scheduler keeps the chunks of a prompt beside decoding requests within `CHUNK_BESIDE_DECODERS_ROWS`
+and the largest bucket (`diffulex.engine.scheduler.SchedulerLimits.prefill_chunk_rows`), so those steps replay
+and the decoders wait for no more than that.
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ CHUNK_MIN_SPLIT_KEYS = 1024
 # contexts fill the grid evenly and stay on the decode graphs.
 CHUNK_CONTEXT_MIN_KEYS = 2 * CHUNK_MIN_SPLIT_KEYS
 CHUNK_CONTEXT_IMBALANCE = 4
+# The most prompt rows a step computes beside decoding requests, whatever the largest prefill bucket: each such step
+# makes the decoders wait for the chunk's forward (512, the largest bucket before lone prompts took larger ones; a
+# cost budget, `max_prefill_chunk_cost`, bounds the wait more tightly).
+CHUNK_BESIDE_DECODERS_ROWS = 512
 
 
 def contexts_may_straggle(max_model_len: int) -> bool:
@@ -109,18 +120,20 @@ def straggler_graph_shape(decode: GraphShape) -> GraphShape:
     return dataclasses.replace(decode, num_splits=CHUNK_SPLITS, min_split_keys=CHUNK_MIN_SPLIT_KEYS)
 
 
-def prefill_buckets(max_rows: int) -> list[int]:
-    """``16, 32, 64, ...`` below ``max_rows``, then ``max_rows`` itself (the only bucket when it is below 16)."""
-    buckets = []
+def prefill_buckets(max_rows: int, running_rows: int = 0) -> list[int]:
+    """``16, 32, 64, ...`` below ``max_rows``, then ``max_rows`` itself (the only one when it is below 16), each
+    plus ``running_rows`` (a request's running set: a lone prompt of that many tokens and its first block fit)."""
+    prompt_rows = []
     rows = MIN_PREFILL_BUCKET_ROWS
     while rows < max_rows:
-        buckets.append(rows)
+        prompt_rows.append(rows)
         rows *= 2
-    return buckets + [max_rows]
+    return [rows + running_rows for rows in [*prompt_rows, max_rows]]
 
 
 class PrefillGraphs:
-    """One single-request graph set per row bucket, for the store-only prefix of one request at a time.
+    """One single-request graph set per row bucket, for the store-only prefix of one request at a time, or a lone
+    request's whole step (`prefill_buckets`: ``max_rows`` prompt rows and ``running_rows`` more at most).
 
     With ``capture=False`` (no CUDA) the padded buffers run through the eager forward, as `DecodeGraphs` does.
     """
@@ -128,6 +141,7 @@ class PrefillGraphs:
     def __init__(
         self,
         max_rows: int,
+        running_rows: int,
         max_pages: int,
         max_kv_len: int,
         block_size: int,
@@ -138,9 +152,8 @@ class PrefillGraphs:
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"prefill graphs need at least one row, got max_rows={max_rows}")
-        self.max_rows = max_rows
         self.max_pages = max_pages
-        self.buckets = prefill_buckets(max_rows)
+        self.buckets = prefill_buckets(max_rows, running_rows)
         self.graphs = {
             rows: DecodeGraphs(
                 GraphShape(

@@ -24,7 +24,7 @@ def prefill_graph_rows(model_dir: Path, **fields) -> int:
 
 def test_block_causal_prompts_get_prefill_graphs_up_to_the_setting_and_the_model_length(peaky_sdar_dir: Path):
     assert prefill_graph_rows(peaky_sdar_dir, max_prefill_graph_tokens=64) == 64
-    assert prefill_graph_rows(peaky_sdar_dir) == 160, "512 rows by default, but no prompt is longer"
+    assert prefill_graph_rows(peaky_sdar_dir) == 160, "2,048 rows by default, but no prompt is longer"
     assert prefill_graph_rows(peaky_sdar_dir, max_prefill_graph_tokens=0) == 0
 
 
@@ -38,6 +38,16 @@ def test_chunks_beside_decoders_are_bounded_only_where_steps_replay_graphs(peaky
                          logits_shift=False, prefill_graph_rows=64)  # fmt: skip
     assert policy.prefill_chunk_rows == 64
     assert dataclasses.replace(policy, cuda_graphs=False).prefill_chunk_rows == 0
+
+
+def test_chunks_beside_decoders_stay_short_whatever_the_largest_prefill_graph():
+    """A lone prompt may replay a 2,048-row prefill graph; decoders wait for at most a 512-row chunk."""
+    from diffulex.engine.prefill_graphs import CHUNK_BESIDE_DECODERS_ROWS
+
+    policy = GraphPolicy(cuda_graphs=True, continues=False, staging_buffers=1, max_rows_per_request=5,
+                         logits_shift=False, prefill_graph_rows=2048)  # fmt: skip
+    assert policy.prefill_chunk_rows == CHUNK_BESIDE_DECODERS_ROWS == 512
+    assert dataclasses.replace(policy, cuda_graphs=False).graph_path_chunk_rows == 512
 
 
 def test_chunk_graphs_hold_a_prompt_chunk_beside_prefill_graphs_and_straggler_graphs_come_where_a_context_may_stand_out(

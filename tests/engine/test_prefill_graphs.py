@@ -125,6 +125,12 @@ def test_prefill_buckets_double_from_sixteen_up_to_the_largest() -> None:
     assert prefill_buckets(9) == [9]
 
 
+def test_each_prefill_bucket_also_holds_a_running_set() -> None:
+    """A lone prompt of a power of two of tokens and its first block replay one bucket."""
+    assert prefill_buckets(2048, 4) == [20, 36, 68, 132, 260, 516, 1028, 2052]
+    assert prefill_buckets(100, 9) == [25, 41, 73, 109]
+
+
 
 @pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
 def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_eager_tokens(
@@ -401,14 +407,17 @@ def test_a_lone_prompt_and_its_first_block_run_in_one_prefill_graph_forward(
     peaky_sdar_dir: Path, shifted: bool
 ) -> None:
     """A request alone: its store-only prompt rows and the block it samples from replay one prefill bucket together
-    (one forward, the block's rows sampled after it), the smallest that holds both: a prompt that fills a bucket
-    exactly takes the next one. Only a step that no bucket holds splits (the largest bucket's prompt: its block
+    (one forward, the block's rows sampled after it), the smallest that holds both: each bucket holds a power of two
+    of prompt rows and a running set's (4 rows, 5 for a shifted family), so a prompt of 32 or 64 tokens fits its
+    own. Only a step that no bucket holds splits (a prompt longer than the largest bucket's prompt rows: its block
     replays a decode graph). The tokens are the eager engine's."""
     fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=4, max_prefill_graph_tokens=64)
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    for length, rows, bucket in ((21, 24, 32), (32, 36, 64), (64, 64, 64)):
+    running = 5 if shifted else 4
+    for length, rows, bucket in ((21, 24, 32 + running), (32, 36, 32 + running), (64, 68, 64 + running),
+                                 (68, 68, 64 + running)):  # fmt: skip
         with make_engine(peaky_sdar_dir, **fields) as eager:
             prompts = random_prompts(eager, [length], seed=length)
             expected = eager.generate(prompts, params, use_tqdm=False)
@@ -420,7 +429,7 @@ def test_a_lone_prompt_and_its_first_block_run_in_one_prefill_graph_forward(
         (kind, first, first_bucket), (next_kind, _, _) = replays.events[:2]
         assert (kind, first_bucket) == ("prefill", bucket), f"a {length}-token prompt's first forward and its bucket"
         assert first.num_tokens == rows
-        assert bool(first.sample_rows) == (length < 64), f"a {length}-token prompt's block sampled in that forward"
+        assert bool(first.sample_rows) == (length < 68), f"a {length}-token prompt's block sampled in that forward"
         assert next_kind == "decode"
         unsampled = sum(1 for _, step, _ in replays.events if not step.sample_rows)
-        assert unsampled == (length == 64), "a forward without rows to sample only where the step split"
+        assert unsampled == (length == 68), "a forward without rows to sample only where the step split"

@@ -190,10 +190,10 @@ def test_prompts_arriving_while_others_decode_replay_prefill_graphs_on_the_worke
 
 def test_a_lone_prompt_sampled_in_its_prefill_replay_follows_on_the_worker(dense_dir: Path) -> None:
     """A request alone: the smallest prefill bucket that holds its prompt and first block replays over the whole
-    step and the block's rows are sampled after it (`ModelRunner._lone_prompt_plan`; a 32-token prompt fills the
-    bucket of 32 and takes the next); the worker replays the same bucket and joins the LM head's gather (else the
-    step would time out), with TP=1's tokens. (The chunk graphs, which take a prompt this short whole, are put
-    aside.)"""
+    step and the block's rows are sampled after it (`ModelRunner._lone_prompt_plan`; a bucket holds 32 prompt rows and
+    a block's 4, so the 21- and the 32-token prompt take the same one); the worker replays the same bucket and joins
+    the LM head's gather (else the step would time out), with TP=1's tokens. (The chunk graphs, which take a prompt
+    this short whole, are put aside.)"""
     results = {}
     for size in (1, 2):
         with make_engine(dense_dir, "sdar", size, buffer_size=1) as llm:
@@ -212,7 +212,7 @@ def test_a_lone_prompt_sampled_in_its_prefill_replay_follows_on_the_worker(dense
                 prompts = random_prompts(llm, [length], seed=length)
                 tokens += [t.token_ids for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
             results[size] = (tokens, sampled_in_prefill, llm.runner.eager_steps)
-    assert results[1][1] == [(True, 32), (True, 64)], "each prompt and its block in one prefill replay"
+    assert results[1][1] == [(True, 36), (True, 36)], "each prompt and its block in one prefill replay"
     assert results[1][2] == 0
     assert results[2] == results[1]
 
