@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from diffulex import Diffulex, SamplingParams
-from diffulex.bench.gpu_profile import KernelInterval, summarize_activity
+from diffulex.bench.gpu_profile import KernelInterval, profile_until_the_next_step, summarize_activity
 from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import cost_model_from_module, step_floors
 from diffulex.bench.sweep_prefill import BLOCK_SIZE, _context_before
@@ -238,11 +238,12 @@ def _until_first_token(
 
 def kernel_times(engine: Any, prompt: list[int], max_steps: int, top: int) -> dict[str, Any]:
     """GPU kernel time of one hit's span by category (`diffulex.bench.gpu_profile`) and its longest kernels: what
-    the device spends the time to first token on (the span includes the launch of the step after the first)."""
+    the device spends the time to first token on (only the steps before the token: the profile stops before the
+    engine launches the next, `profile_until_the_next_step`)."""
     from torch.profiler import ProfilerActivity, profile
 
     profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    result = timed_hit(engine, prompt, None, max_steps, around=profiler)
+    result = timed_hit(engine, prompt, None, max_steps, around=profile_until_the_next_step(engine, profiler))
     kernels = [KernelInterval(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     by_name: dict[str, list[float]] = defaultdict(list)

@@ -10,10 +10,12 @@ from the host is waiting, not computing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -146,3 +148,45 @@ def profile_steps(
     summary["wall_ms_per_step_unprofiled"] = 1e3 * plain_wall_s / steps
     summary["gpu_idle_share_unprofiled"] = max(0.0, 1.0 - busy_ms * steps / (1e3 * plain_wall_s))
     return summary
+
+
+def _has_an_answer_token(engine: Any) -> bool:
+    """Whether a running request holds a decoded token past its prompt."""
+    mask = engine.mask_token_id
+    answers = (req.token_ids[req.prompt_len : req.decode_limit] for req in engine.scheduler.running)
+    return any(any(token != mask for token in answer) for answer in answers)
+
+
+@contextlib.contextmanager
+def profile_until_the_next_step(engine: Any, profiler: Any) -> Iterator[Callable[[], None]]:
+    """Run ``profiler`` (a ``torch.profiler.profile``, started here) over the steps of a request alone in ``engine``
+    up to its first token, and no further; yields the function that stops it (also called on leaving).
+
+    The engine applies a step's result and launches the next step before `Engine.step` returns the token, so a
+    profile stopped once the token is on the host would also hold the next step's first kernels (a decode step's,
+    whose programmatic-dependent-launch waits count as their time). It stops when the engine is about to launch a
+    step after the request holds an answer token, once the device has finished the steps before: that one
+    synchronization is all it adds to the profiled span."""
+    stopped = []
+
+    def stop() -> None:
+        if not stopped:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            profiler.stop()
+            stopped.append(True)
+
+    launch = engine._launch
+
+    def launch_after_the_token() -> Any:
+        if _has_an_answer_token(engine):
+            stop()
+        return launch()
+
+    engine._launch = launch_after_the_token
+    profiler.start()
+    try:
+        yield stop
+    finally:
+        stop()
+        del engine._launch  # the instance attribute: the method again

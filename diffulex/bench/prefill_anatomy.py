@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 
-from diffulex.bench.gpu_profile import category, longest_kernels, union_length
+from diffulex.bench.gpu_profile import category, longest_kernels, profile_until_the_next_step, union_length
 from diffulex.bench.roofline import CostModel, ModelGeometry, StepWork
-from diffulex.bench.sweep_common import sync
 
 CLASSES = ("attention", "gemm", "elementwise", "sampling", "other")
 MODELS = ("sdar-1.7b", "sdar-8b")
@@ -138,21 +137,9 @@ def top_kernels(kernels: Sequence[KernelTime], count: int = TOP_KERNELS) -> list
     return [{"name": n, "class": kernel_class(n), "calls": calls, "ms": 1e3 * s} for n, calls, s in longest]
 
 
-def _has_an_answer_token(engine: Any) -> bool:
-    """Whether a running request holds a decoded token past its prompt (the profiled prompt is alone)."""
-    mask = engine.mask_token_id
-    answers = (req.token_ids[req.prompt_len : req.decode_limit] for req in engine.scheduler.running)
-    return any(any(token != mask for token in answer) for answer in answers)
-
-
 def profile_first_token(engine: Any, prompt: list[int], max_steps: int) -> tuple[dict[str, Any], list[KernelTime]]:
-    """One cold prompt's time to first token under the profiler, with only the kernels of the steps before it.
-
-    The engine applies a step's result and launches the next step before `Engine.step` returns the token, so a
-    profile stopped once the token is on the host would also hold the next step's first kernels (a decode step's,
-    whose programmatic-dependent-launch waits count as their time). It stops instead when the engine is about to
-    launch that step, after the device has finished the token's; that one synchronization is all it adds to the
-    profiled time to first token."""
+    """One cold prompt's time to first token under the profiler, with only the kernels of the steps before it
+    (`diffulex.bench.gpu_profile.profile_until_the_next_step`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from diffulex.bench.sweep_prefill import BLOCK_SIZE, time_to_first_token
@@ -161,27 +148,8 @@ def profile_first_token(engine: Any, prompt: list[int], max_steps: int) -> tuple
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    stopped = []
-    launch = engine._launch
-
-    def stop() -> None:
-        if not stopped:
-            sync(engine.device)
-            prof.stop()
-            stopped.append(True)
-
-    def launch_after_the_token() -> Any:
-        if _has_an_answer_token(engine):
-            stop()
-        return launch()
-
-    engine._launch = launch_after_the_token
-    prof.start()
-    try:
+    with profile_until_the_next_step(engine, prof) as stop:
         measured = time_to_first_token(engine, prompt, BLOCK_SIZE, max_steps, on_first_token=stop)
-    finally:
-        stop()
-        del engine._launch  # the instance attribute: the method again
     return measured, profiled_kernels(prof, engine.device)
 
 
