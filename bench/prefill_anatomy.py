@@ -4,10 +4,10 @@ GPU time per kernel class (attention, GEMMs, elementwise, sampling, other) again
 
     PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR [--models sdar-1.7b sdar-8b] [--lengths 2048 8192 32000]
     PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR --quick    # the tiny checkpoint on a CPU: the plumbing
-    PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR --lengths 2048 --max-prefill-graph-tokens 2048
+    PYTHONPATH=. python bench/prefill_anatomy.py OUT_DIR --lengths 2048 --max-prefill-graph-tokens 512
 
 With ``--max-prefill-graph-tokens`` the engine takes prompts up to that many rows into prefill graphs (by default
-a prompt over 512 rows runs its step eagerly, whose launches can outlast its kernels on a small model).
+2,048); a longer prompt runs its step eagerly, whose launches can outlast its kernels on a small model.
 
 Writes ``OUT_DIR/prefill_anatomy.json`` and prints a table per prompt.
 """
@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--data-dir", default=None, help="SDAR config and tokenizer files (default: tests/data)")
     ap.add_argument("--quick", action="store_true", help="the tiny SDAR checkpoint and short prompts, any device")
     ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
-                    help="the engine field (default: its own, 512): the longest prompt prefix a prefill graph takes; "
+                    help="the engine field (default: its own, 2048): the longest prompt prefix a prefill graph takes; "
                          "longer ones run their step eagerly")
     args = ap.parse_args()
     if not args.quick and not torch.cuda.is_available():

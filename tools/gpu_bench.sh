@@ -14,8 +14,8 @@
 #             one (the block rides in the tail's forward) (about 2 min)
 #   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind (about 3 min)
 #   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
-#   cold      bench/prefill_anatomy.py: a cold 2,048-token prompt (1.7B, 8B) run eagerly (the default 512-row largest
-#             prefill graph) and replayed in a 2,048-row prefill graph (about 4 min)
+#   cold      bench/prefill_anatomy.py: a cold 2,048-token prompt (1.7B, 8B) run eagerly (prefill graphs up to 512
+#             rows) and replayed in one prefill graph (up to 2,048, the default) (about 4 min)
 # Usage (GPU machine, repository root): tools/gpu_bench.sh OUT_DIR PART...
 # Carry the server's wheels (.wheels) for `serving`; they are installed first when present. Each part's log is
 # OUT_DIR/<part>.log (its tail printed), its results under OUT_DIR/<part>/; sweep folders are packed into
