@@ -9,11 +9,12 @@ running set, which then reads the prefix from the cache) replays the decode grap
 
 Each bucket is a one-request `DecodeGraphs` of a power of two of prompt rows (``16, 32, 64, ...`` up to the largest,
 the ``max_prefill_graph_tokens`` setting) and the rows one request adds to a decode step (its running set): a prefix
-of ``n`` rows replays the smallest bucket of at least ``n`` rows,
-padded as a decode bucket is (padded rows store nothing). Its forward reads no row (nothing is sampled), so the
-last layer skips what only the LM head would read. Several prefixes in one step replay one after another on the
-same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs` ``snapshot_uploads``), before
-the step's decode graph; the graphs share the decode graphs' memory pool, since one stream runs them in turn.
+of ``n`` rows replays the smallest bucket of at least ``n`` rows, padded as a decode bucket is (padded rows store
+nothing). A store-only replay reads no row (nothing is sampled), so its last layer skips what only the LM head
+would read; a lone request's replay (below) reads the rows it samples from. Several prefixes in one step replay one
+after another on the same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs`
+``snapshot_uploads``), before the step's decode graph; the graphs share the decode graphs' memory pool, since one
+stream runs them in turn.
 
 A request alone needs no second forward for the few rows it samples from: the smallest bucket that holds its whole
 step replays over it and those rows are read from it (`ModelRunner._lone_prompt_plan`); a second forward would read
