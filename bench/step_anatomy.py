@@ -3,13 +3,17 @@
     PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 1 64 --steps 40 [--micro-batches 2] [--out FILE]
     PYTHONPATH=. python bench/step_anatomy.py --model fdv2-7b --strategy fast_dllm_v2 --batch 1 [--block-size 8]
     PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 1 8
+    PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 32 --sampling-mode edit [--strategy dmax]
 
 ``--model`` is an SDAR size (``1.7b``, ``4b``, ``8b``, ``30b-a3b``), ``llada2-mini`` (LLaDA2.0-mini's geometry, blocks
 of 32 by default) or ``fdv2-7b``.
 
 ``--model fdv2-7b`` is the Fast-dLLM v2 7B geometry (Qwen2.5-7B shapes); with ``--strategy fast_dllm_v2`` its native
 strategy (sub-blocks of ``--block-size``, 8 by default there, in blocks of 4 of them), otherwise `multi_bd` on the
-same weights, so that the two strategies' steps can be set side by side.
+same weights, so that the two strategies' steps can be set side by side. ``--strategy`` takes any registered
+strategy (the engine checks the name) and ``--sampling-mode`` the engine field (``edit``: LLaDA2.1's edit decoding;
+with ``--strategy dmax`` DMax with token merge), so that their steps can be set beside ``multi_bd``'s: the report
+says how many steps were continued on the device, and the host phases what the GPU waits for when they are not.
 
 For each batch size it admits the requests, lets them settle into decode, then
 
@@ -237,7 +241,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--buffer-size", type=int, default=1)
-    ap.add_argument("--strategy", choices=["multi_bd", "fast_dllm_v2"], default="multi_bd")
+    ap.add_argument("--strategy", default="multi_bd", help="a registered decoding strategy")
+    ap.add_argument("--sampling-mode", default=None, help="the engine field (default: the strategy's)")
     ap.add_argument("--block-size", type=int, default=None, help="default: 4 (SDAR), 32 (llada2-mini), 8 (fdv2-7b)")
     ap.add_argument("--data-dir", default="tests/data/sdar-4b-chat")
     ap.add_argument("--compile", action="store_true")
@@ -257,6 +262,8 @@ def main() -> None:
         fields = dict(block_size=block_size, buffer_size=args.buffer_size, max_num_reqs=max(args.batch),
                       max_model_len=1024, load_format="dummy", enable_cudagraph_torch_compile=args.compile,
                       micro_batches=args.micro_batches, decoding_strategy=args.strategy)
+        if args.sampling_mode is not None:
+            fields["sampling_mode"] = args.sampling_mode
         if args.strategy == "fast_dllm_v2":
             fields["buffer_size"] = FDV2_SUB_BLOCKS
         if args.tensor_parallel_size > 1:
@@ -284,8 +291,9 @@ def main() -> None:
                 (engine.num_steps, engine.num_continuations, engine.num_dropped_continuations), counts, strict=True))
             for rid in ids:
                 engine.abort_request(rid)
-            print(f"\n=== {args.model} {args.strategy} block {block_size} batch {batch} buffer {fields['buffer_size']} "
-                  f"compile={args.compile}")
+            mode = f" {args.sampling_mode}" if args.sampling_mode else ""
+            print(f"\n=== {args.model} {args.strategy}{mode} block {block_size} batch {batch} "
+                  f"buffer {fields['buffer_size']} compile={args.compile}")
             print("host phases (ms/step):")
             for k, v in phases.items():
                 print(f"  {k:32s} {v:8.3f}")
