@@ -93,9 +93,13 @@ Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Te
 # (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
 # token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
 GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (input ids [T], source rows [T], slot mapping [T], result [2, T], starts [S + 1], blocks [3, S]) -> None, editing
-# the first three in place into the next step's inputs: `diffulex.engine.continuation.advance_inputs`
-Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (input ids [T], source rows [T], slot mapping [T], result [2, T], starts [S + 1], blocks [3, S], segment [T],
+# force [S + 1]) -> None, editing the inputs in place into the next step's: `diffulex.engine.continuation.
+# advance_inputs` (the first three), or a sampler's own (edit decoding's also moves each block's entry in ``force``)
+Advance = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    None,
+]
 
 
 def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
@@ -498,9 +502,9 @@ class DecodeGraphs:
         views = self._sampling_views(bucket)
         result = self.greedy_sample(hidden, *views)
         if self.advance is not None:
-            rows, _, _, starts = views
+            rows, segment, force, starts = views
             ids, _, slots = self._token_views(self.shape.bucket_rows(bucket))
-            self.advance(ids, rows, slots, result, starts, self._block_view(bucket))
+            self.advance(ids, rows, slots, result, starts, self._block_view(bucket), segment, force)
         return result
 
     # ----- capture -------------------------------------------------------------------------------------------

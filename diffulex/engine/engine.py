@@ -337,11 +337,12 @@ class DiffulexEngine:
         without waiting for the device.
 
         A continuation computes the predecessor's rows, samples the positions of its layout that are still masks,
-        and stores a block once none is left where the request says the next step would
-        (`Request.stores_when_decoded`). The host's next step computes its `Request.query_range`, samples its
-        `Request.sample_targets` and stores a block that became ``TO_CACHE``. They differ when a stop token in the
-        middle of the block moved the decoding limit, or a strategy's next forward is another one (Fast-dLLM v2's
-        sub-block completed). A continuation whose requests have all finished is dropped too.
+        and stores a block once none is left where the request says the next step would (`Request.continued_rows`;
+        an edit step samples all of them and stores nothing). The host's next step computes its
+        `Request.query_range`, samples its `Request.sample_targets` and stores a block that became ``TO_CACHE``.
+        They differ when a stop token in the middle of the block moved the decoding limit, or a strategy's next
+        forward is another one (Fast-dLLM v2's sub-block completed, an edit block finished). A continuation whose
+        requests have all finished is dropped too.
         """
         if not self._in_flight or not self._in_flight[0].continuation:
             return
@@ -349,7 +350,7 @@ class DiffulexEngine:
         if all(req.is_finished for req in launched.batch):  # nothing left to apply it to
             self._in_flight.popleft()
             return
-        pending, mask = launched.pending, self.mask_token_id
+        pending = launched.pending
         left: dict[int, list[int]] = {}
         for owner, position in zip(pending.owners, pending.positions, strict=True):
             left.setdefault(owner, []).append(position)
@@ -357,11 +358,10 @@ class DiffulexEngine:
         for req, (query, _) in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:
                 continue
-            device_rows = [p for p in left.get(req.req_id, []) if req.token_ids[p] == mask]
+            device_rows, device_stores = req.continued_rows(left.get(req.req_id, []))
             host_rows = [p for target in req.sample_targets() for p in target.positions]
             block = req.running[0] if req.running else None
             stores = block is not None and block.status is BlockStatus.TO_CACHE
-            device_stores = block is not None and not device_rows and req.stores_when_decoded(block)
             if req.query_range() != query or device_rows != host_rows or stores != device_stores:
                 self._in_flight.popleft()
                 self.num_dropped_continuations += 1

@@ -223,7 +223,11 @@ class ModelRunner:
         greedy_sample = self.greedy_sample if s.samples_in_graph else None
         advance = None
         if continuations and greedy_sample is not None:
-            advance = partial(advance_inputs, shift=int(logits_shift), max_rows=max_query_len)
+            own_advance = getattr(self.sampler, "continuation_advance", None)  # a sampler whose rule needs its own
+            if own_advance is not None:
+                advance = own_advance(shift=int(logits_shift))
+            else:
+                advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
         soft_inputs = None
         if s.token_merge is not None:
             soft_inputs = StaticSoftInputs(s.token_merge, shape.max_tokens, s.device, staging_buffers)
@@ -471,7 +475,7 @@ class ModelRunner:
         hidden, result = replayed.graphs.replay_continuation(replayed.bucket, micro_batch, num_rows)
         self.out_of_step = False
         self.launched_steps += 1
-        return replayed.layout.pending(result, self._ready(hidden))
+        return replayed.layout.continued().pending(result, self._ready(hidden))
 
     @staticmethod
     def _ready(hidden: torch.Tensor) -> torch.cuda.Event | None:
@@ -713,6 +717,16 @@ class ModelRunner:
             key_lens=tensor(step.key_lens, torch.int32) if tails else None,
         )
         return tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta
+
+
+def _plain_advance(
+    input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor, result: torch.Tensor,
+    starts: torch.Tensor, blocks: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, *, shift: int,
+    max_rows: int,
+) -> None:  # fmt: skip
+    """`advance_inputs` as the graphs call an advance (`diffulex.engine.cuda_graph.Advance`): it reads neither the
+    rows' segments nor the blocks' staged entries."""
+    advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows)
 
 
 def _with_rows(step: StepInputs, rows: StepRows) -> StepInputs:

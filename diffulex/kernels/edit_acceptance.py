@@ -19,18 +19,20 @@ from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents,
 # the block phases of `diffulex.strategy.edit.acceptance.EditPhase` (plain ints: a kernel cannot import an enum)
 _TIMED_OUT = 1
 _CLOSED = 2
+_PHASE_SPAN = 4  # `diffulex.strategy.edit.acceptance.PHASE_SPAN`: a block's staged entry holds counts above its phase
 
 
 @triton.jit
 def _edit_accept_kernel(
     tokens_ptr, conf_ptr, current_ptr, starts_ptr, phase_ptr, out_ptr, mask_id, accept_t, edit_t,
-    TIMED_OUT: tl.constexpr, CLOSED: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    TIMED_OUT: tl.constexpr, CLOSED: tl.constexpr, PHASE_SPAN: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     release_dependents(USE_PDL)
     seg = tl.program_id(0)
     lo = tl.load(starts_ptr + seg)
     hi = tl.load(starts_ptr + seg + 1)
-    phase = tl.load(phase_ptr + seg)
+    phase = tl.load(phase_ptr + seg) % PHASE_SPAN  # a staged entry carries counts above its phase
     offs = tl.arange(0, BLOCK)
     ok = offs < hi - lo
     wait_for_inputs(USE_PDL)  # proposals and confidences come from the top-1 just before
@@ -81,7 +83,8 @@ def triton_edit_acceptance(
         _edit_accept_kernel[(num_segments,)](
             tokens, conf, current, starts, phase, out, mask_token_id,
             _float32_below(accept_threshold), _float32_below(edit_threshold),
-            TIMED_OUT=_TIMED_OUT, CLOSED=_CLOSED, BLOCK=max(16, triton.next_power_of_2(max_rows)),
+            TIMED_OUT=_TIMED_OUT, CLOSED=_CLOSED, PHASE_SPAN=_PHASE_SPAN,
+            BLOCK=max(16, triton.next_power_of_2(max_rows)),
             USE_PDL=use_pdl, num_warps=1, **launch_kwargs(use_pdl),
         )  # fmt: skip
     return out

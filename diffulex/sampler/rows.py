@@ -105,6 +105,11 @@ class RowLayout:
         """Whether every row takes its top-1 (no request draws at ``temperature > 0``)."""
         return not self.sampled
 
+    def continued(self) -> RowLayout:
+        """The layout a continuation of this step's result is read with (`diffulex.engine.continuation`): the
+        same rows (a sampler whose host side reads more of the step than its rows gives its own)."""
+        return self
+
     def pending(
         self, accepted_tokens: torch.Tensor | None = None, ready: torch.cuda.Event | None = None
     ) -> PendingWrites:

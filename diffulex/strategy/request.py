@@ -384,6 +384,15 @@ class Request:
         candidates; none outside edit mode."""
         return {}
 
+    def continued_rows(self, positions: list[int]) -> tuple[list[int], bool]:
+        """What a continuation of this request's last step computes for it (`diffulex.engine.continuation`), now
+        that the host has applied that step: of ``positions`` (those it sampled) the ones it samples, the masks
+        left, and whether it stores the running block, once none is left where its next forward would store it."""
+        mask = self.settings.mask_token_id
+        rows = [p for p in positions if self.token_ids[p] == mask]
+        block = self.running[0] if self.running else None
+        return rows, block is not None and not rows and self.stores_when_decoded(block)
+
     def next_step_has_same_rows(self) -> bool:
         """Whether the step after the one about to run computes the same rows, whatever this one accepts.
 

@@ -137,6 +137,44 @@ def test_greedy_edit_steps_sample_in_the_graph_path_with_the_host_rules_tokens(l
     assert len(sampled) > got.num_engine_steps // 2 and all(sampled), "greedy decode steps sample in the graph path"
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(max_post_edit_steps=2),
+        dict(edit_threshold=0.5, max_post_edit_steps=0),
+        dict(accept_threshold=0.3, edit_threshold=0.3, max_post_edit_steps=16),
+    ],
+    ids=["post-edit-2", "no-post-edit", "eager-edits"],
+)
+def test_greedy_edit_steps_are_continued_on_the_device_as_one_step_in_flight_decodes(llada2, fields):
+    """``async_scheduling``: a greedy edit step is queued before its predecessor's result, its inputs and each
+    block's phase moved on by the sampling graph (`advance_edit_inputs`); every request decodes exactly as with one
+    step in flight (tokens, steps, each step's tokens), and the continuations of steps that finished a block are
+    dropped."""
+    from tests.engine.test_continuation import _generate
+    from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+    fields = {"sampling_mode": "edit", "accept_threshold": 0.7, "max_num_reqs": 4, **fields}
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    with make_engine(llada2, **fields) as llm:
+        prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
+    expected, none, _ = _generate(llada2, prompts, params, False, **fields)
+    got, continued, dropped = _generate(llada2, prompts, params, True, **fields)
+    assert none == 0
+    assert got == expected
+    assert continued > 0 and dropped > 0
+
+
+def test_edit_steps_with_a_repetition_penalty_are_not_continued(llada2):
+    from diffulex.engine.graph_policy import GraphPolicy
+    from tests.engine.test_engine_matches_reference import make_engine
+
+    with make_engine(llada2, sampling_mode="edit", penalty_lambda=2.0) as llm:
+        assert not GraphPolicy.decide(llm.config, torch.device("cpu"), llm.runner, False).continues
+    with make_engine(llada2, sampling_mode="edit") as llm:
+        assert GraphPolicy.decide(llm.config, torch.device("cpu"), llm.runner, False).continues
+
+
 def test_a_repetition_penalty_keeps_edit_sampling_on_the_host(llada2):
     """``penalty_lambda > 0`` changes the logits on the host first: those steps replay the forward only."""
     from tests.engine.test_cuda_graph import count_static_steps, with_static_decode

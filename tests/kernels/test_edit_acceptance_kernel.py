@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffulex.kernels.edit_acceptance import triton_edit_acceptance
-from diffulex.strategy.edit.acceptance import EditPhase, edit_acceptance
+from diffulex.strategy.edit.acceptance import EditPhase, block_state, edit_acceptance, phase_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MASK = 9
@@ -16,8 +16,9 @@ UNTOUCHED = 7  # what the result holds before the kernel: rows of no block keep 
 
 
 def random_step(rng: random.Random, padding: int):
-    """Blocks of random sizes and phases; rows mixing masks and tokens, repeated confidences (ties, values at the
-    thresholds) and rows at -inf (not sampled); then ``padding`` rows of no block."""
+    """Blocks of random sizes and phases (staged as a step stages them, with counts above the phase,
+    `block_state`); rows mixing masks and tokens, repeated confidences (ties, values at the thresholds) and rows at
+    -inf (not sampled); then ``padding`` rows of no block."""
     sizes = [rng.choice([1, 2, 3, 4, 8]) for _ in range(rng.randint(1, 7))]
     rows = sum(sizes)
     levels = [0.3, 0.5, 0.5, 0.7, 0.9, 0.95, float("-inf")]
@@ -29,7 +30,8 @@ def random_step(rng: random.Random, padding: int):
         starts.append(starts[-1] + size)
         segment.extend([index] * size)
     segment.extend([len(sizes)] * padding)
-    phase = [int(rng.choice(list(EditPhase))) for _ in sizes] + [int(EditPhase.EDITING)]
+    phase = [block_state(rng.choice(list(EditPhase)), rng.randint(1, 40), rng.randint(0, 16)) for _ in sizes]
+    phase.append(int(EditPhase.EDITING))
 
     def tensor(values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=DEVICE)
@@ -51,6 +53,8 @@ def test_the_kernel_equals_the_torch_rule_and_leaves_padding_rows_alone(seed: in
     expected = edit_acceptance(tokens, conf, current, segment, phase, MASK, accept_t, edit_t)
     assert out[:rows].tolist() == expected[:rows].tolist()
     assert out[rows:].tolist() == [UNTOUCHED] * padding
+    plain = edit_acceptance(tokens, conf, current, segment, phase_of(phase), MASK, accept_t, edit_t)
+    assert plain.tolist() == expected.tolist(), "the counts above a block's phase do not change its flags"
 
 
 @pytest.mark.parametrize("threshold", [0.1, 0.3, 0.7, 1 / 3])

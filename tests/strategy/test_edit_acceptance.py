@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from diffulex.strategy.edit.acceptance import EditPhase, edit_acceptance
+from diffulex.strategy.edit.acceptance import EditPhase, advance_edit_inputs, edit_acceptance
 from tests.strategy.test_edit_sampler import MASK, VOCAB, make, peaked
 
 
@@ -95,3 +95,40 @@ def test_a_threshold_compares_as_the_host_does_in_double_precision() -> None:
         torch.tensor([4, 4]), conf, torch.tensor([MASK, 2]), torch.tensor([0, 0]), torch.tensor([0, 0]), MASK, 0.3, 0.3
     )
     assert got.tolist() == [1, 1]
+
+
+def test_a_continued_step_finds_its_block_as_the_host_leaves_it() -> None:
+    """`advance_edit_inputs` after each device step (inputs: the block's tokens, shift 0): wherever the block goes on
+    (its verdict is not finished), the advanced inputs are the tokens the host's writes leave and each block's staged
+    entry (phase and counts) is the one the host stages for the next step, through time-outs and closed blocks."""
+    phases = set()
+    for seed in range(12):
+        rng = random.Random(seed)
+        req, sampler = make(edit_threshold=rng.choice([0.0, 0.5]))
+        for _ in range(40):
+            targets = req.sample_targets()
+            if not targets:
+                break
+            rows = sum(len(t.positions) for t in targets)
+            logits = peaked([rng.randrange(VOCAB - 1) for _ in range(rows)],
+                            [rng.choice([0.3, 0.5, 0.9, 0.95]) for _ in range(rows)])  # fmt: skip
+            writes, verdicts, layout = device_step(req, sampler, logits, padding=0)
+            n = len(layout.positions)
+            inputs = torch.tensor([t for b in layout.blocks for t in b.current])
+            states = torch.tensor(layout.force + [0])
+            segment = torch.tensor(layout.segments)
+            result = torch.zeros(2, n, dtype=torch.int64)
+            for pos, token in writes:
+                row = layout.positions.index(pos)
+                result[:, row] = torch.tensor([1, token])
+            advance_edit_inputs(inputs, torch.arange(n), result, segment, states, MASK, shift=0)
+            req.sampled_blocks = dict(verdicts)
+            advance(req, writes)
+            if any(v.finished for v in verdicts.values()):
+                continue  # the host takes another step: the continuation is dropped
+            following = sampler.row_layout([(req, req.sample_targets())])
+            assert following.positions == layout.positions
+            assert inputs.tolist() == [req.token_ids[p] for p in layout.positions]
+            assert states[: len(following.force)].tolist() == following.force
+            phases.update(b.phase for b in following.blocks)
+    assert {EditPhase.EDITING, EditPhase.TIMED_OUT} <= phases

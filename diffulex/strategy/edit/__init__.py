@@ -3,18 +3,24 @@
 Reached through ``multi_bd`` with ``sampling_mode="edit"`` (the family must support it: `Family.sampling_modes`).
 Requests are `diffulex.strategy.edit.request.EditRequest` (a block commits once the sampler stops changing it), the
 rule is `diffulex.strategy.edit.sampler.EditSampler`: greedy steps run it inside the decode graph's sampling graph
-(`diffulex.strategy.edit.acceptance`), the others on the host. The host reads every block's verdict after the step,
-so no step is continued on the device.
+(`diffulex.strategy.edit.acceptance`), the others on the host. Greedy steps without a repetition penalty are
+continued on the device (`diffulex.engine.continuation`, `advance_edit_inputs`): the next step samples the same
+positions, with each block's phase moved on there; the host reads every block's verdict after the step, and drops
+the continuation of a step that finished a block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from diffulex.strategy.edit.request import EditRequest
 from diffulex.strategy.edit.sampler import EditSampler, EditSettings
 from diffulex.strategy.strategy import SamplerContext, Strategy
 from diffulex.validation import check_int, check_number
+
+if TYPE_CHECKING:
+    from diffulex.config import Config
 
 
 @dataclass(frozen=True)
@@ -32,11 +38,15 @@ class EditDecoding(Strategy):
     Options = EditOptions
     request_class = EditRequest
     sampling_modes = ("edit",)
-    continues_on_device = False
 
     def __init__(self, name: str | None = None) -> None:
         if name is not None:
             self.name = name  # the registered strategy this is the edit mode of
+
+    def continues_steps(self, config: Config) -> bool:
+        """As every strategy at ``buffer_size=1``, where the device runs the rule: not with a repetition penalty
+        (`EditOptions.penalty_lambda`), whose steps sample on the host."""
+        return super().continues_steps(config) and config.strategy_options.penalty_lambda == 0
 
     def edit_settings(self, context: SamplerContext) -> EditSettings:
         options = context.options

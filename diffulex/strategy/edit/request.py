@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from diffulex.layers.token_merge import SoftInput
 from diffulex.strategy.block import Block, BlockStatus
+from diffulex.strategy.edit.acceptance import EditPhase, block_state
 from diffulex.strategy.request import CompletionReason, Request, SampleTarget
 
 
@@ -60,6 +61,30 @@ class EditRequest(Request):
     def times_out(self, block: Block) -> bool:
         """Whether this step is the block's last chance: it has had its steps and post-edit steps."""
         return self.progress_of(block).steps + 1 >= block.size + self.settings.options.max_post_edit_steps
+
+    def block_phase(self, block: Block, current: list[int]) -> EditPhase:
+        """What the block may do this step, from its state before it (``current``: its sampled positions' tokens):
+        its last step (time-out) comes first; a block without masks that has used its post-edit steps writes
+        nothing."""
+        if self.times_out(block):
+            return EditPhase.TIMED_OUT
+        used = self.progress_of(block).steps_without_masks + 1 > self.settings.options.max_post_edit_steps
+        if used and self.settings.mask_token_id not in current:
+            return EditPhase.CLOSED
+        return EditPhase.EDITING
+
+    def block_state(self, block: Block, current: list[int]) -> int:
+        """The block's staged entry for the device rule (`diffulex.strategy.edit.acceptance.block_state`): its phase
+        and what a continued step needs to give it the next one."""
+        progress, max_post = self.progress_of(block), self.settings.options.max_post_edit_steps
+        steps_left = block.size + max_post - progress.steps
+        post_edit_left = max(0, max_post - progress.steps_without_masks)
+        return block_state(self.block_phase(block, current), steps_left, post_edit_left)
+
+    def continued_rows(self, positions: list[int]) -> tuple[list[int], bool]:
+        """A continued edit step samples every position its predecessor sampled and stores nothing
+        (`diffulex.strategy.edit.acceptance.advance_edit_inputs`)."""
+        return list(positions), False
 
     def maybe_activate_block(self) -> bool:
         """As in the naive mode, and the newest block's tokens must also be stable enough

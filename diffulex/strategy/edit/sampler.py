@@ -18,6 +18,8 @@ at a time (`diffulex.sampler.host`).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +28,7 @@ from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.sampler.host import HostSampler
 from diffulex.sampler.rows import PendingWrites, RowLayout, new_result
 from diffulex.sampler.token_sampling import propose_greedy
-from diffulex.strategy.edit.acceptance import EditPhase, accept_edits
+from diffulex.strategy.edit.acceptance import EditPhase, accept_edits, advance_edit_inputs
 from diffulex.strategy.edit.request import BlockVerdict, EditRequest
 from diffulex.strategy.request import Request, SampleTarget
 
@@ -55,6 +57,13 @@ class _SampledBlock:
     phase: EditPhase
     current: list[int]  # the token at each of its rows' positions before the step
 
+    def again(self, positions: list[int]) -> _SampledBlock:
+        """The block as the step after this one finds it (a continuation's, `EditLayout.continued`), once the
+        host has applied this step: its rows' tokens and phase read from its request again."""
+        req = self.req
+        current = [req.token_ids[p] for p in positions[self.rows.start : self.rows.stop]]
+        return dataclasses.replace(self, phase=req.block_phase(req.blocks[self.index], current), current=current)
+
 
 @dataclass
 class EditLayout(RowLayout):
@@ -78,10 +87,15 @@ class EditLayout(RowLayout):
             return pending
         return _EditPendingWrites(pending.writes, self.owners, self.positions, accepted_tokens, ready, self)
 
+    def continued(self) -> EditLayout:
+        """The layout to read a continuation of this step with (`diffulex.engine.continuation`): the same rows, each
+        block's tokens and phase read again when its result is applied, after this step's."""
+        return _ContinuedEditLayout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
     def give_verdicts(self, accepted: list[int], tokens: list[int]) -> None:
         """Each block's verdict from the device rule's flags and every row's proposal, as the host rule gives it:
         finished once it writes nothing or is past editing; stable as the share of decoded tokens proposed again."""
-        for block in self.blocks:
+        for block in self._blocks_before_the_step():
             rows = block.rows
             decoded = [i for i, token in enumerate(block.current) if token != self.mask_token_id]
             agree = sum(tokens[rows[i]] == block.current[i] for i in decoded)
@@ -89,6 +103,19 @@ class EditLayout(RowLayout):
             finished = block.phase is not EditPhase.EDITING or not any(accepted[rows.start : rows.stop])
             stable = 1.0 if timed_out or not decoded else agree / len(decoded)
             block.req.sampled_blocks[block.index] = BlockVerdict(finished, stable)
+
+
+    def _blocks_before_the_step(self) -> list[_SampledBlock]:
+        return self.blocks
+
+
+@dataclass
+class _ContinuedEditLayout(EditLayout):
+    """A continued step's layout: its blocks are its predecessor's, as the host finds them once it has applied
+    that step (the continuation's inputs)."""
+
+    def _blocks_before_the_step(self) -> list[_SampledBlock]:
+        return [block.again(self.positions) for block in self.blocks]
 
 
 @dataclass
@@ -111,6 +138,18 @@ class EditSampler(HostSampler):
     # its greedy step reads the tokens the sampled rows hold (`diffulex.engine.model_runner.ModelRunner.greedy_sample`)
     greedy_reads_inputs = True
 
+    def continuation_advance(self, shift: int) -> Callable[..., None]:
+        """What a sampling graph runs after this rule to turn the step's inputs into its continuation's (the graphs'
+        `diffulex.engine.cuda_graph.Advance`): `advance_edit_inputs`."""
+        mask_token_id = self.settings.mask_token_id
+
+        def advance(input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor,
+                    result: torch.Tensor, starts: torch.Tensor, blocks: torch.Tensor, segment: torch.Tensor,
+                    force: torch.Tensor) -> None:  # fmt: skip
+            advance_edit_inputs(input_ids, source_rows, result, segment, force, mask_token_id, shift)
+
+        return advance
+
     def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
         """Every block forces where it may (the host rule), and carries its `EditPhase` for the device rule."""
         s = self.settings
@@ -123,22 +162,12 @@ class EditSampler(HostSampler):
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
             for number, target in enumerate(targets, start=len(layout.blocks)):
                 current = [req.token_ids[p] for p in target.positions]
-                phase = self.block_phase(req, target, current)
-                layout.force[number] = int(phase)
+                phase = req.block_phase(target.block, current)
+                layout.force[number] = req.block_state(target.block, current)
                 rows = range(row, row + len(current))
                 layout.blocks.append(_SampledBlock(req, target.block.index, rows, phase, current))
                 row = rows.stop
         return layout
-
-    def block_phase(self, req: EditRequest, target: SampleTarget, current: list[int]) -> EditPhase:
-        """What the block may do this step, from its state before it (``current``: its rows' tokens): its last
-        step (time-out) comes first; a block without masks that has used its post-edit steps writes nothing."""
-        if req.times_out(target.block):
-            return EditPhase.TIMED_OUT
-        used = req.progress_of(target.block).steps_without_masks + 1 > req.settings.options.max_post_edit_steps
-        if used and self.settings.mask_token_id not in current:
-            return EditPhase.CLOSED
-        return EditPhase.EDITING
 
     def greedy_result(
         self,
@@ -211,7 +240,7 @@ class EditSampler(HostSampler):
             i for i, token in enumerate(current)
             if token != s.mask_token_id and tokens[i] != token and conf[i] > s.edit_threshold
         ]  # fmt: skip
-        phase = self.block_phase(req, target, current)
+        phase = req.block_phase(target.block, current)
         timed_out = phase is EditPhase.TIMED_OUT
         finished = phase is not EditPhase.EDITING or not (fill or edit)
         if timed_out:
