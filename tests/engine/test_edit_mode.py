@@ -165,6 +165,27 @@ def test_greedy_edit_steps_are_continued_on_the_device_as_one_step_in_flight_dec
     assert continued > 0 and dropped > 0
 
 
+def test_continued_edit_steps_stop_where_one_step_in_flight_stops(llada2):
+    """A stop token (the one the tiny model writes most, taken from a first run) cuts a block's sampled positions
+    short, and edits may write or remove it: such steps are not continued, or their continuation is dropped, and
+    every request still ends as with one step in flight."""
+    import collections
+
+    from tests.engine.test_continuation import _generate
+    from tests.engine.test_engine_matches_reference import make_engine, random_prompts
+
+    fields = {"sampling_mode": "edit", "accept_threshold": 0.7, "max_num_reqs": 4, "max_post_edit_steps": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    with make_engine(llada2, **fields) as llm:
+        prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
+    plain, _, _ = _generate(llada2, prompts, params, False, **fields)
+    stop = collections.Counter(t for answer in plain for t in answer[0][-20:]).most_common(1)[0][0]
+    expected, _, _ = _generate(llada2, prompts, params, False, stop_token=stop, **fields)
+    got, continued, _ = _generate(llada2, prompts, params, True, stop_token=stop, **fields)
+    assert got == expected
+    assert continued > 0 and "eos_token_generated" in [answer[2] for answer in got]
+
+
 def test_edit_steps_with_a_repetition_penalty_are_not_continued(llada2):
     from diffulex.engine.graph_policy import GraphPolicy
     from tests.engine.test_engine_matches_reference import make_engine

@@ -145,3 +145,15 @@ def test_a_drawing_request_draws_reproducibly_from_its_seed():
 
     assert draws(7) == draws(7)
     assert any(draws(7) != draws(s) for s in range(8, 12))
+
+
+def test_a_block_cut_short_by_a_stop_token_is_not_continued_on_the_device() -> None:
+    """A continued step counts a block's masks over the positions it samples; the host counts the whole block's.
+    They agree while the sampled positions are the block's whole range, and a stop token inside it ends that."""
+    req, _ = make(ignore_eos=False)
+    req.mark_prefix_cached(req.prompt_len)  # the prompt's K/V stored: the block sits right after the cache
+    block = req.running[0]
+    assert req.next_step_has_same_rows()
+    req.apply_tokens([(block.start + 1, EOS)])
+    assert [p for t in req.sample_targets() for p in t.positions] == [block.start, block.start + 1]
+    assert not req.next_step_has_same_rows()

@@ -81,6 +81,16 @@ class EditRequest(Request):
         post_edit_left = max(0, max_post - progress.steps_without_masks)
         return block_state(self.block_phase(block, current), steps_left, post_edit_left)
 
+    def next_step_has_same_rows(self) -> bool:
+        """As a request's, and the block's sampled positions are its whole decodable range (no stop token cuts them
+        short): the device then counts the block's masks, which move its phase on, where the host counts them
+        (`diffulex.strategy.edit.acceptance.advance_edit_inputs`, `EditProgress.steps_without_masks`)."""
+        if not super().next_step_has_same_rows():
+            return False
+        block = self.running[0]
+        sampled = [p for target in self.sample_targets() for p in target.positions]
+        return sampled == list(range(max(block.start, self.prompt_len), min(block.end, self.decode_limit)))
+
     def continued_rows(self, positions: list[int]) -> tuple[list[int], bool]:
         """A continued edit step samples every position its predecessor sampled and stores nothing
         (`diffulex.strategy.edit.acceptance.advance_edit_inputs`)."""
