@@ -16,7 +16,7 @@ import triton.language as tl
 
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
-# the block phases of `diffulex.strategy.edit.acceptance.EditPhase` (plain ints: a kernel cannot import an enum)
+# the block phases of `diffulex.strategy.edit.acceptance.EditPhase` (plain ints: kernels sit below the strategies)
 _TIMED_OUT = 1
 _CLOSED = 2
 _PHASE_SPAN = 4  # `diffulex.strategy.edit.acceptance.PHASE_SPAN`: a block's staged entry holds counts above its phase

@@ -73,13 +73,13 @@ class EditRequest(Request):
             return EditPhase.CLOSED
         return EditPhase.EDITING
 
-    def block_state(self, block: Block, current: list[int]) -> int:
+    def block_state(self, block: Block, phase: EditPhase) -> int:
         """The block's staged entry for the device rule (`diffulex.strategy.edit.acceptance.block_state`): its phase
-        and what a continued step needs to give it the next one."""
+        this step (`block_phase`) and what a continued step needs to give it the next one."""
         progress, max_post = self.progress_of(block), self.settings.options.max_post_edit_steps
         steps_left = block.size + max_post - progress.steps
         post_edit_left = max(0, max_post - progress.steps_without_masks)
-        return block_state(self.block_phase(block, current), steps_left, post_edit_left)
+        return block_state(phase, steps_left, post_edit_left)
 
     def next_step_has_same_rows(self) -> bool:
         """As a request's, and the block's sampled positions are its whole decodable range (no stop token cuts them

@@ -67,13 +67,15 @@ class _SampledBlock:
 
 @dataclass
 class EditLayout(RowLayout):
-    """An edit step's rows. The staged ``force`` entries carry each block's `EditPhase` (edit decoding always
-    forces where it may, so the device rule reads the phase instead). A step is ``greedy`` (sampled inside the
-    graph) when no request draws and no penalty changes the logits."""
+    """An edit step's rows. The staged ``force`` entries carry each block's `EditPhase` and counts (edit decoding
+    always forces where it may, so the device rule reads the phase instead; `acceptance.block_state`). A step is
+    ``greedy`` (sampled inside the graph) when no request draws and no penalty changes the logits."""
 
     blocks: list[_SampledBlock] = field(default_factory=list)
     in_graph: bool = True  # the device rule applies (no repetition penalty)
     mask_token_id: int = -1
+    # a continuation's layout: its blocks as the host finds them once it has applied the step before (`continued`)
+    reread_blocks: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -90,12 +92,13 @@ class EditLayout(RowLayout):
     def continued(self) -> EditLayout:
         """The layout to read a continuation of this step with (`diffulex.engine.continuation`): the same rows, each
         block's tokens and phase read again when its result is applied, after this step's."""
-        return _ContinuedEditLayout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return dataclasses.replace(self, reread_blocks=True)
 
     def give_verdicts(self, accepted: list[int], tokens: list[int]) -> None:
         """Each block's verdict from the device rule's flags and every row's proposal, as the host rule gives it:
         finished once it writes nothing or is past editing; stable as the share of decoded tokens proposed again."""
-        for block in self._blocks_before_the_step():
+        blocks = [block.again(self.positions) for block in self.blocks] if self.reread_blocks else self.blocks
+        for block in blocks:
             rows = block.rows
             decoded = [i for i, token in enumerate(block.current) if token != self.mask_token_id]
             agree = sum(tokens[rows[i]] == block.current[i] for i in decoded)
@@ -103,19 +106,6 @@ class EditLayout(RowLayout):
             finished = block.phase is not EditPhase.EDITING or not any(accepted[rows.start : rows.stop])
             stable = 1.0 if timed_out or not decoded else agree / len(decoded)
             block.req.sampled_blocks[block.index] = BlockVerdict(finished, stable)
-
-
-    def _blocks_before_the_step(self) -> list[_SampledBlock]:
-        return self.blocks
-
-
-@dataclass
-class _ContinuedEditLayout(EditLayout):
-    """A continued step's layout: its blocks are its predecessor's, as the host finds them once it has applied
-    that step (the continuation's inputs)."""
-
-    def _blocks_before_the_step(self) -> list[_SampledBlock]:
-        return [block.again(self.positions) for block in self.blocks]
 
 
 @dataclass
@@ -163,7 +153,7 @@ class EditSampler(HostSampler):
             for number, target in enumerate(targets, start=len(layout.blocks)):
                 current = [req.token_ids[p] for p in target.positions]
                 phase = req.block_phase(target.block, current)
-                layout.force[number] = req.block_state(target.block, current)
+                layout.force[number] = req.block_state(target.block, phase)
                 rows = range(row, row + len(current))
                 layout.blocks.append(_SampledBlock(req, target.block.index, rows, phase, current))
                 row = rows.stop
