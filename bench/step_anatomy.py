@@ -49,6 +49,7 @@ from diffulex.bench.throughput import (
     write_llada2_checkpoint,
     write_sdar_checkpoint,
 )
+from diffulex.strategy.strategy import STRATEGIES
 from diffulex.testing.distributed import free_port
 
 FDV2_MODEL = "fdv2-7b"
@@ -262,8 +263,8 @@ def main() -> None:
         fields = dict(block_size=block_size, buffer_size=args.buffer_size, max_num_reqs=max(args.batch),
                       max_model_len=1024, load_format="dummy", enable_cudagraph_torch_compile=args.compile,
                       micro_batches=args.micro_batches, decoding_strategy=args.strategy)
-        if args.sampling_mode is not None:
-            fields["sampling_mode"] = args.sampling_mode
+        # the strategy's first sampling mode unless one is named (dmax runs only in edit mode)
+        fields["sampling_mode"] = args.sampling_mode or STRATEGIES.get(args.strategy).sampling_modes[0]
         if args.strategy == "fast_dllm_v2":
             fields["buffer_size"] = FDV2_SUB_BLOCKS
         if args.tensor_parallel_size > 1:

@@ -24,7 +24,8 @@ one-request sets of this class), and the rest of the step, reading that prefix f
 Anything larger runs eagerly.
 
 DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
-per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself.
+per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself; a
+continuation's records are written by its sampler's advance instead (`DMaxSampler.continuation_advance`).
 
 A step whose requests all decode greedily also replays a second graph per bucket, the sampling graph: the LM
 head over every row of the bucket (the rows to sample change every step, so the graph computes logits for all
@@ -90,10 +91,11 @@ FUSED_STEP_MAX_ROWS = 16
 # None: all) -> hidden [T, H]: the model's forward (`diffulex.models.dense.run_decoder` says what readers allow);
 # with soft inputs it also takes ``merge=`` their `StaticTokenMerge`
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor | None], torch.Tensor]
-# (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [2, T] int64 accepted flag and
-# token per sampled row: `ModelRunner.greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
+# (hidden [T, H], source rows [T], segment [T], force [S + 1], starts [S + 1]) -> [F, T] int64 accepted flag and
+# token per sampled row, and what else the sampler adds (F `result_fields`, 2 unless it adds rows): `ModelRunner.
+# greedy_sample`, the LM head then `ConfidenceSampler.greedy_result`
 GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (input ids [T], source rows [T], slot mapping [T], result [2, T], starts [S + 1], blocks [3, S], segment [T],
+# (input ids [T], source rows [T], slot mapping [T], result [F, T], starts [S + 1], blocks [3, S], segment [T],
 # force [S + 1]) -> None, editing the inputs in place into the next step's: `diffulex.engine.continuation.
 # advance_inputs` (the first three), or a sampler's own (edit decoding's also moves each block's entry in ``force``)
 Advance = Callable[
@@ -208,12 +210,13 @@ class DecodeGraphs:
         advance: Advance | None = None,
         soft_inputs: StaticSoftInputs | None = None,
         snapshot_uploads: bool = False,
+        result_fields: int = 2,
     ) -> None:
         if advance is not None and (greedy_sample is None or staging_buffers < 2):
             raise ValueError("continuation steps need a sampling graph and two staging buffers")
-        if advance is not None and soft_inputs is not None:
-            raise ValueError("continuation steps cannot stage the soft inputs the next step would need")
-        self.soft_inputs = soft_inputs  # DMax's token merge, staged with the step's inputs
+        # DMax's token merge, staged with the step's inputs (a continuation's advance writes its own records)
+        self.soft_inputs = soft_inputs
+        self.result_fields = result_fields  # rows of a sampling graph's result (`GreedySample`)
         self.shape = shape
         self.forward = forward
         self.greedy_sample = greedy_sample
@@ -259,7 +262,9 @@ class DecodeGraphs:
         self._sample_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._sample_outputs: dict[int, torch.Tensor] = {}
         self._sample_hidden: dict[int, list[torch.Tensor]] = {}  # the forward output each sampling graph reads
-        self._results_host = [torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)]
+        self._results_host = [
+            torch.zeros(result_fields * T, dtype=torch.int64, pin_memory=pin) for _ in range(staging_buffers)
+        ]
         self._publish = _host_publisher(device) if self.capture_graphs and greedy_sample is not None else None
         self.num_replays = 0  # steps served by captured graphs (read by benchmarks; never read here)
 
@@ -422,10 +427,11 @@ class DecodeGraphs:
             section[num_blocks:] = pad
 
     def _result_home(self, bucket: int, buffer: int) -> torch.Tensor:
-        """The pinned ``[2, rows]`` host tensor a bucket's sampling result is copied to: contiguous, because a copy
-        into a strided host view would pass through pageable memory (not allowed in a graph, and synchronous)."""
-        rows = self.shape.bucket_rows(bucket)
-        return self._results_host[buffer][: 2 * rows].view(2, rows)
+        """The pinned ``[result_fields, rows]`` host tensor a bucket's sampling result is copied to: contiguous,
+        because a copy into a strided host view would pass through pageable memory (not allowed in a graph, and
+        synchronous)."""
+        rows, fields = self.shape.bucket_rows(bucket), self.result_fields
+        return self._results_host[buffer][: fields * rows].view(fields, rows)
 
     def _upload(self, bucket: int, buffer: int = 0) -> None:
         """Copy the bucket's part of a host staging buffer to the device (one copy, queued on the stream)."""

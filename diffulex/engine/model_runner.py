@@ -221,24 +221,30 @@ class ModelRunner:
             key_tails=key_tails,
         )
         greedy_sample = self.greedy_sample if s.samples_in_graph else None
-        advance = None
-        if continuations and greedy_sample is not None:
-            own_advance = getattr(self.sampler, "continuation_advance", None)  # a sampler whose rule needs its own
-            if own_advance is not None:
-                advance = own_advance(shift=int(logits_shift))
-            else:
-                advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
         soft_inputs = None
         if s.token_merge is not None:
             soft_inputs = StaticSoftInputs(s.token_merge, shape.max_tokens, s.device, staging_buffers)
+        advance = None
+        if continuations and greedy_sample is not None:
+            own_advance = getattr(self.sampler, "continuation_advance", None)  # a sampler whose rule needs its own
+            if own_advance is not None:  # it also writes the continuation's soft inputs, where there are any
+                soft_records = soft_inputs.merge if soft_inputs is not None else None
+                advance = own_advance(shift=int(logits_shift), soft_records=soft_records)
+            elif soft_inputs is not None:
+                raise ValueError("continuation steps with soft inputs need a sampler that writes the next step's")
+            else:
+                advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
+        result_fields = getattr(self.sampler, "result_fields", 2)
         self.graphs = DecodeGraphs(
-            shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs
+            shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs,
+            result_fields=result_fields,
         )
         self.short_graphs = None
         if short_rows_per_request is not None and short_rows_per_request < max_query_len:
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
-                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance
+                short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance,
+                result_fields=result_fields,
             )
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
@@ -251,12 +257,12 @@ class ModelRunner:
         if max_chunk_rows > 0 and plain_inputs:
             self.chunk_graphs = DecodeGraphs(
                 chunk_graph_shape(shape, max_chunk_rows), self.graph_forward, s.device, capture, staging_buffers,
-                greedy_sample, advance,
+                greedy_sample, advance, result_fields=result_fields,
             )
         if straggler_graphs and plain_inputs:
             self.straggler_graphs = DecodeGraphs(
                 straggler_graph_shape(shape), self.graph_forward, s.device, capture, staging_buffers, greedy_sample,
-                advance,
+                advance, result_fields=result_fields,
             )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
@@ -288,7 +294,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """What a decode graph's sampling graph captures: the LM head over every row of the padded step (which
         rows are sampled changes every step; the graph's shapes may not), then the sampler's greedy step on the
-        rows to sample. Returns ``[2, rows]`` accepted flags and tokens.
+        rows to sample. Returns ``[2, rows]`` accepted flags and tokens (and the rows the sampler adds, its
+        ``result_fields``).
 
         The LM head is told which rows are sampled (``source_rows``): a continuation step that only stores a
         decoded block samples none, and then its LM head streams no weights (`LMHead.forward`)."""

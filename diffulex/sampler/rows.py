@@ -47,7 +47,9 @@ class PendingWrites:
     writes: dict[int, list[tuple[int, int]]]  # req_id -> [] for every request of the step, filled by `result`
     owners: list[int] | None = None  # row -> req_id
     positions: list[int] | None = None  # row -> position it predicts
-    accepted_tokens: torch.Tensor | None = None  # [2, rows]: accepted flag, token (host memory once `ready`)
+    # [2, rows]: accepted flag, token (host memory once `ready`); a sampler may add rows of its own below them
+    # (`new_result`'s ``fields``)
+    accepted_tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None  # recorded after the step's last device work; None: nothing to wait for
 
     def result(self) -> dict[int, list[tuple[int, int]]]:
@@ -56,7 +58,7 @@ class PendingWrites:
             self.ready.synchronize()
         if self.accepted_tokens is None:
             return self.writes
-        accepted, token_list = self.accepted_tokens.tolist()
+        accepted, token_list = self.accepted_tokens[:2].tolist()
         owners, positions, writes = self.owners, self.positions, self.writes
         for row in compress(range(len(positions)), accepted):
             writes[owners[row]].append((positions[row], token_list[row]))
@@ -137,8 +139,9 @@ class RowLayout:
         return packed[:n], packed[n_pad : n_pad + s], packed[n_pad + s_pad :]
 
 
-def new_result(rows: int, device: torch.device) -> torch.Tensor:
-    """The ``[2, rows]`` int64 result (accepted flag, token) that the top-1 and the acceptance write into row by
-    row: assembling it from separate tensors took a fill, two conversions and a stack, four launches of about a
-    microsecond each on the critical path of every decode step (H100)."""
-    return torch.empty((2, rows), dtype=torch.int64, device=device)
+def new_result(rows: int, device: torch.device, fields: int = 2) -> torch.Tensor:
+    """The ``[fields, rows]`` int64 result (accepted flag, token, then what else a sampler's host side reads of
+    the step, `Sampler.result_fields`) that the top-1 and the acceptance write into row by row: assembling it from
+    separate tensors took a fill, two conversions and a stack, four launches of about a microsecond each on the
+    critical path of every decode step (H100)."""
+    return torch.empty((fields, rows), dtype=torch.int64, device=device)

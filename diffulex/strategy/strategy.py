@@ -44,7 +44,13 @@ if TYPE_CHECKING:
 
 class Sampler(Protocol):
     """What the model runner calls on a strategy's sampler (`diffulex.sampler.host.HostSampler` implements it for
-    rules decided on the host; `diffulex.strategy.multi_bd.sampler.ConfidenceSampler` also samples in a graph)."""
+    rules decided on the host; `diffulex.strategy.multi_bd.sampler.ConfidenceSampler` also samples in a graph).
+
+    A sampler that samples in a graph has ``greedy_result``; it may also have ``greedy_reads_inputs`` (its greedy
+    step compares proposals with the tokens the rows hold), ``result_fields`` (rows its result has beyond the
+    accepted flag and the token) and ``continuation_advance`` (its own way to turn a step's inputs into its
+    continuation's, soft inputs included): `diffulex.strategy.edit.sampler.EditSampler`,
+    `diffulex.strategy.dmax.sampler.DMaxSampler`."""
 
     def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout: ...
 

@@ -92,7 +92,8 @@ def test_dmax_with_token_merge_on_the_static_path_gives_the_eager_tokens(llada2:
         prompts = random_prompts(eager, [3, 7, 12], seed=5)
         expected = eager.generate(prompts, PARAMS, use_tqdm=False)
     with make_engine(llada2, **dmax_fields(mode)) as llm:
-        used = count_static_steps(with_static_decode(llm))
+        sampled: list[bool] = []
+        used = count_static_steps(with_static_decode(llm), sampled)
         soft_counts = staged_soft_rows(llm)
         got = llm.generate(prompts, PARAMS, use_tqdm=False)
     with make_engine(llada2, **dmax_fields(mode, token_merge_weight=0)) as plain:
@@ -102,6 +103,36 @@ def test_dmax_with_token_merge_on_the_static_path_gives_the_eager_tokens(llada2:
     assert [t.token_ids for t in unmerged] != [t.token_ids for t in expected], "the merge should matter here"
     assert len(used) > got.num_engine_steps // 2, "decode steps take the static path"
     assert any(soft_counts), "some static steps have soft rows"
+    # dmax_topk's rule runs in the sampling graph; iter_smooth_topk's candidates (a top-k) are found on the host
+    assert any(sampled) if mode == "dmax_topk" else not any(sampled)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(token_merge_weight=0)], ids=["token-merge", "no-merge"])
+def test_greedy_dmax_steps_are_continued_on_the_device_as_one_step_in_flight_decodes(llada2: Path, extra) -> None:
+    """``async_scheduling``: a greedy DMax step is queued before its predecessor's result, its inputs and soft-input
+    records written by the sampling graph (`advance_dmax_inputs`); every request decodes exactly as with one step
+    in flight (tokens, steps, each step's tokens), and the continuations of steps that finished a block are
+    dropped. (Not with ``dmax_sampler_fast_path=False``: there the tiny model's blocks keep changing until
+    ``max_nfe``, where a difference in the last bit of a CPU reduction, which the same inputs do not always give,
+    flips a near tie; tests/strategy/test_dmax_acceptance.py checks that path's records exactly.)"""
+    from tests.engine.test_continuation import _generate
+
+    fields = dmax_fields("dmax_topk", **extra)
+    with make_engine(llada2, **fields) as llm:
+        prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
+    expected, none, _ = _generate(llada2, prompts, PARAMS, False, **fields)
+    got, continued, dropped = _generate(llada2, prompts, PARAMS, True, **fields)
+    assert none == 0
+    assert got == expected
+    assert continued > 0 and dropped > 0
+
+
+def test_iter_smooth_topk_steps_are_not_continued(llada2: Path) -> None:
+    from diffulex.engine.graph_policy import GraphPolicy
+
+    for mode, continues in (("iter_smooth_topk", False), ("dmax_topk", True)):
+        with make_engine(llada2, **dmax_fields(mode)) as llm:
+            assert GraphPolicy.decide(llm.config, torch.device("cpu"), llm.runner, False).continues is continues
 
 
 def test_two_micro_batches_with_soft_inputs_give_the_tokens_of_one_batch(llada2: Path) -> None:

@@ -2,20 +2,25 @@
 filled as a left-to-right run of confident positions (`diffulex.strategy.dmax.sampler`); a block commits once a
 step changes nothing or everything is confident. With token merge (``token_merge_weight > 0``) decoded positions
 enter the next forward as soft inputs (`diffulex.layers.token_merge`; on the CUDA-graph path static graph inputs,
-`diffulex.engine.static_soft_inputs`). Requests are edit-mode requests; attention is block-causal, so prefix
-caching defaults to on.
+`diffulex.engine.static_soft_inputs`). Greedy steps sample in the decode graph and are continued on the device, as
+edit decoding's are (`diffulex.strategy.dmax.acceptance`). Requests are edit-mode requests; attention is
+block-causal, so prefix caching defaults to on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.strategy.dmax.sampler import DMaxSampler
 from diffulex.strategy.edit import EditDecoding, EditOptions
 from diffulex.strategy.strategy import SamplerContext, register_strategy
 from diffulex.validation import check_bool, check_choice, check_int, check_number
+
+if TYPE_CHECKING:
+    from diffulex.config import Config
 
 # How the candidates of a soft input are built: the decoded token at its confidence, or the top-k of the position.
 TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
@@ -42,7 +47,13 @@ class DMaxOptions(EditOptions):
 class DMax(EditDecoding):
     name = "dmax"
     Options = DMaxOptions
-    samples_in_graph = False  # its rule runs on the host (`DMaxSampler`), after the forward graph
+
+    def continues_steps(self, config: Config) -> bool:
+        """As edit decoding's, where the device writes the soft inputs too: not with ``iter_smooth_topk``, whose
+        candidates (each position's top-k) are found on the host."""
+        options = config.strategy_options
+        merges_on_host = options.token_merge_weight > 0 and options.token_merge_mode != "dmax_topk"
+        return super().continues_steps(config) and not merges_on_host
 
     def make_sampler(self, context: SamplerContext) -> DMaxSampler:
         options = context.options

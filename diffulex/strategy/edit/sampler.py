@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffulex.layers.token_merge import TokenMergeSettings
+from diffulex.layers.token_merge import StaticTokenMerge, TokenMergeSettings
 from diffulex.sampler.host import HostSampler
 from diffulex.sampler.rows import PendingWrites, RowLayout, new_result
 from diffulex.sampler.token_sampling import propose_greedy
@@ -48,7 +48,7 @@ class EditSettings:
 
 
 @dataclass(frozen=True)
-class _SampledBlock:
+class SampledBlock:
     """One block of an edit step's layout: whose it is, its rows, its phase and the tokens those rows held."""
 
     req: EditRequest
@@ -57,7 +57,7 @@ class _SampledBlock:
     phase: EditPhase
     current: list[int]  # the token at each of its rows' positions before the step
 
-    def again(self, positions: list[int]) -> _SampledBlock:
+    def again(self, positions: list[int]) -> SampledBlock:
         """The block as the step after this one finds it (a continuation's, `EditLayout.continued`), once the
         host has applied this step: its rows' tokens and phase read from its request again."""
         req = self.req
@@ -71,7 +71,7 @@ class EditLayout(RowLayout):
     always forces where it may, so the device rule reads the phase instead; `acceptance.block_state`). A step is
     ``greedy`` (sampled inside the graph) when no request draws and no penalty changes the logits."""
 
-    blocks: list[_SampledBlock] = field(default_factory=list)
+    blocks: list[SampledBlock] = field(default_factory=list)
     in_graph: bool = True  # the device rule applies (no repetition penalty)
     mask_token_id: int = -1
     # a continuation's layout: its blocks as the host finds them once it has applied the step before (`continued`)
@@ -94,11 +94,16 @@ class EditLayout(RowLayout):
         block's tokens and phase read again when its result is applied, after this step's."""
         return dataclasses.replace(self, reread_blocks=True)
 
-    def give_verdicts(self, accepted: list[int], tokens: list[int]) -> None:
-        """Each block's verdict from the device rule's flags and every row's proposal, as the host rule gives it:
-        finished once it writes nothing or is past editing; stable as the share of decoded tokens proposed again."""
-        blocks = [block.again(self.positions) for block in self.blocks] if self.reread_blocks else self.blocks
-        for block in blocks:
+    def sampled_blocks(self) -> list[SampledBlock]:
+        """The step's blocks, as its result is applied (read again for a continuation's, `continued`)."""
+        return [block.again(self.positions) for block in self.blocks] if self.reread_blocks else self.blocks
+
+    def give_verdicts(self, result: torch.Tensor) -> None:
+        """Each block's verdict from the device rule's flags and every row's proposal (``result``, host memory), as
+        the host rule gives it: finished once it writes nothing or is past editing; stable as the share of decoded
+        tokens proposed again."""
+        accepted, tokens = result[:2].tolist()
+        for block in self.sampled_blocks():
             rows = block.rows
             decoded = [i for i, token in enumerate(block.current) if token != self.mask_token_id]
             agree = sum(tokens[rows[i]] == block.current[i] for i in decoded)
@@ -118,8 +123,7 @@ class _EditPendingWrites(PendingWrites):
         if self.accepted_tokens is not None and self.layout is not None:
             if self.ready is not None:
                 self.ready.synchronize()
-            accepted, tokens = self.accepted_tokens.tolist()
-            self.layout.give_verdicts(accepted, tokens)
+            self.layout.give_verdicts(self.accepted_tokens)
         return super().result()
 
 
@@ -128,9 +132,13 @@ class EditSampler(HostSampler):
     # its greedy step reads the tokens the sampled rows hold (`diffulex.engine.model_runner.ModelRunner.greedy_sample`)
     greedy_reads_inputs = True
 
-    def continuation_advance(self, shift: int) -> Callable[..., None]:
+    def continuation_advance(
+        self, shift: int, soft_records: Callable[[int], StaticTokenMerge] | None = None
+    ) -> Callable[..., None]:
         """What a sampling graph runs after this rule to turn the step's inputs into its continuation's (the graphs'
-        `diffulex.engine.cuda_graph.Advance`): `advance_edit_inputs`."""
+        `diffulex.engine.cuda_graph.Advance`): `advance_edit_inputs`. Edit decoding has no soft inputs."""
+        if soft_records is not None:
+            raise ValueError("edit decoding's continuations write no soft inputs")
         mask_token_id = self.settings.mask_token_id
 
         def advance(input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor,
@@ -142,20 +150,26 @@ class EditSampler(HostSampler):
 
     def row_layout(self, work: list[tuple[Request, list[SampleTarget]]]) -> RowLayout:
         """Every block forces where it may (the host rule), and carries its `EditPhase` for the device rule."""
+        layout = self.edit_layout(EditLayout, work)
+        for number, block in enumerate(layout.blocks):
+            layout.force[number] = block.req.block_state(block.req.blocks[block.index], block.phase)
+        return layout
+
+    def edit_layout(self, layout_class: type[EditLayout], work: list[tuple[Request, list[SampleTarget]]]) -> EditLayout:
+        """A layout of ``layout_class`` with each sampled block: its rows, the tokens they hold and its phase."""
         s = self.settings
-        layout = EditLayout.of(work, force_every_block=True)
+        layout = layout_class.of(work, force_every_block=True)
         layout.in_graph = s.penalty_lambda == 0
         layout.mask_token_id = s.mask_token_id
         row = 0
         for req, targets in work:
             if not isinstance(req, EditRequest):
                 raise TypeError("edit sampling needs EditRequest requests (sampling_mode='edit')")
-            for number, target in enumerate(targets, start=len(layout.blocks)):
+            for target in targets:
                 current = [req.token_ids[p] for p in target.positions]
-                phase = req.block_phase(target.block, current)
-                layout.force[number] = req.block_state(target.block, phase)
                 rows = range(row, row + len(current))
-                layout.blocks.append(_SampledBlock(req, target.block.index, rows, phase, current))
+                phase = req.block_phase(target.block, current)
+                layout.blocks.append(SampledBlock(req, target.block.index, rows, phase, current))
                 row = rows.stop
         return layout
 
