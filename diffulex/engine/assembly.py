@@ -286,6 +286,7 @@ def _model_runner(
         token_merge=token_merge,
         samples_in_graph=strategy.samples_in_graph,
         key_tails=strategy.attends_past_rows,
+        mask_token_id=mask_token_id,
     )
     return ModelRunner(runner_settings, model, sampler)
 

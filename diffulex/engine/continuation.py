@@ -13,6 +13,11 @@ and the device can derive both from the step's own result:
   (the block became ``TO_CACHE``), and otherwise stores nothing; a request whose next forward would be another
   one (`Request.stores_when_decoded`) gives its block no rows to store.
 
+And once a step has stored a request's block, the next one decodes the block after it (`BlockOpening`): the same
+rows, one block further on, all masks and sampled, attending to one block more of cached keys, whose page the
+host lent in advance (`diffulex.engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at
+large batches some request is always at its storing step, and no step could be continued for anyone.
+
 `advance_inputs` makes exactly these changes to a replayed graph's device buffers at the end of its sampling
 graph, so replaying the same graphs again *is* the next step. Rows decoded this step stay in the layout as rows
 that are no candidates (source row ``-1``, confidence ``-inf``), so the sampled rows keep their order and the
@@ -25,9 +30,26 @@ decoded, and such a continuation is dropped and the right step launched instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffulex.layers.dispatch import triton_available
+
+
+@dataclass(frozen=True)
+class BlockOpening:
+    """What a continuation reads and moves to decode a request's next block once it stored the one before: the
+    step's device views (``positions [T]`` int64; ``cu_seqlens_q [R + 1]``, ``context_lens [R]`` and
+    ``page_tables [R, P]`` int32) and the geometry. Only for families whose row p predicts position p (shift 0)."""
+
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    page_tables: torch.Tensor
+    page_size: int
+    block_size: int
+    mask_token_id: int
 
 
 def advance_inputs_reference(
@@ -38,6 +60,7 @@ def advance_inputs_reference(
     starts: torch.Tensor,
     blocks: torch.Tensor,
     shift: int,
+    opening: BlockOpening | None = None,
 ) -> None:
     """Turn a replayed step's inputs into the next step's, in place.
 
@@ -48,6 +71,10 @@ def advance_inputs_reference(
     ``s`` owns sampled rows ``starts[s] .. starts[s + 1]`` and input rows ``blocks[0, s] .. blocks[1, s]`` (an
     empty range: nothing to store once it is decoded), whose cache slots start at ``blocks[2, s]`` (-1: no page
     yet).
+
+    With ``opening``, a block that this step stored (its first row's slot set) and whose rows are all decoded
+    becomes the request's next block in place (`open_next_block_reference`), where it is a whole block of sampled
+    rows whose next block has its page; elsewhere it is stored again (an idempotent write).
     """
     accepted, tokens = result[0].tolist(), result[1].tolist()
     num_rows = input_ids.shape[0]
@@ -64,8 +91,49 @@ def advance_inputs_reference(
             else:
                 left += 1
         lo, hi, base = (int(v) for v in blocks[:, block])
+        first, last = int(starts[block]), int(starts[block + 1])
+        stored_now = hi > lo and int(slot_mapping[lo]) >= 0
+        if opening is not None and left == 0 and stored_now and shift == 0:
+            if open_next_block_reference(opening, input_ids, source_rows, slot_mapping, blocks, block, first, last):
+                continue
         if left == 0 and base >= 0:
             slot_mapping[lo:hi] = torch.arange(base, base + hi - lo, dtype=slot_mapping.dtype)
+
+
+def open_next_block_reference(
+    opening: BlockOpening,
+    input_ids: torch.Tensor,
+    source_rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    blocks: torch.Tensor,
+    block: int,
+    first: int,
+    last: int,
+) -> bool:
+    """Turn block ``block``'s input rows (just stored) into its request's next block: masks at positions one block
+    further on, not stored, each sampled by its own row (sampled rows ``first .. last``), one block more of the
+    request's context cached, and the new block's first slot looked up in its page table. False, and nothing
+    changed, unless the block is whole (``block_size`` input and sampled rows) and the next block's page is there."""
+    size = opening.block_size
+    lo, hi = int(blocks[0, block]), int(blocks[1, block])
+    if hi - lo != size or last - first != size:
+        return False
+    request = int(torch.searchsorted(opening.cu_seqlens_q[1:], torch.tensor(lo, dtype=opening.cu_seqlens_q.dtype),
+                                     right=True))  # fmt: skip
+    start = int(opening.positions[lo]) + size
+    page_index = start // opening.page_size
+    if page_index >= opening.page_tables.shape[1]:  # past the longest context the step's tables hold
+        return False
+    page = int(opening.page_tables[request, page_index])
+    if page < 0:
+        return False
+    input_ids[lo:hi] = opening.mask_token_id
+    opening.positions[lo:hi] += size
+    slot_mapping[lo:hi] = -1
+    source_rows[first:last] = torch.arange(lo, hi, dtype=source_rows.dtype)
+    opening.context_lens[request] += size
+    blocks[2, block] = page * opening.page_size + start % opening.page_size
+    return True
 
 
 def advance_inputs(
@@ -77,12 +145,13 @@ def advance_inputs(
     blocks: torch.Tensor,
     shift: int,
     max_rows: int,
+    opening: BlockOpening | None = None,
 ) -> None:
     """`advance_inputs_reference` in one Triton launch on CUDA (graph-capturable: no host reads), the reference
     elsewhere. ``max_rows`` bounds a block's rows."""
     if input_ids.is_cuda and triton_available():
         from diffulex.kernels.step_advance import triton_advance_inputs
 
-        triton_advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows)
+        triton_advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening)
         return
-    advance_inputs_reference(input_ids, source_rows, slot_mapping, result, starts, blocks, shift)
+    advance_inputs_reference(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, opening)

@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from diffulex.attention import PagedAttentionMetadata
+from diffulex.engine.continuation import BlockOpening
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.dispatch import triton_available
@@ -97,7 +98,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Te
 GreedySample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (input ids [T], source rows [T], slot mapping [T], result [F, T], starts [S + 1], blocks [3, S], segment [T],
 # force [S + 1]) -> None, editing the inputs in place into the next step's: `diffulex.engine.continuation.
-# advance_inputs` (the first three), or a sampler's own (edit decoding's also moves each block's entry in ``force``)
+# advance_inputs` (the first three; with ``opening=`` a `BlockOpening` of the step's layout, where the graphs open
+# blocks), or a sampler's own (edit decoding's also moves each block's entry in ``force``)
 Advance = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     None,
@@ -211,12 +213,15 @@ class DecodeGraphs:
         soft_inputs: StaticSoftInputs | None = None,
         snapshot_uploads: bool = False,
         result_fields: int = 2,
+        opens_blocks_with: int | None = None,
     ) -> None:
         if advance is not None and (greedy_sample is None or staging_buffers < 2):
             raise ValueError("continuation steps need a sampling graph and two staging buffers")
         # DMax's token merge, staged with the step's inputs (a continuation's advance writes its own records)
         self.soft_inputs = soft_inputs
         self.result_fields = result_fields  # rows of a sampling graph's result (`GreedySample`)
+        # the mask id a continuation opens a request's next block with (`BlockOpening`); None: it opens none
+        self.opens_blocks_with = opens_blocks_with
         self.shape = shape
         self.forward = forward
         self.greedy_sample = greedy_sample
@@ -489,6 +494,10 @@ class DecodeGraphs:
 
     def _run_uncaptured(self, bucket: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the bucket's graphs do, run eagerly on the same buffers (no CUDA, or before capture)."""
+        if self.opens_blocks_with is not None and not self.capture_graphs:
+            # the eager attention reads the host list, which an opening moves (a captured graph reads the tensor)
+            meta = self._metas[bucket]
+            meta.context_lens_cpu = meta.context_lens.tolist()
         hidden = self._forward(bucket)
         return hidden, self._sample(hidden, bucket) if sample else None
 
@@ -509,8 +518,15 @@ class DecodeGraphs:
         result = self.greedy_sample(hidden, *views)
         if self.advance is not None:
             rows, segment, force, starts = views
-            ids, _, slots = self._token_views(self.shape.bucket_rows(bucket))
-            self.advance(ids, rows, slots, result, starts, self._block_view(bucket), segment, force)
+            ids, positions, slots = self._token_views(self.shape.bucket_rows(bucket))
+            blocks = self._block_view(bucket)
+            if self.opens_blocks_with is None:
+                self.advance(ids, rows, slots, result, starts, blocks, segment, force)
+            else:
+                meta, s = self._metas[bucket], self.shape
+                opening = BlockOpening(positions, meta.cu_seqlens_q, meta.context_lens, meta.page_tables, s.page_size,
+                                       s.block_size, self.opens_blocks_with)  # fmt: skip
+                self.advance(ids, rows, slots, result, starts, blocks, segment, force, opening=opening)
         return result
 
     # ----- capture -------------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class DiffulexEngine:
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
         self._profiler = StepProfiler(config.profiler_config) if config.profiler_config.enabled else None
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
+        self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
         self._closed = False
         self._dead: str | None = None  # why the device stopped working, once it has
         self._launching: list[Request] = []  # the batch whose launch is under way (for a failure inside it)
@@ -314,20 +315,32 @@ class DiffulexEngine:
     def _maybe_continue(self) -> None:
         """Queue the successor of the step in flight before reading its result, when its rows are known already
         (`diffulex.engine.continuation`): nobody waits for admission, every running request takes part, and each
-        computes the same rows next step whatever this step accepts."""
+        computes the same rows next step whatever this step accepts, or the rows of its next block where this step
+        stores its block and the device can open the next one (`Request.next_step_opens_block`)."""
         if len(self._in_flight) != 1 or not self.policy.continues or not self.runner.can_continue:
             return
         newest, scheduler = self._in_flight[-1], self.scheduler
         if scheduler.waiting or len(newest.batch) != len(scheduler.running):
             return
-        for req, (query, _) in zip(newest.batch, newest.views, strict=True):
-            if req.is_finished or req.query_range() != query or not req.next_step_has_same_rows():
+        views, opened = [], []
+        for req, view in zip(newest.batch, newest.views, strict=True):
+            (start, end), blocks = view
+            if req.is_finished or req.query_range() != (start, end):
+                return
+            if req.next_step_has_same_rows():
+                views.append(view)
+            elif req.next_step_opens_block() and self.runner.opens_block_on_device(req):
+                size = req.settings.block_size
+                views.append(((start + size, end + size), (blocks[-1] + 1,)))
+                opened.append(req.req_id)
+            else:
                 return
         t0 = time.perf_counter()
-        pending = self.runner.launch_continuation(self._num_launches % self.policy.staging_buffers)
+        pending = self.runner.launch_continuation(self._num_launches % self.policy.staging_buffers, opened)
         self._num_launches += 1
         self.num_continuations += 1
-        self._in_flight.append(_InFlightStep(newest.batch, newest.views, pending, t0, continuation=True))
+        self.num_opened_blocks += len(opened)
+        self._in_flight.append(_InFlightStep(newest.batch, views, pending, t0, continuation=True))
 
     def _check_continuation(self) -> None:
         """Now that its predecessor's result is applied, check the continuation in flight against the step the
@@ -358,6 +371,8 @@ class DiffulexEngine:
         for req, (query, _) in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:
                 continue
+            if not req.running:  # its block was stored: it opens the next one, as its next schedule would
+                req.maybe_activate_block()
             device_rows, device_stores = req.continued_rows(left.get(req.req_id, []))
             host_rows = [p for target in req.sample_targets() for p in target.positions]
             block = req.running[0] if req.running else None

@@ -144,13 +144,15 @@ class KVCacheManager:
             req.page_table.extend(self._take_free_pages(missing))
 
     def reserve_running_pages(self, req: Request) -> None:
-        """Give ``req`` the pages its running set will be stored in, as far as free pages allow. A continuation step
-        (`diffulex.engine.continuation`) stores a block in the step right after its last mask is decoded, before the
-        host has seen that, so the block's slots must exist already. Only a page that holds no reusable prefix is
-        lent (the next page handed out, if unregistered): a loan must not evict the prefix cache."""
+        """Give ``req`` the pages its running set and the block after it will be stored in, as far as free pages
+        allow. A continuation step (`diffulex.engine.continuation`) stores a block in the step right after its last
+        mask is decoded, and opens the next block after that, before the host has seen either, so their slots must
+        exist already. Only a page that holds no reusable prefix is lent (the next page handed out, if
+        unregistered): a loan must not evict the prefix cache."""
         if not req.running:
             return
-        wanted = self.pages_for(req.running[-1].end) - len(req.page_table)
+        next_end = min(req.running[-1].end + req.settings.block_size, req.max_stored_len)
+        wanted = self.pages_for(max(next_end, req.running[-1].end)) - len(req.page_table)
         while wanted > 0 and self.free_pages and next(iter(self.free_pages)) not in self.hash_of_page:
             req.page_table.append(self._take_free_page())
             wanted -= 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
-from diffulex.engine.continuation import advance_inputs
+from diffulex.engine.continuation import BlockOpening, advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.prefill_graphs import (
     PrefillGraphs,
@@ -36,6 +36,7 @@ from diffulex.engine.step_rows import StepRows
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
+from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.page_table import page_array
 from diffulex.strategy.request import Request, SampleTarget
 
@@ -54,6 +55,7 @@ class RunnerSettings:
     token_merge: TokenMergeSettings | None = None  # DMax's soft inputs (static graph inputs on the graph path)
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
     key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
+    mask_token_id: int = -1  # the mask id (what a continuation opens a request's next block with)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _ReplayedStep:
     bucket: int
     layout: RowLayout
     storable: bool  # every block a continuation may store once it is decoded has its page
+    staged_pages: dict[int, int]  # req_id -> pages of its page table staged on the device (what an opening reads)
 
 
 class ModelRunner:
@@ -225,6 +228,9 @@ class ModelRunner:
         if s.token_merge is not None:
             soft_inputs = StaticSoftInputs(s.token_merge, shape.max_tokens, s.device, staging_buffers)
         advance = None
+        # a continuation opens a request's next block itself (`BlockOpening`) where its advance is the plain one, for
+        # families whose row p predicts p and requests that attend to no keys after their rows
+        opens_blocks_with = None
         if continuations and greedy_sample is not None:
             own_advance = getattr(self.sampler, "continuation_advance", None)  # a sampler whose rule needs its own
             if own_advance is not None:  # it also writes the continuation's soft inputs, where there are any
@@ -234,17 +240,19 @@ class ModelRunner:
                 raise ValueError("continuation steps with soft inputs need a sampler that writes the next step's")
             else:
                 advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
+                if not logits_shift and not key_tails:
+                    opens_blocks_with = s.mask_token_id
         result_fields = getattr(self.sampler, "result_fields", 2)
         self.graphs = DecodeGraphs(
             shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance, soft_inputs,
-            result_fields=result_fields,
+            result_fields=result_fields, opens_blocks_with=opens_blocks_with,
         )
         self.short_graphs = None
         if short_rows_per_request is not None and short_rows_per_request < max_query_len:
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance,
-                result_fields=result_fields,
+                result_fields=result_fields, opens_blocks_with=opens_blocks_with,
             )
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:
@@ -257,12 +265,12 @@ class ModelRunner:
         if max_chunk_rows > 0 and plain_inputs:
             self.chunk_graphs = DecodeGraphs(
                 chunk_graph_shape(shape, max_chunk_rows), self.graph_forward, s.device, capture, staging_buffers,
-                greedy_sample, advance, result_fields=result_fields,
+                greedy_sample, advance, result_fields=result_fields, opens_blocks_with=opens_blocks_with,
             )
         if straggler_graphs and plain_inputs:
             self.straggler_graphs = DecodeGraphs(
                 straggler_graph_shape(shape), self.graph_forward, s.device, capture, staging_buffers, greedy_sample,
-                advance, result_fields=result_fields,
+                advance, result_fields=result_fields, opens_blocks_with=opens_blocks_with,
             )
         self._replayed = None
         self._graph_logits_shift = int(logits_shift)
@@ -385,9 +393,10 @@ class ModelRunner:
         if bucket is not None or prefills:
             sampled = None
             if bucket is not None and layout is not None and layout.greedy and graphs.samples:
-                sampled = SampledRows(
-                    step.sample_rows, layout.segments, layout.force, layout.starts, step.sample_blocks
-                )
+                sample_rows, sample_blocks = step.sample_rows, step.sample_blocks
+                if graphs.opens_blocks_with is not None:
+                    layout, sample_rows, sample_blocks = self._whole_blocks(step, layout)
+                sampled = SampledRows(sample_rows, layout.segments, layout.force, layout.starts, sample_blocks)
             graph_set = self._graph_set_name(graphs)
             self._announce(lambda: StepMessage.of_step(step, bucket, micro_batch, sampled, graph_set, prefills))
             for part, rows in prefills:  # before the decode graph, on the same stream: it reads their K/V
@@ -395,8 +404,9 @@ class ModelRunner:
             if bucket is not None:  # else the prefills were the whole step (sampled below, if it samples)
                 hidden, result = graphs.run(step, bucket, micro_batch, sampled)
                 if result is not None:
-                    storable = all(base >= 0 for lo, hi, base in step.sample_blocks if hi > lo)
-                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable)
+                    storable = all(base >= 0 for lo, hi, base in sampled.blocks if hi > lo)
+                    staged = {req.req_id: len(req.page_table) for req in batch}
+                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged)
                     return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
@@ -467,14 +477,34 @@ class ModelRunner:
         replayed = self._replayed
         return replayed is not None and replayed.storable and replayed.graphs.advance is not None
 
+    def opens_block_on_device(self, req: Request) -> bool:
+        """Whether a continuation of the last launch can open ``req``'s next block itself (`BlockOpening`): its graphs
+        open blocks, the launch's layout holds a whole block of rows of the request (`_whole_blocks`) and the page of
+        the block after its running one was staged with the launch that began the chain (the page table the device
+        reads)."""
+        replayed = self._replayed
+        if replayed is None or replayed.graphs.opens_blocks_with is None or not req.running:
+            return False
+        size = self.settings.block_size
+        if replayed.layout.owners.count(req.req_id) != size:
+            return False
+        next_end = req.running[-1].end + size
+        return -(-next_end // self.settings.page_size) <= replayed.staged_pages.get(req.req_id, 0)
+
     @torch.inference_mode()
-    def launch_continuation(self, micro_batch: int) -> PendingWrites:
+    def launch_continuation(self, micro_batch: int, opened: Collection[int] = ()) -> PendingWrites:
         """Queue the step after the last one without staging anything: the same graphs on the inputs the last
-        step's sampling graph advanced (`diffulex.engine.continuation`). Its result has the last step's row layout;
-        rows decoded since are never accepted. `micro_batch` picks the host home of the result."""
+        step's sampling graph advanced (`diffulex.engine.continuation`). Its result has the last step's row layout,
+        one block further on for the requests in ``opened`` (ids of requests whose block the last step stored: the
+        device opens their next block, `opens_block_on_device`); rows decoded since are never accepted.
+        `micro_batch` picks the host home of the result."""
         if not self.can_continue:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
+        if opened:
+            replayed = self._replayed = dataclasses.replace(
+                replayed, layout=replayed.layout.opened(set(opened), self.settings.block_size)
+            )
         num_rows = len(replayed.layout.positions)
         graph_set = self._graph_set_name(replayed.graphs)
         self._announce(lambda: StepMessage(MessageKind.CONTINUATION, bucket=replayed.bucket, micro_batch=micro_batch,
@@ -603,6 +633,56 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         torch.softmax(logits.float(), dim=-1).max(dim=-1)
 
+    def _whole_blocks(
+        self, step: StepInputs, layout: RowLayout
+    ) -> tuple[RowLayout, list[int], list[tuple[int, int, int]]]:
+        """The step's sampled rows with each request's running block whole, for graphs whose continuations open
+        next blocks (`diffulex.engine.continuation.BlockOpening`): a block of generated positions gets a row for
+        every position, its decoded ones no candidates (logits row -1, as a continuation retires them), and a
+        block stored by this step gets such rows too; so that the continuation after it has a whole block of rows
+        to open the next block in. Returns the layout, the logits rows and the blocks' rows and slots; the step's
+        own where the sampler's layout is not a plain one."""
+        if type(layout) is not RowLayout:
+            return layout, step.sample_rows, step.sample_blocks
+        size, page = self.settings.block_size, self.settings.page_size
+        out = RowLayout([], [], [], [], [], [], req_ids=layout.req_ids)
+        rows, blocks = [], []
+        segment = 0
+
+        def add_block(req: Request, positions: list[int], logits_rows: list[int], force: int, block_rows) -> None:
+            out.starts.append(len(out.positions))
+            out.positions.extend(positions)
+            out.owners.extend([req.req_id] * len(positions))
+            out.segments.extend([len(out.force)] * len(positions))
+            out.force.append(force)
+            out.max_block_rows = max(out.max_block_rows, len(positions))
+            rows.extend(logits_rows)
+            blocks.append(block_rows)
+
+        for index, (req, targets) in enumerate(step.work):
+            offset, start = step.cu_seqlens_q[index], step.context_lens[index]
+            block = req.running[0] if len(req.running) == 1 else None
+            whole = (block is not None and block.start >= req.prompt_len and block.end <= req.decode_limit
+                     and req.stores_when_decoded(block))  # fmt: skip
+            if not targets and whole and block.status is BlockStatus.TO_CACHE and block.start == start:
+                # forcing as the block it opens will: the oldest active one, after a committed block
+                add_block(req, list(range(block.start, block.end)), [-1] * size, 1,
+                          (offset, offset + size, _slot(req, block.start, page)))  # fmt: skip
+                continue
+            for target in targets:
+                first, last = layout.starts[segment], layout.starts[segment + 1]
+                if whole and target.block is block:
+                    own = dict(zip(layout.positions[first:last], step.sample_rows[first:last], strict=True))
+                    positions = list(range(block.start, block.end))
+                    add_block(req, positions, [own.get(p, -1) for p in positions], layout.force[segment],
+                              step.sample_blocks[segment])  # fmt: skip
+                else:
+                    add_block(req, layout.positions[first:last], step.sample_rows[first:last], layout.force[segment],
+                              step.sample_blocks[segment])  # fmt: skip
+                segment += 1
+        out.starts.append(len(out.positions))
+        return out, rows, blocks
+
     def collect(self, batch: list[Request]) -> StepInputs:
         """Flatten the batch: every request's query range, its cache slots and the rows to sample."""
         step, rows = StepInputs(), StepRows(self.settings.page_size)
@@ -729,11 +809,11 @@ class ModelRunner:
 def _plain_advance(
     input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor, result: torch.Tensor,
     starts: torch.Tensor, blocks: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, *, shift: int,
-    max_rows: int,
+    max_rows: int, opening: BlockOpening | None = None,
 ) -> None:  # fmt: skip
     """`advance_inputs` as the graphs call an advance (`diffulex.engine.cuda_graph.Advance`): it reads neither the
     rows' segments nor the blocks' staged entries."""
-    advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows)
+    advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening)
 
 
 def _with_rows(step: StepInputs, rows: StepRows) -> StepInputs:

@@ -8,6 +8,7 @@ generator. The strategies' samplers (`diffulex.strategy.multi_bd.sampler`, `diff
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from itertools import compress
 
@@ -106,6 +107,13 @@ class RowLayout:
     def greedy(self) -> bool:
         """Whether every row takes its top-1 (no request draws at ``temperature > 0``)."""
         return not self.sampled
+
+    def opened(self, req_ids: set[int], block_size: int) -> RowLayout:
+        """The layout once the requests ``req_ids`` moved on to their next block (`diffulex.engine.continuation.
+        BlockOpening`): their rows predict the positions one block further on."""
+        owners = zip(self.positions, self.owners, strict=True)
+        positions = [p + block_size if owner in req_ids else p for p, owner in owners]
+        return dataclasses.replace(self, positions=positions)
 
     def continued(self) -> RowLayout:
         """The layout a continuation of this step's result is read with (`diffulex.engine.continuation`): the

@@ -408,6 +408,23 @@ class Request:
             block.status is BlockStatus.ACTIVE and block.start == self.num_cached_tokens and bool(self.sample_targets())
         )
 
+    def next_step_opens_block(self) -> bool:
+        """Whether the step after the one about to run decodes this request's next block, which a continuation can
+        open itself (`diffulex.engine.continuation.BlockOpening`): the running set is one whole block of generated
+        positions, decoded, that the step about to run stores (``buffer_size=1``), and the next block is whole within
+        the decoding limit. The host opens that block when it next looks at the request (`maybe_activate_block`).
+        Not for shifted families, whose rows predict the position after them."""
+        s = self.settings
+        if s.buffer_size != 1 or len(self.running) != 1 or s.logits_shift:
+            return False
+        block = self.running[0]
+        return (
+            block.status is BlockStatus.TO_CACHE
+            and block.start == self.num_cached_tokens
+            and block.start >= self.prompt_len
+            and block.end + s.block_size <= self.decode_limit
+        )
+
     def stores_when_decoded(self, block: Block) -> bool:
         """Whether the step after the one that decodes the last sampled mask of ``block`` stores its K/V over this
         step's rows: then a continuation of this step (`diffulex.engine.continuation`) turns on the store of the

@@ -25,7 +25,7 @@ Shared machinery stays shared: block state (`diffulex.strategy.request`), propos
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -84,7 +84,9 @@ class StepRunner(Protocol):
 
     def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites: ...
 
-    def launch_continuation(self, micro_batch: int) -> PendingWrites: ...
+    def opens_block_on_device(self, req: Request) -> bool: ...
+
+    def launch_continuation(self, micro_batch: int, opened: Collection[int] = ()) -> PendingWrites: ...
 
     def forget_launches(self) -> None: ...
 

@@ -57,6 +57,26 @@ def test_continued_steps_match_the_reference_decoder(peaky_sdar_dir: Path) -> No
         assert llm.num_continuations > sum(t.nfe for t in trajectories) // 4, "most decode steps are continued"
 
 
+def test_requests_out_of_step_are_continued_across_their_blocks(peaky_sdar_dir: Path) -> None:
+    """Twelve requests whose blocks end at different steps (prompts of different lengths, a confident model): at
+    every step some request stores its decoded block, so without opening the next block on the device
+    (`BlockOpening`) a step could rarely be continued for all of them. They decode exactly as with one step in
+    flight, most steps are continued, and no continuation is dropped for it."""
+    fields = dict(accept_threshold=0.8, page_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18], seed=21)
+    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    with make_engine(peaky_sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        steps, continued, opened = llm.num_steps, llm.num_continuations, llm.num_opened_blocks
+        dropped = llm.num_dropped_continuations
+    assert _answers(outputs) == expected
+    assert opened > len(prompts), "requests moved on to their next block on the device"
+    assert continued > steps // 2 and dropped == 0
+
+
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path) -> None:
     model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
     with make_engine(model) as llm:
@@ -135,8 +155,8 @@ def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(peaky
         launched = []
         original = llm.runner.launch_continuation
 
-        def launch_continuation(micro_batch):
-            pending = original(micro_batch)
+        def launch_continuation(micro_batch, opened=()):
+            pending = original(micro_batch, opened)
             launched.append(pending)
             return pending
 

@@ -42,9 +42,9 @@ def record_continued_kinds(llm) -> list[set[ForwardKind]]:
     kinds: list[set[ForwardKind]] = []
     original = llm.runner.launch_continuation
 
-    def launch_continuation(micro_batch):
+    def launch_continuation(micro_batch, opened=()):
         kinds.append({req.forward_kind() for req in llm._in_flight[-1].batch})
-        return original(micro_batch)
+        return original(micro_batch, opened)
 
     llm.runner.launch_continuation = launch_continuation
     return kinds

@@ -94,3 +94,85 @@ def test_a_refinement_lands_its_tokens_one_row_later_and_stores_nothing(advance)
     assert ids.tolist() == [5, 11, 12, 13, 1, 2, 3]
     assert source.tolist() == [-1, -1, -1, -1]
     assert slots.tolist() == [-1] * 7
+
+
+def opening_step(seed: int, block_size: int = 4, page_size: int = 8):
+    """A step of several requests, one block each (at varied positions, sometimes after a prompt row of their own):
+    some blocks decode, some were stored by this step (their slots set, nothing sampled), some next blocks have no
+    page. Returns the advance's tensors and the `BlockOpening` of the step's layout."""
+    from diffulex.engine.continuation import BlockOpening
+
+    rng = random.Random(seed)
+    ids, slots, source, positions, starts, blocks, result = [], [], [], [], [0], [[], [], []], [[], []]
+    cu, context, tables = [0], [], []
+    for _ in range(rng.randint(1, 6)):
+        extra = rng.choice([0, 0, 1])  # a row before the block (not part of it): such a block is not whole
+        start = block_size * rng.randint(2, 13)
+        table = [rng.choice([-1, rng.randint(0, 40)]) for _ in range(7)]  # a block at 52-55 opens past the table
+        first = len(ids) + extra
+        positions.extend(range(start - extra, start + block_size))
+        stored = rng.random() < 0.5
+        page = table[start // page_size]
+        ids.extend([rng.randint(0, 50)] * extra)
+        ids.extend(rng.randint(0, 50) if stored or rng.random() < 0.5 else MASK for _ in range(block_size))
+        base = page * page_size + start % page_size if page >= 0 else -1
+        stored_slots = [base + i for i in range(block_size)] if stored and base >= 0 else [-1] * block_size
+        slots.extend([-1] * extra + stored_slots)
+        for p in range(block_size):
+            sampled = not stored and ids[first + p] == MASK
+            source.append(first + p if sampled else -1)
+            result[0].append(int(sampled and rng.random() < 0.5))
+            result[1].append(rng.randint(100, 200))
+        starts.append(len(source))
+        blocks[0].append(first - extra if extra and rng.random() < 0.5 else first)
+        blocks[1].append(first + block_size)
+        blocks[2].append(base)
+        cu.append(len(ids))
+        context.append(start - extra)
+        tables.append(table)
+
+    def t(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    step = [t(ids), t(source), t(slots), t(result), t(starts), t(blocks)]
+    layout = [t(positions), t(cu, torch.int32), t(context, torch.int32), t(tables, torch.int32)]
+    return step, layout, lambda views: BlockOpening(*views, page_size=page_size, block_size=block_size,
+                                                     mask_token_id=MASK)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int) -> None:
+    step, layout, opening = opening_step(seed)
+    expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout]
+    advance_inputs_reference(*expected[0], 0, opening(expected[1]))
+    triton_advance_inputs(*step, 0, 4, opening(layout))
+    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
+    for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
+        assert g.cpu().tolist() == e.tolist(), name
+
+
+def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there() -> None:
+    """Two requests of one block each (block 4, page 8), both stored by this step (rows 0-3 at positions 8-11 in
+    page 2, rows 4-7 at 4-7 in page 5): request 0's next block (12-15, page 2 too) becomes masks at 12-15, sampled,
+    not stored, with one block more of context and the new block's first slot 2 * 8 + 4; request 1's next block
+    (8-11) has no page, so its block is only stored again."""
+    from diffulex.engine.continuation import BlockOpening
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
+    source = torch.full((8,), -1, dtype=torch.int64)
+    slots = torch.tensor([16, 17, 18, 19, 44, 45, 46, 47], dtype=torch.int64)
+    result = torch.zeros((2, 8), dtype=torch.int64)
+    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [16, 44]], dtype=torch.int64)
+    positions = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7], dtype=torch.int64)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    context = torch.tensor([8, 4], dtype=torch.int32)
+    tables = torch.tensor([[0, 2, 9], [5, -1, -1]], dtype=torch.int32)  # request 0's positions 8-15: page 2
+    opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening)
+    assert ids.tolist() == [MASK] * 4 + [5, 6, 7, 8]
+    assert positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert source.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
+    assert context.tolist() == [12, 4]
+    assert blocks[2].tolist() == [2 * 8 + 4, 44]

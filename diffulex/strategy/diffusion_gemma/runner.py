@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -209,7 +210,10 @@ class CanvasRunner:
         per_canvas = config.canvas_length * config.vocab_size * 4
         return max(1, min(batch, LOGITS_GROUP_BYTES // per_canvas))
 
-    def launch_continuation(self, micro_batch: int) -> PendingWrites:
+    def opens_block_on_device(self, req: CanvasRequest) -> bool:
+        return False
+
+    def launch_continuation(self, micro_batch: int, opened: Collection[int] = ()) -> PendingWrites:
         raise RuntimeError("a DiffusionGemma step cannot be continued on the device")
 
     def decode(
