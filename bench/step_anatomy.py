@@ -279,7 +279,8 @@ def main() -> None:
             _admit_until_decoding(engine, reqs, 4 * batch + 16)
             for _ in range(5):
                 engine.step()
-            counts = (engine.num_steps, engine.num_continuations, engine.num_dropped_continuations)
+            counters = ("num_steps", "num_continuations", "num_dropped_continuations", "num_opened_blocks")
+            counts = [getattr(engine, name) for name in counters]
             phases = host_phases(engine, args.steps)
             if args.tensor_parallel_size == 1:
                 # a bare replay outside the engine's steps: with collectives in the graph, rank 0 would wait
@@ -287,9 +288,10 @@ def main() -> None:
                 phases.update(replay_cost(engine))
             phases.update(sampler_cost(engine, args.steps))
             rows, wall, busy = kernel_table(engine, args.steps)
-            # steps queued on the device before their predecessor's result, and of those the ones dropped
-            steps, continued, dropped = (now - before for now, before in zip(
-                (engine.num_steps, engine.num_continuations, engine.num_dropped_continuations), counts, strict=True))
+            # steps queued on the device before their predecessor's result, of those the ones dropped, and the blocks
+            # they opened (a request's next block after the step that stored its last)
+            steps, continued, dropped, opened = (
+                getattr(engine, name) - before for name, before in zip(counters, counts, strict=True))
             for rid in ids:
                 engine.abort_request(rid)
             mode = f" {args.sampling_mode}" if args.sampling_mode else ""
@@ -299,12 +301,12 @@ def main() -> None:
             for k, v in phases.items():
                 print(f"  {k:32s} {v:8.3f}")
             print(f"profiled: wall {wall:.3f} ms/step, GPU busy {busy:.3f} ms/step ({100 * busy / wall:.0f}%)")
-            print(f"continuation steps: {continued} of {steps} steps ({dropped} dropped)")
+            print(f"continuation steps: {continued} of {steps} steps ({dropped} dropped, {opened} blocks opened)")
             print(f"  {'kernel':90s} {'n/step':>7s} {'us/step':>9s}")
             for name, n, us in rows[: args.top]:
                 print(f"  {name:90s} {n:7.1f} {us:9.1f}")
             report.append({"batch": batch, "phases": phases, "wall_ms": wall, "busy_ms": busy, "steps": steps,
-                           "continued": continued, "dropped": dropped,
+                           "continued": continued, "dropped": dropped, "opened_blocks": opened,
                            "kernels": [{"name": n, "per_step": c, "us_per_step": u} for n, c, u in rows]})
         engine.exit()
     if args.out:

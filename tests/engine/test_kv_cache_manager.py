@@ -383,3 +383,25 @@ def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_p
                 requests.append(req)
         assert pool_state(pools[0], held[0]) == pool_state(pools[1], held[1]), f"after operation {op}"
     assert pools[0].page_of_hash and any(kv.num_cached_prefix_tokens(make_request(shared)) for kv in pools)
+
+
+# ----- loans for continuation steps ---------------------------------------------------------------------------
+
+
+def test_a_loan_covers_the_running_block_and_the_block_after_it_and_is_taken_back_whole() -> None:
+    """A continuation may store the running block and then open the block after it before the host sees either
+    (`diffulex.engine.continuation.BlockOpening`): a request whose 12-token prompt fills pages 0 and 1 runs block
+    12-15 (page 1) and is lent page 2 for the block after it (16-19). Taking the loan back leaves the prompt's
+    pages, the lent page first in line again."""
+    kv = KVCacheManager(num_pages=6, page_size=PAGE, enable_prefix_caching=True)
+    req = cached_request(kv, prompt_of(12))
+    assert len(req.page_table) == 2
+    req.maybe_activate_block()
+    assert (req.running[0].start, req.running[0].end) == (12, 16)
+    kv.reserve_running_pages(req)
+    assert len(req.page_table) == 3
+    lent = req.page_table[2]
+    kv.release_reserved_pages(req)
+    assert len(req.page_table) == 2
+    kv.reserve_running_pages(req)
+    assert req.page_table[2] == lent

@@ -15,6 +15,7 @@ from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.strategy.dmax.acceptance import advance_dmax_inputs, dmax_acceptance
 from diffulex.strategy.dmax.sampler import DMaxSampler
+from tests.strategy.test_edit_acceptance import device_step
 from tests.strategy.test_edit_sampler import MASK, VOCAB, make, peaked
 
 MERGE = TokenMergeSettings("dmax_topk", 1, 1.0, True, MASK)
@@ -25,22 +26,6 @@ def dmax(fast_path: bool, merge: TokenMergeSettings | None, threshold: float = 0
     settings = dataclasses.replace(edit.settings, accept_threshold=threshold, dmax_fast_path=fast_path,
                                    token_merge=merge)  # fmt: skip
     return req, DMaxSampler(settings)
-
-
-def device_step(req, sampler, logits: torch.Tensor, padding: int = 3):
-    """One greedy step through `DMaxSampler.row_layout`, `greedy_result` (padded rows, as in a graph bucket) and the
-    layout's pending writes, which judge the blocks; also returns the full device result."""
-    layout = sampler.row_layout([(req, req.sample_targets())])
-    assert layout.greedy
-    n, blocks = len(layout.positions), len(layout.force)
-    source_rows = torch.tensor(list(range(n)) + [-1] * padding)
-    segment = torch.tensor(layout.segments + [blocks] * padding)
-    force = torch.tensor(layout.force + [0])
-    starts = torch.tensor(layout.starts + [n])
-    current = torch.tensor([t for b in layout.blocks for t in b.current] + [MASK] * padding)
-    result = sampler.greedy_result(logits, source_rows, segment, force, starts, 4, current)
-    writes = layout.pending(result[:, :n]).result()[req.req_id]
-    return writes, layout, result[:, :n]
 
 
 def applied(req, writes) -> None:
@@ -67,7 +52,8 @@ def test_the_device_rule_writes_judges_and_merges_as_the_host_rule(fast_path, me
             logits = peaked(tokens, conf)
             twin = copy.deepcopy(req)
             expected = sampler(logits, [(twin, twin.sample_targets())])[twin.req_id]
-            writes, _, _ = device_step(req, sampler, logits)
+            writes, _, layout, _ = device_step(req, sampler, logits)
+            assert layout.greedy
             assert writes == expected
             assert req.sampled_blocks == twin.sampled_blocks
             assert req.next_soft == twin.next_soft
@@ -112,7 +98,7 @@ def test_a_continued_step_finds_its_inputs_and_soft_records_as_the_host_stages_t
             rows = sum(len(t.positions) for t in req.sample_targets())
             logits = peaked([rng.randrange(VOCAB - 1) for _ in range(rows)],
                             [rng.choice([0.3, 0.5, 0.9, 0.95]) for _ in range(rows)])  # fmt: skip
-            writes, layout, result = device_step(req, sampler, logits, padding=0)
+            writes, _, layout, result = device_step(req, sampler, logits, padding=0)
             n = len(layout.positions)
             inputs = torch.tensor([t for b in layout.blocks for t in b.current])
             merge = staged_records(req, sampler, layout.positions)  # this step's, as the host staged them

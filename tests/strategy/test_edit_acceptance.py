@@ -13,8 +13,8 @@ from tests.strategy.test_edit_sampler import MASK, VOCAB, make, peaked
 
 
 def device_step(req, sampler, logits: torch.Tensor, padding: int = 3):
-    """One step through `EditSampler.row_layout`, `greedy_result` (with padded rows, as in a graph bucket) and the
-    layout's pending writes, which hand out the verdicts."""
+    """One step through the sampler's `row_layout`, `greedy_result` (with padded rows, as in a graph bucket) and the
+    layout's pending writes, which hand out the verdicts; also returns the step's device result."""
     work = [(req, req.sample_targets())]
     layout = sampler.row_layout(work)
     n, blocks = len(layout.positions), len(layout.force)
@@ -23,9 +23,9 @@ def device_step(req, sampler, logits: torch.Tensor, padding: int = 3):
     phase = torch.tensor(layout.force + [0])
     starts = torch.tensor(layout.starts + [n])
     current = torch.tensor([t for b in layout.blocks for t in b.current] + [MASK] * padding)
-    result = sampler.greedy_result(logits, source_rows, segment, phase, starts, 4, current)
-    writes = layout.pending(result[:, :n]).result()[req.req_id]
-    return writes, {b.index: req.sampled_blocks[b.index] for b in layout.blocks}, layout
+    result = sampler.greedy_result(logits, source_rows, segment, phase, starts, 4, current)[:, :n]
+    writes = layout.pending(result).result()[req.req_id]
+    return writes, {b.index: req.sampled_blocks[b.index] for b in layout.blocks}, layout, result
 
 
 def host_step(req, sampler, logits: torch.Tensor):
@@ -55,7 +55,7 @@ def run_twins(seed: int) -> set[EditPhase]:
         logits = peaked(tokens, conf)
         twin = copy.deepcopy(req)
         expected_writes, expected_verdicts = host_step(twin, sampler, logits)
-        writes, verdicts, layout = device_step(req, sampler, logits)
+        writes, verdicts, layout, _ = device_step(req, sampler, logits)
         assert writes == expected_writes
         assert verdicts == expected_verdicts
         phases.update(b.phase for b in layout.blocks)
@@ -112,7 +112,7 @@ def test_a_continued_step_finds_its_block_as_the_host_leaves_it() -> None:
             rows = sum(len(t.positions) for t in targets)
             logits = peaked([rng.randrange(VOCAB - 1) for _ in range(rows)],
                             [rng.choice([0.3, 0.5, 0.9, 0.95]) for _ in range(rows)])  # fmt: skip
-            writes, verdicts, layout = device_step(req, sampler, logits, padding=0)
+            writes, verdicts, layout, _ = device_step(req, sampler, logits, padding=0)
             n = len(layout.positions)
             inputs = torch.tensor([t for b in layout.blocks for t in b.current])
             states = torch.tensor(layout.force + [0])
