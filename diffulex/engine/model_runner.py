@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
@@ -103,6 +104,7 @@ class _ReplayedStep:
     layout: RowLayout
     storable: bool  # every block a continuation may store once it is decoded has its page
     staged_pages: dict[int, int]  # req_id -> pages of its page table staged on the device (what an opening reads)
+    sampled_rows: Counter[int]  # req_id -> its rows in the layout (a whole block's can open the next one)
 
 
 class ModelRunner:
@@ -406,7 +408,7 @@ class ModelRunner:
                 if result is not None:
                     storable = all(base >= 0 for lo, hi, base in sampled.blocks if hi > lo)
                     staged = {req.req_id: len(req.page_table) for req in batch}
-                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged)
+                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, Counter(layout.owners))
                     return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
@@ -486,7 +488,7 @@ class ModelRunner:
         if replayed is None or replayed.graphs.opens_blocks_with is None or not req.running:
             return False
         size = self.settings.block_size
-        if replayed.layout.owners.count(req.req_id) != size:
+        if replayed.sampled_rows[req.req_id] != size:
             return False
         next_end = req.running[-1].end + size
         return -(-next_end // self.settings.page_size) <= replayed.staged_pages.get(req.req_id, 0)
