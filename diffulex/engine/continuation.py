@@ -41,7 +41,7 @@ from diffulex.layers.dispatch import triton_available
 class BlockOpening:
     """What a continuation reads and moves to decode a request's next block once it stored the one before: the
     step's device views (``positions [T]`` int64; ``cu_seqlens_q [R + 1]``, ``context_lens [R]`` and
-    ``page_tables [R, P]`` int32) and the geometry. Only for families whose row p predicts position p (shift 0)."""
+    ``page_tables [R, P]`` int32) and the geometry."""
 
     positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -93,8 +93,9 @@ def advance_inputs_reference(
         lo, hi, base = (int(v) for v in blocks[:, block])
         first, last = int(starts[block]), int(starts[block + 1])
         stored_now = hi > lo and int(slot_mapping[lo]) >= 0
-        if opening is not None and left == 0 and stored_now and shift == 0:
-            if open_next_block_reference(opening, input_ids, source_rows, slot_mapping, blocks, block, first, last):
+        if opening is not None and left == 0 and stored_now:
+            if open_next_block_reference(opening, input_ids, source_rows, slot_mapping, blocks, block, first, last,
+                                         shift):  # fmt: skip
                 continue
         if left == 0 and base >= 0:
             slot_mapping[lo:hi] = torch.arange(base, base + hi - lo, dtype=slot_mapping.dtype)
@@ -109,11 +110,14 @@ def open_next_block_reference(
     block: int,
     first: int,
     last: int,
+    shift: int = 0,
 ) -> bool:
     """Turn block ``block``'s input rows (just stored) into its request's next block: masks at positions one block
-    further on, not stored, each sampled by its own row (sampled rows ``first .. last``), one block more of the
-    request's context cached, and the new block's first slot looked up in its page table. False, and nothing
-    changed, unless the block is whole (``block_size`` input and sampled rows) and the next block's page is there."""
+    further on, not stored, each sampled from the row ``shift`` before it (sampled rows ``first .. last``), one
+    block more of the request's context cached, and the new block's first slot looked up in its page table. A
+    shifted family's request also has the row before its block (the position its first row is predicted from): it
+    moves on too, to the stored block's last token. False, and nothing changed, unless the block is whole
+    (``block_size`` input and sampled rows) and the next block's page is there."""
     size = opening.block_size
     lo, hi = int(blocks[0, block]), int(blocks[1, block])
     if hi - lo != size or last - first != size:
@@ -127,10 +131,12 @@ def open_next_block_reference(
     page = int(opening.page_tables[request, page_index])
     if page < 0:
         return False
+    if shift:
+        input_ids[lo - shift] = input_ids[hi - 1]
     input_ids[lo:hi] = opening.mask_token_id
-    opening.positions[lo:hi] += size
-    slot_mapping[lo:hi] = -1
-    source_rows[first:last] = torch.arange(lo, hi, dtype=source_rows.dtype)
+    opening.positions[lo - shift : hi] += size
+    slot_mapping[lo - shift : hi] = -1
+    source_rows[first:last] = torch.arange(lo - shift, hi - shift, dtype=source_rows.dtype)
     opening.context_lens[request] += size
     blocks[2, block] = page * opening.page_size + start % opening.page_size
     return True

@@ -230,8 +230,8 @@ class ModelRunner:
         if s.token_merge is not None:
             soft_inputs = StaticSoftInputs(s.token_merge, shape.max_tokens, s.device, staging_buffers)
         advance = None
-        # a continuation opens a request's next block itself (`BlockOpening`) where its advance is the plain one, for
-        # families whose row p predicts p and requests that attend to no keys after their rows
+        # a continuation opens a request's next block itself (`BlockOpening`) where its advance is the plain one and
+        # requests attend to no keys after their rows
         opens_blocks_with = None
         if continuations and greedy_sample is not None:
             own_advance = getattr(self.sampler, "continuation_advance", None)  # a sampler whose rule needs its own
@@ -242,7 +242,7 @@ class ModelRunner:
                 raise ValueError("continuation steps with soft inputs need a sampler that writes the next step's")
             else:
                 advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
-                if not logits_shift and not key_tails:
+                if not key_tails:
                     opens_blocks_with = s.mask_token_id
         result_fields = getattr(self.sampler, "result_fields", 2)
         self.graphs = DecodeGraphs(
@@ -666,10 +666,13 @@ class ModelRunner:
             block = req.running[0] if len(req.running) == 1 else None
             whole = (block is not None and block.start >= req.prompt_len and block.end <= req.decode_limit
                      and req.stores_when_decoded(block))  # fmt: skip
-            if not targets and whole and block.status is BlockStatus.TO_CACHE and block.start == start:
+            # (a shifted family's rows begin one row before the block: the position its first row is read from)
+            at_block = block is not None and block.start - int(req.settings.logits_shift) == start
+            if not targets and whole and block.status is BlockStatus.TO_CACHE and at_block:
                 # forcing as the block it opens will: the oldest active one, after a committed block
+                first_row = offset + block.start - start
                 add_block(req, list(range(block.start, block.end)), [-1] * size, 1,
-                          (offset, offset + size, _slot(req, block.start, page)))  # fmt: skip
+                          (first_row, first_row + size, _slot(req, block.start, page)))  # fmt: skip
                 continue
             for target in targets:
                 first, last = layout.starts[segment], layout.starts[segment + 1]

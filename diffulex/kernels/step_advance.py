@@ -84,11 +84,19 @@ def _advance_kernel(
         page = tl.load(tables_ptr + request * tables_stride + page_index, mask=can_open, other=-1)
         opened = can_open & (page >= 0)
         rows = offs < tl.where(opened, BLOCK_SIZE, 0)  # (a scalar flag and'ed with a vector: int32 when interpreted)
+        # a shifted family's row before the block moves on to the stored block's last token; stored before the
+        # block's rows are masked (those stores issue after this one, which waits for the token's load)
+        before = opened & (shift > 0)
+        last_token = tl.load(ids_ptr + row_hi - 1, mask=before, other=0)
+        tl.store(ids_ptr + row_lo - shift, last_token, mask=before)
+        position_before = tl.load(positions_ptr + row_lo - shift, mask=before, other=0)
+        tl.store(positions_ptr + row_lo - shift, position_before + BLOCK_SIZE, mask=before)
+        tl.store(slots_ptr + row_lo - shift, row_lo * 0 - 1, mask=before)
         tl.store(ids_ptr + row_lo + offs, tl.full((BLOCK,), mask_token_id, tl.int64), mask=rows)
         moved = tl.load(positions_ptr + row_lo + offs, mask=rows, other=0) + BLOCK_SIZE
         tl.store(positions_ptr + row_lo + offs, moved, mask=rows)
         tl.store(slots_ptr + row_lo + offs, tl.full((BLOCK,), -1, tl.int64), mask=rows)
-        tl.store(source_ptr + first + offs, row_lo + offs, mask=rows)
+        tl.store(source_ptr + first + offs, row_lo + offs - shift, mask=rows)
         context = tl.load(context_lens_ptr + request, mask=opened, other=0)
         tl.store(context_lens_ptr + request, context + BLOCK_SIZE, mask=opened)
         new_base = page.to(tl.int64) * page_size + start % page_size
@@ -117,8 +125,8 @@ def triton_advance_inputs(
     block = max(16, triton.next_power_of_2(max_rows))
     use_pdl = pdl_enabled(input_ids.device, source_rows.shape[0])
     o = opening
-    if o is not None and (shift != 0 or o.cu_seqlens_q.shape[0] - 1 > MAX_SEARCHED_REQUESTS):
-        raise ValueError("blocks are opened on the device only for unshifted families and graph-sized batches")
+    if o is not None and o.cu_seqlens_q.shape[0] - 1 > MAX_SEARCHED_REQUESTS:
+        raise ValueError("blocks are opened on the device only for graph-sized batches")
     if o is not None:
         block = max(block, triton.next_power_of_2(o.block_size))
         layout = (o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables, o.page_tables.stride(0),

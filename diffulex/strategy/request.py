@@ -412,10 +412,9 @@ class Request:
         """Whether the step after the one about to run decodes this request's next block, which a continuation can
         open itself (`diffulex.engine.continuation.BlockOpening`): the running set is one whole block of generated
         positions, decoded, that the step about to run stores (``buffer_size=1``), and the next block is whole within
-        the decoding limit. The host opens that block when it next looks at the request (`maybe_activate_block`).
-        Not for shifted families, whose rows predict the position after them."""
+        the decoding limit. The host opens that block when it next looks at the request (`maybe_activate_block`)."""
         s = self.settings
-        if s.buffer_size != 1 or len(self.running) != 1 or s.logits_shift:
+        if s.buffer_size != 1 or len(self.running) != 1:
             return False
         block = self.running[0]
         return (

@@ -96,17 +96,18 @@ def test_a_refinement_lands_its_tokens_one_row_later_and_stores_nothing(advance)
     assert slots.tolist() == [-1] * 7
 
 
-def opening_step(seed: int, block_size: int = 4, page_size: int = 8):
-    """A step of several requests, one block each (at varied positions, sometimes after a prompt row of their own):
-    some blocks decode, some were stored by this step (their slots set, nothing sampled), some next blocks have no
-    page. Returns the advance's tensors and the `BlockOpening` of the step's layout."""
+def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int = 8):
+    """A step of several requests, one block each (at varied positions, sometimes after a row of their own, which a
+    shifted family's block is always after and samples from): some blocks decode, some were stored by this step
+    (their slots set, nothing sampled), some next blocks have no page. Returns the advance's tensors and the
+    `BlockOpening` of the step's layout."""
     from diffulex.engine.continuation import BlockOpening
 
     rng = random.Random(seed)
     ids, slots, source, positions, starts, blocks, result = [], [], [], [], [0], [[], [], []], [[], []]
     cu, context, tables = [0], [], []
     for _ in range(rng.randint(1, 6)):
-        extra = rng.choice([0, 0, 1])  # a row before the block (not part of it): such a block is not whole
+        extra = 1 if shift else rng.choice([0, 0, 1])  # a row before the block
         start = block_size * rng.randint(2, 13)
         table = [rng.choice([-1, rng.randint(0, 40)]) for _ in range(7)]  # a block at 52-55 opens past the table
         first = len(ids) + extra
@@ -120,11 +121,12 @@ def opening_step(seed: int, block_size: int = 4, page_size: int = 8):
         slots.extend([-1] * extra + stored_slots)
         for p in range(block_size):
             sampled = not stored and ids[first + p] == MASK
-            source.append(first + p if sampled else -1)
+            source.append(first + p - shift if sampled else -1)
             result[0].append(int(sampled and rng.random() < 0.5))
             result[1].append(rng.randint(100, 200))
         starts.append(len(source))
-        blocks[0].append(first - extra if extra and rng.random() < 0.5 else first)
+        # unshifted, a row before the block is sometimes counted in its input rows: then the block is not whole
+        blocks[0].append(first - extra if extra and not shift and rng.random() < 0.5 else first)
         blocks[1].append(first + block_size)
         blocks[2].append(base)
         cu.append(len(ids))
@@ -140,12 +142,13 @@ def opening_step(seed: int, block_size: int = 4, page_size: int = 8):
                                                      mask_token_id=MASK)  # fmt: skip
 
 
+@pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int) -> None:
-    step, layout, opening = opening_step(seed)
+def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int, shift: int) -> None:
+    step, layout, opening = opening_step(seed, shift)
     expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout]
-    advance_inputs_reference(*expected[0], 0, opening(expected[1]))
-    triton_advance_inputs(*step, 0, 4, opening(layout))
+    advance_inputs_reference(*expected[0], shift, opening(expected[1]))
+    triton_advance_inputs(*step, shift, 4, opening(layout))
     names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
     for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
         assert g.cpu().tolist() == e.tolist(), name
@@ -176,3 +179,28 @@ def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there(
     assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
     assert context.tolist() == [12, 4]
     assert blocks[2].tolist() == [2 * 8 + 4, 44]
+
+
+def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_last_token() -> None:
+    """Shift 1 (row p - 1 predicts p): the request's rows are position 7 (the last prompt token) and the block 8-11,
+    stored by this step in page 1; its next block 12-15 becomes masks read from rows 0-3 (positions 11-14), row 0
+    now holding the stored block's last token at position 11."""
+    from diffulex.engine.continuation import BlockOpening
+
+    ids = torch.tensor([9, 1, 2, 3, 4], dtype=torch.int64)
+    source = torch.full((4,), -1, dtype=torch.int64)
+    slots = torch.tensor([-1, 8, 9, 10, 11], dtype=torch.int64)
+    result = torch.zeros((2, 4), dtype=torch.int64)
+    starts = torch.tensor([0, 4], dtype=torch.int64)
+    blocks = torch.tensor([[1], [5], [8]], dtype=torch.int64)
+    positions = torch.tensor([7, 8, 9, 10, 11], dtype=torch.int64)
+    context = torch.tensor([7], dtype=torch.int32)
+    opening = BlockOpening(positions, torch.tensor([0, 5], dtype=torch.int32), context,
+                           torch.tensor([[0, 1]], dtype=torch.int32), page_size=8, block_size=4, mask_token_id=MASK)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 1, opening)
+    assert ids.tolist() == [4, MASK, MASK, MASK, MASK]
+    assert positions.tolist() == [11, 12, 13, 14, 15]
+    assert source.tolist() == [0, 1, 2, 3]
+    assert slots.tolist() == [-1] * 5
+    assert context.tolist() == [11]
+    assert blocks[2].tolist() == [8 + 4]
