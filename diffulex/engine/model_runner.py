@@ -407,8 +407,11 @@ class ModelRunner:
                 hidden, result = graphs.run(step, bucket, micro_batch, sampled)
                 if result is not None:
                     storable = all(base >= 0 for lo, hi, base in sampled.blocks if hi > lo)
-                    staged = {req.req_id: len(req.page_table) for req in batch}
-                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, Counter(layout.owners))
+                    # what an opening needs to be foreseen (`opens_block_on_device`), where graphs open blocks
+                    opens = graphs.opens_blocks_with is not None
+                    staged = {req.req_id: len(req.page_table) for req in batch} if opens else {}
+                    rows_of = Counter(layout.owners) if opens else Counter()
+                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, rows_of)
                     return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))

@@ -60,11 +60,16 @@ class PendingWrites:
         if self.accepted_tokens is None:
             return self.writes
         accepted, token_list = self.accepted_tokens[:2].tolist()
+        self.read_rows(accepted, token_list)
         owners, positions, writes = self.owners, self.positions, self.writes
         for row in compress(range(len(positions)), accepted):
             writes[owners[row]].append((positions[row], token_list[row]))
         self.accepted_tokens = None  # a second call returns the same writes
         return writes
+
+    def read_rows(self, accepted: list[int], tokens: list[int]) -> None:
+        """What a sampler's host side reads of the result besides the writes, once it is in host lists (edit
+        decoding: each block's verdict); nothing here."""
 
 
 @dataclass

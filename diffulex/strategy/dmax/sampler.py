@@ -47,8 +47,7 @@ class DMaxLayout(EditLayout):
 
     judge: Callable[..., BlockVerdict] | None = None  # `DMaxSampler.judge_block`
 
-    def give_verdicts(self, result: torch.Tensor) -> None:
-        accepted, tokens = result[:2].tolist()
+    def give_verdicts(self, accepted: list[int], tokens: list[int], result: torch.Tensor) -> None:
         conf = result[CONFIDENCE_FIELD].view(torch.float64).tolist()
         for block in self.sampled_blocks():
             lo, hi = block.rows.start, block.rows.stop

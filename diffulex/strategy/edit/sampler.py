@@ -98,11 +98,10 @@ class EditLayout(RowLayout):
         """The step's blocks, as its result is applied (read again for a continuation's, `continued`)."""
         return [block.again(self.positions) for block in self.blocks] if self.reread_blocks else self.blocks
 
-    def give_verdicts(self, result: torch.Tensor) -> None:
-        """Each block's verdict from the device rule's flags and every row's proposal (``result``, host memory), as
-        the host rule gives it: finished once it writes nothing or is past editing; stable as the share of decoded
-        tokens proposed again."""
-        accepted, tokens = result[:2].tolist()
+    def give_verdicts(self, accepted: list[int], tokens: list[int], result: torch.Tensor) -> None:
+        """Each block's verdict from the device rule's flags and every row's proposal (``result``, host memory, as
+        lists), as the host rule gives it: finished once it writes nothing or is past editing; stable as the share of
+        decoded tokens proposed again."""
         for block in self.sampled_blocks():
             rows = block.rows
             decoded = [i for i, token in enumerate(block.current) if token != self.mask_token_id]
@@ -119,12 +118,9 @@ class _EditPendingWrites(PendingWrites):
 
     layout: EditLayout | None = None
 
-    def result(self) -> dict[int, list[tuple[int, int]]]:
-        if self.accepted_tokens is not None and self.layout is not None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            self.layout.give_verdicts(self.accepted_tokens)
-        return super().result()
+    def read_rows(self, accepted: list[int], tokens: list[int]) -> None:
+        if self.layout is not None:
+            self.layout.give_verdicts(accepted, tokens, self.accepted_tokens)
 
 
 class EditSampler(HostSampler):
