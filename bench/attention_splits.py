@@ -1,11 +1,13 @@
 """Decode attention against the split-KV settings: µs per call, graph-replayed.
 
     PYTHONPATH=. python bench/attention_splits.py [--out FILE] [--bound 4096] [--contexts 128 ... 4096]
-        [--min-keys 64 128 256 512 1024] [--splits 16 32 64] [--split-stages 1 2]
+        [--min-keys 64 128 256 512 1024] [--splits 16 32 64] [--split-stages 1 2] [--batch 1 32 128]
+        [--page-size 16]
 
 A decode step launches one attention per layer whose split count is fixed by the graph's key bound
 (``max_model_len``), while the actual context may be much shorter. Each call is timed inside a CUDA graph of 20
-back-to-back calls (no launch overhead), for SDAR-1.7B and SDAR-8B head shapes (4 rows, batch 1), each context,
+back-to-back calls (no launch overhead), for SDAR-1.7B and SDAR-8B head shapes (4 rows a request; batch 1, or each
+``--batch``: that many requests of the same context, the shape of a large decode step), each context,
 and each minimum of keys per split the kernel may use (columns ``minN``, the split count automatic). With
 ``--splits``, also each forced split count (columns ``sN``), and with ``--split-stages``, every split launch at
 each software-pipeline depth (column suffix ``/stagesK``; without it, the kernel's own choice, `_split_stages`).
@@ -53,16 +55,19 @@ def main() -> None:
     ap.add_argument("--min-keys", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="forced split counts to time as well")
     ap.add_argument("--split-stages", type=int, nargs="*", default=[], help="forced pipeline depths of split launches")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="requests a launch holds")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     args = ap.parse_args()
     if max(args.contexts) + 4 > args.bound:
         ap.error(f"--bound {args.bound} must cover the longest context plus the block ({max(args.contexts) + 4})")
     rows = []
     saved = pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG
     for name, heads in (("1.7b", 16), ("8b", 32)):
-        for ctx in args.contexts:
-            q, k, v, kc, vc, meta = make_batch([(ctx, 4, 100)], heads, 8, 128, 16, 4, False, torch.bfloat16)
+        for batch, ctx in ((b, c) for b in args.batch for c in args.contexts):
+            q, k, v, kc, vc, meta = make_batch([(ctx, 4, 100)] * batch, heads, 8, 128, args.page_size, 4, False,
+                                                  torch.bfloat16)
             meta = PagedAttentionMetadata(**{**meta.__dict__, "max_kv_len": args.bound})
-            row: dict[str, object] = {"model": name, "context": ctx}
+            row: dict[str, object] = {"model": name, "batch": batch, "context": ctx}
             for stages in [None, *args.split_stages]:  # None: the kernel's own choice
                 suffix = "" if stages is None else f"/stages{stages}"
                 if stages is not None:
@@ -74,9 +79,9 @@ def main() -> None:
                         row[f"s{splits}{suffix}"] = round(per_call_us(q, k, v, kc, vc, meta, 64, splits), 2)
                 finally:
                     pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG = saved
-            timed = {key: us for key, us in row.items() if key not in ("model", "context")}
+            timed = {key: us for key, us in row.items() if key not in ("model", "batch", "context")}
             best = min(timed, key=timed.__getitem__)
-            kv_bytes = (ctx + 4) * 8 * 128 * 2 * 2  # K and V of 8 KV heads, bf16
+            kv_bytes = batch * (ctx + 4) * 8 * 128 * 2 * 2  # K and V of 8 KV heads, bf16
             row |= {"best": best, "best_TBps": round(kv_bytes / (timed[best] * 1e-6) / 1e12, 3)}
             rows.append(row)
             print(row, flush=True)

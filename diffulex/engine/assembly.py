@@ -38,7 +38,7 @@ from diffulex.engine.tensor_parallel import (
     start_tensor_parallel,
 )
 from diffulex.layers.parallel_state import engine_ranks
-from diffulex.strategy.request import DecodeSettings, Request
+from diffulex.strategy.request import DecodeSettings, Request, decoded_to_force
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import invalid_value, warn
 
@@ -287,6 +287,7 @@ def _model_runner(
         samples_in_graph=strategy.samples_in_graph,
         key_tails=strategy.attends_past_rows,
         mask_token_id=mask_token_id,
+        decoded_to_force=decoded_to_force(strategy.attention_block_size(config), thresholds.semi_complete_threshold),
     )
     return ModelRunner(runner_settings, model, sampler)
 

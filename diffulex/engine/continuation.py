@@ -13,6 +13,11 @@ and the device can derive both from the step's own result:
   (the block became ``TO_CACHE``), and otherwise stores nothing; a request whose next forward would be another
   one (`Request.stores_when_decoded`) gives its block no rows to store.
 
+With several blocks running (``buffer_size > 1``) the rows stay the same while the running set is full and stores
+nothing yet; two more things then move with the result, and the device derives them too: a block may force its
+best row once the block before it is decoded far enough (``semi_complete_threshold``: `BlockGates`), and a decoded
+block is stored only after every block before it is.
+
 And once a step has stored a request's block, the next one decodes the block after it (`BlockOpening`): the same
 rows, one block further on, all masks and sampled, attending to one block more of cached keys, whose page the
 host lent in advance (`diffulex.engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at
@@ -52,6 +57,20 @@ class BlockOpening:
     mask_token_id: int
 
 
+@dataclass(frozen=True)
+class BlockGates:
+    """How a continuation moves the blocks of one request on together (``buffer_size > 1``): block ``s``'s gate
+    (``blocks[3, s]``) is the block before it in its request where that one is sampled too (-1: the block before it
+    is committed, or not sampled). Once its gate has ``decoded_to_force`` of its ``block_size`` positions decoded a
+    block may force its best row (``force [S + 1]``, which the next acceptance reads), as the host's rule says
+    (`diffulex.strategy.request.decoded_to_force`); and a decoded block is stored only when every block along its
+    gates is decoded too (a block's K/V are final once the blocks before it are)."""
+
+    force: torch.Tensor
+    block_size: int
+    decoded_to_force: int
+
+
 def advance_inputs_reference(
     input_ids: torch.Tensor,
     source_rows: torch.Tensor,
@@ -61,6 +80,7 @@ def advance_inputs_reference(
     blocks: torch.Tensor,
     shift: int,
     opening: BlockOpening | None = None,
+    gates: BlockGates | None = None,
 ) -> None:
     """Turn a replayed step's inputs into the next step's, in place.
 
@@ -70,7 +90,7 @@ def advance_inputs_reference(
     the block after its rows from their last one) has no input row, and such a step is never continued. Block
     ``s`` owns sampled rows ``starts[s] .. starts[s + 1]`` and input rows ``blocks[0, s] .. blocks[1, s]`` (an
     empty range: nothing to store once it is decoded), whose cache slots start at ``blocks[2, s]`` (-1: no page
-    yet).
+    yet); ``blocks[3, s]`` is its gate (`BlockGates`; -1: none), which only ``gates`` reads.
 
     With ``opening``, a block that this step stored (its first row's slot set) and whose rows are all decoded
     becomes the request's next block in place (`open_next_block_reference`), where it is a whole block of sampled
@@ -78,8 +98,9 @@ def advance_inputs_reference(
     """
     accepted, tokens = result[0].tolist(), result[1].tolist()
     num_rows = input_ids.shape[0]
-    for block in range(starts.shape[0] - 1):
-        left = 0
+    num_blocks = starts.shape[0] - 1
+    left = [0] * num_blocks
+    for block in range(num_blocks):
         for row in range(int(starts[block]), int(starts[block + 1])):
             source = int(source_rows[row])
             if source < 0:
@@ -89,15 +110,22 @@ def advance_inputs_reference(
                     input_ids[source + shift] = tokens[row]
                 source_rows[row] = -1
             else:
-                left += 1
-        lo, hi, base = (int(v) for v in blocks[:, block])
+                left[block] += 1
+    for block in range(num_blocks):
+        lo, hi, base, gate = (int(v) for v in blocks[:, block])
         first, last = int(starts[block]), int(starts[block + 1])
+        decoded = left[block] == 0
+        if gates is not None:
+            if gate >= 0 and gates.block_size - left[gate] >= gates.decoded_to_force:
+                gates.force[block] = 1
+            while decoded and gate >= 0:  # stored once every block before it is decoded
+                decoded, gate = left[gate] == 0, int(blocks[3, gate])
         stored_now = hi > lo and int(slot_mapping[lo]) >= 0
-        if opening is not None and left == 0 and stored_now:
+        if opening is not None and decoded and stored_now:
             if open_next_block_reference(opening, input_ids, source_rows, slot_mapping, blocks, block, first, last,
                                          shift):  # fmt: skip
                 continue
-        if left == 0 and base >= 0:
+        if decoded and base >= 0:
             slot_mapping[lo:hi] = torch.arange(base, base + hi - lo, dtype=slot_mapping.dtype)
 
 
@@ -152,12 +180,14 @@ def advance_inputs(
     shift: int,
     max_rows: int,
     opening: BlockOpening | None = None,
+    gates: BlockGates | None = None,
 ) -> None:
     """`advance_inputs_reference` in one Triton launch on CUDA (graph-capturable: no host reads), the reference
     elsewhere. ``max_rows`` bounds a block's rows."""
     if input_ids.is_cuda and triton_available():
         from diffulex.kernels.step_advance import triton_advance_inputs
 
-        triton_advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening)
+        triton_advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening,
+                              gates)  # fmt: skip
         return
-    advance_inputs_reference(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, opening)
+    advance_inputs_reference(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, opening, gates)

@@ -189,9 +189,10 @@ class SampledRows:
     segments: list[int]  # sampled row -> its block
     force: list[int]  # block -> 1 if it may force its best row
     starts: list[int]  # block -> its first sampled row; then the number of sampled rows
-    # block -> (its first input row, one past its last, the cache slot of its first row or -1 without a page):
-    # what a continuation step stores once the block is decoded (`diffulex.engine.continuation`)
-    blocks: list[tuple[int, int, int]]
+    # block -> (its first input row, one past its last, the cache slot of its first row or -1 without a page, its
+    # gate): what a continuation step stores once the block is decoded, and the block before it in its request
+    # that it moves on with (-1: none) (`diffulex.engine.continuation`)
+    blocks: list[tuple[int, int, int, int]]
 
 
 class DecodeGraphs:
@@ -233,15 +234,15 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:
         # tokens (int64): [input_ids | positions | slot_mapping | sample rows | segments] (each T long),
-        #                 then [starts | force | block first rows | block end rows | block slots] (each S + 1
-        #                 long: one more segment, for padded rows);
+        #                 then [starts | force | block first rows | block end rows | block slots | block gates]
+        #                 (each S + 1 long: one more segment, for padded rows);
         # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | key_lens (R) |
         #                 page_tables (R * P)].
         # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
         self._head_len = 4 * R + 1
         self._row_stride = T + T % 2
         self._segment_stride = S + 1 + (S + 1) % 2
-        token_bytes = (5 * self._row_stride + 5 * self._segment_stride) * 8
+        token_bytes = (5 * self._row_stride + 6 * self._segment_stride) * 8
         total_bytes = token_bytes + (self._head_len + R * P) * 4
         hosts = [torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(staging_buffers)]
         staging = torch.zeros(total_bytes, dtype=torch.uint8, device=device)
@@ -297,7 +298,7 @@ class DecodeGraphs:
 
     def _segment_section(self, tokens: torch.Tensor | np.ndarray, index: int, length: int):
         """The first ``length`` entries of segment section ``index`` (0 starts, 1 force, 2 block first rows,
-        3 block end rows, 4 block slots)."""
+        3 block end rows, 4 block slots, 5 block gates)."""
         start = 5 * self._row_stride + index * self._segment_stride
         return tokens[start : start + length]
 
@@ -309,9 +310,10 @@ class DecodeGraphs:
         return self._row_section(self._tokens, 0, num_tokens)
 
     def _block_view(self, bucket: int) -> torch.Tensor:
-        """``[3, s]``: each block's first input row, end input row and first slot (sections 2-4, one stride apart)."""
+        """``[4, s]``: each block's first input row, end input row, first slot and gate (sections 2-5, one stride
+        apart)."""
         start = 5 * self._row_stride + 2 * self._segment_stride
-        blocks = self._tokens[start : start + 3 * self._segment_stride].view(3, self._segment_stride)
+        blocks = self._tokens[start : start + 4 * self._segment_stride].view(4, self._segment_stride)
         return blocks[:, : self.shape.max_segments(bucket)]
 
     def _sampling_views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -425,8 +427,8 @@ class DecodeGraphs:
         force[num_blocks:] = 0
         if len(sampled.blocks) != num_blocks:
             raise ValueError(f"{len(sampled.blocks)} block row ranges for {num_blocks} sampled blocks")
-        columns = list(zip(*sampled.blocks, strict=True)) or [(), (), ()]
-        for index, values, pad in zip((2, 3, 4), columns, (0, 0, -1), strict=True):
+        columns = list(zip(*sampled.blocks, strict=True)) or [(), (), (), ()]
+        for index, values, pad in zip((2, 3, 4, 5), columns, (0, 0, -1, -1), strict=True):
             section = self._segment_section(tok, index, blocks_cap + 1)
             section[:num_blocks] = values
             section[num_blocks:] = pad
@@ -550,7 +552,8 @@ class DecodeGraphs:
         if self.samples:
             blocks = self.shape.max_segments(bucket)
             rows = list(range(bucket * q))
-            sampled = SampledRows(rows, [blocks] * len(rows), [0] * blocks, [0] * (blocks + 1), [(0, 0, -1)] * blocks)
+            no_rows = [(0, 0, -1, -1)] * blocks
+            sampled = SampledRows(rows, [blocks] * len(rows), [0] * blocks, [0] * (blocks + 1), no_rows)
         self._fill(step, bucket, sampled=sampled)
         if self.capture_graphs:
             self._upload(bucket)

@@ -371,18 +371,18 @@ class DiffulexEngine:
         for req, (query, _) in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:
                 continue
-            if not req.running:  # its block was stored: it opens the next one, as its next schedule would
-                req.maybe_activate_block()
+            # a block joins the running set where the next schedule would add one (after a stored block, or once
+            # the newest block is far enough along): the rows differ then, unless the device opened that block
+            req.maybe_activate_block()
             device_rows, device_stores = req.continued_rows(left.get(req.req_id, []))
             host_rows = [p for target in req.sample_targets() for p in target.positions]
-            block = req.running[0] if req.running else None
-            stores = block is not None and block.status is BlockStatus.TO_CACHE
+            stores = sum(block.status is BlockStatus.TO_CACHE for block in req.running)
             if req.query_range() != query or device_rows != host_rows or stores != device_stores:
                 self._in_flight.popleft()
                 self.num_dropped_continuations += 1
                 logger.debug("dropped a continuation step: request %d differs from the host's next step", req.req_id)
                 return
-            stores_only &= stores
+            stores_only &= stores > 0 and not host_rows
         launched.result_known = stores_only
 
     def _apply(self, launched: _InFlightStep) -> _AppliedStep:

@@ -22,7 +22,7 @@ from torch import nn
 
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
-from diffulex.engine.continuation import BlockOpening, advance_inputs
+from diffulex.engine.continuation import BlockGates, BlockOpening, advance_inputs
 from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.prefill_graphs import (
     PrefillGraphs,
@@ -57,6 +57,9 @@ class RunnerSettings:
     samples_in_graph: bool = True  # the sampler has a greedy step a graph can capture (`Strategy.samples_in_graph`)
     key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
     mask_token_id: int = -1  # the mask id (what a continuation opens a request's next block with)
+    # decoded positions of a block from which the block after it may force (`diffulex.strategy.request.
+    # decoded_to_force`): what a continuation's advance moves a block's force flag on with (`BlockGates`)
+    decoded_to_force: int = 0
 
 
 @dataclass
@@ -241,7 +244,8 @@ class ModelRunner:
             elif soft_inputs is not None:
                 raise ValueError("continuation steps with soft inputs need a sampler that writes the next step's")
             else:
-                advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len)
+                advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len,
+                                  block_size=s.block_size, decoded_to_force=s.decoded_to_force)  # fmt: skip
                 if not key_tails:
                     opens_blocks_with = s.mask_token_id
         result_fields = getattr(self.sampler, "result_fields", 2)
@@ -406,7 +410,7 @@ class ModelRunner:
             if bucket is not None:  # else the prefills were the whole step (sampled below, if it samples)
                 hidden, result = graphs.run(step, bucket, micro_batch, sampled)
                 if result is not None:
-                    storable = all(base >= 0 for lo, hi, base in sampled.blocks if hi > lo)
+                    storable = all(base >= 0 for lo, hi, base, _ in sampled.blocks if hi > lo)
                     # what an opening needs to be foreseen (`opens_block_on_device`), where graphs open blocks
                     opens = graphs.opens_blocks_with is not None
                     staged = {req.req_id: len(req.page_table) for req in batch} if opens else {}
@@ -640,7 +644,7 @@ class ModelRunner:
 
     def _whole_blocks(
         self, step: StepInputs, layout: RowLayout
-    ) -> tuple[RowLayout, list[int], list[tuple[int, int, int]]]:
+    ) -> tuple[RowLayout, list[int], list[tuple[int, int, int, int]]]:
         """The step's sampled rows with each request's running block whole, for graphs whose continuations open
         next blocks (`diffulex.engine.continuation.BlockOpening`): a block of generated positions gets a row for
         every position, its decoded ones no candidates (logits row -1, as a continuation retires them), and a
@@ -664,6 +668,7 @@ class ModelRunner:
             rows.extend(logits_rows)
             blocks.append(block_rows)
 
+        moved: dict[int, int] = {}  # the step's sampled blocks -> the layout's (a gate names one)
         for index, (req, targets) in enumerate(step.work):
             offset, start = step.cu_seqlens_q[index], step.context_lens[index]
             block = req.running[0] if len(req.running) == 1 else None
@@ -675,18 +680,21 @@ class ModelRunner:
                 # forcing as the block it opens will: the oldest active one, after a committed block
                 first_row = offset + block.start - start
                 add_block(req, list(range(block.start, block.end)), [-1] * size, 1,
-                          (first_row, first_row + size, _slot(req, block.start, page)))  # fmt: skip
+                          (first_row, first_row + size, _slot(req, block.start, page), -1))  # fmt: skip
                 continue
             for target in targets:
                 first, last = layout.starts[segment], layout.starts[segment + 1]
+                lo, hi, base, gate = step.sample_blocks[segment]
+                block_rows = (lo, hi, base, moved.get(gate, -1))
+                moved[segment] = len(out.force)
                 if whole and target.block is block:
                     own = dict(zip(layout.positions[first:last], step.sample_rows[first:last], strict=True))
                     positions = list(range(block.start, block.end))
                     add_block(req, positions, [own.get(p, -1) for p in positions], layout.force[segment],
-                              step.sample_blocks[segment])  # fmt: skip
+                              block_rows)  # fmt: skip
                 else:
                     add_block(req, layout.positions[first:last], step.sample_rows[first:last], layout.force[segment],
-                              step.sample_blocks[segment])  # fmt: skip
+                              block_rows)  # fmt: skip
                 segment += 1
         out.starts.append(len(out.positions))
         return out, rows, blocks
@@ -750,14 +758,20 @@ class ModelRunner:
             )
         shift = 1 if req.settings.logits_shift else 0
         sample_rows = step.sample_rows
+        before = None  # (block index, sampled block) of the request's last target
         for target in targets:
             sample_rows.extend(offset + p - shift - start for p in target.positions)
             block = target.block
-            if req.stores_when_decoded(block):
+            gate = before[1] if before is not None and before[0] == block.index - 1 else -1
+            # stored once decoded where the block before it is committed or moves on with it (its gate); else it
+            # waits on a block the continuation does not sample
+            after_committed = block.index == 0 or req.blocks[block.index - 1].is_committed
+            if req.stores_when_decoded(block) and (gate >= 0 or after_committed):
                 base = _slot(req, block.start, page)
-                step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base))
+                step.sample_blocks.append((offset + block.start - start, offset + block.end - start, base, gate))
             else:  # no rows to store, whatever the continuation decodes
-                step.sample_blocks.append((offset, offset, -1))
+                step.sample_blocks.append((offset, offset, -1, gate))
+            before = (block.index, len(step.sample_blocks) - 1)
         step.work.append((req, targets))
         step.query_lens.append(end - start)
         step.context_lens.append(start)
@@ -817,11 +831,12 @@ class ModelRunner:
 def _plain_advance(
     input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor, result: torch.Tensor,
     starts: torch.Tensor, blocks: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, *, shift: int,
-    max_rows: int, opening: BlockOpening | None = None,
+    max_rows: int, block_size: int, decoded_to_force: int, opening: BlockOpening | None = None,
 ) -> None:  # fmt: skip
-    """`advance_inputs` as the graphs call an advance (`diffulex.engine.cuda_graph.Advance`): it reads neither the
-    rows' segments nor the blocks' staged entries."""
-    advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening)
+    """`advance_inputs` as the graphs call an advance (`diffulex.engine.cuda_graph.Advance`): it reads not the
+    rows' segments, and moves the blocks' force flags on along their gates (`BlockGates`)."""
+    gates = BlockGates(force, block_size, decoded_to_force)
+    advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening, gates)
 
 
 def _with_rows(step: StepInputs, rows: StepRows) -> StepInputs:

@@ -33,8 +33,9 @@ class StepInputs:
     key_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order
     # per sampled block, in work order: its first input row, one past its last, the cache slot of its first row
-    # (-1 while it has no page); what a continuation step stores once the block is decoded
-    sample_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    # (-1 while it has no page); what a continuation step stores once the block is decoded; and its gate, the
+    # sampled block before it in its request (-1: none; `diffulex.engine.continuation.BlockGates`)
+    sample_blocks: list[tuple[int, int, int, int]] = field(default_factory=list)
     work: list[tuple[Request, list[SampleTarget]]] = field(default_factory=list)
     soft_rows: list[tuple[int, SoftInput]] = field(default_factory=list)  # rows whose input is a token merge
 

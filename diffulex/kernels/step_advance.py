@@ -3,8 +3,11 @@
 A block's sampled rows are contiguous (``starts[s] .. starts[s + 1]``), so the program that owns block ``s``
 writes its accepted tokens into the next step's input rows, retires their sample rows, counts the rows still
 to decode and, when none is left, turns on the K/V store of the block's input rows; with ``OPEN`` a block this step
-stored becomes its request's next block (`diffulex.engine.continuation.open_next_block_reference`). Programs share
-nothing, so the whole step advances in one launch of a few microseconds, captured at the end of the sampling graph.
+stored becomes its request's next block (`diffulex.engine.continuation.open_next_block_reference`); with ``GATES``
+a block also counts the rows left in the blocks before it (`diffulex.engine.continuation.BlockGates`): whether it
+may force next step, and whether it is stored. Those counts read rows other programs retire, but a row is retired
+only where it was accepted, and an accepted row counts as decoded either way, so the order cannot change them.
+The whole step advances in one launch of a few microseconds, captured at the end of the sampling graph.
 """
 
 from __future__ import annotations
@@ -18,11 +21,23 @@ import triton.language as tl
 from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents, wait_for_inputs
 
 if TYPE_CHECKING:
-    from diffulex.engine.continuation import BlockOpening
+    from diffulex.engine.continuation import BlockGates, BlockOpening
 
 # Requests a block's program searches for its own (`BlockOpening.cu_seqlens_q`): above the most a graph serves
 # (`diffulex.engine.cuda_graph.MAX_GRAPH_REQUESTS`), one compiled variant for every bucket.
 MAX_SEARCHED_REQUESTS = 1024
+
+
+@triton.jit
+def _rows_left(source_ptr, result_ptr, starts_ptr, seg, BLOCK: tl.constexpr):
+    """Sampled rows of block ``seg`` still to decode after this step (0 for ``seg`` < 0)."""
+    first = tl.load(starts_ptr + seg, mask=seg >= 0, other=0)
+    last = tl.load(starts_ptr + seg + 1, mask=seg >= 0, other=0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < last - first
+    source = tl.load(source_ptr + first + offs, mask=ok, other=-1)
+    accepted = tl.load(result_ptr + first + offs, mask=ok, other=0)
+    return tl.sum(((source >= 0) & (accepted == 0)).to(tl.int32), axis=0)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one variant for every bucket's row count
@@ -32,7 +47,7 @@ def _advance_kernel(
     slots_ptr,  # [T] int64 cache slot of each input row, -1: not stored
     result_ptr,  # [2, N] int64 accepted flag, then token, of each sampled row
     starts_ptr,  # [S + 1] int64 first sampled row of each block
-    blocks_ptr,  # [3, >= S] int64 per block: its first input row, one past its last, the first row's slot
+    blocks_ptr,  # [4, >= S] int64 per block: its first input row, one past its last, the first row's slot, its gate
     result_stride,
     blocks_stride,
     shift,
@@ -46,9 +61,13 @@ def _advance_kernel(
     num_requests,
     page_size,
     mask_token_id,
+    force_ptr,  # [S + 1] int64 whether each block may force (GATES only, as the two below)
+    gate_block_size,
+    decoded_to_force,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     OPEN: tl.constexpr,  # open the next block of a block this step stored
+    GATES: tl.constexpr,  # move forcing and stores on along the blocks' gates
     BLOCK_SIZE: tl.constexpr,  # a whole block's rows (OPEN)
     REQUESTS: tl.constexpr,  # MAX_SEARCHED_REQUESTS (OPEN)
 ):
@@ -70,11 +89,21 @@ def _advance_kernel(
     tl.store(ids_ptr + source + shift, token, mask=take & (source + shift < num_rows))
     tl.store(source_ptr + first + offs, tl.full((BLOCK,), -1, tl.int64), mask=take)
     left = tl.sum(((source >= 0) & (accepted == 0)).to(tl.int32), axis=0)
-    restore = (left == 0) & (base >= 0)
+    decoded = left == 0
+    if GATES:
+        gate = tl.load(blocks_ptr + 3 * blocks_stride + seg)
+        gate_left = _rows_left(source_ptr, result_ptr, starts_ptr, gate, BLOCK)
+        forces = (gate >= 0) & (gate_block_size - gate_left >= decoded_to_force)
+        tl.store(force_ptr + seg, tl.full((), 1, tl.int64), mask=forces)
+        # stored once every block along its gates is decoded
+        while decoded & (gate >= 0):
+            decoded = _rows_left(source_ptr, result_ptr, starts_ptr, gate, BLOCK) == 0
+            gate = tl.load(blocks_ptr + 3 * blocks_stride + gate)
+    restore = decoded & (base >= 0)
     if OPEN:
         stored_now = tl.load(slots_ptr + row_lo, mask=row_hi > row_lo, other=-1) >= 0
         whole = (row_hi - row_lo == BLOCK_SIZE) & (last - first == BLOCK_SIZE)
-        can_open = (left == 0) & stored_now & whole
+        can_open = decoded & stored_now & whole
         r_offs = tl.arange(0, REQUESTS)
         ends = tl.load(cu_seqlens_ptr + 1 + r_offs, mask=r_offs < num_requests, other=2147483647)
         request = tl.sum((ends <= row_lo).to(tl.int32), axis=0)
@@ -117,6 +146,7 @@ def triton_advance_inputs(
     shift: int,
     max_rows: int,
     opening: BlockOpening | None = None,
+    gates: BlockGates | None = None,
 ) -> None:
     """In place, as the reference; ``max_rows`` bounds both a block's sampled rows and its input rows."""
     num_blocks = starts.shape[0] - 1
@@ -133,9 +163,11 @@ def triton_advance_inputs(
                   o.page_tables.shape[1], o.cu_seqlens_q.shape[0] - 1, o.page_size, o.mask_token_id)  # fmt: skip
     else:
         layout = (input_ids, starts, starts, starts, 0, 0, 0, 1, 0)  # never read
+    gating = (gates.force, gates.block_size, gates.decoded_to_force) if gates is not None else (starts, 0, 0)
     _advance_kernel[(num_blocks,)](
         input_ids, source_rows, slot_mapping, result, starts, blocks, result.stride(0), blocks.stride(0), shift,
-        input_ids.shape[0], *layout,
-        BLOCK=block, USE_PDL=use_pdl, OPEN=o is not None, BLOCK_SIZE=o.block_size if o is not None else 1,
-        REQUESTS=MAX_SEARCHED_REQUESTS if o is not None else 1, num_warps=1, **launch_kwargs(use_pdl),
+        input_ids.shape[0], *layout, *gating,
+        BLOCK=block, USE_PDL=use_pdl, OPEN=o is not None, GATES=gates is not None,
+        BLOCK_SIZE=o.block_size if o is not None else 1, REQUESTS=MAX_SEARCHED_REQUESTS if o is not None else 1,
+        num_warps=1, **launch_kwargs(use_pdl),
     )

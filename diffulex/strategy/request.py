@@ -257,15 +257,18 @@ class Request:
 
     def maybe_activate_block(self) -> bool:
         """Open the next block if the running set has room and its newest block is far enough along."""
-        s = self.settings
-        if self.stop_pos is not None or len(self.running) >= s.buffer_size:
+        if not self._has_room_for_a_block():
             return False
-        if len(self.token_ids) >= self.generation_end:
-            return False
-        if self.running and self.progress(self.running[-1]) < s.add_block_threshold:
+        if self.running and self.progress(self.running[-1]) < self.settings.add_block_threshold:
             return False
         self._open_block()
         return True
+
+    def _has_room_for_a_block(self) -> bool:
+        """Whether a block may still join the running set: it is not full, and the decoding has not ended."""
+        if self.stop_pos is not None or len(self.running) >= self.settings.buffer_size:
+            return False
+        return len(self.token_ids) < self.generation_end
 
     @property
     def prefill_end(self) -> int:
@@ -384,29 +387,46 @@ class Request:
         candidates; none outside edit mode."""
         return {}
 
-    def continued_rows(self, positions: list[int]) -> tuple[list[int], bool]:
+    def continued_rows(self, positions: list[int]) -> tuple[list[int], int]:
         """What a continuation of this request's last step computes for it (`diffulex.engine.continuation`), now
         that the host has applied that step: of ``positions`` (those it sampled) the ones it samples, the masks
-        left, and whether it stores the running block, once none is left where its next forward would store it."""
+        left, and how many running blocks it stores: from the first on, each that it sampled, with none left, where
+        its next forward would store it (a block's K/V are stored once the blocks before it are)."""
         mask = self.settings.mask_token_id
         rows = [p for p in positions if self.token_ids[p] == mask]
-        block = self.running[0] if self.running else None
-        return rows, block is not None and not rows and self.stores_when_decoded(block)
+        stored = 0
+        for block in self.running:
+            sampled = any(block.start <= p < block.end for p in positions)
+            if not sampled or any(block.start <= p < block.end for p in rows) or not self.stores_when_decoded(block):
+                break
+            stored += 1
+        return rows, stored
 
     def next_step_has_same_rows(self) -> bool:
-        """Whether the step after the one about to run computes the same rows, whatever this one accepts.
+        """Whether the step after the one about to run computes the same rows, judged before this one's result.
 
-        True when the running set is one active block right after the cache, with positions to decode, and no
-        second block may join it (``buffer_size=1``): accepting then only fills masks, and at most makes the
-        block ``TO_CACHE``, which the next step stores while computing the same rows. A continuation step
-        (`diffulex.engine.continuation`) relies on this.
+        The running set's active blocks, right after the cache, with positions to decode: accepting then only fills
+        masks, lets a block force once the one before it is decoded far enough, and at most makes leading blocks
+        ``TO_CACHE``, which the next step stores while computing the same rows. Unless a block joins the running
+        set: where it has room, the newest block's progress after this step decides (``add_block_threshold``). A
+        newest block that forces gains a token: if that is enough, the rows change. One that may not force gains
+        only tokens above ``accept_threshold``, taken here as none, as a block at the decoding frontier rarely
+        has any: a wrong guess is caught once the result is applied (the host's next step computes other rows)
+        and costs the continued forward. A continuation step (`diffulex.engine.continuation`) relies on this.
         """
-        if self.settings.buffer_size != 1 or len(self.running) != 1:
+        running = self.running
+        if not running or running[0].start != self.num_cached_tokens:
             return False
-        block = self.running[0]
-        return (
-            block.status is BlockStatus.ACTIVE and block.start == self.num_cached_tokens and bool(self.sample_targets())
-        )
+        if any(block.status is not BlockStatus.ACTIVE for block in running):
+            return False
+        targets = self.sample_targets()
+        if not targets:
+            return False
+        newest = targets[-1]
+        if self._has_room_for_a_block() and newest.block is running[-1] and newest.force_allowed:
+            block = newest.block
+            return (block.size - self.remaining(block) + 1) / block.size < self.settings.add_block_threshold
+        return True
 
     def next_step_opens_block(self) -> bool:
         """Whether the step after the one about to run decodes this request's next block, which a continuation can
@@ -507,6 +527,13 @@ class Request:
         num_blocks = num_tokens // self.settings.block_size
         self.blocks.mark_cached(num_blocks)
         self.num_cached_blocks = num_blocks
+
+
+def decoded_to_force(block_size: int, semi_complete_threshold: float) -> int:
+    """The fewest decoded positions of a block from which the block after it may force its best row: `Request.
+    sample_targets`' progress test (``progress >= semi_complete_threshold``) as a count, which a continuation's
+    device rule compares (`diffulex.engine.continuation.BlockGates`); ``block_size + 1``: never."""
+    return next((k for k in range(block_size + 1) if k / block_size >= semi_complete_threshold), block_size + 1)
 
 
 def _trailing_run(tokens: list[int]) -> int:

@@ -191,9 +191,9 @@ class Strategy:
 
     def continues_steps(self, config: Config) -> bool:
         """Whether, under ``config``, a step may be continued on the device (`diffulex.engine.continuation`): the
-        requests' `Request.next_step_has_same_rows` can ever say yes. By default a running set of one block
-        (``buffer_size=1``), whose rows stay the same until the block is stored."""
-        return self.continues_on_device and config.buffer_size == 1
+        requests' `Request.next_step_has_same_rows` can ever say yes. By default wherever the strategy's steps
+        can be (a full running set keeps its rows until its first block is stored)."""
+        return self.continues_on_device
 
     def short_step_rows(self, config: Config) -> int | None:
         """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffulex import SamplingParams
 from diffulex.testing.checkpoints import write_tiny_checkpoint
@@ -48,6 +49,60 @@ def test_continued_steps_decode_every_request_as_one_step_in_flight_does(peaky_s
     assert none == 0
     assert got == expected
     assert continued > 0 and dropped == 0
+
+
+@pytest.mark.parametrize("buffer_size", [2, 4])
+def test_several_running_blocks_are_continued_as_one_step_in_flight_decodes_them(sdar_dir: Path,
+                                                                                 buffer_size: int) -> None:
+    """A running set of several blocks computes the same rows next step unless a block joins it: the device lets a
+    block force once the one before it is decoded far enough and stores decoded blocks in order (`BlockGates`).
+    A random model accepts only what its blocks force, so the guess that a block which may not force gains no
+    token holds: every request decodes exactly as with one step in flight, most steps are continued, none dropped."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    fields = dict(buffer_size=buffer_size)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [9], seed=17)
+    expected, _, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        steps, continued, dropped = llm.num_steps, llm.num_continuations, llm.num_dropped_continuations
+    assert _answers(outputs) == expected
+    assert continued > steps // 2 and dropped == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
+@pytest.mark.parametrize("buffer_size", [2, 4])
+def test_captured_graphs_continue_several_running_blocks_as_one_step_in_flight_decodes_them(
+    sdar_dir: Path, buffer_size: int
+) -> None:
+    """The same on captured graphs, whose sampling graph ends with the advance kernel (gates included)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    answers = {}
+    for async_scheduling in (False, True):
+        with make_engine(sdar_dir, buffer_size=buffer_size, async_scheduling=async_scheduling) as llm:
+            prompts = random_prompts(llm, [5, 9, 12], seed=23)
+            answers[async_scheduling] = _answers(llm.generate(prompts, params, use_tqdm=False))
+            replays, continued = llm.runner.graph_replays, llm.num_continuations
+            assert llm.num_dropped_continuations == 0
+    assert answers[True] == answers[False]
+    assert replays > 0 and continued > 0
+
+
+@pytest.mark.parametrize("buffer_size", [2, 3])
+def test_a_confident_model_decodes_several_running_blocks_as_one_step_in_flight_does(peaky_sdar_dir: Path,
+                                                                                     buffer_size: int) -> None:
+    """Blocks that accept above the threshold, join the running set and finish out of order (a decoded block
+    waiting for the one before it): continuations whose guess fails are dropped, the rest decode as one step in
+    flight does, token for token."""
+    fields = dict(accept_threshold=0.95, buffer_size=buffer_size, semi_complete_threshold=0.7)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [4, 9, 13], seed=17)
+    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, continued, _ = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert continued > 0
 
 
 def test_continued_steps_match_the_reference_decoder(peaky_sdar_dir: Path) -> None:

@@ -18,7 +18,7 @@ def random_step(seed: int, block_size: int, shift: int):
     """A padded step of several requests, one block each: input rows, sampled rows (some already retired), an
     accepted flag and token per sampled row, and each block's rows and slots (some blocks without a page)."""
     rng = random.Random(seed)
-    ids, slots, source, starts, blocks, result = [], [], [], [0], [[], [], []], [[], []]
+    ids, slots, source, starts, blocks, result = [], [], [], [0], [[], [], [], []], [[], []]
     for _ in range(rng.randint(1, 5)):
         offset = len(ids)
         ids.extend([rng.randint(0, 50)] * shift)  # a shifted family's recomputed row
@@ -37,6 +37,7 @@ def random_step(seed: int, block_size: int, shift: int):
         blocks[0].append(first)
         blocks[1].append(first + block_size)
         blocks[2].append(rng.choice([-1, 8 * rng.randint(1, 9)]))
+        blocks[3].append(-1)
     padded_rows = rng.randint(0, 3)
     source.extend([-1] * padded_rows)
     result[0].extend([1] * padded_rows)  # padded rows belong to no block: never applied
@@ -71,7 +72,7 @@ def test_accepted_tokens_fill_their_positions_and_a_finished_block_is_stored() -
     slots = torch.full((7,), -1, dtype=torch.int64)
     result = torch.tensor([[1, 1, 0, 1, 1], [11, 12, 13, 14, 15]], dtype=torch.int64)
     starts = torch.tensor([0, 2, 4], dtype=torch.int64)
-    blocks = torch.tensor([[0, 3], [3, 6], [40, 80]], dtype=torch.int64)
+    blocks = torch.tensor([[0, 3], [3, 6], [40, 80], [-1, -1]], dtype=torch.int64)
     advance_inputs_reference(ids, source, slots, result, starts, blocks, 0)
     assert ids.tolist() == [5, 11, 12, 6, MASK, 14, 0]
     assert source.tolist() == [-1, -1, 4, -1, -1]
@@ -88,7 +89,7 @@ def test_a_refinement_lands_its_tokens_one_row_later_and_stores_nothing(advance)
     slots = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)
     result = torch.tensor([[1, 1, 1, 1], [11, 12, 13, 14]], dtype=torch.int64, device=DEVICE)
     starts = torch.tensor([0, 3, 4], dtype=torch.int64, device=DEVICE)
-    blocks = torch.tensor([[0, 4], [0, 4], [64, -1]], dtype=torch.int64, device=DEVICE)
+    blocks = torch.tensor([[0, 4], [0, 4], [64, -1], [-1, -1]], dtype=torch.int64, device=DEVICE)
     args = (ids, source, slots, result, starts, blocks, 1)
     advance(*args, 8) if advance is triton_advance_inputs else advance(*args)
     assert ids.tolist() == [5, 11, 12, 13, 1, 2, 3]
@@ -104,7 +105,7 @@ def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int 
     from diffulex.engine.continuation import BlockOpening
 
     rng = random.Random(seed)
-    ids, slots, source, positions, starts, blocks, result = [], [], [], [], [0], [[], [], []], [[], []]
+    ids, slots, source, positions, starts, blocks, result = [], [], [], [], [0], [[], [], [], []], [[], []]
     cu, context, tables = [0], [], []
     for _ in range(rng.randint(1, 6)):
         extra = 1 if shift else rng.choice([0, 0, 1])  # a row before the block
@@ -129,6 +130,7 @@ def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int 
         blocks[0].append(first - extra if extra and not shift and rng.random() < 0.5 else first)
         blocks[1].append(first + block_size)
         blocks[2].append(base)
+        blocks[3].append(-1)
         cu.append(len(ids))
         context.append(start - extra)
         tables.append(table)
@@ -166,7 +168,7 @@ def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there(
     slots = torch.tensor([16, 17, 18, 19, 44, 45, 46, 47], dtype=torch.int64)
     result = torch.zeros((2, 8), dtype=torch.int64)
     starts = torch.tensor([0, 4, 8], dtype=torch.int64)
-    blocks = torch.tensor([[0, 4], [4, 8], [16, 44]], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [16, 44], [-1, -1]], dtype=torch.int64)
     positions = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7], dtype=torch.int64)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     context = torch.tensor([8, 4], dtype=torch.int32)
@@ -192,7 +194,7 @@ def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_la
     slots = torch.tensor([-1, 8, 9, 10, 11], dtype=torch.int64)
     result = torch.zeros((2, 4), dtype=torch.int64)
     starts = torch.tensor([0, 4], dtype=torch.int64)
-    blocks = torch.tensor([[1], [5], [8]], dtype=torch.int64)
+    blocks = torch.tensor([[1], [5], [8], [-1]], dtype=torch.int64)
     positions = torch.tensor([7, 8, 9, 10, 11], dtype=torch.int64)
     context = torch.tensor([7], dtype=torch.int32)
     opening = BlockOpening(positions, torch.tensor([0, 5], dtype=torch.int32), context,
@@ -204,3 +206,91 @@ def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_la
     assert slots.tolist() == [-1] * 5
     assert context.tolist() == [11]
     assert blocks[2].tolist() == [8 + 4]
+
+
+def gated_step(seed: int, block_size: int):
+    """A step of several requests with up to four running blocks each, every block sampled (some of its masks
+    decoded by earlier continuations, so retired), each after the first gated by the one before it; the force flags
+    of the step; the number of decoded positions from which a block lets the next force."""
+    from diffulex.engine.continuation import BlockGates
+
+    rng = random.Random(seed)
+    ids, slots, source, starts, blocks, result, force = [], [], [], [0], [[], [], [], []], [[], []], []
+    for _ in range(rng.randint(1, 4)):
+        gate = -1
+        for _ in range(rng.randint(1, 4)):
+            first = len(ids)
+            ids.extend(MASK if rng.random() < 0.6 else rng.randint(0, 50) for _ in range(block_size))
+            ids[first + rng.randrange(block_size)] = MASK  # each block samples a row
+            slots.extend([-1] * block_size)
+            for p in range(block_size):
+                if ids[first + p] == MASK:
+                    retired = rng.random() < 0.2
+                    source.append(-1 if retired else first + p)
+                    result[0].append(int(not retired and rng.random() < 0.6))
+                    result[1].append(rng.randint(100, 200))
+            starts.append(len(source))
+            blocks[0].append(first)
+            blocks[1].append(first + block_size)
+            blocks[2].append(8 * rng.randint(1, 9))
+            blocks[3].append(gate)
+            force.append(int(gate < 0 or rng.random() < 0.3))
+            gate = len(starts) - 2
+    force.append(0)  # the padded rows' block
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    step = [t(ids), t(source), t(slots), t(result), t(starts), t(blocks)]
+    return step, t(force), lambda f: BlockGates(f, block_size, rng.randint(1, block_size + 1))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_kernel_moves_gated_blocks_on_as_the_reference_does(seed: int) -> None:
+    block_size = random.Random(seed).choice([2, 4, 8])
+    step, force, gates = gated_step(seed, block_size)
+    expected, expected_force = [x.cpu().clone() for x in step], force.cpu().clone()
+    rule = gates(expected_force)
+    advance_inputs_reference(*expected, 0, gates=rule)
+    triton_advance_inputs(*step, 0, block_size, gates=type(rule)(force, rule.block_size, rule.decoded_to_force))
+    for name, g, e in zip(("ids", "source rows", "slots", "force"), [*step[:3], force], [*expected[:3], expected_force],
+                          strict=True):  # fmt: skip
+        assert g.cpu().tolist() == e.tolist(), name
+
+
+def test_a_block_forces_once_its_gate_is_decoded_far_enough_and_stores_after_it() -> None:
+    """One request of three blocks of 4 rows (slots 40, 44, 48), where a block may force once 3 positions of the
+    block before it are decoded. Block 0 decodes its last mask: it is stored, and block 1, whose last mask is
+    decoded too, is stored after it, and may force; block 2 keeps three masks, so nothing of it is stored, and
+    with block 1 decoded whole it may force as well."""
+    from diffulex.engine.continuation import BlockGates
+
+    ids = torch.tensor([1, 2, 3, MASK, 5, MASK, 7, 8, MASK, MASK, MASK, MASK], dtype=torch.int64)
+    source = torch.tensor([3, 5, 8, 9, 10, 11], dtype=torch.int64)
+    slots = torch.full((12,), -1, dtype=torch.int64)
+    result = torch.tensor([[1, 1, 0, 1, 0, 0], [13, 15, 18, 19, 20, 21]], dtype=torch.int64)
+    starts = torch.tensor([0, 1, 2, 6], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4, 8], [4, 8, 12], [40, 44, 48], [-1, 0, 1]], dtype=torch.int64)
+    force = torch.tensor([1, 0, 0, 0], dtype=torch.int64)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, gates=BlockGates(force, 4, 3))
+    assert ids.tolist() == [1, 2, 3, 13, 5, 15, 7, 8, MASK, 19, MASK, MASK]
+    assert slots.tolist() == [40, 41, 42, 43, 44, 45, 46, 47] + [-1] * 4
+    assert force.tolist() == [1, 1, 1, 0]
+
+
+def test_a_decoded_block_waits_to_be_stored_until_the_block_before_it_is_decoded() -> None:
+    """Block 1 decodes its last mask while block 0 keeps one: nothing is stored, and with 2 of block 0's 4
+    positions decoded (3 needed) block 1 may not force yet."""
+    from diffulex.engine.continuation import BlockGates
+
+    ids = torch.tensor([1, 2, MASK, MASK, 5, 6, 7, MASK], dtype=torch.int64)
+    source = torch.tensor([2, 3, 7], dtype=torch.int64)
+    slots = torch.full((8,), -1, dtype=torch.int64)
+    result = torch.tensor([[0, 0, 1], [12, 13, 17]], dtype=torch.int64)
+    starts = torch.tensor([0, 2, 3], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [40, 44], [-1, 0]], dtype=torch.int64)
+    force = torch.tensor([1, 0, 0], dtype=torch.int64)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, gates=BlockGates(force, 4, 3))
+    assert ids.tolist() == [1, 2, MASK, MASK, 5, 6, 7, 17]
+    assert slots.tolist() == [-1] * 8
+    assert force.tolist() == [1, 0, 0]

@@ -44,9 +44,10 @@ class EditDecoding(Strategy):
             self.name = name  # the registered strategy this is the edit mode of
 
     def continues_steps(self, config: Config) -> bool:
-        """As every strategy at ``buffer_size=1``, where the device runs the rule: not with a repetition penalty
-        (`EditOptions.penalty_lambda`), whose steps sample on the host."""
-        return super().continues_steps(config) and config.strategy_options.penalty_lambda == 0
+        """At ``buffer_size=1`` (the device rule moves one block's phase on), where the device runs the rule: not
+        with a repetition penalty (`EditOptions.penalty_lambda`), whose steps sample on the host."""
+        one_block = config.buffer_size == 1
+        return super().continues_steps(config) and one_block and config.strategy_options.penalty_lambda == 0
 
     def edit_settings(self, context: SamplerContext) -> EditSettings:
         options = context.options

@@ -82,19 +82,20 @@ class EditRequest(Request):
         return block_state(phase, steps_left, post_edit_left)
 
     def next_step_has_same_rows(self) -> bool:
-        """As a request's, and the block's sampled positions are its whole decodable range (no stop token cuts them
-        short): the device then counts the block's masks, which move its phase on, where the host counts them
+        """As a request's with one running block (``buffer_size=1``: the device rule moves one block's phase on),
+        and the block's sampled positions are its whole decodable range (no stop token cuts them short): the
+        device then counts the block's masks, which move its phase on, where the host counts them
         (`diffulex.strategy.edit.acceptance.advance_edit_inputs`, `EditProgress.steps_without_masks`)."""
-        if not super().next_step_has_same_rows():
+        if self.settings.buffer_size != 1 or not super().next_step_has_same_rows():
             return False
         block = self.running[0]
         sampled = [p for target in self.sample_targets() for p in target.positions]
         return sampled == list(range(max(block.start, self.prompt_len), min(block.end, self.decode_limit)))
 
-    def continued_rows(self, positions: list[int]) -> tuple[list[int], bool]:
+    def continued_rows(self, positions: list[int]) -> tuple[list[int], int]:
         """A continued edit step samples every position its predecessor sampled and stores nothing
         (`diffulex.strategy.edit.acceptance.advance_edit_inputs`)."""
-        return list(positions), False
+        return list(positions), 0
 
     def maybe_activate_block(self) -> bool:
         """As in the naive mode, and the newest block's tokens must also be stable enough
