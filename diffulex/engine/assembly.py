@@ -288,6 +288,7 @@ def _model_runner(
         key_tails=strategy.attends_past_rows,
         mask_token_id=mask_token_id,
         decoded_to_force=decoded_to_force(strategy.attention_block_size(config), thresholds.semi_complete_threshold),
+        decoded_to_join=decoded_to_force(strategy.attention_block_size(config), thresholds.add_block_threshold),
     )
     return ModelRunner(runner_settings, model, sampler)
 

@@ -46,7 +46,9 @@ from diffulex.layers.dispatch import triton_available
 class BlockOpening:
     """What a continuation reads and moves to decode a request's next block once it stored the one before: the
     step's device views (``positions [T]`` int64; ``cu_seqlens_q [R + 1]``, ``context_lens [R]`` and
-    ``page_tables [R, P]`` int32) and the geometry."""
+    ``page_tables [R, P]`` int32) and the geometry; with several running blocks, the decoded positions of its
+    newest block from which the next one joins the running set (``add_block_threshold`` as a count, as
+    `diffulex.strategy.request.decoded_to_force` counts its threshold; a lone block's successor always joins)."""
 
     positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -55,6 +57,7 @@ class BlockOpening:
     page_size: int
     block_size: int
     mask_token_id: int
+    decoded_to_join: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,13 @@ def advance_inputs_reference(
     empty range: nothing to store once it is decoded), whose cache slots start at ``blocks[2, s]`` (-1: no page
     yet); ``blocks[3, s]`` is its gate (`BlockGates`; -1: none), which only ``gates`` reads.
 
-    With ``opening``, a block that this step stored (its first row's slot set) and whose rows are all decoded
-    becomes the request's next block in place (`open_next_block_reference`), where it is a whole block of sampled
-    rows whose next block has its page; elsewhere it is stored again (an idempotent write).
+    With ``opening`` (and ``gates``), a request whose leading block this step stored moves on by one block
+    (`move_window_reference`), where its rows are its running blocks, whole, and the block after them joins.
     """
     accepted, tokens = result[0].tolist(), result[1].tolist()
     num_rows = input_ids.shape[0]
     num_blocks = starts.shape[0] - 1
-    left = [0] * num_blocks
+    left, took = [0] * num_blocks, [False] * num_blocks
     for block in range(num_blocks):
         for row in range(int(starts[block]), int(starts[block + 1])):
             source = int(source_rows[row])
@@ -109,50 +111,71 @@ def advance_inputs_reference(
                 if source + shift < num_rows:
                     input_ids[source + shift] = tokens[row]
                 source_rows[row] = -1
+                took[block] = True
             else:
                 left[block] += 1
     for block in range(num_blocks):
         lo, hi, base, gate = (int(v) for v in blocks[:, block])
-        first, last = int(starts[block]), int(starts[block + 1])
         decoded = left[block] == 0
         if gates is not None:
             if gate >= 0 and gates.block_size - left[gate] >= gates.decoded_to_force:
                 gates.force[block] = 1
             while decoded and gate >= 0:  # stored once every block before it is decoded
                 decoded, gate = left[gate] == 0, int(blocks[3, gate])
-        stored_now = hi > lo and int(slot_mapping[lo]) >= 0
-        if opening is not None and decoded and stored_now:
-            if open_next_block_reference(opening, input_ids, source_rows, slot_mapping, blocks, block, first, last,
-                                         shift):  # fmt: skip
-                continue
         if decoded and base >= 0:
             slot_mapping[lo:hi] = torch.arange(base, base + hi - lo, dtype=slot_mapping.dtype)
+    if opening is not None:
+        if gates is None:
+            raise ValueError("a continuation that opens blocks moves their force flags on too: pass gates")
+        for request in range(opening.cu_seqlens_q.shape[0] - 1):
+            move_window_reference(opening, gates, request, input_ids, source_rows, slot_mapping, starts, blocks,
+                                  shift, left, took)  # fmt: skip
 
 
-def open_next_block_reference(
+def move_window_reference(
     opening: BlockOpening,
+    gates: BlockGates,
+    request: int,
     input_ids: torch.Tensor,
     source_rows: torch.Tensor,
     slot_mapping: torch.Tensor,
+    starts: torch.Tensor,
     blocks: torch.Tensor,
-    block: int,
-    first: int,
-    last: int,
-    shift: int = 0,
+    shift: int,
+    left: list[int],
+    took: list[bool],
 ) -> bool:
-    """Turn block ``block``'s input rows (just stored) into its request's next block: masks at positions one block
-    further on, not stored, each sampled from the row ``shift`` before it (sampled rows ``first .. last``), one
-    block more of the request's context cached, and the new block's first slot looked up in its page table. A
-    shifted family's request also has the row before its block (the position its first row is predicted from): it
-    moves on too, to the stored block's last token. False, and nothing changed, unless the block is whole
-    (``block_size`` input and sampled rows) and the next block's page is there."""
+    """Move ``request``'s running blocks on by one block, once this step stored the leading one: each block's
+    rows take the block after it (its tokens, its sampled rows, its force flag, its slots), the last rows become
+    the next block (masks at positions one block further on, all sampled), its first slot looked up in the page
+    table; one block more of the request's context is cached; a block that is decoded after blocks that are is
+    stored by the next step. A shifted family's row before the blocks (the position the first is predicted from)
+    moves on to the stored block's last token.
+
+    ``left`` and ``took`` say of each block how many of its sampled rows are left to decode and whether it
+    accepted one this step. False, and nothing changed, unless the request's rows are its blocks, whole
+    (``block_size`` input and sampled rows each, plus the row before them if shifted), the leading one decoded
+    before this step (so stored by it), the next block joins (a lone block's always does; else the newest's
+    decoded positions reach ``decoded_to_join``) and its page is there."""
     size = opening.block_size
-    lo, hi = int(blocks[0, block]), int(blocks[1, block])
-    if hi - lo != size or last - first != size:
+    lo, hi = int(opening.cu_seqlens_q[request]), int(opening.cu_seqlens_q[request + 1])
+    first_row = lo + shift
+    segments = [  # (a padded block has no rows)
+        s for s in range(starts.shape[0] - 1) if first_row <= int(blocks[0, s]) < hi and blocks[1, s] > blocks[0, s]
+    ]
+    count = len(segments)
+    if count == 0 or hi - first_row != count * size:
         return False
-    request = int(torch.searchsorted(opening.cu_seqlens_q[1:], torch.tensor(lo, dtype=opening.cu_seqlens_q.dtype),
-                                     right=True))  # fmt: skip
-    start = int(opening.positions[lo]) + size
+    for i, s in enumerate(segments):
+        whole = int(blocks[1, s]) - int(blocks[0, s]) == size and int(starts[s + 1]) - int(starts[s]) == size
+        if not whole or int(blocks[0, s]) != first_row + i * size:
+            return False
+    lead, newest = segments[0], segments[-1]
+    if left[lead] != 0 or took[lead] or int(blocks[2, lead]) < 0:  # not stored by this step
+        return False
+    if count > 1 and size - left[newest] < opening.decoded_to_join:
+        return False
+    start = int(opening.positions[hi - 1]) + 1
     page_index = start // opening.page_size
     if page_index >= opening.page_tables.shape[1]:  # past the longest context the step's tables hold
         return False
@@ -160,13 +183,31 @@ def open_next_block_reference(
     if page < 0:
         return False
     if shift:
-        input_ids[lo - shift] = input_ids[hi - 1]
-    input_ids[lo:hi] = opening.mask_token_id
-    opening.positions[lo - shift : hi] += size
-    slot_mapping[lo - shift : hi] = -1
-    source_rows[first:last] = torch.arange(lo - shift, hi - shift, dtype=source_rows.dtype)
+        input_ids[lo] = input_ids[first_row + size - 1]
+    for i in range(count - 1):
+        s, t = segments[i], segments[i + 1]
+        rows = slice(first_row + i * size, first_row + (i + 1) * size)
+        input_ids[rows] = input_ids[first_row + (i + 1) * size : first_row + (i + 2) * size].clone()
+        moved = source_rows[int(starts[t]) : int(starts[t + 1])]
+        source_rows[int(starts[s]) : int(starts[s + 1])] = torch.where(moved >= 0, moved - size, moved)
+        gates.force[s] = gates.force[t]
+        blocks[2, s] = blocks[2, t]
+    input_ids[hi - size : hi] = opening.mask_token_id
+    source_rows[int(starts[newest]) : int(starts[newest + 1])] = torch.arange(
+        hi - size - shift, hi - shift, dtype=source_rows.dtype
+    )
+    gates.force[newest] = int(size - left[newest] >= gates.decoded_to_force)
+    blocks[2, newest] = page * opening.page_size + start % opening.page_size
+    opening.positions[lo:hi] += size
     opening.context_lens[request] += size
-    blocks[2, block] = page * opening.page_size + start % opening.page_size
+    slot_mapping[lo:hi] = -1
+    decoded = True
+    for i in range(count - 1):  # the blocks after the stored one, decoded in order: stored by the next step
+        decoded = decoded and left[segments[i + 1]] == 0
+        base = int(blocks[2, segments[i]])
+        if decoded and base >= 0:
+            rows = first_row + i * size
+            slot_mapping[rows : rows + size] = torch.arange(base, base + size, dtype=slot_mapping.dtype)
     return True
 
 

@@ -315,8 +315,8 @@ class DiffulexEngine:
     def _maybe_continue(self) -> None:
         """Queue the successor of the step in flight before reading its result, when its rows are known already
         (`diffulex.engine.continuation`): nobody waits for admission, every running request takes part, and each
-        computes the same rows next step whatever this step accepts, or the rows of its next block where this step
-        stores its block and the device can open the next one (`Request.next_step_opens_block`)."""
+        computes the same rows next step whatever this step accepts, or its running blocks one block further on
+        where this step stores its leading block and the device can move them (`Request.next_step_opens_block`)."""
         if len(self._in_flight) != 1 or not self.policy.continues or not self.runner.can_continue:
             return
         newest, scheduler = self._in_flight[-1], self.scheduler
@@ -331,7 +331,7 @@ class DiffulexEngine:
                 views.append(view)
             elif req.next_step_opens_block() and self.runner.opens_block_on_device(req):
                 size = req.settings.block_size
-                views.append(((start + size, end + size), (blocks[-1] + 1,)))
+                views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
                 opened.append(req.req_id)
             else:
                 return

@@ -37,7 +37,6 @@ from diffulex.engine.step_rows import StepRows
 from diffulex.layers.linear import SKINNY_MAX_ROWS
 from diffulex.layers.token_merge import TokenMerge, TokenMergeSettings
 from diffulex.sampler.rows import PendingWrites, RowLayout
-from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.page_table import page_array
 from diffulex.strategy.request import Request, SampleTarget
 
@@ -60,6 +59,9 @@ class RunnerSettings:
     # decoded positions of a block from which the block after it may force (`diffulex.strategy.request.
     # decoded_to_force`): what a continuation's advance moves a block's force flag on with (`BlockGates`)
     decoded_to_force: int = 0
+    # decoded positions of the newest running block from which the next joins (``add_block_threshold`` as a count):
+    # whether a continuation that moves a request's blocks on opens one (`BlockOpening.decoded_to_join`)
+    decoded_to_join: int = 0
 
 
 @dataclass
@@ -245,7 +247,8 @@ class ModelRunner:
                 raise ValueError("continuation steps with soft inputs need a sampler that writes the next step's")
             else:
                 advance = partial(_plain_advance, shift=int(logits_shift), max_rows=max_query_len,
-                                  block_size=s.block_size, decoded_to_force=s.decoded_to_force)  # fmt: skip
+                                  block_size=s.block_size, decoded_to_force=s.decoded_to_force,
+                                  decoded_to_join=s.decoded_to_join)  # fmt: skip
                 if not key_tails:
                     opens_blocks_with = s.mask_token_id
         result_fields = getattr(self.sampler, "result_fields", 2)
@@ -488,14 +491,13 @@ class ModelRunner:
 
     def opens_block_on_device(self, req: Request) -> bool:
         """Whether a continuation of the last launch can open ``req``'s next block itself (`BlockOpening`): its graphs
-        open blocks, the launch's layout holds a whole block of rows of the request (`_whole_blocks`) and the page of
-        the block after its running one was staged with the launch that began the chain (the page table the device
-        reads)."""
+        open blocks, the launch's layout holds the request's running blocks whole (`_whole_blocks`) and the page of
+        the block after them was staged with the launch that began the chain (the page table the device reads)."""
         replayed = self._replayed
         if replayed is None or replayed.graphs.opens_blocks_with is None or not req.running:
             return False
         size = self.settings.block_size
-        if replayed.sampled_rows[req.req_id] != size:
+        if replayed.sampled_rows[req.req_id] != len(req.running) * size:
             return False
         next_end = req.running[-1].end + size
         return -(-next_end // self.settings.page_size) <= replayed.staged_pages.get(req.req_id, 0)
@@ -645,12 +647,13 @@ class ModelRunner:
     def _whole_blocks(
         self, step: StepInputs, layout: RowLayout
     ) -> tuple[RowLayout, list[int], list[tuple[int, int, int, int]]]:
-        """The step's sampled rows with each request's running block whole, for graphs whose continuations open
-        next blocks (`diffulex.engine.continuation.BlockOpening`): a block of generated positions gets a row for
-        every position, its decoded ones no candidates (logits row -1, as a continuation retires them), and a
-        block stored by this step gets such rows too; so that the continuation after it has a whole block of rows
-        to open the next block in. Returns the layout, the logits rows and the blocks' rows and slots; the step's
-        own where the sampler's layout is not a plain one."""
+        """The step's sampled rows with each request's running blocks whole, for graphs whose continuations open
+        next blocks (`diffulex.engine.continuation.BlockOpening`): each running block of generated positions gets a
+        row for every position, its decoded ones no candidates (logits row -1, as a continuation retires them),
+        also a block with none left (stored by this step, or decoded after a block that is not); each gated by the
+        block before it. So the continuation after the step that stores the leading block has whole blocks of rows
+        to move on by one. Returns the layout, the logits rows and the blocks' rows, slots and gates; the step's own
+        where the sampler's layout is not a plain one."""
         if type(layout) is not RowLayout:
             return layout, step.sample_rows, step.sample_blocks
         size, page = self.settings.block_size, self.settings.page_size
@@ -671,30 +674,34 @@ class ModelRunner:
         moved: dict[int, int] = {}  # the step's sampled blocks -> the layout's (a gate names one)
         for index, (req, targets) in enumerate(step.work):
             offset, start = step.cu_seqlens_q[index], step.context_lens[index]
-            block = req.running[0] if len(req.running) == 1 else None
-            whole = (block is not None and block.start >= req.prompt_len and block.end <= req.decode_limit
-                     and req.stores_when_decoded(block))  # fmt: skip
-            # (a shifted family's rows begin one row before the block: the position its first row is read from)
-            at_block = block is not None and block.start - int(req.settings.logits_shift) == start
-            if not targets and whole and block.status is BlockStatus.TO_CACHE and at_block:
-                # forcing as the block it opens will: the oldest active one, after a committed block
-                first_row = offset + block.start - start
-                add_block(req, list(range(block.start, block.end)), [-1] * size, 1,
-                          (first_row, first_row + size, _slot(req, block.start, page), -1))  # fmt: skip
+            limit = req.decode_limit
+            whole = bool(req.running) and all(
+                block.start >= req.prompt_len and block.end <= limit and req.stores_when_decoded(block)
+                for block in req.running
+            )
+            if whole:
+                sampled = {target.block.index: segment + i for i, target in enumerate(targets)}
+                gate = -1
+                for block in req.running:
+                    positions = list(range(block.start, block.end))
+                    first_row = offset + block.start - start
+                    own, force = {}, 1  # (a block with nothing to sample: its flag is never read)
+                    if block.index in sampled:
+                        number = sampled[block.index]
+                        first, last = layout.starts[number], layout.starts[number + 1]
+                        own = dict(zip(layout.positions[first:last], step.sample_rows[first:last], strict=True))
+                        force = layout.force[number]
+                    add_block(req, positions, [own.get(p, -1) for p in positions], force,
+                              (first_row, first_row + size, _slot(req, block.start, page), gate))  # fmt: skip
+                    gate = len(out.force) - 1
+                segment += len(targets)
                 continue
-            for target in targets:
+            for _ in targets:
                 first, last = layout.starts[segment], layout.starts[segment + 1]
                 lo, hi, base, gate = step.sample_blocks[segment]
-                block_rows = (lo, hi, base, moved.get(gate, -1))
                 moved[segment] = len(out.force)
-                if whole and target.block is block:
-                    own = dict(zip(layout.positions[first:last], step.sample_rows[first:last], strict=True))
-                    positions = list(range(block.start, block.end))
-                    add_block(req, positions, [own.get(p, -1) for p in positions], layout.force[segment],
-                              block_rows)  # fmt: skip
-                else:
-                    add_block(req, layout.positions[first:last], step.sample_rows[first:last], layout.force[segment],
-                              block_rows)  # fmt: skip
+                add_block(req, layout.positions[first:last], step.sample_rows[first:last], layout.force[segment],
+                          (lo, hi, base, moved.get(gate, -1)))  # fmt: skip
                 segment += 1
         out.starts.append(len(out.positions))
         return out, rows, blocks
@@ -831,11 +838,15 @@ class ModelRunner:
 def _plain_advance(
     input_ids: torch.Tensor, source_rows: torch.Tensor, slot_mapping: torch.Tensor, result: torch.Tensor,
     starts: torch.Tensor, blocks: torch.Tensor, segment: torch.Tensor, force: torch.Tensor, *, shift: int,
-    max_rows: int, block_size: int, decoded_to_force: int, opening: BlockOpening | None = None,
+    max_rows: int, block_size: int, decoded_to_force: int, decoded_to_join: int,
+    opening: BlockOpening | None = None,
 ) -> None:  # fmt: skip
     """`advance_inputs` as the graphs call an advance (`diffulex.engine.cuda_graph.Advance`): it reads not the
-    rows' segments, and moves the blocks' force flags on along their gates (`BlockGates`)."""
+    rows' segments, moves the blocks' force flags on along their gates (`BlockGates`), and opens a block where the
+    newest's decoded positions reach ``decoded_to_join``."""
     gates = BlockGates(force, block_size, decoded_to_force)
+    if opening is not None:
+        opening = dataclasses.replace(opening, decoded_to_join=decoded_to_join)
     advance_inputs(input_ids, source_rows, slot_mapping, result, starts, blocks, shift, max_rows, opening, gates)
 
 

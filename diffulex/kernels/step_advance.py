@@ -1,13 +1,17 @@
-"""Triton version of `diffulex.engine.continuation.advance_inputs_reference`: one program per sampled block.
+"""Triton version of `diffulex.engine.continuation.advance_inputs_reference`: two small launches.
 
-A block's sampled rows are contiguous (``starts[s] .. starts[s + 1]``), so the program that owns block ``s``
-writes its accepted tokens into the next step's input rows, retires their sample rows, counts the rows still
-to decode and, when none is left, turns on the K/V store of the block's input rows; with ``OPEN`` a block this step
-stored becomes its request's next block (`diffulex.engine.continuation.open_next_block_reference`); with ``GATES``
-a block also counts the rows left in the blocks before it (`diffulex.engine.continuation.BlockGates`): whether it
-may force next step, and whether it is stored. Those counts read rows other programs retire, but a row is retired
-only where it was accepted, and an accepted row counts as decoded either way, so the order cannot change them.
-The whole step advances in one launch of a few microseconds, captured at the end of the sampling graph.
+The first has one program per sampled block. A block's sampled rows are contiguous (``starts[s] .. starts[s + 1]``),
+so the program that owns block ``s`` writes its accepted tokens into the next step's input rows, retires their
+sample rows, counts the rows still to decode and, when none is left, turns on the K/V store of the block's input
+rows; with ``GATES`` a block also counts the rows left in the blocks before it (`diffulex.engine.continuation.
+BlockGates`): whether it may force next step, and whether it is stored. Those counts read rows other programs
+retire, but a row is retired only where it was accepted, and an accepted row counts as decoded either way, so the
+order cannot change them.
+
+The second, with a `BlockOpening`, has one program per request: where the step stored the request's leading block,
+the request's blocks move on by one (`diffulex.engine.continuation.move_window_reference`). Each block's rows take
+the next block's, which another block's program would still be writing in the first launch; within one program
+they are moved in order. Both launches take a few microseconds and are captured at the end of the sampling graph.
 """
 
 from __future__ import annotations
@@ -22,10 +26,6 @@ from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents,
 
 if TYPE_CHECKING:
     from diffulex.engine.continuation import BlockGates, BlockOpening
-
-# Requests a block's program searches for its own (`BlockOpening.cu_seqlens_q`): above the most a graph serves
-# (`diffulex.engine.cuda_graph.MAX_GRAPH_REQUESTS`), one compiled variant for every bucket.
-MAX_SEARCHED_REQUESTS = 1024
 
 
 @triton.jit
@@ -52,24 +52,12 @@ def _advance_kernel(
     blocks_stride,
     shift,
     num_rows,  # input rows of the step: a token whose input row lies past them is not written
-    positions_ptr,  # [T] int64 (OPEN only, as the four below)
-    cu_seqlens_ptr,  # [R + 1] int32
-    context_lens_ptr,  # [R] int32
-    tables_ptr,  # [R, P] int32
-    tables_stride,
-    tables_width,
-    num_requests,
-    page_size,
-    mask_token_id,
     force_ptr,  # [S + 1] int64 whether each block may force (GATES only, as the two below)
     gate_block_size,
     decoded_to_force,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    OPEN: tl.constexpr,  # open the next block of a block this step stored
     GATES: tl.constexpr,  # move forcing and stores on along the blocks' gates
-    BLOCK_SIZE: tl.constexpr,  # a whole block's rows (OPEN)
-    REQUESTS: tl.constexpr,  # MAX_SEARCHED_REQUESTS (OPEN)
 ):
     release_dependents(USE_PDL)
     seg = tl.program_id(0)
@@ -99,41 +87,112 @@ def _advance_kernel(
         while decoded & (gate >= 0):
             decoded = _rows_left(source_ptr, result_ptr, starts_ptr, gate, BLOCK) == 0
             gate = tl.load(blocks_ptr + 3 * blocks_stride + gate)
-    restore = decoded & (base >= 0)
-    if OPEN:
-        stored_now = tl.load(slots_ptr + row_lo, mask=row_hi > row_lo, other=-1) >= 0
-        whole = (row_hi - row_lo == BLOCK_SIZE) & (last - first == BLOCK_SIZE)
-        can_open = decoded & stored_now & whole
-        r_offs = tl.arange(0, REQUESTS)
-        ends = tl.load(cu_seqlens_ptr + 1 + r_offs, mask=r_offs < num_requests, other=2147483647)
-        request = tl.sum((ends <= row_lo).to(tl.int32), axis=0)
-        start = tl.load(positions_ptr + row_lo, mask=can_open, other=0) + BLOCK_SIZE
-        page_index = start // page_size
-        can_open = can_open & (page_index < tables_width)  # past the longest context the tables hold
-        page = tl.load(tables_ptr + request * tables_stride + page_index, mask=can_open, other=-1)
-        opened = can_open & (page >= 0)
-        rows = offs < tl.where(opened, BLOCK_SIZE, 0)  # (a scalar flag and'ed with a vector: int32 when interpreted)
-        # a shifted family's row before the block moves on to the stored block's last token; stored before the
-        # block's rows are masked (those stores issue after this one, which waits for the token's load)
-        before = opened & (shift > 0)
-        last_token = tl.load(ids_ptr + row_hi - 1, mask=before, other=0)
-        tl.store(ids_ptr + row_lo - shift, last_token, mask=before)
-        position_before = tl.load(positions_ptr + row_lo - shift, mask=before, other=0)
-        tl.store(positions_ptr + row_lo - shift, position_before + BLOCK_SIZE, mask=before)
-        tl.store(slots_ptr + row_lo - shift, row_lo * 0 - 1, mask=before)
-        tl.store(ids_ptr + row_lo + offs, tl.full((BLOCK,), mask_token_id, tl.int64), mask=rows)
-        moved = tl.load(positions_ptr + row_lo + offs, mask=rows, other=0) + BLOCK_SIZE
-        tl.store(positions_ptr + row_lo + offs, moved, mask=rows)
-        tl.store(slots_ptr + row_lo + offs, tl.full((BLOCK,), -1, tl.int64), mask=rows)
-        tl.store(source_ptr + first + offs, row_lo + offs - shift, mask=rows)
-        context = tl.load(context_lens_ptr + request, mask=opened, other=0)
-        tl.store(context_lens_ptr + request, context + BLOCK_SIZE, mask=opened)
-        new_base = page.to(tl.int64) * page_size + start % page_size
-        tl.store(blocks_ptr + 2 * blocks_stride + seg, new_base, mask=opened)
-        restore = restore & (opened == 0)
-    n_store = tl.where(restore, row_hi - row_lo, 0)
+    n_store = tl.where(decoded & (base >= 0), row_hi - row_lo, 0)
     store = offs < n_store
     tl.store(slots_ptr + row_lo + offs, base + offs, mask=store)
+
+
+@triton.jit
+def _move_window_kernel(
+    ids_ptr,  # [T] int64 input tokens, as the first launch left them
+    source_ptr,  # [N] int64 (after the first launch: -1 where decoded)
+    slots_ptr,  # [T] int64
+    result_ptr,  # [2, N] int64 (the accepted flags: a block that accepted nothing this step was decoded before it)
+    starts_ptr,  # [S + 1] int64
+    blocks_ptr,  # [4, >= S] int64
+    blocks_stride,
+    num_blocks,
+    force_ptr,  # [S + 1] int64
+    positions_ptr,  # [T] int64
+    cu_seqlens_ptr,  # [R + 1] int32
+    context_lens_ptr,  # [R] int32
+    tables_ptr,  # [R, P] int32
+    tables_stride,
+    tables_width,
+    shift,
+    page_size,
+    mask_token_id,
+    decoded_to_force,
+    decoded_to_join,
+    BLOCK_SIZE: tl.constexpr,  # a whole block's rows
+    BLOCK: tl.constexpr,  # a power of two >= BLOCK_SIZE
+    ROWS: tl.constexpr,  # a power of two >= a request's rows
+    SEGMENTS: tl.constexpr,  # a power of two >= num_blocks
+):
+    request = tl.program_id(0)
+    lo = tl.load(cu_seqlens_ptr + request).to(tl.int64)
+    hi = tl.load(cu_seqlens_ptr + request + 1).to(tl.int64)
+    first_row = lo + shift
+    # the request's blocks: those whose first input row lies in its rows (contiguous block numbers)
+    segs = tl.arange(0, SEGMENTS)
+    seg_ok = segs < num_blocks
+    seg_lo = tl.load(blocks_ptr + segs, mask=seg_ok, other=-1)
+    seg_hi = tl.load(blocks_ptr + blocks_stride + segs, mask=seg_ok, other=-1)
+    mine = seg_ok & (seg_lo >= first_row) & (seg_lo < hi) & (seg_hi > seg_lo)  # (padded blocks have no rows)
+    count = tl.sum(mine.to(tl.int32), axis=0)
+    lead = tl.min(tl.where(mine, segs, SEGMENTS), axis=0)
+    seg_first = tl.load(starts_ptr + segs, mask=mine, other=0)
+    seg_last = tl.load(starts_ptr + segs + 1, mask=mine, other=0)
+    whole = (seg_hi - seg_lo == BLOCK_SIZE) & (seg_last - seg_first == BLOCK_SIZE)
+    whole = whole & (seg_lo == first_row + (segs - lead) * BLOCK_SIZE)
+    movable = (count > 0) & (hi - first_row == count * BLOCK_SIZE)
+    movable = movable & (tl.sum((mine & ~whole).to(tl.int32), axis=0) == 0)
+    # the leading block was decoded before this step (so stored by it): nothing left, nothing accepted now
+    offs = tl.arange(0, BLOCK)
+    in_block = offs < BLOCK_SIZE
+    # (a scalar flag and'ed with a vector is int32 when interpreted: such masks compare offsets instead)
+    lead_rows = offs < tl.where(movable, BLOCK_SIZE, 0)
+    lead_first = tl.load(starts_ptr + lead, mask=movable, other=0)
+    lead_source = tl.load(source_ptr + lead_first + offs, mask=lead_rows, other=-1)
+    lead_took = tl.load(result_ptr + lead_first + offs, mask=lead_rows, other=0)
+    lead_base = tl.load(blocks_ptr + 2 * blocks_stride + lead, mask=movable, other=-1)
+    movable = movable & (tl.sum(((lead_source >= 0) | (lead_took != 0)).to(tl.int32), axis=0) == 0)
+    movable = movable & (lead_base >= 0)
+    newest = lead + count - 1
+    newest_first = tl.load(starts_ptr + newest, mask=movable, other=0)
+    newest_source = tl.load(source_ptr + newest_first + offs, mask=offs < tl.where(movable, BLOCK_SIZE, 0), other=-1)
+    newest_left = tl.sum((newest_source >= 0).to(tl.int32), axis=0)
+    movable = movable & ((count == 1) | (BLOCK_SIZE - newest_left >= decoded_to_join))
+    start = tl.load(positions_ptr + hi - 1, mask=movable, other=0) + 1
+    page_index = start // page_size
+    movable = movable & (page_index < tables_width)  # past the longest context the step's tables hold
+    page = tl.load(tables_ptr + request * tables_stride + page_index, mask=movable, other=-1).to(tl.int64)
+    if movable & (page >= 0):
+        rows = tl.arange(0, ROWS)
+        in_request = rows < hi - lo
+        # a shifted family's row before the blocks takes the stored block's last token
+        last_token = tl.load(ids_ptr + first_row + BLOCK_SIZE - 1)
+        tl.store(slots_ptr + lo + rows, tl.full((ROWS,), -1, tl.int64), mask=in_request)
+        moved_positions = tl.load(positions_ptr + lo + rows, mask=in_request, other=0) + BLOCK_SIZE
+        tl.store(positions_ptr + lo + rows, moved_positions, mask=in_request)
+        tl.debug_barrier()
+        if shift > 0:
+            tl.store(ids_ptr + lo, last_token)
+        decoded = lead >= 0  # the blocks moved so far are decoded (the stored one before them is)
+        for i in range(0, count - 1):
+            s = lead + i
+            t = s + 1
+            row_s = first_row + i * BLOCK_SIZE
+            tokens = tl.load(ids_ptr + row_s + BLOCK_SIZE + offs, mask=in_block, other=0)
+            tl.store(ids_ptr + row_s + offs, tokens, mask=in_block)
+            t_first = tl.load(starts_ptr + t)
+            s_first = tl.load(starts_ptr + s)
+            moved = tl.load(source_ptr + t_first + offs, mask=in_block, other=-1)
+            tl.store(source_ptr + s_first + offs, tl.where(moved >= 0, moved - BLOCK_SIZE, moved), mask=in_block)
+            tl.store(force_ptr + s, tl.load(force_ptr + t))
+            base = tl.load(blocks_ptr + 2 * blocks_stride + t)
+            tl.store(blocks_ptr + 2 * blocks_stride + s, base)
+            decoded = decoded & (tl.sum((moved >= 0).to(tl.int32), axis=0) == 0)
+            tl.store(slots_ptr + row_s + offs, base + offs, mask=offs < tl.where(decoded & (base >= 0), BLOCK_SIZE, 0))
+            tl.debug_barrier()
+        newest_row = first_row + (count - 1) * BLOCK_SIZE
+        tl.store(ids_ptr + newest_row + offs, tl.full((BLOCK,), mask_token_id, tl.int64), mask=in_block)
+        tl.store(source_ptr + newest_first + offs, newest_row - shift + offs, mask=in_block)
+        forces = BLOCK_SIZE - newest_left >= decoded_to_force
+        tl.store(force_ptr + newest, forces.to(tl.int64))
+        tl.store(blocks_ptr + 2 * blocks_stride + newest, page * page_size + start % page_size)
+        context = tl.load(context_lens_ptr + request)
+        tl.store(context_lens_ptr + request, context + BLOCK_SIZE)
 
 
 def triton_advance_inputs(
@@ -148,26 +207,28 @@ def triton_advance_inputs(
     opening: BlockOpening | None = None,
     gates: BlockGates | None = None,
 ) -> None:
-    """In place, as the reference; ``max_rows`` bounds both a block's sampled rows and its input rows."""
+    """In place, as the reference; ``max_rows`` bounds a block's sampled rows and input rows, and a request's rows."""
     num_blocks = starts.shape[0] - 1
     if num_blocks == 0:
         return
     block = max(16, triton.next_power_of_2(max_rows))
     use_pdl = pdl_enabled(input_ids.device, source_rows.shape[0])
-    o = opening
-    if o is not None and o.cu_seqlens_q.shape[0] - 1 > MAX_SEARCHED_REQUESTS:
-        raise ValueError("blocks are opened on the device only for graph-sized batches")
-    if o is not None:
-        block = max(block, triton.next_power_of_2(o.block_size))
-        layout = (o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables, o.page_tables.stride(0),
-                  o.page_tables.shape[1], o.cu_seqlens_q.shape[0] - 1, o.page_size, o.mask_token_id)  # fmt: skip
-    else:
-        layout = (input_ids, starts, starts, starts, 0, 0, 0, 1, 0)  # never read
     gating = (gates.force, gates.block_size, gates.decoded_to_force) if gates is not None else (starts, 0, 0)
     _advance_kernel[(num_blocks,)](
         input_ids, source_rows, slot_mapping, result, starts, blocks, result.stride(0), blocks.stride(0), shift,
-        input_ids.shape[0], *layout, *gating,
-        BLOCK=block, USE_PDL=use_pdl, OPEN=o is not None, GATES=gates is not None,
-        BLOCK_SIZE=o.block_size if o is not None else 1, REQUESTS=MAX_SEARCHED_REQUESTS if o is not None else 1,
-        num_warps=1, **launch_kwargs(use_pdl),
+        input_ids.shape[0], *gating,
+        BLOCK=block, USE_PDL=use_pdl, GATES=gates is not None, num_warps=1, **launch_kwargs(use_pdl),
+    )
+    o = opening
+    if o is None:
+        return
+    if gates is None:
+        raise ValueError("a continuation that opens blocks moves their force flags on too: pass gates")
+    _move_window_kernel[(o.cu_seqlens_q.shape[0] - 1,)](
+        input_ids, source_rows, slot_mapping, result, starts, blocks, blocks.stride(0), num_blocks, gates.force,
+        o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables, o.page_tables.stride(0), o.page_tables.shape[1],
+        shift, o.page_size, o.mask_token_id, gates.decoded_to_force, o.decoded_to_join,
+        BLOCK_SIZE=o.block_size, BLOCK=max(16, triton.next_power_of_2(o.block_size)),
+        ROWS=max(16, triton.next_power_of_2(max_rows)), SEGMENTS=max(16, triton.next_power_of_2(num_blocks)),
+        num_warps=1,
     )

@@ -429,20 +429,29 @@ class Request:
         return True
 
     def next_step_opens_block(self) -> bool:
-        """Whether the step after the one about to run decodes this request's next block, which a continuation can
-        open itself (`diffulex.engine.continuation.BlockOpening`): the running set is one whole block of generated
-        positions, decoded, that the step about to run stores (``buffer_size=1``), and the next block is whole within
-        the decoding limit. The host opens that block when it next looks at the request (`maybe_activate_block`)."""
-        s = self.settings
-        if s.buffer_size != 1 or len(self.running) != 1:
+        """Whether the step after the one about to run computes this request's running blocks one block further on,
+        which a continuation can do itself (`diffulex.engine.continuation.BlockOpening`): the step about to run
+        stores the leading block (decoded) and no other, every running block holds generated positions, the block
+        after them is whole within the decoding limit, and it joins the running set: a lone block's successor
+        always does; else once the newest block is far enough along (``add_block_threshold``), which it is already,
+        or reaches with the token it forces (as `next_step_has_same_rows` guesses, one that may not force gains
+        none). The host opens that block when it next looks at the request (`maybe_activate_block`)."""
+        s, running = self.settings, self.running
+        if not running or running[-1].end + s.block_size > self.decode_limit:
             return False
-        block = self.running[0]
-        return (
-            block.status is BlockStatus.TO_CACHE
-            and block.start == self.num_cached_tokens
-            and block.start >= self.prompt_len
-            and block.end + s.block_size <= self.decode_limit
-        )
+        lead = running[0]
+        if lead.status is not BlockStatus.TO_CACHE or lead.start != self.num_cached_tokens:
+            return False
+        if lead.start < self.prompt_len or any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
+            return False
+        if len(running) == 1:
+            return True
+        newest = running[-1]
+        decoded = newest.size - self.remaining(newest)
+        if decoded / newest.size >= s.add_block_threshold:
+            return True
+        forced = any(target.block is newest and target.force_allowed for target in self.sample_targets())
+        return forced and (decoded + 1) / newest.size >= s.add_block_threshold
 
     def stores_when_decoded(self, block: Block) -> bool:
         """Whether the step after the one that decodes the last sampled mask of ``block`` stores its K/V over this
@@ -529,11 +538,13 @@ class Request:
         self.num_cached_blocks = num_blocks
 
 
-def decoded_to_force(block_size: int, semi_complete_threshold: float) -> int:
-    """The fewest decoded positions of a block from which the block after it may force its best row: `Request.
-    sample_targets`' progress test (``progress >= semi_complete_threshold``) as a count, which a continuation's
-    device rule compares (`diffulex.engine.continuation.BlockGates`); ``block_size + 1``: never."""
-    return next((k for k in range(block_size + 1) if k / block_size >= semi_complete_threshold), block_size + 1)
+def decoded_to_force(block_size: int, threshold: float) -> int:
+    """The fewest decoded positions of a block whose progress reaches ``threshold`` (`Request.progress`), as a count
+    a continuation's device rule compares: with ``semi_complete_threshold``, from which the block after it may force
+    its best row (`Request.sample_targets`, `diffulex.engine.continuation.BlockGates`); with
+    ``add_block_threshold``, from which the next block joins the running set (`Request.maybe_activate_block`,
+    `diffulex.engine.continuation.BlockOpening`). ``block_size + 1``: never."""
+    return next((k for k in range(block_size + 1) if k / block_size >= threshold), block_size + 1)
 
 
 def _trailing_run(tokens: list[int]) -> int:

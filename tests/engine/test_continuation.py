@@ -55,11 +55,12 @@ def test_continued_steps_decode_every_request_as_one_step_in_flight_does(peaky_s
 def test_several_running_blocks_are_continued_as_one_step_in_flight_decodes_them(sdar_dir: Path,
                                                                                  buffer_size: int) -> None:
     """A running set of several blocks computes the same rows next step unless a block joins it: the device lets a
-    block force once the one before it is decoded far enough and stores decoded blocks in order (`BlockGates`).
-    A random model accepts only what its blocks force, so the guess that a block which may not force gains no
-    token holds: every request decodes exactly as with one step in flight, most steps are continued, none dropped."""
+    block force once the one before it is decoded far enough and stores decoded blocks in order (`BlockGates`);
+    once its leading block is stored, the device moves the blocks on by one (`BlockOpening`). A random model
+    accepts only what its blocks force, so the guess that a block which may not force gains no token holds: every
+    request decodes exactly as with one step in flight, most steps are continued, blocks open, none is dropped."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    fields = dict(buffer_size=buffer_size)
+    fields = dict(buffer_size=buffer_size, page_size=16)
     with make_engine(sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, [9], seed=17)
     expected, _, _ = _generate(sdar_dir, prompts, params, False, **fields)
@@ -67,7 +68,27 @@ def test_several_running_blocks_are_continued_as_one_step_in_flight_decodes_them
         with_static_decode(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         steps, continued, dropped = llm.num_steps, llm.num_continuations, llm.num_dropped_continuations
+        opened = llm.num_opened_blocks
     assert _answers(outputs) == expected
+    assert continued > 3 * steps // 4 and opened > 2 and dropped == 0
+
+
+def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> None:
+    """Requests whose blocks are stored at different steps (prompts of different lengths: their first blocks hold
+    different numbers of positions to decode): at buffer 2 each moves its blocks on by one on the device when its
+    leading block is stored, so the others' steps go on being continued; tokens are those of one step in flight."""
+    fields = dict(buffer_size=2, page_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [3, 6, 9, 13, 17, 21], seed=5)
+    expected, _, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        steps, continued, opened = llm.num_steps, llm.num_continuations, llm.num_opened_blocks
+        dropped = llm.num_dropped_continuations
+    assert _answers(outputs) == expected
+    assert opened > len(prompts), "requests moved their blocks on on the device"
     assert continued > steps // 2 and dropped == 0
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from diffulex.engine.continuation import advance_inputs_reference
+from diffulex.engine.continuation import BlockGates, advance_inputs_reference
 from diffulex.kernels.step_advance import triton_advance_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,6 +117,8 @@ def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int 
         page = table[start // page_size]
         ids.extend([rng.randint(0, 50)] * extra)
         ids.extend(rng.randint(0, 50) if stored or rng.random() < 0.5 else MASK for _ in range(block_size))
+        if not stored:  # a block with no mask left at the step's start is the one the step stores
+            ids[first + rng.randrange(block_size)] = MASK
         base = page * page_size + start % page_size if page >= 0 else -1
         stored_slots = [base + i for i in range(block_size)] if stored and base >= 0 else [-1] * block_size
         slots.extend([-1] * extra + stored_slots)
@@ -144,13 +146,18 @@ def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int 
                                                      mask_token_id=MASK)  # fmt: skip
 
 
+def all_forcing(starts: torch.Tensor, block_size: int) -> BlockGates:
+    """Gates of blocks that each force (a lone running block after its committed predecessor)."""
+    return BlockGates(torch.ones(starts.shape[0], dtype=torch.int64, device=starts.device), block_size, block_size)
+
+
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("seed", range(12))
 def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int, shift: int) -> None:
     step, layout, opening = opening_step(seed, shift)
     expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout]
-    advance_inputs_reference(*expected[0], shift, opening(expected[1]))
-    triton_advance_inputs(*step, shift, 4, opening(layout))
+    advance_inputs_reference(*expected[0], shift, opening(expected[1]), all_forcing(expected[0][4], 4))
+    triton_advance_inputs(*step, shift, 4 + shift, opening(layout), all_forcing(step[4], 4))
     names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
     for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
         assert g.cpu().tolist() == e.tolist(), name
@@ -174,7 +181,7 @@ def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there(
     context = torch.tensor([8, 4], dtype=torch.int32)
     tables = torch.tensor([[0, 2, 9], [5, -1, -1]], dtype=torch.int32)  # request 0's positions 8-15: page 2
     opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK)
-    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, all_forcing(starts, 4))
     assert ids.tolist() == [MASK] * 4 + [5, 6, 7, 8]
     assert positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
     assert source.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
@@ -199,7 +206,7 @@ def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_la
     context = torch.tensor([7], dtype=torch.int32)
     opening = BlockOpening(positions, torch.tensor([0, 5], dtype=torch.int32), context,
                            torch.tensor([[0, 1]], dtype=torch.int32), page_size=8, block_size=4, mask_token_id=MASK)
-    advance_inputs_reference(ids, source, slots, result, starts, blocks, 1, opening)
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 1, opening, all_forcing(starts, 4))
     assert ids.tolist() == [4, MASK, MASK, MASK, MASK]
     assert positions.tolist() == [11, 12, 13, 14, 15]
     assert source.tolist() == [0, 1, 2, 3]
@@ -294,3 +301,106 @@ def test_a_decoded_block_waits_to_be_stored_until_the_block_before_it_is_decoded
     assert ids.tolist() == [1, 2, MASK, MASK, 5, 6, 7, 17]
     assert slots.tolist() == [-1] * 8
     assert force.tolist() == [1, 0, 0]
+
+
+def window_step(seed: int, shift: int, block_size: int = 4, page_size: int = 8):
+    """A step of several requests with one to three whole running blocks each (after a row of their own when
+    shifted), gated in order: the leading block sometimes stored by this step (decoded before it, its slots set,
+    nothing sampled), the others with masks to decode, some accepted now; some next blocks without a page. Returns
+    the advance's tensors, the layout's views, and makers of the `BlockOpening` and the `BlockGates`."""
+    from diffulex.engine.continuation import BlockOpening
+
+    rng = random.Random(seed)
+    ids, slots, source, positions, starts = [], [], [], [], [0]
+    blocks, result, force = [[], [], [], []], [[], []], []
+    cu, context, tables = [0], [], []
+    for _ in range(rng.randint(1, 5)):
+        count = rng.randint(1, 3)
+        start = block_size * rng.randint(2, 10)
+        table = [rng.randint(0, 40) if rng.random() < 0.85 else -1 for _ in range(8)]
+        ids.extend([rng.randint(0, 50)] * shift)
+        positions.extend(range(start - shift, start + count * block_size))
+        slots.extend([-1] * shift)
+        stored = rng.random() < 0.6
+        gate = -1
+        for i in range(count):
+            first = len(ids)
+            decoded = i == 0 and stored
+            tokens = [rng.randint(0, 50) if decoded or rng.random() < 0.4 else MASK for _ in range(block_size)]
+            if not decoded:
+                tokens[rng.randrange(block_size)] = MASK
+            ids.extend(tokens)
+            position = start + i * block_size
+            page = table[position // page_size]
+            base = page * page_size + position % page_size if page >= 0 else -1
+            slots.extend([base + j for j in range(block_size)] if decoded and base >= 0 else [-1] * block_size)
+            for j in range(block_size):
+                sampled = tokens[j] == MASK
+                source.append(first + j - shift if sampled else -1)
+                result[0].append(int(sampled and rng.random() < 0.5))
+                result[1].append(rng.randint(100, 200))
+            starts.append(len(source))
+            for row, value in zip(blocks, (first, first + block_size, base, gate), strict=True):
+                row.append(value)
+            force.append(int(i == 0 or rng.random() < 0.4))
+            gate = len(starts) - 2
+        cu.append(len(ids))
+        context.append(start - shift)
+        tables.append(table)
+    force.append(0)
+
+    def t(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    step = [t(ids), t(source), t(slots), t(result), t(starts), t(blocks)]
+    layout = [t(positions), t(cu, torch.int32), t(context, torch.int32), t(tables, torch.int32)]
+    join, forcing = rng.randint(1, 3), rng.randint(1, block_size + 1)
+    return (
+        step, layout, t(force),
+        lambda views: BlockOpening(*views, page_size=page_size, block_size=block_size, mask_token_id=MASK,
+                                   decoded_to_join=join),
+        lambda f: BlockGates(f, block_size, forcing),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("seed", range(16))
+def test_the_kernel_moves_running_blocks_on_as_the_reference_does(seed: int, shift: int) -> None:
+    step, layout, force, opening, gates = window_step(seed, shift)
+    expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout], force.cpu().clone()
+    advance_inputs_reference(*expected[0], shift, opening(expected[1]), gates(expected[2]))
+    triton_advance_inputs(*step, shift, 3 * 4 + shift, opening(layout), gates(force))
+    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
+    for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
+        assert g.cpu().tolist() == e.tolist(), name
+    assert force.cpu().tolist() == expected[2].tolist(), "force"
+
+
+def test_a_request_whose_leading_block_was_stored_moves_its_blocks_on_by_one() -> None:
+    """One request of two blocks of 4 (positions 8-15, pages of 8: 8-15 in page 3, 16-23 in page 6), a block
+    forcing once 3 positions before it are decoded, the next one joining once 1 of the newest's is. Block 0 was
+    stored by this step; block 1 decodes its last two masks. The rows become blocks 1 and 2: block 1's tokens at
+    rows 0-3, decoded (so stored next step, at its slots 28-31, and forcing), then masks at 16-19, sampled, slots
+    6 * 8 + 0, forcing too (block 1 is decoded); one block more of context."""
+    from diffulex.engine.continuation import BlockOpening
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, MASK, MASK], dtype=torch.int64)
+    source = torch.tensor([-1, -1, -1, -1, -1, -1, 6, 7], dtype=torch.int64)
+    slots = torch.tensor([24, 25, 26, 27, -1, -1, -1, -1], dtype=torch.int64)
+    result = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 17, 18]], dtype=torch.int64)
+    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [24, 28], [-1, 0]], dtype=torch.int64)
+    force = torch.tensor([1, 1, 0], dtype=torch.int64)
+    positions = torch.arange(8, 16, dtype=torch.int64)
+    context = torch.tensor([8], dtype=torch.int32)
+    opening = BlockOpening(positions, torch.tensor([0, 8], dtype=torch.int32), context,
+                           torch.tensor([[0, 3, 6]], dtype=torch.int32), page_size=8, block_size=4,
+                           mask_token_id=MASK, decoded_to_join=1)  # fmt: skip
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, BlockGates(force, 4, 3))
+    assert ids.tolist() == [5, 6, 17, 18] + [MASK] * 4
+    assert positions.tolist() == list(range(12, 20))
+    assert source.tolist() == [-1, -1, -1, -1, 4, 5, 6, 7]
+    assert slots.tolist() == [28, 29, 30, 31, -1, -1, -1, -1]
+    assert blocks[2].tolist() == [28, 48]
+    assert force.tolist() == [1, 1, 0]
+    assert context.tolist() == [12]
