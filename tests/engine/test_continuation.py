@@ -29,6 +29,16 @@ def _answers(outputs) -> list[tuple]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """What an engine's steps were: how many, continued on the device, of those dropped, blocks opened there."""
+
+    steps: int
+    continued: int
+    dropped: int
+    opened: int
+
+
 def _generate(model: Path, prompts, params, async_scheduling: bool, stop_token: int | None = None, **fields):
     with make_engine(model, async_scheduling=async_scheduling, **fields) as llm:
         with_static_decode(llm)
@@ -36,7 +46,8 @@ def _generate(model: Path, prompts, params, async_scheduling: bool, stop_token: 
             llm.settings = dataclasses.replace(llm.settings, stop_token_ids=frozenset({stop_token}))
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert not llm._in_flight, "nothing stays in flight once every request has finished"
-        return _answers(outputs), llm.num_continuations, llm.num_dropped_continuations
+        steps = _Steps(llm.num_steps, llm.num_continuations, llm.num_dropped_continuations, llm.num_opened_blocks)
+        return _answers(outputs), steps
 
 
 @pytest.mark.parametrize("lengths", [[9], [3, 6, 9, 12, 5]], ids=["one-request", "five-requests"])
@@ -44,11 +55,11 @@ def test_continued_steps_decode_every_request_as_one_step_in_flight_does(peaky_s
     fields = dict(accept_threshold=0.8)
     with make_engine(peaky_sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, lengths, seed=31)
-    expected, none, _ = _generate(peaky_sdar_dir, prompts, GREEDY, False, **fields)
-    got, continued, dropped = _generate(peaky_sdar_dir, prompts, GREEDY, True, **fields)
-    assert none == 0
+    expected, synchronous = _generate(peaky_sdar_dir, prompts, GREEDY, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, GREEDY, True, **fields)
+    assert synchronous.continued == 0
     assert got == expected
-    assert continued > 0 and dropped == 0
+    assert run.continued > 0 and run.dropped == 0
 
 
 @pytest.mark.parametrize("buffer_size", [2, 4])
@@ -63,14 +74,10 @@ def test_several_running_blocks_are_continued_as_one_step_in_flight_decodes_them
     fields = dict(buffer_size=buffer_size, page_size=16)
     with make_engine(sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, [9], seed=17)
-    expected, _, _ = _generate(sdar_dir, prompts, params, False, **fields)
-    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
-        with_static_decode(llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        steps, continued, dropped = llm.num_steps, llm.num_continuations, llm.num_dropped_continuations
-        opened = llm.num_opened_blocks
-    assert _answers(outputs) == expected
-    assert continued > 3 * steps // 4 and opened > 2 and dropped == 0
+    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert run.continued > 3 * run.steps // 4 and run.opened > 2 and run.dropped == 0
 
 
 def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> None:
@@ -81,15 +88,11 @@ def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> 
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with make_engine(sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, [3, 6, 9, 13, 17, 21], seed=5)
-    expected, _, _ = _generate(sdar_dir, prompts, params, False, **fields)
-    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
-        with_static_decode(llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        steps, continued, opened = llm.num_steps, llm.num_continuations, llm.num_opened_blocks
-        dropped = llm.num_dropped_continuations
-    assert _answers(outputs) == expected
-    assert opened > len(prompts), "requests moved their blocks on on the device"
-    assert continued > steps // 2 and dropped == 0
+    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert run.opened > len(prompts), "requests moved their blocks on on the device"
+    assert run.continued > run.steps // 2 and run.dropped == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
@@ -120,10 +123,10 @@ def test_a_confident_model_decodes_several_running_blocks_as_one_step_in_flight_
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with make_engine(peaky_sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, [4, 9, 13], seed=17)
-    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
-    got, continued, _ = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
     assert got == expected
-    assert continued > 0
+    assert run.continued > 0
 
 
 def test_continued_steps_match_the_reference_decoder(peaky_sdar_dir: Path) -> None:
@@ -142,15 +145,11 @@ def test_requests_out_of_step_are_continued_across_their_blocks(peaky_sdar_dir: 
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with make_engine(peaky_sdar_dir, **fields) as llm:
         prompts = random_prompts(llm, [3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18], seed=21)
-    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
-    with make_engine(peaky_sdar_dir, async_scheduling=True, **fields) as llm:
-        with_static_decode(llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        steps, continued, opened = llm.num_steps, llm.num_continuations, llm.num_opened_blocks
-        dropped = llm.num_dropped_continuations
-    assert _answers(outputs) == expected
-    assert opened > len(prompts), "requests moved on to their next block on the device"
-    assert continued > steps // 2 and dropped == 0
+    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert run.opened > len(prompts), "requests moved on to their next block on the device"
+    assert run.continued > run.steps // 2 and run.dropped == 0
 
 
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path) -> None:
@@ -159,12 +158,9 @@ def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path
     model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
     with make_engine(model) as llm:
         prompts = random_prompts(llm, [4, 9, 13, 6, 11], seed=7)
-    expected, _, _ = _generate(model, prompts, GREEDY, False, accept_threshold=0.7)
-    with make_engine(model, async_scheduling=True, accept_threshold=0.7) as llm:
-        with_static_decode(llm)
-        got = _answers(llm.generate(prompts, GREEDY, use_tqdm=False))
-        continued, opened = llm.num_continuations, llm.num_opened_blocks
-    assert got == expected and continued > 0 and opened > 0
+    expected, _ = _generate(model, prompts, GREEDY, False, accept_threshold=0.7)
+    got, run = _generate(model, prompts, GREEDY, True, accept_threshold=0.7)
+    assert got == expected and run.continued > 0 and run.opened > 0
 
 
 def test_a_stop_token_in_the_middle_of_a_block_drops_the_continuation(peaky_sdar_dir: Path) -> None:
@@ -192,11 +188,11 @@ def test_a_stop_token_in_the_middle_of_a_block_drops_the_continuation(peaky_sdar
             stop_token = token
             break
     assert stop_token is not None, "the tiny model should fill some block out of order"
-    expected, _, _ = _generate(peaky_sdar_dir, prompts, params, False, stop_token, **fields)
-    got, _, dropped = _generate(peaky_sdar_dir, prompts, params, True, stop_token, **fields)
+    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, stop_token, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, stop_token, **fields)
     assert got == expected
     assert expected[0][2] == "eos_token_generated"
-    assert dropped > 0
+    assert run.dropped > 0
 
 
 def test_waiting_requests_and_aborts_fall_back_to_launching_after_the_result(peaky_sdar_dir: Path) -> None:

@@ -158,11 +158,11 @@ def test_greedy_edit_steps_are_continued_on_the_device_as_one_step_in_flight_dec
     params = SamplingParams(temperature=0.0, max_tokens=20)
     with make_engine(llada2, **fields) as llm:
         prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
-    expected, none, _ = _generate(llada2, prompts, params, False, **fields)
-    got, continued, dropped = _generate(llada2, prompts, params, True, **fields)
-    assert none == 0
+    expected, synchronous = _generate(llada2, prompts, params, False, **fields)
+    got, run = _generate(llada2, prompts, params, True, **fields)
+    assert synchronous.continued == 0
     assert got == expected
-    assert continued > 0 and dropped > 0
+    assert run.continued > 0 and run.dropped > 0
 
 
 def test_continued_edit_steps_stop_where_one_step_in_flight_stops(llada2):
@@ -178,12 +178,12 @@ def test_continued_edit_steps_stop_where_one_step_in_flight_stops(llada2):
     params = SamplingParams(temperature=0.0, max_tokens=20)
     with make_engine(llada2, **fields) as llm:
         prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
-    plain, _, _ = _generate(llada2, prompts, params, False, **fields)
+    plain, _ = _generate(llada2, prompts, params, False, **fields)
     stop = collections.Counter(t for answer in plain for t in answer[0][-20:]).most_common(1)[0][0]
-    expected, _, _ = _generate(llada2, prompts, params, False, stop_token=stop, **fields)
-    got, continued, _ = _generate(llada2, prompts, params, True, stop_token=stop, **fields)
+    expected, _ = _generate(llada2, prompts, params, False, stop_token=stop, **fields)
+    got, run = _generate(llada2, prompts, params, True, stop_token=stop, **fields)
     assert got == expected
-    assert continued > 0 and "eos_token_generated" in [answer[2] for answer in got]
+    assert run.continued > 0 and "eos_token_generated" in [answer[2] for answer in got]
 
 
 def test_edit_steps_with_a_repetition_penalty_are_not_continued(llada2):

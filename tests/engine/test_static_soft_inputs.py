@@ -120,11 +120,11 @@ def test_greedy_dmax_steps_are_continued_on_the_device_as_one_step_in_flight_dec
     fields = dmax_fields("dmax_topk", **extra)
     with make_engine(llada2, **fields) as llm:
         prompts = random_prompts(llm, [3, 7, 12, 4], seed=5)
-    expected, none, _ = _generate(llada2, prompts, PARAMS, False, **fields)
-    got, continued, dropped = _generate(llada2, prompts, PARAMS, True, **fields)
-    assert none == 0
+    expected, synchronous = _generate(llada2, prompts, PARAMS, False, **fields)
+    got, run = _generate(llada2, prompts, PARAMS, True, **fields)
+    assert synchronous.continued == 0
     assert got == expected
-    assert continued > 0 and dropped > 0
+    assert run.continued > 0 and run.dropped > 0
 
 
 def test_iter_smooth_topk_steps_are_not_continued(llada2: Path) -> None:
