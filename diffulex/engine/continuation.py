@@ -18,10 +18,11 @@ nothing yet; two more things then move with the result, and the device derives t
 best row once the block before it is decoded far enough (``semi_complete_threshold``: `BlockGates`), and a decoded
 block is stored only after every block before it is.
 
-And once a step has stored a request's block, the next one decodes the block after it (`BlockOpening`): the same
-rows, one block further on, all masks and sampled, attending to one block more of cached keys, whose page the
-host lent in advance (`diffulex.engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at
-large batches some request is always at its storing step, and no step could be continued for anyone.
+And once a step has stored a request's leading block, the next one decodes its running blocks one block further
+on (`BlockOpening`): the same rows, each block's taking the next one's, the last ones the block that joins, all
+masks and sampled, attending to one block more of cached keys, in pages the host lent in advance (`diffulex.
+engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at large batches some request is
+always at its storing step, and no step could be continued for anyone.
 
 `advance_inputs` makes exactly these changes to a replayed graph's device buffers at the end of its sampling
 graph, so replaying the same graphs again *is* the next step. Rows decoded this step stay in the layout as rows

@@ -144,15 +144,20 @@ class KVCacheManager:
             req.page_table.extend(self._take_free_pages(missing))
 
     def reserve_running_pages(self, req: Request) -> None:
-        """Give ``req`` the pages its running set and the block after it will be stored in, as far as free pages
-        allow. A continuation step (`diffulex.engine.continuation`) stores a block in the step right after its last
-        mask is decoded, and opens the next block after that, before the host has seen either, so their slots must
-        exist already. Only a page that holds no reusable prefix is lent (the next page handed out, if
-        unregistered): a loan must not evict the prefix cache."""
+        """Give ``req`` the pages its running set, the block after it and one page more will be stored in, as far
+        as free pages allow. A continuation step (`diffulex.engine.continuation`) stores a block in the step right
+        after its last mask is decoded, and opens the next block after that, before the host has seen either, so
+        their slots must exist already; the device reads the page table the chain of continuations began with, so
+        the page beyond lets a request open blocks for a whole page before the chain needs the host again (without
+        it, at large batches some request always crossed into a page of its own). Only a page that holds no
+        reusable prefix is lent (the next page handed out, if unregistered): a loan must not evict the prefix
+        cache."""
         if not req.running:
             return
-        next_end = min(req.running[-1].end + req.settings.block_size, req.max_stored_len)
-        wanted = self.pages_for(max(next_end, req.running[-1].end)) - len(req.page_table)
+        running_end = req.running[-1].end
+        next_end = min(running_end + req.settings.block_size, req.max_stored_len)
+        ahead = min(self.pages_for(next_end) + 1, self.pages_for(req.max_stored_len))
+        wanted = max(ahead, self.pages_for(running_end)) - len(req.page_table)
         while wanted > 0 and self.free_pages and next(iter(self.free_pages)) not in self.hash_of_page:
             req.page_table.append(self._take_free_page())
             wanted -= 1

@@ -388,20 +388,20 @@ def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_p
 # ----- loans for continuation steps ---------------------------------------------------------------------------
 
 
-def test_a_loan_covers_the_running_block_and_the_block_after_it_and_is_taken_back_whole() -> None:
+def test_a_loan_covers_the_running_block_the_block_after_it_and_a_page_more_and_is_taken_back_whole() -> None:
     """A continuation may store the running block and then open the block after it before the host sees either
-    (`diffulex.engine.continuation.BlockOpening`): a request whose 12-token prompt fills pages 0 and 1 runs block
-    12-15 (page 1) and is lent page 2 for the block after it (16-19). Taking the loan back leaves the prompt's
-    pages, the lent page first in line again."""
+    (`diffulex.engine.continuation.BlockOpening`), and go on opening blocks for a page more: a request whose
+    12-token prompt fills pages 0 and 1 runs block 12-15 (page 1) and is lent page 2 for the block after it (16-19)
+    and page 3. Taking the loan back leaves the prompt's pages, the lent pages first in line again."""
     kv = KVCacheManager(num_pages=6, page_size=PAGE, enable_prefix_caching=True)
     req = cached_request(kv, prompt_of(12))
     assert len(req.page_table) == 2
     req.maybe_activate_block()
     assert (req.running[0].start, req.running[0].end) == (12, 16)
     kv.reserve_running_pages(req)
-    assert len(req.page_table) == 3
-    lent = req.page_table[2]
+    assert len(req.page_table) == 4
+    lent = req.page_table[2:]
     kv.release_reserved_pages(req)
     assert len(req.page_table) == 2
     kv.reserve_running_pages(req)
-    assert req.page_table[2] == lent
+    assert req.page_table[2:] == lent
