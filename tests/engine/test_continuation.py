@@ -152,14 +152,16 @@ def test_requests_out_of_step_are_continued_across_their_blocks(peaky_sdar_dir: 
     assert run.continued > run.steps // 2 and run.dropped == 0
 
 
-def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path) -> None:
-    """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's next
-    block opened on the device starts one row before the block, at the stored block's last token."""
+@pytest.mark.parametrize("buffer_size", [1, 2])
+def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path, buffer_size: int) -> None:
+    """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's blocks
+    moved on by the device start one row before the first, at the stored block's last token."""
     model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
-    with make_engine(model) as llm:
+    fields = dict(accept_threshold=0.7, buffer_size=buffer_size, page_size=16)
+    with make_engine(model, **fields) as llm:
         prompts = random_prompts(llm, [4, 9, 13, 6, 11], seed=7)
-    expected, _ = _generate(model, prompts, GREEDY, False, accept_threshold=0.7)
-    got, run = _generate(model, prompts, GREEDY, True, accept_threshold=0.7)
+    expected, _ = _generate(model, prompts, GREEDY, False, **fields)
+    got, run = _generate(model, prompts, GREEDY, True, **fields)
     assert got == expected and run.continued > 0 and run.opened > 0
 
 
