@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from diffulex.engine.continuation import BlockGates, BlockOpening
 
 
+# Blocks the window kernel's program looks at at once while it scans the launch's blocks for its request's: one
+# compiled variant whatever the bucket, and few registers (a bucket of 512 requests has 2,048 blocks at buffer 4).
+_BLOCKS_SCANNED = 128
+
+
 @triton.jit
 def _rows_left(source_ptr, result_ptr, starts_ptr, seg, BLOCK: tl.constexpr):
     """Sampled rows of block ``seg`` still to decode after this step (0 for ``seg`` < 0)."""
@@ -117,26 +122,30 @@ def _move_window_kernel(
     BLOCK_SIZE: tl.constexpr,  # a whole block's rows
     BLOCK: tl.constexpr,  # a power of two >= BLOCK_SIZE
     ROWS: tl.constexpr,  # a power of two >= a request's rows
-    SEGMENTS: tl.constexpr,  # a power of two >= num_blocks
+    SCANNED: tl.constexpr,  # blocks looked at at once (`_BLOCKS_SCANNED`)
 ):
     request = tl.program_id(0)
     lo = tl.load(cu_seqlens_ptr + request).to(tl.int64)
     hi = tl.load(cu_seqlens_ptr + request + 1).to(tl.int64)
     first_row = lo + shift
-    # the request's blocks: those whose first input row lies in its rows (contiguous block numbers)
-    segs = tl.arange(0, SEGMENTS)
-    seg_ok = segs < num_blocks
-    seg_lo = tl.load(blocks_ptr + segs, mask=seg_ok, other=-1)
-    seg_hi = tl.load(blocks_ptr + blocks_stride + segs, mask=seg_ok, other=-1)
-    mine = seg_ok & (seg_lo >= first_row) & (seg_lo < hi) & (seg_hi > seg_lo)  # (padded blocks have no rows)
-    count = tl.sum(mine.to(tl.int32), axis=0)
-    lead = tl.min(tl.where(mine, segs, SEGMENTS), axis=0)
-    seg_first = tl.load(starts_ptr + segs, mask=mine, other=0)
-    seg_last = tl.load(starts_ptr + segs + 1, mask=mine, other=0)
-    whole = (seg_hi - seg_lo == BLOCK_SIZE) & (seg_last - seg_first == BLOCK_SIZE)
-    whole = whole & (seg_lo == first_row + (segs - lead) * BLOCK_SIZE)
-    movable = (count > 0) & (hi - first_row == count * BLOCK_SIZE)
-    movable = movable & (tl.sum((mine & ~whole).to(tl.int32), axis=0) == 0)
+    # the request's blocks: those whose first input row lies in its rows (consecutive block numbers, disjoint rows:
+    # whole blocks as many as its rows hold tile them in order)
+    count = tl.zeros((), tl.int32)
+    not_whole = tl.zeros((), tl.int32)
+    lead = tl.full((), 2147483647, tl.int32)
+    for first_scanned in range(0, num_blocks, SCANNED):
+        segs = first_scanned + tl.arange(0, SCANNED)
+        seg_ok = segs < num_blocks
+        seg_lo = tl.load(blocks_ptr + segs, mask=seg_ok, other=-1)
+        seg_hi = tl.load(blocks_ptr + blocks_stride + segs, mask=seg_ok, other=-1)
+        mine = seg_ok & (seg_lo >= first_row) & (seg_lo < hi) & (seg_hi > seg_lo)  # (padded blocks have no rows)
+        seg_first = tl.load(starts_ptr + segs, mask=mine, other=0)
+        seg_last = tl.load(starts_ptr + segs + 1, mask=mine, other=0)
+        whole = (seg_hi - seg_lo == BLOCK_SIZE) & (seg_last - seg_first == BLOCK_SIZE)
+        count += tl.sum(mine.to(tl.int32), axis=0)
+        not_whole += tl.sum((mine & ~whole).to(tl.int32), axis=0)
+        lead = tl.minimum(lead, tl.min(tl.where(mine, segs, 2147483647), axis=0))
+    movable = (count > 0) & (hi - first_row == count * BLOCK_SIZE) & (not_whole == 0)
     # the leading block was decoded before this step (so stored by it): nothing left, nothing accepted now
     offs = tl.arange(0, BLOCK)
     in_block = offs < BLOCK_SIZE
@@ -229,6 +238,5 @@ def triton_advance_inputs(
         o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables, o.page_tables.stride(0), o.page_tables.shape[1],
         shift, o.page_size, o.mask_token_id, gates.decoded_to_force, o.decoded_to_join,
         BLOCK_SIZE=o.block_size, BLOCK=max(16, triton.next_power_of_2(o.block_size)),
-        ROWS=max(16, triton.next_power_of_2(max_rows)), SEGMENTS=max(16, triton.next_power_of_2(num_blocks)),
-        num_warps=1,
+        ROWS=max(16, triton.next_power_of_2(max_rows)), SCANNED=_BLOCKS_SCANNED, num_warps=1,
     )
