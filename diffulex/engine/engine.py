@@ -314,13 +314,16 @@ class DiffulexEngine:
 
     def _maybe_continue(self) -> None:
         """Queue the successor of the step in flight before reading its result, when its rows are known already
-        (`diffulex.engine.continuation`): nobody waits for admission, every running request takes part, and each
-        computes the same rows next step whatever this step accepts, or its running blocks one block further on
-        where this step stores its leading block and the device can move them (`Request.next_step_opens_block`)."""
+        (`diffulex.engine.continuation`): nobody waits for admission who could be admitted (with every request slot
+        taken, a request that finishes in the step in flight frees its slot for the step after the continuation:
+        what waits is admitted one step later, and a saturated engine keeps continuing), every running request takes
+        part, and each computes the same rows next step whatever this step accepts, or its running blocks one block
+        further on where this step stores its leading block and the device can move them
+        (`Request.next_step_opens_block`)."""
         if len(self._in_flight) != 1 or not self.policy.continues or not self.runner.can_continue:
             return
         newest, scheduler = self._in_flight[-1], self.scheduler
-        if scheduler.waiting or len(newest.batch) != len(scheduler.running):
+        if (scheduler.waiting and not scheduler.slots_full()) or len(newest.batch) != len(scheduler.running):
             return
         views, opened = [], []
         for req, view in zip(newest.batch, newest.views, strict=True):

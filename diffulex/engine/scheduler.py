@@ -66,6 +66,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def slots_full(self) -> bool:
+        """Whether every request slot is taken (``max_num_reqs`` running): the next schedule admits no waiting
+        request, unless one of the running ones finishes first."""
+        return len(self.running) >= self.limits.max_num_reqs
+
     # ----- forming a batch ----------------------------------------------------------------------------------
 
     def schedule(self, busy: Collection[int] = (), max_reqs: int | None = None) -> list[Request]:

@@ -129,6 +129,22 @@ def test_a_confident_model_decodes_several_running_blocks_as_one_step_in_flight_
     assert run.continued > 0
 
 
+def test_a_saturated_engine_keeps_continuing_and_admits_what_waits_one_step_later(sdar_dir: Path) -> None:
+    """Ten prompts for four request slots: while every slot is taken nobody could be admitted, so steps go on
+    being continued; a request that finishes in the step in flight frees its slot for the step after the
+    continuation. Every request's steps and tokens are those of one step in flight, with at most one step more in
+    all for each admission the continuation put off."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fields = dict(max_num_reqs=4)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [3, 5, 7, 9, 11, 4, 6, 8, 10, 12], seed=9)
+    expected, synchronous = _generate(sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert run.continued > run.steps // 2 and run.dropped == 0
+    assert synchronous.steps <= run.steps <= synchronous.steps + len(prompts) - fields["max_num_reqs"]
+
+
 def test_continued_steps_match_the_reference_decoder(peaky_sdar_dir: Path) -> None:
     with make_engine(peaky_sdar_dir) as llm:
         with_static_decode(llm)
