@@ -408,8 +408,9 @@ class Request:
         The running set's active blocks, right after the cache, with positions to decode: accepting then only fills
         masks, lets a block force once the one before it is decoded far enough, and at most makes leading blocks
         ``TO_CACHE``, which the next step stores while computing the same rows. Unless a block joins the running
-        set: where it has room, the newest block's progress after this step decides (``add_block_threshold``). A
-        newest block that forces gains a token: if that is enough, the rows change. One that may not force gains
+        set: where it has room, the newest block's progress after this step decides (``add_block_threshold``). One
+        far enough along already has the next block join; one that forces gains a token: if that is enough, the
+        rows change. One that may not force gains
         only tokens above ``accept_threshold``, taken here as none, as a block at the decoding frontier rarely
         has any: a wrong guess is caught once the result is applied (the host's next step computes other rows)
         and costs the continued forward. A continuation step (`diffulex.engine.continuation`) relies on this.
@@ -422,11 +423,14 @@ class Request:
         targets = self.sample_targets()
         if not targets:
             return False
-        newest = targets[-1]
-        if self._has_room_for_a_block() and newest.block is running[-1] and newest.force_allowed:
-            block = newest.block
-            return (block.size - self.remaining(block) + 1) / block.size < self.settings.add_block_threshold
-        return True
+        if not self._has_room_for_a_block():
+            return True
+        newest = running[-1]
+        decoded = newest.size - self.remaining(newest)
+        if decoded / newest.size >= self.settings.add_block_threshold:  # (a threshold of 0: one joins every step)
+            return False
+        forced = any(target.block is newest and target.force_allowed for target in targets)
+        return not forced or (decoded + 1) / newest.size < self.settings.add_block_threshold
 
     def next_step_opens_block(self) -> bool:
         """Whether the step after the one about to run computes this request's running blocks one block further on,

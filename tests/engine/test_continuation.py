@@ -129,6 +129,19 @@ def test_a_confident_model_decodes_several_running_blocks_as_one_step_in_flight_
     assert run.continued > 0
 
 
+def test_with_an_add_block_threshold_of_0_a_block_joins_every_step_and_nothing_is_guessed(peaky_sdar_dir: Path) -> None:
+    """``add_block_threshold=0``: a running set with room gains a block at every schedule, so its rows never stay
+    the same (no continuation is launched only to be dropped), and every request decodes as one step in flight."""
+    fields = dict(accept_threshold=0.95, buffer_size=3, add_block_threshold=0.0, page_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [3, 5, 7, 9], seed=9)
+    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert run.continued > 0 and run.dropped == 0
+
+
 def test_a_saturated_engine_keeps_continuing_and_admits_what_waits_one_step_later(sdar_dir: Path) -> None:
     """Ten prompts for four request slots: while every slot is taken nobody could be admitted, so steps go on
     being continued; a request that finishes in the step in flight frees its slot for the step after the
