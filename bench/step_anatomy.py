@@ -4,6 +4,7 @@
     PYTHONPATH=. python bench/step_anatomy.py --model fdv2-7b --strategy fast_dllm_v2 --batch 1 [--block-size 8]
     PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 1 8
     PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 32 --sampling-mode edit [--strategy dmax]
+    PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 64 --waiting 16 [--buffer-size 4]
 
 ``--model`` is an SDAR size (``1.7b``, ``4b``, ``8b``, ``30b-a3b``), ``llada2-mini`` (LLaDA2.0-mini's geometry, blocks
 of 32 by default) or ``fdv2-7b``.
@@ -251,8 +252,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks the model is sharded over (one GPU each); the profile is rank 0's")
+    ap.add_argument("--waiting", type=int, default=0,
+                    help="requests queued beyond the batch, whose slots are all taken (a saturated engine)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.waiting and len(args.batch) > 1:
+        ap.error("--waiting queues requests beyond one batch: give one --batch")
     report = []
     with tempfile.TemporaryDirectory() as tmp:
         fdv2 = args.model == FDV2_MODEL
@@ -277,6 +282,9 @@ def main() -> None:
             ids = [engine.add_request(p, _greedy(800)) for p in prompts]
             reqs = [r for r in engine.scheduler.waiting if r.req_id in set(ids)]
             _admit_until_decoding(engine, reqs, 4 * batch + 16)
+            # with every slot taken, these wait: the steps measured run saturated (nothing finishes meanwhile)
+            extra = random_prompts(engine.vocab_limit, engine.mask_token_id, args.waiting, 128, 1)
+            ids += [engine.add_request(p, _greedy(800)) for p in extra]
             for _ in range(5):
                 engine.step()
             counters = ("num_steps", "num_continuations", "num_dropped_continuations", "num_opened_blocks")
@@ -295,7 +303,8 @@ def main() -> None:
             for rid in ids:
                 engine.abort_request(rid)
             mode = f" {args.sampling_mode}" if args.sampling_mode else ""
-            print(f"\n=== {args.model} {args.strategy}{mode} block {block_size} batch {batch} "
+            waiting = f" ({args.waiting} waiting)" if args.waiting else ""
+            print(f"\n=== {args.model} {args.strategy}{mode} block {block_size} batch {batch}{waiting} "
                   f"buffer {fields['buffer_size']} compile={args.compile}")
             print("host phases (ms/step):")
             for k, v in phases.items():
@@ -305,8 +314,9 @@ def main() -> None:
             print(f"  {'kernel':90s} {'n/step':>7s} {'us/step':>9s}")
             for name, n, us in rows[: args.top]:
                 print(f"  {name:90s} {n:7.1f} {us:9.1f}")
-            report.append({"batch": batch, "phases": phases, "wall_ms": wall, "busy_ms": busy, "steps": steps,
-                           "continued": continued, "dropped": dropped, "opened_blocks": opened,
+            report.append({"batch": batch, "waiting": args.waiting, "phases": phases, "wall_ms": wall,
+                           "busy_ms": busy, "steps": steps, "continued": continued, "dropped": dropped,
+                           "opened_blocks": opened,
                            "kernels": [{"name": n, "per_step": c, "us_per_step": u} for n, c, u in rows]})
         engine.exit()
     if args.out:
