@@ -119,12 +119,14 @@ def test_families_with_their_own_layers_split_over_two_ranks(tmp_path: Path, fam
     assert outputs[2] == outputs[1]
 
 
-def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir: Path) -> None:
+@pytest.mark.parametrize("buffer_size", [1, 2])
+def test_graph_path_steps_and_their_continuations_follow_on_the_worker(dense_dir: Path, buffer_size: int) -> None:
     """The decode graphs' padded path (uncaptured on the CPU), with its in-graph greedy sampler and steps continued
-    on the device: the worker replays each of them as rank 0 does (`MessageKind.GRAPH`, `CONTINUATION`)."""
+    on the device (at buffer 2 also blocks moved on there): the worker replays each of them as rank 0 does
+    (`MessageKind.GRAPH`, `CONTINUATION`)."""
     results = {}
     for size in (1, 2):
-        with make_engine(dense_dir, "sdar", size, buffer_size=1) as llm:
+        with make_engine(dense_dir, "sdar", size, buffer_size=buffer_size) as llm:
             llm.enable_static_decode(capture=False)
             prompts = random_prompts(llm, [4, 9, 13], seed=5)
             trajectories = llm.generate(prompts, GREEDY, use_tqdm=False).trajectories
