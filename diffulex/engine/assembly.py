@@ -38,7 +38,7 @@ from diffulex.engine.tensor_parallel import (
     start_tensor_parallel,
 )
 from diffulex.layers.parallel_state import engine_ranks
-from diffulex.strategy.request import DecodeSettings, Request, decoded_to_force
+from diffulex.strategy.request import DecodeSettings, Request, decoded_for_progress
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
 from diffulex.validation import invalid_value, warn
 
@@ -276,8 +276,9 @@ def _model_runner(
             config.seed, config.strategy_options,
         )
     )  # fmt: skip
+    block_size = strategy.attention_block_size(config)
     runner_settings = RunnerSettings(
-        block_size=strategy.attention_block_size(config),
+        block_size=block_size,
         page_size=config.page_size,
         prefix_full=bool(config.multi_block_prefix_full),
         device=device,
@@ -287,8 +288,8 @@ def _model_runner(
         samples_in_graph=strategy.samples_in_graph,
         key_tails=strategy.attends_past_rows,
         mask_token_id=mask_token_id,
-        decoded_to_force=decoded_to_force(strategy.attention_block_size(config), thresholds.semi_complete_threshold),
-        decoded_to_join=decoded_to_force(strategy.attention_block_size(config), thresholds.add_block_threshold),
+        decoded_to_force=decoded_for_progress(block_size, thresholds.semi_complete_threshold),
+        decoded_to_join=decoded_for_progress(block_size, thresholds.add_block_threshold),
     )
     return ModelRunner(runner_settings, model, sampler)
 

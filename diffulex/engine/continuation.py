@@ -49,7 +49,7 @@ class BlockOpening:
     step's device views (``positions [T]`` int64; ``cu_seqlens_q [R + 1]``, ``context_lens [R]`` and
     ``page_tables [R, P]`` int32) and the geometry; with several running blocks, the decoded positions of its
     newest block from which the next one joins the running set (``add_block_threshold`` as a count, as
-    `diffulex.strategy.request.decoded_to_force` counts its threshold; a lone block's successor always joins)."""
+    `diffulex.strategy.request.decoded_for_progress` counts it; a lone block's successor always joins)."""
 
     positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -67,7 +67,7 @@ class BlockGates:
     (``blocks[3, s]``) is the block before it in its request where that one is sampled too (-1: the block before it
     is committed, or not sampled). Once its gate has ``decoded_to_force`` of its ``block_size`` positions decoded a
     block may force its best row (``force [S + 1]``, which the next acceptance reads), as the host's rule says
-    (`diffulex.strategy.request.decoded_to_force`); and a decoded block is stored only when every block along its
+    (`diffulex.strategy.request.decoded_for_progress`); and a decoded block is stored only when every block along its
     gates is decoded too (a block's K/V are final once the blocks before it are)."""
 
     force: torch.Tensor

@@ -57,7 +57,7 @@ class RunnerSettings:
     key_tails: bool = False  # requests may attend to cached keys after their rows (`Strategy.attends_past_rows`)
     mask_token_id: int = -1  # the mask id (what a continuation opens a request's next block with)
     # decoded positions of a block from which the block after it may force (`diffulex.strategy.request.
-    # decoded_to_force`): what a continuation's advance moves a block's force flag on with (`BlockGates`)
+    # decoded_for_progress`): what a continuation's advance moves a block's force flag on with (`BlockGates`)
     decoded_to_force: int = 0
     # decoded positions of the newest running block from which the next joins (``add_block_threshold`` as a count):
     # whether a continuation that moves a request's blocks on opens one (`BlockOpening.decoded_to_join`)

@@ -423,23 +423,26 @@ class Request:
         targets = self.sample_targets()
         if not targets:
             return False
-        if not self._has_room_for_a_block():
-            return True
-        newest = running[-1]
+        return not self._has_room_for_a_block() or not self._next_block_joins(targets)
+
+    def _next_block_joins(self, targets: list[SampleTarget]) -> bool:
+        """Whether the newest running block is far enough along after the step about to run (sampling ``targets``)
+        for the next block to join (``add_block_threshold``): it is already (a threshold of 0: one joins every
+        step), or it reaches it with the token it forces; one that may not force is taken to gain none."""
+        newest = self.running[-1]
         decoded = newest.size - self.remaining(newest)
-        if decoded / newest.size >= self.settings.add_block_threshold:  # (a threshold of 0: one joins every step)
-            return False
+        if decoded / newest.size >= self.settings.add_block_threshold:
+            return True
         forced = any(target.block is newest and target.force_allowed for target in targets)
-        return not forced or (decoded + 1) / newest.size < self.settings.add_block_threshold
+        return forced and (decoded + 1) / newest.size >= self.settings.add_block_threshold
 
     def next_step_opens_block(self) -> bool:
         """Whether the step after the one about to run computes this request's running blocks one block further on,
         which a continuation can do itself (`diffulex.engine.continuation.BlockOpening`): the step about to run
         stores the leading block (decoded) and no other, every running block holds generated positions, the block
         after them is whole within the decoding limit, and it joins the running set: a lone block's successor
-        always does; else once the newest block is far enough along (``add_block_threshold``), which it is already,
-        or reaches with the token it forces (as `next_step_has_same_rows` guesses, one that may not force gains
-        none). The host opens that block when it next looks at the request (`maybe_activate_block`)."""
+        always does, else as `_next_block_joins` judges (the guess `next_step_has_same_rows` makes). The host opens
+        that block when it next looks at the request (`maybe_activate_block`)."""
         s, running = self.settings, self.running
         if not running or running[-1].end + s.block_size > self.decode_limit:
             return False
@@ -448,14 +451,7 @@ class Request:
             return False
         if lead.start < self.prompt_len or any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
             return False
-        if len(running) == 1:
-            return True
-        newest = running[-1]
-        decoded = newest.size - self.remaining(newest)
-        if decoded / newest.size >= s.add_block_threshold:
-            return True
-        forced = any(target.block is newest and target.force_allowed for target in self.sample_targets())
-        return forced and (decoded + 1) / newest.size >= s.add_block_threshold
+        return len(running) == 1 or self._next_block_joins(self.sample_targets())
 
     def stores_when_decoded(self, block: Block) -> bool:
         """Whether the step after the one that decodes the last sampled mask of ``block`` stores its K/V over this
@@ -542,7 +538,7 @@ class Request:
         self.num_cached_blocks = num_blocks
 
 
-def decoded_to_force(block_size: int, threshold: float) -> int:
+def decoded_for_progress(block_size: int, threshold: float) -> int:
     """The fewest decoded positions of a block whose progress reaches ``threshold`` (`Request.progress`), as a count
     a continuation's device rule compares: with ``semi_complete_threshold``, from which the block after it may force
     its best row (`Request.sample_targets`, `diffulex.engine.continuation.BlockGates`); with
