@@ -72,7 +72,7 @@ class GraphPolicy:
             max_rows_per_request=max_rows_per_request,
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
-            short_rows_per_request=config.strategy.short_step_rows(config),
+            short_rows_per_request=config.strategy.short_step_rows(config, logits_shift),
             prefill_graph_rows=prefill_graph_rows,
             chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
             straggler_graphs=contexts_may_straggle(config.max_model_len),

@@ -41,6 +41,9 @@ from diffulex.validation import force_setting, format_choices, invalid_value, re
 if TYPE_CHECKING:
     from diffulex.config import Config
 
+# blocks per request the default short decode graphs hold (`Strategy.short_step_rows`)
+SHORT_STEP_BLOCKS = 2
+
 
 class Sampler(Protocol):
     """What the model runner calls on a strategy's sampler (`diffulex.sampler.host.HostSampler` implements it for
@@ -195,13 +198,21 @@ class Strategy:
         can be (a full running set keeps its rows until its first block is stored)."""
         return self.continues_on_device
 
-    def short_step_rows(self, config: Config) -> int | None:
+    def short_step_rows(self, config: Config, logits_shift: bool) -> int | None:
         """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit
-        in, where that is fewer than its running set (Fast-dLLM v2: most requests refine one sub-block while a few
-        compute a whole block). The engine then captures a second set of decode graphs whose buckets hold that many
-        rows per request (`GraphShape.row_capacity`), so those steps do not compute every request's padding to the
-        running set. None: one set."""
-        return None
+        in (a shifted family's recomputed row included), where that is fewer than its running set (Fast-dLLM v2:
+        most requests refine one sub-block while a few compute a whole block). The engine then captures a second set
+        of decode graphs whose buckets hold that many rows per request (`GraphShape.row_capacity`), so those steps do
+        not compute every request's padding to the running set; a step replays whichever set computes fewer rows.
+        None: one set.
+
+        By default two blocks where the buffer holds more: a block joins the running set only once the newest one
+        has made progress and may force only once the block before it is nearly decoded, so a request mostly runs
+        its leading block and the one after it (with one accepted token a step, always), and padding every request
+        to ``buffer_size`` blocks would compute twice the rows at a buffer of 4."""
+        if config.buffer_size <= SHORT_STEP_BLOCKS:
+            return None
+        return SHORT_STEP_BLOCKS * config.block_size + int(logits_shift)
 
     def options(self, config: Config, given: Any = None) -> Any:
         """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the

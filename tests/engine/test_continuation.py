@@ -100,7 +100,8 @@ def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> 
 def test_captured_graphs_continue_several_running_blocks_as_one_step_in_flight_decodes_them(
     sdar_dir: Path, buffer_size: int
 ) -> None:
-    """The same on captured graphs, whose sampling graph ends with the advance kernel (gates included)."""
+    """The same on captured graphs, whose sampling graph ends with the advance kernel (gates included); at a buffer
+    of 4 the two running blocks replay the graphs sized for two blocks a request (`Strategy.short_step_rows`)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     answers = {}
     for async_scheduling in (False, True):
@@ -108,9 +109,11 @@ def test_captured_graphs_continue_several_running_blocks_as_one_step_in_flight_d
             prompts = random_prompts(llm, [5, 9, 12], seed=23)
             answers[async_scheduling] = _answers(llm.generate(prompts, params, use_tqdm=False))
             replays, continued = llm.runner.graph_replays, llm.num_continuations
+            short_replays = llm.runner.short_graphs.num_replays if llm.runner.short_graphs is not None else 0
             assert llm.num_dropped_continuations == 0
     assert answers[True] == answers[False]
     assert replays > 0 and continued > 0
+    assert (short_replays > 0) == (buffer_size > 2)
 
 
 @pytest.mark.parametrize("buffer_size", [2, 3])

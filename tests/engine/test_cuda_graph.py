@@ -27,10 +27,10 @@ def with_static_decode(llm):
     return llm
 
 
-def count_static_steps(llm, sampled_steps: list[bool] | None = None) -> list[int]:
-    """Wrap the static path so the test can see which steps took it (and, in ``sampled_steps``, which of them
-    sampled in the graph path too)."""
-    graphs = llm.runner.graphs
+def count_static_steps(llm, sampled_steps: list[bool] | None = None, graphs=None) -> list[int]:
+    """Wrap the static path (the full graphs unless ``graphs`` names another set) so the test can see which steps
+    took it (and, in ``sampled_steps``, which of them sampled in the graph path too)."""
+    graphs = graphs if graphs is not None else llm.runner.graphs
     used: list[int] = []
     original = graphs.run
 
@@ -67,6 +67,28 @@ def test_padded_static_steps_give_the_eager_tokens(peaky_sdar_dir: Path, buffer_
     assert static_steps > got.num_engine_steps // 2, "most steps are decode-shaped and should take the static path"
     assert set(used) - {1, 2, 4, 6} == set(), "buckets come from request_buckets(max_num_reqs)"
     assert any(b > 1 for b in used)
+
+
+def test_a_buffer_of_four_replays_two_block_graphs_where_the_step_fits_them_with_the_eager_tokens(
+    peaky_sdar_dir: Path,
+) -> None:
+    """Past two blocks a running set mostly holds two, so a second graph set whose buckets hold two blocks per
+    request serves those steps; a step with more rows replays the full set. Either way the eager tokens."""
+    fields = dict(buffer_size=4, accept_threshold=0.7, max_num_reqs=6)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [1, 3, 5, 8, 11, 21], seed=40)
+        expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        with_static_decode(llm)
+        assert llm.runner.short_graphs.shape.rows_per_request == 2 * llm.config.block_size
+        assert llm.runner.graphs.shape.rows_per_request == 4 * llm.config.block_size
+        full = count_static_steps(llm)
+        short = count_static_steps(llm, graphs=llm.runner.short_graphs)
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert [t.nfe for t in got.trajectories] == [t.nfe for t in expected.trajectories]
+    assert short, "steps of at most two blocks a request replay the short graphs"
+    assert full, "steps with more rows than the short buckets hold replay the full graphs"
 
 
 def test_greedy_steps_sample_in_the_graph_path_and_steps_with_a_drawing_request_sample_eagerly(

@@ -76,7 +76,7 @@ class FastDllmV2(Strategy):
         cache only, since without it every forward computes the whole block and no step is a refinement."""
         return self.continues_on_device and config.strategy_options.fdv2_use_block_cache
 
-    def short_step_rows(self, config: Config) -> int | None:
+    def short_step_rows(self, config: Config, logits_shift: bool) -> int | None:
         """Two sub-blocks of rows per request: a refinement computes one, and a block of ``K`` sub-blocks has about
         ``K`` whole-block forwards (its inits and its commit) for ``K * (B - 1)`` refinements at one token per
         forward, so in a batch a few requests' whole blocks ride on the others' spare rows; the full graphs pad every
