@@ -141,6 +141,19 @@ def request_buckets(max_requests: int) -> list[int]:
     return sorted(set(small + large + [max_requests]))
 
 
+def short_request_buckets(max_requests: int, min_requests: int = 1) -> list[int]:
+    """The buckets of a set of short graphs (`GraphShape.row_capacity`): the powers of two from ``min_requests`` up
+    to ``max_requests``. A step of ``r`` requests finds a bucket of fewer than ``2r`` there: with at most half the
+    full set's rows a request, no more rows than a full bucket of ``r``, for fewer captures (a step replays whichever
+    set computes fewer rows)."""
+    buckets, b = [], 1
+    while b <= max_requests:
+        if b >= min_requests:
+            buckets.append(b)
+        b *= 2
+    return buckets
+
+
 @dataclass(frozen=True)
 class GraphShape:
     """The capacity every captured graph is built for."""
@@ -215,6 +228,7 @@ class DecodeGraphs:
         snapshot_uploads: bool = False,
         result_fields: int = 2,
         opens_blocks_with: int | None = None,
+        buckets: list[int] | None = None,  # default: `request_buckets` of the shape's requests
     ) -> None:
         if advance is not None and (greedy_sample is None or staging_buffers < 2):
             raise ValueError("continuation steps need a sampling graph and two staging buffers")
@@ -229,7 +243,7 @@ class DecodeGraphs:
         self.advance = advance
         self.device = device
         self.capture_graphs = capture and device.type == "cuda"
-        self.buckets = request_buckets(shape.max_requests)
+        self.buckets = buckets if buckets is not None else request_buckets(shape.max_requests)
         R, T, P, S = shape.max_requests, shape.max_tokens, shape.max_pages, shape.max_segments(shape.max_requests)
         pin = device.type == "cuda"
         # One byte buffer, staged on the host and mirrored on the device, holding two typed sections:

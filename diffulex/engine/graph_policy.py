@@ -33,6 +33,7 @@ class GraphPolicy:
     key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
     # rows per request of a second, narrower set of graphs for the strategy's short steps (`Strategy.short_step_rows`)
     short_rows_per_request: int | None = None
+    short_min_requests: int = 1  # the fewest requests of a short graph's bucket (`Strategy.short_step_min_requests`)
     # the most store-only prompt rows of one request the prefill graphs hold (`diffulex.engine.prefill_graphs`); 0:
     # none, where the strategy's prompt rows may not be split from the rest of their step
     prefill_graph_rows: int = 0
@@ -73,6 +74,7 @@ class GraphPolicy:
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config, logits_shift),
+            short_min_requests=config.strategy.short_step_min_requests,
             prefill_graph_rows=prefill_graph_rows,
             chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
             straggler_graphs=contexts_may_straggle(config.max_model_len),
@@ -129,6 +131,7 @@ class GraphPolicy:
             logits_shift=self.logits_shift,
             key_tails=self.key_tails,
             short_rows_per_request=self.short_rows_per_request,
+            short_min_requests=self.short_min_requests,
             max_prefill_rows=self.prefill_graph_rows,
             max_chunk_rows=self.chunk_graph_rows,
             straggler_graphs=self.straggler_graphs,

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 # blocks per request the default short decode graphs hold (`Strategy.short_step_rows`)
 SHORT_STEP_BLOCKS = 2
+# the fewest requests a default short decode graph holds (`Strategy.short_step_min_requests`): below that a step reads
+# its weights far longer than it computes its rows (SDAR-1.7B geometry, buffer 4, one request on an H100: 1.87 ms a
+# step padded to four blocks, 1.76 ms to two), so the captures would cost the engine's start more than they save
+SHORT_STEP_MIN_REQUESTS = 16
 
 
 class Sampler(Protocol):
@@ -147,6 +151,8 @@ class Strategy:
     attends_past_rows: ClassVar[bool] = False
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
     budgets_prompt_tokens: ClassVar[bool] = True
+    # the fewest requests of a short decode graph's bucket (`short_step_rows`); smaller steps replay the full graphs
+    short_step_min_requests: ClassVar[int] = SHORT_STEP_MIN_REQUESTS
 
     # ----- configuration -----------------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ import torch
 
 from diffulex import SamplingParams
 from diffulex.engine import cuda_graph
-from diffulex.engine.cuda_graph import request_buckets
+from diffulex.engine.cuda_graph import request_buckets, short_request_buckets
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.kernels import host_publish
+from diffulex.strategy.multi_bd import MultiBD
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -69,11 +70,18 @@ def test_padded_static_steps_give_the_eager_tokens(peaky_sdar_dir: Path, buffer_
     assert any(b > 1 for b in used)
 
 
+def test_short_graph_buckets_are_powers_of_two_from_the_strategys_fewest_requests() -> None:
+    assert short_request_buckets(128, MultiBD.short_step_min_requests) == [16, 32, 64, 128]
+    assert short_request_buckets(100) == [1, 2, 4, 8, 16, 32, 64]
+    assert short_request_buckets(8, 16) == []
+
+
 def test_a_buffer_of_four_replays_two_block_graphs_where_the_step_fits_them_with_the_eager_tokens(
-    peaky_sdar_dir: Path,
+    peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past two blocks a running set mostly holds two, so a second graph set whose buckets hold two blocks per
     request serves those steps; a step with more rows replays the full set. Either way the eager tokens."""
+    monkeypatch.setattr(MultiBD, "short_step_min_requests", 1)  # short graphs for this test's few requests
     fields = dict(buffer_size=4, accept_threshold=0.7, max_num_reqs=6)
     with make_engine(peaky_sdar_dir, **fields) as eager:
         prompts = random_prompts(eager, [1, 3, 5, 8, 11, 21], seed=40)
