@@ -141,19 +141,6 @@ def request_buckets(max_requests: int) -> list[int]:
     return sorted(set(small + large + [max_requests]))
 
 
-def short_request_buckets(max_requests: int, min_requests: int = 1) -> list[int]:
-    """The buckets of a set of short graphs (`GraphShape.row_capacity`): the powers of two from ``min_requests`` up
-    to ``max_requests``. A step of ``r`` requests finds a bucket of fewer than ``2r`` there: with at most half the
-    full set's rows a request, no more rows than a full bucket of ``r``, for fewer captures (a step replays whichever
-    set computes fewer rows)."""
-    buckets, b = [], 1
-    while b <= max_requests:
-        if b >= min_requests:
-            buckets.append(b)
-        b *= 2
-    return buckets
-
-
 @dataclass(frozen=True)
 class GraphShape:
     """The capacity every captured graph is built for."""

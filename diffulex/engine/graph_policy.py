@@ -11,6 +11,7 @@ import torch
 
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, request_buckets
 from diffulex.engine.model_runner import ModelRunner
 from diffulex.engine.prefill_graphs import CHUNK_BESIDE_DECODERS_ROWS, CHUNK_GRAPH_ROWS, contexts_may_straggle
 from diffulex.strategy.strategy import StepRunner
@@ -33,7 +34,7 @@ class GraphPolicy:
     key_tails: bool = False  # the graphs stage each request's key end (`Strategy.attends_past_rows`)
     # rows per request of a second, narrower set of graphs for the strategy's short steps (`Strategy.short_step_rows`)
     short_rows_per_request: int | None = None
-    short_min_requests: int = 1  # the fewest requests of a short graph's bucket (`Strategy.short_step_min_requests`)
+    short_buckets: tuple[int, ...] = ()  # the request buckets of those graphs (`Strategy.short_step_buckets`)
     # the most store-only prompt rows of one request the prefill graphs hold (`diffulex.engine.prefill_graphs`); 0:
     # none, where the strategy's prompt rows may not be split from the rest of their step
     prefill_graph_rows: int = 0
@@ -65,6 +66,7 @@ class GraphPolicy:
             and config.strategy.samples_in_graph  # a continuation replays the graph's own sampling
         )
         max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
+        graph_requests = min(config.max_num_reqs, MAX_GRAPH_REQUESTS)  # as `ModelRunner.enable_decode_graphs` has it
         prefill_graph_rows = _prefill_graph_rows(config)
         return cls(
             cuda_graphs=cuda_graphs,
@@ -74,7 +76,7 @@ class GraphPolicy:
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config, logits_shift),
-            short_min_requests=config.strategy.short_step_min_requests,
+            short_buckets=tuple(config.strategy.short_step_buckets(request_buckets(graph_requests))),
             prefill_graph_rows=prefill_graph_rows,
             chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
             straggler_graphs=contexts_may_straggle(config.max_model_len),
@@ -131,7 +133,7 @@ class GraphPolicy:
             logits_shift=self.logits_shift,
             key_tails=self.key_tails,
             short_rows_per_request=self.short_rows_per_request,
-            short_min_requests=self.short_min_requests,
+            short_buckets=self.short_buckets,
             max_prefill_rows=self.prefill_graph_rows,
             max_chunk_rows=self.chunk_graph_rows,
             straggler_graphs=self.straggler_graphs,

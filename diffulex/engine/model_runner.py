@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -23,7 +23,7 @@ from torch import nn
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import BlockGates, BlockOpening, advance_inputs
-from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows, short_request_buckets
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
 from diffulex.engine.prefill_graphs import (
     PrefillGraphs,
     chunk_graph_shape,
@@ -189,7 +189,7 @@ class ModelRunner:
         logits_shift: bool = False,
         key_tails: bool = False,
         short_rows_per_request: int | None = None,
-        short_min_requests: int = 1,
+        short_buckets: Sequence[int] = (),
         max_prefill_rows: int = 0,
         max_chunk_rows: int = 0,
         straggler_graphs: bool = False,
@@ -203,8 +203,8 @@ class ModelRunner:
         ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
         ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
-        with fewer rows than in the full set (and continues as the full set does), its buckets the powers of two of
-        at least ``short_min_requests`` requests (`short_request_buckets`); ``max_prefill_rows``
+        with fewer rows than in the full set (and continues as the full set does), captured for the request buckets
+        ``short_buckets``; ``max_prefill_rows``
         (0: none) adds the prefill graphs, whose replays compute a step's store-only prompt rows of up to that many
         rows per request before the rest of the step replays the decode graphs, or a lone request's whole step (up
         to ``max_query_len`` rows more) (`diffulex.engine.prefill_graphs`);
@@ -259,12 +259,11 @@ class ModelRunner:
             result_fields=result_fields, opens_blocks_with=opens_blocks_with,
         )
         self.short_graphs = None
-        short_buckets = short_request_buckets(shape.max_requests, short_min_requests)
         if short_rows_per_request is not None and short_rows_per_request < max_query_len and short_buckets:
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance,
-                result_fields=result_fields, opens_blocks_with=opens_blocks_with, buckets=short_buckets,
+                result_fields=result_fields, opens_blocks_with=opens_blocks_with, buckets=list(short_buckets),
             )
         self.prefill_graphs = self.chunk_graphs = self.straggler_graphs = None
         if max_prefill_rows > 0 and not s.prefix_full:

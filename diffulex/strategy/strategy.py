@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # blocks per request the default short decode graphs hold (`Strategy.short_step_rows`)
 SHORT_STEP_BLOCKS = 2
-# the fewest requests a default short decode graph holds (`Strategy.short_step_min_requests`): below that a step reads
+# the fewest requests a default short decode graph holds (`Strategy.short_step_buckets`): below that a step reads
 # its weights far longer than it computes its rows (SDAR-1.7B geometry, buffer 4, one request on an H100: 1.87 ms a
 # step padded to four blocks, 1.76 ms to two), so the captures would cost the engine's start more than they save
 SHORT_STEP_MIN_REQUESTS = 16
@@ -151,8 +151,6 @@ class Strategy:
     attends_past_rows: ClassVar[bool] = False
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
     budgets_prompt_tokens: ClassVar[bool] = True
-    # the fewest requests of a short decode graph's bucket (`short_step_rows`); smaller steps replay the full graphs
-    short_step_min_requests: ClassVar[int] = SHORT_STEP_MIN_REQUESTS
 
     # ----- configuration -----------------------------------------------------------------------------------
 
@@ -219,6 +217,14 @@ class Strategy:
         if config.buffer_size <= SHORT_STEP_BLOCKS:
             return None
         return SHORT_STEP_BLOCKS * config.block_size + int(logits_shift)
+
+    def short_step_buckets(self, buckets: list[int]) -> list[int]:
+        """Of the full decode graphs' request buckets, those the short graphs (`short_step_rows`) are captured for;
+        smaller steps, and those no short bucket holds, replay the full graphs. By default the powers of two from
+        `SHORT_STEP_MIN_REQUESTS`: a step of ``r`` requests finds one of fewer than ``2r``, which at half the full
+        graphs' rows a request holds no more rows than a full bucket of ``r``, for a third of the captures of the
+        engine's start (its default 128 requests: 4 buckets of 12) and no kernel variant the full graphs lack."""
+        return [b for b in buckets if b >= SHORT_STEP_MIN_REQUESTS and b & (b - 1) == 0]
 
     def options(self, config: Config, given: Any = None) -> Any:
         """The strategy's options: each field from ``given`` (a dict, or the options object itself), else the

@@ -17,7 +17,7 @@ import torch
 from diffulex import SamplingParams
 from diffulex.strategy.multi_bd import MultiBD
 from diffulex.testing.checkpoints import write_tiny_checkpoint
-from tests.engine.test_cuda_graph import with_static_decode
+from tests.engine.test_cuda_graph import every_bucket, with_static_decode
 from tests.engine.test_engine_matches_reference import assert_matches_reference, make_engine, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
@@ -103,7 +103,7 @@ def test_captured_graphs_continue_several_running_blocks_as_one_step_in_flight_d
 ) -> None:
     """The same on captured graphs, whose sampling graph ends with the advance kernel (gates included); at a buffer
     of 4 the two running blocks replay the graphs sized for two blocks a request (`Strategy.short_step_rows`)."""
-    monkeypatch.setattr(MultiBD, "short_step_min_requests", 1)  # short graphs for this test's few requests
+    monkeypatch.setattr(MultiBD, "short_step_buckets", every_bucket)  # short graphs for this test's few requests
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     answers = {}
     for async_scheduling in (False, True):

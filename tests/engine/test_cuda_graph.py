@@ -14,9 +14,10 @@ import torch
 
 from diffulex import SamplingParams
 from diffulex.engine import cuda_graph
-from diffulex.engine.cuda_graph import request_buckets, short_request_buckets
+from diffulex.engine.cuda_graph import request_buckets
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.kernels import host_publish
+from diffulex.strategy.fast_dllm_v2 import FastDllmV2
 from diffulex.strategy.multi_bd import MultiBD
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts
 
@@ -70,10 +71,15 @@ def test_padded_static_steps_give_the_eager_tokens(peaky_sdar_dir: Path, buffer_
     assert any(b > 1 for b in used)
 
 
-def test_short_graph_buckets_are_powers_of_two_from_the_strategys_fewest_requests() -> None:
-    assert short_request_buckets(128, MultiBD.short_step_min_requests) == [16, 32, 64, 128]
-    assert short_request_buckets(100) == [1, 2, 4, 8, 16, 32, 64]
-    assert short_request_buckets(8, 16) == []
+def test_short_graphs_take_the_power_of_two_buckets_from_16_requests_unless_the_strategy_says_otherwise() -> None:
+    assert MultiBD().short_step_buckets(request_buckets(128)) == [16, 32, 64, 128]
+    assert MultiBD().short_step_buckets(request_buckets(100)) == [16, 32, 64]
+    assert MultiBD().short_step_buckets(request_buckets(8)) == []
+    assert FastDllmV2().short_step_buckets(request_buckets(128)) == request_buckets(128)
+
+
+def every_bucket(self, buckets: list[int]) -> list[int]:
+    return buckets
 
 
 def test_a_buffer_of_four_replays_two_block_graphs_where_the_step_fits_them_with_the_eager_tokens(
@@ -81,7 +87,7 @@ def test_a_buffer_of_four_replays_two_block_graphs_where_the_step_fits_them_with
 ) -> None:
     """Past two blocks a running set mostly holds two, so a second graph set whose buckets hold two blocks per
     request serves those steps; a step with more rows replays the full set. Either way the eager tokens."""
-    monkeypatch.setattr(MultiBD, "short_step_min_requests", 1)  # short graphs for this test's few requests
+    monkeypatch.setattr(MultiBD, "short_step_buckets", every_bucket)  # short graphs for this test's few requests
     fields = dict(buffer_size=4, accept_threshold=0.7, max_num_reqs=6)
     with make_engine(peaky_sdar_dir, **fields) as eager:
         prompts = random_prompts(eager, [1, 3, 5, 8, 11, 21], seed=40)

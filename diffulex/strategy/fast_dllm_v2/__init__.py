@@ -43,9 +43,6 @@ class FastDllmV2(Strategy):
     request_class = FastDllmV2Request
     requires_prefix_caching = True
     attends_past_rows = True  # a refinement's rows read the rest of their block from the kept K/V
-    # a lone request's refinement computes a sub-block where a whole-block forward computes four: short graphs at
-    # every batch (Fast-dLLM v2 7B geometry, one request on an H100: 1.25x its floor with them)
-    short_step_min_requests = 1
 
     def attention_block_size(self, config: Config) -> int:
         return config.block_size * config.buffer_size
@@ -85,6 +82,12 @@ class FastDllmV2(Strategy):
         forward, so in a batch a few requests' whole blocks ride on the others' spare rows; the full graphs pad every
         request to a whole block plus the shifted row. A lone request's refinement fits too (``2 * B`` rows)."""
         return min(2 * config.block_size, config.block_size * config.buffer_size)
+
+    def short_step_buckets(self, buckets: list[int]) -> list[int]:
+        """Every bucket: a lone request's refinement computes one sub-block of the four a whole-block forward
+        computes (the 7B geometry at batch 1 on an H100: 1.25x its floor with them), and a batch's rows vary with how
+        many of its requests compute a whole block, which the finer buckets past 32 requests follow."""
+        return buckets
 
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
         c = context
