@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # blocks per request the default short decode graphs hold (`Strategy.short_step_rows`)
 SHORT_STEP_BLOCKS = 2
 # the fewest requests a default short decode graph holds (`Strategy.short_step_buckets`): below that a step reads
-# its weights far longer than it computes its rows (SDAR-1.7B geometry, buffer 4, one request on an H100: 1.87 ms a
+# its weights far longer than it computes its rows (SDAR-1.7B geometry, buffer 4, one request on an H100: 1.85 ms a
 # step padded to four blocks, 1.76 ms to two), so the captures would cost the engine's start more than they save
 SHORT_STEP_MIN_REQUESTS = 16
 
@@ -222,8 +222,9 @@ class Strategy:
         """Of the full decode graphs' request buckets, those the short graphs (`short_step_rows`) are captured for;
         smaller steps, and those no short bucket holds, replay the full graphs. By default the powers of two from
         `SHORT_STEP_MIN_REQUESTS`: a step of ``r`` requests finds one of fewer than ``2r``, which at half the full
-        graphs' rows a request holds no more rows than a full bucket of ``r``, for a third of the captures of the
-        engine's start (its default 128 requests: 4 buckets of 12) and no kernel variant the full graphs lack."""
+        graphs' rows a request holds no more rows than a full bucket of ``r``, for a third of the captures at the
+        engine's start (its default 128 requests: 4 buckets of 12); at a buffer of 4 their row counts are those of
+        smaller full buckets, so they need no kernel variant the full graphs lack."""
         return [b for b in buckets if b >= SHORT_STEP_MIN_REQUESTS and b & (b - 1) == 0]
 
     def options(self, config: Config, given: Any = None) -> Any:
