@@ -105,6 +105,29 @@ def test_a_buffer_of_four_replays_two_block_graphs_where_the_step_fits_them_with
     assert full, "steps with more rows than the short buckets hold replay the full graphs"
 
 
+def test_at_the_default_buckets_sixteen_requests_replay_the_short_graphs_through_a_preemption(
+    peaky_sdar_dir: Path,
+) -> None:
+    """Without any test's help the short graphs serve the power-of-two buckets from 16 requests: a batch of 18
+    requests at a buffer of 4 replays them while 16 or more run, the full graphs otherwise (fewer requests, or steps
+    whose rows the short buckets do not hold), and a pool too small for all of them preempts some; the tokens are
+    the eager engine's."""
+    fields = dict(buffer_size=4, accept_threshold=0.7, max_num_reqs=20, num_pages=40)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, [1 + (5 * i) % 19 for i in range(18)], seed=50)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    assert sum(t.num_preemptions for t in expected.trajectories) > 0, "the pool should be too small for all 18"
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        with_static_decode(llm)
+        assert llm.runner.short_graphs.buckets == [16]
+        full = count_static_steps(llm)
+        short = count_static_steps(llm, graphs=llm.runner.short_graphs)
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    assert short and full
+
+
 def test_greedy_steps_sample_in_the_graph_path_and_steps_with_a_drawing_request_sample_eagerly(
     peaky_sdar_dir: Path,
 ) -> None:
