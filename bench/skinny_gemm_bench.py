@@ -74,6 +74,9 @@ GEOMETRIES: dict[str, dict[str, tuple[int, int]]] = {
         "down": (2048, 512),
         "lm_head": (157184, 2048),
     },
+    # SDAR-30B-A3B's router (128 experts scored from the hidden state; a bf16 product, `SoftmaxRouter`), at 4 rows a
+    # request: a kernel of a few microseconds every MoE layer, which on cuBLAS also breaks the PDL chain around it
+    "sdar-30b-a3b-router": {"router": (128, 2048)},
     # not in the config table: these check the generic config (Qwen3-4B and Qwen2.5-7B / Dream-7B layouts)
     "sdar-4b": _sdar_linears("4b"),
     "dream-7b": {

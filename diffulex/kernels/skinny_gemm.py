@@ -340,6 +340,10 @@ _TABLE: dict[tuple[int, int, int], SkinnyConfig | None] = {
     **{(157184, 2048, b): _C(64, 256, 4, 4, True, 1) for b in (1, 4, 8)},
     (157184, 2048, 16): _C(64, 128, 4, 6, True, 1),
     (157184, 2048, 32): _C(64, 128, 4, 4, True, 1, True),
+    # SDAR-30B-A3B's router (`bench/skinny_gemm_bench.py --sweep --geometries sdar-30b-a3b-router --rows 4 8 16 32`,
+    # an H100, 2026-11-27): 3.1-3.8 us against cuBLAS's 5.1-5.5, and a link of the layer's PDL chain instead of a
+    # break in it
+    **{(128, 2048, b): _C(32, 256, 4, 4, True, 8) for b in (4, 8, 16, 32)},
 }
 # Shapes the table does not list get the config that won most of it, when they look like the measured ones:
 # at least 4M weights (8 MB in bf16; smaller matrices are all launch latency) and K a multiple of the tile.

@@ -274,6 +274,18 @@ def test_config_table_rows_and_fallback() -> None:
     assert config_for(4608, 3584, 4) is None, "a measured shape where cuBLAS wins"
 
 
+def test_an_moe_router_of_128_experts_splits_its_short_k_stream_and_matches_the_reference() -> None:
+    """SDAR-30B-A3B's router (128 experts from a hidden state of 2,048) takes its measured config: four column tiles
+    would leave the GPU idle, so the stream splits along K, and the split sum is the product."""
+    cfg = config_for(128, 2048, 4)
+    assert cfg is not None and cfg.split_k > 1 and config_for(128, 2048, 64) is None
+    gen = torch.Generator().manual_seed(3)
+    dtype = DOT_DTYPES[0]
+    x = torch.randn(4, 2048, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(128, 2048, generator=gen) * 0.02).to(DEVICE, dtype)
+    check(skinny_linear(x, w, None, cfg), reference(x, w, None), dtype)
+
+
 def test_eager_calls_that_compile_apart_are_warmed_apart() -> None:
     """The eager dedup keys on what Triton specializes: reader counts that pad to the same slots but differ in
     divisibility by 16 are different compiled kernels, and a graph captured later must find each compiled; row
