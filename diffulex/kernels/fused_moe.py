@@ -13,7 +13,9 @@ graph captures them:
    rows), the expert of every tile and the number of real tiles. The tile buffers are sized by an upper bound
    (`max_tiles`), so the grids below are fixed; their programs past the real tiles return at once. Pairs whose
    expert is outside ``[0, experts)`` (another rank's, under expert parallelism) get no row at all, and an
-   expert without pairs gets no tile, so neither costs a weight byte.
+   expert without pairs gets no tile, so neither costs a weight byte. Up to `INLINE_ALIGN_MAX_PAIRS` pairs (a
+   decode step of a few rows) this launch is left out: every gate_up program works out its own tile's rows and
+   expert the same way from the pairs' experts, and the first column block writes them for the down kernel.
 2. ``_gate_up_kernel`` (tiles x column blocks): the tile's rows of ``x`` (gathered by token) times one column
    block of its expert's gate and up rows, the gated activation in the epilogue, stored to a
    ``[tiles * block_m, inter]`` activation buffer in the padded order. The activation is a compile-time choice
@@ -59,6 +61,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 _MIN_TILE = 16
 # Pairs the alignment reads per step of its loops.
 _ALIGN_CHUNK = 256
+# Up to this many pairs, every gate_up program aligns the pairs itself and the alignment's launch is left out: at
+# batch 1 (SDAR-30B-A3B: 32 pairs) a launch a layer costs more than each program's few loads and reductions.
+INLINE_ALIGN_MAX_PAIRS = 64
 # Columns of the combine's programs.
 _COMBINE_BLOCK = 1024
 
@@ -199,15 +204,51 @@ def _mma(acc, w, a, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
 
 
+@triton.jit
+def _inline_tile_rows(
+    experts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, tile, num_pairs, num_experts,
+    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, PAIRS: tl.constexpr,
+):
+    """`_tile_rows` of a tile worked out from the pairs' experts, as `_align_kernel` lays them out (``PAIRS``, a
+    power of two, at least the pairs), and the padded rows of every real tile (the tile is real below them); a
+    program of the first column block also writes its real tile's rows and expert there, and the first program the
+    number of real tiles, for `_down_kernel`."""
+    p = tl.arange(0, PAIRS)
+    ids = tl.load(experts_ptr + p, mask=p < num_pairs, other=num_experts).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    bins = tl.arange(0, NUM_BINS)
+    padded = tl.where(bins < num_experts, (tl.histogram(ids, NUM_BINS) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    first_column = tl.program_id(1) == 0
+    if first_column & (tile == 0):
+        tl.store(num_tiles_ptr, total // BLOCK_M)
+    row0 = tile * BLOCK_M
+    expert = tl.sum((ends <= row0).to(tl.int32), axis=0)  # the first expert whose padded run ends past row0
+    start = tl.sum(tl.where(bins == expert, ends - padded, 0), axis=0)
+    mine = ids == expert
+    slot = start + tl.cumsum(mine.to(tl.int32), axis=0) - 1  # the padded row of each of the expert's pairs
+    rows = row0 + tl.arange(0, BLOCK_M)
+    match = mine[None, :] & (slot[None, :] == rows[:, None])
+    ok = tl.sum(match.to(tl.int32), axis=1) > 0
+    pair = tl.where(ok, tl.sum(tl.where(match, p[None, :], 0), axis=1), num_pairs)
+    if first_column & (row0 < total):
+        tl.store(sorted_ptr + rows, pair)
+        tl.store(tile_expert_ptr + tile, expert)
+    return expert.to(tl.int64), rows, pair, ok, total
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,  # [T, hidden]
     w_ptr,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    experts_ptr,  # [num_pairs]: the expert of each pair (read only with ``INLINE_PAIRS``)
     sorted_ptr,
     tile_expert_ptr,
     num_tiles_ptr,
     act_ptr,  # [max_tiles * BLOCK_M, inter] in x's dtype
     num_pairs,
+    num_experts,
     inter,
     hidden,
     stride_xm,
@@ -223,12 +264,23 @@ def _gate_up_kernel(
     PRECISE_EXP: tl.constexpr,
     USE_PDL: tl.constexpr,
     ACTIVATION: tl.constexpr = "silu",  # one of ACTIVATIONS
+    # > 0 (a power of two, at least the pairs): align the pairs here (`_inline_tile_rows`), no `_align_kernel`
+    INLINE_PAIRS: tl.constexpr = 0,
+    NUM_BINS: tl.constexpr = 1,  # with ``INLINE_PAIRS``: `_align_kernel`'s
 ):
     wait_for_inputs(USE_PDL)
     tile = tl.program_id(0)
-    if tile >= tl.load(num_tiles_ptr):  # past the real tiles: nothing to read or write
-        return
-    expert, rows, pair, ok = _tile_rows(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M)
+    if INLINE_PAIRS > 0:
+        expert, rows, pair, ok, real_rows = _inline_tile_rows(
+            experts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, tile, num_pairs, num_experts,
+            BLOCK_M, NUM_BINS, INLINE_PAIRS,
+        )  # fmt: skip
+        if tile * BLOCK_M >= real_rows:  # past the real tiles: nothing to read or write
+            return
+    else:
+        if tile >= tl.load(num_tiles_ptr):  # past the real tiles: nothing to read or write
+            return
+        expert, rows, pair, ok = _tile_rows(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     cols = offs_n % inter  # columns past inter read valid rows and are never stored
@@ -388,18 +440,21 @@ def fused_moe(
     pdl = launch_kwargs(use_pdl)
     upcast = INTERPRETING
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _align_kernel[(num_experts,)](
-        flat_experts, sorted_pairs, tile_expert, num_tiles, num_pairs, num_experts,
-        BLOCK_M=cfg.block_m, CHUNK=_ALIGN_CHUNK, NUM_BINS=triton.next_power_of_2(num_experts + 1),
-        USE_PDL=use_pdl, num_warps=4, **pdl,
-    )  # fmt: skip
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    inline_pairs = triton.next_power_of_2(num_pairs) if num_pairs <= INLINE_ALIGN_MAX_PAIRS else 0
+    if not inline_pairs:
+        _align_kernel[(num_experts,)](
+            flat_experts, sorted_pairs, tile_expert, num_tiles, num_pairs, num_experts,
+            BLOCK_M=cfg.block_m, CHUNK=_ALIGN_CHUNK, NUM_BINS=num_bins, USE_PDL=use_pdl, num_warps=4, **pdl,
+        )  # fmt: skip
     k_gate_up = _reduction_tile(cfg.block_k, hidden)
     _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_gate_up))](
-        x, gate_up, sorted_pairs, tile_expert, num_tiles, act, num_pairs, inter, hidden,
+        x, gate_up, flat_experts, sorted_pairs, tile_expert, num_tiles, act, num_pairs, num_experts, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=k_gate_up,
         EVEN_K=hidden % k_gate_up == 0, UPCAST=upcast, PRECISION=precision, PRECISE_EXP=PRECISE_EXP,
-        USE_PDL=use_pdl, ACTIVATION=activation, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        USE_PDL=use_pdl, ACTIVATION=activation, INLINE_PAIRS=inline_pairs, NUM_BINS=num_bins,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     k_down = _reduction_tile(cfg.block_k, inter)
     _down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](

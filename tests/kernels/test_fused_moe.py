@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from diffulex.kernels import fused_moe as fused_moe_module
 from diffulex.kernels.fused_moe import (
     ACTIVATIONS,
     MEASURED_CONFIGS,
@@ -198,6 +199,26 @@ def test_every_pair_on_one_expert_spans_several_tiles() -> None:
     cfg = FusedMoEConfig(16, 16, 16, 32, 4, 2)
     out = fused_moe(x, weights, experts, gate_up, down, config=cfg)
     assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
+
+
+@pytest.mark.parametrize("case", ["routed", "one-expert-several-tiles", "another-ranks-pairs"])
+def test_pairs_aligned_in_the_gate_up_programs_give_the_alignment_launchs_result(case: str, monkeypatch) -> None:
+    """Up to `INLINE_ALIGN_MAX_PAIRS` pairs every gate_up program aligns them itself (no alignment launch): the
+    rows, tiles and experts it works out are the alignment kernel's, so the output is the same bit for bit, with an
+    expert's pairs over several tiles and with pairs of experts held elsewhere."""
+    gate_up, down = stacked(torch.float32, seed=5)
+    x, weights, experts = routed(20, 2, seed=5)
+    if case == "one-expert-several-tiles":
+        experts = torch.full_like(experts, 6)  # 40 pairs on one expert: three 16-row tiles
+    elif case == "another-ranks-pairs":
+        experts, gate_up, down = experts - 3, gate_up[3:7], down[3:7]
+    cfg = FusedMoEConfig(16, 16, 16, 32, 4, 2)
+    assert experts.numel() <= fused_moe_module.INLINE_ALIGN_MAX_PAIRS
+    inline = fused_moe(x, weights, experts, gate_up, down, config=cfg)
+    monkeypatch.setattr(fused_moe_module, "INLINE_ALIGN_MAX_PAIRS", 0)
+    launched = fused_moe(x, weights, experts, gate_up, down, config=cfg)
+    assert torch.equal(inline, launched)
+    assert_close_up_to_reordering(inline, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
 
 
 def test_column_blocks_wider_than_the_matrices_are_clamped() -> None:
