@@ -52,6 +52,7 @@ from diffulex.layers.linear import (
     MergedProjection,
     ReplicatedLinear,
     RowParallelLinear,
+    UnsummedProduct,
 )
 from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
@@ -365,11 +366,16 @@ class SparseMoE(nn.Module):
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
 
-    def forward(self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
-        decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
+    def forward(
+        self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None
+    ) -> torch.Tensor | UnsummedProduct:
+        """The experts' weighted sum. ``unsummed`` and ``readers`` are the dense MLP's arguments, so that a decoder
+        layer calls either MLP alike; this one computes every row, and with ``unsummed`` may return the sum's terms
+        slot by slot (`_fused_terms`), which the next norm adds up itself."""
         weights, experts = self.gate.route(x)
         impl = self.impl or self._impl_for(x)
+        if unsummed and impl == "fused" and self._whole_on_this_rank():
+            return self._fused_terms(x, weights, experts)
         if impl == "fused":
             out = self._fused(x, weights, experts)
         elif impl == "grouped":
@@ -471,6 +477,25 @@ class SparseMoE(nn.Module):
         gate_up, down = self._stacked()
         local = experts - self.experts.owned.start if len(self.experts) != self.num_experts else experts
         return self.expert_tp.all_reduce(fused_moe(x, weights, local, gate_up, down))
+
+    def _whole_on_this_rank(self) -> bool:
+        """Whether the layer's output is this rank's alone: every expert here, no slice of them on other ranks, no
+        shared expert to add."""
+        return (
+            self.shared_experts is None
+            and len(self.experts) == self.num_experts
+            and self.ep.size == 1
+            and self.expert_tp.size == 1
+        )
+
+    def _fused_terms(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> UnsummedProduct:
+        """The fused kernels' per-pair outputs slot by slot (`fused_moe`'s ``by_slot``): the sum a combine launch
+        would form, left to the next RMSNorm, which reads the whole row anyway (SDAR-30B-A3B at batch 1: one
+        launch a layer fewer)."""
+        from diffulex.kernels.fused_moe import fused_moe
+
+        gate_up, down = self._stacked()
+        return UnsummedProduct(fused_moe(x, weights, experts, gate_up, down, by_slot=True), x.dtype)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked
