@@ -134,6 +134,11 @@ def _host_publisher(device: torch.device) -> Callable[[torch.Tensor, torch.Tenso
     return host_publish.publish_to_host
 
 
+def graph_requests(max_num_reqs: int) -> int:
+    """The most requests the decode graphs of an engine of ``max_num_reqs`` hold (`MAX_GRAPH_REQUESTS` at most)."""
+    return min(max_num_reqs, MAX_GRAPH_REQUESTS)
+
+
 def request_buckets(max_requests: int) -> list[int]:
     """``1, 2, 4, 8, 16, 32, 48, ...`` up to and including ``max_requests``."""
     small = [b for b in (1, 2, 4, 8) if b < max_requests]

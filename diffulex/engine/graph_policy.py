@@ -11,7 +11,7 @@ import torch
 
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
-from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, request_buckets
+from diffulex.engine.cuda_graph import graph_requests, request_buckets
 from diffulex.engine.model_runner import ModelRunner
 from diffulex.engine.prefill_graphs import CHUNK_BESIDE_DECODERS_ROWS, CHUNK_GRAPH_ROWS, contexts_may_straggle
 from diffulex.strategy.strategy import StepRunner
@@ -66,7 +66,6 @@ class GraphPolicy:
             and config.strategy.samples_in_graph  # a continuation replays the graph's own sampling
         )
         max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
-        graph_requests = min(config.max_num_reqs, MAX_GRAPH_REQUESTS)  # as `ModelRunner.enable_decode_graphs` has it
         prefill_graph_rows = _prefill_graph_rows(config)
         return cls(
             cuda_graphs=cuda_graphs,
@@ -76,7 +75,7 @@ class GraphPolicy:
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
             short_rows_per_request=config.strategy.short_step_rows(config, logits_shift),
-            short_buckets=tuple(config.strategy.short_step_buckets(request_buckets(graph_requests))),
+            short_buckets=tuple(config.strategy.short_step_buckets(request_buckets(graph_requests(config.max_num_reqs)))),
             prefill_graph_rows=prefill_graph_rows,
             chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
             straggler_graphs=contexts_may_straggle(config.max_model_len),

@@ -9,7 +9,7 @@ import torch
 
 from diffulex.config import Config
 from diffulex.engine.cpu_resources import available_memory
-from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS
+from diffulex.engine.cuda_graph import graph_requests
 from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.engine.model_runner import ModelRunner
 from diffulex.engine.prefill_graphs import CHUNK_EXTRA_ROWS_PER_REQUEST
@@ -101,7 +101,7 @@ def gpu_kv_budget(
             rows += policy.max_rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST
         if policy.straggler_graphs:  # and the straggler graphs', the decode graphs' shape in a pool of their own
             rows += policy.max_rows_per_request
-        graph_tokens = min(config.max_num_reqs, MAX_GRAPH_REQUESTS) * rows
+        graph_tokens = graph_requests(config.max_num_reqs) * rows
         # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it (the
         # largest prefill bucket: a prompt's rows and a running set's, `diffulex.engine.prefill_graphs`)
         prefill_tokens = policy.prefill_graph_rows + policy.max_rows_per_request if policy.prefill_graph_rows else 0

@@ -23,7 +23,7 @@ from torch import nn
 from diffulex.attention import Attention, PagedAttentionMetadata
 from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import BlockGates, BlockOpening, advance_inputs
-from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, DecodeGraphs, GraphShape, SampledRows
+from diffulex.engine.cuda_graph import DecodeGraphs, GraphShape, SampledRows, graph_requests
 from diffulex.engine.prefill_graphs import (
     PrefillGraphs,
     chunk_graph_shape,
@@ -223,7 +223,7 @@ class ModelRunner:
         kept = (self.graphs, self.short_graphs, self.prefill_graphs, self.chunk_graphs, self.straggler_graphs,
                 self._graph_logits_shift)  # fmt: skip
         shape = GraphShape(
-            max_requests=min(max_requests, MAX_GRAPH_REQUESTS),
+            max_requests=graph_requests(max_requests),
             max_query_len=max_query_len,
             max_pages=-(-max_model_len // s.page_size),
             max_kv_len=max_model_len,

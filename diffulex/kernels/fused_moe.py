@@ -433,9 +433,8 @@ def fused_moe(
     T, top_k = experts.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
-    out = torch.empty_like(x)
     if T == 0:
-        return torch.empty(top_k, 0, hidden, dtype=torch.float32, device=x.device) if by_slot else out
+        return torch.empty(top_k, 0, hidden, dtype=torch.float32, device=x.device) if by_slot else torch.empty_like(x)
     num_pairs = T * top_k
     cfg = config if config is not None else config_for(num_pairs, num_experts, hidden, inter, x.element_size())
     if cfg.block_m < _MIN_TILE or cfg.block_m & (cfg.block_m - 1):
@@ -482,6 +481,7 @@ def fused_moe(
     )  # fmt: skip
     if by_slot:
         return per_pair.view(top_k, T, hidden)
+    out = torch.empty_like(x)
     _combine_kernel[(T, triton.cdiv(hidden, _COMBINE_BLOCK))](
         per_pair, flat_experts, out, hidden, num_experts,
         TOP_K=top_k, BLOCK=_COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4, **pdl,
