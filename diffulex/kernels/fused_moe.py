@@ -28,9 +28,7 @@ graph captures them:
    and stored per pair, ``[T * top_k, hidden]`` float32.
 4. ``_combine_kernel`` (token x column blocks): the token's ``top_k`` slots summed in slot order, skipping
    pairs of experts not held here, rounded to the dtype. No float atomics: the result is the same run to run,
-   and it is bit for bit `diffulex.layers.moe.SparseMoE._combine` of the per-pair outputs. A caller whose next
-   step is an RMSNorm that sums a split product itself (``by_slot``) gets the per-pair outputs slot by slot
-   instead, and this launch is left out.
+   and it is bit for bit `diffulex.layers.moe.SparseMoE._combine` of the per-pair outputs.
 
 Each program of a GEMM streams one column block of its tile's expert once; when an expert's pairs fit one tile
 (the decode case: `config_for` sizes ``block_m`` by the pairs per expert) every selected expert's weights are
@@ -321,7 +319,7 @@ def _gate_up_kernel(
     tl.store(act_ptrs, act, mask=(offs_n < inter)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr,  # [max_tiles * BLOCK_M, inter]
     w_ptr,  # [experts, hidden, inter]
@@ -329,15 +327,12 @@ def _down_kernel(
     tile_expert_ptr,
     num_tiles_ptr,
     route_ptr,  # [num_pairs] float32 router weight of each pair
-    per_pair_ptr,  # [num_pairs, hidden] float32: pair (token t, slot j) at row t * TOP_K + j, or j * T + t
+    per_pair_ptr,  # [num_pairs, hidden] float32
     num_pairs,
-    num_tokens,
     hidden,
     inter,
     stride_we,
     stride_wn,
-    TOP_K: tl.constexpr,
-    SLOT_MAJOR: tl.constexpr,  # rows slot by slot ([TOP_K, T, hidden]: a split product a norm sums) or token by token
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -371,10 +366,7 @@ def _down_kernel(
     release_dependents(USE_PDL)
     route = tl.load(route_ptr + pair, mask=ok, other=0.0)
     y = cast_rne(tl.trans(acc), act_ptr.dtype.element_ty).to(tl.float32) * route[:, None]
-    out_row = pair.to(tl.int64)
-    if SLOT_MAJOR:
-        out_row = (out_row % TOP_K) * num_tokens + out_row // TOP_K
-    out_ptrs = per_pair_ptr + out_row[:, None] * hidden + offs_n[None, :]
+    out_ptrs = per_pair_ptr + pair.to(tl.int64)[:, None] * hidden + offs_n[None, :]
     tl.store(out_ptrs, y, mask=ok[:, None] & (offs_n < hidden)[None, :])
 
 
@@ -411,15 +403,9 @@ def fused_moe(
     down: torch.Tensor,
     config: FusedMoEConfig | None = None,
     activation: str = "silu",
-    by_slot: bool = False,
 ) -> torch.Tensor:
     """``sum_j route_weights[t, j] * expert_{experts[t, j]}(x[t])`` over the ``top_k`` slots, in ``x``'s dtype,
     where an expert is ``down @ (act(gate @ x) * (up @ x))`` and ``act`` is `activation` (one of `ACTIVATIONS`).
-
-    ``by_slot`` returns the terms instead, ``[top_k, T, hidden]`` float32, whose sum in slot order rounded to the
-    dtype is the result bit for bit, and leaves out the combine's launch: for a consumer that sums them itself (the
-    next RMSNorm, `diffulex.layers.linear.UnsummedProduct`). Every pair's expert must then be held here (a pair
-    outside ``[0, E)`` would leave its term unwritten).
 
     ``x [T, hidden]``; ``route_weights [T, top_k]`` (float32); ``experts [T, top_k]`` integer indices into the
     stacked weights ``gate_up [E, 2 * inter, hidden]`` (gate rows, then up rows) and ``down [E, hidden, inter]``.
@@ -433,8 +419,9 @@ def fused_moe(
     T, top_k = experts.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
+    out = torch.empty_like(x)
     if T == 0:
-        return torch.empty(top_k, 0, hidden, dtype=torch.float32, device=x.device) if by_slot else torch.empty_like(x)
+        return out
     num_pairs = T * top_k
     cfg = config if config is not None else config_for(num_pairs, num_experts, hidden, inter, x.element_size())
     if cfg.block_m < _MIN_TILE or cfg.block_m & (cfg.block_m - 1):
@@ -473,15 +460,12 @@ def fused_moe(
     )  # fmt: skip
     k_down = _reduction_tile(cfg.block_k, inter)
     _down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
-        act, down, sorted_pairs, tile_expert, num_tiles, flat_routes, per_pair, num_pairs, T, hidden, inter,
+        act, down, sorted_pairs, tile_expert, num_tiles, flat_routes, per_pair, num_pairs, hidden, inter,
         down.stride(0), down.stride(1),
-        TOP_K=top_k, SLOT_MAJOR=by_slot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=k_down,
-        EVEN_K=inter % k_down == 0, UPCAST=upcast, PRECISION=precision, USE_PDL=use_pdl,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=k_down, EVEN_K=inter % k_down == 0,
+        UPCAST=upcast, PRECISION=precision, USE_PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
-    if by_slot:
-        return per_pair.view(top_k, T, hidden)
-    out = torch.empty_like(x)
     _combine_kernel[(T, triton.cdiv(hidden, _COMBINE_BLOCK))](
         per_pair, flat_experts, out, hidden, num_experts,
         TOP_K=top_k, BLOCK=_COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4, **pdl,

@@ -52,7 +52,6 @@ from diffulex.layers.linear import (
     MergedProjection,
     ReplicatedLinear,
     RowParallelLinear,
-    UnsummedProduct,
 )
 from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
@@ -366,16 +365,11 @@ class SparseMoE(nn.Module):
         self.stack = ExpertStack(self.experts)
         self.impl: str | None = None  # None: chosen per input (`_impl_for`); tests force one of MOE_IMPLS
 
-    def forward(
-        self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None
-    ) -> torch.Tensor | UnsummedProduct:
-        """The experts' weighted sum. ``unsummed`` and ``readers`` are the dense MLP's arguments, so that a decoder
-        layer calls either MLP alike; this one computes every row, and with ``unsummed`` may return the sum's terms
-        slot by slot (`_fused`), which the next norm adds up itself."""
+    def forward(self, x: torch.Tensor, unsummed: bool = False, readers: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
+        decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
         weights, experts = self.gate.route(x)
         impl = self.impl or self._impl_for(x)
-        if impl == "fused" and unsummed and self._whole_on_this_rank():
-            return self._fused(x, weights, experts, by_slot=True)
         if impl == "fused":
             out = self._fused(x, weights, experts)
         elif impl == "grouped":
@@ -469,25 +463,14 @@ class SparseMoE(nn.Module):
             per_slot = torch.where(mine.unsqueeze(-1), per_slot, 0.0)
         return self.expert_tp.all_reduce(self._combine(per_slot, weights, x.dtype))
 
-    def _fused(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, by_slot: bool = False
-    ) -> torch.Tensor | UnsummedProduct:
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The Triton kernels over the stacked weights; another rank's pairs fall outside this rank's local
-        indices, which the kernels skip (as `_grouped` masks them). ``by_slot`` (an output that is this rank's
-        alone, `_whole_on_this_rank`): the per-pair outputs slot by slot, the sum a combine launch would form left
-        to the next RMSNorm, which reads the whole row anyway (SDAR-30B-A3B at batch 1: one launch a layer fewer)."""
+        indices, which the kernels skip (as `_grouped` masks them)."""
         from diffulex.kernels.fused_moe import fused_moe
 
         gate_up, down = self._stacked()
-        if by_slot:
-            return UnsummedProduct(fused_moe(x, weights, experts, gate_up, down, by_slot=True), x.dtype)
         local = experts - self.experts.owned.start if len(self.experts) != self.num_experts else experts
         return self.expert_tp.all_reduce(fused_moe(x, weights, local, gate_up, down))
-
-    def _whole_on_this_rank(self) -> bool:
-        """Whether the layer's output is this rank's alone: every expert here (no expert parallelism), no slice of
-        them on other ranks, no shared expert to add."""
-        return self.shared_experts is None and self.ep.size == 1 and self.expert_tp.size == 1
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked

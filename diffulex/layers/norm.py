@@ -15,8 +15,6 @@ from diffulex.layers.linear import PartialOverRanks, UnsummedProduct
 # Widest row the fused kernel takes (`diffulex.kernels.fused_norm.MAX_NORM_COLS`; kept here so that checking it
 # imports nothing).
 _MAX_FUSED_COLS = 16384
-# Products whose split parts the fused kernel sums (`diffulex.kernels.fused_norm.rms_norm_of_parts`).
-_PART_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -59,8 +57,7 @@ class RMSNorm(nn.Module):
         if isinstance(x, UnsummedProduct):
             parts = x.parts
             if (
-                x.dtype in _PART_DTYPES  # a 16-bit product (a float32 one has no rounding to mimic: materialized)
-                and parts.shape[-1] <= _MAX_FUSED_COLS
+                parts.shape[-1] <= _MAX_FUSED_COLS
                 and (residual is None or residual.shape == parts.shape[1:])
                 and use_fused_kernels(parts, residual, self.weight)
             ):

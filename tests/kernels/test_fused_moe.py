@@ -25,9 +25,7 @@ from diffulex.kernels.fused_moe import (
     max_tiles,
 )
 from diffulex.layers import merge_projections
-from diffulex.layers.linear import UnsummedProduct
-from diffulex.layers.moe import GatedMLP, SoftmaxRouter, SparseMoE
-from diffulex.layers.norm import RMSNorm
+from diffulex.layers.moe import SoftmaxRouter, SparseMoE
 from diffulex.testing.tolerance import assert_close_up_to_reordering
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,33 +219,6 @@ def test_pairs_aligned_in_the_gate_up_programs_give_the_alignment_launchs_result
     launched = fused_moe(x, weights, experts, gate_up, down, config=cfg)
     assert torch.equal(inline, launched)
     assert_close_up_to_reordering(inline, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_terms_by_slot_that_the_next_norm_sums_give_the_combined_output_bit_for_bit(dtype: torch.dtype) -> None:
-    """Asked for an unsummed output, the layer hands the next RMSNorm its per-pair outputs slot by slot and no
-    combine runs; summed in slot order and rounded (by the norm's kernel on a GPU), they are the combined output
-    exactly, and so is the norm of them and its residual."""
-    moe = make_moe(4, dtype, seed=6)
-    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
-    terms = moe(x, unsummed=True)
-    assert isinstance(terms, UnsummedProduct) and terms.parts.shape == (4, 5, HIDDEN)
-    combined = moe(x)
-    assert torch.equal(terms.materialize(), combined)
-    norm = RMSNorm(HIDDEN).to(DEVICE, dtype)
-    with torch.no_grad():
-        norm.weight.normal_(1.0, 0.1)
-    residual = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
-    for got, expected in zip(norm(terms, residual), norm(combined, residual), strict=True):
-        assert torch.equal(got, expected)
-    no_rows = moe(x[:0], unsummed=True)
-    assert isinstance(no_rows, UnsummedProduct) and no_rows.parts.shape == (4, 0, HIDDEN)
-
-
-def test_a_layer_with_a_shared_expert_still_combines_its_output() -> None:
-    moe = make_moe(2, torch.float32)
-    moe.shared_experts = GatedMLP(HIDDEN, 4).to(DEVICE)
-    assert isinstance(moe(torch.randn(3, HIDDEN, device=DEVICE), unsummed=True), torch.Tensor)
 
 
 def test_column_blocks_wider_than_the_matrices_are_clamped() -> None:
