@@ -105,6 +105,15 @@ DOT_TILES = [
     (128, 128, 8, 4),
     (128, 256, 8, 3),
 ]
+# added for 64+ rows (the tiles of a batch of 16-64 requests' blocks), where x's tile is as large as the weight's and
+# wider weight tiles halve how often each program re-reads it
+WIDE_DOT_TILES = [
+    (64, 64, 4, 4),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (256, 64, 8, 3),
+]
 FMA_TILES = [
     (16, 512, 4, 1),
     (32, 256, 4, 1),
@@ -162,7 +171,8 @@ def split_options(n: int, k: int, block_n: int, block_k: int) -> list[int]:
 
 def candidates(n: int, k: int, m: int) -> list[SkinnyConfig]:
     out = []
-    for use_dot, tiles in ((True, DOT_TILES), (False, FMA_TILES if m <= 4 else [])):
+    dot_tiles = DOT_TILES + (WIDE_DOT_TILES if m > 64 else [])
+    for use_dot, tiles in ((True, dot_tiles), (False, FMA_TILES if m <= 4 else [])):
         for bn, bk, warps, stages in tiles:
             if bk > k:
                 continue

@@ -56,8 +56,21 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors: the long-query class loads new keys plainly
+    TensorDescriptor = None
+
 from diffulex.attention.metadata import PagedAttentionMetadata
-from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
+from diffulex.kernels.pdl import (
+    INTERPRETING,
+    device_capability,
+    launch_kwargs,
+    pdl_enabled,
+    prefetch_l2,
+    release_dependents,
+    wait_for_inputs,
+)
 from diffulex.kernels.split_counters import sm_count, split_counters
 
 _LOG2E = 1.4426950408889634
@@ -208,18 +221,23 @@ def _fold_new(
     q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, start, stop, new_hi, kv_head, offs_n, offs_d, stride_k_t,
     stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PREFIX_FULL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
-    MASK: tl.constexpr,
+    MASK: tl.constexpr, k_desc=None, v_desc=None, HEAD_DIM: tl.constexpr = 0,
 ):  # fmt: skip
     """Fold the request's new key tiles at row indices ``start, start + BLOCK_N, ...`` below ``stop`` (keys
-    valid below ``new_hi``), read from ``k``/``v``."""
+    valid below ``new_hi``), read from ``k``/``v``; through the tensor memory accelerator where descriptors of
+    them are given (``k_desc``/``v_desc``, tiles whose every key is valid: the caller's interior)."""
     for n_start in range(start, stop, BLOCK_N):
         k_idx = n_start + offs_n
         k_ok = k_idx < new_hi
-        k_rows = (row_start + k_idx).to(tl.int64)
-        k_t = tl.load(k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
-                      mask=k_ok[:, None], other=0.0).to(q.dtype)
-        v_t = tl.load(v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :],
-                      mask=k_ok[:, None], other=0.0).to(q.dtype)
+        if k_desc is not None:
+            k_t = k_desc.load([row_start + n_start, kv_head * HEAD_DIM]).to(q.dtype)
+            v_t = v_desc.load([row_start + n_start, kv_head * HEAD_DIM]).to(q.dtype)
+        else:
+            k_rows = (row_start + k_idx).to(tl.int64)
+            k_t = tl.load(k_ptr + k_rows[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
+                          mask=k_ok[:, None], other=0.0).to(q.dtype)
+            v_t = tl.load(v_ptr + k_rows[:, None] * stride_v_t + kv_head * stride_v_h + offs_d[None, :],
+                          mask=k_ok[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(
             q, k_t, v_t, ctx + k_idx, k_ok, q_blk, q_in_prompt, prompt_len, m_i, l_i, acc, qk_scale, BLOCK_SIZE,
             PREFIX_FULL, IEEE, k_floor, WINDOW, MASK,
@@ -293,6 +311,8 @@ def _paged_attention_kernel(
     key_lens_ptr=None,  # [R] int32 end of each request's keys (with KEY_TAIL): cached keys after its rows up to it
     KEY_TAIL: tl.constexpr = False,  # some request attends to cached keys after its rows (`key_lens_ptr`)
     FULL_TILES: tl.constexpr = False,  # long-query class: interior key tiles unmasked, longest query tiles first
+    k_desc=None,  # FULL_TILES: TMA descriptors of k and v as [T, kv_heads * HEAD_DIM] with [BLOCK_N, HEAD_DIM]
+    v_desc=None,  # boxes, for the interior tiles of new keys; None: plain loads
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -481,7 +501,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _fold_new(
             q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, u_lo, u_hi, new_hi, kv_head, offs_n, offs_d,
             stride_k_t, stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor,
-            BLOCK_N, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False,
+            BLOCK_N, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False, k_desc, v_desc, HEAD_DIM,
         )
         m_i, l_i, acc = _fold_new(
             q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, u_hi, new_hi, new_hi, kv_head, offs_n, offs_d,
@@ -664,6 +684,10 @@ _PIPELINED_SPLIT_KEYS = 256
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
+# TMA (Hopper's tensor memory accelerator): 16-byte aligned addresses and strides, box rows of at most 256 bytes
+_TMA_MIN_CAPABILITY = 9
+_TMA_ALIGN = 16
+_TMA_MAX_BOX_BYTES = 256
 
 
 def _long_query_tiles(
@@ -686,6 +710,33 @@ def _long_query_tiles(
         if _auto_num_splits(device, longest, max_kv_len, min_split_keys) > 1 and grid_splits == 1:
             return None
     return tiles
+
+
+def _new_key_descriptors(
+    k: torch.Tensor, v: torch.Tensor, block_n: int
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors of the step's new keys and values for the long-query class's interior tiles, or
+    ``(None, None)`` where the tensors or the hardware do not allow them (before Hopper; 4-byte inputs, whose
+    rows of 128 would exceed a box's `_TMA_MAX_BOX_BYTES`; misaligned strides). Each is a ``[T, kv_heads *
+    head_dim]`` view with ``[block_n, head_dim]`` boxes: a tile of one KV head is one copy that the hardware
+    issues while the previous tiles' products run, instead of per-thread loads."""
+    if TensorDescriptor is None or (not k.is_cuda and not INTERPRETING):
+        return None, None
+    if k.is_cuda and device_capability(k.device)[0] < _TMA_MIN_CAPABILITY:
+        return None, None
+    head_dim = k.shape[2]
+    views = []
+    for x in (k, v):
+        elem = x.element_size()
+        if (
+            head_dim * elem > _TMA_MAX_BOX_BYTES
+            or x.stride(1) != head_dim
+            or x.data_ptr() % _TMA_ALIGN
+            or (x.stride(0) * elem) % _TMA_ALIGN
+        ):
+            return None, None
+        views.append(x.as_strided((x.shape[0], x.shape[1] * head_dim), (x.stride(0), 1)))
+    return tuple(TensorDescriptor.from_tensor(x, [block_n, head_dim]) for x in views)
 
 
 def _split_stages(max_kv_len: int, num_splits: int) -> int:
@@ -793,6 +844,7 @@ def triton_paged_attention(
         part_ml = part_acc = counters = out  # never read
     grid = (q_tiles * split_slots, num_requests, head_slots)
     use_pdl = long_tiles is None and pdl_enabled(q.device, num_tokens)
+    k_desc, v_desc = _new_key_descriptors(k, v, block_n) if long_tiles is not None else (None, None)
     if long_tiles is not None:
         num_warps = long_tiles.num_warps
         num_stages = long_tiles.num_stages if q.element_size() <= 2 else min(long_tiles.num_stages, 2)
@@ -851,6 +903,8 @@ def triton_paged_attention(
         key_lens_ptr=meta.key_lens,
         KEY_TAIL=meta.key_lens is not None,
         FULL_TILES=long_tiles is not None,
+        k_desc=k_desc,
+        v_desc=v_desc,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(use_pdl),

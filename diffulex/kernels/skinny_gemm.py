@@ -232,8 +232,8 @@ class SkinnyConfig(NamedTuple):
 
 
 def _bucket(m: int) -> int:
-    """Row bucket of the config table: 1, 4 (2..4), 8 (5..8), 16 (9..16), 32 (17..32), 64 (33..64)."""
-    return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    """Row bucket of the config table: 1, 4 (2..4), then the next power of two (5..8 -> 8, 9..16 -> 16, ...)."""
+    return 1 if m <= 1 else max(4, _next_pow2(m))
 
 
 _C = SkinnyConfig

@@ -221,17 +221,23 @@ def test_the_metadata_fixes_the_split_settings_of_a_launch():
 
 
 class LaunchRecorder:
-    """Stands in for the kernel: records each launch's variant (its constexprs and launch options) and runs
-    nothing."""
+    """Stands in for the kernel: records each launch's variant (its constexprs and launch options, and of a TMA
+    descriptor what Triton specializes on: its dtype and box) and runs nothing."""
 
     def __init__(self):
         self.variants = []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.variants.append(tuple(sorted(kwargs.items())))
+            self.variants.append(tuple(sorted((name, _variant_of(value)) for name, value in kwargs.items())))
 
         return launch
+
+
+def _variant_of(value):
+    if hasattr(value, "block_shape"):  # a TensorDescriptor
+        return ("tensor descriptor", value.base.dtype, tuple(value.block_shape))
+    return value
 
 
 @pytest.fixture
