@@ -7,7 +7,7 @@ of the long class, against the flops floor.
 For the SDAR-1.7B (16 query heads, 8 KV heads) and SDAR-8B (32, 8) head layouts, head_dim 128, bf16, block 4:
 one cold prompt of each length and a chunk of a prompt after a cached prefix (``CACHED:ROWS``, keys read through
 shuffled pages of 16, as a chunked prefill's), one launch of one layer's paged attention (block-causal), timed
-with CUDA events after a warm-up launch that compiles the variant. Its floor is the block-causal (query, key)
+replayed from a CUDA graph after a warm-up launch that compiles the variant. Its floor is the block-causal (query, key)
 pairs' flops (``4 x heads x head_dim`` per pair, cached keys included, as `diffulex.bench.roofline` counts them)
 over the measured bf16 matmul rate. Every configuration's output is checked on the first case against the PyTorch
 reference (`diffulex.attention.torch_paged`, float32); one that fails it or fails to launch is reported and not
@@ -109,12 +109,14 @@ def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim:
 
 
 def seconds_per_launch(fn, device: torch.device, length: int) -> float:
-    """Seconds per launch after one that compiles the variant: CUDA events over up to 20 launches on a GPU, one
-    launch elsewhere (the interpreter is slow, and its time means nothing)."""
-    from diffulex.bench.hardware import time_per_call
+    """Seconds per launch after one that compiles the variant: on a GPU, up to 20 launches captured in a CUDA graph
+    and replayed (the kernel's time, as a prefill graph launches it: at 2,048 tokens an eager launch's host work
+    would be timed instead); elsewhere one launch (the interpreter is slow, and its time means nothing)."""
+    from diffulex.bench.hardware import time_graph_calls, time_per_call
 
-    iters = max(2, min(20, 40_000 // length)) if device.type == "cuda" else 1
-    return time_per_call(fn, device, iters, warmup=1)
+    if device.type == "cuda":
+        return time_graph_calls(lambda i: fn(), max(2, min(20, 40_000 // length)), warmup=1) / 1e6
+    return time_per_call(fn, device, 1, warmup=1)
 
 
 def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: int, length: int, check: bool,
