@@ -56,21 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton without host tensor descriptors: the long-query class loads new keys plainly
-    TensorDescriptor = None
-
 from diffulex.attention.metadata import PagedAttentionMetadata
-from diffulex.kernels.pdl import (
-    INTERPRETING,
-    device_capability,
-    launch_kwargs,
-    pdl_enabled,
-    prefetch_l2,
-    release_dependents,
-    wait_for_inputs,
-)
+from diffulex.kernels import tma
+from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, prefetch_l2, release_dependents, wait_for_inputs
 from diffulex.kernels.split_counters import sm_count, split_counters
 
 _LOG2E = 1.4426950408889634
@@ -684,10 +672,6 @@ _PIPELINED_SPLIT_KEYS = 256
 # With programmatic dependent launch, the cached keys each program prefetches into L2 before its inputs are ready
 # (a split's first 64-key share at batch 1, and then some).
 _PREFETCH_KEYS = 128
-# TMA (Hopper's tensor memory accelerator): 16-byte aligned addresses and strides, box rows of at most 256 bytes
-_TMA_MIN_CAPABILITY = 9
-_TMA_ALIGN = 16
-_TMA_MAX_BOX_BYTES = 256
 
 
 def _long_query_tiles(
@@ -712,31 +696,20 @@ def _long_query_tiles(
     return tiles
 
 
-def _new_key_descriptors(
-    k: torch.Tensor, v: torch.Tensor, block_n: int
-) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+def _new_key_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[object, object]:
     """TMA descriptors of the step's new keys and values for the long-query class's interior tiles, or
-    ``(None, None)`` where the tensors or the hardware do not allow them (before Hopper; 4-byte inputs, whose
-    rows of 128 would exceed a box's `_TMA_MAX_BOX_BYTES`; misaligned strides). Each is a ``[T, kv_heads *
-    head_dim]`` view with ``[block_n, head_dim]`` boxes: a tile of one KV head is one copy that the hardware
-    issues while the previous tiles' products run, instead of per-thread loads."""
-    if TensorDescriptor is None or (not k.is_cuda and not INTERPRETING):
-        return None, None
-    if k.is_cuda and device_capability(k.device)[0] < _TMA_MIN_CAPABILITY:
-        return None, None
+    ``(None, None)`` where TMA cannot read both (`diffulex.kernels.tma.descriptor`: before Hopper, misaligned
+    strides, 4-byte inputs whose rows of 128 exceed a box). Each views ``[T, kv_heads, head_dim]`` as ``[T, kv_heads
+    * head_dim]`` with ``[block_n, head_dim]`` boxes: a tile of one KV head is one copy that the hardware issues
+    while the previous tiles' products run, instead of per-thread loads."""
     head_dim = k.shape[2]
-    views = []
+    descriptors = []
     for x in (k, v):
-        elem = x.element_size()
-        if (
-            head_dim * elem > _TMA_MAX_BOX_BYTES
-            or x.stride(1) != head_dim
-            or x.data_ptr() % _TMA_ALIGN
-            or (x.stride(0) * elem) % _TMA_ALIGN
-        ):
+        if x.stride(1) != head_dim:
             return None, None
-        views.append(x.as_strided((x.shape[0], x.shape[1] * head_dim), (x.stride(0), 1)))
-    return tuple(TensorDescriptor.from_tensor(x, [block_n, head_dim]) for x in views)
+        flat = x.as_strided((x.shape[0], x.shape[1] * head_dim), (x.stride(0), 1))
+        descriptors.append(tma.descriptor(flat, [block_n, head_dim]))
+    return (None, None) if None in descriptors else tuple(descriptors)
 
 
 def _split_stages(max_kv_len: int, num_splits: int) -> int:

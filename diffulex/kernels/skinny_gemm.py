@@ -50,15 +50,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton without host tensor descriptors: configs asking for TMA fall back to plain loads
-    TensorDescriptor = None
-
+from diffulex.kernels import tma
 from diffulex.kernels.activation import PRECISE_EXP, silu_mul_rounded
 from diffulex.kernels.pdl import (
-    INTERPRETING,
-    device_capability,
     launch_kwargs,
     pdl_enabled,
     prefetch_l2,
@@ -379,10 +373,6 @@ MIN_GATED_BLOCK_N = 64
 
 _SUPPORTED = (torch.bfloat16, torch.float16)
 _READER_DTYPES = (torch.int32, torch.int64)
-# TMA: Hopper's copy engine; it needs 16-byte aligned addresses and strides.
-_TMA_MIN_CAPABILITY = 9
-_TMA_ALIGN = 16
-_TMA_MAX_BOX_BYTES = 256
 
 
 def config_for(n: int, k: int, m: int) -> SkinnyConfig | None:
@@ -682,7 +672,7 @@ def _launch(
     line_elems = _L2_LINE_BYTES // weight.element_size()
     rows = weight.shape[0]  # both halves of a gated weight are streamed
     prefetch = _prefetch_lines(rows, splits, triton.cdiv(k_per_split, line_elems), cfg.block_n) if use_pdl else 0
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if _tma_usable(weight, cfg) else None
+    w_desc = tma.descriptor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else None
     if readers is not None and (
         readers.dtype not in _READER_DTYPES or readers.dim() != 1 or readers.device != x.device
     ):
@@ -750,24 +740,6 @@ def split_shape(cfg: SkinnyConfig, n: int, k: int) -> tuple[int, int]:
     if splits > 1 and triton.cdiv(n, cfg.block_n) > MAX_SPLIT_TILES:
         k_per_split, splits = triton.cdiv(k, cfg.block_k) * cfg.block_k, 1
     return k_per_split, splits
-
-
-def _tma_usable(weight: torch.Tensor, cfg: SkinnyConfig) -> bool:
-    """Whether the config asks for TMA weight loads and the weight and hardware allow them: Hopper or later (or
-    the interpreter), 16-byte aligned base and rows, and a box row of at most 256 bytes (wider boxes gave wrong
-    products on Triton 3.6)."""
-    if not cfg.tma or TensorDescriptor is None:
-        return False
-    if weight.is_cuda and device_capability(weight.device)[0] < _TMA_MIN_CAPABILITY:
-        return False
-    if not weight.is_cuda and not INTERPRETING:
-        return False
-    elem = weight.element_size()
-    return (
-        weight.data_ptr() % _TMA_ALIGN == 0
-        and (weight.stride(0) * elem) % _TMA_ALIGN == 0
-        and cfg.block_k * elem <= _TMA_MAX_BOX_BYTES
-    )
 
 
 def _releases_early(weight: torch.Tensor) -> bool:

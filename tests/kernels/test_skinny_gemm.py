@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from diffulex.kernels import tma
 from diffulex.kernels.activation import silu_mul
 from diffulex.kernels.skinny_gemm import (
     _EARLY_RELEASE_MIN_BYTES,
@@ -20,7 +21,6 @@ from diffulex.kernels.skinny_gemm import (
     SkinnyConfig,
     _eager_variant,
     _releases_early,
-    _tma_usable,
     config_for,
     gated_config,
     maybe_skinny_linear,
@@ -83,7 +83,7 @@ def test_tma_weight_loads_match_the_reference(cfg: SkinnyConfig) -> None:
     for m, n, k in [(1, 40, 96), (5, 33, 160), (16, 64, 128)]:
         x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
         w = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, torch.float16)
-        assert _tma_usable(w, cfg)
+        assert tma.descriptor(w, [cfg.block_n, cfg.block_k]) is not None
         check(skinny_linear(x, w, None, cfg), reference(x, w, None), torch.float16)
 
 
@@ -92,7 +92,7 @@ def test_tma_is_skipped_for_rows_that_are_not_16_byte_aligned() -> None:
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 100, generator=gen).to(DEVICE, torch.float16)
     w = (torch.randn(50, 100, generator=gen) * 0.1).to(DEVICE, torch.float16)
-    assert not _tma_usable(w, TMA_CONFIGS[0])
+    assert tma.descriptor(w, [TMA_CONFIGS[0].block_n, TMA_CONFIGS[0].block_k]) is None
     check(skinny_linear(x, w, None, TMA_CONFIGS[0]), reference(x, w, None), torch.float16)
 
 
