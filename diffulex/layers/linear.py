@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from diffulex.layers.peer_exchange import PeerExchange
 
 # The most rows the skinny GEMM takes (`diffulex.kernels.skinny_gemm.MAX_ROWS`, repeated here so that larger
-# inputs skip importing it): decode steps of a few requests, and whole-block forwards of a few dozen rows.
-SKINNY_MAX_ROWS = 64
+# inputs skip importing it): decode steps of a few requests, whole-block forwards of a few dozen rows, and the LM
+# heads and gated gate_up of 17-32 requests' blocks.
+SKINNY_MAX_ROWS = 128
 
 
 @functools.cache

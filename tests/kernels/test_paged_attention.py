@@ -285,7 +285,7 @@ def test_warm_up_compiles_every_variant_a_step_can_launch(recorder, num_heads, n
     from diffulex.kernels import paged_attention as pa
 
     head_dim, page_size, block_size = 16, 4, 4
-    k_cache = torch.zeros(8, page_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(8, page_size, num_kv_heads, head_dim, device=DEVICE)  # where the steps run: TMA or not
     pa._launch_every_variant(k_cache, k_cache, num_heads, block_size, False, grouped)
     warmed = set(recorder.variants)
     # 16-row and 64-row tiles, unsplit or split at one or two stages, chained by PDL or not; long-query tiles, split

@@ -171,7 +171,7 @@ def test_warm_up_with_key_tails_compiles_the_variants_a_refinement_step_launches
 
     monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
     monkeypatch.setattr(pa, "pdl_enabled", lambda device, rows: rows <= PDL_MAX_ROWS)
-    k_cache = torch.zeros(8, 8, 2, 16)
+    k_cache = torch.zeros(8, 8, 2, 16, device=DEVICE)
     pa._launch_every_variant(k_cache, k_cache, 4, BLOCK, False, True)
     plain = set(variants)
     variants.clear()

@@ -24,6 +24,7 @@ from diffulex.kernels.skinny_gemm import (
     config_for,
     gated_config,
     maybe_skinny_linear,
+    output_config,
     skinny_linear,
     skinny_partials,
     skinny_silu_mul,
@@ -222,7 +223,7 @@ def test_gated_launch_is_the_product_then_silu_mul_bit_for_bit(cfg: SkinnyConfig
     """SiLU-and-mul in gate_up's epilogue: the same bits as the plain launch's rounded product followed by the
     activation kernel (odd widths, a tile that straddles the end of the gate half, with and without a bias)."""
     gen = torch.Generator().manual_seed(6)
-    for i, (m, inter, k) in enumerate([(1, 40, 96), (5, 33, 160), (4, 64, 128)]):
+    for i, (m, inter, k) in enumerate([(1, 40, 96), (5, 33, 160), (4, 64, 128), (100, 24, 64)]):
         x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
         w = (torch.randn(2 * inter, k, generator=gen) * 0.3).to(DEVICE, torch.float16)
         b = torch.randn(2 * inter, generator=gen).to(DEVICE, torch.float16) if i % 2 else None
@@ -239,6 +240,18 @@ def test_gated_config_keeps_the_rows_per_program_and_refuses_splits() -> None:
     assert gated_config(gate_up).block_n * 2 == gate_up.block_n
     assert gated_config(config_for(2048, 6144, 4)) is None
     assert gated_config(config_for(24576, 4096, 4)) is None
+
+
+def test_a_batch_of_32_requests_blocks_takes_the_kernel_only_for_the_lm_heads_and_gated_gate_up() -> None:
+    """At 65-128 rows (17-32 requests' blocks of 4) only the shapes measured to tie or beat cuBLAS there run on the
+    kernel: the SDAR LM heads and gate_up, which launches gated (one launch instead of the product and the
+    activation); qkv, o and down stay on cuBLAS, and so does everything past 128 rows."""
+    for n, k in [(151936, 2048), (151936, 4096), (12288, 2048), (24576, 4096)]:
+        assert config_for(n, k, 128) is not None and config_for(n, k, 65) == config_for(n, k, 128)
+    for n, k in [(4096, 2048), (2048, 2048), (2048, 6144), (6144, 4096), (4096, 4096), (4096, 12288)]:
+        assert config_for(n, k, 128) is None
+    assert output_config(Output.SILU_MUL, 24576, 4096, 128).block_n * 2 == config_for(24576, 4096, 128).block_n
+    assert config_for(24576, 4096, MAX_ROWS + 1) is None
 
 
 def test_strided_rows_of_x() -> None:
