@@ -67,6 +67,10 @@ class GraphPolicy:
         )
         max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
         prefill_graph_rows = _prefill_graph_rows(config)
+        short_rows = config.strategy.short_step_rows(config, logits_shift)
+        short_buckets = tuple(config.strategy.short_step_buckets(request_buckets(graph_requests(config.max_num_reqs))))
+        if short_rows is None or short_rows >= max_rows_per_request or not short_buckets:
+            short_rows, short_buckets = None, ()  # no narrower set is built: neither counted nor captured
         return cls(
             cuda_graphs=cuda_graphs,
             continues=continues,
@@ -74,8 +78,8 @@ class GraphPolicy:
             max_rows_per_request=max_rows_per_request,
             logits_shift=logits_shift,
             key_tails=config.strategy.attends_past_rows,
-            short_rows_per_request=config.strategy.short_step_rows(config, logits_shift),
-            short_buckets=tuple(config.strategy.short_step_buckets(request_buckets(graph_requests(config.max_num_reqs)))),
+            short_rows_per_request=short_rows,
+            short_buckets=short_buckets,
             prefill_graph_rows=prefill_graph_rows,
             chunk_graph_rows=_chunk_graph_rows(prefill_graph_rows, max_rows_per_request),
             straggler_graphs=contexts_may_straggle(config.max_model_len),

@@ -68,6 +68,25 @@ def profile_shape(config: Config, policy: GraphPolicy) -> tuple[int, int, int]:
     return num_tokens, config.max_model_len, config.max_num_reqs * policy.max_rows_per_request
 
 
+def graph_pool_tokens(config: Config, policy: GraphPolicy) -> tuple[int, int]:
+    """Rows the CUDA graphs' memory is sized by: ``(graph_tokens, pool_tokens)``. Each decode-shaped set (the decode
+    graphs; the short steps', at their largest bucket; the chunk graphs'; the straggler graphs') holds one forward of
+    its largest bucket in a pool of its own and its sampling graph's logits over every row of it: ``graph_tokens``
+    rows of each. The prefill graphs share the decode graphs' pool (one runs at a time), so the pool's largest
+    forward is ``pool_tokens``, the larger of those rows and the largest prefill bucket (a prompt's rows and a
+    running set's, `diffulex.engine.prefill_graphs`)."""
+    requests, rows = graph_requests(config.max_num_reqs), policy.max_rows_per_request
+    graph_tokens = requests * rows
+    if policy.short_rows_per_request is not None:
+        graph_tokens += max(policy.short_buckets) * policy.short_rows_per_request
+    if policy.chunk_graph_rows:
+        graph_tokens += requests * (rows + CHUNK_EXTRA_ROWS_PER_REQUEST)
+    if policy.straggler_graphs:
+        graph_tokens += requests * rows
+    prefill_tokens = policy.prefill_graph_rows + rows if policy.prefill_graph_rows else 0
+    return graph_tokens, max(graph_tokens, prefill_tokens)
+
+
 def gpu_kv_budget(
     config: Config, runner: ModelRunner, device: torch.device, dtype: torch.dtype, policy: GraphPolicy
 ) -> tuple[int, str]:
@@ -94,18 +113,7 @@ def gpu_kv_budget(
     activations = peak - weights
     graphs = 0
     if policy.cuda_graphs:
-        # the graphs' pool holds one decode forward of the largest bucket (scale the measured peak) and its
-        # sampling graph's logits, which cover every row of the bucket
-        rows = policy.max_rows_per_request + (policy.short_rows_per_request or 0)  # and the short steps' graphs
-        if policy.chunk_graph_rows:  # and the chunk graphs' (`diffulex.engine.prefill_graphs`), a pool of their own
-            rows += policy.max_rows_per_request + CHUNK_EXTRA_ROWS_PER_REQUEST
-        if policy.straggler_graphs:  # and the straggler graphs', the decode graphs' shape in a pool of their own
-            rows += policy.max_rows_per_request
-        graph_tokens = graph_requests(config.max_num_reqs) * rows
-        # the prefill graphs share the decode graphs' pool (one runs at a time): the larger forward sizes it (the
-        # largest prefill bucket: a prompt's rows and a running set's, `diffulex.engine.prefill_graphs`)
-        prefill_tokens = policy.prefill_graph_rows + policy.max_rows_per_request if policy.prefill_graph_rows else 0
-        pool_tokens = max(graph_tokens, prefill_tokens)
+        graph_tokens, pool_tokens = graph_pool_tokens(config, policy)
         graphs = int(activations * min(1.0, pool_tokens / num_tokens))
         embedding = runner.token_embedding()  # the logits are the whole vocabulary's, also on a sharded rank
         graphs += graph_tokens * getattr(embedding, "vocab_size", embedding.num_embeddings) * dtype.itemsize

@@ -13,9 +13,12 @@ from diffulex.engine.graph_policy import GraphPolicy
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
 
+def _config(model_dir: Path, **fields) -> Config:
+    return Config(str(model_dir), **{"block_size": 4, "page_size": 8, "max_model_len": 160, **fields})
+
+
 def policy_for(model_dir: Path, **fields) -> GraphPolicy:
-    cfg = Config(str(model_dir), **{"block_size": 4, "page_size": 8, "max_model_len": 160, **fields})
-    return GraphPolicy.decide(cfg, torch.device("cpu"), object(), logits_shift=False)
+    return GraphPolicy.decide(_config(model_dir, **fields), torch.device("cpu"), object(), logits_shift=False)
 
 
 def prefill_graph_rows(model_dir: Path, **fields) -> int:
@@ -65,3 +68,21 @@ def test_chunk_graphs_hold_a_prompt_chunk_beside_prefill_graphs_and_straggler_gr
     long = policy_for(dream, decoding_strategy="d2f", buffer_size=2, max_model_len=CHUNK_CONTEXT_MIN_KEYS)
     assert long.chunk_graph_rows == 0, "no prefill graphs: no prompt chunk rides with the decoders"
     assert long.straggler_graphs
+
+
+def test_short_step_graphs_exist_only_where_a_bucket_holds_them_and_only_those_are_counted(peaky_sdar_dir: Path):
+    """At a buffer of four blocks the short steps' graphs hold two blocks a request, at the request buckets from 16;
+    an engine of fewer requests builds none, and the memory plan then counts none of their rows."""
+    from diffulex.engine.memory_plan import graph_pool_tokens
+
+    fields = {"decoding_strategy": "multi_bd", "buffer_size": 4, "max_model_len": 256}
+    wide = policy_for(peaky_sdar_dir, max_num_reqs=32, **fields)
+    assert wide.short_rows_per_request == 8 and wide.short_buckets == (16, 32)
+    narrow = policy_for(peaky_sdar_dir, max_num_reqs=8, **fields)
+    assert narrow.short_rows_per_request is None and narrow.short_buckets == ()
+    one_block = policy_for(peaky_sdar_dir, max_num_reqs=32, **{**fields, "buffer_size": 1})
+    assert one_block.short_rows_per_request is None, "nothing narrower than a request's one block"
+    full_only = dataclasses.replace(wide, short_rows_per_request=None, short_buckets=())
+    config = _config(peaky_sdar_dir, max_num_reqs=32, **fields)
+    assert graph_pool_tokens(config, wide)[0] == graph_pool_tokens(config, full_only)[0] + 32 * 8
+
