@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffulex.attention.torch_paged import paged_attention
 from diffulex.kernels import paged_attention as pa
-from tests.kernels.test_paged_attention import DEVICE, DTYPES, check, make_batch, recorder  # noqa: F401
+from tests.kernels.test_paged_attention import DEVICE, DTYPES, TOL, check, make_batch, recorder  # noqa: F401
 from tests.kernels.test_paged_attention_window import check_window
 
 LONG = pa._LONG_QUERY_MIN
@@ -199,3 +200,17 @@ def test_the_default_long_tiles_compile_for_hopper_without_spilling():
     assert found, done.stdout
     registers, stack, shared_kib = map(int, found.groups())
     assert stack == 0 and registers <= 255 and shared_kib <= 227
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_prompt_whose_keys_and_values_are_slices_of_one_fused_projection_matches_reference(dtype):
+    """In the engine v (and k where nothing rewrites it) is a view into the fused q/k/v projection's output, its rows
+    as far apart as all the heads: the interior tiles' loads (through TMA descriptors where they can be made) take
+    the rows' stride, not the view's width."""
+    q, k, v, k_cache, v_cache, meta = make_batch([(0, LONG + 45, LONG + 41)], 4, 2, 16, 8, 4, False, dtype, DEVICE)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (4 + 2 + 2) * 16]
+    q_view, k_view, v_view = (part.unflatten(1, (-1, 16)) for part in fused.split([64, 32, 32], dim=1))
+    assert k_view.stride(0) == 128 and pa._new_key_descriptors(k_view, v_view, 64)[0] is not None
+    expected = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    got = pa.triton_paged_attention(q_view, k_view, v_view, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
