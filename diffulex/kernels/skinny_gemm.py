@@ -514,12 +514,16 @@ def capture_config(
     caller uses cuBLAS). An eager call of a config'd shape launches only the first time per variant
     (`maybe_skinny_linear`), and a caller whose later eager call comes back None must then take cuBLAS for the
     whole product, not another output of this kernel that no capture of the call would launch (and compile)."""
-    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
+    if x.dim() != 2 or weight.dim() != 2:
         return None
     mode = Output(output)
     if mode is Output.PARTIALS and bias is not None:
         return None
-    return output_config(mode, weight.shape[0], x.shape[1], x.shape[0])
+    # the table first: most calls of more than a few rows have no entry, and its lookup is the cheapest check
+    cfg = output_config(mode, weight.shape[0], x.shape[1], x.shape[0])
+    if cfg is None or not _eligible(x, weight, bias) or torch.compiler.is_compiling():
+        return None
+    return cfg
 
 
 def output_config(output: Output, n: int, k: int, m: int) -> SkinnyConfig | None:
