@@ -2,16 +2,16 @@
 of the long class, against the flops floor.
 
     PYTHONPATH=. python bench/prefill_attention_bench.py OUT_DIR [--lengths 2048 8192 32000] [--chunks 30000:2048]
-        [--quick]
+        [--page-size 32] [--quick]
 
-For the SDAR-1.7B (16 query heads, 8 KV heads) and SDAR-8B (32, 8) head layouts, head_dim 128, bf16, block 4:
-one cold prompt of each length and a chunk of a prompt after a cached prefix (``CACHED:ROWS``, keys read through
-shuffled pages of 16, as a chunked prefill's), one launch of one layer's paged attention (block-causal), timed
-replayed from a CUDA graph after a warm-up launch that compiles the variant. Its floor is the block-causal (query, key)
-pairs' flops (``4 x heads x head_dim`` per pair, cached keys included, as `diffulex.bench.roofline` counts them)
-over the measured bf16 matmul rate. Every configuration's output is checked on the first case against the PyTorch
-reference (`diffulex.attention.torch_paged`, float32); one that fails it or fails to launch is reported and not
-kept.
+For the SDAR-1.7B (16 query heads, 8 KV heads) and SDAR-8B (32, 8) head layouts, head_dim 128, bf16, block 4: one
+cold prompt of each length and a chunk of a prompt after a cached prefix (``CACHED:ROWS``, keys read through
+shuffled pages of 32 (the engine's default page size; `--page-size`), as a chunked prefill's), one launch of one
+layer's paged attention (block-causal), timed replayed from a CUDA graph after a warm-up launch that compiles the
+variant. Its floor is the block-causal (query, key) pairs' flops (``4 x heads x head_dim`` per pair, cached keys
+included, as `diffulex.bench.roofline` counts them) over the measured bf16 matmul rate. Every configuration's output
+is checked on the first case against the PyTorch reference (`diffulex.attention.torch_paged`, float32); one that
+fails it or fails to launch is reported and not kept.
 
 Writes ``OUT_DIR/prefill_attention.json`` and prints a table and the configuration to keep: the lowest geometric
 mean of time over floor across the cases. ``--quick`` runs tiny shapes (on the CPU under the Triton interpreter),
@@ -42,7 +42,7 @@ QUICK_HEAD_LAYOUTS = {"tiny 4/2": (4, 2)}
 HEAD_DIM, QUICK_HEAD_DIM = 128, 16
 LENGTHS, QUICK_LENGTHS = (2048, 8192, 32000), (160, 300)
 CHUNKS, QUICK_CHUNKS = ("30000:2048", "32000:260"), ("200:130",)  # CACHED:ROWS (the second: a prefix hit's tail)
-PAGE_SIZE = 16
+PAGE_SIZE = 32  # the engine's default (`page_size`); --page-size for another
 BEFORE = "64-row class (before)"
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
 
@@ -80,7 +80,7 @@ def long_class(tiles) -> Iterator[None]:
 
 
 def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  device: torch.device):  # fmt: skip
+                  device: torch.device, page_size: int = PAGE_SIZE):  # fmt: skip
     """q/k/v of `length` prompt rows after `cached` cached positions (in shuffled pages of a random cache), and
     their metadata (block-causal)."""
     from diffulex.attention.metadata import PagedAttentionMetadata
@@ -89,10 +89,10 @@ def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim:
     q = torch.randn(length, heads, head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    pages = max(1, -(-(cached + length) // PAGE_SIZE))
-    cache = torch.randn(pages, PAGE_SIZE, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    pages = max(1, -(-(cached + length) // page_size))
+    cache = torch.randn(pages, page_size, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     table = torch.randperm(pages, device=device, generator=gen).to(torch.int32)[None]
-    slots = table[0].long().repeat_interleave(PAGE_SIZE) * PAGE_SIZE + torch.arange(PAGE_SIZE, device=device).repeat(
+    slots = table[0].long().repeat_interleave(page_size) * page_size + torch.arange(page_size, device=device).repeat(
         pages
     )
     meta = PagedAttentionMetadata(
@@ -102,7 +102,7 @@ def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim:
         page_tables=table,
         slot_mapping=slots[cached : cached + length],
         block_size=BLOCK_SIZE,
-        page_size=PAGE_SIZE,
+        page_size=page_size,
         prefix_full=False,
         query_lens_cpu=[length],
         context_lens_cpu=[cached],
@@ -123,15 +123,15 @@ def seconds_per_launch(fn, device: torch.device, length: int) -> float:
 
 
 def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: int, length: int, check: bool,
-                 configs, dtype: torch.dtype, device: torch.device, flops_per_s: float,
-                 log=print) -> list[dict[str, object]]:  # fmt: skip
+                 configs, dtype: torch.dtype, device: torch.device, flops_per_s: float, log=print,
+                 page_size: int = PAGE_SIZE) -> list[dict[str, object]]:  # fmt: skip
     """Every configuration on one prompt (`length` rows after `cached` positions); with `check`, each output
     against the float32 reference."""
     from diffulex.attention.torch_paged import paged_attention
     from diffulex.bench.roofline import block_causal_pairs
     from diffulex.kernels.paged_attention import triton_paged_attention
 
-    q, k, v, cache, meta = prompt_inputs(cached, length, heads, kv_heads, head_dim, dtype, device)
+    q, k, v, cache, meta = prompt_inputs(cached, length, heads, kv_heads, head_dim, dtype, device, page_size)
     scale = head_dim**-0.5
     flops = 4 * heads * head_dim * block_causal_pairs(cached, cached + length, BLOCK_SIZE)
     expected = None
@@ -163,7 +163,7 @@ def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: 
     return rows
 
 
-def measure(quick: bool, cases: list[tuple[int, int]], log=print) -> dict[str, object]:
+def measure(quick: bool, cases: list[tuple[int, int]], log=print, page_size: int = PAGE_SIZE) -> dict[str, object]:
     from diffulex.bench.hardware import measure_matmul_throughput
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -178,11 +178,11 @@ def measure(quick: bool, cases: list[tuple[int, int]], log=print) -> dict[str, o
     for layout, (heads, kv_heads) in layouts.items():
         for i, (cached, length) in enumerate(cases):
             rows += measure_case(layout, heads, kv_heads, head_dim, cached, length, i == 0, configs, dtype, device,
-                                 flops_per_s, log)  # fmt: skip
+                                 flops_per_s, log, page_size)  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"device": str(device), "dtype": str(dtype), "matmul_TFLOPs": flops_per_s / 1e12, "head_dim": head_dim,
-            "block_size": BLOCK_SIZE, "rows": rows, **choose(rows, list(configs))}
+            "block_size": BLOCK_SIZE, "page_size": page_size, "rows": rows, **choose(rows, list(configs))}
 
 
 def choose(rows: list[dict[str, object]], names: list[str]) -> dict[str, object]:
@@ -211,6 +211,8 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="cold prompts")
     ap.add_argument("--chunks", nargs="*", default=None, help="CACHED:ROWS prompt chunks after a cached prefix")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, any device: checks the script, not speed")
+    ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens a cache page holds (the cached keys' "
+                    "gather)")
     args = ap.parse_args()
     if not args.quick and not torch.cuda.is_available():
         print("prefill_attention_bench: no CUDA device (the timings need a GPU; --quick checks the script on a CPU)",
@@ -225,7 +227,7 @@ def main() -> int:
     if any(len(c) != 2 or c[0] < 0 or c[1] < 1 for c in cases):
         ap.error(f"--lengths / --chunks {cases} are invalid: rows must be >= 1 and cached positions >= 0")
     t0 = time.perf_counter()
-    report = measure(args.quick, cases)
+    report = measure(args.quick, cases, page_size=args.page_size)
     report["seconds"] = time.perf_counter() - t0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "prefill_attention.json"
