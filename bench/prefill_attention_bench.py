@@ -82,13 +82,15 @@ def long_class(tiles) -> Iterator[None]:
 def prompt_inputs(cached: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device, page_size: int = PAGE_SIZE):  # fmt: skip
     """q/k/v of `length` prompt rows after `cached` cached positions (in shuffled pages of a random cache), and
-    their metadata (block-causal)."""
+    their metadata (block-causal). As in the engine, q and k are tensors of their own (the rotary kernel writes
+    them) and v is a view of the fused q/k/v projection's output, its rows as far apart as every head's."""
     from diffulex.attention.metadata import PagedAttentionMetadata
 
     gen = torch.Generator(device=device).manual_seed(cached + length)
     q = torch.randn(length, heads, head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(length, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    fused = torch.randn(length, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype, generator=gen)
+    v = fused[:, (heads + kv_heads) * head_dim :].unflatten(1, (kv_heads, head_dim))
     pages = max(1, -(-(cached + length) // page_size))
     cache = torch.randn(pages, page_size, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     table = torch.randperm(pages, device=device, generator=gen).to(torch.int32)[None]
