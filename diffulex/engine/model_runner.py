@@ -201,7 +201,8 @@ class ModelRunner:
         prepares the next step's inputs, so that `launch_continuation` can queue it before this step's result is
         read; ``logits_shift`` says where a sampled row's token goes (the row after it, for shifted families);
         ``key_tails`` stages each request's key end, so that steps attending past their rows replay too;
-        ``short_rows_per_request`` (below ``max_query_len``) adds a second set of graphs whose buckets hold that many
+        ``short_rows_per_request`` (below ``max_query_len``, with ``short_buckets``: `GraphPolicy.decide` passes
+        neither otherwise) adds a second set of graphs whose buckets hold that many
         rows per request on average (each request up to ``max_query_len``), which a step replays where it fits them
         with fewer rows than in the full set (and continues as the full set does), captured for the request buckets
         ``short_buckets``; ``max_prefill_rows``
@@ -259,7 +260,7 @@ class ModelRunner:
             result_fields=result_fields, opens_blocks_with=opens_blocks_with,
         )
         self.short_graphs = None
-        if short_rows_per_request is not None and short_rows_per_request < max_query_len and short_buckets:
+        if short_rows_per_request is not None:  # the policy passes it only where the set is narrower and has buckets
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request)
             self.short_graphs = DecodeGraphs(
                 short_shape, self.graph_forward, s.device, capture, staging_buffers, greedy_sample, advance,

@@ -423,9 +423,7 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     with a config (`config_for`). Outside CUDA-graph capture only very large weights qualify (launch cost).
     Always False on the CPU.
     """
-    if not _eligible(x, weight, bias) or torch.compiler.is_compiling():
-        return False
-    if config_for(weight.shape[0], x.shape[1], x.shape[0]) is None:
+    if capture_config(x, weight, bias) is None:
         return False
     return torch.cuda.is_current_stream_capturing() or weight.numel() * weight.element_size() >= _EAGER_MIN_BYTES
 
