@@ -205,6 +205,66 @@ def _fold_cached(
 
 
 @triton.jit
+def _fold_cached_boxes(
+    q, m_i, l_i, acc, kc_desc, vc_desc, pt_row, start, stop, kv_head, qk_scale, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Fold the cached key tiles at ``start, start + BLOCK_N, ...`` below ``stop`` that every row sees whole (the
+    caller's interior: every key valid, no mask; tiles on the ``BLOCK_N`` grid from a page boundary) through TMA:
+    a tile is one box of its page where a page holds it, else the boxes of its two pages (pages of ``BLOCK_N / 2``
+    keys), each multiplied on its own and folded into one softmax update. The page ids come one tile ahead."""
+    col = kv_head * HEAD_DIM
+    page = tl.load(pt_row + start // PAGE_SIZE, mask=start < stop, other=0)
+    if PAGE_SIZE < BLOCK_N:
+        page_b = tl.load(pt_row + start // PAGE_SIZE + 1, mask=start < stop, other=0)
+    for n_start in range(start, stop, BLOCK_N):
+        if PAGE_SIZE >= BLOCK_N:
+            row = page * PAGE_SIZE + n_start % PAGE_SIZE
+            page = tl.load(pt_row + (n_start + BLOCK_N) // PAGE_SIZE, mask=n_start + BLOCK_N < stop, other=0)
+            k_t = kc_desc.load([row, col]).to(q.dtype)
+            v_t = vc_desc.load([row, col]).to(q.dtype)
+            s = _scores(q, k_t, IEEE)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _weighted(p, v_t, IEEE)
+        else:
+            row_a, row_b = page * PAGE_SIZE, page_b * PAGE_SIZE
+            ahead = (n_start + BLOCK_N) // PAGE_SIZE
+            page = tl.load(pt_row + ahead, mask=n_start + BLOCK_N < stop, other=0)
+            page_b = tl.load(pt_row + ahead + 1, mask=n_start + BLOCK_N < stop, other=0)
+            k_a = kc_desc.load([row_a, col]).to(q.dtype)
+            k_b = kc_desc.load([row_b, col]).to(q.dtype)
+            v_a = vc_desc.load([row_a, col]).to(q.dtype)
+            v_b = vc_desc.load([row_b, col]).to(q.dtype)
+            s_a = _scores(q, k_a, IEEE)
+            s_b = _scores(q, k_b, IEEE)
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(s_a, axis=1), tl.max(s_b, axis=1)) * qk_scale)
+            p_a = tl.exp2(s_a * qk_scale - m_new[:, None])
+            p_b = tl.exp2(s_b * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p_a, axis=1) + tl.sum(p_b, axis=1)
+            acc = acc * alpha[:, None] + _weighted(p_a, v_a, IEEE) + _weighted(p_b, v_b, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _scores(q, k_t, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k_t), input_precision="ieee")
+    return tl.dot(q, tl.trans(k_t))
+
+
+@triton.jit
+def _weighted(p, v_t, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
+    return tl.dot(p.to(v_t.dtype), v_t)
+
+
+@triton.jit
 def _fold_new(
     q, m_i, l_i, acc, k_ptr, v_ptr, row_start, ctx, start, stop, new_hi, kv_head, offs_n, offs_d, stride_k_t,
     stride_k_h, stride_v_t, stride_v_h, q_blk, q_in_prompt, prompt_len, qk_scale, k_floor, BLOCK_N: tl.constexpr,
@@ -301,6 +361,8 @@ def _paged_attention_kernel(
     FULL_TILES: tl.constexpr = False,  # long-query class: interior key tiles unmasked, longest query tiles first
     k_desc=None,  # FULL_TILES: TMA descriptors of k and v as [T, kv_heads * HEAD_DIM] with [BLOCK_N, HEAD_DIM]
     v_desc=None,  # boxes, for the interior tiles of new keys; None: plain loads
+    kc_desc=None,  # FULL_TILES: TMA descriptors of the caches as [pages * PAGE_SIZE, kv_heads * HEAD_DIM] with boxes
+    vc_desc=None,  # of min(BLOCK_N, PAGE_SIZE) rows, for the interior tiles of cached keys; None: gathered loads
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -455,11 +517,17 @@ def _paged_attention_kernel(
             stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
             prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, True,
         )
-        m_i, l_i, acc = _fold_cached(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, u_lo, u_hi, cache_end, kv_head, offs_n, offs_d,
-            stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
-            prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False,
-        )
+        if kc_desc is not None and WINDOW == 0:  # without a window the tiles start on page boundaries
+            m_i, l_i, acc = _fold_cached_boxes(
+                q, m_i, l_i, acc, kc_desc, vc_desc, pt_row, u_lo, u_hi, kv_head, qk_scale, BLOCK_N, PAGE_SIZE,
+                HEAD_DIM, IEEE,
+            )
+        else:
+            m_i, l_i, acc = _fold_cached(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, u_lo, u_hi, cache_end, kv_head, offs_n, offs_d,
+                stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
+                prompt_len, qk_scale, k_floor, BLOCK_N, PAGE_SIZE, BLOCK_SIZE, PREFIX_FULL, IEEE, WINDOW, False,
+            )
         m_i, l_i, acc = _fold_cached(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row, u_hi, cache_end, cache_end, kv_head, offs_n, offs_d,
             stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h, q_blk, q_in_prompt,
@@ -712,6 +780,25 @@ def _new_key_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tupl
     return (None, None) if None in descriptors else tuple(descriptors)
 
 
+def _cache_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple[object, object]:
+    """TMA descriptors of the K and V caches for the long-query class's interior tiles of cached keys, or
+    ``(None, None)``: each cache ``[pages, page_size, kv_heads, head_dim]`` (contiguous) viewed as ``[pages *
+    page_size, kv_heads * head_dim]``, a box one KV head's rows of one page, all of a tile's keys where a page holds
+    the tile, half of them where a page holds half (`_fold_cached_boxes`); other page sizes, other layouts and what
+    `diffulex.kernels.tma.descriptor` refuses gather their rows as before."""
+    page_size = k_cache.shape[1]
+    if page_size < block_n and 2 * page_size != block_n:
+        return None, None
+    descriptors = []
+    for cache in (k_cache, v_cache):
+        if cache.dim() != 4 or not cache.is_contiguous():
+            return None, None
+        pages, _, heads, head_dim = cache.shape
+        box = [min(block_n, page_size), head_dim]
+        descriptors.append(tma.descriptor(cache.view(pages * page_size, heads * head_dim), box))
+    return (None, None) if None in descriptors else tuple(descriptors)
+
+
 def _split_stages(max_kv_len: int, num_splits: int) -> int:
     """Pipeline stages of a split launch: two where its key bound gives each split `_PIPELINED_SPLIT_KEYS` keys or
     more (long contexts: enough tiles per program for the prologue to pay), else one."""
@@ -818,6 +905,7 @@ def triton_paged_attention(
     grid = (q_tiles * split_slots, num_requests, head_slots)
     use_pdl = long_tiles is None and pdl_enabled(q.device, num_tokens)
     k_desc, v_desc = _new_key_descriptors(k, v, block_n) if long_tiles is not None else (None, None)
+    kc_desc, vc_desc = _cache_descriptors(k_cache, v_cache, block_n) if long_tiles is not None else (None, None)
     if long_tiles is not None:
         num_warps = long_tiles.num_warps
         num_stages = long_tiles.num_stages if q.element_size() <= 2 else min(long_tiles.num_stages, 2)
@@ -878,6 +966,8 @@ def triton_paged_attention(
         FULL_TILES=long_tiles is not None,
         k_desc=k_desc,
         v_desc=v_desc,
+        kc_desc=kc_desc,
+        vc_desc=vc_desc,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(use_pdl),

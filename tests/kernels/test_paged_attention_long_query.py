@@ -214,3 +214,18 @@ def test_a_long_prompt_whose_keys_and_values_are_slices_of_one_fused_projection_
     expected = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     got = pa.triton_paged_attention(q_view, k_view, v_view, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [32, 64, 128], ids=["two pages a tile", "a page a tile", "tiles inside a page"])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_a_chunk_after_a_cached_prefix_reads_whole_cached_tiles_through_page_boxes(page_size, splits, dtype):
+    """Cached keys of a prompt chunk that every row sees whole come through TMA boxes of their pages (two a tile at
+    pages of half a tile, one at larger pages), in shuffled pages: the same as the gathered rows, split or not."""
+    q, k, v, k_cache, v_cache, meta = make_batch(
+        [(6 * page_size + 70, LONG + 9, 6 * page_size + 70)], 4, 2, 16, page_size, 4, False, dtype, DEVICE
+    )
+    assert all(d is not None for d in pa._cache_descriptors(k_cache, v_cache, 64))
+    expected = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    got = pa.triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=splits)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
