@@ -38,9 +38,10 @@ Design:
   FlashAttention-2 forward does. Each row sees a prefix of key positions (its block's end, the prompt's end for
   prompt rows under prefix-full) above its window's floor, so the key tiles between the highest floor and the
   lowest row limit of the tile are seen whole by every row and fold without the mask; only the window's edge, the
-  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) are started first.
-  Its keys are split like the other classes' where its grid cannot fill the GPU (a short prompt tail after a long
-  cached context). The decode-sized classes compile exactly as without it.
+  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) of every head and
+  request are started before any earlier one. Its keys are split like the other classes' where its grid cannot
+  fill the GPU (a short prompt tail after a long cached context). The decode-sized classes compile exactly as
+  without it.
 * key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
   to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
   block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
@@ -366,17 +367,26 @@ def _paged_attention_kernel(
 ):
     release_dependents(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    if SPLIT:
-        tile = tl.program_id(0) // split_slots
-        split = tl.program_id(0) % split_slots
-    else:
-        tile = tl.program_id(0)
-        split = 0
-    if FULL_TILES:
-        # a request's later query tiles see more keys: start them first, so the short ones fill the tail
-        tile = tl.cdiv(tl.num_programs(0), split_slots) - 1 - tile
+    tile_split = tl.program_id(0)
     req = tl.program_id(1)
     head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
+    if FULL_TILES:
+        # Later query tiles see more keys. The GPU starts programs in the order of their linear index (axis 0
+        # fastest), so that order is read as (tile, request, head slot) with the tile slowest: every head's and
+        # request's latest tile starts first, and the short ones fill the tail. Ordered within each head only, a
+        # 2,048-token prompt's last heads would start their longest tiles when the others are nearly done.
+        slots = tl.num_programs(2)
+        per_tile = slots * tl.num_programs(1)
+        linear = tl.program_id(0) + tl.num_programs(0) * (req + tl.num_programs(1) * head_slot)
+        head_slot = linear % slots
+        req = (linear // slots) % tl.num_programs(1)
+        tile_split = tl.num_programs(0) - 1 - linear // per_tile
+    if SPLIT:
+        tile = tile_split // split_slots
+        split = tile_split % split_slots
+    else:
+        tile = tile_split
+        split = 0
 
     row_start = tl.load(cu_seqlens_q_ptr + req)
     q_len = tl.load(cu_seqlens_q_ptr + req + 1) - row_start
