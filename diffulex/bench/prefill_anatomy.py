@@ -150,7 +150,40 @@ def profile_first_token(engine: Any, prompt: list[int], max_steps: int) -> tuple
     prof = profile(activities=activities)
     with profile_until_the_next_step(engine, prof) as stop:
         measured = time_to_first_token(engine, prompt, BLOCK_SIZE, max_steps, on_first_token=stop)
-    return measured, profiled_kernels(prof, engine.device)
+    kernels = profiled_kernels(prof, engine.device)
+    if engine.device.type == "cuda":
+        measured["timeline"] = first_token_timeline(prof, kernels, measured["ttft_s"])
+    return measured, kernels
+
+
+def first_token_timeline(prof: Any, kernels: Sequence[KernelTime], ttft_s: float) -> dict[str, Any]:
+    """Where the profiled time to first token's wall time went around its kernels: from the profile's first host
+    event (the synchronization before the prompt is added) to the first kernel's start, the kernels' span and the
+    idle time inside it, and the rest of the time to first token after the last kernel; with the CUDA runtime
+    calls the host made before the first kernel started, each up to that start (what a host-bound start spends its
+    time on)."""
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    if not cpu or not kernels:
+        return {}
+    start = min(e.time_range.start for e in cpu)
+    first = min(k.start_us for k in kernels)
+    last = max(k.start_us + 1e6 * k.seconds for k in kernels)
+    busy = union_length([(k.start_us, k.start_us + 1e6 * k.seconds) for k in kernels]) / 1e3
+    calls: dict[str, list[float]] = {}
+    for e in cpu:
+        if e.name.startswith("cuda") and e.time_range.start < first:
+            count_ms = calls.setdefault(e.name, [0, 0.0])
+            count_ms[0] += 1
+            count_ms[1] += (min(e.time_range.end, first) - e.time_range.start) / 1e3
+    before = (first - start) / 1e3
+    span = (last - first) / 1e3
+    return {
+        "before_first_kernel_ms": before, "kernel_span_ms": span, "idle_in_span_ms": span - busy,
+        "after_last_kernel_ms": 1e3 * ttft_s - before - span,
+        "runtime_calls_before_first_kernel": {
+            name: {"calls": n, "ms": ms} for name, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])
+        },
+    }  # fmt: skip
 
 
 def _engine(path: Path, load_format: str, max_model_len: int, fields: Mapping[str, Any] | None = None) -> Any:
@@ -215,6 +248,7 @@ def anatomy_of_model(
                 "kernel_ms": 1e3 * sum(k.seconds for k in kernels), "busy_ms": 1e3 * busy_s,
                 "classes": classes, "class_floor_ms": 1e3 * sum(floors.values()),
                 "compute_floor_ms": 1e3 * compute_floor_s, "top_kernels": top_kernels(kernels),
+                "profiled_timeline": profiled.get("timeline", {}),
             }  # fmt: skip
             row["host_and_gaps_ms"] = max(0.0, row["ttft_ms"] - row["busy_ms"])
             row["x_compute_floor"] = row["ttft_ms"] / row["compute_floor_ms"]
@@ -234,6 +268,13 @@ def format_row(row: dict[str, Any]) -> str:
     for name, c in row["classes"].items():
         ratio = "-" if c["x_floor"] is None else f"{c['x_floor']:.2f}"
         lines.append(f"  {name:12s} {c['ms']:10.3f} {c['floor_ms']:10.3f} {ratio:>8s} {c['kernels']:8d}")
+    timeline = row.get("profiled_timeline") or {}
+    if timeline:
+        lines.append(f"  profiled: {timeline['before_first_kernel_ms']:.2f} ms to the first kernel, kernels over "
+                     f"{timeline['kernel_span_ms']:.2f} ms (idle {timeline['idle_in_span_ms']:.2f}), "
+                     f"{timeline['after_last_kernel_ms']:.2f} ms after the last")
+        calls = list(timeline["runtime_calls_before_first_kernel"].items())[:6]
+        lines += [f"    before the first kernel: {c['ms']:7.3f} ms {c['calls']:5d}x {name}" for name, c in calls]
     lines.append("  top kernels:")
     lines += [f"    {k['ms']:9.3f} ms {k['calls']:5d}x  [{k['class']}] {k['name'][:90]}" for k in row["top_kernels"]]
     return "\n".join(lines)

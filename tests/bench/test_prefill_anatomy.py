@@ -105,3 +105,34 @@ def test_the_profile_holds_the_steps_before_the_first_token_and_not_the_next(tmp
         engine.generate([_prompt(engine, 32, 2)])  # and it still serves
     finally:
         engine.exit()
+
+
+def test_the_timeline_splits_the_first_token_around_its_kernels():
+    """Host time before the first kernel (with the runtime calls made then), the kernels' span and its idle time,
+    and what follows the last kernel, from one profile's events (microseconds on one clock)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def event(name: str, start: float, end: float, cuda: bool = False) -> SimpleNamespace:
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("cudaDeviceSynchronize", 0, 100),
+        event("cudaMemcpyAsync", 300, 400),
+        event("cudaMemcpyAsync", 500, 700),
+        event("cudaGraphLaunch", 1000, 1150),
+        event("cudaStreamSynchronize", 1150, 5000),  # counted up to the first kernel's start
+        event("cudaEventQuery", 1600, 1610),  # after it: not counted
+    ]
+    kernels = [anatomy.KernelTime("a", 1500, 1e-3), anatomy.KernelTime("b", 3000, 1e-3)]  # 1 ms each, 0.5 ms apart
+    timeline = anatomy.first_token_timeline(SimpleNamespace(events=lambda: events), kernels, ttft_s=5e-3)
+    assert timeline["before_first_kernel_ms"] == pytest.approx(1.5)
+    assert timeline["kernel_span_ms"] == pytest.approx(2.5)
+    assert timeline["idle_in_span_ms"] == pytest.approx(0.5)
+    assert timeline["after_last_kernel_ms"] == pytest.approx(1.0)
+    calls = timeline["runtime_calls_before_first_kernel"]
+    assert list(calls) == ["cudaStreamSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaDeviceSynchronize"]
+    assert calls["cudaMemcpyAsync"] == {"calls": 2, "ms": pytest.approx(0.3)}
+    assert calls["cudaStreamSynchronize"] == {"calls": 1, "ms": pytest.approx(0.35)}
