@@ -61,11 +61,14 @@ MAX_ULPS = 8
 # Tile configs timed beside `config_for`'s, while the sweep's budget lasts: (row tile as a multiple of
 # `config_for`'s, block_n gate_up, block_n down, block_k, warps, stages). Row tiles of 2x and 4x are tried where an
 # expert's pairs would otherwise span several tiles (each tile streams the expert's weights again), up to
-# `MAX_BLOCK_M` rows.
+# `MAX_BLOCK_M` rows; half as many rows, where the busiest experts' second tile costs less than every tile's padding.
 VARIANTS = [(1, 64, 64, 128, 4, 4), (1, 32, 64, 128, 4, 4), (1, 64, 128, 128, 4, 3), (1, 32, 32, 256, 4, 3),
             (1, 128, 128, 64, 8, 4), (2, 64, 64, 64, 4, 3), (2, 128, 128, 64, 8, 3), (2, 64, 128, 64, 8, 4),
-            (4, 64, 64, 64, 8, 3), (4, 128, 128, 64, 8, 3), (4, 64, 128, 32, 8, 4)]  # fmt: skip
+            (4, 64, 64, 64, 8, 3), (4, 128, 128, 64, 8, 3), (4, 64, 128, 32, 8, 4),
+            (1, 64, 256, 64, 8, 3), (1, 128, 256, 64, 8, 3), (1, 32, 128, 128, 4, 3), (1, 64, 128, 64, 4, 4),
+            (1, 64, 64, 128, 8, 3), (0.5, 64, 64, 128, 4, 3), (0.5, 64, 128, 128, 4, 3)]  # fmt: skip
 MAX_BLOCK_M = 256
+MIN_BLOCK_M = 16  # the MMA's fewest rows
 
 
 def time_graph(call: Callable[[int], object]) -> float:
@@ -135,9 +138,11 @@ def measure(name: str, geometry: dict, rows: int, stacks: list, moe: SparseMoE |
     for scale, n_gu, n_down, block_k, warps, stages in VARIANTS:
         if time.monotonic() > sweep_until:
             break
-        block_m = default.block_m * scale
+        block_m = int(default.block_m * scale)
         if scale > 1 and (block_m > MAX_BLOCK_M or rows * k < E * block_m // 2):
             continue  # no expert's pairs would fill half of the larger tile
+        if block_m < MIN_BLOCK_M:
+            continue
         cfg = FusedMoEConfig(block_m, n_gu, n_down, block_k, warps, stages)
         try:
             variants[str(tuple(cfg))] = time_graph(lambda i, cfg=cfg: fused_moe(

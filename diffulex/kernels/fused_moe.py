@@ -59,8 +59,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = ("silu", "gelu_tanh")
 # An MMA tile has at least 16 rows, and 16 is the smallest reduction tile it takes.
 _MIN_TILE = 16
-# Pairs the alignment reads per step of its loops.
-_ALIGN_CHUNK = 256
+# Pairs the alignment reads per step of its loops: every program scans all pairs twice (the histogram, then its
+# own), so a step's pairs in few wide loads; at least the fewest, at most the most (registers). LLaDA2-mini at batch
+# 32 (8,192 pairs) took 51 us a layer in chunks of 256 on an H100.
+_ALIGN_MIN_CHUNK = 256
+_ALIGN_MAX_CHUNK = 2048
 # Up to this many pairs, every gate_up program aligns the pairs itself and the alignment's launch is left out: at
 # batch 1 (SDAR-30B-A3B: 32 pairs) a launch a layer costs more than each program's few loads and reductions
 # (H100: 3.84 -> 3.73 ms a step). At 256 pairs the programs' share costs more than the launch (LLaDA2-mini at
@@ -96,6 +99,9 @@ _SPREAD = 2
 # 1,024 rows and fewer the default was as fast or faster. (Row tiles of 128 and 256 were slower everywhere.)
 MEASURED_CONFIGS: dict[tuple[int, int, int], tuple[int, FusedMoEConfig]] = {
     (128, 2816, 704): (2048 * 8, FusedMoEConfig(64, 128, 128, 64, 8, 4)),
+    # LLaDA2-mini at batch 32 (1,024 rows, 2026-11-27): 732.6 us against the default's 775.1 (floor 537.2), down's
+    # programs 256 columns wide, so each expert's activation tile is read by 8 programs instead of 32
+    (256, 2048, 512): (1024 * 8, FusedMoEConfig(64, 64, 256, 64, 8, 3)),
 }
 
 
@@ -447,7 +453,8 @@ def fused_moe(
     if not inline_pairs:
         _align_kernel[(num_experts,)](
             flat_experts, sorted_pairs, tile_expert, num_tiles, num_pairs, num_experts,
-            BLOCK_M=cfg.block_m, CHUNK=_ALIGN_CHUNK, NUM_BINS=num_bins, USE_PDL=use_pdl, num_warps=4, **pdl,
+            BLOCK_M=cfg.block_m, CHUNK=align_chunk(num_pairs), NUM_BINS=num_bins, USE_PDL=use_pdl, num_warps=4,
+            **pdl,
         )  # fmt: skip
     k_gate_up = _reduction_tile(cfg.block_k, hidden)
     _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_gate_up))](
@@ -471,6 +478,11 @@ def fused_moe(
         TOP_K=top_k, BLOCK=_COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4, **pdl,
     )  # fmt: skip
     return out
+
+
+def align_chunk(num_pairs: int) -> int:
+    """Pairs per load of the alignment's loops (`_ALIGN_MIN_CHUNK` to `_ALIGN_MAX_CHUNK`): all where they fit."""
+    return min(max(triton.next_power_of_2(num_pairs), _ALIGN_MIN_CHUNK), _ALIGN_MAX_CHUNK)
 
 
 def _reduction_tile(block_k: int, size: int) -> int:

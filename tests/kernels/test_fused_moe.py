@@ -201,6 +201,19 @@ def test_every_pair_on_one_expert_spans_several_tiles() -> None:
     assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
 
 
+def test_more_pairs_than_the_alignments_widest_load_are_all_placed() -> None:
+    """A step's pairs are aligned in loads of up to `_ALIGN_MAX_CHUNK` (all of them where they fit); more pairs than
+    that take several, and each expert's pairs still land in its tiles in order (1,100 rows of 2 slots: 2,200
+    pairs, two loads)."""
+    assert fused_moe_module.align_chunk(80) == fused_moe_module._ALIGN_MIN_CHUNK
+    assert fused_moe_module.align_chunk(700) == 1024
+    assert fused_moe_module.align_chunk(2200) == fused_moe_module._ALIGN_MAX_CHUNK == 2048
+    gate_up, down = stacked(torch.float32, seed=8)
+    x, weights, experts = routed(1100, 2, seed=8)
+    out = fused_moe(x, weights, experts, gate_up, down)
+    assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
+
+
 @pytest.mark.parametrize("case", ["routed", "one-expert-several-tiles", "another-ranks-pairs"])
 def test_pairs_aligned_in_the_gate_up_programs_give_the_alignment_launchs_result(case: str, monkeypatch) -> None:
     """Up to `INLINE_ALIGN_MAX_PAIRS` pairs every gate_up program aligns them itself (no alignment launch): the
