@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/attention_splits.py [--out FILE] [--bound 4096] [--contexts 128 ... 4096]
         [--min-keys 64 128 256 512 1024] [--splits 16 32 64] [--split-stages 1 2] [--batch 1 32 128]
-        [--page-size 16]
+        [--page-size 16] [--unsplit-stages 1 2 3]
 
 A decode step launches one attention per layer whose split count is fixed by the graph's key bound
 (``max_model_len``), while the actual context may be much shorter. Each call is timed inside a CUDA graph of 20
@@ -10,7 +10,9 @@ back-to-back calls (no launch overhead), for SDAR-1.7B and SDAR-8B head shapes (
 ``--batch``: that many requests of the same context, the shape of a large decode step), each context,
 and each minimum of keys per split the kernel may use (columns ``minN``, the split count automatic). With
 ``--splits``, also each forced split count (columns ``sN``), and with ``--split-stages``, every split launch at
-each software-pipeline depth (column suffix ``/stagesK``; without it, the kernel's own choice, `_split_stages`).
+each software-pipeline depth (column suffix ``/stagesK``; without it, the kernel's own choice, `_split_stages`); with
+``--unsplit-stages``, unsplit launches likewise (suffix ``/unsplit-stagesK``: a large batch's launches, whose grid
+fills the GPU without splits).
 Reports the K/V bytes each call reads over its time beside (``TB/s`` of the best column).
 """
 from __future__ import annotations
@@ -55,30 +57,36 @@ def main() -> None:
     ap.add_argument("--min-keys", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="forced split counts to time as well")
     ap.add_argument("--split-stages", type=int, nargs="*", default=[], help="forced pipeline depths of split launches")
+    ap.add_argument("--unsplit-stages", type=int, nargs="*", default=[],
+                    help="forced pipeline depths of unsplit launches")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="requests a launch holds")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     args = ap.parse_args()
     if max(args.contexts) + 4 > args.bound:
         ap.error(f"--bound {args.bound} must cover the longest context plus the block ({max(args.contexts) + 4})")
     rows = []
-    saved = pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG
+    saved = pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG, pa._STAGES_UNSPLIT
+    depths = [(None, None), *((d, None) for d in args.split_stages), *((None, d) for d in args.unsplit_stages)]
     for name, heads in (("1.7b", 16), ("8b", 32)):
         for batch, ctx in ((b, c) for b in args.batch for c in args.contexts):
             q, k, v, kc, vc, meta = make_batch([(ctx, 4, 100)] * batch, heads, 8, 128, args.page_size, 4, False,
                                                   torch.bfloat16)
             meta = PagedAttentionMetadata(**{**meta.__dict__, "max_kv_len": args.bound})
             row: dict[str, object] = {"model": name, "batch": batch, "context": ctx}
-            for stages in [None, *args.split_stages]:  # None: the kernel's own choice
+            for stages, unsplit_stages in depths:  # None: the kernel's own choice
                 suffix = "" if stages is None else f"/stages{stages}"
                 if stages is not None:
                     pa._STAGES_SPLIT = pa._STAGES_SPLIT_LONG = stages
+                if unsplit_stages is not None:
+                    pa._STAGES_UNSPLIT = unsplit_stages
+                    suffix = f"/unsplit-stages{unsplit_stages}"
                 try:
                     for min_keys in args.min_keys:
                         row[f"min{min_keys}{suffix}"] = round(per_call_us(q, k, v, kc, vc, meta, min_keys), 2)
                     for splits in args.splits:
                         row[f"s{splits}{suffix}"] = round(per_call_us(q, k, v, kc, vc, meta, 64, splits), 2)
                 finally:
-                    pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG = saved
+                    pa._STAGES_SPLIT, pa._STAGES_SPLIT_LONG, pa._STAGES_UNSPLIT = saved
             timed = {key: us for key, us in row.items() if key not in ("model", "batch", "context")}
             best = min(timed, key=timed.__getitem__)
             kv_bytes = batch * (ctx + 4) * 8 * 128 * 2 * 2  # K and V of 8 KV heads, bf16
