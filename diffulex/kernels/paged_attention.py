@@ -38,10 +38,10 @@ Design:
   FlashAttention-2 forward does. Each row sees a prefix of key positions (its block's end, the prompt's end for
   prompt rows under prefix-full) above its window's floor, so the key tiles between the highest floor and the
   lowest row limit of the tile are seen whole by every row and fold without the mask; only the window's edge, the
-  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) of every head and
-  request are started before any earlier one. Its keys are split like the other classes' where its grid cannot
-  fill the GPU (a short prompt tail after a long cached context). The decode-sized classes compile exactly as
-  without it.
+  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) are started first:
+  unsplit, those of every head and request before any earlier one. Its keys are split like the other classes'
+  where its grid cannot fill the GPU (a short prompt tail after a long cached context). The decode-sized classes
+  compile exactly as without it.
 * key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
   to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
   block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
@@ -370,10 +370,10 @@ def _paged_attention_kernel(
     tile_split = tl.program_id(0)
     req = tl.program_id(1)
     head_slot = tl.program_id(2)  # kv head (grouped) or query head (ungrouped)
-    if FULL_TILES:
-        # Later query tiles see more keys. The GPU starts programs in the order of their linear index (axis 0
-        # fastest), so that order is read as (tile, request, head slot) with the tile slowest: every head's and
-        # request's latest tile starts first, and the short ones fill the tail. Ordered within each head only, a
+    if FULL_TILES and not SPLIT:
+        # A cold prompt's later query tiles see more keys. The GPU starts programs in the order of their linear index
+        # (axis 0 fastest), so that order is read as (tile, request, head slot) with the tile slowest: every head's
+        # and request's latest tile starts first, and the short ones fill the tail. Ordered within each head only, a
         # 2,048-token prompt's last heads would start their longest tiles when the others are nearly done.
         slots = tl.num_programs(2)
         per_tile = slots * tl.num_programs(1)
@@ -384,6 +384,11 @@ def _paged_attention_kernel(
     if SPLIT:
         tile = tile_split // split_slots
         split = tile_split % split_slots
+        if FULL_TILES:
+            # A split launch's rows follow a long cached context, so its tiles see nearly as many keys; a head's
+            # tiles stay next to each other in the launch order (the latest first), so that those reading the same
+            # split's keys run at the same time.
+            tile = tl.cdiv(tl.num_programs(0), split_slots) - 1 - tile
     else:
         tile = tile_split
         split = 0
