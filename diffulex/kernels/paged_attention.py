@@ -66,6 +66,20 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _scores(q, k_t, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k_t), input_precision="ieee")
+    return tl.dot(q, tl.trans(k_t))
+
+
+@triton.jit
+def _weighted(p, v_t, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
+    return tl.dot(p.to(v_t.dtype), v_t)
+
+
+@triton.jit
 def _online_softmax_step(
     q,
     k_t,
@@ -90,10 +104,7 @@ def _online_softmax_step(
     with a ``WINDOW``, keys below each row's ``k_floor`` are hidden. Without ``MASK`` the visibility rule is not
     evaluated at all: the caller has proved that each valid row sees the whole tile, so every score is finite (no
     fully masked row to guard) and the scale rides in the exponent's fused multiply-add."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k_t), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k_t))
+    s = _scores(q, k_t, IEEE)
     if MASK:
         s = s * qk_scale
         visible = (k_pos[None, :] // BLOCK_SIZE) <= q_blk[:, None]
@@ -112,10 +123,7 @@ def _online_softmax_step(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t)
+    acc = acc * alpha[:, None] + _weighted(p, v_t, IEEE)
     return m_new, l_i, acc
 
 
@@ -224,12 +232,10 @@ def _fold_cached_boxes(
             page = tl.load(pt_row + (n_start + BLOCK_N) // PAGE_SIZE, mask=n_start + BLOCK_N < stop, other=0)
             k_t = kc_desc.load([row, col]).to(q.dtype)
             v_t = vc_desc.load([row, col]).to(q.dtype)
-            s = _scores(q, k_t, IEEE)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _weighted(p, v_t, IEEE)
+            # an interior tile: no key position or visibility rule is read
+            m_i, l_i, acc = _online_softmax_step(
+                q, k_t, v_t, None, None, None, None, None, m_i, l_i, acc, qk_scale, 1, False, IEEE, MASK=False
+            )
         else:
             row_a, row_b = page * PAGE_SIZE, page_b * PAGE_SIZE
             ahead = (n_start + BLOCK_N) // PAGE_SIZE
@@ -247,22 +253,8 @@ def _fold_cached_boxes(
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p_a, axis=1) + tl.sum(p_b, axis=1)
             acc = acc * alpha[:, None] + _weighted(p_a, v_a, IEEE) + _weighted(p_b, v_b, IEEE)
-        m_i = m_new
+            m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _scores(q, k_t, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(q, tl.trans(k_t), input_precision="ieee")
-    return tl.dot(q, tl.trans(k_t))
-
-
-@triton.jit
-def _weighted(p, v_t, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(p.to(v_t.dtype), v_t, input_precision="ieee")
-    return tl.dot(p.to(v_t.dtype), v_t)
 
 
 @triton.jit
@@ -919,9 +911,10 @@ def triton_paged_attention(
         part_ml = part_acc = counters = out  # never read
     grid = (q_tiles * split_slots, num_requests, head_slots)
     use_pdl = long_tiles is None and pdl_enabled(q.device, num_tokens)
-    k_desc, v_desc = _new_key_descriptors(k, v, block_n) if long_tiles is not None else (None, None)
-    kc_desc, vc_desc = _cache_descriptors(k_cache, v_cache, block_n) if long_tiles is not None else (None, None)
+    k_desc = v_desc = kc_desc = vc_desc = None
     if long_tiles is not None:
+        k_desc, v_desc = _new_key_descriptors(k, v, block_n)
+        kc_desc, vc_desc = _cache_descriptors(k_cache, v_cache, block_n)
         num_warps = long_tiles.num_warps
         num_stages = long_tiles.num_stages if q.element_size() <= 2 else min(long_tiles.num_stages, 2)
     else:
