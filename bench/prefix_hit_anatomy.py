@@ -9,7 +9,7 @@ and ``add_request`` to the return of the step that accepts its first token. Each
 (a repeated tail would be a hit too), after one untimed hit that warms the shapes.
 
 Phases are exclusive (a phase nested in another is not counted twice): ``add_request`` (prompt check and
-encoding, the request's state), the prefix lookup (page hashes and the cache's dictionary), admission (shared
+encoding, the request's state), the prefix lookup (the cache's dictionary, page by page), admission (shared
 pages, the blocks marked cached, fresh pages), the rest of scheduling, input staging (the flat inputs, then the
 tensors or graph buffers and their upload), the forward (its launch on a GPU; on a CPU the computation itself), the
 LM head and sampler launch, the wait for the step's result, applying it (tokens, blocks, the pages registered for
@@ -142,7 +142,7 @@ def instrument(engine: Any, clock: PhaseClock) -> None:
     clock.wrap(engine, "add_request", "add_request: prompt check (rest of add_request)")
     clock.wrap(engine, "_encode", "add_request: encode")
     clock.wrap(engine, "request_cls", "add_request: request state (tokens, blocks)")
-    clock.wrap(kv, "_prefix_hits", "prefix lookup: page hashes + cache dictionary")
+    clock.wrap(kv, "lookup_prefix", "prefix lookup: the cache's dictionary by content key")
     clock.wrap(kv, "admit", "admit: shared pages, blocks marked cached, fresh pages")
     clock.wrap(scheduler, "schedule", "schedule (rest)")
     clock.wrap(runner, "collect", "stage: flat inputs (collect)")

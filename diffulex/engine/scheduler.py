@@ -113,7 +113,8 @@ class Scheduler:
 
         while self.waiting and len(batch) < cap and len(self.running) < self.limits.max_num_reqs:
             req = self.waiting[0]
-            cached = self.kv_cache.num_cached_prefix_tokens(req)
+            hit = self.kv_cache.lookup_prefix(req)
+            cached = hit.num_tokens
             estimate = _query_len(req) + req.settings.block_size - cached  # upper bound: one block may open
             chunk_fits = chunking and req.supports_prefill_chunks and budget >= _min_chunk_rows(req, cached)
             if batch and estimate > budget and not chunk_fits:
@@ -121,7 +122,7 @@ class Scheduler:
             if not self.kv_cache.can_admit(req):
                 break
             self.waiting.popleft()
-            self.kv_cache.admit(req)
+            self.kv_cache.admit(req, hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if chunking and not self._fits_or_chunks(req, budget, self._prompt_rows_cap(req, decoding, cost)):

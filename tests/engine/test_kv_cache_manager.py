@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import diffulex.engine.kv_cache_manager as kv_cache_manager
-from diffulex.engine.kv_cache_manager import KVCacheManager, chained_page_hashes, page_hash
+from diffulex.engine.kv_cache_manager import KVCacheManager, PrefixHit, chained_page_hashes, content_key, page_hash
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.request import DecodeSettings, Request
@@ -125,11 +127,11 @@ def test_hashes_are_registered_after_the_blocks_are_cached_not_at_admission():
     kv = KVCacheManager(8, PAGE, True)
     first = make_request(prompt_of(17))
     kv.admit(first)
-    assert kv.page_of_hash == {} and first.page_hashes == []
+    assert kv.page_of_key == {} and first.page_hashes == []
     twin = make_request(prompt_of(17))
     assert kv.num_cached_prefix_tokens(twin) == 0  # the K/V of `first` does not exist yet
     first.retire_and_commit()
-    assert kv.page_of_hash == {}  # cached, but not registered until register_cached_pages
+    assert kv.page_of_key == {}  # cached, but not registered until register_cached_pages
     kv.register_cached_pages(first)
     assert len(first.page_hashes) == 2
     assert kv.num_cached_prefix_tokens(twin) == 16
@@ -161,13 +163,12 @@ def test_a_freed_page_keeps_its_hash_and_is_found_again():
 def test_a_freed_page_reused_for_other_content_loses_its_hash():
     kv = KVCacheManager(2, PAGE, True)
     first = cached_request(kv, prompt_of(17))
-    old_hashes = list(first.page_hashes)
     kv.free(first)
     other = make_request(prompt_of(16, start=200))
     kv.admit(other)  # takes both freed pages
     assert sorted(other.page_table) == [0, 1]
     assert kv.hash_of_page == {}
-    assert all(h not in kv.page_of_hash for h in old_hashes)
+    assert kv.page_of_key == {} and kv.key_of_page == {}
     kv.free(other)  # never cached: its pages hold no findable content
     assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == 0
 
@@ -203,7 +204,7 @@ def test_a_request_frees_its_tail_pages_before_its_head_pages():
 def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(8, PAGE, False)
     first = cached_request(kv, prompt_of(17))
-    assert kv.page_of_hash == {} and first.page_hashes == []
+    assert kv.page_of_key == {} and first.page_hashes == []
     twin = make_request(prompt_of(17))
     assert kv.num_cached_prefix_tokens(twin) == 0
     kv.admit(twin)
@@ -272,7 +273,9 @@ def test_chained_page_hashes_equal_the_page_hash_of_each_page_in_turn():
     assert chained_page_hashes(expected[1], tokens[2 * PAGE :], PAGE) == expected[2:]
 
 
-def test_each_page_of_a_request_is_hashed_once_through_lookups_admission_and_registration(monkeypatch):
+def test_a_prefix_hit_hashes_none_of_its_cached_pages_and_each_page_of_its_tail_once(monkeypatch):
+    """The lookup reads the digests the cached pages were registered with: only the tail's new pages are hashed,
+    however often the waiting request is looked up, and the hit's digests are those of its own tokens."""
     hashed: list[int] = []
 
     def counted(prev, tokens, page_size):
@@ -282,13 +285,33 @@ def test_each_page_of_a_request_is_hashed_once_through_lookups_admission_and_reg
     kv = KVCacheManager(64, PAGE, True)
     cached_request(kv, prompt_of(20 * PAGE + 1))
     monkeypatch.setattr(kv_cache_manager, "chained_page_hashes", counted)
-    hit = make_request(prompt_of(20 * PAGE) + prompt_of(4 * PAGE + 1, start=500))
+    prompt = prompt_of(20 * PAGE) + prompt_of(4 * PAGE + 1, start=500)
+    hit = make_request(prompt)
     for _ in range(3):  # a waiting request is looked up at every schedule
         assert kv.num_cached_prefix_tokens(hit) == 20 * PAGE
     kv.admit(hit)
+    assert hashed == []
     forward(kv, hit)  # the tail's pages are cached and registered
-    assert len(hit.page_hashes) == 24
-    assert sum(hashed) == 24  # the 20 shared pages and the 4 of the tail, each once
+    assert hashed == [4]
+    assert hit.page_hashes == chained_page_hashes(None, prompt, PAGE)
+
+
+def test_a_page_whose_predecessor_was_handed_out_again_is_found_only_after_that_predecessor():
+    """A key names its predecessor by digest, not by page: a cached second page stays findable behind the first
+    page's content cached anew in another page, and never behind other content in the old page."""
+    kv = KVCacheManager(4, PAGE, True)
+    first = cached_request(kv, prompt_of(2 * PAGE + 1))
+    head, tail = first.page_table
+    kv.free(first)
+    kv.free_pages.move_to_end(head, last=False)  # the head's page is handed out next
+    other = make_request(prompt_of(PAGE + 1, start=700))
+    kv.admit(other)
+    forward(kv, other)
+    assert other.page_table == [head]
+    assert kv.num_cached_prefix_tokens(make_request(prompt_of(2 * PAGE + 1))) == 0
+    again = cached_request(kv, prompt_of(PAGE + 1))  # the first page's content, in a fresh page
+    assert again.page_table[0] not in (head, tail)
+    assert kv.num_cached_prefix_tokens(make_request(prompt_of(2 * PAGE + 1))) == 2 * PAGE
 
 
 def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
@@ -304,22 +327,29 @@ def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
     assert hit.blocks.num_made == 2  # and read the block before the running one (is it committed?)
 
 
+def page_bytes(req: Request, page: int) -> bytes:
+    return np.asarray(req.token_ids[page * PAGE : (page + 1) * PAGE], dtype=np.int64).tobytes()
+
+
 class OneByOnePool(KVCacheManager):
     """The pool's bookkeeping written page by page: the reference the bulk operations must equal."""
 
-    def _prefix_hits(self, req: Request) -> tuple[list[bytes], list[int]]:
-        hits, num_pages = [], req.shareable_len // self.page_size
-        for h in self._content_hashes(req, num_pages)[:num_pages]:
-            page = self.page_of_hash.get(h)
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        hits, prev = [], None
+        for i in range(req.shareable_len // self.page_size):
+            page = self.page_of_key.get(content_key(prev, page_bytes(req, i)))
             if page is None:
                 break
-            hits.append((h, page))
+            assert self.hash_of_page[page] == page_hash(prev, req.token_ids[i * PAGE : (i + 1) * PAGE])
+            prev = self.hash_of_page[page]
+            hits.append((prev, page))
         covered = len(hits) * self.page_size
         hits = hits[: (covered - covered % req.settings.block_size) // self.page_size]
-        return [h for h, _ in hits], [page for _, page in hits]
+        return PrefixHit([h for h, _ in hits], [page for _, page in hits], len(hits) * self.page_size)
 
-    def admit(self, req: Request) -> None:
-        for h, page in zip(*self._prefix_hits(req), strict=True):
+    def admit(self, req: Request, hit: PrefixHit | None = None) -> None:
+        hashes, pages, _ = self.lookup_prefix(req)
+        for h, page in zip(hashes, pages, strict=True):
             if self.ref_counts[page] == 0:
                 del self.free_pages[page]
             self.ref_counts[page] += 1
@@ -333,9 +363,10 @@ class OneByOnePool(KVCacheManager):
         pages = []
         for _ in range(count):
             page, _ = self.free_pages.popitem(last=False)
-            stale = self.hash_of_page.pop(page, None)
-            if stale is not None and self.page_of_hash.get(stale) == page:
-                del self.page_of_hash[stale]
+            stale = self.key_of_page.pop(page, None)
+            if stale is not None:
+                del self.page_of_key[stale]
+                del self.hash_of_page[page]
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
@@ -345,8 +376,10 @@ class OneByOnePool(KVCacheManager):
         hashes = self._content_hashes(req, full_pages)
         for i in range(len(req.page_hashes), full_pages):
             req.page_hashes.append(hashes[i])
-            if hashes[i] not in self.page_of_hash:
-                self.page_of_hash[hashes[i]] = req.page_table[i]
+            key = content_key(hashes[i - 1] if i else None, page_bytes(req, i))
+            if key not in self.page_of_key:
+                self.page_of_key[key] = req.page_table[i]
+                self.key_of_page[req.page_table[i]] = key
                 self.hash_of_page[req.page_table[i]] = hashes[i]
 
     def free(self, req: Request) -> None:
@@ -359,8 +392,9 @@ class OneByOnePool(KVCacheManager):
 
 
 def pool_state(kv: KVCacheManager, requests: list[Request]) -> tuple:
-    return (list(kv.free_pages), list(kv.ref_counts), dict(kv.page_of_hash), dict(kv.hash_of_page),
-            [list(r.page_table) for r in requests], [list(r.page_hashes) for r in requests])  # fmt: skip
+    return (list(kv.free_pages), list(kv.ref_counts), dict(kv.page_of_key), dict(kv.key_of_page),
+            dict(kv.hash_of_page), [list(r.page_table) for r in requests],
+            [list(r.page_hashes) for r in requests])  # fmt: skip
 
 
 def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_page():
@@ -382,7 +416,7 @@ def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_p
                 forward(kv, req)
                 requests.append(req)
         assert pool_state(pools[0], held[0]) == pool_state(pools[1], held[1]), f"after operation {op}"
-    assert pools[0].page_of_hash and any(kv.num_cached_prefix_tokens(make_request(shared)) for kv in pools)
+    assert pools[0].page_of_key and any(kv.num_cached_prefix_tokens(make_request(shared)) for kv in pools)
 
 
 # ----- loans for continuation steps ---------------------------------------------------------------------------
