@@ -54,18 +54,28 @@ def content_key(prev_hash: bytes | None, page_bytes: bytes | memoryview) -> byte
     return (prev_hash or b"") + page_bytes
 
 
-def chained_page_hashes(prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
-    """`page_hash` of each whole page of ``tokens`` in turn, the first chained to ``prev_hash``: every token is
-    converted to bytes in one call (a copy, from an int64 array), then each page costs one hash call (a 32k-token
-    prompt has 1,000 pages)."""
+def chained_page_keys(
+    prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray, page_size: int
+) -> tuple[list[bytes], list[bytes]]:
+    """The content key (`content_key`) and digest (`page_hash`) of each whole page of ``tokens`` in turn, the
+    first chained to ``prev_hash``: every token is converted to bytes in one call, then each page costs one hash
+    call (a 32k-token prompt has 1,000 pages), whose input is the page's key."""
     data = memoryview(_token_bytes(tokens))  # pages read in place
     step = page_size * TOKEN_BYTES
+    keys: list[bytes] = []
     hashes: list[bytes] = []
     prev, blake2b = prev_hash or b"", hashlib.blake2b
     for offset in range(0, len(data) - step + 1, step):
-        prev = blake2b(prev + data[offset : offset + step], digest_size=HASH_BYTES).digest()
+        key = prev + data[offset : offset + step]
+        prev = blake2b(key, digest_size=HASH_BYTES).digest()
+        keys.append(key)
         hashes.append(prev)
-    return hashes
+    return keys, hashes
+
+
+def chained_page_hashes(prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
+    """`page_hash` of each whole page of ``tokens`` in turn, the first chained to ``prev_hash``."""
+    return chained_page_keys(prev_hash, tokens, page_size)[1]
 
 
 class PrefixHit(NamedTuple):
@@ -104,17 +114,6 @@ class KVCacheManager:
         return -(-num_tokens // self.page_size)
 
     # ----- admission --------------------------------------------------------------------------------------
-
-    def _content_hashes(self, req: Request, num_pages: int) -> list[bytes]:
-        """The chained hashes of at least ``req``'s first ``num_pages`` pages (their tokens must be final), each
-        computed once per request (`Request.content_hashes`, which a prefix hit starts with its shared pages'
-        digests): its pages are registered a few at a time as its blocks are stored."""
-        hashes = req.content_hashes
-        if len(hashes) < num_pages:
-            first, size = len(hashes), self.page_size
-            tokens = req.token_array(first * size, num_pages * size)  # a prompt's: a view, no conversion
-            hashes += chained_page_hashes(hashes[-1] if hashes else None, tokens, size)
-        return hashes
 
     def _page_bytes(self, req: Request, first: int, end: int) -> memoryview:
         """The bytes of ``req``'s pages ``[first, end)`` as the keys and hashes read them (one conversion)."""
@@ -162,9 +161,7 @@ class KVCacheManager:
             list(map(self.free_pages.pop, idle))
             self.ref_counts[shared] += 1  # a request's pages are distinct: one increment each
             req.page_table.extend(pages)
-            req.page_hashes.extend(hashes)
-            if len(req.content_hashes) < len(hashes):  # the chain the registration of its tail goes on from
-                req.content_hashes[:] = hashes
+            req.page_hashes.extend(hashes)  # the chain the registration of its tail goes on from
         if req.page_table:
             req.mark_prefix_cached(len(req.page_table) * self.page_size)
         self.grow(req)
@@ -228,28 +225,24 @@ class KVCacheManager:
         return pages
 
     def register_cached_pages(self, req: Request) -> None:
-        """After a forward: make every newly completed page of cached, final tokens findable by its hash."""
+        """After a forward: make every newly completed page of cached, final tokens findable by its content key."""
         if not self.enable_prefix_caching:
             return
         full_pages = req.num_cached_tokens // self.page_size
         if len(req.page_hashes) >= full_pages:
             return
         first = len(req.page_hashes)
-        hashes = self._content_hashes(req, full_pages)
-        new_hashes = hashes[first:full_pages]
-        req.page_hashes.extend(new_hashes)
-        data = self._page_bytes(req, first, full_pages)
-        step = self.page_size * TOKEN_BYTES
-        prevs = [hashes[first - 1] if first else None, *new_hashes[:-1]]
-        keys = [content_key(prev, data[i * step : (i + 1) * step]) for i, prev in enumerate(prevs)]
+        tokens = req.token_array(first * self.page_size, full_pages * self.page_size)
+        keys, hashes = chained_page_keys(req.page_hashes[-1] if first else None, tokens, self.page_size)
+        req.page_hashes.extend(hashes)
         pages = req.page_table[first:full_pages]
-        fresh = dict(zip(keys, zip(pages, new_hashes, strict=True), strict=True))
-        for key in fresh.keys() & self.page_of_key.keys():  # an equal prefix registered already keeps its page
-            del fresh[key]
-        for key, (page, digest) in fresh.items():
-            self.page_of_key[key] = page
-            self.key_of_page[page] = key
-            self.hash_of_page[page] = digest
+        taken = self.page_of_key.keys() & keys  # an equal prefix registered already keeps its page
+        if taken:
+            fresh = [i for i, key in enumerate(keys) if key not in taken]
+            keys, hashes, pages = [keys[i] for i in fresh], [hashes[i] for i in fresh], [pages[i] for i in fresh]
+        self.page_of_key.update(zip(keys, pages, strict=True))
+        self.key_of_page.update(zip(pages, keys, strict=True))
+        self.hash_of_page.update(zip(pages, hashes, strict=True))
 
     def free(self, req: Request) -> None:
         """Release a request's pages; unshared pages go to the back of the free list, keeping their hash."""

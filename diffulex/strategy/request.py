@@ -112,9 +112,6 @@ class Request:
     num_cached_blocks: int = field(init=False, default=0)  # leading blocks whose K/V is in the cache
     page_table: PageTable = field(init=False, default_factory=PageTable)  # owned by the KV cache manager
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
-    # the chained hash of each leading page of final tokens, computed once (`KVCacheManager._content_hashes`): kept
-    # through preemption, since final tokens never change
-    content_hashes: list[bytes] = field(init=False, default_factory=list)
     steps: list[StepRecord] = field(init=False, default_factory=list)
     error: str | None = field(init=False, default=None)  # why it finished with CompletionReason.ERROR
     # Fixed at creation and read many times per step, so stored rather than derived.

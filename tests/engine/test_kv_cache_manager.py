@@ -11,7 +11,14 @@ import random
 import numpy as np
 
 import diffulex.engine.kv_cache_manager as kv_cache_manager
-from diffulex.engine.kv_cache_manager import KVCacheManager, PrefixHit, chained_page_hashes, content_key, page_hash
+from diffulex.engine.kv_cache_manager import (
+    KVCacheManager,
+    PrefixHit,
+    chained_page_hashes,
+    chained_page_keys,
+    content_key,
+    page_hash,
+)
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.request import DecodeSettings, Request
@@ -273,6 +280,15 @@ def test_chained_page_hashes_equal_the_page_hash_of_each_page_in_turn():
     assert chained_page_hashes(expected[1], tokens[2 * PAGE :], PAGE) == expected[2:]
 
 
+def test_a_page_key_is_its_hash_input_the_digest_before_it_then_its_tokens():
+    tokens = prompt_of(3 * PAGE + 2)
+    keys, hashes = chained_page_keys(None, tokens, PAGE)
+    assert hashes == chained_page_hashes(None, tokens, PAGE)
+    pages = [np.asarray(tokens[i * PAGE : (i + 1) * PAGE], dtype=np.int64).tobytes() for i in range(3)]
+    assert keys == [content_key(prev, page) for prev, page in zip([None, *hashes[:-1]], pages, strict=True)]
+    assert content_key(hashes[0], pages[1]) != content_key(None, pages[1])
+
+
 def test_a_prefix_hit_hashes_none_of_its_cached_pages_and_each_page_of_its_tail_once(monkeypatch):
     """The lookup reads the digests the cached pages were registered with: only the tail's new pages are hashed,
     however often the waiting request is looked up, and the hit's digests are those of its own tokens."""
@@ -280,11 +296,11 @@ def test_a_prefix_hit_hashes_none_of_its_cached_pages_and_each_page_of_its_tail_
 
     def counted(prev, tokens, page_size):
         hashed.append(len(tokens) // page_size)
-        return chained_page_hashes(prev, tokens, page_size)
+        return chained_page_keys(prev, tokens, page_size)
 
     kv = KVCacheManager(64, PAGE, True)
     cached_request(kv, prompt_of(20 * PAGE + 1))
-    monkeypatch.setattr(kv_cache_manager, "chained_page_hashes", counted)
+    monkeypatch.setattr(kv_cache_manager, "chained_page_keys", counted)
     prompt = prompt_of(20 * PAGE) + prompt_of(4 * PAGE + 1, start=500)
     hit = make_request(prompt)
     for _ in range(3):  # a waiting request is looked up at every schedule
@@ -373,14 +389,14 @@ class OneByOnePool(KVCacheManager):
 
     def register_cached_pages(self, req: Request) -> None:
         full_pages = req.num_cached_tokens // self.page_size
-        hashes = self._content_hashes(req, full_pages)
         for i in range(len(req.page_hashes), full_pages):
-            req.page_hashes.append(hashes[i])
-            key = content_key(hashes[i - 1] if i else None, page_bytes(req, i))
+            prev = req.page_hashes[i - 1] if i else None
+            req.page_hashes.append(page_hash(prev, req.token_ids[i * PAGE : (i + 1) * PAGE]))
+            key = content_key(prev, page_bytes(req, i))
             if key not in self.page_of_key:
                 self.page_of_key[key] = req.page_table[i]
                 self.key_of_page[req.page_table[i]] = key
-                self.hash_of_page[req.page_table[i]] = hashes[i]
+                self.hash_of_page[req.page_table[i]] = req.page_hashes[i]
 
     def free(self, req: Request) -> None:
         for page in reversed(req.page_table):
