@@ -23,6 +23,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
@@ -88,6 +89,20 @@ class PrefixHit(NamedTuple):
     num_tokens: int
 
 
+@dataclass
+class PrefixWalk:
+    """How far a waiting request's pages were found in the cache at its last lookup: their digests and pages. A
+    request that waits at the head of the queue (for pages or rows) is looked up at every schedule; the next lookup
+    keeps the pages still registered with these digests (one comparison of the lists: a page's digest is that of
+    its key) and walks on from there."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+    def keep(self, count: int) -> None:
+        del self.hashes[count:], self.pages[count:]
+
+
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
         self.num_pages = num_pages
@@ -121,27 +136,34 @@ class KVCacheManager:
 
     def lookup_prefix(self, req: Request) -> PrefixHit:
         """The leading full pages of ``req`` already in the cache: each page looked up by its content key, made from
-        the digest its predecessor was registered with, so nothing is hashed."""
+        the digest its predecessor was registered with, so nothing is hashed; a request looked up before walks on
+        from the pages it found then that still hold their keys (`PrefixWalk`)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], [], 0)
         num_pages = req.shareable_len // self.page_size
-        data = self._page_bytes(req, 0, num_pages)
+        walk = req.prefix_walk if req.prefix_walk is not None else PrefixWalk()
+        walk.keep(min(len(walk.pages), num_pages))
+        if list(map(self.hash_of_page.get, walk.pages)) != walk.hashes:  # a page handed out since: keep those before
+            walk.keep(next(i for i, (page, h) in enumerate(zip(walk.pages, walk.hashes, strict=True))
+                           if self.hash_of_page.get(page) != h))  # fmt: skip
+        first = len(walk.pages)
+        data = self._page_bytes(req, first, num_pages)
         step = self.page_size * TOKEN_BYTES
-        hashes: list[bytes] = []
-        pages: list[int] = []
-        prev, find, digest_of = b"", self.page_of_key.get, self.hash_of_page.__getitem__
-        for offset in range(0, num_pages * step, step):
+        hashes, pages = walk.hashes, walk.pages
+        prev, find, digest_of = hashes[-1] if first else b"", self.page_of_key.get, self.hash_of_page.__getitem__
+        for offset in range(0, (num_pages - first) * step, step):
             page = find(prev + data[offset : offset + step])
             if page is None:
                 break
             prev = digest_of(page)
             hashes.append(prev)
             pages.append(page)
+        req.prefix_walk = walk
         # a hit covers whole blocks: the rest of a block wider than a page is computed and stored again, which
         # must not happen in a page other requests share
-        covered = len(pages) * self.page_size
+        covered = len(walk.pages) * self.page_size
         found = (covered - covered % req.settings.block_size) // self.page_size
-        return PrefixHit(hashes[:found], pages[:found], found * self.page_size)
+        return PrefixHit(walk.hashes[:found], walk.pages[:found], found * self.page_size)
 
     def num_cached_prefix_tokens(self, req: Request) -> int:
         """How many leading tokens of a waiting request a prefix-cache hit would cover (no side effects)."""
@@ -155,6 +177,7 @@ class KVCacheManager:
         unchanged since; looked up here without it), fresh pages for the rest."""
         assert not req.page_table, "a waiting request holds no pages"
         hashes, pages, _ = hit if hit is not None else self.lookup_prefix(req)
+        req.prefix_walk = None  # its pages are held from now on
         if pages:
             shared = np.array(pages, dtype=np.int64)
             idle = shared[self.ref_counts[shared] == 0].tolist()  # on the free list until now

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import Block, BlockStatus
 from diffulex.strategy.block_list import BlockList, UnreadBlocks
 from diffulex.strategy.page_table import PageTable
+
+if TYPE_CHECKING:
+    from diffulex.engine.kv_cache_manager import PrefixWalk
 
 
 class RequestStatus(enum.Enum):
@@ -112,6 +115,8 @@ class Request:
     num_cached_blocks: int = field(init=False, default=0)  # leading blocks whose K/V is in the cache
     page_table: PageTable = field(init=False, default_factory=PageTable)  # owned by the KV cache manager
     page_hashes: list[bytes] = field(init=False, default_factory=list)  # owned by the KV cache manager
+    # while waiting: how far its last prefix-cache lookup got (owned by the KV cache manager)
+    prefix_walk: PrefixWalk | None = field(init=False, default=None, repr=False)
     steps: list[StepRecord] = field(init=False, default_factory=list)
     error: str | None = field(init=False, default=None)  # why it finished with CompletionReason.ERROR
     # Fixed at creation and read many times per step, so stored rather than derived.

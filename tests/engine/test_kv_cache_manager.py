@@ -330,6 +330,47 @@ def test_a_page_whose_predecessor_was_handed_out_again_is_found_only_after_that_
     assert kv.num_cached_prefix_tokens(make_request(prompt_of(2 * PAGE + 1))) == 2 * PAGE
 
 
+class CountedLookups(dict):
+    """The cache's key -> page dictionary, counting the lookups made in it."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def test_a_waiting_request_looked_up_again_walks_on_from_the_pages_it_found():
+    """A request waiting at the head of the queue is looked up at every schedule: after the first walk over its 20
+    cached pages, a lookup reads only the page where that walk stopped, and finds the pages registered since."""
+    kv = KVCacheManager(64, PAGE, True)
+    kv.page_of_key = CountedLookups()
+    cached_request(kv, prompt_of(20 * PAGE + 1))
+    waiting = make_request(prompt_of(24 * PAGE + 1))
+    kv.page_of_key.lookups = 0
+    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    assert kv.page_of_key.lookups == 21  # 20 hits and the miss
+    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    assert kv.page_of_key.lookups == 22
+    cached_request(kv, prompt_of(22 * PAGE + 1))  # registers two pages more of the same prefix
+    assert kv.num_cached_prefix_tokens(waiting) == 22 * PAGE
+    shared = kv.lookup_prefix(make_request(prompt_of(22 * PAGE + 1))).pages
+    kv.admit(waiting)
+    assert waiting.prefix_walk is None and waiting.page_table[:22] == shared
+
+
+def test_a_page_handed_out_between_lookups_ends_the_hit_before_it():
+    kv = KVCacheManager(24, PAGE, True)
+    first = cached_request(kv, prompt_of(20 * PAGE + 1))
+    waiting = make_request(prompt_of(20 * PAGE + 1))
+    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    kv.free(first)  # its pages keep their keys, the last page first in line
+    kv.admit(make_request(prompt_of(9 * PAGE + 1, start=5000)))  # the 4 never-used pages, then the prefix's last 5
+    hit = kv.lookup_prefix(waiting)
+    assert hit.num_tokens == 15 * PAGE
+    assert hit == kv.lookup_prefix(make_request(prompt_of(20 * PAGE + 1)))  # what a first lookup finds
+
+
 def test_a_prefix_hit_on_a_long_prompt_makes_none_of_its_prompt_blocks():
     kv = KVCacheManager(400, PAGE, True)
     cached_request(kv, prompt_of(300 * PAGE + 1))
