@@ -44,39 +44,31 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return array("q", tokens).tobytes()
 
 
-def page_hash(prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray) -> bytes:
-    """Chained content hash: equal hashes mean equal token prefixes (up to a 128-bit collision)."""
-    return hashlib.blake2b((prev_hash or b"") + _token_bytes(tokens), digest_size=HASH_BYTES).digest()
-
-
 def content_key(prev_hash: bytes | None, page_bytes: bytes | memoryview) -> bytes:
-    """The key a page is registered and looked up under: the chain's digest before it, then its tokens' bytes. Two
-    keys are equal only where the tokens and the digests (so the whole prefixes, up to a 128-bit collision) are."""
+    """The key a page is registered and looked up under: the chain's digest before it (None for a prompt's first
+    page), then its tokens' bytes. Two keys are equal only where the tokens and the digests (so the whole prefixes,
+    up to a 128-bit collision) are."""
     return (prev_hash or b"") + page_bytes
 
 
 def chained_page_keys(
     prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray, page_size: int
 ) -> tuple[list[bytes], list[bytes]]:
-    """The content key (`content_key`) and digest (`page_hash`) of each whole page of ``tokens`` in turn, the
-    first chained to ``prev_hash``: every token is converted to bytes in one call, then each page costs one hash
-    call (a 32k-token prompt has 1,000 pages), whose input is the page's key."""
+    """The content key and the digest of each whole page of ``tokens`` in turn, the first chained to
+    ``prev_hash``: a page's digest is the 128-bit blake2b of its key, and the next page's key begins with it. Every
+    token is converted to bytes in one call, then each page costs one hash call (a 32k-token prompt has 1,000
+    pages)."""
     data = memoryview(_token_bytes(tokens))  # pages read in place
     step = page_size * TOKEN_BYTES
     keys: list[bytes] = []
     hashes: list[bytes] = []
-    prev, blake2b = prev_hash or b"", hashlib.blake2b
+    prev, blake2b = prev_hash, hashlib.blake2b
     for offset in range(0, len(data) - step + 1, step):
-        key = prev + data[offset : offset + step]
+        key = content_key(prev, data[offset : offset + step])
         prev = blake2b(key, digest_size=HASH_BYTES).digest()
         keys.append(key)
         hashes.append(prev)
     return keys, hashes
-
-
-def chained_page_hashes(prev_hash: bytes | None, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
-    """`page_hash` of each whole page of ``tokens`` in turn, the first chained to ``prev_hash``."""
-    return chained_page_keys(prev_hash, tokens, page_size)[1]
 
 
 class PrefixHit(NamedTuple):
@@ -111,7 +103,7 @@ class KVCacheManager:
         self.ref_counts = np.zeros(num_pages, dtype=np.int32)  # requests holding each page
         # Free pages in the order they should be handed out (oldest freed first); values unused.
         self.free_pages: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))
-        # registered pages: each one's digest (`page_hash`, the next page's key begins with it) and content key
+        # registered pages: each one's digest (`chained_page_keys`: the next page's key begins with it) and content key
         # (`content_key`), and the page of each key
         self.hash_of_page: dict[int, bytes] = {}
         self.key_of_page: dict[int, bytes] = {}

@@ -6,19 +6,13 @@ blocks were stored) then `register_cached_pages`.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
 
 import diffulex.engine.kv_cache_manager as kv_cache_manager
-from diffulex.engine.kv_cache_manager import (
-    KVCacheManager,
-    PrefixHit,
-    chained_page_hashes,
-    chained_page_keys,
-    content_key,
-    page_hash,
-)
+from diffulex.engine.kv_cache_manager import KVCacheManager, PrefixHit, chained_page_keys, content_key
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.request import DecodeSettings, Request
@@ -54,6 +48,11 @@ def forward(kv: KVCacheManager, req: Request) -> None:
 
 def prompt_of(n: int, start: int = 10) -> list[int]:
     return list(range(start, start + n))
+
+
+def page_digest(prev: bytes | None, tokens: list[int]) -> bytes:
+    """The reference digest of a page: the 128-bit blake2b of its key (the digest before it, then its tokens)."""
+    return hashlib.blake2b(content_key(prev, np.asarray(tokens, dtype=np.int64).tobytes()), digest_size=16).digest()
 
 
 def cached_request(kv: KVCacheManager, prompt: list[int]) -> Request:
@@ -248,14 +247,14 @@ def test_can_admit_counts_the_pages_of_the_committed_prefix():
     assert not kv.can_admit(make_request(prompt_of(24)))  # 3 pages
 
 
-def test_page_hash_differs_when_the_previous_page_differs():
+def test_a_pages_digest_depends_on_every_page_before_it():
     tokens = prompt_of(PAGE)
-    h1 = page_hash(None, prompt_of(PAGE, start=100))
-    h2 = page_hash(None, prompt_of(PAGE, start=200))
-    assert page_hash(h1, tokens) != page_hash(h2, tokens)
-    assert page_hash(h1, tokens) != page_hash(None, tokens)
-    assert page_hash(h1, tokens) == page_hash(h1, list(tokens))
-    assert page_hash(None, tokens) != page_hash(None, tokens[::-1])
+    after_a = chained_page_keys(None, prompt_of(PAGE, start=100) + tokens, PAGE)[1][1]
+    after_b = chained_page_keys(None, prompt_of(PAGE, start=200) + tokens, PAGE)[1][1]
+    alone = chained_page_keys(None, tokens, PAGE)[1][0]
+    assert len({after_a, after_b, alone}) == 3
+    assert alone != chained_page_keys(None, tokens[::-1], PAGE)[1][0]
+    assert chained_page_keys(None, tokens, PAGE) == chained_page_keys(None, np.array(tokens), PAGE)
 
 
 def test_reusing_a_tail_page_keeps_the_head_of_the_prefix_findable():
@@ -270,20 +269,19 @@ def test_reusing_a_tail_page_keeps_the_head_of_the_prefix_findable():
     assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == PAGE
 
 
-def test_chained_page_hashes_equal_the_page_hash_of_each_page_in_turn():
-    tokens = prompt_of(5 * PAGE + 3)  # the partial page is not hashed
-    expected, prev = [], None
-    for i in range(5):
-        prev = page_hash(prev, tokens[i * PAGE : (i + 1) * PAGE])
-        expected.append(prev)
-    assert chained_page_hashes(None, tokens, PAGE) == expected
-    assert chained_page_hashes(expected[1], tokens[2 * PAGE :], PAGE) == expected[2:]
+def test_keys_chained_from_a_pages_digest_continue_the_chain_and_each_digest_is_its_keys_hash():
+    tokens = prompt_of(5 * PAGE + 3)  # the partial page gets no key
+    keys, hashes = chained_page_keys(None, tokens, PAGE)
+    assert len(keys) == 5
+    assert chained_page_keys(hashes[1], tokens[2 * PAGE :], PAGE) == (keys[2:], hashes[2:])
+    assert hashes == [hashlib.blake2b(key, digest_size=16).digest() for key in keys]
 
 
 def test_a_page_key_is_its_hash_input_the_digest_before_it_then_its_tokens():
     tokens = prompt_of(3 * PAGE + 2)
     keys, hashes = chained_page_keys(None, tokens, PAGE)
-    assert hashes == chained_page_hashes(None, tokens, PAGE)
+    prevs = [None, *hashes[:-1]]
+    assert hashes == [page_digest(prev, tokens[i * PAGE : (i + 1) * PAGE]) for i, prev in enumerate(prevs)]
     pages = [np.asarray(tokens[i * PAGE : (i + 1) * PAGE], dtype=np.int64).tobytes() for i in range(3)]
     assert keys == [content_key(prev, page) for prev, page in zip([None, *hashes[:-1]], pages, strict=True)]
     assert content_key(hashes[0], pages[1]) != content_key(None, pages[1])
@@ -309,7 +307,7 @@ def test_a_prefix_hit_hashes_none_of_its_cached_pages_and_each_page_of_its_tail_
     assert hashed == []
     forward(kv, hit)  # the tail's pages are cached and registered
     assert hashed == [4]
-    assert hit.page_hashes == chained_page_hashes(None, prompt, PAGE)
+    assert hit.page_hashes == chained_page_keys(None, prompt, PAGE)[1]
 
 
 def test_a_page_whose_predecessor_was_handed_out_again_is_found_only_after_that_predecessor():
@@ -397,7 +395,7 @@ class OneByOnePool(KVCacheManager):
             page = self.page_of_key.get(content_key(prev, page_bytes(req, i)))
             if page is None:
                 break
-            assert self.hash_of_page[page] == page_hash(prev, req.token_ids[i * PAGE : (i + 1) * PAGE])
+            assert self.hash_of_page[page] == page_digest(prev, req.token_ids[i * PAGE : (i + 1) * PAGE])
             prev = self.hash_of_page[page]
             hits.append((prev, page))
         covered = len(hits) * self.page_size
@@ -432,7 +430,7 @@ class OneByOnePool(KVCacheManager):
         full_pages = req.num_cached_tokens // self.page_size
         for i in range(len(req.page_hashes), full_pages):
             prev = req.page_hashes[i - 1] if i else None
-            req.page_hashes.append(page_hash(prev, req.token_ids[i * PAGE : (i + 1) * PAGE]))
+            req.page_hashes.append(page_digest(prev, req.token_ids[i * PAGE : (i + 1) * PAGE]))
             key = content_key(prev, page_bytes(req, i))
             if key not in self.page_of_key:
                 self.page_of_key[key] = req.page_table[i]
