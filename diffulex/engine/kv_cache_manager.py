@@ -13,8 +13,9 @@ its content key: the digest of the page before it (a hash of its tokens chained 
 followed by its own tokens' bytes. A later request whose committed prefix has the same chain reuses the page
 instead of recomputing it. The lookup walks a prompt's pages by content key, each key made from the digest the
 previous hit page was registered with, so a hit computes no hash: a 32,000-token prefix is 1,000 dictionary
-lookups, where a hash call a page cost 1-1.6 ms of the hit's time to first token. Freed pages keep their
-registration until they are handed out again, oldest-freed first, so recently used prefixes survive longest.
+lookups (hashing its 1,000 pages took about 2 ms of the hit's time to first token on an H100's host). Freed pages
+keep their registration until they are handed out again, oldest-freed first, so recently used prefixes survive
+longest.
 """
 
 from __future__ import annotations
@@ -129,21 +130,22 @@ class KVCacheManager:
     def lookup_prefix(self, req: Request) -> PrefixHit:
         """The leading full pages of ``req`` already in the cache: each page looked up by its content key, made from
         the digest its predecessor was registered with, so nothing is hashed; a request looked up before walks on
-        from the pages it found then that still hold their keys (`PrefixWalk`)."""
+        from the pages it found then that are still registered with the same digests (`PrefixWalk`)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], [], 0)
         num_pages = req.shareable_len // self.page_size
         walk = req.prefix_walk if req.prefix_walk is not None else PrefixWalk()
         walk.keep(min(len(walk.pages), num_pages))
-        if list(map(self.hash_of_page.get, walk.pages)) != walk.hashes:  # a page handed out since: keep those before
-            walk.keep(next(i for i, (page, h) in enumerate(zip(walk.pages, walk.hashes, strict=True))
+        hashes, pages = walk.hashes, walk.pages
+        if list(map(self.hash_of_page.get, pages)) != hashes:  # a page handed out since: keep those before it
+            walk.keep(next(i for i, (page, h) in enumerate(zip(pages, hashes, strict=True))
                            if self.hash_of_page.get(page) != h))  # fmt: skip
-        first = len(walk.pages)
+        first = len(pages)
         data = self._page_bytes(req, first, num_pages)
         step = self.page_size * TOKEN_BYTES
-        hashes, pages = walk.hashes, walk.pages
         prev, find, digest_of = hashes[-1] if first else b"", self.page_of_key.get, self.hash_of_page.__getitem__
         for offset in range(0, (num_pages - first) * step, step):
+            # `content_key` written out: the call would cost this loop about 13% (it is on a hit's critical path)
             page = find(prev + data[offset : offset + step])
             if page is None:
                 break
@@ -153,12 +155,13 @@ class KVCacheManager:
         req.prefix_walk = walk
         # a hit covers whole blocks: the rest of a block wider than a page is computed and stored again, which
         # must not happen in a page other requests share
-        covered = len(walk.pages) * self.page_size
+        covered = len(pages) * self.page_size
         found = (covered - covered % req.settings.block_size) // self.page_size
-        return PrefixHit(walk.hashes[:found], walk.pages[:found], found * self.page_size)
+        return PrefixHit(hashes[:found], pages[:found], found * self.page_size)
 
     def num_cached_prefix_tokens(self, req: Request) -> int:
-        """How many leading tokens of a waiting request a prefix-cache hit would cover (no side effects)."""
+        """How many leading tokens of a waiting request a prefix-cache hit would cover (the pool unchanged; the
+        request keeps the lookup's walk)."""
         return self.lookup_prefix(req).num_tokens
 
     def can_admit(self, req: Request) -> bool:
