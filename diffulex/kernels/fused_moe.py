@@ -61,9 +61,13 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 _MIN_TILE = 16
 # Pairs the alignment reads per step of its loops: every program scans all pairs twice (the histogram, then its
 # own), so a step's pairs in few wide loads; at least the fewest, at most the most (registers). LLaDA2-mini at batch
-# 32 (8,192 pairs) took 51 us a layer in chunks of 256 on an H100.
+# 32 (8,192 pairs) took 51 us a layer in chunks of 256 on an H100, 21.8 in chunks of 2,048 and 19.2 in one chunk of
+# 8,192 over 8 warps (2026-11-28, `bench/step_anatomy.py --model llada2-mini --batch 32`: 415 -> 366 us a step).
+# Chunks wider than `_ALIGN_NARROW_CHUNK` take `_ALIGN_WIDE_WARPS` (32 pairs a thread); narrower ones keep 4 warps.
 _ALIGN_MIN_CHUNK = 256
-_ALIGN_MAX_CHUNK = 2048
+_ALIGN_MAX_CHUNK = 8192
+_ALIGN_NARROW_CHUNK = 2048
+_ALIGN_WIDE_WARPS = 8
 # Up to this many pairs, every gate_up program aligns the pairs itself and the alignment's launch is left out: at
 # batch 1 (SDAR-30B-A3B: 32 pairs) a launch a layer costs more than each program's few loads and reductions
 # (H100: 3.84 -> 3.73 ms a step). At 256 pairs the programs' share costs more than the launch (LLaDA2-mini at
@@ -451,10 +455,11 @@ def fused_moe(
     num_bins = triton.next_power_of_2(num_experts + 1)
     inline_pairs = triton.next_power_of_2(num_pairs) if num_pairs <= INLINE_ALIGN_MAX_PAIRS else 0
     if not inline_pairs:
+        chunk = align_chunk(num_pairs)
         _align_kernel[(num_experts,)](
             flat_experts, sorted_pairs, tile_expert, num_tiles, num_pairs, num_experts,
-            BLOCK_M=cfg.block_m, CHUNK=align_chunk(num_pairs), NUM_BINS=num_bins, USE_PDL=use_pdl, num_warps=4,
-            **pdl,
+            BLOCK_M=cfg.block_m, CHUNK=chunk, NUM_BINS=num_bins, USE_PDL=use_pdl,
+            num_warps=_ALIGN_WIDE_WARPS if chunk > _ALIGN_NARROW_CHUNK else 4, **pdl,
         )  # fmt: skip
     k_gate_up = _reduction_tile(cfg.block_k, hidden)
     _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_gate_up))](

@@ -201,13 +201,18 @@ def test_every_pair_on_one_expert_spans_several_tiles() -> None:
     assert_close_up_to_reordering(out, definition(x, weights, experts, gate_up, down), HIDDEN + INTER + 2)
 
 
-def test_more_pairs_than_the_alignments_widest_load_are_all_placed() -> None:
-    """A step's pairs are aligned in loads of up to `_ALIGN_MAX_CHUNK` (all of them where they fit); more pairs than
-    that take several, and each expert's pairs still land in its tiles in order (1,100 rows of 2 slots: 2,200
-    pairs, two loads)."""
+@pytest.mark.parametrize("widest_load", [None, 1024])
+def test_more_pairs_than_the_alignments_widest_load_are_all_placed(widest_load, monkeypatch) -> None:
+    """A step's pairs are aligned in loads of up to `_ALIGN_MAX_CHUNK` (all of them where they fit, over more warps
+    past `_ALIGN_NARROW_CHUNK`); more pairs than that take several, and each expert's pairs still land in its tiles
+    in order (1,100 rows of 2 slots: 2,200 pairs, in one load of 4,096 or, with loads of at most 1,024, three)."""
     assert fused_moe_module.align_chunk(80) == fused_moe_module._ALIGN_MIN_CHUNK
     assert fused_moe_module.align_chunk(700) == 1024
-    assert fused_moe_module.align_chunk(2200) == fused_moe_module._ALIGN_MAX_CHUNK == 2048
+    assert fused_moe_module.align_chunk(2200) == 4096 > fused_moe_module._ALIGN_NARROW_CHUNK
+    assert fused_moe_module.align_chunk(9000) == fused_moe_module._ALIGN_MAX_CHUNK == 8192
+    if widest_load is not None:
+        monkeypatch.setattr(fused_moe_module, "_ALIGN_MAX_CHUNK", widest_load)
+        assert fused_moe_module.align_chunk(2200) == widest_load
     gate_up, down = stacked(torch.float32, seed=8)
     x, weights, experts = routed(1100, 2, seed=8)
     out = fused_moe(x, weights, experts, gate_up, down)
