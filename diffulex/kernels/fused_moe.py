@@ -63,7 +63,8 @@ _MIN_TILE = 16
 # own), so a step's pairs in few wide loads; at least the fewest, at most the most (registers). LLaDA2-mini at batch
 # 32 (8,192 pairs) took 51 us a layer in chunks of 256 on an H100, 21.8 in chunks of 2,048 and 19.2 in one chunk of
 # 8,192 over 8 warps (2026-11-28, `bench/step_anatomy.py --model llada2-mini --batch 32`: 415 -> 366 us a step).
-# Chunks wider than `_ALIGN_NARROW_CHUNK` take `_ALIGN_WIDE_WARPS` (32 pairs a thread); narrower ones keep 4 warps.
+# Chunks wider than `_ALIGN_NARROW_CHUNK` take `_ALIGN_WIDE_WARPS` (up to 32 pairs a thread); narrower ones keep 4
+# warps, as measured before. Between the two (LLaDA2-mini at batch 9-31) the wide loads are not measured.
 _ALIGN_MIN_CHUNK = 256
 _ALIGN_MAX_CHUNK = 8192
 _ALIGN_NARROW_CHUNK = 2048
