@@ -135,7 +135,7 @@ class KVCacheManager:
             return PrefixHit([], [], 0)
         num_pages = req.shareable_len // self.page_size
         walk = req.prefix_walk if req.prefix_walk is not None else PrefixWalk()
-        walk.keep(min(len(walk.pages), num_pages))
+        walk.keep(num_pages)
         hashes, pages = walk.hashes, walk.pages
         if list(map(self.hash_of_page.get, pages)) != hashes:  # a page handed out since: keep those before it
             walk.keep(next(i for i, (page, h) in enumerate(zip(pages, hashes, strict=True))
@@ -158,11 +158,6 @@ class KVCacheManager:
         covered = len(pages) * self.page_size
         found = (covered - covered % req.settings.block_size) // self.page_size
         return PrefixHit(hashes[:found], pages[:found], found * self.page_size)
-
-    def num_cached_prefix_tokens(self, req: Request) -> int:
-        """How many leading tokens of a waiting request a prefix-cache hit would cover (the pool unchanged; the
-        request keeps the lookup's walk)."""
-        return self.lookup_prefix(req).num_tokens
 
     def can_admit(self, req: Request) -> bool:
         return self.pages_for(req.stored_len) <= self.num_free_pages

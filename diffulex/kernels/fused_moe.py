@@ -63,11 +63,12 @@ _MIN_TILE = 16
 # own), so a step's pairs in few wide loads; at least the fewest, at most the most (registers). LLaDA2-mini at batch
 # 32 (8,192 pairs) took 51 us a layer in chunks of 256 on an H100, 21.8 in chunks of 2,048 and 19.2 in one chunk of
 # 8,192 over 8 warps (2026-11-28, `bench/step_anatomy.py --model llada2-mini --batch 32`: 415 -> 366 us a step).
-# Chunks wider than `_ALIGN_NARROW_CHUNK` take `_ALIGN_WIDE_WARPS` (up to 32 pairs a thread); narrower ones keep 4
-# warps, as measured before. Between the two (LLaDA2-mini at batch 9-31) the wide loads are not measured.
+# Chunks wider than `_ALIGN_NARROW_CHUNK` take `_ALIGN_WIDE_WARPS` (up to 32 pairs a thread); narrower ones keep
+# `_ALIGN_WARPS`, as measured before. Between the two (LLaDA2-mini at batch 9-31) the wide loads are not measured.
 _ALIGN_MIN_CHUNK = 256
 _ALIGN_MAX_CHUNK = 8192
 _ALIGN_NARROW_CHUNK = 2048
+_ALIGN_WARPS = 4
 _ALIGN_WIDE_WARPS = 8
 # Up to this many pairs, every gate_up program aligns the pairs itself and the alignment's launch is left out: at
 # batch 1 (SDAR-30B-A3B: 32 pairs) a launch a layer costs more than each program's few loads and reductions
@@ -460,7 +461,7 @@ def fused_moe(
         _align_kernel[(num_experts,)](
             flat_experts, sorted_pairs, tile_expert, num_tiles, num_pairs, num_experts,
             BLOCK_M=cfg.block_m, CHUNK=chunk, NUM_BINS=num_bins, USE_PDL=use_pdl,
-            num_warps=_ALIGN_WIDE_WARPS if chunk > _ALIGN_NARROW_CHUNK else 4, **pdl,
+            num_warps=_ALIGN_WIDE_WARPS if chunk > _ALIGN_NARROW_CHUNK else _ALIGN_WARPS, **pdl,
         )  # fmt: skip
     k_gate_up = _reduction_tile(cfg.block_k, hidden)
     _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_gate_up))](

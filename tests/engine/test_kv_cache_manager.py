@@ -104,7 +104,7 @@ def test_prefix_hit_shares_pages_and_marks_blocks_in_cache():
     kv = KVCacheManager(8, PAGE, True)
     first = cached_request(kv, prompt_of(17))
     second = make_request(prompt_of(16) + [300, 301, 302])
-    assert kv.num_cached_prefix_tokens(second) == 16
+    assert kv.lookup_prefix(second).num_tokens == 16
     free_before = kv.num_free_pages
     kv.admit(second)
     assert second.page_table == first.page_table[:2]
@@ -119,14 +119,14 @@ def test_prefix_hit_stops_at_the_first_page_that_differs():
     kv = KVCacheManager(8, PAGE, True)
     cached_request(kv, prompt_of(17))
     other = make_request(prompt_of(8) + prompt_of(8, start=200) + [1])
-    assert kv.num_cached_prefix_tokens(other) == 8
+    assert kv.lookup_prefix(other).num_tokens == 8
 
 
 def test_prefix_hit_needs_the_whole_chain_not_just_equal_page_content():
     kv = KVCacheManager(8, PAGE, True)
     cached_request(kv, prompt_of(17))
     shifted = make_request(prompt_of(8, start=200) + prompt_of(8, start=18) + [1])  # same second page only
-    assert kv.num_cached_prefix_tokens(shifted) == 0
+    assert kv.lookup_prefix(shifted).num_tokens == 0
 
 
 def test_hashes_are_registered_after_the_blocks_are_cached_not_at_admission():
@@ -135,12 +135,12 @@ def test_hashes_are_registered_after_the_blocks_are_cached_not_at_admission():
     kv.admit(first)
     assert kv.page_of_key == {} and first.page_hashes == []
     twin = make_request(prompt_of(17))
-    assert kv.num_cached_prefix_tokens(twin) == 0  # the K/V of `first` does not exist yet
+    assert kv.lookup_prefix(twin).num_tokens == 0  # the K/V of `first` does not exist yet
     first.retire_and_commit()
     assert kv.page_of_key == {}  # cached, but not registered until register_cached_pages
     kv.register_cached_pages(first)
     assert len(first.page_hashes) == 2
-    assert kv.num_cached_prefix_tokens(twin) == 16
+    assert kv.lookup_prefix(twin).num_tokens == 16
 
 
 def test_a_committed_but_not_yet_stored_page_is_not_registered():
@@ -176,7 +176,7 @@ def test_a_freed_page_reused_for_other_content_loses_its_hash():
     assert kv.hash_of_page == {}
     assert kv.page_of_key == {} and kv.key_of_page == {}
     kv.free(other)  # never cached: its pages hold no findable content
-    assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == 0
+    assert kv.lookup_prefix(make_request(prompt_of(17))).num_tokens == 0
 
 
 def test_free_pages_are_handed_out_oldest_freed_first_after_never_used_ones():
@@ -212,7 +212,7 @@ def test_prefix_caching_off_never_hits():
     first = cached_request(kv, prompt_of(17))
     assert kv.page_of_key == {} and first.page_hashes == []
     twin = make_request(prompt_of(17))
-    assert kv.num_cached_prefix_tokens(twin) == 0
+    assert kv.lookup_prefix(twin).num_tokens == 0
     kv.admit(twin)
     assert set(twin.page_table).isdisjoint(first.page_table)
     assert twin.num_cached_blocks == 0
@@ -266,7 +266,7 @@ def test_reusing_a_tail_page_keeps_the_head_of_the_prefix_findable():
     kv.admit(other)
     assert other.page_table == [tail]
     assert tail not in kv.hash_of_page and head in kv.hash_of_page
-    assert kv.num_cached_prefix_tokens(make_request(prompt_of(17))) == PAGE
+    assert kv.lookup_prefix(make_request(prompt_of(17))).num_tokens == PAGE
 
 
 def test_keys_chained_from_a_pages_digest_continue_the_chain_and_each_digest_is_its_keys_hash():
@@ -302,7 +302,7 @@ def test_a_prefix_hit_hashes_none_of_its_cached_pages_and_each_page_of_its_tail_
     prompt = prompt_of(20 * PAGE) + prompt_of(4 * PAGE + 1, start=500)
     hit = make_request(prompt)
     for _ in range(3):  # a waiting request is looked up at every schedule
-        assert kv.num_cached_prefix_tokens(hit) == 20 * PAGE
+        assert kv.lookup_prefix(hit).num_tokens == 20 * PAGE
     kv.admit(hit)
     assert hashed == []
     forward(kv, hit)  # the tail's pages are cached and registered
@@ -322,10 +322,10 @@ def test_a_page_whose_predecessor_was_handed_out_again_is_found_only_after_that_
     kv.admit(other)
     forward(kv, other)
     assert other.page_table == [head]
-    assert kv.num_cached_prefix_tokens(make_request(prompt_of(2 * PAGE + 1))) == 0
+    assert kv.lookup_prefix(make_request(prompt_of(2 * PAGE + 1))).num_tokens == 0
     again = cached_request(kv, prompt_of(PAGE + 1))  # the first page's content, in a fresh page
     assert again.page_table[0] not in (head, tail)
-    assert kv.num_cached_prefix_tokens(make_request(prompt_of(2 * PAGE + 1))) == 2 * PAGE
+    assert kv.lookup_prefix(make_request(prompt_of(2 * PAGE + 1))).num_tokens == 2 * PAGE
 
 
 class CountedLookups(dict):
@@ -346,12 +346,12 @@ def test_a_waiting_request_looked_up_again_walks_on_from_the_pages_it_found():
     cached_request(kv, prompt_of(20 * PAGE + 1))
     waiting = make_request(prompt_of(24 * PAGE + 1))
     kv.page_of_key.lookups = 0
-    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    assert kv.lookup_prefix(waiting).num_tokens == 20 * PAGE
     assert kv.page_of_key.lookups == 21  # 20 hits and the miss
-    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    assert kv.lookup_prefix(waiting).num_tokens == 20 * PAGE
     assert kv.page_of_key.lookups == 22
     cached_request(kv, prompt_of(22 * PAGE + 1))  # registers two pages more of the same prefix
-    assert kv.num_cached_prefix_tokens(waiting) == 22 * PAGE
+    assert kv.lookup_prefix(waiting).num_tokens == 22 * PAGE
     shared = kv.lookup_prefix(make_request(prompt_of(22 * PAGE + 1))).pages
     kv.admit(waiting)
     assert waiting.prefix_walk is None and waiting.page_table[:22] == shared
@@ -361,7 +361,7 @@ def test_a_page_handed_out_between_lookups_ends_the_hit_before_it():
     kv = KVCacheManager(24, PAGE, True)
     first = cached_request(kv, prompt_of(20 * PAGE + 1))
     waiting = make_request(prompt_of(20 * PAGE + 1))
-    assert kv.num_cached_prefix_tokens(waiting) == 20 * PAGE
+    assert kv.lookup_prefix(waiting).num_tokens == 20 * PAGE
     kv.free(first)  # its pages keep their keys, the last page first in line
     kv.admit(make_request(prompt_of(9 * PAGE + 1, start=5000)))  # the 4 never-used pages, then the prefix's last 5
     hit = kv.lookup_prefix(waiting)
@@ -471,7 +471,7 @@ def test_bulk_admission_registration_and_release_equal_the_pool_worked_page_by_p
                 forward(kv, req)
                 requests.append(req)
         assert pool_state(pools[0], held[0]) == pool_state(pools[1], held[1]), f"after operation {op}"
-    assert pools[0].page_of_key and any(kv.num_cached_prefix_tokens(make_request(shared)) for kv in pools)
+    assert pools[0].page_of_key and any(kv.lookup_prefix(make_request(shared)).num_tokens for kv in pools)
 
 
 # ----- loans for continuation steps ---------------------------------------------------------------------------
