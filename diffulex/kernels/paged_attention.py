@@ -1024,7 +1024,10 @@ def _launch_every_variant(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group_pad = _next_pow2(num_heads // num_kv_heads) if grouped else 1
     first_large = max(1, _SMALL_TILE_ROWS // group_pad + 1)  # fewest queries of one request in the large class
-    cases = [(1, 1), (PDL_MAX_ROWS + 1, 1), (1, PDL_MAX_ROWS + 1)]  # (requests, queries each)
+    # (requests, queries each): each tile class of decode-sized queries chained by PDL and, past `PDL_MAX_ROWS` rows,
+    # not (the large class's unchained launch made of several requests, since one request of that many queries may
+    # be a long one)
+    cases = [(1, 1), (PDL_MAX_ROWS + 1, 1), (PDL_MAX_ROWS // first_large + 1, first_large)]
     if first_large <= PDL_MAX_ROWS:
         cases.append((1, first_large))
     if head_dim <= _LONG_MAX_HEAD_DIM:
