@@ -48,9 +48,10 @@ _MIN_CAPABILITY = 9  # griddepcontrol is a Hopper (sm_90) instruction
 # Launches over more rows than this run without PDL. PDL pays where a step is a chain of latency-bound kernels and
 # weight-streaming GEMMs: on an H200 (2026-11-26, graphs, bf16) raising this from 16 to 64 rows made SDAR-8B
 # steps of 32 and 64 rows 2-3% faster (5.16 -> 5.02 ms at batch 8, 5.46 -> 5.36 at batch 16) and Fast-dLLM-v2-7B's
-# 33-row whole-block forwards 2% faster; at batch 64 on an H100 (256 rows) it made SDAR-1.7B steps 6% slower. From 64
-# to 128 rows (batch 32 of blocks of 4; H100, 2026-11-28, `bench/step_anatomy.py --batch 32`, twice each): SDAR-1.7B
-# 2.452 -> 2.400 ms a step, SDAR-8B 7.01 -> 6.95, SDAR-30B-A3B 22.14 -> 21.95.
+# 33-row whole-block forwards 2% faster. From 64 to 128 rows (batch 32 of blocks of 4; H100, 2026-11-28,
+# `bench/step_anatomy.py --batch 32`, twice each): SDAR-1.7B 2.452 -> 2.400 ms a step, SDAR-8B 7.01 -> 6.95,
+# SDAR-30B-A3B 22.14 -> 21.95. At 256 rows (batch 64, one run each) SDAR-1.7B gained (3.04 -> 2.96 ms) and SDAR-8B lost
+# (8.84 -> 8.90); an H100 run on an older tree had SDAR-1.7B 6% slower there.
 PDL_MAX_ROWS = 128
 
 
