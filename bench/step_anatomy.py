@@ -22,6 +22,8 @@ For each batch size it admits the requests, lets them settle into decode, then
   sampler launch, the wait for the step's result, finish/bookkeeping; with ``--micro-batches 2`` also the
   launch and completion of each engine step) with `perf_counter` around each phase;
 * profiles `steps` more steps and lists the kernels by GPU time per step, with the busy/idle share.
+  ``--by-predecessor`` lists each kernel by its name and the kernel that ran before it, which tells a library
+  GEMM's projections apart (one cuBLAS kernel often runs several: after attention it is o_proj).
 
 The phase times show what the GPU waits for: everything after a step's result reaches the host (bookkeeping,
 the next schedule and collect) up to the next launch is idle GPU time, unless another micro-batch is in flight.
@@ -214,8 +216,12 @@ def replay_cost(engine, calls: int = 20) -> dict[str, float]:
     }
 
 
-def kernel_table(engine, steps: int) -> tuple[list[tuple[str, int, float]], float, float]:
+def kernel_table(engine, steps: int, by_predecessor: bool = False) -> tuple[list[tuple[str, int, float]], float, float]:
+    """Kernels by GPU time a step (name, launches a step, us a step), the profiled wall and busy ms a step; with
+    ``by_predecessor`` each kernel is listed by its name and the kernel before it (`named_by_predecessor`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from diffulex.bench.gpu_profile import KernelInterval, longest_kernels, named_by_predecessor, union_length
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
@@ -224,16 +230,16 @@ def kernel_table(engine, steps: int) -> tuple[list[tuple[str, int, float]], floa
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    by_name: dict[str, list[float]] = defaultdict(list)
-    intervals = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
-            by_name[e.name[:90]].append(e.time_range.end - e.time_range.start)
-            intervals.append((e.time_range.start, e.time_range.end))
-    from diffulex.bench.gpu_profile import union_length
-
-    busy = union_length(intervals) / 1e6
-    rows = sorted(((n, len(v) / steps, sum(v) / steps) for n, v in by_name.items()), key=lambda r: -r[2])
+    kernels = [
+        KernelInterval(e.name[:90], e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    ]
+    busy = union_length([(k.start_us, k.end_us) for k in kernels]) / 1e6
+    if by_predecessor:
+        kernels = named_by_predecessor(kernels)
+    ranked = longest_kernels(((k.name, k.end_us - k.start_us) for k in kernels), len(kernels))
+    rows = [(name, calls / steps, total / steps) for name, calls, total in ranked]
     return rows, 1e3 * wall / steps, 1e3 * busy / steps
 
 
@@ -254,6 +260,8 @@ def main() -> None:
                     help="ranks the model is sharded over (one GPU each); the profile is rank 0's")
     ap.add_argument("--waiting", type=int, default=0,
                     help="requests queued beyond the batch, whose slots are all taken (a saturated engine)")
+    ap.add_argument("--by-predecessor", action="store_true",
+                    help="list each kernel by its name and the kernel before it (which projection a GEMM ran)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.waiting and len(args.batch) > 1:
@@ -295,7 +303,7 @@ def main() -> None:
                 # forever for workers that were never told to follow
                 phases.update(replay_cost(engine))
             phases.update(sampler_cost(engine, args.steps))
-            rows, wall, busy = kernel_table(engine, args.steps)
+            rows, wall, busy = kernel_table(engine, args.steps, args.by_predecessor)
             # steps queued on the device before their predecessor's result, of those the ones dropped, and the blocks
             # they opened (a request's next block after the step that stored its last)
             steps, continued, dropped, opened = (

@@ -92,6 +92,23 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
     return summary
 
 
+def named_by_predecessor(kernels: Sequence[KernelInterval], width: int = 60) -> list[KernelInterval]:
+    """The kernels, each named ``name (after previous)`` by the kernel that started just before it (the first one
+    ``(after nothing)``), names cut to ``width`` characters.
+
+    Why: a library GEMM's name tells its tiles, not which projection ran it, and one kernel often runs several (at
+    SDAR-8B batch 32 cuBLAS's 64x64 tiles run both o_proj and down); the kernel before it does tell them apart (after
+    attention: o_proj; after the gated gate_up: down)."""
+    ordered = sorted(kernels, key=lambda k: (k.start_us, k.end_us))
+    named = []
+    previous = "nothing"
+    for k in ordered:
+        short = k.name[:width]
+        named.append(KernelInterval(f"{short} (after {previous})", k.start_us, k.end_us))
+        previous = short
+    return named
+
+
 def longest_kernels(durations: Iterable[tuple[str, float]], count: int) -> list[tuple[str, int, float]]:
     """The ``count`` names of most total time among ``(name, duration)`` pairs, longest first: ``(name, calls,
     total duration)``."""

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from diffulex.bench import throughput
-from diffulex.bench.gpu_profile import KernelInterval, category, summarize_activity, union_length
+from diffulex.bench.gpu_profile import (
+    KernelInterval,
+    category,
+    longest_kernels,
+    named_by_predecessor,
+    summarize_activity,
+    union_length,
+)
 from diffulex.bench.roofline import (
     Floors,
     ModelGeometry,
@@ -274,6 +281,23 @@ def test_activity_summary_names_the_longest_kernels_per_step():
     assert [k["kernel"] for k in top] == ["gemm", "_paged_attention_kernel"]
     assert top[0] == {"kernel": "gemm", "category": "gemm", "calls_per_step": 1.0, "ms_per_step": pytest.approx(0.3)}
     assert top[1]["ms_per_step"] == pytest.approx(0.15) and top[1]["category"] == "attention"
+
+
+def test_one_library_kernel_splits_by_the_kernel_before_it():
+    """A GEMM kernel that runs two projections (o_proj after attention, down after gate_up) becomes two rows, whatever
+    order the profiler reported the launches in."""
+    layer = ["_rms_norm_kernel", "nvjet_96x64", "_paged_attention_kernel", "nvjet_64x64", "_rms_norm_kernel",
+             "_skinny_kernel", "nvjet_64x64"]  # fmt: skip
+    kernels = [KernelInterval(name, 10 * i, 10 * i + 5 + i) for i, name in enumerate(layer * 2)]
+    named = named_by_predecessor(list(reversed(kernels)))
+    assert named[0].name == "_rms_norm_kernel (after nothing)"
+    assert named[len(layer)].name == "_rms_norm_kernel (after nvjet_64x64)"
+    rows = {name: (calls, total) for name, calls, total in longest_kernels(((k.name, 1.0) for k in named), 100)}
+    assert rows["nvjet_64x64 (after _paged_attention_kernel)"] == (2, 2.0)
+    assert rows["nvjet_64x64 (after _skinny_kernel)"] == (2, 2.0)
+    assert rows["_rms_norm_kernel (after nvjet_64x64)"] == (3, 3.0)
+    assert sum(calls for calls, _ in rows.values()) == len(kernels)
+    assert named_by_predecessor([KernelInterval("x" * 80, 0, 1)], width=10)[0].name == "xxxxxxxxxx (after nothing)"
 
 
 # ----- SDAR geometry folders ---------------------------------------------------------------------------------
