@@ -5,6 +5,7 @@
     PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 1 8
     PYTHONPATH=. python bench/step_anatomy.py --model llada2-mini --batch 32 --sampling-mode edit [--strategy dmax]
     PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --batch 64 --waiting 16 [--buffer-size 4]
+    PYTHONPATH=. python bench/step_anatomy.py --model 1.7b --buffer-size 4 --by-predecessor [--attn-impl triton]
 
 ``--model`` is an SDAR size (``1.7b``, ``4b``, ``8b``, ``30b-a3b``), ``llada2-mini`` (LLaDA2.0-mini's geometry, blocks
 of 32 by default) or ``fdv2-7b``.
@@ -260,6 +261,7 @@ def main() -> None:
                     help="ranks the model is sharded over (one GPU each); the profile is rank 0's")
     ap.add_argument("--waiting", type=int, default=0,
                     help="requests queued beyond the batch, whose slots are all taken (a saturated engine)")
+    ap.add_argument("--attn-impl", default=None, help="the engine field (default: the engine's)")
     ap.add_argument("--by-predecessor", action="store_true",
                     help="list each kernel by its name and the kernel before it (which projection a GEMM ran)")
     ap.add_argument("--out")
@@ -280,6 +282,8 @@ def main() -> None:
         fields["sampling_mode"] = args.sampling_mode or STRATEGIES.get(args.strategy).sampling_modes[0]
         if args.strategy == "fast_dllm_v2":
             fields["buffer_size"] = FDV2_SUB_BLOCKS
+        if args.attn_impl:
+            fields["attn_impl"] = args.attn_impl
         if args.tensor_parallel_size > 1:
             fields |= dict(tensor_parallel_size=args.tensor_parallel_size, master_addr="127.0.0.1",
                            master_port=free_port())
