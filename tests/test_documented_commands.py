@@ -9,6 +9,8 @@ The rules (docs/architecture.md, "Documented commands", states them for doc writ
 * ``pip install ...`` is not run (the tests run in the environment already installed), nor ``python -m pytest``
   (this suite).
 * ``/path/to/NAME`` placeholders stand for a checkpoint folder: they become a tiny random SDAR checkpoint.
+* ``$NAME`` and ``${NAME}`` expand as a shell would expand them (unset: empty); ``$OUT``, the output folder a device
+  machine hands a command, is a fresh temporary folder, so that no command writes into the checkout.
 * ``diffulex`` runs as ``python -m diffulex.cli`` and ``python`` as this interpreter, with one CPU thread per
   process, so that the commands of this checkout run and do not fight over the cores.
 
@@ -34,6 +36,7 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SKIP_MARKER = re.compile(r"^<!--\s*ci:\s*skip\b\s*,?\s*(?P<reason>.*?)\s*-->$")
 PLACEHOLDER = re.compile(r"/path/to/[\w.\-]+")
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+VARIABLE = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
 COMMAND_TIMEOUT_S = 180
 
 
@@ -90,9 +93,11 @@ def not_run_by_rule(argv: list[str]) -> bool:
     return words[:2] == ["pip", "install"] or words[:3] == ["python", "-m", "pytest"]
 
 
-def as_run_here(argv: list[str], checkpoint: Path) -> tuple[list[str], dict[str, str]]:
-    """The argument list and environment that run `argv` from this checkout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def as_run_here(argv: list[str], checkpoint: Path, out_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The argument list and environment that run `argv` from this checkout, ``$OUT`` being `out_dir`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "OUT": str(out_dir)}
+    # a shell expands the words before the command's own assignments take effect
+    argv = [expand_variables(word, env) for word in argv]
     while argv and ENV_ASSIGNMENT.match(argv[0]):
         name, _, value = argv[0].partition("=")
         env[name] = value
@@ -107,6 +112,11 @@ def as_run_here(argv: list[str], checkpoint: Path) -> tuple[list[str], dict[str,
     return argv, env
 
 
+def expand_variables(word: str, env: dict[str, str]) -> str:
+    """``word`` with its ``$NAME`` / ``${NAME}`` replaced by their values in `env` (a name not set: nothing)."""
+    return VARIABLE.sub(lambda m: env.get(m.group("braced") or m.group("plain"), ""), word)
+
+
 BLOCKS = [block for path in DOCUMENTS for block in shell_blocks(path)]
 
 
@@ -116,7 +126,9 @@ def placeholder_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.source for b in BLOCKS])
-def test_a_documented_shell_block_runs_as_written(block: ShellBlock, placeholder_checkpoint: Path) -> None:
+def test_a_documented_shell_block_runs_as_written(
+    block: ShellBlock, placeholder_checkpoint: Path, tmp_path: Path
+) -> None:
     if block.skip_reason is not None:
         assert block.skip_reason, f"{block.source}: a skip marker must say why the block cannot run in CI"
         pytest.skip(f"{block.source}: {block.skip_reason}")
@@ -124,7 +136,7 @@ def test_a_documented_shell_block_runs_as_written(block: ShellBlock, placeholder
     if not to_run:
         pytest.skip(f"{block.source}: only package installs or the test suite itself")
     for argv in to_run:
-        full, env = as_run_here(argv, placeholder_checkpoint)
+        full, env = as_run_here(argv, placeholder_checkpoint, tmp_path)
         done = subprocess.run(full, cwd=REPO, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         assert done.returncode == 0, f"{block.source}: {shlex.join(argv)} exited {done.returncode}:\n{done.stderr}"
 
@@ -135,10 +147,17 @@ def test_the_rules_read_commands_as_a_shell_would() -> None:
                                ["X=1", "python", "t.py", "--n", "2", "--out", "o"]]
     assert not_run_by_rule(["pip", "install", "-e", "."]) and not_run_by_rule(["python", "-m", "pytest"])
     assert not not_run_by_rule(["python", "-m", "diffulex.cli"])
-    argv, env = as_run_here(["X=1", "diffulex", "generate", "--model", "/path/to/ckpt"], Path("/tiny"))
+    argv, env = as_run_here(["X=1", "diffulex", "generate", "--model", "/path/to/ckpt"], Path("/tiny"), Path("/o"))
     assert argv == [sys.executable, "-m", "diffulex.cli", "generate", "--model", "/tiny"] and env["X"] == "1"
     with pytest.raises(AssertionError, match="skip"):
-        as_run_here(["diffulex", "serve", "&"], Path("/tiny"))
+        as_run_here(["diffulex", "serve", "&"], Path("/tiny"), Path("/o"))
+
+
+def test_documented_output_folders_are_temporary_and_variables_expand_as_in_a_shell() -> None:
+    words = ["DOC_N=2", "python", "b.py", "$OUT/after", "--tag", "${OUT}x", "--n", "$DOC_N/a"]
+    argv, env = as_run_here(words, Path("/t"), Path("/o"))
+    assert argv[1:] == ["b.py", "/o/after", "--tag", "/ox", "--n", "/a"]  # DOC_N is set for the command, not its words
+    assert env["OUT"] == "/o" and env["DOC_N"] == "2"
 
 
 def test_every_document_with_shell_blocks_is_covered() -> None:
