@@ -45,7 +45,12 @@ from typing import Any
 import torch
 
 from diffulex import Diffulex, SamplingParams
-from diffulex.bench.gpu_profile import KernelInterval, profile_until_the_next_step, summarize_activity
+from diffulex.bench.gpu_profile import (
+    kernel_intervals,
+    longest_kernels,
+    profile_until_the_next_step,
+    summarize_activity,
+)
 from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import cost_model_from_module, step_floors
 from diffulex.bench.sweep_prefill import BLOCK_SIZE, _context_before
@@ -244,16 +249,12 @@ def kernel_times(engine: Any, prompt: list[int], max_steps: int, top: int) -> di
 
     profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     result = timed_hit(engine, prompt, None, max_steps, around=profile_until_the_next_step(engine, profiler))
-    kernels = [KernelInterval(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for k in kernels:
-        by_name[k.name].append((k.end_us - k.start_us) / 1e3)
-    longest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    kernels = kernel_intervals(profiler)
+    longest = longest_kernels(((k.name, (k.end_us - k.start_us) / 1e3) for k in kernels), top)
     summary = summarize_activity(kernels, result["ttft_ms"] / 1e3, 1)
     return {"ttft_ms_profiled": result["ttft_ms"], "busy_ms": summary["gpu_busy_ms_per_step"],
             "kernel_ms": summary["kernel_ms_per_step"],
-            "longest": [{"kernel": name[:120], "calls": len(ms), "ms": sum(ms)} for name, ms in longest]}
+            "longest": [{"kernel": name[:120], "calls": calls, "ms": ms} for name, calls, ms in longest]}
 
 
 def _median_phases(runs: list[dict[str, Any]]) -> dict[str, float]:

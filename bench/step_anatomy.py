@@ -222,7 +222,13 @@ def kernel_table(engine, steps: int, by_predecessor: bool = False) -> tuple[list
     ``by_predecessor`` each kernel is listed by its name and the kernel before it (`named_by_predecessor`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from diffulex.bench.gpu_profile import KernelInterval, longest_kernels, named_by_predecessor, union_length
+    from diffulex.bench.gpu_profile import (
+        KernelInterval,
+        kernel_intervals,
+        longest_kernels,
+        named_by_predecessor,
+        union_length,
+    )
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
@@ -231,11 +237,7 @@ def kernel_table(engine, steps: int, by_predecessor: bool = False) -> tuple[list
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = [
-        KernelInterval(e.name[:90], e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
-    ]
+    kernels = [KernelInterval(k.name[:90], k.start_us, k.end_us) for k in kernel_intervals(prof)]
     busy = union_length([(k.start_us, k.end_us) for k in kernels]) / 1e6
     if by_predecessor:
         kernels = named_by_predecessor(kernels)

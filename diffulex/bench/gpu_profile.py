@@ -92,6 +92,15 @@ def summarize_activity(kernels: Sequence[KernelInterval], wall_s: float, steps: 
     return summary
 
 
+def kernel_intervals(profiler: Any) -> list[KernelInterval]:
+    """The device activity of a finished ``torch.profiler.profile``: kernels, copies and memsets (no annotations)."""
+    return [
+        KernelInterval(e.name, e.time_range.start, e.time_range.end)
+        for e in profiler.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    ]
+
+
 def named_by_predecessor(kernels: Sequence[KernelInterval], width: int = 60) -> list[KernelInterval]:
     """The kernels, each named ``name (after previous)`` by the kernel that started just before it (the first one
     ``(after nothing)``), names cut to ``width`` characters.
@@ -152,12 +161,7 @@ def profile_steps(
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         wall_s = timed_loop()
-    kernels = [
-        KernelInterval(e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
-    ]
-    summary = summarize_activity(kernels, wall_s, steps, top)
+    summary = summarize_activity(kernel_intervals(prof), wall_s, steps, top)
     busy_ms = summary["gpu_busy_ms_per_step"]
     if plain_wall_s is None:
         summary["wall_ms_per_step_unprofiled"] = summary["gpu_idle_share_unprofiled"] = None

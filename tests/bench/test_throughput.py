@@ -13,6 +13,7 @@ from diffulex.bench import throughput
 from diffulex.bench.gpu_profile import (
     KernelInterval,
     category,
+    kernel_intervals,
     longest_kernels,
     named_by_predecessor,
     summarize_activity,
@@ -281,6 +282,20 @@ def test_activity_summary_names_the_longest_kernels_per_step():
     assert [k["kernel"] for k in top] == ["gemm", "_paged_attention_kernel"]
     assert top[0] == {"kernel": "gemm", "category": "gemm", "calls_per_step": 1.0, "ms_per_step": pytest.approx(0.3)}
     assert top[1]["ms_per_step"] == pytest.approx(0.15) and top[1]["category"] == "attention"
+
+
+def test_only_the_devices_activity_is_read_from_a_profile():
+    """Kernels and copies count; host events and the profiler's annotations on the device do not."""
+    from types import SimpleNamespace
+
+    def event(name, device, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=1.0, end=3.0))  # fmt: skip
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    profiler = SimpleNamespace(events=lambda: [event("gemm", cuda), event("aten::mm", cpu), event("step", cuda, True),
+                                               event("Memcpy HtoD", cuda)])  # fmt: skip
+    assert kernel_intervals(profiler) == [KernelInterval("gemm", 1.0, 3.0), KernelInterval("Memcpy HtoD", 1.0, 3.0)]
 
 
 def test_one_library_kernel_splits_by_the_kernel_before_it():
