@@ -51,6 +51,7 @@ Design:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -674,23 +675,43 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _tile_shapes(max_query_len: int, group_pad: int, head_dim: int, elem_size: int = 2) -> tuple[int, int]:
+def _tile_shapes(
+    max_query_len: int, group_pad: int, head_dim: int, elem_size: int = 2, large_grid_fills: bool = True
+) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N) of the decode-sized classes: 16 rows per tile (the minimum ``tl.dot`` shape) where a
     request's queries fit them (a decode step), otherwise 64. Two tile classes rather than every power of two
     between (and a third for prompts, `_long_query_tiles`) keep the kernel's variants few enough for `warm_up` to
     compile them all before serving.
 
+    A group's packed rows decide the class where the 64-row class's grid fills the GPU (``large_grid_fills``): each
+    K/V tile is then read once per group. Where it would not (a few requests of several blocks each: batch 1 at
+    buffer 4, whose keys are split anyway), queries that fit 16 rows one head at a time take the 16-row class over
+    several query tiles: twice the programs of unpadded tiles rather than half-padded 64-row ones. On an H100
+    (`bench/step_anatomy.py`, graph replay) SDAR-1.7B batch 1 at buffer 4 went 1.625 -> 1.482 ms a step and
+    SDAR-8B at buffer 2 5.475 -> 5.299; at batch 32 the same tiles cost 1-2% (each K/V tile read twice), hence
+    only where the grid does not fill.
+
     Wide heads (``head_dim >= _WIDE_HEAD_DIM``, DiffusionGemma's global layers) always take 16-row tiles: a
     64 x 512 float32 accumulator alone would fill the registers of 8 warps; their key tiles shrink to 16 rows in
     4-byte inputs so that two pipeline stages of K and V fit shared memory."""
-    block_m = _SMALL_TILE_ROWS if _next_pow2(max_query_len) * group_pad <= _SMALL_TILE_ROWS else _LARGE_TILE_ROWS
-    if head_dim >= _WIDE_HEAD_DIM:
-        block_m = _SMALL_TILE_ROWS
+    rows_per_query = group_pad if large_grid_fills else 1
+    fits_small = _next_pow2(max_query_len) * rows_per_query <= _SMALL_TILE_ROWS
+    block_m = _SMALL_TILE_ROWS if fits_small or head_dim >= _WIDE_HEAD_DIM else _LARGE_TILE_ROWS
     block_q = max(1, block_m // group_pad)
     block_n = 64 if head_dim <= 128 else 32
     if head_dim >= _WIDE_HEAD_DIM and elem_size > 2:
         block_n = 16
     return block_q, block_n
+
+
+def _fills_gpu(device: torch.device, programs: int) -> bool:
+    """Whether a grid of ``programs`` occupies every SM; off CUDA, taken as yes."""
+    return device.type != "cuda" or programs >= sm_count(device)
+
+
+def _large_grid_programs(max_query_len: int, group_pad: int, num_requests: int, head_slots: int) -> int:
+    """Programs of a launch in the 64-row class (its query tiles, requests and head slots), unsplit."""
+    return triton.cdiv(max_query_len, max(1, _LARGE_TILE_ROWS // group_pad)) * num_requests * head_slots
 
 
 _SMALL_TILE_ROWS = 16
@@ -895,7 +916,10 @@ def triton_paged_attention(
     if long_tiles is not None:
         block_q, block_n = max(1, long_tiles.rows // group_pad), long_tiles.block_n
     else:
-        block_q, block_n = _tile_shapes(max_query_len, group_pad, head_dim, q.element_size())
+        large_grid = _large_grid_programs(max_query_len, group_pad, num_requests, head_slots)
+        block_q, block_n = _tile_shapes(
+            max_query_len, group_pad, head_dim, q.element_size(), large_grid_fills=_fills_gpu(q.device, large_grid)
+        )
     q_tiles = triton.cdiv(max_query_len, block_q)
     programs = q_tiles * num_requests * head_slots
     if num_splits is None:
@@ -1023,31 +1047,41 @@ def _launch_every_variant(
     device = k_cache.device
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group_pad = _next_pow2(num_heads // num_kv_heads) if grouped else 1
+    head_slots = num_kv_heads if grouped else num_heads
     first_large = max(1, _SMALL_TILE_ROWS // group_pad + 1)  # fewest queries of one request in the large class
-    # (requests, queries each): each tile class of decode-sized queries chained by PDL and, past `PDL_MAX_ROWS` rows,
-    # not (the large class's unchained launch made of several requests, since one request of that many queries may
-    # be a long one)
-    cases = [(1, 1), (PDL_MAX_ROWS + 1, 1), (PDL_MAX_ROWS // first_large + 1, first_large)]
-    if first_large <= PDL_MAX_ROWS:
-        cases.append((1, first_large))
+    # each case the query lengths of its requests: the small class chained by PDL and not; the large class chained,
+    # in one request of more queries than 16 rows hold one head at a time (the large class whatever the grid) and in
+    # the fewest requests whose large-class grid fills the GPU (`_tile_shapes`: where it does not, fewer queries take
+    # the small class), the others of one query; unchained, in several requests (one request of that many queries
+    # may be a long one)
+    fill = next(n for n in range(1, 1 << 20) if _fills_gpu(device, _large_grid_programs(1, group_pad, n, head_slots)))
+    cases = [
+        [1],
+        [1] * (PDL_MAX_ROWS + 1),
+        [first_large],
+        [_SMALL_TILE_ROWS + 1],
+        [first_large] + [1] * (fill - 1),
+        [first_large] * max(fill, PDL_MAX_ROWS // first_large + 1),
+    ]
     if head_dim <= _LONG_MAX_HEAD_DIM:
-        cases.append((1, _LONG_QUERY_MIN))  # the long-query class, split or not
-    for num_requests, q_len in cases:
-        rows = num_requests * q_len
+        cases.append([_LONG_QUERY_MIN])  # the long-query class, split or not
+    for q_lens in cases:
+        num_requests, rows = len(q_lens), sum(q_lens)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
         q = torch.zeros(rows, num_heads, head_dim, dtype=k_cache.dtype, device=device)
         kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
         meta = PagedAttentionMetadata(
-            cu_seqlens_q=torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=device),
+            cu_seqlens_q=cu_seqlens,
             context_lens=torch.zeros(num_requests, dtype=torch.int32, device=device),
-            prefix_lens=torch.full((num_requests,), q_len, dtype=torch.int32, device=device),
+            prefix_lens=cu_seqlens.diff(),
             page_tables=torch.full((num_requests, 1), -1, dtype=torch.int32, device=device),
             slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
             block_size=block_size,
             page_size=k_cache.shape[1],
             prefix_full=prefix_full,
-            query_lens_cpu=[q_len] * num_requests,
+            query_lens_cpu=q_lens,
             context_lens_cpu=[0] * num_requests,
-            prefix_lens_cpu=[q_len] * num_requests,
+            prefix_lens_cpu=q_lens,
             key_lens=torch.zeros(num_requests, dtype=torch.int32, device=device) if key_tails else None,
         )
         # unsplit; split under a short key bound (one stage); split under a long one (`_split_stages`: two)

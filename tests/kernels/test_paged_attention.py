@@ -222,13 +222,15 @@ def test_the_metadata_fixes_the_split_settings_of_a_launch():
 
 class LaunchRecorder:
     """Stands in for the kernel: records each launch's variant (its constexprs and launch options, and of a TMA
-    descriptor what Triton specializes on: its dtype and box) and runs nothing."""
+    descriptor what Triton specializes on: its dtype and box) and grid, and runs nothing."""
 
     def __init__(self):
         self.variants = []
+        self.grids = []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            self.grids.append(tuple(grid))
             self.variants.append(tuple(sorted((name, _variant_of(value)) for name, value in kwargs.items())))
 
         return launch
@@ -276,14 +278,19 @@ def test_every_split_count_is_one_kernel_variant(recorder):
     assert len(set(recorder.variants)) == 1
 
 
+@pytest.mark.parametrize("sms", [None, 20, 132])
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 8), (4, 4), (64, 2)])
-def test_warm_up_compiles_every_variant_a_step_can_launch(recorder, num_heads, num_kv_heads, grouped):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 8), (4, 4), (64, 2), (8, 1)])
+def test_warm_up_compiles_every_variant_a_step_can_launch(recorder, monkeypatch, num_heads, num_kv_heads, grouped,
+                                                          sms):  # fmt: skip
     """After the engine's warm-up, no launch of a step meets a kernel variant for the first time: prefills of any
     length and batch, decode steps, with and without split keys (short contexts and long ones, whose splits
-    pipeline their key loads), with and without PDL."""
+    pipeline their key loads), with and without PDL, on a GPU of any SM count (which decides where grouped queries
+    take the small tiles)."""
     from diffulex.kernels import paged_attention as pa
 
+    if sms is not None:
+        monkeypatch.setattr(pa, "_fills_gpu", lambda device, programs: programs >= sms)
     head_dim, page_size, block_size = 16, 4, 4
     k_cache = torch.zeros(8, page_size, num_kv_heads, head_dim, device=DEVICE)  # where the steps run: TMA or not
     pa._launch_every_variant(k_cache, k_cache, num_heads, block_size, False, grouped)
@@ -303,6 +310,29 @@ def test_warm_up_compiles_every_variant_a_step_can_launch(recorder, num_heads, n
             q, k, v, k_cache, v_cache, meta, 0.25, grouped=grouped, num_splits=rng.choice([None, 1, 2, 7])
         )
         assert set(recorder.variants) <= warmed, requests
+
+
+def test_grouped_queries_take_the_small_tiles_where_the_large_grid_would_not_fill_the_gpu(recorder, monkeypatch):
+    """16 queries of 2 heads a KV head are 32 packed rows: the 64-row class where its grid fills the GPU (each K/V
+    tile read once per group), otherwise the 16-row class over two query tiles (more programs, no padding)."""
+    from diffulex.kernels import paged_attention as pa
+
+    for sms, block_q, q_tiles in [(8, 32, 1), (9, 8, 2)]:  # the 64-row grid: 8 programs (one request, 8 KV heads)
+        monkeypatch.setattr(pa, "_fills_gpu", lambda device, programs, sms=sms: programs >= sms)
+        q, k, v, k_cache, v_cache, meta = make_batch([(40, 16, 16)], 16, 8, 16, 4, 4, False, torch.float32, DEVICE)
+        recorder.variants.clear()
+        recorder.grids.clear()
+        pa.triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=1)
+        (variant,) = [dict(v) for v in recorder.variants]
+        assert variant["BLOCK_Q"] == block_q and recorder.grids == [(q_tiles, 1, 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_queries_over_several_small_tiles_match_reference(monkeypatch, dtype):
+    from diffulex.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_fills_gpu", lambda device, programs: False)
+    check([(9, 16, 16), (0, 11, 11), (30, 3, 8)], 8, 2, 16, 4, 4, False, dtype)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiles happen only on a GPU")

@@ -194,6 +194,7 @@ def test_warm_up_compiles_every_attention_variant_a_step_launches(model, monkeyp
     monkeypatch.setattr(pa, "_paged_attention_kernel", recorder)
     monkeypatch.setattr(pa, "pdl_enabled", lambda device, rows: rows <= PDL_MAX_ROWS)
     monkeypatch.setattr(pa, "warm_up", pa._launch_every_variant)  # warm_up itself launches only on CUDA
+    monkeypatch.setattr(pa, "_fills_gpu", lambda device, programs: programs >= 132)  # an H100's SMs
     runner = make_runner(model)
     runner.use_triton = True
     runner.settings = replace(runner.settings, graph_buckets=(2, 4))
