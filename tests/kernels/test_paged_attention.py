@@ -328,11 +328,12 @@ def test_grouped_queries_take_the_small_tiles_where_the_large_grid_would_not_fil
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_queries_over_several_small_tiles_match_reference(monkeypatch, dtype):
+@pytest.mark.parametrize("num_heads", [8, 14])  # 4 heads a KV head; 7, padded to 8 (2 queries a 16-row tile)
+def test_grouped_queries_over_several_small_tiles_match_reference(monkeypatch, num_heads, dtype):
     from diffulex.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "_fills_gpu", lambda device, programs: False)
-    check([(9, 16, 16), (0, 11, 11), (30, 3, 8)], 8, 2, 16, 4, 4, False, dtype)
+    check([(9, 16, 16), (0, 11, 11), (30, 3, 8), (5, 5, 5)], num_heads, 2, 16, 4, 4, False, dtype)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiles happen only on a GPU")
