@@ -1054,7 +1054,7 @@ def _launch_every_variant(
     # the fewest requests whose large-class grid fills the GPU (`_tile_shapes`: where it does not, fewer queries take
     # the small class), the others of one query; unchained, in several requests (one request of that many queries
     # may be a long one)
-    fill = next(n for n in range(1, 1 << 20) if _fills_gpu(device, _large_grid_programs(1, group_pad, n, head_slots)))
+    fill = next(n for n in itertools.count(1) if _fills_gpu(device, _large_grid_programs(1, group_pad, n, head_slots)))
     cases = [
         [1],
         [1] * (PDL_MAX_ROWS + 1),
