@@ -837,12 +837,9 @@ def _auto_num_splits(device: torch.device, programs: int, max_keys: int, min_spl
     """Split the keys of each tile when the grid alone cannot fill the GPU (few requests, long prefixes): about
     two programs per SM, no split with fewer than `min_split_keys` keys. The count is a runtime argument of the
     kernel, so any count reuses the one compiled split variant."""
-    if device.type != "cuda":
+    if device.type != "cuda" or _fills_gpu(device, programs):
         return 1
-    sms = sm_count(device)
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), max_keys // min_split_keys, _MAX_SPLITS))
+    return max(1, min(triton.cdiv(2 * sm_count(device), programs), max_keys // min_split_keys, _MAX_SPLITS))
 
 
 def triton_paged_attention(
