@@ -17,9 +17,11 @@ export DIFFULEX_COMPILE_HELPERS=${DIFFULEX_COMPILE_HELPERS:-8}
 # tools/compile_time_report.py: where the suite's time goes (the workers are CPU-bound, mostly compiling).
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$6+$7+$8, $5}' /proc/stat; }  # busy, idle (all cores)
+read -r busy0 idle0 <<< "$(cpu_ticks)"
 # The compile helpers' tests compile for a Hopper target through a stand-in driver on CPU tensors, the same on any
 # machine (CI runs them, 5 CPU-minutes here); of them only the one whose launch needs a GPU runs here.
-python -m pytest -n "$workers" --dist worksteal --durations=40 -o addopts= -v -p no:warnings \
+python -m pytest -n "$workers" --dist worksteal --durations=0 --durations-min=0.5 -o addopts= -v -p no:warnings \
   -k "not test_parallel_compile or _gpu" \
   tests/kernels tests/layers tests/models tests/engine/test_assembly.py tests/engine/test_cuda_graph.py tests/engine/test_continuation.py \
   tests/engine/test_engine_matches_reference.py tests/engine/test_fast_dllm_v2_engine.py tests/engine/test_edit_mode.py \
@@ -29,8 +31,12 @@ python -m pytest -n "$workers" --dist worksteal --durations=40 -o addopts= -v -p
   > "$log_dir/gpu_tests.log" 2>&1
 rc=$?
 echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
-echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers"
+read -r busy1 idle1 <<< "$(cpu_ticks)"
+echo "pytest rc=$rc, wall $(( $(date +%s) - start )) s with $workers workers;" \
+  "CPU busy $(( 100 * (busy1 - busy0) / (busy1 - busy0 + idle1 - idle0) ))% of $(nproc) cores"
 grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$log_dir/gpu_tests.log" | sort -u | head -20
 grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -1
-sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -44
+sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -42
+# where the workers' time went: the suite is throughput-bound, so the sum matters more than the longest test
+python tools/test_time_by_file.py "$log_dir/gpu_tests.log" --workers "$workers" --top 25
 exit $rc
