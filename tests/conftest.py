@@ -23,40 +23,30 @@ def peaky_sdar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-COMPILE_LOG_ENV = "DIFFULEX_TRITON_COMPILE_LOG"
+COMPILE_LOG_ENV = "DIFFULEX_TRITON_COMPILE_LOG"  # `diffulex.kernels.compile_log.LOG_ENV`, named without importing it
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """With DIFFULEX_TRITON_COMPILE_LOG=FILE, every Triton compile in this process is appended to FILE as a JSON line
-    (kernel, microseconds, cache hit, the test that asked): what the GPU suite's time goes to (tools/gpu_tests.sh)."""
+    """With DIFFULEX_TRITON_COMPILE_LOG=FILE, every Triton compile of this process and of the compile helpers its
+    engines start is appended to FILE (`diffulex.kernels.compile_log`), with the test that ran: what the GPU suite's
+    time goes to (tools/gpu_tests.sh, tools/compile_time_report.py)."""
     import os
 
-    path = os.environ.get(COMPILE_LOG_ENV)
-    if not path:
+    if not os.environ.get(COMPILE_LOG_ENV):
         return
-    import json
-
-    try:
-        import triton
+    try:  # the kernels package needs triton
+        from diffulex.kernels.compile_log import log_compiles_from_env
     except ImportError:
         return
-    current = {"test": ""}
-
-    def log_compile(*, src, metadata, metadata_group, times, cache_hit) -> None:  # noqa: ANN001 (Triton's hook)
-        micros = times.ir_initialization + sum(us for _, us in times.lowering_stages) + times.store_results
-        kernel, variant = metadata.get("name", "?"), metadata.get("hash")
-        line = {"kernel": kernel, "hash": variant, "us": micros, "hit": cache_hit, "test": current["test"]}
-        with open(path, "a") as log:
-            log.write(json.dumps(line) + "\n")
-
-    triton.knobs.compilation.listener = log_compile
-    config.pluginmanager.register(_TestTracker(current), "diffulex-compile-log-tracker")
+    if log_compiles_from_env("test process"):
+        config.pluginmanager.register(_TestTracker(), "diffulex-compile-log-tracker")
 
 
 class _TestTracker:
-    def __init__(self, current: dict[str, str]) -> None:
-        self.current = current
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        self.current["test"] = item.nodeid
+        import os
+
+        from diffulex.kernels.compile_log import TEST_ENV
+
+        os.environ[TEST_ENV] = item.nodeid  # read by this process's log and inherited by the helpers it starts

@@ -1,9 +1,11 @@
-"""What a test run's Triton compiles cost: the log that tests/conftest.py writes under DIFFULEX_TRITON_COMPILE_LOG.
+"""What a test run's Triton compiles cost: the log written under DIFFULEX_TRITON_COMPILE_LOG (`diffulex.kernels.
+compile_log`: the test processes and the compile helpers of the engines they build).
 
 Usage: python tools/compile_time_report.py LOG [--top N]
-Prints the compile seconds by kernel and by test, and how much went to compiling a variant that another process had
-already compiled (pytest-xdist workers share one Triton cache; a compile outside the engine's variant locks does
-not wait for another worker's).
+Prints the compile seconds by process kind, by kernel and by test (a helper's compiles count to the test whose
+engine started it), and how much went to compiling a variant that another process had already compiled
+(pytest-xdist workers share one Triton cache; a compile outside the engine's variant locks does not wait for
+another worker's).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class CompileSummary:
     compiles: int = 0
     seconds_by_kernel: Counter[str] = field(default_factory=Counter)
     seconds_by_test: Counter[str] = field(default_factory=Counter)
+    seconds_by_process: Counter[str] = field(default_factory=Counter)
     compiles_by_kernel: Counter[str] = field(default_factory=Counter)
     variants_by_kernel: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     repeated_seconds: float = 0.0
@@ -37,7 +40,8 @@ class CompileSummary:
 
 
 def summarize(lines: list[dict]) -> CompileSummary:
-    """`CompileSummary` of the log's lines (``kernel``, ``hash``, ``us``, ``hit``, ``test``), in log order."""
+    """`CompileSummary` of the log's lines (``kernel``, ``hash``, ``us``, ``hit``, ``test``, ``process``: the test
+    process or an engine's compile helper, whose ``test`` is the test that built the engine), in log order."""
     summary, seen = CompileSummary(), set()
     for line in lines:
         if line["hit"]:
@@ -47,6 +51,7 @@ def summarize(lines: list[dict]) -> CompileSummary:
         summary.compiles += 1
         summary.seconds_by_kernel[line["kernel"]] += seconds
         summary.seconds_by_test[line["test"]] += seconds
+        summary.seconds_by_process[line.get("process", "test process")] += seconds
         summary.compiles_by_kernel[line["kernel"]] += 1
         summary.variants_by_kernel[line["kernel"]].add(line["hash"])
         if line["hash"] in seen:
@@ -65,6 +70,7 @@ def main() -> None:
     print(f"{summary.compiles} compiles ({summary.variants} distinct variants), {summary.seconds:.0f} s; "
           f"{summary.hits} hits")  # fmt: skip
     print(f"compiles of a variant already compiled elsewhere: {summary.repeated_seconds:.0f} s")
+    print("by process: " + ", ".join(f"{p} {s:.0f} s" for p, s in summary.seconds_by_process.most_common()))
     print("\nby kernel: seconds, variants, compiles")
     for kernel, seconds in summary.seconds_by_kernel.most_common(args.top):
         variants, compiles = len(summary.variants_by_kernel[kernel]), summary.compiles_by_kernel[kernel]

@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffulex.kernels.compile_log import log_compiles_from_env
+
 logger = logging.getLogger("diffulex")
 
 HELPER_COMMAND = "from diffulex.kernels.parallel_compile import serve; serve()"
@@ -396,6 +398,7 @@ def serve() -> None:
     """A helper's life: import the kernels, then compile each variant read from stdin (one JSON line each) until
     stdin ends, answering one line per variant on stdout (`ANSWER_PREFIX`, then JSON; an error is reported there,
     never raised); then build the compiled variants' launchers (`build_launcher`)."""
+    log_compiles_from_env("compile helper")
     for module in HELPER_MODULES:
         try:
             importlib.import_module(module)

@@ -18,7 +18,7 @@ LOG = [
     {"kernel": "attn", "hash": "a1", "us": 3_000_000, "hit": False, "test": "t::one"},
     {"kernel": "attn", "hash": "a1", "us": 2_000_000, "hit": False, "test": "t::two"},  # another worker, again
     {"kernel": "attn", "hash": "a2", "us": 1_000_000, "hit": False, "test": "t::two"},
-    {"kernel": "norm", "hash": "n1", "us": 500_000, "hit": False, "test": "t::one"},
+    {"kernel": "norm", "hash": "n1", "us": 500_000, "hit": False, "test": "t::one", "process": "compile helper"},
     {"kernel": "norm", "hash": "n1", "us": 10, "hit": True, "test": "t::three"},
 ]
 
@@ -30,6 +30,7 @@ def test_compiles_are_summed_by_kernel_and_test_and_repeats_counted_apart():
     assert summary.seconds_by_kernel == {"attn": 6.0, "norm": 0.5}
     assert summary.seconds_by_test == {"t::one": 3.5, "t::two": 3.0}
     assert summary.repeated_seconds == 2.0  # the second compile of a1
+    assert summary.seconds_by_process == {"test process": 6.0, "compile helper": 0.5}  # unnamed: a test process
 
 
 def test_the_command_prints_the_totals(tmp_path):
@@ -38,3 +39,4 @@ def test_the_command_prints_the_totals(tmp_path):
     out = subprocess.run([sys.executable, str(TOOL), str(log)], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0] == "4 compiles (3 distinct variants), 6 s; 1 hits"
     assert "already compiled elsewhere: 2 s" in out
+    assert "by process: test process 6 s, compile helper 0 s" in out
