@@ -53,6 +53,7 @@ MIN_SPARE_CORES_FOR_HELPERS = 2
 # The most compile helpers a build starts (0: none), where many builds share the host's cores: a test suite over
 # pytest workers, several engines started side by side. Unset: as many as the spare cores allow.
 COMPILE_HELPERS_ENV = "DIFFULEX_COMPILE_HELPERS"
+ATTENTION_WARM_UP_ENV = "DIFFULEX_ATTENTION_WARM_UP"
 # The build phase in which the helper processes compile the warm-ups' kernel variants.
 HELPER_PHASE = "kernels compiled in helper processes"
 # The module that loads tokenizers (transformers only for a folder it cannot build itself), imported in its own phase.
@@ -210,7 +211,11 @@ def _build_components(
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
         runner.allocate_kv_cache(num_pages)
         build.done("memory plan and KV cache")
-        runner.warm_up_attention()
+        if attention_warm_up_wanted():
+            runner.warm_up_attention()
+        else:
+            logger.info("kernels: the attention variants of eager steps compile at their first launch (%s=0)",
+                        ATTENTION_WARM_UP_ENV)
         build.done("attention kernels")
         policy.maybe_capture(runner, config, device)
         build.done("CUDA graphs")
@@ -370,6 +375,7 @@ def _open_manifest(config: Config, device: torch.device, dtype: torch.dtype) -> 
             "dtype": str(dtype),
             "device": [torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))],
             "versions": [torch.__version__, triton.__version__],
+            "attention warm-up": attention_warm_up_wanted(),
         }
         return BuildManifest.open(triton.knobs.cache.dir, fields, _compile_target(device))
     except Exception as err:  # noqa: BLE001  (no manifest costs only the dry pass it would have saved)
@@ -397,12 +403,26 @@ def helper_limit(environ: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
+def attention_warm_up_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """`ATTENTION_WARM_UP_ENV`: whether the build compiles every attention variant an eager step may launch (``1``,
+    or unset) or leaves them to their first launch (``0``). Serving wants them all before the first request (a
+    compile met there stalls that step for seconds); a test suite on a fresh GPU machine, whose many engines of
+    distinct geometries each launch a few of them, spends most of its CPU compiling the rest."""
+    raw = (os.environ if environ is None else environ).get(ATTENTION_WARM_UP_ENV, "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"{ATTENTION_WARM_UP_ENV}={raw!r} is invalid: must be 1 (compile every attention variant while building, "
+            "the default) or 0 (at their first launch)"
+        )
+    return raw == "1"
+
+
 def _dry_warm_ups(
     config: Config, runner: StepRunner, policy: GraphPolicy, dtype: torch.dtype
 ) -> dict[str, Callable[[], None]]:
     """The build's warm-ups that a dry pass may run (`diffulex.kernels.parallel_compile`), named, in the order the
-    build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up, the
-    warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
+    build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up (unless
+    `attention_warm_up_wanted` says no), the warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
 
     Only the attention's for a strategy's own runner, an engine of several ranks (their forwards and LM heads meet
     in collectives), a model with MoE layers (the experts' routing indexes memory by the router's output, which a
@@ -412,7 +432,7 @@ def _dry_warm_ups(
     from diffulex.attention.layer import triton_supports_head_dim
     from diffulex.layers.moe import SparseMoE
 
-    attention_only = {"attention": runner.warm_up_attention}
+    attention_only = {"attention": runner.warm_up_attention} if attention_warm_up_wanted() else {}
     if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
         return attention_only
     if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
@@ -422,7 +442,7 @@ def _dry_warm_ups(
     warm_ups: dict[str, Callable[[], None]] = {}
     if config.num_pages <= 0:
         warm_ups["profile forward"] = lambda: runner.profile_run(*profile_shape(config, policy))
-    warm_ups["attention"] = runner.warm_up_attention
+    warm_ups.update(attention_only)
     if runner.graph_forward == runner.model.forward:
         warm_ups["CUDA graph warm-ups"] = lambda: policy.rehearse_capture(runner, config)
     sample_rows = config.max_num_reqs * policy.max_rows_per_request

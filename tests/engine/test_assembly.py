@@ -33,6 +33,13 @@ if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_ca
 BUILD_ORDER = ["profile forward", "attention", "CUDA graph warm-ups", "sampling"]
 
 
+@pytest.fixture(autouse=True)
+def default_attention_warm_up(monkeypatch):
+    """Each build here warms attention up as by default, whatever the run's environment (the GPU suite sets
+    ``DIFFULEX_ATTENTION_WARM_UP=0``); a test that wants otherwise sets it."""
+    monkeypatch.delenv(assembly.ATTENTION_WARM_UP_ENV, raising=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardKernel:
     """What the hook reads of a JIT function: its module and name."""
@@ -131,11 +138,17 @@ class StandInHelpers:
         self.closed = True
 
 
-def build_with(monkeypatch, model_dir: Path, helpers: StandInHelpers, manifest: StandInManifest | None = None):
+def build_with(
+    monkeypatch, model_dir: Path, helpers: StandInHelpers, manifest: StandInManifest | None = None,
+    attention_warm_up: str | None = None,
+):
     """An engine built as on a GPU with helper processes (`helpers`) and the kernel manifest `manifest` (none: the
-    build runs its dry pass), recording every KV cache it allocates."""
+    build runs its dry pass), recording every KV cache it allocates; `attention_warm_up`: the
+    ``DIFFULEX_ATTENTION_WARM_UP`` setting (None: the default)."""
     pages: list[int] = []
     allocate = assembly.ModelRunner.allocate_kv_cache
+    if attention_warm_up is not None:
+        monkeypatch.setenv(assembly.ATTENTION_WARM_UP_ENV, attention_warm_up)
 
     def recording_allocate(self, num_pages):
         pages.append(num_pages)
@@ -165,6 +178,33 @@ def test_the_helpers_phase_compiles_the_dry_warm_ups_before_the_memory_plan(monk
         # the dry pass's one page, dropped (on a GPU the memory plan's profile takes one too), then the planned cache
         assert pages[0] == 1 and pages[-1] == llm.runner.num_pages
         assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+def test_without_the_attention_warm_up_the_build_leaves_those_variants_to_their_first_launch(
+    monkeypatch, peaky_sdar_dir: Path, caplog
+):
+    """`DIFFULEX_ATTENTION_WARM_UP=0` (the GPU test suite's setting): neither the dry pass nor the build runs the
+    attention warm-up; the other warm-ups still run, and the engine still answers."""
+    helpers = StandInHelpers()
+    warmed = []
+    monkeypatch.setattr(assembly.ModelRunner, "warm_up_attention", lambda self: warmed.append(self))
+    with caplog.at_level(logging.INFO, logger="diffulex"):
+        llm, _ = build_with(monkeypatch, peaky_sdar_dir, helpers, attention_warm_up="0")
+    with llm:
+        assert helpers.names == [name for name in BUILD_ORDER if name != "attention"] and warmed == []
+        assert any("compile at their first launch (DIFFULEX_ATTENTION_WARM_UP=0)" in r.message for r in caplog.records)
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+
+
+@pytest.mark.parametrize(("setting", "wanted"), [(None, True), ("1", True), ("0", False), (" ", True)])
+def test_the_attention_warm_up_is_on_unless_the_environment_says_0(setting, wanted):
+    environ = {} if setting is None else {assembly.ATTENTION_WARM_UP_ENV: setting}
+    assert assembly.attention_warm_up_wanted(environ) is wanted
+
+
+def test_a_bad_attention_warm_up_setting_is_refused_naming_it_and_what_it_takes():
+    with pytest.raises(ValueError, match=r"DIFFULEX_ATTENTION_WARM_UP='yes' is invalid: must be 1 .* or 0"):
+        assembly.attention_warm_up_wanted({assembly.ATTENTION_WARM_UP_ENV: "yes"})
 
 
 def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sdar_dir: Path, caplog):
