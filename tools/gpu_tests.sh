@@ -13,9 +13,10 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cach
 # each worker's engine builds: at most 8 compile helpers apiece (the measured setting; a lone build takes every idle
 # core), since the workers already keep the cores busy
 export DIFFULEX_COMPILE_HELPERS=${DIFFULEX_COMPILE_HELPERS:-8}
-# the engines leave the attention variants of eager steps to their first launch: each of the suite's engine geometries
-# would otherwise compile some 25 of them (about 10 CPU-seconds each), while its test launches a few; the warm-up's own
-# tests set it back (tests/engine/test_assembly.py) or call the warm-up directly
+# the engines leave the attention variants of eager steps to their first launch where their helpers compile the
+# graphs' variants anyway (docs/configuration.md): each of the suite's engine geometries would otherwise compile some
+# 25 of them (about 10 CPU-seconds each), while its test launches a few; the warm-up's own tests set it back
+# (tests/engine/test_assembly.py) or call the warm-up directly
 export DIFFULEX_ATTENTION_WARM_UP=${DIFFULEX_ATTENTION_WARM_UP:-0}
 # Set DIFFULEX_TRITON_COMPILE_LOG=FILE to log every Triton compile (tests/conftest.py) for
 # tools/compile_time_report.py: where the suite's time goes (the workers are CPU-bound, mostly compiling).

@@ -211,7 +211,7 @@ def _build_components(
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
         runner.allocate_kv_cache(num_pages)
         build.done("memory plan and KV cache")
-        if attention_warm_up_wanted():
+        if not _leaves_attention_to_first_launch(runner):
             runner.warm_up_attention()
         else:
             logger.info("kernels: the attention variants of eager steps compile at their first launch (%s=0)",
@@ -405,7 +405,8 @@ def helper_limit(environ: Mapping[str, str] | None = None) -> int:
 
 def attention_warm_up_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """`ATTENTION_WARM_UP_ENV`: whether the build compiles every attention variant an eager step may launch (``1``,
-    or unset) or leaves them to their first launch (``0``). Serving wants them all before the first request (a
+    or unset) or leaves them to their first launch (``0``; only where the helpers compile the graphs' variants from
+    the dry pass's forwards, `_leaves_attention_to_first_launch`). Serving wants them all before the first request (a
     compile met there stalls that step for seconds); a test suite on a fresh GPU machine, whose many engines of
     distinct geometries each launch a few of them, spends most of its CPU compiling the rest."""
     raw = (os.environ if environ is None else environ).get(ATTENTION_WARM_UP_ENV, "1").strip() or "1"
@@ -422,32 +423,43 @@ def _dry_warm_ups(
 ) -> dict[str, Callable[[], None]]:
     """The build's warm-ups that a dry pass may run (`diffulex.kernels.parallel_compile`), named, in the order the
     build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up (unless
-    `attention_warm_up_wanted` says no), the warm-up forwards before the CUDA graphs' capture, the sampling warm-up.
-
-    Only the attention's for a strategy's own runner, an engine of several ranks (their forwards and LM heads meet
-    in collectives), a model with MoE layers (the experts' routing indexes memory by the router's output, which a
-    skipped launch leaves as garbage) or with heads the Triton attention cannot tile (the PyTorch attention reads
-    the step's layout back); no graph warm-ups where ``torch.compile`` compiles the captured forward (Inductor
-    compiles for real, outside Triton's hook)."""
-    from diffulex.attention.layer import triton_supports_head_dim
-    from diffulex.layers.moe import SparseMoE
-
-    attention_only = {"attention": runner.warm_up_attention} if attention_warm_up_wanted() else {}
-    if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
-        return attention_only
-    if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
-        return attention_only
-    if not all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers):
-        return attention_only
+    `_leaves_attention_to_first_launch`), the warm-up forwards before the CUDA graphs' capture, the sampling warm-up;
+    only the attention's where `_forwards_run_dry` says no."""
+    attention = {"attention": runner.warm_up_attention}
+    if not _forwards_run_dry(runner):
+        return attention
     warm_ups: dict[str, Callable[[], None]] = {}
     if config.num_pages <= 0:
         warm_ups["profile forward"] = lambda: runner.profile_run(*profile_shape(config, policy))
-    warm_ups.update(attention_only)
+    if not _leaves_attention_to_first_launch(runner):
+        warm_ups.update(attention)
     if runner.graph_forward == runner.model.forward:
         warm_ups["CUDA graph warm-ups"] = lambda: policy.rehearse_capture(runner, config)
     sample_rows = config.max_num_reqs * policy.max_rows_per_request
     warm_ups["sampling"] = lambda: runner.warm_up_sampling(sample_rows, dtype)
     return warm_ups
+
+
+def _forwards_run_dry(runner: StepRunner) -> bool:
+    """Whether a dry pass can run the build's forwards and sampling, not only its attention warm-up: not for a
+    strategy's own runner, an engine of several ranks (their forwards and LM heads meet in collectives), a model with
+    MoE layers (the experts' routing indexes memory by the router's output, which a skipped launch leaves as garbage)
+    or with heads the Triton attention cannot tile (the PyTorch attention reads the step's layout back)."""
+    from diffulex.attention.layer import triton_supports_head_dim
+    from diffulex.layers.moe import SparseMoE
+
+    if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
+        return False
+    if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
+        return False
+    return all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers)
+
+
+def _leaves_attention_to_first_launch(runner: StepRunner) -> bool:
+    """`attention_warm_up_wanted` says no and the helpers still compile the graphs' variants (`_forwards_run_dry`):
+    where only the attention warm-up runs dry, it is how the graphs' attention variants reach the helpers, and
+    without it they would compile one after another in the capture."""
+    return not attention_warm_up_wanted() and _forwards_run_dry(runner)
 
 
 def _compile_in_helpers(

@@ -72,7 +72,11 @@ def test_a_dense_engine_runs_every_warm_up_dry_in_build_order(peaky_sdar_dir: Pa
         assert "CUDA graph warm-ups" not in assembly._dry_warm_ups(config, runner, policy, torch.float32)
 
 
-def test_an_moe_engine_runs_only_its_attention_warm_up_dry(tmp_path: Path):
+@pytest.mark.parametrize("attention_warm_up", ["1", "0"])
+def test_an_moe_engine_runs_only_its_attention_warm_up_dry(tmp_path: Path, monkeypatch, attention_warm_up):
+    """Even where the attention warm-up may be left out (``DIFFULEX_ATTENTION_WARM_UP=0``): it is how the graphs'
+    attention variants reach the helpers when the forwards cannot run dry."""
+    monkeypatch.setenv(assembly.ATTENTION_WARM_UP_ENV, attention_warm_up)
     model_dir = write_tiny_checkpoint(tmp_path / "moe", "sdar_moe", num_hidden_layers=1)
     with make_engine(model_dir, max_num_reqs=2) as llm:
         warm_ups = assembly._dry_warm_ups(llm.config, llm.runner, llm.policy, torch.float32)
