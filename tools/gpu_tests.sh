@@ -4,7 +4,8 @@
 # first compiles run in parallel.
 # Usage (on a GPU machine, from the repository root): tools/gpu_tests.sh [LOG_DIR] [WORKERS]
 # Writes LOG_DIR/gpu_tests.log (one line per test as it finishes, so a killed run still names its failures;
-# default: $OUT, else the current folder) and prints the failures, the verdict, the wall time and the slowest tests.
+# default: $OUT, else the current folder) and LOG_DIR/compile.jsonl (every Triton compile), and prints the failures,
+# the verdict, the wall time, the slowest tests, the time by file and the compiles by process, kernel and test.
 set -uo pipefail
 log_dir=${1:-${OUT:-.}}
 workers=${2:-16}
@@ -18,8 +19,12 @@ export DIFFULEX_COMPILE_HELPERS=${DIFFULEX_COMPILE_HELPERS:-8}
 # 25 of them (about 10 CPU-seconds each), while its test launches a few; the warm-up's own tests set it back
 # (tests/engine/test_assembly.py) or call the warm-up directly
 export DIFFULEX_ATTENTION_WARM_UP=${DIFFULEX_ATTENTION_WARM_UP:-0}
-# Set DIFFULEX_TRITON_COMPILE_LOG=FILE to log every Triton compile (tests/conftest.py) for
-# tools/compile_time_report.py: where the suite's time goes (the workers are CPU-bound, mostly compiling).
+# every Triton compile of the workers and of their engines' compile helpers, logged (diffulex/kernels/compile_log.py)
+# for tools/compile_time_report.py: where the suite's time goes (the cores are busy, mostly compiling)
+if [ -z "${DIFFULEX_TRITON_COMPILE_LOG:-}" ]; then
+  export DIFFULEX_TRITON_COMPILE_LOG=$log_dir/compile.jsonl
+  rm -f "$DIFFULEX_TRITON_COMPILE_LOG"  # this run's compiles only
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
 cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$6+$7+$8, $5}' /proc/stat; }  # busy, idle (all cores)
@@ -44,4 +49,5 @@ grep -E "passed|failed|error" "$log_dir/gpu_tests.log" | tail -1
 sed -n '/slowest/,/^$/p' "$log_dir/gpu_tests.log" | head -42
 # where the workers' time went: the suite is throughput-bound, so the sum matters more than the longest test
 python tools/test_time_by_file.py "$log_dir/gpu_tests.log" --workers "$workers" --top 25
+python tools/compile_time_report.py "$DIFFULEX_TRITON_COMPILE_LOG" --top 12
 exit $rc
