@@ -206,9 +206,12 @@ def test_the_attention_warm_up_is_on_unless_the_environment_says_0(setting, want
     assert assembly.attention_warm_up_wanted(environ) is wanted
 
 
-def test_a_bad_attention_warm_up_setting_is_refused_naming_it_and_what_it_takes():
+def test_a_bad_attention_warm_up_setting_is_refused_naming_it_and_what_it_takes(monkeypatch, peaky_sdar_dir: Path):
     with pytest.raises(ValueError, match=r"DIFFULEX_ATTENTION_WARM_UP='yes' is invalid: must be 1 .* or 0"):
         assembly.attention_warm_up_wanted({assembly.ATTENTION_WARM_UP_ENV: "yes"})
+    monkeypatch.setenv(assembly.ATTENTION_WARM_UP_ENV, "yes")
+    with pytest.raises(ValueError, match="DIFFULEX_ATTENTION_WARM_UP='yes' is invalid"):  # a build, on any device
+        make_engine(peaky_sdar_dir)
 
 
 def test_helpers_that_fail_cost_the_build_nothing_but_time(monkeypatch, peaky_sdar_dir: Path, caplog):
