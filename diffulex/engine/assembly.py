@@ -53,6 +53,7 @@ MIN_SPARE_CORES_FOR_HELPERS = 2
 # The most compile helpers a build starts (0: none), where many builds share the host's cores: a test suite over
 # pytest workers, several engines started side by side. Unset: as many as the spare cores allow.
 COMPILE_HELPERS_ENV = "DIFFULEX_COMPILE_HELPERS"
+# 0: the attention variants only eager steps launch compile at their first launch (`attention_warm_up_wanted`).
 ATTENTION_WARM_UP_ENV = "DIFFULEX_ATTENTION_WARM_UP"
 # The build phase in which the helper processes compile the warm-ups' kernel variants.
 HELPER_PHASE = "kernels compiled in helper processes"
@@ -211,11 +212,11 @@ def _build_components(
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
         runner.allocate_kv_cache(num_pages)
         build.done("memory plan and KV cache")
-        if not _leaves_attention_to_first_launch(runner):
-            runner.warm_up_attention()
-        else:
+        if _leaves_attention_to_first_launch(runner):
             logger.info("kernels: the attention variants of eager steps compile at their first launch (%s=0)",
                         ATTENTION_WARM_UP_ENV)
+        else:
+            runner.warm_up_attention()
         build.done("attention kernels")
         policy.maybe_capture(runner, config, device)
         build.done("CUDA graphs")
@@ -424,7 +425,8 @@ def _dry_warm_ups(
     """The build's warm-ups that a dry pass may run (`diffulex.kernels.parallel_compile`), named, in the order the
     build runs them: the memory plan's profile forward (unless ``num_pages`` is given), the attention warm-up (unless
     `_leaves_attention_to_first_launch`), the warm-up forwards before the CUDA graphs' capture, the sampling warm-up;
-    only the attention's where `_forwards_run_dry` says no."""
+    only the attention's where `_forwards_run_dry` says no; no graph warm-ups where ``torch.compile`` compiles the
+    captured forward (Inductor compiles for real, outside Triton's hook)."""
     attention = {"attention": runner.warm_up_attention}
     if not _forwards_run_dry(runner):
         return attention
