@@ -28,6 +28,7 @@ class MessageKind(enum.Enum):
     GRAPH = "graph"  # a step replayed from the decode graphs (staged in a host buffer)
     CONTINUATION = "continuation"  # the graphs replayed again on the inputs the last step advanced
     STATIC_DECODE = "static_decode"  # switch to the graphs' static decode buffers (`GraphPolicy`)
+    RUNNER = "runner"  # a pass of a strategy's own runner (`Strategy.make_runner`): ``payload`` is that runner's
     STOP = "stop"  # leave the group and exit
 
 
@@ -48,6 +49,8 @@ class StepMessage:
     # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
     # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
     prefills: tuple[tuple[StepInputs, int], ...] = ()
+    # RUNNER: what the strategy's runner tells its workers (its own message type, which its `follow_step` reads)
+    payload: object = None
 
     @classmethod
     def of_step(

@@ -238,7 +238,7 @@ def follow(parts: EngineParts, config: Config, channel: StepChannel) -> None:
         if done is not None:
             done.synchronize()
         hidden = runner.follow_step(message)
-        if hidden.is_cuda:
+        if hidden is not None and hidden.is_cuda:
             event = torch.cuda.Event()
             event.record()
             buffer_done[message.micro_batch] = event
@@ -297,6 +297,11 @@ class TensorParallelWorkers:
         if death is not None:
             raise WorkerDiedError(death)
         self.channel.send(message)
+
+    def send_runner_pass(self, payload: object) -> None:
+        """Broadcast a pass of a strategy's own runner (`MessageKind.RUNNER`): ``payload`` is that runner's message,
+        which each worker's runner reads in its ``follow_step`` (the strategy need not know the message's frame)."""
+        self.send(StepMessage(MessageKind.RUNNER, payload=payload))
 
     def wait_ready(self) -> None:
         """Wait for every worker's report of its finished build; raise the first failure."""

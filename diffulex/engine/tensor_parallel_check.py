@@ -52,7 +52,7 @@ def check_parallel_layout(config: Config) -> None:
     from diffulex.strategy.strategy import Strategy
 
     strategy = config.strategy
-    if type(strategy).make_runner is not Strategy.make_runner:
+    if type(strategy).make_runner is not Strategy.make_runner and not strategy.runner_follows_ranks:
         raise ValueError(
             f"{asked} is invalid with decoding_strategy={config.decoding_strategy!r}: it runs its own step runner, "
             "which does not follow rank 0's steps; use one rank"
@@ -76,9 +76,9 @@ def check_parallel_layout(config: Config) -> None:
     with using_tensor_parallel_group(tensor), using_expert_parallel_group(expert), torch.device("meta"):
         model = family.model(hf_config)
     if config.expert_parallel_size > 1:
-        from diffulex.layers.moe import SparseMoE
+        from diffulex.layers.moe import ExpertLayer
 
-        if not any(isinstance(m, SparseMoE) for m in model.modules()):
+        if not any(isinstance(m, ExpertLayer) for m in model.modules()):
             raise ValueError(
                 f"expert_parallel_size={config.expert_parallel_size} is invalid for model_name="
                 f"{config.model_name!r}: {config.model} has no mixture-of-experts layers to split; use "

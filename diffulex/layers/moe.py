@@ -54,7 +54,12 @@ from diffulex.layers.linear import (
     RowParallelLinear,
 )
 from diffulex.layers.norm import gemma_rms_norm
-from diffulex.layers.parallel_state import SINGLE_RANK, expert_parallel_group, tensor_parallel_group
+from diffulex.layers.parallel_state import (
+    SINGLE_RANK,
+    ExpertParallelGroup,
+    expert_parallel_group,
+    tensor_parallel_group,
+)
 
 MOE_IMPLS = ("fused", "grouped", "dense", "loop")
 
@@ -328,7 +333,16 @@ def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
     return True
 
 
-class SparseMoE(nn.Module):
+class ExpertLayer(nn.Module):
+    """A layer of routed experts, whatever its family: what expert parallelism splits. ``num_experts`` is the
+    layer's whole count; ``ep`` the expert-parallel group it was built over, of which ``ep.owned_experts`` says the
+    experts this rank holds."""
+
+    num_experts: int
+    ep: ExpertParallelGroup
+
+
+class SparseMoE(ExpertLayer):
     """Router (``gate``) and ``experts``, and optionally an always-on ``shared_experts`` MLP added to their sum
     (LLaDA2), under the checkpoint's names (``mlp.gate.weight``, ``mlp.experts.N.{gate,up,down}_proj.weight``,
     ``mlp.shared_experts...``). Input and output ``[T, hidden]``.

@@ -49,6 +49,14 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place: each rank passes a tensor of the same shape and dtype); ``x``
+        itself at size 1."""
+        if self.size == 1:
+            return x
+        dist.broadcast(x, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        return x
+
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' ``value`` (``value`` at size 1): a quantity every rank must agree on, such as
         the KV pages each can hold. ``device``: where the collective's tensor lives (CUDA for NCCL)."""

@@ -39,8 +39,15 @@ from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
 from diffulex.layers.dispatch import use_fused_kernels
-from diffulex.layers.moe import GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
+from diffulex.layers.linear import HeadParallelLinear
+from diffulex.layers.moe import ExpertLayer, GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
 from diffulex.layers.norm import gemma_rms_norm
+from diffulex.layers.parallel_state import (
+    SINGLE_RANK,
+    expert_parallel_group,
+    tensor_parallel_group,
+    using_tensor_parallel_group,
+)
 from diffulex.layers.rotary import apply_rotary
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerGeometry, RopeSpec
 from diffulex.models.family import Family, register_family
@@ -143,20 +150,27 @@ def _ragged_context(
 
 
 class GemmaAttention(nn.Module):
-    """One layer's attention; which kind (sliding or full) and its head geometry come from `LayerGeometry`."""
+    """One layer's attention; which kind (sliding or full) and its head geometry come from `LayerGeometry`.
+
+    Under tensor parallelism each rank holds its slice of the query heads and the K/V heads they read (a K/V head
+    replicated on whole ranks where there are fewer than ranks, as in the global layers); ``num_heads`` and
+    ``num_kv_heads`` are this rank's, and `o_proj` sums the ranks' products."""
 
     def __init__(self, config: DiffusionGemmaConfig, geometry: LayerGeometry) -> None:
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        self.num_heads, self.num_kv_heads, self.head_dim = heads, geometry.num_kv_heads, geometry.head_dim
+        hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, geometry.head_dim
         self.is_sliding = geometry.is_sliding
         self.eps = config.rms_norm_eps
-        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias=False)
-        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        kv_field = "num_key_value_heads" if self.is_sliding else "num_global_key_value_heads"
+        self.q_proj = HeadParallelLinear(hidden, heads, head_dim, False, "num_attention_heads")
+        self.k_proj = HeadParallelLinear(hidden, geometry.num_kv_heads, head_dim, False, kv_field, replicate=True)
         self.v_proj = (
-            ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim, bias=False) if self.is_sliding else None
+            HeadParallelLinear(hidden, geometry.num_kv_heads, head_dim, False, kv_field, replicate=True)
+            if self.is_sliding
+            else None
         )
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.q_proj.local_heads, self.k_proj.local_heads, head_dim
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=False)
         self.q_norm = GemmaRMSNorm(self.head_dim, self.eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, self.eps)
 
@@ -188,7 +202,7 @@ class GemmaAttention(nn.Module):
         return self.o_proj(heads.reshape(*heads.shape[:-2], self.num_heads * self.head_dim))
 
 
-class StackedExperts(nn.Module):
+class StackedExperts(ExpertLayer):
     """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
     then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP of ``top_k`` chosen per row.
 
@@ -202,13 +216,24 @@ class StackedExperts(nn.Module):
     run (`diffulex.layers.moe`): the (token, slot) pairs sorted by expert, each expert's weights read once for its
     rows; otherwise ``dense``, every expert over every token weighted by the routing (static shapes, for small
     test models in float32). The three are capturable; they sum the slots in slot order, which differs from
-    ``loop`` by rounding only (``fused`` rounds each expert's output and its activation as ``grouped`` does)."""
+    ``loop`` by rounding only (``fused`` rounds each expert's output and its activation as ``grouped`` does).
+
+    Split over ranks as `diffulex.layers.moe.SparseMoE` is: under expert parallelism this rank holds its contiguous
+    range of whole experts (``owned``, global indices) and the pairs routed elsewhere are left out; otherwise
+    tensor parallelism gives each rank its slice of every expert's intermediate width. Either way each rank's sum
+    is partial and one all-reduce adds the ranks'. The stacked checkpoint tensors load through `weight_loader`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.ep = expert_parallel_group()
+        self.owned = self.ep.owned_experts(num_experts)
+        # experts that expert parallelism places whole on one rank; otherwise each split over the TP ranks
+        self.tp = tensor_parallel_group() if self.ep.size == 1 else SINGLE_RANK
+        self.inter_start, local_inter = self.tp.shard(intermediate_size, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.owned), 2 * local_inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(self.owned), hidden_size, local_inter))
         self.impl: str | None = None  # None: chosen per input (`impl_for`)
 
     def impl_for(self, x: torch.Tensor) -> str:
@@ -222,52 +247,90 @@ class StackedExperts(nn.Module):
         return "grouped" if grouped_mm_supported(x) else "dense"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` -> ``[T, hidden]``."""
+        """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` (global indices) -> ``[T, hidden]``,
+        summed over the ranks."""
         impl = self.impl_for(x)
+        local = experts - self.owned.start  # outside [0, len(owned)): another rank's expert
         if impl == "fused":
-            return self._fused(x, weights, experts)
-        if impl == "grouped":
-            return self._grouped(x, weights, experts)
-        if impl == "dense":
-            return self._dense(x, weights, experts)
-        if impl != "loop":
+            out = self._fused(x, weights, local)
+        elif impl == "grouped":
+            out = self._grouped(x, weights, local)
+        elif impl == "dense":
+            out = self._dense(x, weights, local)
+        elif impl == "loop":
+            out = self._loop(x, weights, local)
+        else:
             raise ValueError(f"experts impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        return self.ep.all_reduce(self.tp.all_reduce(out))  # at most one of the two spans several ranks
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's experts, and its slice of their intermediate width, of the checkpoint's whole stacked
+        tensor into ``param``."""
+        if tuple(loaded.shape) != self.checkpoint_shape(param):
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint tensor of shape {tuple(loaded.shape)} must have shape "
+                f"{self.checkpoint_shape(param)}"
+            )
+        mine = loaded[self.owned.start : self.owned.stop]
+        start, length = self.inter_start, self.down_proj.shape[2]
+        if param is self.gate_up_proj:  # the gate rows' slice, then the up rows'
+            up = self.intermediate_size + start
+            mine = torch.cat([mine[:, start : start + length], mine[:, up : up + length]], dim=1)
+        else:
+            mine = mine[:, :, start : start + length]
+        with torch.no_grad():
+            param.copy_(mine)
+
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The whole stacked tensor's shape (every expert, the whole width)."""
+        if param is self.gate_up_proj:
+            return (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+        return (self.num_experts, self.hidden_size, self.intermediate_size)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
+        for e in local.unique().tolist():
+            if not 0 <= e < len(self.owned):
+                continue
+            token, slot = torch.where(local == e)
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The fused Triton kernels over the stacked weights (on the CPU only under the Triton interpreter)."""
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The fused Triton kernels over the stacked weights (on the CPU only under the Triton interpreter); they
+        skip the pairs of experts outside ``[0, len(owned))``."""
         from diffulex.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, weights, experts, self.gate_up_proj, self.down_proj, activation="gelu_tanh")
+        return fused_moe(x, weights, local, self.gate_up_proj, self.down_proj, activation="gelu_tanh")
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """(token, slot) pairs sorted by expert; ``offs[e]`` ends expert ``e``'s rows (counted by a scatter: no
-        host read)."""
-        T, k = experts.shape
-        flat = experts.reshape(-1)
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """(token, slot) pairs sorted by expert, another rank's pairs last, past the last group; ``offs[e]`` ends
+        expert ``e``'s rows (counted by a scatter: no host read)."""
+        T, k = local.shape
+        held = len(self.owned)
+        mine = (local >= 0) & (local < held) if held != self.num_experts else None
+        flat = (local if mine is None else torch.where(mine, local, held)).reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        offs = counts[:held].cumsum(0, dtype=torch.int32)
         h = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         per_slot = torch.empty_like(y)
         per_slot[order] = y
+        if mine is not None:  # rows past the last group are never written: select, not multiply, them away
+            per_slot = torch.where(mine.reshape(-1, 1), per_slot, 0.0)
         return _weighted_slots(per_slot.view(T, k, -1), weights, x.dtype)
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        per_slot = torch.zeros(x.shape[0], experts.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
-        for e in range(self.num_experts):
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        per_slot = torch.zeros(x.shape[0], local.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+        for e in range(len(self.owned)):
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
-            chosen = (experts == e).to(x.dtype)  # [T, k]: at most one slot per token holds e
+            chosen = (local == e).to(x.dtype)  # [T, k]: at most one slot per token holds e
             per_slot += chosen[:, :, None] * y[:, None, :]
         return _weighted_slots(per_slot, weights, x.dtype)
 
@@ -349,11 +412,16 @@ class SelfConditioning(nn.Module):
 
 class DiffusionGemmaDecoder(nn.Module):
     """``model.decoder``: the token embedding, the layer stack, the final norm and the self-conditioning block
-    (every text weight of the checkpoint)."""
+    (every text weight of the checkpoint).
+
+    The embedding is whole on every rank, not split by vocabulary: the canvas rule, which rank 0 alone runs,
+    mixes rows of all of it (the self-conditioning input ``softmax(logits) @ E``), and the LM head tied to it then
+    needs no gather either (`diffulex.strategy.diffusion_gemma.runner`)."""
 
     def __init__(self, config: DiffusionGemmaConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        with using_tensor_parallel_group(SINGLE_RANK):
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DiffusionGemmaLayer(config, geometry) for geometry in config.layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
@@ -406,7 +474,8 @@ class DiffusionGemmaForDiffusionLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DiffusionGemmaModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        with using_tensor_parallel_group(SINGLE_RANK):  # tied to the whole embedding (`DiffusionGemmaDecoder`)
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         self.lm_head.tie_to(self.model.decoder.embed_tokens)
 
     @property
@@ -674,7 +743,6 @@ register_family(
         architectures=("DiffusionGemma",),
         strategies=("diffusion_gemma",),
         canvas_size=CANVAS_SIZE,
-        tensor_parallel=False,  # its encoder and stacked experts are not split across ranks yet
     )
 )
 

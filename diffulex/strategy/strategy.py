@@ -40,6 +40,8 @@ from diffulex.validation import force_setting, format_choices, invalid_value, re
 
 if TYPE_CHECKING:
     from diffulex.config import Config
+    from diffulex.engine.step_broadcast import StepMessage
+    from diffulex.engine.tensor_parallel import TensorParallelWorkers
 
 # blocks per request the default short decode graphs hold (`Strategy.short_step_rows`)
 SHORT_STEP_BLOCKS = 2
@@ -97,6 +99,15 @@ class StepRunner(Protocol):
 
     def forget_launches(self) -> None: ...
 
+    # Over several ranks (`Strategy.runner_follows_ranks`): the engine sets ``workers`` on rank 0's runner, which
+    # tells them each step's device work; each worker's runner repeats it in ``follow_step`` (its collectives meet
+    # rank 0's) and returns the hidden states it queued, or None. ``out_of_step`` is True while a launch that
+    # already told the workers has not queued its collectives yet (a failure then leaves them waiting).
+    workers: TensorParallelWorkers | None
+    out_of_step: bool
+
+    def follow_step(self, message: StepMessage) -> torch.Tensor | None: ...
+
 
 @dataclass(frozen=True)
 class RunnerContext:
@@ -151,6 +162,9 @@ class Strategy:
     attends_past_rows: ClassVar[bool] = False
     # The scheduler admits prompts by token count, so max_num_batched_tokens must hold the longest prompt.
     budgets_prompt_tokens: ClassVar[bool] = True
+    # Its own runner (`make_runner`) repeats rank 0's steps on tensor- and expert-parallel workers (`StepRunner`'s
+    # ``follow_step``); the engine's runner always does.
+    runner_follows_ranks: ClassVar[bool] = False
 
     # ----- configuration -----------------------------------------------------------------------------------
 

@@ -11,11 +11,13 @@ running another rank's experts, an expert loaded on the wrong rank or a worker m
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
+from diffulex.models.family import FAMILIES, register_family
+from diffulex.testing.checkpoints import write_tiny_checkpoint
 from tests.engine.test_tensor_parallel_engine import (
     GREEDY,
     Run,
@@ -110,7 +112,10 @@ def test_expert_ranks_beside_other_tensor_ranks_are_refused_naming_both_fields(c
         make_engine(checkpoints["sdar_moe"], "sdar_moe", 2, expert_parallel_size=4)
 
 
-def test_a_family_that_runs_on_one_device_is_refused_by_name(tmp_path: Path) -> None:
-    model_dir = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma")
-    with pytest.raises(ValueError, match="expert_parallel_size=2 is invalid for model_name='diffusion_gemma'"):
-        make_engine(model_dir, "diffusion_gemma", 1, expert_parallel_size=2)
+def test_a_family_that_runs_on_one_device_is_refused_by_name(checkpoints) -> None:
+    """A mixture family registered without split layers (a plugin's, say), asked for expert ranks alone."""
+    name = "sdar_moe_on_one_device"
+    if name not in FAMILIES:
+        register_family(dataclasses.replace(FAMILIES.get("sdar_moe").renamed(name), tensor_parallel=False))
+    with pytest.raises(ValueError, match=f"expert_parallel_size=2 is invalid for model_name='{name}'"):
+        make_engine(checkpoints["sdar_moe"], name, 1, expert_parallel_size=2)

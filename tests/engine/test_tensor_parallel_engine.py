@@ -9,6 +9,7 @@ a short collective timeout).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -23,6 +24,8 @@ import pytest
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.errors import EngineDeadError
+from diffulex.models.family import FAMILIES, register_family
+from diffulex.strategy.diffusion_gemma import DiffusionGemma
 from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
 from diffulex.testing.distributed import free_port
 
@@ -117,6 +120,54 @@ def test_families_with_their_own_layers_split_over_two_ranks(tmp_path: Path, fam
             prompts = random_prompts(llm, [5, 11, 3], seed=3)
             outputs[size] = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
     assert outputs[2] == outputs[1]
+
+
+def diffusion_gemma_scenario(model_dir: Path, tensor_parallel_size: int, expert_parallel_size: int) -> Run:
+    """A prompt; one that repeats it and its first canvas (a prefix-cache hit); then three requests, one sampled
+    (self-conditioned on its softmax, which rank 0 makes and the workers receive), over 5 pages of 16 positions,
+    which preempts one of them."""
+    with Diffulex(
+        str(model_dir), tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
+        dtype="float32", max_model_len=96, num_pages=5, seed=3, master_addr="127.0.0.1", master_port=free_port(),
+        distributed_timeout_seconds=TIMEOUT_S,
+    ) as llm:  # fmt: skip
+        first = list(range(5, 22))
+        (done,) = llm.generate([first], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False).trajectories
+        follow_up = first + done.token_ids[:16]
+        greedy = SamplingParams(temperature=0.0, max_tokens=16)
+        (again,) = llm.generate([follow_up], greedy, use_tqdm=False).trajectories
+        params = [SamplingParams(temperature=t, max_tokens=48, seed=7) for t in (0.0, 1.0, 0.0)]
+        prompts = [list(range(30, 30 + n)) for n in (3, 9, 20)]
+        batch = llm.generate(prompts, params, use_tqdm=False).trajectories
+        canvas = llm.settings.block_size
+    # a canvas's first step computes the prompt's uncached rows and the canvas
+    cached = len(follow_up) + canvas - again.steps[0].query_len
+    return Run([describe(done), *(describe(t) for t in batch)], describe(again), cached,
+               sum(t.num_preemptions for t in batch))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def diffusion_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 query heads, 2 K/V heads in the sliding layers and 1 in the global ones (replicated at TP=2), 4 experts."""
+    return write_tiny_diffusion_gemma_checkpoint(tmp_path_factory.mktemp("tp") / "dgemma", layer_output_scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def diffusion_gemma_one_rank(diffusion_gemma_dir: Path) -> Run:
+    run = diffusion_gemma_scenario(diffusion_gemma_dir, 1, 1)
+    assert run.preemptions > 0, "the scenario must preempt"
+    assert run.follow_up_cached >= 16, "the follow-up must hit the prefix cache"
+    return run
+
+
+@pytest.mark.parametrize(("tensor_parallel_size", "expert_parallel_size"), [(2, 1), (1, 2), (2, 2)])
+def test_diffusion_gemma_over_two_ranks_generates_the_tokens_of_one(
+    diffusion_gemma_dir: Path, diffusion_gemma_one_rank: Run, tensor_parallel_size: int, expert_parallel_size: int
+) -> None:
+    """DiffusionGemma's own runner: the workers repeat its encoder and decoder passes on their shards (heads, MLP
+    width, experts), while rank 0 alone runs the LM head and the canvas rule over the whole vocabulary."""
+    run = diffusion_gemma_scenario(diffusion_gemma_dir, tensor_parallel_size, expert_parallel_size)
+    assert run == diffusion_gemma_one_rank
 
 
 @pytest.mark.parametrize("buffer_size", [1, 2])
@@ -289,11 +340,29 @@ def test_a_model_that_does_not_split_over_the_ranks_is_refused_naming_the_field(
         make_engine(model_dir, "sdar", size)
 
 
-def test_a_family_that_runs_on_one_device_is_refused_by_name(tmp_path: Path) -> None:
-    """DiffusionGemma runs its own step runner over unsplit layers: refused before any worker starts."""
-    model_dir = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is invalid for model_name='diffusion_gemma'"):
+def test_a_family_that_runs_on_one_device_is_refused_by_name(dense_dir: Path) -> None:
+    """A family registered without split layers (a plugin's, say): refused before any worker starts."""
+    name = "sdar_on_one_device"
+    if name not in FAMILIES:
+        register_family(dataclasses.replace(FAMILIES.get("sdar").renamed(name), tensor_parallel=False))
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is invalid for model_name='{name}'"):
+        make_engine(dense_dir, name, 2)
+
+
+def test_diffusion_gemma_global_kv_heads_that_do_not_split_are_refused_by_name(tmp_path: Path) -> None:
+    """The global layers count their K/V heads in a field of their own, which the error names."""
+    model_dir = write_tiny_diffusion_gemma_checkpoint(
+        tmp_path / "dgemma", num_attention_heads=6, num_key_value_heads=6, num_global_key_value_heads=3
+    )
+    with pytest.raises(ValueError, match="num_global_key_value_heads=3 is invalid for tensor_parallel_size=2"):
         Diffulex(str(model_dir), tensor_parallel_size=2)
+
+
+def test_a_runner_that_does_not_follow_rank_0_is_refused_by_name(diffusion_gemma_dir: Path, monkeypatch) -> None:
+    """A strategy whose own runner cannot repeat rank 0's passes on the workers (``runner_follows_ranks`` off)."""
+    monkeypatch.setattr(DiffusionGemma, "runner_follows_ranks", False)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 is invalid with decoding_strategy='diffusion_gemma'"):
+        Diffulex(str(diffusion_gemma_dir), expert_parallel_size=2)
 
 
 def test_soft_inputs_are_refused_by_name(tmp_path: Path) -> None:

@@ -94,6 +94,7 @@ class DiffusionGemma(Strategy):
     budgets_prompt_tokens = False  # it schedules whole canvases; its budget is checked per request
     samples_in_graph = False  # its runner replays graphs of the decoder pass; the canvas rule runs eagerly after
     continues_on_device = False
+    runner_follows_ranks = True  # the workers repeat the encoder and decoder passes; rank 0 alone runs the rule
 
     def normalize(self, config: Config) -> None:
         """Block and page are the checkpoint's canvas, the running set one canvas. The checkpoint's own sampler

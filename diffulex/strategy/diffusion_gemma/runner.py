@@ -21,6 +21,13 @@ One step, for a batch of requests that each have a running canvas:
    (`diffulex.strategy.diffusion_gemma.canvas.denoise_canvases`), each canvas with its own temperature and random
    streams; nothing is read on the host until the engine applies the step (`pending.PendingCanvases`), when each
    request's outcome is proposed to it and adopted.
+
+Over several ranks (tensor or expert parallelism, `diffulex.engine.tensor_parallel`) every rank holds its shard of
+the layers and the whole embedding (`diffulex.models.diffusion_gemma.DiffusionGemmaDecoder`). Rank 0 runs the
+steps above; before each encoder forward and each decoder pass it tells the workers (`EncodeRound`, `DecoderPass`),
+and the decoder pass's inputs, which the canvas rule made on rank 0's device, follow in a broadcast of their own.
+The workers repeat the two passes on their shards (their collectives meet rank 0's) and nothing else: the LM head
+and the rule read the whole vocabulary, which every rank holds, so rank 0 alone computes them.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffulex.errors import RequestFailure
+from diffulex.layers.parallel_state import engine_ranks
 from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM
 from diffulex.sampler.rows import PendingWrites
 from diffulex.strategy.block import BlockStatus
@@ -53,6 +62,10 @@ from diffulex.strategy.diffusion_gemma.paged import (
 from diffulex.strategy.diffusion_gemma.pending import PendingCanvases
 from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 
+if TYPE_CHECKING:
+    from diffulex.engine.step_broadcast import StepMessage
+    from diffulex.engine.tensor_parallel import TensorParallelWorkers
+
 logger = logging.getLogger("diffulex")
 
 DECODER_SPLITS = 1  # split-KV factor of the canvas rows' attention (`CanvasRunner._decoder_attention`)
@@ -72,6 +85,26 @@ class CanvasRunnerSettings:
     # batch sizes whose decoder step runs from static buffers (a CUDA graph where one can be captured); empty:
     # every step eager
     graph_buckets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EncodeRound:
+    """An encoder forward the workers repeat: ``(page table, lo, hi)`` of each piece and the pieces' ids in order
+    (plain lists: a request's `PageTable` would carry its array along)."""
+
+    pieces: list[tuple[list[int], int, int]]
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class DecoderPass:
+    """A decoder pass the workers repeat over ``batch`` canvases, each after ``contexts[b]`` positions in pages
+    ``tables[b]``; its canvas ids (and, with ``soft``, the self-conditioning inputs) follow in broadcasts."""
+
+    batch: int
+    contexts: list[int]
+    tables: list[list[int]]
+    soft: bool
 
 
 def default_graph_buckets(device: torch.device, enforce_eager: bool) -> tuple[int, ...]:
@@ -100,20 +133,28 @@ class CanvasRunner:
         self._graph_pool: object | None = None
         # decoder passes replayed from captured graphs so far: benchmarks read it around the steps they time
         self.graph_replays = 0
+        # rank 0 of a tensor- or expert-parallel group: the workers each pass is announced to (`follow_step`)
+        self.workers: TensorParallelWorkers | None = None
+        # a launch failed after a pass went to the workers: they may wait in a collective rank 0 never reaches
+        self.out_of_step = False
 
     # ----- memory ---------------------------------------------------------------------------------------
 
     def page_bytes(self) -> int:
         """Bytes of encoder K/V one page of positions takes, over all layers."""
         itemsize = torch.empty((), dtype=self.settings.kv_dtype).element_size()
-        per_position = sum(2 * g.num_kv_heads * g.head_dim for g in self.model.config.layers)
+        per_position = sum(2 * heads * head_dim for heads, head_dim in self._kv_geometry())
         return per_position * self.settings.page_size * itemsize
+
+    def _kv_geometry(self) -> list[tuple[int, int]]:
+        """Each layer's ``(K/V heads, head_dim)`` on this rank (its shard of the heads)."""
+        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers]
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         s = self.settings
         self.k_cache, self.v_cache = [], []
-        for geometry in self.model.config.layers:
-            shape = (num_pages, s.page_size, geometry.num_kv_heads, geometry.head_dim)
+        for heads, head_dim in self._kv_geometry():
+            shape = (num_pages, s.page_size, heads, head_dim)
             self.k_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
             self.v_cache.append(torch.zeros(shape, dtype=s.kv_dtype, device=s.device))
         self.num_pages = num_pages
@@ -131,7 +172,7 @@ class CanvasRunner:
             return
         from diffulex.kernels.paged_attention import warm_up
 
-        heads, canvas = self.model.config.num_attention_heads, self.model.config.canvas_length
+        heads, canvas = self.model.layers[0].self_attn.num_heads, self.model.config.canvas_length
         seen = set()
         for layer, window in enumerate(self.windows):
             kind = (tuple(self.k_cache[layer].shape[2:]), window)
@@ -175,6 +216,12 @@ class CanvasRunner:
         """Encode what each request still needs, denoise every canvas in one decoder pass and one rule per logits
         group, and queue the outcome's copy to the host; the host waits for it only when the step is applied
         (`PendingCanvases.result`, which proposes each request's outcome; the writes show each canvas's argmax)."""
+        self.out_of_step = False
+        pending = self._launch(batch)
+        self.out_of_step = False
+        return pending
+
+    def _launch(self, batch: list[CanvasRequest]) -> PendingWrites:
         s, model = self.settings, self.model
         self._encode_missing(batch)
         states = [
@@ -221,7 +268,16 @@ class CanvasRunner:
     ) -> torch.Tensor:
         """The decoder pass of one step: ``canvas_ids [B, C]``, canvas ``b`` after ``contexts[b]`` positions in
         pages ``tables[b]``; ``[B, C, hidden]``. From a bucket's static buffers (its graph replayed once captured)
-        when one holds the batch, eagerly otherwise."""
+        when one holds the batch, eagerly otherwise. On rank 0 of several, the workers repeat it."""
+        if self.workers is not None:
+            batch = canvas_ids.shape[0]
+            self._announce(DecoderPass(batch, list(contexts), [list(t) for t in tables], soft is not None))
+            self._share(canvas_ids, soft)
+        return self._decode(canvas_ids, soft, contexts, tables)
+
+    def _decode(
+        self, canvas_ids: torch.Tensor, soft: torch.Tensor | None, contexts: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
         batch = canvas_ids.shape[0]
         bucket = bucket_for(batch, self.settings.graph_buckets)
         if bucket is None:
@@ -265,6 +321,38 @@ class CanvasRunner:
         layout.fill(contexts, tables)
         return self.model.decode_rows(canvas_ids, layout.positions, self._decoder_attention(layout), soft)
 
+    # ----- over several ranks ----------------------------------------------------------------------------
+
+    def _announce(self, payload: EncodeRound | DecoderPass) -> None:
+        """Tell the workers the pass about to run."""
+        self.workers.send_runner_pass(payload)
+        self.out_of_step = True  # until the launch has queued its collectives (`launch`)
+
+    @staticmethod
+    def _share(canvas_ids: torch.Tensor, soft: torch.Tensor | None) -> None:
+        """A decoder pass's inputs, rank 0's on every rank (each rank passes tensors of the announced shapes)."""
+        ranks = engine_ranks()
+        ranks.broadcast(canvas_ids)
+        if soft is not None:
+            ranks.broadcast(soft)
+
+    @torch.inference_mode()
+    def follow_step(self, message: StepMessage) -> torch.Tensor | None:
+        """On a worker: the pass rank 0 announced, on this rank's shard; a decoder pass's hidden states (its
+        device work queued, not awaited), None for an encoder forward."""
+        work, device = message.payload, self.settings.device
+        if isinstance(work, EncodeRound):
+            self._encode_round(work.pieces, torch.tensor(work.ids, dtype=torch.long, device=device))
+            return None
+        config = self.model.config
+        canvas_ids = torch.empty(work.batch, config.canvas_length, dtype=torch.long, device=device)
+        soft = None
+        if work.soft:
+            dtype = self.model.model.decoder.embed_tokens.weight.dtype
+            soft = torch.empty(work.batch, config.canvas_length, config.hidden_size, dtype=dtype, device=device)
+        self._share(canvas_ids, soft)
+        return self._decode(canvas_ids, soft, work.contexts, work.tables)
+
     def _seed(self, req: CanvasRequest) -> int:
         seed = req.sampling_params.seed
         return seed if seed is not None else self.settings.base_seed + req.req_id
@@ -296,15 +384,12 @@ class CanvasRunner:
         A request whose input cannot be encoded (an image placeholder) fails alone, before anything is encoded."""
         device = self.settings.device
         pieces = {req.req_id: self._missing_pieces(req) for req in batch}
-        ids: dict[tuple[int, int], torch.Tensor] = {}
         for req in batch:
             for lo, hi in pieces[req.req_id]:
-                piece = torch.tensor(req.token_ids[lo:hi], dtype=torch.long, device=device)
                 try:
-                    self.model.check_token_ids(piece[None], "input_ids")
+                    self.model.check_token_ids(torch.tensor(req.token_ids[lo:hi], dtype=torch.long)[None], "input_ids")
                 except ValueError as err:
                     raise RequestFailure([req.req_id], f"its input cannot be encoded: {err}") from err
-                ids[req.req_id, lo] = piece
         rounds = max((len(p) for p in pieces.values()), default=0)
         for r in range(rounds):
             members = [req for req in batch if len(pieces[req.req_id]) > r]
@@ -312,10 +397,11 @@ class CanvasRunner:
             for req, (_, hi) in zip(members, spans, strict=True):
                 if hi > len(req.page_table) * self.settings.page_size:
                     raise RuntimeError(f"request {req.req_id}: positions up to {hi} have no page")
-            self._encode_round(
-                [(req.page_table, lo, hi) for req, (lo, hi) in zip(members, spans, strict=True)],
-                torch.cat([ids[req.req_id, lo] for req, (lo, _) in zip(members, spans, strict=True)]),
-            )
+            round_pieces = [(req.page_table, lo, hi) for req, (lo, hi) in zip(members, spans, strict=True)]
+            ids = [token for req, (lo, hi) in zip(members, spans, strict=True) for token in req.token_ids[lo:hi]]
+            if self.workers is not None:
+                self._announce(EncodeRound([(list(table), lo, hi) for table, lo, hi in round_pieces], ids))
+            self._encode_round(round_pieces, torch.tensor(ids, dtype=torch.long, device=device))
             for req, (_, hi) in zip(members, spans, strict=True):
                 req.encoded_len = hi
         for req in batch:
