@@ -1,5 +1,6 @@
 """The fused MoE kernels against the grouped GEMM on the SDAR-30B-A3B, LLaDA2-mini and DiffusionGemma-26B-A4B
-expert geometries, against the floor of the experts each step selects.
+expert geometries (the last also as one rank of tensor_parallel_size=2 holds it, each expert half as wide), against
+the floor of the experts each step selects.
 
 For each geometry and decode row count (SDAR-30B-A3B: block 4 at batch 1, 8 and 32; LLaDA2-mini: block 32 at the
 same batches; DiffusionGemma: 1, 2, 4 and 8 canvases of 256 rows), with uniform random routing: the experts of
@@ -45,6 +46,9 @@ GEOMETRIES = {
                     "activation": "silu", "rows": (32, 256, 1024)},
     "diffusion-gemma-26b-a4b": {"experts": 128, "top_k": 8, "hidden": 2816, "inter": 704, "shared_inter": 0,
                                 "activation": "gelu_tanh", "rows": (256, 512, 1024, 2048)},
+    # one rank's experts of DiffusionGemma-26B-A4B at tensor_parallel_size=2 (each expert's width halved)
+    "diffusion-gemma-26b-a4b-tp2": {"experts": 128, "top_k": 8, "hidden": 2816, "inter": 352, "shared_inter": 0,
+                                    "activation": "gelu_tanh", "rows": (256, 512, 1024, 2048)},
 }  # fmt: skip
 # The activation each geometry's experts apply to their gate, in PyTorch (the float32 reference).
 TORCH_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}

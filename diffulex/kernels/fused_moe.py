@@ -131,8 +131,10 @@ def config_for(
 # (experts, hidden, inter, top_k) -> the most rows of a step at which the fused kernels measured faster than the
 # grouped GEMM (`bench/fused_moe_bench.py`, bf16, CUDA-graph replay); unlisted geometries take the `fused_wins`
 # default. DiffusionGemma-26B-A4B (H100, 2026-11-26): fused 580 / 650 / 824 / 1386 us against grouped 775 / 876 /
-# 1116 / 1696 us at 256 / 512 / 1024 / 2048 rows (1 to 8 canvases), the largest row count measured.
-_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {(128, 2816, 704, 8): 2048}
+# 1116 / 1696 us at 256 / 512 / 1024 / 2048 rows (1 to 8 canvases), the largest row count measured. Its experts on
+# one rank of tensor_parallel_size=2 (half the width; H200, 2026-11-28): fused 238 / 293 / 398 / 628 us against
+# grouped 467 / 552 / 756 / 1210 us.
+_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {(128, 2816, 704, 8): 2048, (128, 2816, 352, 8): 2048}
 
 
 def fused_wins(rows: int, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
