@@ -558,11 +558,10 @@ def _select_moe_path(model: torch.nn.Module, moe_gemm_impl: str, model_name: str
     fused Triton kernels at decode row counts, the grouped GEMM on Hopper in bf16, else every expert), ``naive``
     takes the reference paths (the experts one by one on the CPU, every expert on CUDA). ``vllm*`` names kernels
     that are not a dependency: refused for a model with MoE layers (a dense model has nothing it would change).
-    DiffusionGemma's `StackedExperts` are such layers too."""
-    from diffulex.layers.moe import SparseMoE
-    from diffulex.models.diffusion_gemma import StackedExperts
+    Every family's routed experts are such layers (`ExpertLayer`)."""
+    from diffulex.layers.moe import ExpertLayer
 
-    layers = [module for module in model.modules() if isinstance(module, (SparseMoE, StackedExperts))]
+    layers = [module for module in model.modules() if isinstance(module, ExpertLayer)]
     if layers and moe_gemm_impl.startswith("vllm"):
         raise ValueError(
             f"not supported yet in this version of Diffulex: moe_gemm_impl={moe_gemm_impl!r} for "

@@ -334,12 +334,22 @@ def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
 
 
 class ExpertLayer(nn.Module):
-    """A layer of routed experts, whatever its family: what expert parallelism splits. ``num_experts`` is the
-    layer's whole count; ``ep`` the expert-parallel group it was built over, of which ``ep.owned_experts`` says the
-    experts this rank holds."""
+    """A layer of routed experts, whatever its family: what expert parallelism splits and ``moe_gemm_impl`` picks
+    the path of. ``num_experts`` is the layer's whole count; ``ep`` the expert-parallel group it was built over, of
+    which ``ep.owned_experts`` says the experts this rank holds; ``impl`` one of `MOE_IMPLS` that every step takes
+    (None: each step's own choice). Each path is a method ``_<impl>(x, weights, experts)``."""
 
     num_experts: int
     ep: ExpertParallelGroup
+    impl: str | None = None
+
+    def _weighted_sum(
+        self, impl: str, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The chosen experts' weighted sum on the path ``impl``."""
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        return getattr(self, f"_{impl}")(x, weights, experts)
 
 
 class SparseMoE(ExpertLayer):
@@ -383,17 +393,7 @@ class SparseMoE(ExpertLayer):
         """The experts' weighted sum; ``unsummed`` and ``readers`` are the dense MLP's arguments, accepted so that a
         decoder layer calls either MLP alike (this one always returns a tensor and computes every row)."""
         weights, experts = self.gate.route(x)
-        impl = self.impl or self._impl_for(x)
-        if impl == "fused":
-            out = self._fused(x, weights, experts)
-        elif impl == "grouped":
-            out = self._grouped(x, weights, experts)
-        elif impl == "dense":
-            out = self._dense(x, weights, experts)
-        elif impl == "loop":
-            out = self._loop(x, weights, experts)
-        else:
-            raise ValueError(f"moe impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        out = self._weighted_sum(self.impl or self._impl_for(x), x, weights, experts)
         if self.shared_joins_reduce:
             shared = self.shared_experts
             out = out + shared.down_proj.partial(shared.activated(x))

@@ -206,16 +206,16 @@ class StackedExperts(ExpertLayer):
     """The experts as the checkpoint stores them, stacked: ``gate_up_proj [E, 2 * inter, hidden]`` (gate rows,
     then up rows) and ``down_proj [E, hidden, inter]``; each a gelu-tanh gated MLP of ``top_k`` chosen per row.
 
-    Four ways to compute the same sum (`MOE_IMPLS`), chosen per input unless ``impl`` is set: ``loop`` (the CPU)
-    is the exact path (each chosen expert over its own tokens, accumulated in expert order as transformers does);
-    it asks the host which experts were chosen, so no CUDA graph can capture it. On CUDA: ``fused``, the Triton
-    kernels of `diffulex.kernels.fused_moe` with GELU-tanh in the gate_up epilogue, which stream each selected
-    expert's weights once per row tile, for bf16/fp16 steps of the rows where they beat the grouped GEMM
-    (`diffulex.layers.moe.fused_experts_win`: a canvas or two of 256 rows at the 26B-A4B geometry); ``grouped``
-    (bfloat16 on compute capability 9.0+) for larger steps, the grouped GEMM the SDAR-MoE and LLaDA2 families
-    run (`diffulex.layers.moe`): the (token, slot) pairs sorted by expert, each expert's weights read once for its
-    rows; otherwise ``dense``, every expert over every token weighted by the routing (static shapes, for small
-    test models in float32). The three are capturable; they sum the slots in slot order, which differs from
+    Four ways to compute the same sum (`diffulex.layers.moe.MOE_IMPLS`), chosen per input unless ``impl`` is set:
+    ``loop`` (the CPU) is the exact path (each chosen expert over its own tokens, accumulated in expert order as
+    transformers does); it asks the host which experts were chosen, so no CUDA graph can capture it. On CUDA:
+    ``fused``, the Triton kernels of `diffulex.kernels.fused_moe` with GELU-tanh in the gate_up epilogue, which
+    stream each selected expert's weights once per row tile, for bf16/fp16 steps of the rows where they beat the
+    grouped GEMM (`diffulex.layers.moe.fused_experts_win`: up to 8 canvases of 256 rows at the 26B-A4B geometry);
+    ``grouped`` (bfloat16 on compute capability 9.0+) for larger steps, the grouped GEMM the SDAR-MoE and LLaDA2
+    families run (`diffulex.layers.moe`): the (token, slot) pairs sorted by expert, each expert's weights read once
+    for its rows; otherwise ``dense``, every expert over every token weighted by the routing (static shapes, for
+    small test models in float32). The three are capturable; they sum the slots in slot order, which differs from
     ``loop`` by rounding only (``fused`` rounds each expert's output and its activation as ``grouped`` does).
 
     Split over ranks as `diffulex.layers.moe.SparseMoE` is: under expert parallelism this rank holds its contiguous
@@ -249,18 +249,8 @@ class StackedExperts(ExpertLayer):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` (global indices) -> ``[T, hidden]``,
         summed over the ranks."""
-        impl = self.impl_for(x)
         local = experts - self.owned.start  # outside [0, len(owned)): another rank's expert
-        if impl == "fused":
-            out = self._fused(x, weights, local)
-        elif impl == "grouped":
-            out = self._grouped(x, weights, local)
-        elif impl == "dense":
-            out = self._dense(x, weights, local)
-        elif impl == "loop":
-            out = self._loop(x, weights, local)
-        else:
-            raise ValueError(f"experts impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+        out = self._weighted_sum(self.impl_for(x), x, weights, local)
         return self.ep.all_reduce(self.tp.all_reduce(out))  # at most one of the two spans several ranks
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -333,9 +323,6 @@ class StackedExperts(ExpertLayer):
             chosen = (local == e).to(x.dtype)  # [T, k]: at most one slot per token holds e
             per_slot += chosen[:, :, None] * y[:, None, :]
         return _weighted_slots(per_slot, weights, x.dtype)
-
-
-MOE_IMPLS = ("loop", "fused", "grouped", "dense")
 
 
 def _weighted_slots(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -139,7 +139,7 @@ def test_static_expert_paths_equal_the_exact_loop() -> None:
         experts.impl = "grouped"
         torch.testing.assert_close(experts(x, weights, chosen), exact, atol=1e-5, rtol=1e-4)
     experts.impl = "fast"
-    with pytest.raises(ValueError, match="experts impl must be one of loop, fused, grouped, dense, got 'fast'"):
+    with pytest.raises(ValueError, match="moe impl must be one of fused, grouped, dense, loop, got 'fast'"):
         experts(x, weights, chosen)
 
 
