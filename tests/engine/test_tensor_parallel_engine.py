@@ -433,6 +433,24 @@ def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_en
     llm.exit()
 
 
+def test_a_diffusion_gemma_pass_failing_on_rank_0_after_its_announcement_fails_the_engine(diffusion_gemma_dir) -> None:
+    """The strategy's own runner keeps the same promise: a worker told of a pass that rank 0 never runs is ended."""
+    llm = Diffulex(
+        str(diffusion_gemma_dir), tensor_parallel_size=2, dtype="float32", max_model_len=96, master_addr="127.0.0.1",
+        master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S,
+    )  # fmt: skip
+    (pid,) = llm.workers.pids
+
+    def broken_decode(*args):
+        raise RuntimeError("injected failure")
+
+    llm.runner._decode = broken_decode
+    with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert not pid_alive(pid)
+    llm.exit()
+
+
 @pytest.mark.parametrize("ending", ["killed", "returns without exit()"])
 def test_no_worker_outlives_its_engine_process(dense_dir: Path, ending: str) -> None:
     """No orphan: a worker whose rank 0 vanished (SIGKILL) sees its channel break and exits; a program that ends
