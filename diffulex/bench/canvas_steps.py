@@ -109,7 +109,11 @@ def write_folder(path: Path, geometry: str, num_layers: int | None) -> tuple[Pat
 def canvas_cost_model(model: torch.nn.Module, itemsize: int) -> CostModel:
     """`CostModel` of a `DiffusionGemmaForDiffusionLM`: the stacked experts as routed experts, the tied embedding
     as the LM head, every other matrix a trunk linear, vectors "other". K/V and attention are counted apart
-    (`step_work_bytes_flops`): the window and the two head geometries do not fit the model's per-token terms."""
+    (`step_floor`): the window and the two head geometries do not fit the model's per-token terms.
+
+    This rank's model (the engine's process is rank 0): over several ranks its trunk is its shard, its experts those
+    it holds (expert parallelism) at the width it holds (tensor parallelism), and the LM head whole, which rank 0
+    alone runs; so the floor is rank 0's step."""
     from diffulex.models.diffusion_gemma import StackedExperts
 
     stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
@@ -128,7 +132,7 @@ def canvas_cost_model(model: torch.nn.Module, itemsize: int) -> CostModel:
         trunk_linear_params=trunk, lm_head_params=head.numel(), other_params=other,
         embedding_row=config.hidden_size, kv_per_token=0, attn_flops_per_pair=0, itemsize=itemsize,
         moe_layers=len(stacks), num_experts=config.num_experts, experts_per_token=config.top_k_experts,
-        expert_params=3 * config.hidden_size * config.moe_intermediate_size,
+        expert_params=3 * config.hidden_size * stacks[0].down_proj.shape[2], held_experts=len(stacks[0].owned),
     )  # fmt: skip
 
 
@@ -147,17 +151,19 @@ def experts_path(model: torch.nn.Module, impl: str | None, rows: int) -> str:
 def step_floor(
     model: torch.nn.Module, cost: CostModel, contexts: Sequence[int], bandwidth_bps: float, flops_per_s: float
 ) -> dict[str, float | str]:
-    """The floor of one denoising step of canvases after ``contexts`` cached positions, and its parts."""
+    """The floor of one denoising step of canvases after ``contexts`` cached positions, and its parts: this rank's
+    (`canvas_cost_model`; its attention heads and K/V heads too)."""
     config = model.config
     C = config.canvas_length
     rows = C * len(contexts)
     work = StepWork(query_tokens=rows, logit_rows=rows, context_tokens=0, written_tokens=0, attn_pairs=0)
     kv_elements = attn_flops = 0
-    for geometry in config.layers:
+    for layer in model.layers:
+        attention = layer.self_attn
         for ctx in contexts:
-            seen = min(ctx, config.sliding_window - 1) if geometry.is_sliding else ctx
-            kv_elements += 2 * geometry.num_kv_heads * geometry.head_dim * seen
-            attn_flops += 4 * config.num_attention_heads * geometry.head_dim * C * (seen + C)
+            seen = min(ctx, config.sliding_window - 1) if attention.is_sliding else ctx
+            kv_elements += 2 * attention.num_kv_heads * attention.head_dim * seen
+            attn_flops += 4 * attention.num_heads * attention.head_dim * C * (seen + C)
     experts_bytes = cost.moe_layers * cost.expected_experts(rows) * cost.expert_params * cost.itemsize
     memory_bytes = step_bytes(cost, work) + kv_elements * cost.itemsize
     soft_flops = 2 * cost.lm_head_params * rows  # softmax(logits) @ E for the next step's self-conditioning

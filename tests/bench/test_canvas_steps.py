@@ -12,6 +12,12 @@ import torch
 from diffulex.bench import canvas_steps
 from diffulex.bench.canvas_steps import CanvasBenchSettings, canvas_cost_model, step_floor, write_folder
 from diffulex.bench.cli import main
+from diffulex.layers.parallel_state import (
+    ExpertParallelGroup,
+    TensorParallelGroup,
+    using_expert_parallel_group,
+    using_tensor_parallel_group,
+)
 from diffulex.models.diffusion_gemma import DiffusionGemmaForDiffusionLM
 from diffulex.models.diffusion_gemma_config import DiffusionGemmaConfig
 
@@ -113,6 +119,32 @@ def test_the_floor_counts_the_window_the_selected_experts_and_every_weight_once(
     expected_bytes = cost.weight_bytes + 6 * floor["experts_per_layer"] * cost.expert_params * 4 + 16 * 64 * 4 + kv * 4
     assert floor["step_GB"] == pytest.approx(expected_bytes / 1e9)
     assert floor["memory_floor_ms"] == pytest.approx(expected_bytes / 1e9 * 1e3)
+
+
+@pytest.mark.parametrize(("tensor", "expert"), [(2, 1), (1, 2)])
+def test_over_two_ranks_the_floor_is_rank_0s_step(tmp_path: Path, tensor: int, expert: int) -> None:
+    """Rank 0 reads its shard of the trunk, half the experts' bytes (half of each expert's width under TP, half of
+    the experts under EP) and its K/V heads, and the whole LM head, which it alone runs."""
+    folder, _ = write_folder(tmp_path / "m", "tiny", 6)
+    config = DiffusionGemmaConfig.from_pretrained(folder)
+    whole_model = DiffusionGemmaForDiffusionLM(config)
+    whole = step_floor(whole_model, canvas_cost_model(whole_model, 4), [20], 1e9, 1e12)
+    with (
+        using_tensor_parallel_group(TensorParallelGroup(0, tensor)),
+        using_expert_parallel_group(ExpertParallelGroup(0, expert)),
+    ):
+        model = DiffusionGemmaForDiffusionLM(config)
+    cost = canvas_cost_model(model, 4)
+    floor = step_floor(model, cost, [20], 1e9, 1e12)
+    assert cost.lm_head_params == 384 * 64
+    assert floor["experts_GB"] == pytest.approx(whole["experts_GB"] / 2)
+    if tensor == 2:  # 2 of 4 query heads; a sliding layer's 1 of 2 K/V heads, a global layer's 1 K/V head whole
+        sliding = sum(g.is_sliding for g in config.layers)
+        assert floor["kv_read_GB"] == pytest.approx((sliding * 2 * 16 * 7 + (6 - sliding) * 2 * 32 * 20) * 4 / 1e9)
+        assert cost.trunk_linear_params < canvas_cost_model(whole_model, 4).trunk_linear_params
+    else:  # attention and the trunk replicated
+        assert floor["kv_read_GB"] == pytest.approx(whole["kv_read_GB"])
+        assert cost.trunk_linear_params == canvas_cost_model(whole_model, 4).trunk_linear_params
 
 
 def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Path, monkeypatch) -> None:
