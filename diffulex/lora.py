@@ -10,6 +10,12 @@ the checkpoint's module names), e.g. ``model.layers.0.self_attn.q_proj`` for Dre
 ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``); merging adds ``s * B @ A`` to ``W`` once.
 Dropout is a training-time operation and is ignored.
 
+Over tensor-parallel ranks each rank keeps the part of the adapter its shard of the layer needs: a layer split by
+its output features (q/k/v, gate/up, the LM head) its rows of ``B`` (``A`` whole, the delta its slice of the
+output), a layer split by its input features (o, down) its columns of ``A`` (``B`` whole), whose product with the
+rank's input is then a partial delta summed over the ranks like the layer's own product. The slices are the ones the
+layer's ``weight_loader`` takes of its weight, so a fused matrix's parts and replicated K/V heads need nothing more.
+
 Loading is strict, like the checkpoint loader: every problem (adapter tensors naming no layer of the model,
 layers outside ``target_modules``, targets that match no layer, targeted layers without tensors, shapes that do
 not fit) is collected and reported in one ``ValueError``, because an adapter that silently applies to part of a
@@ -30,6 +36,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from diffulex.layers import LMHead
+from diffulex.layers.linear import RowParallelLinear
+from diffulex.layers.moe import held_elsewhere, mixture_layers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -221,7 +229,8 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
     if unknown_keys:
         problems.append(f"tensors that are not LoRA A/B weights: {', '.join(sorted(unknown_keys))}")
 
-    no_module = sorted(n for n in found if n not in adaptable)
+    elsewhere = mixture_layers(model)  # routed experts another expert-parallel rank holds: adapted there
+    no_module = sorted(n for n in found if n not in adaptable and not held_elsewhere(n, elsewhere))
     if no_module:
         problems.append(f"adapter tensors for layers the model does not have: {', '.join(no_module)}")
     untargeted = sorted(n for n in found if n in adaptable and not config.targets(n, linear_names))
@@ -251,7 +260,7 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
             problems.append(f"{name}: has lora_{have} but not lora_{lack}")
             continue
         module = adaptable[name]
-        out_features, in_features = module.weight.shape
+        out_features, in_features = _whole_shape(module)
         a, b = pair["A"], pair["B"]
         rank = config.rank(name)
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
@@ -283,9 +292,36 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
     return modules
 
 
+def _whole_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of the layer's whole weight, also where a tensor-parallel rank holds a slice of it."""
+    shape_of = getattr(module, "checkpoint_shape", None)
+    out_features, in_features = shape_of(module.weight) if shape_of is not None else module.weight.shape
+    return out_features, in_features
+
+
+def _rank_part(module: nn.Module, lora: LoRAModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` as this rank's shard of ``module`` needs them (the module docstring): the rows of ``B`` of a
+    layer split by output features, the columns of ``A`` of one split by input features, both whole otherwise;
+    sliced by the layer's own ``weight_loader``, as its weight was."""
+    held_out, held_in = module.weight.shape
+    out_features, in_features = _whole_shape(module)
+    a, b = lora.lora_A, lora.lora_B
+    if held_out != out_features:
+        part = torch.empty(held_out, b.shape[1], dtype=b.dtype)
+        module.weight_loader(part, b)
+        b = part
+    if held_in != in_features:
+        part = torch.empty(a.shape[0], held_in, dtype=a.dtype)
+        module.weight_loader(part, a)
+        a = part
+    return a, b
+
+
 def _lora_forward_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     x = inputs[0]
     delta = nn.functional.linear(nn.functional.linear(x.to(module.lora_A.dtype), module.lora_A), module.lora_B)
+    if isinstance(module, RowParallelLinear):  # this rank's input columns: a partial delta, summed like the output
+        delta = module.tp.all_reduce(delta)
     return output + (module.lora_scaling * delta).to(output.dtype)
 
 
@@ -308,12 +344,13 @@ def apply_lora(model: nn.Module, lora_path: str | Path, merge: bool = False) -> 
         for lora in modules:
             module = adaptable[lora.name]
             weight = module.weight
+            a, b = _rank_part(module, lora)
             if merge:
-                delta = lora.scaling * (lora.lora_B.float() @ lora.lora_A.float())
+                delta = lora.scaling * (b.float() @ a.float())
                 weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
             else:
-                module.register_buffer("lora_A", lora.lora_A.to(weight.device, weight.dtype), persistent=False)
-                module.register_buffer("lora_B", lora.lora_B.to(weight.device, weight.dtype), persistent=False)
+                module.register_buffer("lora_A", a.to(weight.device, weight.dtype), persistent=False)
+                module.register_buffer("lora_B", b.to(weight.device, weight.dtype), persistent=False)
                 module.lora_scaling = lora.scaling
                 module.register_forward_hook(_lora_forward_hook)
     model.lora_modules = [m.name for m in modules]

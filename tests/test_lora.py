@@ -237,18 +237,14 @@ def test_use_lora_without_a_path_is_a_clear_error(folders):
 
 
 def test_the_engine_decodes_like_the_reference_with_either_lora_path(folders):
-    """Runs once the engine passes ``lora_path``/``pre_merge_lora`` to ``build_model``."""
+    """The engine hands ``lora_path``/``pre_merge_lora`` to ``build_model``: merged or added per forward, it decodes
+    as the reference decoder over the adapted model."""
     base, adapter = folders["dream"]
     outputs = {}
     for merge in (True, False):
-        try:
-            llm = Diffulex(str(base), use_lora=True, lora_path=str(adapter), pre_merge_lora=merge,
-                           decoding_strategy="d2f", block_size=4, page_size=8, buffer_size=2, max_model_len=64,
-                           max_num_batched_tokens=256, accept_threshold=0.7)  # fmt: skip
-        except ValueError as e:
-            if "not supported yet" in str(e) and "use_lora" in str(e):
-                pytest.skip("the engine does not load LoRA adapters yet")
-            raise
+        llm = Diffulex(str(base), use_lora=True, lora_path=str(adapter), pre_merge_lora=merge,
+                       decoding_strategy="d2f", block_size=4, page_size=8, buffer_size=2, max_model_len=64,
+                       max_num_batched_tokens=256, accept_threshold=0.7)  # fmt: skip
         with llm:
             assert llm.model.lora_merged is merge and llm.model.lora_modules
             prompts = [[7, 21, 5, 99, 3], [42, 8, 17, 250, 31, 6, 9, 1]]

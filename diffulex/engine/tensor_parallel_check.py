@@ -64,8 +64,6 @@ def check_parallel_layout(config: Config) -> None:
             "merge mixes rows of the whole embedding, which the workers do not receive); use one rank or "
             "token_merge_weight=0"
         )
-    if config.use_lora:
-        raise ValueError(f"{asked} is invalid with use_lora=True: adapters are not split across ranks yet")
     hf_config = family.read_config(config.model)
     if config.tensor_parallel_size > 1:
         _check_tensor_split(config, hf_config)

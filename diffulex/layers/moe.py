@@ -535,3 +535,32 @@ class SparseMoE(ExpertLayer):
             rows.append(total)
         out = self.ep.all_reduce(torch.stack(rows).to(x.dtype))
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+def mixture_layers(model: nn.Module) -> dict[str, SparseMoE]:
+    """The model's mixture-of-experts layers by their name prefix (``model.layers.3.mlp.``): where expert
+    parallelism holds only some of the checkpoint's experts (the loader and LoRA skip the others' tensors)."""
+    return {f"{name}.": module for name, module in model.named_modules() if isinstance(module, SparseMoE)}
+
+
+def expert_of(name: str, layers: dict[str, SparseMoE]) -> tuple[SparseMoE, str] | None:
+    """The mixture layer a tensor (or module) name of a routed expert belongs to and its name relative to that
+    layer (``experts.5.up_proj.weight``), when it names one of that layer's experts (index below its global
+    count); else None."""
+    head, found, tail = name.partition(".experts.")
+    if not found:
+        return None
+    layer = layers.get(f"{head}.")
+    index = tail.partition(".")[0]
+    if layer is None or not index.isdigit() or int(index) >= layer.num_experts:
+        return None
+    return layer, f"experts.{tail}"
+
+
+def held_elsewhere(name: str, layers: dict[str, SparseMoE]) -> bool:
+    """Whether ``name`` is a routed expert's tensor (or module) that another expert-parallel rank holds."""
+    found = expert_of(name, layers)
+    if found is None:
+        return False
+    layer, relative = found
+    return int(relative.split(".")[1]) not in layer.experts.owned

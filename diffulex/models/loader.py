@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from diffulex.checkpoint_folder import checkpoint_path
 from diffulex.layers import merge_projections
+from diffulex.layers.moe import expert_of, held_elsewhere, mixture_layers
 from diffulex.models.family import FAMILIES
 from diffulex.models.hf_config import read_config_dict
 from diffulex.models.safetensors_header import TensorHeader, read_safetensors_header
@@ -162,37 +163,6 @@ def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     return owners
 
 
-def _expert_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The mixture-of-experts layers by their name prefix (``model.layers.3.mlp.``): where expert parallelism holds
-    only some of the checkpoint's experts."""
-    from diffulex.layers.moe import SparseMoE
-
-    return {f"{name}.": module for name, module in model.named_modules() if isinstance(module, SparseMoE)}
-
-
-def _expert_of(name: str, layers: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
-    """The mixture layer a checkpoint tensor of a routed expert belongs to and its name relative to that layer
-    (``experts.5.up_proj.weight``), when it names one of that layer's experts (index below its global count);
-    else None."""
-    head, found, tail = name.partition(".experts.")
-    if not found:
-        return None
-    layer = layers.get(f"{head}.")
-    index = tail.partition(".")[0]
-    if layer is None or not index.isdigit() or int(index) >= layer.num_experts:
-        return None
-    return layer, f"experts.{tail}"
-
-
-def _held_elsewhere(name: str, layers: dict[str, nn.Module]) -> bool:
-    """Whether ``name`` is a routed expert's tensor that another expert-parallel rank holds (not loaded here)."""
-    found = _expert_of(name, layers)
-    if found is None:
-        return False
-    layer, relative = found
-    return int(relative.split(".")[1]) not in layer.experts.owned
-
-
 def checkpoint_shape(owner: nn.Module, tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape of ``tensor`` in a checkpoint: the whole tensor, also where a tensor-parallel layer holds only
     its rank's slice of it (`diffulex.layers.linear`)."""
@@ -249,7 +219,7 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
     owners = _owners(model)
     shapes = {name: checkpoint_shape(owners[name][0], tensor) for name, tensor in targets.items()}
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_keys", ())]
-    layers = _expert_layers(model)
+    layers = mixture_layers(model)
 
     missing = sorted(set(targets) - set(tensors))
     mismatched = [
@@ -268,7 +238,7 @@ def check_checkpoint_matches(model: nn.Module, tensors: CheckpointTensors, model
         if name not in targets
         and name not in aliases
         and not any(p.search(name) for p in ignored)
-        and not _held_elsewhere(name, layers)  # another expert-parallel rank's expert: checked there
+        and not held_elsewhere(name, layers)  # another expert-parallel rank's expert: checked there
     )
     problems = []
     if missing:
@@ -298,7 +268,7 @@ def _copy_tensors(model: nn.Module, tensors: CheckpointTensors, model_dir: str |
     """
     targets, _ = _load_targets(model)
     owners = _owners(model)
-    layers = _expert_layers(model)
+    layers = mixture_layers(model)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(tensors[name][0], []).append(name)
@@ -334,7 +304,7 @@ def _load_named(
 ) -> None:
     """Load the checkpoint tensor ``name``: a routed expert's through its layer's `expert_weight_loader` (only this
     rank's experts are load targets, so it always keeps it), anything else through `_load_into`."""
-    found = _expert_of(name, layers)
+    found = expert_of(name, layers)
     if found is not None:
         layer, relative = found
         if not layer.expert_weight_loader(relative, value):

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from diffulex.models.family import FAMILIES, register_family
-from diffulex.testing.checkpoints import write_tiny_checkpoint
+from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_lora_adapter
 from tests.engine.test_tensor_parallel_engine import (
     GREEDY,
     Run,
     describe,
+    generated,
     make_engine,
     random_prompts,
     run_scenario,
@@ -62,6 +63,17 @@ def test_expert_and_tensor_parallel_over_the_same_two_ranks_generate_the_tokens_
 ) -> None:
     """The attention and the shared expert split by TP, each routed expert whole on its owner."""
     assert run_scenario(checkpoints[family], family, 2, expert_parallel_size=2) == one_rank[family]
+
+
+def test_a_lora_adapter_on_the_experts_over_two_expert_ranks_gives_the_tokens_of_one(checkpoints, tmp_path) -> None:
+    """Each rank adapts the experts it holds (the adapter's tensors of the others' experts are theirs to use)."""
+    model_dir = checkpoints["sdar_moe"]
+    targets = ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = write_tiny_lora_adapter(tmp_path / "lora", model_dir, "sdar_moe", targets=targets, init_std=1.0)
+    lora = dict(use_lora=True, lora_path=str(adapter))
+    one = generated(model_dir, "sdar_moe", 1, **lora)
+    assert generated(model_dir, "sdar_moe", 1, expert_parallel_size=2, **lora) == one
+    assert generated(model_dir, "sdar_moe", 2, expert_parallel_size=2, **lora) == one
 
 
 def test_the_engine_process_holds_only_its_half_of_the_experts(checkpoints) -> None:

@@ -26,7 +26,11 @@ from diffulex import Diffulex, SamplingParams
 from diffulex.errors import EngineDeadError
 from diffulex.models.family import FAMILIES, register_family
 from diffulex.strategy.diffusion_gemma import DiffusionGemma
-from diffulex.testing.checkpoints import write_tiny_checkpoint, write_tiny_diffusion_gemma_checkpoint
+from diffulex.testing.checkpoints import (
+    write_tiny_checkpoint,
+    write_tiny_diffusion_gemma_checkpoint,
+    write_tiny_lora_adapter,
+)
 from diffulex.testing.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +124,26 @@ def test_families_with_their_own_layers_split_over_two_ranks(tmp_path: Path, fam
             prompts = random_prompts(llm, [5, 11, 3], seed=3)
             outputs[size] = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
     assert outputs[2] == outputs[1]
+
+
+def generated(model_dir: Path, model_name: str, tensor_parallel_size: int, **overrides) -> list[tuple]:
+    """Three prompts' answers (greedy), with their NFE and steps."""
+    with make_engine(model_dir, model_name, tensor_parallel_size, **overrides) as llm:
+        prompts = random_prompts(llm, [5, 11, 3], seed=3)
+        return [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_lora_adapter_over_two_ranks_gives_the_tokens_of_one(dense_dir: Path, tmp_path: Path, merged: bool) -> None:
+    """Each rank keeps its rows of B where its layer holds output features (q/k/v, gate/up) and its columns of A
+    where it holds input features (o, down: a partial delta, summed over the ranks like the layer's product);
+    added at every forward or merged into the rank's weights."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = write_tiny_lora_adapter(tmp_path / "lora", dense_dir, "sdar", targets=targets, init_std=1.0)
+    lora = dict(use_lora=True, lora_path=str(adapter), pre_merge_lora=merged)
+    one = generated(dense_dir, "sdar", 1, **lora)
+    assert one != generated(dense_dir, "sdar", 1), "the adapter must change the answers"
+    assert generated(dense_dir, "sdar", 2, **lora) == one
 
 
 def diffusion_gemma_scenario(model_dir: Path, tensor_parallel_size: int, expert_parallel_size: int) -> Run:
