@@ -57,13 +57,6 @@ def check_parallel_layout(config: Config) -> None:
             f"{asked} is invalid with decoding_strategy={config.decoding_strategy!r}: it runs its own step runner, "
             "which does not follow rank 0's steps; use one rank"
         )
-    # whether the strategy mixes embeddings matters here, not the mask token its settings will carry
-    if strategy.soft_inputs(config.strategy_options, config.mask_token_id or 0) is not None:
-        raise ValueError(
-            f"{asked} is invalid with decoding_strategy={config.decoding_strategy!r} and its soft inputs (token "
-            "merge mixes rows of the whole embedding, which the workers do not receive); use one rank or "
-            "token_merge_weight=0"
-        )
     hf_config = family.read_config(config.model)
     if config.tensor_parallel_size > 1:
         _check_tensor_split(config, hf_config)

@@ -17,9 +17,13 @@ compute a row's merge with `merge_rows`, so they give the same embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# The token embedding's lookup, ids -> rows (the model's `diffulex.layers.linear.VocabEmbedding`).
+Embedding = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -51,17 +55,19 @@ def merge_rows(
     ids: torch.Tensor,
     probs: torch.Tensor,
     residual: torch.Tensor,
-    table: torch.Tensor,
+    embedding: Embedding,
     settings: TokenMergeSettings,
 ) -> torch.Tensor:
     """The float32 soft input of each row: ``current [R, H]`` (the rows' own token embeddings), their candidates
-    ``ids [R, K]`` at ``probs [R, K]`` and ``residual [R]``; ``table`` is the embedding matrix. Row by row, so the
-    eager merge of a few rows and the static merge of a whole padded step agree."""
-    candidates = table[ids].float()  # [R, K, H]
+    ``ids [R, K]`` at ``probs [R, K]`` and ``residual [R]``; ``embedding`` looks the candidates' rows up (over
+    tensor-parallel ranks, each rank holding a slice of the vocabulary, its lookup sums the ranks' rows, so every
+    rank merges whole rows). Row by row, so the eager merge of a few rows and the static merge of a whole padded
+    step agree."""
+    candidates = embedding(ids).float()  # [R, K, H]
     mixed = (probs.unsqueeze(-1) * candidates).sum(dim=1)
     if settings.mode == "iter_smooth_topk":
         return current.float() + settings.weight * mixed
-    mask_row = table[settings.mask_token_id].float()
+    mask_row = embedding(torch.full_like(ids[:1, 0], settings.mask_token_id))[0].float()
     merged = mixed + residual.unsqueeze(-1) * mask_row
     if settings.renormalize:
         target = (probs * candidates.norm(dim=-1)).sum(dim=1) + residual * mask_row.norm()
@@ -98,10 +104,10 @@ class TokenMerge:
             settings=settings,
         )
 
-    def apply(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]`` (the step's token embeddings) with the merged rows replaced; ``table`` is the
-        embedding matrix. Computed in float32."""
-        merged = merge_rows(hidden[self.rows], self.ids, self.probs, self.residual, table, self.settings)
+    def apply(self, hidden: torch.Tensor, embedding: Embedding) -> torch.Tensor:
+        """``hidden [T, H]`` (the step's token embeddings) with the merged rows replaced; ``embedding`` is the
+        model's token embedding. Computed in float32."""
+        merged = merge_rows(hidden[self.rows], self.ids, self.probs, self.residual, embedding, self.settings)
         out = hidden.clone()
         out[self.rows] = merged.to(hidden.dtype)
         return out
@@ -119,8 +125,8 @@ class StaticTokenMerge:
     soft: torch.Tensor
     settings: TokenMergeSettings
 
-    def apply(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        merged = merge_rows(hidden, self.ids, self.probs, self.residual, table, self.settings)
+    def apply(self, hidden: torch.Tensor, embedding: Embedding) -> torch.Tensor:
+        merged = merge_rows(hidden, self.ids, self.probs, self.residual, embedding, self.settings)
         return torch.where((self.soft != 0).unsqueeze(-1), merged.to(hidden.dtype), hidden)
 
 

@@ -101,7 +101,7 @@ def run_decoder(
     """
     hidden, rope = embed_with_angles(embedding, rotary, input_ids, positions)
     if merge is not None:
-        hidden = merge.apply(hidden, embedding.weight)
+        hidden = merge.apply(hidden, embedding)
     residual: torch.Tensor | None = None
     last = len(layers) - 1
     for index, layer in enumerate(layers):

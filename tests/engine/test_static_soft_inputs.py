@@ -57,26 +57,28 @@ class TestStaging:
 
     def test_the_staged_records_merge_like_the_eager_rows_and_only_the_soft_rows_change(self) -> None:
         table = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
+        embedding = torch.nn.Embedding.from_pretrained(table)
         hidden = table[torch.tensor([1, 2, 3, 4, 5, 6])]
         rows = [(1, SoftInput((3,), (0.75,), 0.25)), (4, SoftInput((4, 5), (0.5, 0.25), 0.25))]
         static = StaticSoftInputs(self.settings, max_rows=8, device=torch.device("cpu"), staging_buffers=1)
         static.stage(rows, num_rows=6, buffer=0)
         static.upload(6, buffer=0)
-        got = static.merge(6).apply(hidden, table)
-        expected = TokenMerge.of(rows, self.settings, torch.device("cpu")).apply(hidden, table)
+        got = static.merge(6).apply(hidden, embedding)
+        expected = TokenMerge.of(rows, self.settings, torch.device("cpu")).apply(hidden, embedding)
         assert torch.equal(got, expected)
         assert torch.equal(got[[0, 2, 3, 5]], hidden[[0, 2, 3, 5]])
 
     def test_a_later_step_forgets_the_soft_rows_of_the_last(self) -> None:
         table = torch.randn(12, 16, generator=torch.Generator().manual_seed(4))
+        embedding = torch.nn.Embedding.from_pretrained(table)
         hidden = table[torch.arange(6)]
         static = StaticSoftInputs(self.settings, max_rows=8, device=torch.device("cpu"), staging_buffers=2)
         static.stage([(2, SoftInput((3,), (0.5,), 0.5))], num_rows=6, buffer=1)
         static.upload(6, buffer=1)
-        assert not torch.equal(static.merge(6).apply(hidden, table), hidden)
+        assert not torch.equal(static.merge(6).apply(hidden, embedding), hidden)
         static.stage([], num_rows=6, buffer=1)
         static.upload(6, buffer=1)
-        assert torch.equal(static.merge(6).apply(hidden, table), hidden)
+        assert torch.equal(static.merge(6).apply(hidden, embedding), hidden)
 
     def test_more_candidates_than_top_k_are_refused_by_name(self) -> None:
         static = StaticSoftInputs(self.settings, max_rows=4, device=torch.device("cpu"), staging_buffers=1)

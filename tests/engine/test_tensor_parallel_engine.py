@@ -389,11 +389,26 @@ def test_a_runner_that_does_not_follow_rank_0_is_refused_by_name(diffusion_gemma
         Diffulex(str(diffusion_gemma_dir), expert_parallel_size=2)
 
 
-def test_soft_inputs_are_refused_by_name(tmp_path: Path) -> None:
-    """DMax's token merge mixes rows of the whole embedding, which no rank holds."""
-    model_dir = write_tiny_checkpoint(tmp_path / "llada2", "llada2", num_key_value_heads=2)
-    with pytest.raises(ValueError, match="decoding_strategy='dmax' and its soft inputs"):
-        make_engine(model_dir, "llada2", 2, decoding_strategy="dmax", sampling_mode="edit", token_merge_weight=0.5)
+@pytest.mark.parametrize("static", [False, True])
+def test_dmax_token_merge_over_two_ranks_gives_the_tokens_of_one(tmp_path: Path, static: bool) -> None:
+    """DMax's soft inputs mix rows of the embedding, which each rank holds a slice of: every rank looks the
+    candidates up through its sharded embedding (the ranks' rows summed). Eagerly (the soft rows travel in the step's
+    message) and on the graph path (uncaptured on the CPU), whose steps continued on the device write the next soft
+    inputs from the sampler every rank runs on the gathered logits."""
+    model_dir = write_tiny_checkpoint(tmp_path / "llada2", "llada2", seed=1, init_std=1.0, num_key_value_heads=2)
+    results = {}
+    for size, weight in ((1, 0.5), (2, 0.5), (1, 0.0)):
+        dmax = dict(decoding_strategy="dmax", sampling_mode="edit", token_merge_weight=weight, buffer_size=1)
+        with make_engine(model_dir, "llada2", size, **dmax) as llm:
+            if static:
+                llm.enable_static_decode(capture=False)
+            prompts = random_prompts(llm, [5, 11, 3], seed=3)
+            trajectories = llm.generate(prompts, GREEDY, use_tqdm=False).trajectories
+            results[size, weight] = ([describe(t) for t in trajectories], llm.num_continuations)
+    assert results[1, 0.5][0] != results[1, 0.0][0], "the soft inputs must change the answers"
+    assert results[2, 0.5] == results[1, 0.5]
+    if static:
+        assert results[1, 0.5][1] > 0, "the scenario must continue steps on the device"
 
 
 def test_exit_ends_the_worker_and_a_second_engine_can_split_again(dense_dir: Path) -> None:

@@ -14,6 +14,11 @@ def table() -> torch.Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 
 
+def lookup(e: torch.Tensor) -> torch.nn.Embedding:
+    """The embedding ``e`` as the module a model's forward hands the merge."""
+    return torch.nn.Embedding.from_pretrained(e)
+
+
 def merge(mode: str, renormalize: bool, weight: float = 1.0) -> TokenMerge:
     settings = TokenMergeSettings(mode, 2, weight, renormalize, MASK)
     rows = [(1, SoftInput((3,), (0.75,), 0.25)), (2, SoftInput((4, 5), (0.5, 0.25), 0.25))]
@@ -25,7 +30,7 @@ def merge(mode: str, renormalize: bool, weight: float = 1.0) -> TokenMerge:
 def test_dmax_topk_mixes_the_candidates_and_the_mask():
     e = table()
     hidden = e[torch.tensor([0, 1, 2])]
-    out = merge("dmax_topk", renormalize=False).apply(hidden, e)
+    out = merge("dmax_topk", renormalize=False).apply(hidden, lookup(e))
     assert torch.equal(out[0], hidden[0])  # a row without candidates keeps its embedding
     torch.testing.assert_close(out[1], 0.75 * e[3] + 0.25 * e[MASK])
     torch.testing.assert_close(out[2], 0.5 * e[4] + 0.25 * e[5] + 0.25 * e[MASK])
@@ -33,7 +38,7 @@ def test_dmax_topk_mixes_the_candidates_and_the_mask():
 
 def test_renormalized_mixes_keep_the_weighted_norm_of_their_parts():
     e = table()
-    out = merge("dmax_topk", renormalize=True).apply(e[:3].clone(), e)
+    out = merge("dmax_topk", renormalize=True).apply(e[:3].clone(), lookup(e))
     expected_norm = 0.5 * e[4].norm() + 0.25 * e[5].norm() + 0.25 * e[MASK].norm()
     torch.testing.assert_close(out[2].norm(), expected_norm)
     mixed = 0.5 * e[4] + 0.25 * e[5] + 0.25 * e[MASK]
@@ -43,7 +48,7 @@ def test_renormalized_mixes_keep_the_weighted_norm_of_their_parts():
 def test_iter_smooth_adds_the_weighted_candidates_to_the_token():
     e = table()
     hidden = e[torch.tensor([0, 1, 2])]
-    out = merge("iter_smooth_topk", renormalize=True, weight=0.5).apply(hidden, e)
+    out = merge("iter_smooth_topk", renormalize=True, weight=0.5).apply(hidden, lookup(e))
     torch.testing.assert_close(out[2], e[2] + 0.5 * (0.5 * e[4] + 0.25 * e[5]))
 
 
@@ -68,8 +73,8 @@ def test_the_static_merge_of_every_row_equals_the_eager_merge_of_the_soft_rows(m
         ids[row, : len(candidates.ids)] = torch.tensor(candidates.ids)
         probs[row, : len(candidates.probs)] = torch.tensor(candidates.probs)
         residual[row], soft[row] = candidates.residual, 1
-    static = StaticTokenMerge(ids, probs, residual, soft, settings).apply(hidden, e)
-    eager = TokenMerge.of(rows, settings, torch.device("cpu")).apply(hidden, e)
+    static = StaticTokenMerge(ids, probs, residual, soft, settings).apply(hidden, lookup(e))
+    eager = TokenMerge.of(rows, settings, torch.device("cpu")).apply(hidden, lookup(e))
     assert torch.equal(static, eager)
     assert torch.equal(static[[0, 2, 4]], hidden[[0, 2, 4]])
     assert not torch.equal(static[[1, 3]], hidden[[1, 3]])
