@@ -37,7 +37,11 @@ _ROWS_PER_PROGRAM_ELEMS = 512
 @triton.jit
 def _take_top_k(keys, weights, cols, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
     """The ``TOP_K`` largest ``keys [R, E]`` of each row one after the other (the lowest column among equal keys),
-    as ``[R, TOP_K_PAD]`` slots: each one's entry of ``weights [R, E]`` and its column."""
+    as ``[R, TOP_K_PAD]`` slots: each one's entry of ``weights [R, E]`` and its column. A NaN key counts as the
+    largest, as in ``torch.topk``: no key equals a NaN maximum, which would leave the column past the last, and the
+    layers index weights and expert tables by these columns (a NaN hidden state must not become an access out of
+    bounds, which would end the process's CUDA context for every request)."""
+    keys = tl.where(keys != keys, float("inf"), keys)
     slots = tl.arange(0, TOP_K_PAD)
     chosen_w = tl.zeros([keys.shape[0], TOP_K_PAD], dtype=tl.float32)
     chosen_e = tl.zeros([keys.shape[0], TOP_K_PAD], dtype=tl.int64)

@@ -47,6 +47,20 @@ def test_equal_probabilities_go_to_the_lower_expert_first():
     torch.testing.assert_close(weights.cpu(), torch.full((1, 3), 1 / 3))
 
 
+def test_nan_logits_still_choose_experts_that_exist():
+    """A NaN hidden state must not turn into an expert index past the table (an out-of-bounds access ends the CUDA
+    context for every request): NaN counts as the largest score, as in ``torch.topk``."""
+    from diffulex.kernels.moe_routing import group_limited_topk
+
+    logits = torch.randn(3, 8)
+    logits[0, 5] = float("nan")  # one NaN: the row's softmax is NaN throughout
+    logits[1] = float("nan")
+    _, experts = softmax_topk(logits.to(DEVICE), 3, normalize=True)
+    assert experts.cpu().tolist()[:2] == [[0, 1, 2], [0, 1, 2]] and 0 <= int(experts.min()) <= int(experts.max()) < 8
+    _, grouped = group_limited_topk(logits.to(DEVICE), None, 2, 1, 3, 1.0, 1e-20)
+    assert 0 <= int(grouped.min()) <= int(grouped.max()) < 8
+
+
 def test_a_top_k_outside_the_experts_is_refused_by_name():
     with pytest.raises(ValueError, match=r"top_k=9 must be in \[1, 8\]"):
         softmax_topk(torch.zeros(2, 8, device=DEVICE), 9, normalize=True)
