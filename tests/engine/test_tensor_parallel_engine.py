@@ -457,33 +457,28 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(dense_dir: Pa
     assert time.monotonic() - started < TIMEOUT_S / 2, "found by watching the worker, not the rendezvous timeout"
 
 
-def test_a_forward_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_the_worker(dense_dir) -> None:
-    """The worker already runs the step and waits in its collectives: the ranks cannot go on in step."""
-    llm = make_engine(dense_dir, "sdar", 2)
+@pytest.mark.parametrize(
+    ("fixture", "broken_part"), [("dense_dir", "_eager_forward"), ("diffusion_gemma_dir", "_decode")]
+)
+def test_a_step_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_the_worker(
+    request, fixture: str, broken_part: str
+) -> None:
+    """The worker already runs the step and waits in its collectives: the ranks cannot go on in step. The engine's
+    runner and a strategy's own (DiffusionGemma's decoder pass) alike."""
+    model_dir = request.getfixturevalue(fixture)
+    if fixture == "dense_dir":
+        llm = make_engine(model_dir, "sdar", 2)
+    else:
+        llm = Diffulex(
+            str(model_dir), tensor_parallel_size=2, dtype="float32", max_model_len=96, master_addr="127.0.0.1",
+            master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S,
+        )  # fmt: skip
     (pid,) = llm.workers.pids
 
-    def broken_forward(step):
+    def broken(*args):
         raise RuntimeError("injected failure")
 
-    llm.runner._eager_forward = broken_forward
-    with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
-        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert not pid_alive(pid)
-    llm.exit()
-
-
-def test_a_diffusion_gemma_pass_failing_on_rank_0_after_its_announcement_fails_the_engine(diffusion_gemma_dir) -> None:
-    """The strategy's own runner keeps the same promise: a worker told of a pass that rank 0 never runs is ended."""
-    llm = Diffulex(
-        str(diffusion_gemma_dir), tensor_parallel_size=2, dtype="float32", max_model_len=96, master_addr="127.0.0.1",
-        master_port=free_port(), distributed_timeout_seconds=TIMEOUT_S,
-    )  # fmt: skip
-    (pid,) = llm.workers.pids
-
-    def broken_decode(*args):
-        raise RuntimeError("injected failure")
-
-    llm.runner._decode = broken_decode
+    setattr(llm.runner, broken_part, broken)
     with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert not pid_alive(pid)
