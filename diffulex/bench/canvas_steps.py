@@ -2,18 +2,20 @@
 
 The engine serves the ``diffusion_gemma`` strategy on random weights (``load_format="dummy"``) of the published
 DiffusionGemma-26B-A4B geometry (`diffulex.testing.checkpoints.DIFFUSION_GEMMA_26B_CONFIG`), or of fewer layers
-where 30 do not fit the device with their KV cache (the report says which). For each batch size, that many
-requests with random prompts of ``prompt_len`` tokens each ask for one canvas; ``confidence_threshold`` 0 keeps
-every canvas denoising for all ``steps`` steps. A first batch warms up (kernels compiled, the bucket's CUDA graph
-captured); then, in a second, the engine steps that each compute exactly one denoising step of every canvas are
-timed on the host. An engine step applies the step in flight and launches the next; the first launches two (the
-first of which also encodes the prompts) and the last none, so ``steps - 2`` calls are timed. The runner computes
-a launched step whole, ending by reading the canvases' argmaxes back, so host time is device time. The decoder
-pass alone (``decoder_ms_per_pass``: the graph replay) is timed apart, so the rest of the step (LM head, each
-canvas's sampling rule and self-conditioning input) is the difference. Each row names the path the experts took
-over the batch's rows (``experts_impl``: each layer's own choice, or the one ``experts_impl`` forces, so that two
-runs compare the fused kernels with the grouped GEMM on one machine). With ``profile`` (``--profile``), one more
-batch's steps and the decoder pass alone run under the profiler: GPU time by kernel kind and the longest kernels.
+where 30 do not fit the device with their KV cache (the report says which). For each batch size, that many requests
+with random prompts of ``prompt_len`` tokens each ask for one canvas; ``confidence_threshold`` 0 keeps every canvas
+denoising for all ``steps`` steps. A first batch warms up (kernels compiled, the bucket's CUDA graph captured);
+then, in a second, the engine steps that each compute exactly one denoising step of every canvas are timed on the
+host. An engine step applies the step in flight and launches the next; the first launches two (the first of which
+also encodes the prompts) and the last none, so ``steps - 2`` calls are timed. The runner computes a launched step
+whole, ending by reading the canvases' argmaxes back, so host time is device time. The decoder pass alone is timed
+apart, back to back (``decoder_ms_per_pass``: the graph replay) and each pass awaited as a step's is
+(``decoder_ms_per_awaited_pass``; over several ranks it also holds the latency of telling the workers), so the rest
+of the step (LM head, each canvas's sampling rule and self-conditioning input) is the difference. Each row names the
+path the experts took over the batch's rows (``experts_impl``: each layer's own choice, or the one ``experts_impl``
+forces, so that two runs compare the fused kernels with the grouped GEMM on one machine). With ``profile``
+(``--profile``), one more batch's steps and the decoder pass alone run under the profiler: GPU time by kernel kind
+and the longest kernels.
 
 The floor of one step (`diffulex.bench.roofline`, MoE accounting included): bytes = every weight outside the
 experts (the tied embedding once, as the LM head) + the experts the step's ``batch x canvas_length`` rows select
@@ -243,8 +245,12 @@ def decoder_pass(engine: Any, batch: int, prompt_len: int) -> Callable[[], objec
     return run
 
 
-def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) -> float | None:
-    """Milliseconds of `decoder_pass` (None when the pool has too few pages)."""
+def time_decoder_pass(
+    engine: Any, batch: int, prompt_len: int, iters: int = 5, each_awaited: bool = False
+) -> float | None:
+    """Milliseconds of `decoder_pass` (None when the pool has too few pages): back to back, or with
+    ``each_awaited`` each pass's device work awaited before the next starts, as a step is (over several ranks the
+    latency of telling the workers then shows, which back-to-back passes overlap)."""
     run = decoder_pass(engine, batch, prompt_len)
     if run is None:
         return None
@@ -253,6 +259,8 @@ def time_decoder_pass(engine: Any, batch: int, prompt_len: int, iters: int = 5) 
     t0 = time.perf_counter()
     for _ in range(iters):
         run()
+        if each_awaited:
+            _sync(engine.device)
     _sync(engine.device)
     return 1e3 * (time.perf_counter() - t0) / iters
 
@@ -320,6 +328,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         time_batch(engine, batch, settings, seed=settings.seed + 1000)  # warm-up: compiles and captures
         times = time_batch(engine, batch, settings, seed=settings.seed)
         decoder_ms = time_decoder_pass(engine, batch, settings.prompt_len)
+        awaited_ms = time_decoder_pass(engine, batch, settings.prompt_len, each_awaited=True)
         model, runner = engine.model, engine.runner
         itemsize = next(model.parameters()).element_size()
         cost = canvas_cost_model(model, itemsize)
@@ -331,7 +340,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         row = {
             "batch": batch, "timed_steps": len(times), "ms_per_step": mean_ms,
             "median_ms_per_step": 1e3 * statistics.median(times), "min_ms_per_step": 1e3 * min(times),
-            "decoder_ms_per_pass": decoder_ms,
+            "decoder_ms_per_pass": decoder_ms, "decoder_ms_per_awaited_pass": awaited_ms,
             **floor, "floor_ratio": mean_ms / floor["floor_ms"],
             "memory_floor_ratio": mean_ms / floor["memory_floor_ms"],
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
@@ -347,7 +356,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         f"{row['weight_GB']:.2f} GB + experts {row['experts_GB']:.2f} GB ({row['experts_per_layer']:.1f}/layer) + "
         f"K/V {row['kv_read_GB']:.3f} GB; compute {row['compute_floor_ms']:.2f}: {row['step_TFLOP']:.2f} TFLOP), "
         f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}, experts {experts_impl}; decoder pass alone "
-        f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms'}")  # fmt: skip
+        f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms ({awaited_ms:.2f} each awaited)'}")  # fmt: skip
     if "profile" in row:
         _log_profile(row["profile"], log)
     return row

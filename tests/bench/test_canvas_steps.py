@@ -35,6 +35,7 @@ def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
     for row in report["results"]:
         assert row["timed_steps"] == 2
         assert row["ms_per_step"] > 0 and row["floor_ms"] > 0 and row["decoder_ms_per_pass"] > 0
+        assert row["decoder_ms_per_awaited_pass"] > 0
         assert row["floor_ratio"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
         assert row["floor_ms"] == pytest.approx(max(row["memory_floor_ms"], row["compute_floor_ms"]))
         assert 0 < row["experts_per_layer"] <= 4
