@@ -43,10 +43,11 @@ import torch
 
 from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import CostModel, StepWork, step_bytes, step_flops
+from diffulex.layers.moe import MOE_IMPLS
 
 GEOMETRIES = ("26b-a4b", "tiny")
 # Expert paths a run may force: those a CUDA graph captures (the exact loop asks the host which experts ran).
-FORCED_EXPERTS_IMPLS = ("fused", "grouped", "dense")
+FORCED_EXPERTS_IMPLS = tuple(impl for impl in MOE_IMPLS if impl != "loop")
 # Layers kept per retry when the geometry does not fit: one period of the 5 sliding : 1 full pattern
 LAYER_PERIOD = 6
 # A tiny geometry for checking the tool end to end on the CPU (the shapes of the CPU tests' checkpoints)
