@@ -448,11 +448,11 @@ def _forwards_run_dry(runner: StepRunner) -> bool:
     MoE layers (the experts' routing indexes memory by the router's output, which a skipped launch leaves as garbage)
     or with heads the Triton attention cannot tile (the PyTorch attention reads the step's layout back)."""
     from diffulex.attention.layer import triton_supports_head_dim
-    from diffulex.layers.moe import SparseMoE
+    from diffulex.layers.moe import ExpertLayer
 
     if not isinstance(runner, ModelRunner) or engine_ranks().size > 1:
         return False
-    if any(isinstance(module, SparseMoE) for module in runner.model.modules()):
+    if any(isinstance(module, ExpertLayer) for module in runner.model.modules()):
         return False
     return all(triton_supports_head_dim(layer.head_dim) for layer in runner.attention_layers)
 

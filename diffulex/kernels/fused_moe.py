@@ -28,7 +28,7 @@ graph captures them:
    and stored per pair, ``[T * top_k, hidden]`` float32.
 4. ``_combine_kernel`` (token x column blocks): the token's ``top_k`` slots summed in slot order, skipping
    pairs of experts not held here, rounded to the dtype. No float atomics: the result is the same run to run,
-   and it is bit for bit `diffulex.layers.moe.SparseMoE._combine` of the per-pair outputs.
+   and it is bit for bit `diffulex.layers.moe.weighted_slots` of the per-pair outputs.
 
 Each program of a GEMM streams one column block of its tile's expert once; when an expert's pairs fit one tile
 (the decode case: `config_for` sizes ``block_m`` by the pairs per expert) every selected expert's weights are

@@ -335,13 +335,22 @@ def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
 
 class ExpertLayer(nn.Module):
     """A layer of routed experts, whatever its family: what expert parallelism splits and ``moe_gemm_impl`` picks
-    the path of. ``num_experts`` is the layer's whole count; ``ep`` the expert-parallel group it was built over, of
-    which ``ep.owned_experts`` says the experts this rank holds; ``impl`` one of `MOE_IMPLS` that every step takes
-    (None: each step's own choice). Each path is a method ``_<impl>(x, weights, experts)``."""
+    the path of. ``num_experts`` is the layer's whole count; ``ep`` the expert-parallel group it was built over and
+    ``owned`` the global indices of the experts this rank holds (``ep.owned_experts``); ``impl`` one of `MOE_IMPLS`
+    that every step takes (None: each step's own choice). Each path is a method ``_<impl>(x, weights, experts)``."""
 
     num_experts: int
     ep: ExpertParallelGroup
+    owned: range
     impl: str | None = None
+
+    def _local_experts(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``experts`` as indices into this rank's experts (outside ``[0, len(owned))``: another rank's), and which
+        pairs are this rank's (None: all of them)."""
+        if len(self.owned) == self.num_experts:
+            return experts, None
+        local = experts - self.owned.start
+        return local, (local >= 0) & (local < len(self.owned))
 
     def _weighted_sum(
         self, impl: str, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -370,9 +379,8 @@ class SparseMoE(ExpertLayer):
         self.ep = expert_parallel_group()
         # Experts the EP group places on one rank are whole there; at EP=1 they split over the TP group like any MLP.
         sharded = self.ep.size == 1
-        self.experts = ExpertRange(
-            self.ep.owned_experts(self.num_experts), lambda: GatedMLP(hidden_size, intermediate_size, sharded=sharded)
-        )
+        self.owned = self.ep.owned_experts(self.num_experts)
+        self.experts = ExpertRange(self.owned, lambda: GatedMLP(hidden_size, intermediate_size, sharded=sharded))
         # The group over which a product of the stacked weights is partial (the modules' own forward sums it).
         self.expert_tp = tensor_parallel_group() if sharded else SINGLE_RANK
         self.shared_experts = shared_experts
@@ -419,13 +427,6 @@ class SparseMoE(ExpertLayer):
         projection.weight_loader(projection.weight, loaded)
         return True
 
-    def _owned_mask(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``experts`` as indices into this rank's experts, and which pairs are this rank's (None: all of them)."""
-        if len(self.experts) == self.num_experts:
-            return experts, None
-        local = experts - self.experts.owned.start
-        return local, (local >= 0) & (local < len(self.experts))
-
     def _impl_for(self, x: torch.Tensor) -> str:
         """Unstacked experts (a LoRA hook on one of them) run as modules, so that their hooks apply: the loop on
         the CPU; on CUDA every expert over every token (``dense``, which calls the modules when unstacked), which a
@@ -451,31 +452,9 @@ class SparseMoE(ExpertLayer):
         return self.stack.gate_up, self.stack.down
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Pairs sorted by expert; ``offs[e]`` is where expert ``e``'s rows end. Counted by a scatter rather than
-        ``bincount``, whose output size would be read back to the host."""
-        T, k = experts.shape
         gate_up, down = self._stacked()
-        held = len(self.experts)
-        local, mine = self._owned_mask(experts)
-        if mine is not None:
-            local = torch.where(mine, local, held)  # other ranks' pairs sort last, past the last group's end
-        flat = local.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts[:held].cumsum(0, dtype=torch.int32)
-        rows = x[order // k]
-        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
-        inter = h.shape[-1] // 2
-        act = F.silu(h[:, :inter]) * h[:, inter:]
-        out = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
-        # back to (token, slot) order, then the weighted sum over the slots in a fixed order (no atomics)
-        unsorted = torch.empty_like(out)
-        unsorted[order] = out
-        per_slot = unsorted.view(T, k, -1)
-        if mine is not None:  # rows past the last group are never written: select, not multiply, them away
-            per_slot = torch.where(mine.unsqueeze(-1), per_slot, 0.0)
-        return self.expert_tp.all_reduce(self._combine(per_slot, weights, x.dtype))
+        per_slot = grouped_expert_slots(x, *self._local_experts(experts), len(self.experts), gate_up, down, F.silu)
+        return self.expert_tp.all_reduce(weighted_slots(per_slot, weights, x.dtype))
 
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The Triton kernels over the stacked weights; another rank's pairs fall outside this rank's local
@@ -483,8 +462,7 @@ class SparseMoE(ExpertLayer):
         from diffulex.kernels.fused_moe import fused_moe
 
         gate_up, down = self._stacked()
-        local = experts - self.experts.owned.start if len(self.experts) != self.num_experts else experts
-        return self.expert_tp.all_reduce(fused_moe(x, weights, local, gate_up, down))
+        return self.expert_tp.all_reduce(fused_moe(x, weights, self._local_experts(experts)[0], gate_up, down))
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing (zero where not chosen): static shapes. Stacked
@@ -513,15 +491,7 @@ class SparseMoE(ExpertLayer):
                 continue
             token, slot = (experts == e).nonzero(as_tuple=True)
             out[token, slot] = self.experts[e](x[token])
-        return self._combine(out, weights, x.dtype)
-
-    @staticmethod
-    def _combine(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``sum_j weights[:, j] * per_slot[:, j]`` in float32, slot by slot (the same order on every path)."""
-        total = per_slot[:, 0].float() * weights[:, :1]
-        for j in range(1, per_slot.shape[1]):
-            total += per_slot[:, j].float() * weights[:, j : j + 1]
-        return total.to(dtype)
+        return weighted_slots(out, weights, x.dtype)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The definition, token by token (tests); this rank's experts, summed over the expert-parallel group."""
@@ -564,3 +534,43 @@ def held_elsewhere(name: str, layers: dict[str, SparseMoE]) -> bool:
         return False
     layer, relative = found
     return int(relative.split(".")[1]) not in layer.experts.owned
+
+
+def grouped_expert_slots(
+    x: torch.Tensor,
+    local: torch.Tensor,
+    mine: torch.Tensor | None,
+    held: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each (token, slot) pair's expert output ``[T, k, hidden]`` by two grouped GEMMs over this rank's ``held``
+    stacked experts (``gate_up [held, 2 * inter, hidden]``, gate rows then up rows; ``down [held, hidden, inter]``):
+    the pairs sorted by their expert ``local [T, k]`` (`ExpertLayer._local_experts`), another rank's pairs (``mine``
+    False) last, past the last group, and zero in the result. ``offs[e]`` ends expert ``e``'s rows, counted by a
+    scatter rather than ``bincount``, whose output size would be read back to the host."""
+    T, k = local.shape
+    flat = (local if mine is None else torch.where(mine, local, held)).reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts[:held].cumsum(0, dtype=torch.int32)
+    h = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    out = torch._grouped_mm(activation(gate) * up, down.transpose(1, 2), offs=offs)
+    unsorted = torch.empty_like(out)  # back to (token, slot) order
+    unsorted[order] = out
+    per_slot = unsorted.view(T, k, -1)
+    if mine is not None:  # rows past the last group are never written: select, not multiply, them away
+        per_slot = torch.where(mine.unsqueeze(-1), per_slot, 0.0)
+    return per_slot
+
+
+def weighted_slots(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j weights[:, j] * per_slot[:, j]`` in float32, slot by slot: the same order on every path (no
+    atomics), and the fused kernels' combine's."""
+    total = per_slot[:, 0].float() * weights[:, :1]
+    for j in range(1, per_slot.shape[1]):
+        total += per_slot[:, j].float() * weights[:, j : j + 1]
+    return total.to(dtype)

@@ -40,7 +40,15 @@ from torch import nn
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import HeadParallelLinear
-from diffulex.layers.moe import ExpertLayer, GatedMLP, ScaledSoftmaxRouter, fused_experts_win, grouped_mm_supported
+from diffulex.layers.moe import (
+    ExpertLayer,
+    GatedMLP,
+    ScaledSoftmaxRouter,
+    fused_experts_win,
+    grouped_expert_slots,
+    grouped_mm_supported,
+    weighted_slots,
+)
 from diffulex.layers.norm import gemma_rms_norm
 from diffulex.layers.parallel_state import (
     SINGLE_RANK,
@@ -249,8 +257,7 @@ class StackedExperts(ExpertLayer):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, ``weights [T, k]`` (float32), ``experts [T, k]`` (global indices) -> ``[T, hidden]``,
         summed over the ranks."""
-        local = experts - self.owned.start  # outside [0, len(owned)): another rank's expert
-        out = self._weighted_sum(self.impl_for(x), x, weights, local)
+        out = self._weighted_sum(self.impl_for(x), x, weights, experts)
         return self.ep.all_reduce(self.tp.all_reduce(out))  # at most one of the two spans several ranks
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -277,7 +284,8 @@ class StackedExperts(ExpertLayer):
             return (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
         return (self.num_experts, self.hidden_size, self.intermediate_size)
 
-    def _loop(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        local, _ = self._local_experts(experts)
         out = torch.zeros_like(x)
         for e in local.unique().tolist():
             if not 0 <= e < len(self.owned):
@@ -288,49 +296,28 @@ class StackedExperts(ExpertLayer):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _fused(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The fused Triton kernels over the stacked weights (on the CPU only under the Triton interpreter); they
-        skip the pairs of experts outside ``[0, len(owned))``."""
+        skip the pairs of another rank's experts."""
         from diffulex.kernels.fused_moe import fused_moe
 
+        local, _ = self._local_experts(experts)
         return fused_moe(x, weights, local, self.gate_up_proj, self.down_proj, activation="gelu_tanh")
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """(token, slot) pairs sorted by expert, another rank's pairs last, past the last group; ``offs[e]`` ends
-        expert ``e``'s rows (counted by a scatter: no host read)."""
-        T, k = local.shape
-        held = len(self.owned)
-        mine = (local >= 0) & (local < held) if held != self.num_experts else None
-        flat = (local if mine is None else torch.where(mine, local, held)).reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts[:held].cumsum(0, dtype=torch.int32)
-        h = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        per_slot = torch.empty_like(y)
-        per_slot[order] = y
-        if mine is not None:  # rows past the last group are never written: select, not multiply, them away
-            per_slot = torch.where(mine.reshape(-1, 1), per_slot, 0.0)
-        return _weighted_slots(per_slot.view(T, k, -1), weights, x.dtype)
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        local, mine = self._local_experts(experts)
+        per_slot = grouped_expert_slots(x, local, mine, len(self.owned), self.gate_up_proj, self.down_proj, gelu_tanh)
+        return weighted_slots(per_slot, weights, x.dtype)
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        local, _ = self._local_experts(experts)
         per_slot = torch.zeros(x.shape[0], local.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
         for e in range(len(self.owned)):
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
             chosen = (local == e).to(x.dtype)  # [T, k]: at most one slot per token holds e
             per_slot += chosen[:, :, None] * y[:, None, :]
-        return _weighted_slots(per_slot, weights, x.dtype)
-
-
-def _weighted_slots(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_j weights[:, j] * per_slot[:, j]`` in float32, slot by slot."""
-    total = per_slot[:, 0].float() * weights[:, :1]
-    for j in range(1, per_slot.shape[1]):
-        total += per_slot[:, j].float() * weights[:, j : j + 1]
-    return total.to(dtype)
+        return weighted_slots(per_slot, weights, x.dtype)
 
 
 class DiffusionGemmaLayer(nn.Module):

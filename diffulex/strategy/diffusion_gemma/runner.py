@@ -98,10 +98,9 @@ class EncodeRound:
 
 @dataclass(frozen=True)
 class DecoderPass:
-    """A decoder pass the workers repeat over ``batch`` canvases, each after ``contexts[b]`` positions in pages
-    ``tables[b]``; its canvas ids (and, with ``soft``, the self-conditioning inputs) follow in broadcasts."""
+    """A decoder pass the workers repeat over canvases each after ``contexts[b]`` positions in pages ``tables[b]``;
+    its canvas ids (and, with ``soft``, the self-conditioning inputs) follow in broadcasts."""
 
-    batch: int
     contexts: list[int]
     tables: list[list[int]]
     soft: bool
@@ -270,8 +269,7 @@ class CanvasRunner:
         pages ``tables[b]``; ``[B, C, hidden]``. From a bucket's static buffers (its graph replayed once captured)
         when one holds the batch, eagerly otherwise. On rank 0 of several, the workers repeat it."""
         if self.workers is not None:
-            batch = canvas_ids.shape[0]
-            self._announce(DecoderPass(batch, list(contexts), [list(t) for t in tables], soft is not None))
+            self._announce(DecoderPass(list(contexts), [list(t) for t in tables], soft is not None))
             self._share(canvas_ids, soft)
         return self._decode(canvas_ids, soft, contexts, tables)
 
@@ -344,12 +342,12 @@ class CanvasRunner:
         if isinstance(work, EncodeRound):
             self._encode_round(work.pieces, torch.tensor(work.ids, dtype=torch.long, device=device))
             return None
-        config = self.model.config
-        canvas_ids = torch.empty(work.batch, config.canvas_length, dtype=torch.long, device=device)
+        config, batch = self.model.config, len(work.contexts)
+        canvas_ids = torch.empty(batch, config.canvas_length, dtype=torch.long, device=device)
         soft = None
         if work.soft:
             dtype = self.model.model.decoder.embed_tokens.weight.dtype
-            soft = torch.empty(work.batch, config.canvas_length, config.hidden_size, dtype=dtype, device=device)
+            soft = torch.empty(batch, config.canvas_length, config.hidden_size, dtype=dtype, device=device)
         self._share(canvas_ids, soft)
         return self._decode(canvas_ids, soft, work.contexts, work.tables)
 
