@@ -101,7 +101,7 @@ def run_reference(logits, states, temperatures, seeds, options, vocab, embedding
     return steps
 
 
-# On a GPU the batched rule's sampled canvases take two fused passes over their logits (`sample_canvas`), whose
+# On a GPU the batched rule's sampled canvases take two fused passes over their logits (`sample_canvases`), whose
 # float32 sums round otherwise than PyTorch's: their mean entropy within this relative distance of the reference's,
 # their self-conditioning inputs within bf16 rounding. On the CPU both are the same code, bit for bit.
 ENTROPY_RTOL = 1e-5

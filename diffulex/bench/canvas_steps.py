@@ -45,7 +45,9 @@ from diffulex.bench.hardware import measure_peaks
 from diffulex.bench.roofline import CostModel, StepWork, step_bytes, step_flops
 from diffulex.layers.moe import MOE_IMPLS
 
-GEOMETRIES = ("26b-a4b", "tiny")
+# "sweep": the performance sweep's DiffusionGemma layout (`diffulex.bench.sweep_models.DIFFUSION_GEMMA_TEXT`, a
+# canvas of the tiny writer's length), so that the sweep's row has a tool that breaks its step down (``--profile``)
+GEOMETRIES = ("26b-a4b", "sweep", "tiny")
 # Expert paths a run may force: those a CUDA graph captures (the exact loop asks the host which experts ran).
 FORCED_EXPERTS_IMPLS = tuple(impl for impl in MOE_IMPLS if impl != "loop")
 # Layers kept per retry when the geometry does not fit: one period of the 5 sliding : 1 full pattern
@@ -98,6 +100,11 @@ def write_folder(path: Path, geometry: str, num_layers: int | None) -> tuple[Pat
         text.update(TINY_TEXT_CONFIG)
         config["canvas_length"] = TINY_CANVAS
         config.pop("image_token_id")  # an id beyond the tiny vocabulary
+    elif geometry == "sweep":
+        from diffulex.bench.sweep_models import DIFFUSION_GEMMA_TEXT
+
+        text.update({k: v for k, v in DIFFUSION_GEMMA_TEXT.items() if k != "layer_types"})  # derived per layer count
+        config["canvas_length"] = TINY_CANVAS
     default_layers = LAYER_PERIOD if geometry == "tiny" else text["num_hidden_layers"]
     layers = num_layers if num_layers is not None else default_layers
     text["num_hidden_layers"] = layers

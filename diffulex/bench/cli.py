@@ -184,7 +184,8 @@ def add_canvas_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("canvas (diffulex bench canvas: DiffusionGemma ms per denoising step)")
     group.add_argument("--geometry", dest="cv__geometry", choices=GEOMETRIES,
-                       help="random-weight geometry (default: 26b-a4b; tiny checks the tool on a CPU)")
+                       help="random-weight geometry (default: 26b-a4b; sweep: the performance sweep's DiffusionGemma "
+                            "layout; tiny checks the tool on a CPU)")
     group.add_argument("--layers", dest="cv__num_layers", type=int, metavar="N",
                        help="layers of the geometry (default: all, fewer only where they do not fit)")
     group.add_argument("--steps", dest="cv__steps", type=int, metavar="N",

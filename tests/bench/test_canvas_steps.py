@@ -3,6 +3,7 @@ tiny geometry; its floor arithmetic by hand; its retry with fewer layers where t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -148,6 +149,22 @@ def test_over_two_ranks_the_floor_is_rank_0s_step(tmp_path: Path, tensor: int, e
         assert cost.trunk_linear_params == canvas_cost_model(whole_model, 4).trunk_linear_params
 
 
+def test_the_sweep_geometry_is_the_performance_sweeps_diffusion_gemma_layout(tmp_path: Path) -> None:
+    """The layout whose step the sweep's strategies target times, so a profile of it explains that row; with fewer
+    layers the 5 sliding : 1 global pattern is kept, ending on a global layer."""
+    from diffulex.bench.sweep_models import DIFFUSION_GEMMA_LAYERS, MODELS
+
+    folder, layers = write_folder(tmp_path / "bench", "sweep", None)
+    swept = MODELS["diffusion-gemma"](tmp_path / "sweep", None)
+    ours, theirs = (DiffusionGemmaConfig.from_pretrained(f) for f in (folder, swept))
+    assert layers == DIFFUSION_GEMMA_LAYERS
+    not_shape = ("image_token_id", "eos_token_ids", "pad_token_id", "bos_token_id", "torch_dtype")
+    shape = [f.name for f in dataclasses.fields(DiffusionGemmaConfig) if f.name not in not_shape]
+    assert {name: getattr(ours, name) for name in shape} == {name: getattr(theirs, name) for name in shape}
+    short = DiffusionGemmaConfig.from_pretrained(write_folder(tmp_path / "short", "sweep", 12)[0])
+    assert short.layer_types == ours.layer_types[:12]
+
+
 def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Path, monkeypatch) -> None:
     """Out of memory at 12 layers: every batch size is measured again with 6, and the report says so."""
     layers_seen = []
@@ -171,7 +188,7 @@ def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Pa
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"steps": 2}, "steps=2 must be >= 3"),
-    ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, tiny"),
+    ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, sweep, tiny"),
     ({"num_layers": 0}, "num_layers=0 must be >= 1"),
     ({"experts_impl": "loop"}, "experts_impl='loop' must be one of fused, grouped, dense"),
 ])  # fmt: skip

@@ -201,3 +201,40 @@ def test_a_canvas_sampled_in_the_fused_passes_gets_the_torch_codes_draws(probs_d
         assert fused.probs.dtype == probs_dtype
         units = PROBS_ULPS if probs_dtype == torch.float32 else 1  # float32: PyTorch's CPU exp is the cheaper one
         torch.testing.assert_close(fused.probs, want.probs, rtol=units * torch.finfo(probs_dtype).eps, atol=1e-7)
+
+
+@pytest.mark.parametrize("length", [16, 48])
+def test_canvases_sampled_together_get_the_numbers_each_gets_alone(length: int) -> None:
+    """The fused path of `sample_canvases` over five sampled canvases with a greedy one between them (one product
+    launch of 16-row canvases; three of 48-row ones, `canvases_per_product`): each canvas's entropies, draws,
+    drawable flag, self-conditioning input and generator state after equal, bit for bit, those it gets sampled
+    alone, and its draws those of the PyTorch code; a canvas at its last step gets no self-conditioning input."""
+    from diffulex.strategy.diffusion_gemma.canvas import canvases_per_product, sample_canvases
+
+    vocab, limit, hidden = 300, 280, 8
+    logits = 3 * torch.randn(6, length, vocab, generator=torch.Generator().manual_seed(6))
+    logits[:, :, limit:] = NEG_INF
+    logits = logits.to(DEVICE)
+    matrix = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    members, goes_on = [0, 1, 3, 4, 5], [True, True, False, True, True]  # canvas 2 is greedy, 3 at its last step
+
+    def sample(canvases, flags, fused=True):
+        generators = [torch.Generator(device=DEVICE).manual_seed(40 + b) for b in canvases]
+        got = sample_canvases(logits, canvases, generators, flags, torch.float32, lambda p: p @ matrix, fused=fused)
+        return got, [torch.randint(0, limit, (length,), generator=g, device=DEVICE) for g in generators]
+
+    together, after = sample(members, goes_on)
+    reference, reference_after = sample(members, goes_on, fused=False)
+    assert len(members) > canvases_per_product(length) or length == 16
+    for i, b in enumerate(members):
+        (alone,), (alone_after,) = sample([b], [goes_on[i]])
+        for field in ("entropy", "drawn", "drawable"):
+            assert torch.equal(getattr(together[i], field), getattr(alone, field)), field
+        assert torch.equal(after[i], alone_after)
+        assert (together[i].soft_embeds is None) == (not goes_on[i])
+        if goes_on[i]:
+            assert torch.equal(together[i].soft_embeds, alone.soft_embeds)
+            torch.testing.assert_close(together[i].soft_embeds, reference[i].soft_embeds, rtol=1e-5, atol=1e-6)
+        assert torch.equal(together[i].drawn, reference[i].drawn)
+        assert torch.equal(after[i], reference_after[i])
+        torch.testing.assert_close(together[i].entropy, reference[i].entropy, rtol=ENTROPY_RTOL, atol=ENTROPY_ATOL)

@@ -49,6 +49,7 @@ from diffulex.strategy.diffusion_gemma.canvas import (
     CanvasSchedule,
     CanvasState,
     CanvasSteps,
+    canvases_per_product,
     denoise_canvases,
     fresh_state,
 )
@@ -204,7 +205,9 @@ class CanvasRunner:
             hidden = self._decode_eager(canvas, None, [length] * rows, [table] * rows)
             logits = self.model.logits(hidden[: self._logits_group_size(rows)])
             state = fresh_state(0, 0, config.canvas_length, self.settings.vocab_limit, device)
-            self._rule(logits[:1], [state], [1.0], [0])  # the rule's temporaries: a sampled canvas's
+            # the rule's temporaries: those of the sampled canvases one self-conditioning product takes together
+            sampled = min(len(logits), canvases_per_product(config.canvas_length))
+            self._rule(logits[:sampled], [state] * sampled, [1.0] * sampled, [0] * sampled)
         finally:
             self.release_kv_cache()
 
