@@ -115,10 +115,15 @@ def linear(
     """``F.linear``, except where `diffulex.kernels.skinny_gemm.use_skinny` picks the skinny GEMM (few rows on
     CUDA, a shape it wins). On the CPU, under autograd and under ``torch.compile`` this is exactly ``F.linear``.
     ``release_early`` and ``readers`` (the rows anyone reads; with none the skinny GEMM may leave the output
-    unwritten): see `diffulex.kernels.skinny_gemm.maybe_skinny_linear`."""
-    skinny = _skinny_for(x)
-    y = skinny(x, weight, bias, release_early=release_early, readers=readers) if skinny is not None else None
-    return y if y is not None else nn.functional.linear(x, weight, bias)
+    unwritten): see `diffulex.kernels.skinny_gemm.maybe_skinny_linear`. A contiguous ``x`` of more than two dims
+    (``[B, n, K]``, as DiffusionGemma's canvases come) is taken as its ``B * n`` rows, so it meets the skinny GEMM
+    by its row count as a flat one does."""
+    rows = x.view(-1, x.shape[-1]) if x.dim() > 2 and x.is_contiguous() else x
+    skinny = _skinny_for(rows)
+    y = skinny(rows, weight, bias, release_early=release_early, readers=readers) if skinny is not None else None
+    if y is None:
+        return nn.functional.linear(x, weight, bias)
+    return y if rows is x else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _copy_into(param: torch.Tensor, value: torch.Tensor, what: str) -> None:

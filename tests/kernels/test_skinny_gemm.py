@@ -386,6 +386,30 @@ def test_an_eager_call_after_the_first_takes_cublas_not_another_output_of_the_ke
     assert outputs == (["silu_mul"] if captured else ["silu_mul", "sum"])
 
 
+def test_a_batch_of_canvases_meets_the_kernel_as_its_rows(monkeypatch) -> None:
+    """``[B, n, K]`` inputs (DiffusionGemma's canvases) reach the skinny GEMM as ``B * n`` rows of K and come back in
+    their own shape; a strided one (no flat view) and one the kernel declines take ``F.linear``."""
+    from diffulex.layers import linear as linear_module
+
+    seen: list[tuple[int, ...]] = []
+
+    def kernel(x, weight, bias=None, *, output="sum", release_early=False, readers=None):
+        seen.append(tuple(x.shape))
+        return None if x.shape[0] > 8 else 2 * nn.functional.linear(x, weight, bias)  # 2x: the kernel's mark
+
+    monkeypatch.setattr(linear_module, "_skinny_for", lambda x: kernel if x.dim() == 2 else None)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(16, 24)
+    canvases = torch.randn(2, 4, 16)
+    assert torch.equal(layer(canvases), 2 * nn.functional.linear(canvases, layer.weight))
+    assert seen == [(8, 16)]
+    wide = torch.randn(3, 4, 16)
+    assert torch.equal(layer(wide), nn.functional.linear(wide, layer.weight))
+    strided = torch.randn(4, 2, 16).transpose(0, 1)
+    assert torch.equal(layer(strided), nn.functional.linear(strided, layer.weight))
+    assert seen == [(8, 16), (12, 16)]
+
+
 def test_forward_hooks_still_see_the_layer_output() -> None:
     """LoRA applied per forward is a forward hook on the layer; the overridden forward must keep it working."""
     from diffulex.lora import _lora_forward_hook
