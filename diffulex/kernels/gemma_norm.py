@@ -121,3 +121,132 @@ def gemma_rms_norm(
         **launch_kwargs(use_pdl),
     )
     return out
+
+
+@triton.jit
+def _norm_rotate_head(
+    src,
+    w_ptr,
+    dst,
+    cos_row,
+    sin_row,
+    inv_d,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
+    """One head: Gemma's norm (rounded once to the output dtype), then rotate-half rotary over its first ``2 *
+    HALF`` dims in fp32, rounded again, as `diffulex.layers.rotary.apply_rotary` does with the normed head. A
+    rotated dim's partner is normed from its own input (same row statistics), so no value crosses lanes."""
+    d = tl.arange(0, BLOCK_D)
+    ok = d < HEAD_DIM
+    x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_d + eps)
+    y = x * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    y = cast_rne(y, dst.dtype.element_ty).to(tl.float32)
+    if ROTATE:
+        rotated = d < 2 * HALF
+        first = d < HALF
+        partner = tl.where(rotated, tl.where(first, d + HALF, d - HALF), d)
+        yp = tl.load(src + partner, mask=ok, other=0.0).to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            yp = yp * tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
+        yp = cast_rne(yp, dst.dtype.element_ty).to(tl.float32)
+        angle = tl.where(first, d, d - HALF)
+        c = tl.load(cos_row + angle, mask=ok & rotated, other=1.0)
+        s = tl.load(sin_row + angle, mask=ok & rotated, other=0.0)
+        y = tl.where(rotated, tl.where(first, y * c - yp * s, y * c + yp * s), y)
+    tl.store(dst + d, cast_rne(y, dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gemma_attention_inputs_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    wq_ptr,
+    wk_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out,
+    k_out,
+    v_out,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_angle,
+    angle_rows,
+    inv_d,
+    eps,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Program (t, h): head ``h`` of token ``t`` over the query heads, then the key heads, then the value heads
+    (normed without a weight, not rotated). Token ``t`` takes angle row ``t % angle_rows``."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    angle = (t % angle_rows) * stride_angle
+    if h < HQ:
+        _norm_rotate_head(q_ptr + t * stride_q + h * HEAD_DIM, wq_ptr, q_out + (t * HQ + h) * HEAD_DIM,
+                          cos_ptr + angle, sin_ptr + angle, inv_d, eps, HEAD_DIM, BLOCK_D, HALF, True, True)
+    elif h < HQ + HK:
+        j = h - HQ
+        _norm_rotate_head(k_ptr + t * stride_k + j * HEAD_DIM, wk_ptr, k_out + (t * HK + j) * HEAD_DIM,
+                          cos_ptr + angle, sin_ptr + angle, inv_d, eps, HEAD_DIM, BLOCK_D, HALF, True, True)
+    else:
+        j = h - HQ - HK
+        _norm_rotate_head(v_ptr + t * stride_v + j * HEAD_DIM, wk_ptr, v_out + (t * HK + j) * HEAD_DIM,
+                          cos_ptr + angle, sin_ptr + angle, inv_d, eps, HEAD_DIM, BLOCK_D, HALF, False, False)
+
+
+def gemma_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gemma attention layer's inputs from its projections in one launch: ``q [T, Hq, D]`` and ``k [T, Hk, D]``
+    normed with their weights and rotated, ``v`` (``[T, Hk, D]``; None: the keys' projection, as in a global layer)
+    normed without a weight. Rows may be strided (slices of one merged projection), heads contiguous. ``cos`` and
+    ``sin`` are ``[P, R / 2]`` float32 angles of the first ``R`` dims, token ``t`` taking row ``t % P`` (``P = T``,
+    or the positions of one of several equal canvases). The same roundings as the torch code
+    (`diffulex.layers.norm.gemma_rms_norm`, then `diffulex.layers.rotary.apply_rotary` on the rounded heads): eight
+    to ten launches a projection there."""
+    tokens, hq, head_dim = q.shape
+    hk = k.shape[1]
+    values = k if v is None else v
+    for name, t in (("k", k), ("v", values)):
+        if t.shape != (tokens, hk, head_dim) or t.dtype != q.dtype:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} {t.dtype}; it must be [{tokens}, {hk}, {head_dim}] "
+                             f"{q.dtype}")  # fmt: skip
+    for name, t in (("q", q), ("k", k), ("v", values)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name} with strides {t.stride()} must hold each token's heads contiguously")
+    half = cos.shape[-1]
+    angles_ok = cos.dim() == 2 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(1) == 1
+    if not angles_ok or 2 * half > head_dim or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} must be equal "
+                         f"float32 [positions, <= {head_dim // 2}] with unit column stride")  # fmt: skip
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, values)]
+    if tokens == 0:
+        return outs[0], outs[1], outs[2]
+    block_d = _next_pow2(head_dim)
+    _gemma_attention_inputs_kernel[(tokens, hq + 2 * hk)](
+        q, k, values, q_weight, k_weight, cos, sin, *outs, q.stride(0), k.stride(0), values.stride(0),
+        cos.stride(0), cos.shape[0], 1.0 / head_dim, eps,
+        HQ=hq, HK=hk, HEAD_DIM=head_dim, BLOCK_D=block_d, HALF=half,
+        num_warps=max(1, min(4, block_d // 128)), enable_fp_fusion=False,
+    )  # fmt: skip
+    return outs[0], outs[1], outs[2]

@@ -39,7 +39,7 @@ from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
 from diffulex.layers.dispatch import use_fused_kernels
-from diffulex.layers.linear import HeadParallelLinear
+from diffulex.layers.linear import HeadParallelLinear, MergedProjection
 from diffulex.layers.moe import (
     ExpertLayer,
     GatedMLP,
@@ -178,6 +178,8 @@ class GemmaAttention(nn.Module):
             else None
         )
         self.num_heads, self.num_kv_heads, self.head_dim = self.q_proj.local_heads, self.k_proj.local_heads, head_dim
+        projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = MergedProjection(*projections, release_early=True)  # one launch once loaded
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=False)
         self.q_norm = GemmaRMSNorm(self.head_dim, self.eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, self.eps)
@@ -185,11 +187,21 @@ class GemmaAttention(nn.Module):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, n, hidden]`` -> ``q [B, n, H, D]``, ``k, v [B, n, Hkv, D]``, rotated and normed."""
+        """``x [B, n, hidden]`` -> ``q [B, n, H, D]``, ``k, v [B, n, Hkv, D]``, rotated and normed (on CUDA in one
+        launch after the projections, `diffulex.kernels.gemma_norm.gemma_attention_inputs`; about thirty here)."""
         B, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, n, self.num_heads, self.head_dim))
-        k_raw = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)
-        v_raw = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        q_raw, k_raw, *rest = self.qkv(x)
+        q_raw = q_raw.view(B, n, self.num_heads, self.head_dim)
+        k_raw = k_raw.view(B, n, self.num_kv_heads, self.head_dim)
+        v_proj = rest[0].view(B, n, self.num_kv_heads, self.head_dim) if rest else None
+        if use_fused_kernels(q_raw, k_raw, v_proj, cos, sin, self.q_norm.weight, self.k_norm.weight):
+            from diffulex.kernels.gemma_norm import gemma_attention_inputs
+
+            flat = [None if t is None else t.view(B * n, *t.shape[2:]) for t in (q_raw, k_raw, v_proj)]
+            q, k, v = gemma_attention_inputs(*flat, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin)
+            return q.view(q_raw.shape), k.view(k_raw.shape), v.view(k_raw.shape)
+        q = self.q_norm(q_raw)
+        v_raw = k_raw if v_proj is None else v_proj
         k = self.k_norm(k_raw)
         v = gemma_rms_norm(v_raw, None, self.eps)
         q = apply_rotary(q.view(B * n, self.num_heads, self.head_dim), cos.repeat(B, 1), sin.repeat(B, 1))
@@ -328,7 +340,7 @@ class DiffusionGemmaLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = GemmaAttention(config, geometry)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, activation=gelu_tanh)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, activation=gelu_tanh, merge_gate_up=True)
         self.router = ScaledSoftmaxRouter(hidden, config.num_experts, config.top_k_experts, eps)
         self.experts = StackedExperts(config.num_experts, hidden, config.moe_intermediate_size, config.top_k_experts)
         for name in (

@@ -64,3 +64,53 @@ def test_operands_of_another_shape_or_dtype_are_refused_by_name():
         fused(x, None, 1e-6, plus=torch.zeros(2, 32, device=DEVICE))
     with pytest.raises(ValueError, match="then_add must have x's shape .* and dtype"):
         fused(x, None, 1e-6, then_add=torch.zeros(2, 64, device=DEVICE, dtype=torch.bfloat16))
+
+
+def _torch_attention_inputs(q, k, v, q_weight, k_weight, cos, sin):
+    """The torch code's q/k/v: each head normed (q and k with their weights, v without), q and k then rotated."""
+    from diffulex.layers.rotary import apply_rotary
+
+    normed_q, normed_k = gemma_rms_norm(q, q_weight, 1e-6), gemma_rms_norm(k, k_weight, 1e-6)
+    values = gemma_rms_norm(k if v is None else v, None, 1e-6)
+    return apply_rotary(normed_q, cos, sin), apply_rotary(normed_k, cos, sin), values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotated", "own_values"), [(64, 64, True), (128, 32, False), (48, 48, True)])
+def test_attention_inputs_in_one_launch_round_as_the_norms_then_the_rotary(dtype, head_dim, rotated, own_values):
+    """`gemma_attention_inputs` over three canvases of 5 tokens, q/k/v slices of one merged projection's rows
+    (strided), the angles of one canvas's positions shared by all: the torch code's heads, each within an ulp
+    (a rotated output that cancels: within an ulp of its inputs); a global layer's values are its keys' projection
+    normed without a weight and not rotated."""
+    from diffulex.kernels.gemma_norm import gemma_attention_inputs
+    from diffulex.models.diffusion_gemma import RopeSpec, rotary_angles
+
+    canvases, n, hq, hk = 3, 5, 4, 2
+    merged = _rows((canvases * n, (hq + 2 * hk) * head_dim), dtype, head_dim)
+    q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in merged.split([hq * head_dim, hk * head_dim,
+                                                                               hk * head_dim], dim=-1))  # fmt: skip
+    v = v if own_values else None
+    q_weight, k_weight = (_rows((head_dim,), dtype, seed, scale=0.3) + 1 for seed in (8, 9))
+    spec = RopeSpec("proportional", 10_000.0, partial_rotary_factor=rotated / head_dim)
+    cos, sin = rotary_angles(spec, head_dim, torch.arange(7, 7 + n))
+    wants = _torch_attention_inputs(q, k, v, q_weight, k_weight, cos.repeat(canvases, 1), sin.repeat(canvases, 1))
+    gots = gemma_attention_inputs(*(_on_device(t) for t in (q, k, v, q_weight, k_weight)), 1e-6,
+                                  cos.to(DEVICE), sin.to(DEVICE))  # fmt: skip
+    for got, want in zip(gots, wants, strict=True):
+        assert got.is_contiguous()
+        scale = 4 * float(want.abs().max()) if dtype == torch.float32 else float(want.abs().max())
+        assert_matches(got, want, scale=scale)
+
+
+def test_attention_inputs_name_what_does_not_fit():
+    from diffulex.kernels.gemma_norm import gemma_attention_inputs
+
+    q, k = torch.zeros(3, 4, 16, device=DEVICE), torch.zeros(3, 2, 16, device=DEVICE)
+    w, cos = torch.ones(16, device=DEVICE), torch.zeros(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"v has shape \(3, 1, 16\)"):
+        gemma_attention_inputs(q, k, torch.zeros(3, 1, 16, device=DEVICE), w, w, 1e-6, cos, cos)
+    with pytest.raises(ValueError, match=r"cos \(3, 9\) torch.float32 and sin"):
+        wide = torch.zeros(3, 9, device=DEVICE)
+        gemma_attention_inputs(q, k, None, w, w, 1e-6, wide, wide)
+    with pytest.raises(ValueError, match="must hold each token's heads contiguously"):
+        gemma_attention_inputs(q.transpose(0, 1).contiguous().transpose(0, 1), k, None, w, w, 1e-6, cos, cos)
