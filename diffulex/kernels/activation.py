@@ -1,5 +1,5 @@
-"""Triton SiLU-and-mul: ``silu(gate) * up`` of a SwiGLU MLP in one launch; and the gated activations' epilogues
-(SiLU and GELU with the tanh approximation) that other kernels end with.
+"""Triton gated activations in one launch: ``silu(gate) * up`` of a SwiGLU MLP and ``gelu_tanh(gate) * up`` of
+Gemma's; and the same as epilogues (SiLU and GELU with the tanh approximation) that other kernels end with.
 
 PyTorch runs it as two kernels (``silu``, then the product) with a ``[T, I]`` intermediate in between; at decode
 batch sizes the cost is the launches. The kernel takes ``gate`` and ``up`` as two row-strided ``[T, I]``
@@ -41,13 +41,14 @@ _GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _gated_mul_kernel(
     gate_ptr,
     up_ptr,
     out_ptr,
     n_cols,
     stride_g,
     stride_u,
+    GELU_TANH: tl.constexpr,  # gelu_tanh(gate) * up (Gemma's), else silu(gate) * up
     BLOCK: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -59,7 +60,10 @@ def _silu_mul_kernel(
     wait_for_inputs(USE_PDL)
     g = tl.load(gate_ptr + row * stride_g + cols, mask=ok, other=0.0)
     u = tl.load(up_ptr + row * stride_u + cols, mask=ok, other=0.0)
-    out = silu_mul_rounded(g, u, out_ptr.dtype.element_ty, PRECISE_EXP)
+    if GELU_TANH:
+        out = gelu_tanh_mul_rounded(g, u, out_ptr.dtype.element_ty, PRECISE_EXP)
+    else:
+        out = silu_mul_rounded(g, u, out_ptr.dtype.element_ty, PRECISE_EXP)
     tl.store(out_ptr + row * n_cols + cols, out, mask=ok)
 
 
@@ -96,6 +100,15 @@ def gelu_tanh_mul_rounded(g, u, out_dtype: tl.constexpr, PRECISE_EXP: tl.constex
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for same-shape ``gate``/``up`` ``[..., I]`` (rows may be strided); contiguous result."""
+    return _gated_mul(gate, up, gelu_tanh=False)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(gate, approximate="tanh") * up`` (Gemma's gated MLPs), as `silu_mul` takes its operands."""
+    return _gated_mul(gate, up, gelu_tanh=True)
+
+
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
@@ -105,13 +118,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = as_rows(gate), as_rows(up)
     grid = (g2.shape[0], triton.cdiv(n_cols, _BLOCK))
     use_pdl = pdl_enabled(gate.device, g2.shape[0])
-    _silu_mul_kernel[grid](
+    _gated_mul_kernel[grid](
         g2,
         u2,
         out,
         n_cols,
         g2.stride(0),
         u2.stride(0),
+        GELU_TANH=gelu_tanh,
         BLOCK=_BLOCK,
         PRECISE_EXP=PRECISE_EXP,
         USE_PDL=use_pdl,

@@ -1,11 +1,13 @@
-"""The gated activation of SwiGLU MLPs.
+"""The gated activations of SwiGLU MLPs (``silu(gate) * up``) and Gemma's (``gelu_tanh(gate) * up``).
 
-On CUDA it is one Triton launch (`diffulex.kernels.activation.silu_mul`) that reads gate and up where they lie:
+On CUDA each is one Triton launch (`diffulex.kernels.activation`) that reads gate and up where they lie:
 the two halves of the merged ``gate_up`` output or two separate projections alike, so no split copies and no
 intermediate ``silu(gate)`` tensor. The torch code is the CPU path and the reference the kernel reproduces.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,29 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
         return silu_mul(gate, up)
     return F.silu(gate) * up
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up``: one launch on CUDA, as `silu_and_mul`."""
+    if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
+        from diffulex.kernels.activation import gelu_tanh_mul
+
+        return gelu_tanh_mul(gate, up)
+    return gelu_tanh(gate) * up
+
+
+def gated(activation: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``activation(gate) * up``, in one launch where the activation has a fused kernel (SiLU, GELU-tanh)."""
+    if activation is F.silu:
+        return silu_and_mul(gate, up)
+    if activation is gelu_tanh:
+        return gelu_tanh_and_mul(gate, up)
+    return activation(gate) * up
 
 
 class SiluAndMul(nn.Module):

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffulex.layers.activation import gated
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import (
     ColumnParallelLinear,
@@ -234,11 +235,10 @@ class GatedMLP(nn.Module):
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate(x)) * up(x)``: down_proj's input."""
         if self.gate_up is None:
-            return self.activation(self.gate_proj(x)) * self.up_proj(x)
+            return gated(self.activation, self.gate_proj(x), self.up_proj(x))
         if self.activation is F.silu:
             return self.gate_up.silu_mul(x)
-        gate, up = self.gate_up(x)
-        return self.activation(gate) * up
+        return gated(self.activation, *self.gate_up(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activated(x))
@@ -557,8 +557,7 @@ def grouped_expert_slots(
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offs = counts[:held].cumsum(0, dtype=torch.int32)
     h = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offs)
-    gate, up = h.chunk(2, dim=-1)
-    out = torch._grouped_mm(activation(gate) * up, down.transpose(1, 2), offs=offs)
+    out = torch._grouped_mm(gated(activation, *h.chunk(2, dim=-1)), down.transpose(1, 2), offs=offs)
     unsorted = torch.empty_like(out)  # back to (token, slot) order
     unsorted[order] = out
     per_slot = unsorted.view(T, k, -1)

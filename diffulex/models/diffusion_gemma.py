@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex.layers import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
+from diffulex.layers.activation import gated, gelu_tanh
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.linear import HeadParallelLinear, MergedProjection
 from diffulex.layers.moe import (
@@ -82,10 +83,6 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, plus: torch.Tensor | None = None, then_add: torch.Tensor | None = None
     ) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps, plus, then_add)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 def rotary_inv_freq(spec: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -392,7 +389,7 @@ class SelfConditioning(nn.Module):
         if soft_embeds is None:
             return gemma_rms_norm(embeds, None, self.eps)
         s = self.pre_norm(soft_embeds)
-        mixed = self.down_proj(gelu_tanh(self.gate_proj(s)) * self.up_proj(s))
+        mixed = self.down_proj(gated(gelu_tanh, self.gate_proj(s), self.up_proj(s)))
         return gemma_rms_norm(embeds, None, self.eps, plus=mixed)
 
 

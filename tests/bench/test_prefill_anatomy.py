@@ -25,7 +25,7 @@ GEOMETRY = ModelGeometry(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads
         ("_skinny_kernel", "gemm"),
         ("_qk_norm_rope_kernel", "elementwise"),
         ("_rms_norm_kernel", "elementwise"),
-        ("_silu_mul_kernel", "elementwise"),
+        ("_gated_mul_kernel", "elementwise"),
         ("_token_inputs_kernel", "elementwise"),
         ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<BFloat16>>", "elementwise"),
         ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "elementwise"),

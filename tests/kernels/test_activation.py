@@ -1,4 +1,5 @@
-"""Fused SiLU-and-mul against ``F.silu(gate) * up``, for the merged gate_up halves and separate tensors."""
+"""The fused gated activations against the torch code, ``F.silu(gate) * up`` and Gemma's ``gelu_tanh(gate) * up``,
+for the merged gate_up halves and separate tensors."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffulex.kernels.activation import silu_mul
+from diffulex.kernels.activation import gelu_tanh_mul, silu_mul
 from diffulex.layers import SiluAndMul
+from diffulex.layers.activation import gated, gelu_tanh
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,3 +59,25 @@ def test_the_module_on_the_cpu_is_the_torch_code_exactly():
     act = SiluAndMul()
     assert torch.equal(act(gate, up), F.silu(gate) * up)
     assert torch.equal(act.split(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 64), (5, 300), (16, 1100)])
+def test_gemmas_gated_gelu_matches_the_torch_code(dtype, tokens, inter):
+    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = gelu_tanh(gate) * up
+    actual = gelu_tanh_mul(*gate_up.to(DEVICE).split(inter, dim=-1)).cpu()
+    assert actual.dtype == dtype and actual.shape == expected.shape and actual.is_contiguous()
+    # the interpreter's tanh (from exp) loses digits where 1 + tanh cancels (gate far below 0): absolutely tiny
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=1e-5)
+    if dtype != torch.float32:  # an fp32 output shows the tanh's last bits
+        assert (actual != expected).float().mean().item() <= 0.01
+
+
+def test_the_gated_dispatch_on_the_cpu_is_the_torch_code_exactly():
+    """`gated` (the MLPs' and the grouped experts' ``act(gate) * up``) is the activation then the product on the CPU,
+    for the fused activations and any other."""
+    gate, up = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).unbind(0)
+    for activation in (F.silu, gelu_tanh, torch.relu):
+        assert torch.equal(gated(activation, gate, up), activation(gate) * up)
