@@ -250,3 +250,146 @@ def gemma_attention_inputs(
         num_warps=max(1, min(4, block_d // 128)), enable_fp_fusion=False,
     )  # fmt: skip
     return outs[0], outs[1], outs[2]
+
+
+@triton.jit
+def _rstd(x32, inv_n, eps):
+    return tl.math.rsqrt(tl.sum(x32 * x32, axis=1) * inv_n + eps)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gemma_mlp_inputs_kernel(
+    x_ptr,
+    w_dense_ptr,
+    w_experts_ptr,
+    router_scale_ptr,
+    dense_ptr,
+    experts_ptr,
+    router_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    inv_n,
+    eps,
+    router_input_scale,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    release_dependents(USE_PDL)
+    rows, cols, col_ok, mask = row_tile(n_rows, n_cols, BLOCK_R, BLOCK_N)
+    w_dense = tl.load(w_dense_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w_experts = tl.load(w_experts_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    router_scale = tl.load(router_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(USE_PDL)
+    x32 = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    normed = x32 * _rstd(x32, inv_n, eps)[:, None]
+    dtype = dense_ptr.dtype.element_ty
+    at = rows[:, None] * n_cols + cols[None, :]
+    tl.store(dense_ptr + at, cast_rne(normed * w_dense[None, :], dtype), mask=mask)
+    tl.store(experts_ptr + at, cast_rne(normed * w_experts[None, :], dtype), mask=mask)
+    scaled = cast_rne(cast_rne(normed, dtype).to(tl.float32) * router_scale[None, :], dtype).to(tl.float32)
+    tl.store(router_ptr + at, cast_rne(scaled * router_input_scale, dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _gemma_mlp_outputs_kernel(
+    dense_ptr,
+    routed_ptr,
+    residual_ptr,
+    w_dense_ptr,
+    w_routed_ptr,
+    w_ptr,
+    scalar_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    stride_d,
+    stride_r,
+    stride_res,
+    inv_n,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    release_dependents(USE_PDL)
+    rows, cols, col_ok, mask = row_tile(n_rows, n_cols, BLOCK_R, BLOCK_N)
+    w_dense = tl.load(w_dense_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w_routed = tl.load(w_routed_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    scalar = tl.load(scalar_ptr).to(tl.float32)
+    wait_for_inputs(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
+    d32 = tl.load(dense_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r32 = tl.load(routed_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    d = cast_rne(d32 * _rstd(d32, inv_n, eps)[:, None] * w_dense[None, :], dtype).to(tl.float32)
+    r = cast_rne(r32 * _rstd(r32, inv_n, eps)[:, None] * w_routed[None, :], dtype).to(tl.float32)
+    s32 = cast_rne(d + r, dtype).to(tl.float32)
+    y = cast_rne(s32 * _rstd(s32, inv_n, eps)[:, None] * w[None, :], dtype).to(tl.float32)
+    res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    layer_out = cast_rne(res + y, dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], cast_rne(layer_out * scalar, dtype), mask=mask)
+
+
+def _row_launch(x: torch.Tensor) -> tuple[int, int, int, bool]:
+    """(rows, block_r, block_n, use_pdl) of a row-wise launch over ``x``'s last dimension."""
+    n_rows = x.numel() // x.shape[-1]
+    block_n = _next_pow2(x.shape[-1])
+    return n_rows, rows_per_program(block_n, n_rows), block_n, pdl_enabled(x.device, n_rows)
+
+
+def gemma_mlp_inputs(
+    residual: torch.Tensor,
+    dense_weight: torch.Tensor,
+    experts_weight: torch.Tensor,
+    router_scale: torch.Tensor,
+    router_input_scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three inputs a DiffusionGemma layer's MLPs take from its residual stream, in one launch: the dense MLP's
+    (normed times ``dense_weight``), the experts' (times ``experts_weight``) and the router's (normed without a
+    weight, times ``router_scale``, times ``router_input_scale``, each product rounded as the torch code's
+    products are). One row statistic serves all three. Each ``residual``'s shape, contiguous."""
+    outs = [torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) for _ in range(3)]
+    if residual.numel() == 0:
+        return outs[0], outs[1], outs[2]
+    x2 = as_rows(residual)
+    n_rows, block_r, block_n, use_pdl = _row_launch(x2)
+    _gemma_mlp_inputs_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, dense_weight, experts_weight, router_scale, *outs, n_rows, x2.shape[1], x2.stride(0), 1.0 / x2.shape[1],
+        eps, router_input_scale, BLOCK_R=block_r, BLOCK_N=block_n, USE_PDL=use_pdl, num_warps=_norm_warps(block_n),
+        enable_fp_fusion=False, **launch_kwargs(use_pdl),
+    )  # fmt: skip
+    return outs[0], outs[1], outs[2]
+
+
+def gemma_mlp_outputs(
+    dense: torch.Tensor,
+    routed: torch.Tensor,
+    residual: torch.Tensor,
+    dense_weight: torch.Tensor,
+    routed_weight: torch.Tensor,
+    weight: torch.Tensor,
+    layer_scalar: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """A DiffusionGemma layer's output from its two MLPs' outputs, in one launch: ``(residual + norm(norm(dense) *
+    dense_weight + norm(routed) * routed_weight) * weight) * layer_scalar``, every norm, sum and product rounded
+    as the torch code's (`diffulex.layers.norm.gemma_rms_norm`'s roundings). All of ``residual``'s shape and dtype
+    (rows may be strided); ``layer_scalar`` one element."""
+    for name, t in (("dense", dense), ("routed", routed)):
+        if t.shape != residual.shape or t.dtype != residual.dtype:
+            raise ValueError(f"{name} must have residual's shape {tuple(residual.shape)} and dtype "
+                             f"{residual.dtype}, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    if out.numel() == 0:
+        return out
+    d2, r2, res2 = as_rows(dense), as_rows(routed), as_rows(residual)
+    n_rows, block_r, block_n, use_pdl = _row_launch(res2)
+    _gemma_mlp_outputs_kernel[(triton.cdiv(n_rows, block_r),)](
+        d2, r2, res2, dense_weight, routed_weight, weight, layer_scalar, out, n_rows, res2.shape[1], d2.stride(0),
+        r2.stride(0), res2.stride(0), 1.0 / res2.shape[1], eps, BLOCK_R=block_r, BLOCK_N=block_n, USE_PDL=use_pdl,
+        num_warps=_norm_warps(block_n), enable_fp_fusion=False, **launch_kwargs(use_pdl),
+    )  # fmt: skip
+    return out

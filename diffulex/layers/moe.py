@@ -198,8 +198,16 @@ class ScaledSoftmaxRouter(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = gemma_rms_norm(x, None, self.eps)
-        weights, experts = route(self.proj(normed * self.scale * self.input_scale), self.top_k, normalize=True)
+        return self.choose(self.inputs(x))
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What `proj` scores: ``x`` normed without a weight, times ``scale``, times ``hidden_size ** -0.5`` (a
+        DiffusionGemma layer computes it beside its other norms of the same rows in one launch on CUDA)."""
+        return gemma_rms_norm(x, None, self.eps) * self.scale * self.input_scale
+
+    def choose(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts and their weights from `inputs`' scores."""
+        weights, experts = route(self.proj(inputs), self.top_k, normalize=True)
         return weights * self.per_expert_scale[experts], experts
 
 

@@ -362,13 +362,29 @@ class DiffusionGemmaLayer(nn.Module):
     def after_attention(self, h: torch.Tensor, attn: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
         """The layer after its attention output ``attn`` (``h``'s shape): the two MLPs, the norms, the scalar."""
         residual = self.post_attention_layernorm(attn, then_add=h)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
-        weights, experts = self.router.route(flat)
-        routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
-        routed = self.post_feedforward_layernorm_2(routed.view(residual.shape))
-        out = self.post_feedforward_layernorm(dense, plus=routed, then_add=residual)
-        return out * layer_scalar
+        pre_dense, pre_experts, post_dense, post_experts, post = (
+            self.pre_feedforward_layernorm, self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1,
+            self.post_feedforward_layernorm_2, self.post_feedforward_layernorm,
+        )  # fmt: skip
+        # on CUDA the norms around the two MLPs are two launches (`kernels.gemma_norm`); about ten here
+        fused = use_fused_kernels(flat, layer_scalar)
+        if fused:
+            from diffulex.kernels.gemma_norm import gemma_mlp_inputs, gemma_mlp_outputs
+
+            dense_in, experts_in, router_in = gemma_mlp_inputs(flat, pre_dense.weight, pre_experts.weight,
+                                                               self.router.scale, self.router.input_scale, post.eps)
+        else:
+            dense_in, experts_in, router_in = pre_dense(flat), pre_experts(flat), self.router.inputs(flat)
+        dense = self.mlp(dense_in)
+        weights, experts = self.router.choose(router_in)
+        routed = self.experts(experts_in, weights, experts)
+        if fused:
+            out = gemma_mlp_outputs(dense, routed, flat, post_dense.weight, post_experts.weight, post.weight,
+                                    layer_scalar, post.eps)  # fmt: skip
+            return out.view(residual.shape)
+        out = post(post_dense(dense), plus=post_experts(routed), then_add=flat)
+        return (out * layer_scalar).view(residual.shape)
 
 
 class SelfConditioning(nn.Module):

@@ -114,3 +114,40 @@ def test_attention_inputs_name_what_does_not_fit():
         gemma_attention_inputs(q, k, None, w, w, 1e-6, wide, wide)
     with pytest.raises(ValueError, match="must hold each token's heads contiguously"):
         gemma_attention_inputs(q.transpose(0, 1).contiguous().transpose(0, 1), k, None, w, w, 1e-6, cos, cos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(3, 64), (16, 320)])
+def test_a_layers_mlp_inputs_in_one_launch_are_its_three_norms(dtype, rows, hidden):
+    """`gemma_mlp_inputs`: the dense MLP's and the experts' pre-norms and the router's input (normed without a
+    weight, times its scale, times hidden ** -0.5, each product rounded) of one residual, as the torch code makes
+    them one by one."""
+    from diffulex.kernels.gemma_norm import gemma_mlp_inputs
+
+    residual = _rows((rows, hidden), dtype, rows)
+    dense_w, experts_w, router_scale = (_rows((hidden,), dtype, seed, scale=0.3) + 1 for seed in (11, 12, 13))
+    wants = (gemma_rms_norm(residual, dense_w, 1e-6), gemma_rms_norm(residual, experts_w, 1e-6),
+             gemma_rms_norm(residual, None, 1e-6) * router_scale * hidden**-0.5)  # fmt: skip
+    gots = gemma_mlp_inputs(*(t.to(DEVICE) for t in (residual, dense_w, experts_w, router_scale)), hidden**-0.5, 1e-6)
+    for got, want in zip(gots, wants, strict=True):
+        assert_matches(got, want, scale=8 * float(want.abs().max()) if dtype == torch.float32 else 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layers_output_in_one_launch_is_its_post_norms_sum_residual_and_scalar(dtype):
+    """`gemma_mlp_outputs`: ``(residual + norm(norm(dense) w1 + norm(routed) w2) w) * scalar``, each step rounded
+    as the torch code's, over strided rows of the residual."""
+    from diffulex.kernels.gemma_norm import gemma_mlp_outputs
+
+    rows, hidden = 6, 256
+    dense, routed = _rows((rows, hidden), dtype, 21), _rows((rows, hidden), dtype, 22, scale=0.5)
+    residual = _rows((rows, 2 * hidden), dtype, 23, scale=4.0)[:, :hidden]
+    w1, w2, w = (_rows((hidden,), dtype, seed, scale=0.3) + 1 for seed in (24, 25, 26))
+    scalar = torch.tensor([0.75]).to(dtype)
+    summed = gemma_rms_norm(gemma_rms_norm(dense, w1, 1e-6), w, 1e-6, gemma_rms_norm(routed, w2, 1e-6), residual)
+    want = summed * scalar
+    got = gemma_mlp_outputs(*(t.to(DEVICE) for t in (dense, routed, residual, w1, w2, w, scalar)), 1e-6)
+    assert got.is_contiguous()
+    assert_matches(got, want, scale=float(residual.abs().max()))
+    with pytest.raises(ValueError, match="routed must have residual's shape"):
+        gemma_mlp_outputs(*(t.to(DEVICE) for t in (dense, routed[:2], residual, w1, w2, w, scalar)), 1e-6)
