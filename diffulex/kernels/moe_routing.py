@@ -72,12 +72,14 @@ def _softmax_topk_kernel(
     logits_ptr,
     weights_ptr,
     experts_ptr,
+    expert_scale_ptr,
     n_rows,
     n_experts,
     stride_l,
     TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EXPERT_SCALE: tl.constexpr,  # each chosen weight times its expert's scale (after the renormalization)
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -97,6 +99,9 @@ def _softmax_topk_kernel(
     chosen_w, chosen_e = _take_top_k(keys, probs, cols, TOP_K, TOP_K_PAD)
     if NORMALIZE:
         chosen_w = chosen_w / tl.sum(chosen_w, axis=1)[:, None]
+    if EXPERT_SCALE:
+        chosen_ok = row_ok[:, None] & (chosen_e >= 0) & (chosen_e < n_experts)
+        chosen_w = chosen_w * tl.load(expert_scale_ptr + chosen_e, mask=chosen_ok, other=1.0).to(tl.float32)
     _store_top_k(weights_ptr, experts_ptr, rows, row_ok, chosen_w, chosen_e, TOP_K, TOP_K_PAD)
 
 
@@ -121,13 +126,20 @@ def _rows_per_program(rows_per_program: int | None, experts: int, n_rows: int) -
 
 
 def softmax_topk(
-    logits: torch.Tensor, top_k: int, normalize: bool, rows_per_program: int | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    rows_per_program: int | None = None,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`diffulex.layers.moe.route` in one launch: ``(weights [T, top_k] float32, experts [T, top_k] int64)`` of
-    router logits ``[T, E]`` (rows may be strided), the chosen experts in decreasing probability."""
+    router logits ``[T, E]`` (rows may be strided), the chosen experts in decreasing probability; with
+    ``expert_scale [E]`` each weight times its expert's entry (in float32, as the torch code's product)."""
     n_rows, n_experts = logits.shape
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {n_experts}] (the router's experts)")
+    if expert_scale is not None and (expert_scale.shape != (n_experts,) or not expert_scale.is_contiguous()):
+        raise ValueError(f"expert_scale has shape {tuple(expert_scale.shape)}; it must be contiguous [{n_experts}]")
     weights, experts = _selection(logits, top_k)
     if n_rows == 0:
         return weights, experts
@@ -140,12 +152,14 @@ def softmax_topk(
         logits,
         weights,
         experts,
+        logits if expert_scale is None else expert_scale,
         n_rows,
         n_experts,
         logits.stride(0),
         TOP_K=top_k,
         TOP_K_PAD=triton.next_power_of_2(top_k),
         NORMALIZE=normalize,
+        EXPERT_SCALE=expert_scale is not None,
         BLOCK_R=block_r,
         BLOCK_E=block_e,
         USE_PDL=use_pdl,

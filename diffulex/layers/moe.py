@@ -65,22 +65,28 @@ from diffulex.layers.parallel_state import (
 MOE_IMPLS = ("fused", "grouped", "dense", "loop")
 
 
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, normalize: bool, expert_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, top_k] float32, experts [T, top_k] int64)``: softmax over all experts in float32, the `top_k`
-    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``). On CUDA one launch
-    (`diffulex.kernels.moe_routing`); this torch code elsewhere and as the reference."""
+    largest, renormalized to sum to 1 when `normalize` (``norm_topk_prob``), then each times its expert's entry of
+    ``expert_scale`` where given. On CUDA one launch (`diffulex.kernels.moe_routing`); this torch code elsewhere
+    and as the reference."""
     if (
         router_logits.dim() == 2
         and router_logits.shape[-1] <= _MAX_FUSED_ROUTED_EXPERTS
-        and use_fused_kernels(router_logits)
+        and use_fused_kernels(router_logits, expert_scale)
+        and (expert_scale is None or expert_scale.is_contiguous())
     ):
         from diffulex.kernels.moe_routing import softmax_topk
 
-        return softmax_topk(router_logits, top_k, normalize)
+        return softmax_topk(router_logits, top_k, normalize, expert_scale=expert_scale)
     probs = router_logits.float().softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale[experts]
     return weights, experts
 
 
@@ -207,8 +213,7 @@ class ScaledSoftmaxRouter(nn.Module):
 
     def choose(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts and their weights from `inputs`' scores."""
-        weights, experts = route(self.proj(inputs), self.top_k, normalize=True)
-        return weights * self.per_expert_scale[experts], experts
+        return route(self.proj(inputs), self.top_k, normalize=True, expert_scale=self.per_expert_scale)
 
 
 # Added to the sum of the chosen experts' sigmoid scores before dividing by it, as LLaDA2's router does.

@@ -31,6 +31,22 @@ def test_the_chosen_experts_and_their_weights_are_the_torch_routes(dtype, rows, 
     torch.testing.assert_close(got_w.cpu(), want_w, rtol=4e-6, atol=1e-7)
 
 
+def test_each_weight_takes_its_experts_scale_in_the_same_launch():
+    """DiffusionGemma's ``per_expert_scale``: the kernel's weights times the chosen experts' entries, the product the
+    torch code forms after the routing, bit for bit; the torch route with the scale is the same."""
+    logits = _logits(9, 64, torch.bfloat16, 5)
+    scale = (1 + torch.randn(64, generator=torch.Generator().manual_seed(6))).to(torch.bfloat16)
+    plain_w, plain_e = softmax_topk(logits.to(DEVICE), 4, True)
+    got_w, got_e = softmax_topk(logits.to(DEVICE), 4, True, expert_scale=scale.to(DEVICE))
+    assert torch.equal(got_e, plain_e)
+    assert torch.equal(got_w, plain_w * scale.to(DEVICE)[plain_e])
+    want_w, want_e = route(logits, 4, True, expert_scale=scale)
+    assert torch.equal(got_e.cpu(), want_e)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=4e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"expert_scale has shape \(63,\)"):
+        softmax_topk(logits.to(DEVICE), 4, True, expert_scale=scale[:63].to(DEVICE))
+
+
 def test_strided_logits_are_read_in_place():
     wide = _logits(6, 160, torch.float32, 3)
     logits = wide[:, 16:144]  # rows 160 apart
