@@ -12,7 +12,8 @@
 #   phit      bench/prefix_hit_anatomy.py: a 32k prefix hit's time to first token, phase by phase, with a 256-token
 #             tail (its prefill bucket full: the first block replays a decode graph of its own) and a 250-token
 #             one (the block rides in the tail's forward) (about 2 min)
-#   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind (about 3 min)
+#   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind, then the same on the
+#             sweep's layout at batch 1 and 32 (`--geometry sweep`) (about 4 min)
 #   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
 #   cold      bench/prefill_anatomy.py: a cold 2,048-token prompt (1.7B, 8B) run eagerly (prefill graphs up to 512
 #             rows) and replayed in one prefill graph (up to 2,048, the default) (about 4 min)
@@ -28,7 +29,7 @@ shift
 source tools/bench_parts.sh
 bench_setup "$out" 1 gpu_bench
 declare -A PART_LIMIT_S=([tests]=420 [start]=200 [fdv2]=300 [prefill]=380 [serving]=360 [moe]=330 [batch]=380
-  [phit]=240 [canvas]=300 [attention]=200 [cold]=300)
+  [phit]=240 [canvas]=400 [attention]=200 [cold]=300)
 
 measure() {
   local part=$1 dir=$out/$1
@@ -54,7 +55,9 @@ measure() {
     phit)
       PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail256" || return 1
       PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail250" --tail 250 ;;
-    canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" ;;
+    canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" \
+              && python -m diffulex.cli bench canvas --geometry sweep --batch-sizes 1 32 --profile \
+                   --out "$dir/diffusion_gemma_sweep_layout_steps.json" ;;
     attention) PYTHONPATH=. python bench/prefill_attention_bench.py "$dir" ;;
     cold)
       for rows in 512 2048; do
