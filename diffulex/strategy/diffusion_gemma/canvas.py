@@ -30,10 +30,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffulex.layers.dispatch import triton_available
+
+if TYPE_CHECKING:
+    from diffulex.kernels.canvas_sampling import RowStatistics
 
 # Stream index of a canvas's initial noise among its random streams (steps use 0, 1, ...).
 NOISE_STREAM = -1
@@ -182,7 +186,7 @@ def fused_sample_canvas(
 
 def fused_sample_rows(
     scaled: torch.Tensor, generators: Sequence[torch.Generator], probs_out: torch.Tensor | None
-) -> tuple[object, torch.Tensor, torch.Tensor]:
+) -> tuple[RowStatistics, torch.Tensor, torch.Tensor]:
     """The fused passes over the rows of several canvases at once, ``scaled [n * C, vocab]`` (canvas ``i``'s rows
     ``i * C`` to ``(i + 1) * C``): canvas ``i``'s exponential race drawn from ``generators[i]`` as `draw_categorical`
     draws it for that canvas alone, then one launch of each pass over every row. Each row is one program of
