@@ -28,6 +28,20 @@ from diffulex.kernels.pdl import launch_kwargs, pdl_enabled, release_dependents,
 MAX_GEMMA_NORM_COLS = 16384
 
 
+@triton.jit
+def _rstd(x32, inv_n, eps, AXIS: tl.constexpr = 1):
+    """``rsqrt(sum(x32^2) * (1/N) + eps)`` over ``AXIS`` (the rows of a tile, or a 1-D head): every Gemma norm's
+    one row statistic."""
+    return tl.math.rsqrt(tl.sum(x32 * x32, axis=AXIS) * inv_n + eps)
+
+
+def _row_launch(x: torch.Tensor) -> tuple[int, int, int, bool]:
+    """(rows, block_r, block_n, use_pdl) of a row-wise launch over ``x``'s last dimension."""
+    n_rows = x.numel() // x.shape[-1]
+    block_n = _next_pow2(x.shape[-1])
+    return n_rows, rows_per_program(block_n, n_rows), block_n, pdl_enabled(x.device, n_rows)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _gemma_rms_norm_kernel(
     x_ptr,
@@ -60,8 +74,7 @@ def _gemma_rms_norm_kernel(
         p = tl.load(plus_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0.0)
         x = cast_rne(x.to(tl.float32) + p.to(tl.float32), out_ptr.dtype.element_ty)
     x32 = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) * inv_n + eps)
-    normed = x32 * rstd[:, None]
+    normed = x32 * _rstd(x32, inv_n, eps)[:, None]
     if HAS_WEIGHT:
         normed = normed * w[None, :]
     y = cast_rne(normed, out_ptr.dtype.element_ty)
@@ -92,10 +105,7 @@ def gemma_rms_norm(
     x2 = as_rows(x)
     p2 = x2 if plus is None else as_rows(plus)
     a2 = x2 if then_add is None else as_rows(then_add)
-    n_rows = x2.shape[0]
-    block_n = _next_pow2(n_cols)
-    block_r = rows_per_program(block_n, n_rows)
-    use_pdl = pdl_enabled(x.device, n_rows)
+    n_rows, block_r, block_n, use_pdl = _row_launch(x2)
     _gemma_rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2,
         p2,
@@ -144,7 +154,7 @@ def _norm_rotate_head(
     d = tl.arange(0, BLOCK_D)
     ok = d < HEAD_DIM
     x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_d + eps)
+    rstd = _rstd(x, inv_d, eps, 0)
     y = x * rstd
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
@@ -252,11 +262,6 @@ def gemma_attention_inputs(
     return outs[0], outs[1], outs[2]
 
 
-@triton.jit
-def _rstd(x32, inv_n, eps):
-    return tl.math.rsqrt(tl.sum(x32 * x32, axis=1) * inv_n + eps)
-
-
 @triton.jit(do_not_specialize=["n_rows"])
 def _gemma_mlp_inputs_kernel(
     x_ptr,
@@ -330,13 +335,6 @@ def _gemma_mlp_outputs_kernel(
     res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     layer_out = cast_rne(res + y, dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], cast_rne(layer_out * scalar, dtype), mask=mask)
-
-
-def _row_launch(x: torch.Tensor) -> tuple[int, int, int, bool]:
-    """(rows, block_r, block_n, use_pdl) of a row-wise launch over ``x``'s last dimension."""
-    n_rows = x.numel() // x.shape[-1]
-    block_n = _next_pow2(x.shape[-1])
-    return n_rows, rows_per_program(block_n, n_rows), block_n, pdl_enabled(x.device, n_rows)
 
 
 def gemma_mlp_inputs(

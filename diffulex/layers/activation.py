@@ -18,11 +18,7 @@ from diffulex.layers.dispatch import use_fused_kernels
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: one launch on CUDA, reading ``gate`` and ``up`` where they lie (`SiluAndMul`)."""
-    if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
-        from diffulex.kernels.activation import silu_mul
-
-        return silu_mul(gate, up)
-    return F.silu(gate) * up
+    return gated(F.silu, gate, up)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -30,21 +26,17 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up``: one launch on CUDA, as `silu_and_mul`."""
-    if gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
-        from diffulex.kernels.activation import gelu_tanh_mul
-
-        return gelu_tanh_mul(gate, up)
-    return gelu_tanh(gate) * up
+# The activations whose ``act(gate) * up`` is one launch on CUDA: the `diffulex.kernels.activation` function
+_FUSED_GATED = {F.silu: "silu_mul", gelu_tanh: "gelu_tanh_mul"}
 
 
 def gated(activation: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``activation(gate) * up``, in one launch where the activation has a fused kernel (SiLU, GELU-tanh)."""
-    if activation is F.silu:
-        return silu_and_mul(gate, up)
-    if activation is gelu_tanh:
-        return gelu_tanh_and_mul(gate, up)
+    kernel = _FUSED_GATED.get(activation)
+    if kernel is not None and gate.shape == up.shape and gate.dtype == up.dtype and use_fused_kernels(gate, up):
+        from diffulex.kernels import activation as kernels
+
+        return getattr(kernels, kernel)(gate, up)
     return activation(gate) * up
 
 
