@@ -338,8 +338,9 @@ class Config:
     async_scheduling: bool = _field(
         True,
         "With micro_batches=1, queue the next decode step on the GPU before reading this one's result whenever its "
-        "rows are already known (greedy, CUDA graphs; edit decoding at buffer_size=1; Fast-dLLM v2's refinements): the "
-        "host's work between steps leaves the GPU's critical path. Tokens are the same either way.",
+        "rows are already known (greedy, CUDA graphs; edit decoding at buffer_size=1; Fast-dLLM v2's refinements; "
+        "DiffusionGemma's denoising steps where no canvas is to end): the host's work between steps leaves the GPU's "
+        "critical path. Tokens are the same either way.",
     )
     auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
     auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")

@@ -7,8 +7,10 @@ with random prompts of ``prompt_len`` tokens each ask for one canvas; ``confiden
 denoising for all ``steps`` steps. A first batch warms up (kernels compiled, the bucket's CUDA graph captured);
 then, in a second, the engine steps that each compute exactly one denoising step of every canvas are timed on the
 host. An engine step applies the step in flight and launches the next; the first launches two (the first of which
-also encodes the prompts) and the last none, so ``steps - 2`` calls are timed. The runner computes a launched step
-whole, ending by reading the canvases' argmaxes back, so host time is device time. The decoder pass alone is timed
+also encodes the prompts) and the last none, so ``steps - 2`` calls are timed, back to back as in serving (the device
+synchronized before the first and after the last): each call waits for the step in flight, so in a steady run a
+call's time is a step's, and where a step is continued on the device (`CanvasRunner.launch_continuation`) the
+host's work between two steps overlaps the GPU's, as it does when serving. The decoder pass alone is timed
 apart, back to back (``decoder_ms_per_pass``: the graph replay) and each pass awaited as a step's is
 (``decoder_ms_per_awaited_pass``; over several ranks it also holds the latency of telling the workers), so the rest
 of the step (LM head, each canvas's sampling rule and self-conditioning input) is the difference. Each row names the
@@ -218,13 +220,14 @@ def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int
         raise RuntimeError(f"only {sum(r.nfe == 1 for r in requests)} of {batch} requests ran in the first step "
                            "(KV cache too small for this batch?)")  # fmt: skip
     device = engine.device
-    times = []
-    for _ in range(settings.steps - 2):  # each applies one step and computes the next
-        _sync(device)
-        t0 = time.perf_counter()
+    _sync(device)
+    stamps = [time.perf_counter()]
+    for _ in range(settings.steps - 2):  # each applies one step and launches the next
         engine.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        stamps.append(time.perf_counter())
+    _sync(device)  # the last step's work is timed too
+    stamps[-1] = time.perf_counter()
+    times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     while not engine.is_finished():
         engine.step()
     if any(req.nfe != settings.steps for req in requests):
@@ -334,7 +337,10 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
     try:
         experts_impl = experts_path(engine.model, settings.experts_impl, batch * engine.model.config.canvas_length)
         time_batch(engine, batch, settings, seed=settings.seed + 1000)  # warm-up: compiles and captures
+        continued, dropped = engine.num_continuations, engine.num_dropped_continuations
         times = time_batch(engine, batch, settings, seed=settings.seed)
+        continued = engine.num_continuations - continued
+        dropped = engine.num_dropped_continuations - dropped
         decoder_ms = time_decoder_pass(engine, batch, settings.prompt_len)
         awaited_ms = time_decoder_pass(engine, batch, settings.prompt_len, each_awaited=True)
         model, runner = engine.model, engine.runner
@@ -353,6 +359,8 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
             "memory_floor_ratio": mean_ms / floor["memory_floor_ms"],
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
             "experts_impl": experts_impl, "pages": runner.num_pages,
+            # of the timed batch's steps: continued on the device, and of those dropped (`CanvasRunner.can_continue`)
+            "continued_steps": continued, "dropped_continuations": dropped,
         }  # fmt: skip
         if settings.profile:
             row["profile"] = profile_batch(engine, batch, settings, seed=settings.seed + 2000)
@@ -363,7 +371,8 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
         f"{row['floor_ms']:.2f} ms ({row['bound']}; memory {row['memory_floor_ms']:.2f}: weights "
         f"{row['weight_GB']:.2f} GB + experts {row['experts_GB']:.2f} GB ({row['experts_per_layer']:.1f}/layer) + "
         f"K/V {row['kv_read_GB']:.3f} GB; compute {row['compute_floor_ms']:.2f}: {row['step_TFLOP']:.2f} TFLOP), "
-        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}, experts {experts_impl}; decoder pass alone "
+        f"ratio {row['floor_ratio']:.2f}, graphs {graphs or 'none'}, experts {experts_impl}, {continued} steps "
+        f"continued on the device ({dropped} dropped); decoder pass alone "
         f"{'n/a' if decoder_ms is None else f'{decoder_ms:.2f} ms ({awaited_ms:.2f} each awaited)'}")  # fmt: skip
     if "profile" in row:
         _log_profile(row["profile"], log)

@@ -237,8 +237,11 @@ def _build_components(
             logger.info("kernels: %d compiled by the build itself after the helper processes%s",
                         len(after - cache_entries), _named_counts(_cached_kernel_names(after - cache_entries)))
     kv_cache = KVCacheManager(num_pages, config.page_size, bool(config.enable_prefix_caching))
+    # the engine runner's continuations store blocks and open the next ones before the host sees them, so their
+    # pages are lent ahead (a strategy's own runner continues only steps that store nothing)
+    lends_pages = policy.continues and isinstance(runner, ModelRunner)
     limits = SchedulerLimits(
-        config.max_num_reqs, config.max_num_batched_tokens, policy.continues, bool(config.enable_chunked_prefill),
+        config.max_num_reqs, config.max_num_batched_tokens, lends_pages, bool(config.enable_chunked_prefill),
         policy.prefill_chunk_rows, config.max_prefill_chunk_cost, _prefill_cost_model(config, model),
     )
     scheduler = Scheduler(limits, kv_cache)

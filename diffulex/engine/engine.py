@@ -368,7 +368,7 @@ class DiffulexEngine:
             return
         pending = launched.pending
         left: dict[int, list[int]] = {}
-        for owner, position in zip(pending.owners, pending.positions, strict=True):
+        for owner, position in zip(pending.owners or (), pending.positions or (), strict=True):
             left.setdefault(owner, []).append(position)
         stores_only = True
         for req, (query, _) in zip(launched.batch, launched.views, strict=True):

@@ -23,8 +23,8 @@ logger = logging.getLogger("diffulex")
 class GraphPolicy:
     cuda_graphs: bool  # decode steps replay captured CUDA graphs
     # steps may be continued on the device (`diffulex.engine.continuation`): ``async_scheduling`` with one batch per
-    # step, greedy graph sampling and a strategy whose steps can be continued (`Strategy.continues_steps`); with two
-    # micro-batches the other half already hides the host's work
+    # step and a strategy whose steps can be continued (`Strategy.continues_steps`); with two micro-batches the other
+    # half already hides the host's work
     continues: bool
     staging_buffers: int  # host staging buffers of the graphs: one per step that may be in flight
     # the most rows one request adds to a decode step: its running set, plus the recomputed row of a shifted family;
@@ -63,7 +63,6 @@ class GraphPolicy:
             config.async_scheduling
             and config.micro_batches == 1
             and config.strategy.continues_steps(config)
-            and config.strategy.samples_in_graph  # a continuation replays the graph's own sampling
         )
         max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
         prefill_graph_rows = _prefill_graph_rows(config)

@@ -213,8 +213,9 @@ class Strategy:
     def continues_steps(self, config: Config) -> bool:
         """Whether, under ``config``, a step may be continued on the device (`diffulex.engine.continuation`): the
         requests' `Request.next_step_has_same_rows` can ever say yes. By default wherever the strategy's steps
-        can be (a full running set keeps its rows until its first block is stored)."""
-        return self.continues_on_device
+        can be (a full running set keeps its rows until its first block is stored) and its greedy steps sample in the
+        graph: the engine runner's continuation replays the graph's own sampling."""
+        return self.continues_on_device and self.samples_in_graph
 
     def short_step_rows(self, config: Config, logits_shift: bool) -> int | None:
         """Rows per request, on average over a step's requests, that this strategy's most frequent decode steps fit

@@ -147,16 +147,19 @@ def test_a_lora_adapter_over_two_ranks_gives_the_tokens_of_one(dense_dir: Path, 
 
 
 def diffusion_gemma_scenario(model_dir: Path, tensor_parallel_size: int, expert_parallel_size: int) -> Run:
-    """A prompt; one that repeats it and its first canvas (a prefix-cache hit); then three requests, one sampled
-    (self-conditioned on its softmax, which rank 0 makes and the workers receive), over 5 pages of 16 positions,
-    which preempts one of them."""
+    """A sampled prompt, whose steps are continued on the device (each continuation's decoder pass announced to
+    the workers as any pass); one that repeats it and its first canvas (a prefix-cache hit); then three requests,
+    one sampled (self-conditioned on its softmax, which rank 0 makes and the workers receive), over 5 pages of 16
+    positions, which preempts one of them."""
     with Diffulex(
         str(model_dir), tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
         dtype="float32", max_model_len=96, num_pages=5, seed=3, master_addr="127.0.0.1", master_port=free_port(),
         distributed_timeout_seconds=TIMEOUT_S,
     ) as llm:  # fmt: skip
         first = list(range(5, 22))
-        (done,) = llm.generate([first], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False).trajectories
+        (done,) = llm.generate([first], SamplingParams(temperature=1.0, max_tokens=32, seed=5),
+                               use_tqdm=False).trajectories  # fmt: skip
+        assert llm.num_continuations > 0 and llm.num_dropped_continuations == 0
         follow_up = first + done.token_ids[:16]
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
         (again,) = llm.generate([follow_up], greedy, use_tqdm=False).trajectories

@@ -93,7 +93,6 @@ class DiffusionGemma(Strategy):
     families = ("diffusion_gemma",)
     budgets_prompt_tokens = False  # it schedules whole canvases; its budget is checked per request
     samples_in_graph = False  # its runner replays graphs of the decoder pass; the canvas rule runs eagerly after
-    continues_on_device = False
     runner_follows_ranks = True  # the workers repeat the encoder and decoder passes; rank 0 alone runs the rule
 
     def normalize(self, config: Config) -> None:
@@ -117,6 +116,11 @@ class DiffusionGemma(Strategy):
         for field, value in overrides.items():
             if getattr(config, field) == defaults[field].default:
                 setattr(config, field, value)
+
+    def continues_steps(self, config: Config) -> bool:
+        """Its runner continues a denoising step itself from the states the step before proposes
+        (`CanvasRunner.launch_continuation`), where no canvas can end at that step."""
+        return self.continues_on_device
 
     def make_runner(self, context: RunnerContext) -> StepRunner:
         settings = CanvasRunnerSettings(

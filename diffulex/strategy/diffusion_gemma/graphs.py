@@ -48,6 +48,10 @@ class CanvasGraph:
         self.layout = CanvasLayout.empty(bucket, canvas_length, page_table_width, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # the captured forward's output buffer
+        # the contexts and page tables the layout holds: a step over the same ones (a continuation's, or the next
+        # step of canvases that encoded nothing) leaves it as it is, and copies nothing from the host, which waits
+        # for the device
+        self._layout_key: tuple | None = None
 
     def fill(
         self, canvas_ids: torch.Tensor, soft: torch.Tensor | None, contexts: Sequence[int],
@@ -63,7 +67,10 @@ class CanvasGraph:
         else:
             self.soft[:batch].copy_(soft)
             self.soft[batch:].zero_()
-        self.layout.fill(contexts, tables)
+        key = (tuple(contexts), tuple(tuple(table) for table in tables))
+        if key != self._layout_key:
+            self.layout.fill(contexts, tables)
+            self._layout_key = key
 
     def capture(self, forward: DecoderForward, pool: object | None) -> None:
         """Run the forward once on a side stream (kernels compiled, library handles made), then capture it."""

@@ -36,6 +36,11 @@ class CanvasRequest(Request):
     canvases_done: int = field(init=False, default=0)  # committed canvases
     canvas: CanvasState | None = field(init=False, default=None)  # the running canvas's state, None before step 1
     proposed: CanvasStep | None = field(init=False, default=None)  # the launched step's outcome, until applied
+    # how many of the running canvas's latest applied steps showed the same argmax (0 before its first) and the mean
+    # entropy of the latest: what the host knows of whether the step after them may end the canvas
+    # (`CanvasRunner.can_continue`)
+    steady_argmaxes: int = field(init=False, default=0)
+    latest_mean_entropy: float = field(init=False, default=0.0)
     encoded_len: int = field(init=False, default=0)  # positions whose encoder K/V is in the request's pages
     prefix_hit_len: int = field(init=False, default=0)  # of those, supplied by a prefix-cache hit at admission
 
@@ -87,6 +92,7 @@ class CanvasRequest(Request):
         self.blocks.append(block)
         self.running = [block]
         self.canvas = None
+        self.steady_argmaxes = 0
         return True
 
     def query_range(self) -> tuple[int, int]:
@@ -98,7 +104,13 @@ class CanvasRequest(Request):
         return []  # the canvas runner decides every position itself; no mask-filling rows
 
     def next_step_has_same_rows(self) -> bool:
-        return False
+        """Whether the step after the one about to run denoises the same canvas with nothing to encode, unless that
+        step ends the canvas: everything before the canvas is encoded and the request does not reach its ``max_nfe``.
+        Whether the step about to run can end the canvas is the runner's question (`CanvasRunner.can_continue`: the
+        schedule's last step, the stability threshold)."""
+        if not self.running or self.encoded_len != self.committed_len:
+            return False
+        return not self.max_nfe or self.nfe + 1 < self.max_nfe
 
     # ----- after the forward -----------------------------------------------------------------------------
 
@@ -110,8 +122,12 @@ class CanvasRequest(Request):
             raise RuntimeError(f"request {self.req_id}: a step was applied that was not launched for it")
         self.proposed = None
         block = self.running[0]
+        shown = self.token_ids[block.start : block.end]
         for pos, token in writes:
             self.token_ids[pos] = token
+        steady = self.steady_argmaxes > 0 and self.token_ids[block.start : block.end] == shown
+        self.steady_argmaxes = self.steady_argmaxes + 1 if steady else 1
+        self.latest_mean_entropy = outcome.mean_entropy
         if not outcome.finished:
             self.canvas = outcome.state
             return 0
