@@ -3,7 +3,8 @@ expert geometries (the last also as one rank of tensor_parallel_size=2 holds it,
 the floor of the experts each step selects.
 
 For each geometry and decode row count (SDAR-30B-A3B: block 4 at batch 1, 8 and 32; LLaDA2-mini: block 32 at the
-same batches; DiffusionGemma: 1, 2, 4 and 8 canvases of 256 rows), with uniform random routing: the experts of
+same batches; DiffusionGemma: 1, 2, 4 and 8 canvases of 256 rows, and the sweep's layout 1 to 128 canvases of 16),
+with uniform random routing: the experts of
 one layer through the model's own fused and grouped paths (`SparseMoE._fused` / `_grouped` with SiLU,
 `StackedExperts._fused` / `_grouped` with GELU-tanh), each timed as a CUDA graph of back-to-back calls replayed,
 consecutive calls reading different copies of the stacked weights so that they come from HBM, not from the L2 the
@@ -49,6 +50,10 @@ GEOMETRIES = {
     # one rank's experts of DiffusionGemma-26B-A4B at tensor_parallel_size=2 (each expert's width halved)
     "diffusion-gemma-26b-a4b-tp2": {"experts": 128, "top_k": 8, "hidden": 2816, "inter": 352, "shared_inter": 0,
                                     "activation": "gelu_tanh", "rows": (256, 512, 1024, 2048)},
+    # the performance sweep's DiffusionGemma layout (`diffulex.bench.sweep_models.DIFFUSION_GEMMA_TEXT`): 1 to 128
+    # canvases of 16 rows
+    "diffusion-gemma-sweep": {"experts": 32, "top_k": 4, "hidden": 2048, "inter": 512, "shared_inter": 0,
+                              "activation": "gelu_tanh", "rows": (16, 128, 256, 512, 1024, 2048)},
 }  # fmt: skip
 # The activation each geometry's experts apply to their gate, in PyTorch (the float32 reference).
 TORCH_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}

@@ -108,6 +108,11 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], tuple[int, FusedMoEConfig]] = {
     # LLaDA2-mini at batch 32 (1,024 rows, 2026-11-27): 732.6 us against the default's 775.1 (floor 537.2), down's
     # programs 256 columns wide, so each expert's activation tile is read by 8 programs instead of 32
     (256, 2048, 512): (1024 * 8, FusedMoEConfig(64, 64, 256, 64, 8, 3)),
+    # The performance sweep's DiffusionGemma layout (32 experts of 2048 x 512, top 4; H200, 2026-11-28,
+    # `--geometries diffusion-gemma-sweep`, docs/data/fused_moe_diffusion_gemma_sweep_h200.json): the same shape
+    # from 256 rows, 73.5 / 83.5 / 127.7 / 206.9 us against the default's 78.6 / 100.1 / 148.9 / 262.8 at 256 / 512
+    # / 1,024 / 2,048 rows
+    (32, 2048, 512): (256 * 4, FusedMoEConfig(64, 64, 256, 64, 8, 3)),
 }
 
 
@@ -133,8 +138,12 @@ def config_for(
 # default. DiffusionGemma-26B-A4B (H100, 2026-11-26): fused 580 / 650 / 824 / 1386 us against grouped 775 / 876 /
 # 1116 / 1696 us at 256 / 512 / 1024 / 2048 rows (1 to 8 canvases), the largest row count measured. Its experts on
 # one rank of tensor_parallel_size=2 (half the width; H200, 2026-11-28): fused 238 / 293 / 398 / 628 us against
-# grouped 467 / 552 / 756 / 1210 us.
-_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {(128, 2816, 704, 8): 2048, (128, 2816, 352, 8): 2048}
+# grouped 467 / 552 / 756 / 1210 us. The performance sweep's DiffusionGemma layout (32 experts of 2048 x 512, top 4;
+# H200, 2026-11-28): fused 48.7 / 63.6 / 100.1 / 262.8 us against grouped 140.4 / 171.9 / 208.7 / 489.2 at 16 / 128 /
+# 512 / 2,048 rows (1 to 128 canvases of 16), where the default rule took the grouped GEMM from 512 rows.
+_FASTER_ROWS: dict[tuple[int, int, int, int], int] = {
+    (128, 2816, 704, 8): 2048, (128, 2816, 352, 8): 2048, (32, 2048, 512, 4): 2048,
+}  # fmt: skip
 
 
 def fused_wins(rows: int, top_k: int, num_experts: int, hidden: int, inter: int) -> bool:
