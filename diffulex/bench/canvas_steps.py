@@ -70,6 +70,9 @@ class CanvasBenchSettings:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     prompt_len: int = 512
     steps: int = 12  # denoising steps per canvas (steps - 2 of them timed)
+    # the requests' temperature: sampled canvases (the default) take the fused sampling passes and their
+    # self-conditioning products; 0 is the greedy rule the performance sweep's strategies row decodes with
+    temperature: float = 1.0
     seed: int = 0
     quick: bool = False  # small peak measurements
     experts_impl: str | None = None  # None: each layer's experts choose per step (`StackedExperts.impl_for`)
@@ -82,6 +85,8 @@ class CanvasBenchSettings:
         if self.steps < 3:
             raise ValueError(f"steps={self.steps} must be >= 3 (the first engine step launches two denoising "
                              "steps, the last none)")  # fmt: skip
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy canvases)")
         if self.prompt_len < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError("prompt_len and every batch size must be >= 1")
         if self.num_layers is not None and self.num_layers < 1:
@@ -206,7 +211,10 @@ def _requests(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int)
 
     ids = random_prompts(engine.vocab_limit, engine.mask_token_id, batch, settings.prompt_len, seed)
     C = engine.model.config.canvas_length
-    params = [SamplingParams(temperature=1.0, max_tokens=C, ignore_eos=True, seed=seed + i) for i in range(batch)]
+    params = [
+        SamplingParams(temperature=settings.temperature, max_tokens=C, ignore_eos=True, seed=seed + i)
+        for i in range(batch)
+    ]
     req_ids = [engine.add_request(prompt, sp) for prompt, sp in zip(ids, params, strict=True)]
     by_id = {req.req_id: req for req in engine.scheduler.waiting}
     return [by_id[i] for i in req_ids]
@@ -398,7 +406,8 @@ def run(settings: CanvasBenchSettings, out: str | Path | None, log: Callable[[st
     log(f"peaks: {json.dumps(peaks.to_dict())}")
     report: dict[str, Any] = {
         "tool": "diffulex bench canvas", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "geometry": settings.geometry,
-        "prompt_len": settings.prompt_len, "steps_per_canvas": settings.steps, "peaks": peaks.to_dict(),
+        "prompt_len": settings.prompt_len, "steps_per_canvas": settings.steps, "temperature": settings.temperature,
+        "peaks": peaks.to_dict(),
         "device": peaks.device, "torch": torch.__version__, "results": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

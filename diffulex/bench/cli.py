@@ -318,8 +318,11 @@ def cmd_canvas(args: argparse.Namespace) -> int:
         raise ValueError("diffulex bench canvas takes no run directories, --model, --config, --set, --check or --json")
     shared = throughput_options(args)
     unused = set(shared) - {"batch_sizes", "prompt_len", "out", "quick", "profile"}
-    if unused or eval_overrides(args):
-        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(unused | set(eval_overrides(args))))
+    evals = eval_overrides(args)
+    # --temperature: the canvases' (default 1.0, sampled; 0 greedy, as the performance sweep decodes)
+    temperature = evals.pop("temperature", None)
+    if unused or evals:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(unused | set(evals)))
         raise ValueError(f"{flags}: not used by 'diffulex bench canvas'")
     settings = CanvasBenchSettings(
         batch_sizes=shared.get("batch_sizes", [1, 8]),
@@ -327,6 +330,7 @@ def cmd_canvas(args: argparse.Namespace) -> int:
         quick=bool(shared.get("quick")),
         profile=bool(shared.get("profile")),
         engine_overrides=_engine_flag_overrides(args),
+        **({} if temperature is None else {"temperature": temperature}),
         **canvas_options(args),
     )
     run(settings, shared.get("out"), log=lambda line: print(line, flush=True))

@@ -45,6 +45,22 @@ def test_the_tool_reports_each_batch_against_its_floor(tmp_path: Path) -> None:
     assert report["results"][1]["kv_read_GB"] == pytest.approx(2 * report["results"][0]["kv_read_GB"])
 
 
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_greedy_canvases_are_timed_with_or_without_their_steps_continued(tmp_path: Path, scheduling: str) -> None:
+    """``--temperature 0`` times greedy canvases (the performance sweep's rule), which never end early here (the
+    tool's confidence threshold of 0): every timed step is continued on the device, unless the engine flag turns
+    continuations off; the report counts them."""
+    out = tmp_path / "canvas.json"
+    code = main(["canvas", "--geometry", "tiny", "--batch-sizes", "2", "--prompt-len", "12", "--steps", "5",
+                 "--temperature", "0", scheduling, "--quick", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["temperature"] == 0.0 and row["timed_steps"] == 3
+    assert row["continued_steps"] == (3 if scheduling == "--async-scheduling" else 0)
+    assert row["dropped_continuations"] == 0
+
+
 def test_profile_breaks_the_steps_and_the_decoder_pass_down_by_kernel(tmp_path: Path, monkeypatch) -> None:
     """``--profile`` runs one more batch's steps and the decoder pass under the profiler: each part reports its
     calls, its GPU time by kernel kind and its longest kernels (on the CPU no CUDA kernel runs, so none are
@@ -191,6 +207,7 @@ def test_a_geometry_that_does_not_fit_is_measured_with_fewer_layers(tmp_path: Pa
     ({"geometry": "70b"}, "geometry='70b' must be one of 26b-a4b, sweep, tiny"),
     ({"num_layers": 0}, "num_layers=0 must be >= 1"),
     ({"experts_impl": "loop"}, "experts_impl='loop' must be one of fused, grouped, dense"),
+    ({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
 ])  # fmt: skip
 def test_bad_settings_are_refused_by_name(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
