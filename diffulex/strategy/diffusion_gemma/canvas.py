@@ -294,6 +294,31 @@ def _fused_sample_part(
     ]  # fmt: skip
 
 
+def accept_sampled(
+    draws: Sequence[SampledCanvas], generators: Sequence[torch.Generator], vocab_limit: int, bound: float, fused: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sampled canvas's next input tokens and mean entropy: its draws where the entropy bound accepts them,
+    fresh noise elsewhere (the generator's next numbers after its race, as in the one-canvas rule). ``fused``: the
+    acceptance of every canvas in one launch (`diffulex.kernels.canvas_acceptance`, its sums within float32 rounding of
+    the sorted running sum), else canvas by canvas in PyTorch (the reference)."""
+    if not draws:
+        return []
+    length, device = draws[0].drawn.shape[0], draws[0].drawn.device
+    noise = torch.empty(len(draws), length, dtype=torch.long, device=device)
+    for row, generator in zip(noise, generators, strict=True):
+        torch.randint(0, vocab_limit, (length,), generator=generator, device=device, out=row)
+    if not fused:
+        return [
+            (torch.where(entropy_bound_acceptance(draw.entropy, bound), draw.drawn, row), draw.entropy.mean())
+            for draw, row in zip(draws, noise, strict=True)
+        ]
+    from diffulex.kernels.canvas_acceptance import accept_canvases
+
+    entropy = torch.stack([draw.entropy for draw in draws])
+    tokens, means = accept_canvases(entropy, torch.stack([draw.drawn for draw in draws]), noise, bound)
+    return list(zip(tokens, means, strict=True))
+
+
 @dataclass(frozen=True)
 class CanvasSteps:
     """One step of a group of canvases, on the device until the step's result is read; `resolve` turns canvas
@@ -335,9 +360,10 @@ def denoise_canvases(
     canvas (docs/strategies.md; on a GPU its sampled canvases take the fused two-pass kernels, within float32
     rounding of it): what one row computes alone whatever the rows beside it runs once for the group (the ban, the
     argmax, the stability check, the one-hot self-conditioning, the fused passes over the sampled rows); what torch
-    rounds differently with the number of rows it is launched over runs per canvas, with that canvas's shapes (the
-    reductions over the vocabulary on the PyTorch path and over the canvas, whose split over thread blocks follows
-    the row count), or in launches of one fixed shape (the self-conditioning product, whose GEMM algorithm follows
+    rounds differently with the number of rows it is launched over runs per canvas, with that canvas's shapes (on
+    the PyTorch path the reductions over the vocabulary and over the canvas, whose split over thread blocks follows
+    the row count), or one program a canvas (on the fused path the acceptance and mean over the canvas:
+    `accept_sampled`), or in launches of one fixed shape (the self-conditioning product, whose GEMM algorithm follows
     the row count: `SOFT_PRODUCT_ROWS`), and the draws come from each canvas's own generator.
 
     ``soft_embeddings(probs [1, rows, vocab]) -> [1, rows, hidden]`` (probabilities in ``probs_dtype``, the model's:
@@ -359,10 +385,12 @@ def denoise_canvases(
         one_hot_soft = token_soft_embeddings(argmax)
     zero, yes = torch.zeros((), device=device), torch.ones((), dtype=torch.bool, device=device)
     sampled = [b for b, scale in enumerate(scales) if scale != 0.0]
-    generators = {b: step_generator(seeds[b], states[b].index, states[b].steps, device) for b in sampled}
-    draws = dict(zip(sampled, sample_canvases(logits, sampled, [generators[b] for b in sampled],
-                                              [not last[b] for b in sampled], probs_dtype, soft_embeddings),
-                     strict=True))  # fmt: skip
+    generators = [step_generator(seeds[b], states[b].index, states[b].steps, device) for b in sampled]
+    fused = logits.is_cuda and triton_available()
+    draws = sample_canvases(logits, sampled, generators, [not last[b] for b in sampled], probs_dtype,
+                            soft_embeddings, fused=fused)  # fmt: skip
+    accepted = accept_sampled(draws, generators, vocab_limit, schedule.entropy_bound, fused)
+    slot = {b: i for i, b in enumerate(sampled)}  # a sampled canvas's place among the draws
     means, valid, next_states = [], [], []
     for b, (state, scale) in enumerate(zip(states, scales, strict=True)):
         soft = None
@@ -373,12 +401,10 @@ def denoise_canvases(
             if not last[b]:
                 soft = one_hot_soft[b]
         else:
-            draw = draws[b]
-            means.append(draw.entropy.mean())
+            draw = draws[slot[b]]
+            tokens, mean = accepted[slot[b]]
+            means.append(mean)
             valid.append(draw.drawable)
-            # after the race: the generator's next numbers, as in the one-canvas rule
-            noise = torch.randint(0, vocab_limit, (length,), generator=generators[b], device=device)
-            tokens = torch.where(entropy_bound_acceptance(draw.entropy, schedule.entropy_bound), draw.drawn, noise)
             soft = draw.soft_embeds
         history = (*state.history, argmax[b])[-schedule.stability_threshold :]
         next_states.append(CanvasState(state.index, tokens, soft, history, state.steps + 1))
@@ -396,8 +422,8 @@ def stable_canvases(states: Sequence[CanvasState], argmax: torch.Tensor, thresho
     if not any(full):
         return torch.zeros(len(states), dtype=torch.bool, device=argmax.device)
     if all(full):
-        history = torch.stack([torch.stack(state.history, dim=0) for state in states])  # [G, threshold, C]
-        return (history == argmax[:, None]).flatten(1).all(dim=1)
+        history = torch.stack([entry for state in states for entry in state.history])  # [G * threshold, C]
+        return (history.view(len(states), threshold, -1) == argmax[:, None]).flatten(1).all(dim=1)
     never = torch.zeros((), dtype=torch.bool, device=argmax.device)
     return torch.stack([
         (torch.stack(state.history, dim=0) == argmax[b]).all() if is_full else never
