@@ -79,3 +79,28 @@ def test_a_canvas_that_ends_at_a_continued_step_drops_the_continuation(
     got, continued, dropped = generated(folder, params, True, buckets=BUCKETS)
     assert dropped > 0 and continued > dropped
     assert got == expected
+
+
+def test_an_abort_or_an_arrival_while_a_continuation_is_in_flight_leaves_the_others_answers(folder: Path) -> None:  # noqa: F811
+    """With a continued step in flight, one request is aborted and another arrives: nothing more of the aborted
+    one is applied or reported, and the one that stays and the newcomer answer as each does alone in an engine
+    without continuations."""
+    prompt_a, prompt_b, prompt_c = prompts(3, seed=8)
+    stays, newcomer = SAMPLED[0], SAMPLED[2]
+    expected = []
+    for prompt, params in ((prompt_b, stays), (prompt_c, newcomer)):
+        with engine(folder, async_scheduling=False) as llm:
+            expected.append(llm.generate([prompt], params, use_tqdm=False).trajectories[0].token_ids)
+    with engine(folder) as llm:
+        aborted = llm.add_request(prompt_a, SAMPLED[1])
+        kept = llm.add_request(prompt_b, stays)
+        finished = {}
+        while not (llm._in_flight and llm._in_flight[-1].continuation):
+            finished.update({u.req_id: u.trajectory for u in llm.step() if u.finished})
+        assert llm.abort_request(aborted)
+        arrived = llm.add_request(prompt_c, newcomer)
+        while not llm.is_finished():
+            finished.update({u.req_id: u.trajectory for u in llm.step() if u.finished})
+        assert llm.num_continuations > 0
+    assert aborted not in finished  # the abort is its end (its caller has its request)
+    assert [finished[kept].token_ids, finished[arrived].token_ids] == expected
