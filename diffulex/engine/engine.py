@@ -52,6 +52,9 @@ class _InFlightStep:
 
     batch: list[Request]
     views: list[tuple[tuple[int, int], tuple[int, ...]]]  # per request: query range, running block indices
+    # per request: its query range as the launch left it, which a continuation starts from: the view's, unless the
+    # launch itself moved it (a strategy's own runner that encodes context before its rows: DiffusionGemma's canvas)
+    launched_ranges: list[tuple[int, int]]
     pending: PendingWrites
     started: float  # perf_counter() at scheduling
     continuation: bool = False  # launched before the previous step's result (`diffulex.engine.continuation`)
@@ -310,7 +313,7 @@ class DiffulexEngine:
         pending = self.runner.launch(batch, self._num_launches % self.policy.staging_buffers)
         self._launching = []
         self._num_launches += 1
-        return _InFlightStep(batch, views, pending, t0)
+        return _InFlightStep(batch, views, [req.query_range() for req in batch], pending, t0)
 
     def _maybe_continue(self) -> None:
         """Queue the successor of the step in flight before reading its result, when its rows are known already
@@ -326,12 +329,12 @@ class DiffulexEngine:
         if (scheduler.waiting and not scheduler.slots_full()) or len(newest.batch) != len(scheduler.running):
             return
         views, opened = [], []
-        for req, view in zip(newest.batch, newest.views, strict=True):
-            (start, end), blocks = view
-            if req.is_finished or req.query_range() != (start, end):
+        for req, (_, blocks), launched in zip(newest.batch, newest.views, newest.launched_ranges, strict=True):
+            if req.is_finished or req.query_range() != launched:
                 return
+            start, end = launched
             if req.next_step_has_same_rows():
-                views.append(view)
+                views.append((launched, blocks))
             elif req.next_step_opens_block() and self.runner.opens_block_on_device(req):
                 size = req.settings.block_size
                 views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
@@ -343,7 +346,8 @@ class DiffulexEngine:
         self._num_launches += 1
         self.num_continuations += 1
         self.num_opened_blocks += len(opened)
-        self._in_flight.append(_InFlightStep(newest.batch, views, pending, t0, continuation=True))
+        ranges = [query for query, _ in views]
+        self._in_flight.append(_InFlightStep(newest.batch, views, ranges, pending, t0, continuation=True))
 
     def _check_continuation(self) -> None:
         """Now that its predecessor's result is applied, check the continuation in flight against the step the

@@ -4,6 +4,7 @@ is to end at the step in flight. The tokens and step counts are those of steps t
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from diffulex.strategy.diffusion_gemma import runner as canvas_runner
 from tests.strategy.test_diffusion_gemma_strategy import engine, folder, one_thread, prompts  # noqa: F401
 
 BUCKETS = (1, 2, 4)
+CANVAS = 16  # the tiny checkpoint's canvas length
 
 
 def generated(folder: Path, params: list[SamplingParams], alone: bool, **fields) -> tuple[list[tuple], int, int]:  # noqa: F811
@@ -43,9 +45,9 @@ SAMPLED = [
 @pytest.mark.parametrize("buckets", [(), BUCKETS], ids=["eager", "static-buffers"])
 @pytest.mark.parametrize("alone", [True, False], ids=["alone", "together"])
 def test_continued_steps_give_the_tokens_of_steps_the_host_launches(folder: Path, buckets, alone: bool) -> None:  # noqa: F811
-    """Sampled canvases far from confident (the checkpoint's stability threshold of 1): every step after a canvas's
-    first is continued on the device, none is dropped, and the answers are those of an engine without
-    continuations (``async_scheduling=False``)."""
+    """Sampled canvases far from confident (the checkpoint's stability threshold of 1): their steps are continued on
+    the device, the one after a canvas's first (which encoded the context before it) too; none is dropped, and the
+    answers are those of an engine without continuations (``async_scheduling=False``)."""
     expected, none, _ = generated(folder, SAMPLED, alone, async_scheduling=False, buckets=buckets)
     got, continued, dropped = generated(folder, SAMPLED, alone, buckets=buckets)
     assert none == 0
@@ -54,17 +56,20 @@ def test_continued_steps_give_the_tokens_of_steps_the_host_launches(folder: Path
 
 
 def test_a_canvas_with_too_few_equal_argmaxes_to_be_stable_is_continued_even_greedy(folder: Path) -> None:  # noqa: F811
-    """With a stability threshold of 2 a canvas cannot end at a step unless the argmaxes of the step before it
-    repeated: greedy canvases (entropy 0, confident at every step) are continued exactly where they cannot end, so
-    no continuation is dropped, while at a threshold of 1 nothing says they will not end and none is continued."""
+    """A canvas cannot end at a step unless the argmaxes of the steps before it repeated as often as the stability
+    threshold: greedy canvases (entropy 0, confident at every step) are continued exactly where they cannot end, so
+    no continuation is dropped. At a threshold of 2 that is also after a first step whose argmax changed; at a
+    threshold of 1 only each canvas's first step (the one that encodes the context before it) is continued, since
+    nothing says a later one will not end it."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=40, seed=i, ignore_eos=True) for i in range(2)]
-    options = {"diffusion_gemma_max_denoising_steps": 8, "diffusion_gemma_stability_threshold": 2}
-    expected, _, _ = generated(folder, greedy, True, async_scheduling=False, strategy_options=options)
-    got, continued, dropped = generated(folder, greedy, True, strategy_options=options)
-    assert continued > 0 and dropped == 0
-    assert got == expected
-    options["diffusion_gemma_stability_threshold"] = 1
-    assert generated(folder, greedy, True, strategy_options=options)[1] == 0
+    canvases = 2 * math.ceil(40 / CANVAS)
+    for threshold in (2, 1):
+        options = {"diffusion_gemma_max_denoising_steps": 8, "diffusion_gemma_stability_threshold": threshold}
+        expected, _, _ = generated(folder, greedy, True, async_scheduling=False, strategy_options=options)
+        got, continued, dropped = generated(folder, greedy, True, strategy_options=options)
+        assert dropped == 0
+        assert got == expected
+        assert continued > canvases if threshold == 2 else continued == canvases
 
 
 def test_a_canvas_that_ends_at_a_continued_step_drops_the_continuation(
