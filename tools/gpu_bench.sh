@@ -13,7 +13,8 @@
 #             tail (its prefill bucket full: the first block replays a decode graph of its own) and a 250-token
 #             one (the block rides in the tail's forward) (about 2 min)
 #   canvas    `bench canvas --batch-sizes 1 8 --profile`: DiffusionGemma steps, kernels by kind, then the same on the
-#             sweep's layout at batch 1 and 32 (`--geometry sweep`) (about 4 min)
+#             sweep's layout at batch 1 and 32 (`--geometry sweep`), sampled and greedy (`--temperature 0`, the
+#             sweep's rule) (about 4 min)
 #   attention bench/prefill_attention_bench.py: a prompt's attention per tile class against its floor (about 2 min)
 #   cold      bench/prefill_anatomy.py: a cold 2,048-token prompt (1.7B, 8B) run eagerly (prefill graphs up to 512
 #             rows) and replayed in one prefill graph (up to 2,048, the default) (about 4 min)
@@ -57,7 +58,9 @@ measure() {
       PYTHONPATH=. python bench/prefix_hit_anatomy.py "$dir/tail250" --tail 250 ;;
     canvas) python -m diffulex.cli bench canvas --batch-sizes 1 8 --profile --out "$dir/diffusion_gemma_steps.json" \
               && python -m diffulex.cli bench canvas --geometry sweep --batch-sizes 1 32 --profile \
-                   --out "$dir/diffusion_gemma_sweep_layout_steps.json" ;;
+                   --out "$dir/diffusion_gemma_sweep_layout_steps.json" \
+              && python -m diffulex.cli bench canvas --geometry sweep --batch-sizes 1 32 --temperature 0 \
+                   --out "$dir/diffusion_gemma_sweep_layout_greedy_steps.json" ;;
     attention) PYTHONPATH=. python bench/prefill_attention_bench.py "$dir" ;;
     cold)
       for rows in 512 2048; do
