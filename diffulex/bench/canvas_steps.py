@@ -220,14 +220,16 @@ def _requests(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int)
     return [by_id[i] for i in req_ids]
 
 
-def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> list[float]:
-    """Seconds of each engine step that computes one denoising step of all ``batch`` canvases."""
+def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int) -> tuple[list[float], int, int]:
+    """Seconds of each engine step that computes one denoising step of all ``batch`` canvases, and of the steps
+    those calls launched, how many were continued on the device and how many of those dropped."""
     requests = _requests(engine, batch, settings, seed)
     engine.step()  # encodes the prompts, computes each canvas's first step and launches its second
     if not all(req.nfe == 1 for req in requests):
         raise RuntimeError(f"only {sum(r.nfe == 1 for r in requests)} of {batch} requests ran in the first step "
                            "(KV cache too small for this batch?)")  # fmt: skip
     device = engine.device
+    continued, dropped = engine.num_continuations, engine.num_dropped_continuations
     _sync(device)
     stamps = [time.perf_counter()]
     for _ in range(settings.steps - 2):  # each applies one step and launches the next
@@ -236,11 +238,13 @@ def time_batch(engine: Any, batch: int, settings: CanvasBenchSettings, seed: int
     _sync(device)  # the last step's work is timed too
     stamps[-1] = time.perf_counter()
     times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    continued = engine.num_continuations - continued
+    dropped = engine.num_dropped_continuations - dropped
     while not engine.is_finished():
         engine.step()
     if any(req.nfe != settings.steps for req in requests):
         raise RuntimeError(f"canvases took {sorted({r.nfe for r in requests})} steps, not {settings.steps} each")
-    return times
+    return times, continued, dropped
 
 
 def decoder_pass(engine: Any, batch: int, prompt_len: int) -> Callable[[], object] | None:
@@ -345,10 +349,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
     try:
         experts_impl = experts_path(engine.model, settings.experts_impl, batch * engine.model.config.canvas_length)
         time_batch(engine, batch, settings, seed=settings.seed + 1000)  # warm-up: compiles and captures
-        continued, dropped = engine.num_continuations, engine.num_dropped_continuations
-        times = time_batch(engine, batch, settings, seed=settings.seed)
-        continued = engine.num_continuations - continued
-        dropped = engine.num_dropped_continuations - dropped
+        times, continued, dropped = time_batch(engine, batch, settings, seed=settings.seed)
         decoder_ms = time_decoder_pass(engine, batch, settings.prompt_len)
         awaited_ms = time_decoder_pass(engine, batch, settings.prompt_len, each_awaited=True)
         model, runner = engine.model, engine.runner
@@ -367,7 +368,7 @@ def measure(folder: Path, settings: CanvasBenchSettings, batch: int, peaks: Any,
             "memory_floor_ratio": mean_ms / floor["memory_floor_ms"],
             "cuda_graph_buckets": graphs, "dtype": dtype, "attention": "triton" if runner.use_triton else "torch",
             "experts_impl": experts_impl, "pages": runner.num_pages,
-            # of the timed batch's steps: continued on the device, and of those dropped (`CanvasRunner.can_continue`)
+            # of the steps the timed calls launched: continued on the device, and dropped (`CanvasRunner.can_continue`)
             "continued_steps": continued, "dropped_continuations": dropped,
         }  # fmt: skip
         if settings.profile:
