@@ -123,3 +123,20 @@ def test_a_replica_that_dies_fails_only_its_requests_and_the_others_keep_serving
         assert [r.alive for r in load.replicas] == [False, True] and load.alive
         # new requests go to the replica left, with the answers of a single engine
         assert [t.token_ids for t in llm.generate(PROMPTS[:2], long, use_tqdm=False)] == templated
+
+
+def test_two_replicas_serve_diffusion_gemma_canvases_as_one_engine(tmp_path):
+    """A strategy with its own runner (DiffusionGemma's canvases, sampled and greedy, each request's draws from its
+    own seed) behind two replicas: each prompt gets the answer one engine gives it."""
+    from diffulex.testing.checkpoints import write_tiny_diffusion_gemma_checkpoint
+
+    model = write_tiny_diffusion_gemma_checkpoint(tmp_path / "dgemma", seed=0, layer_output_scale=0.5)
+    prompts = [list(range(7, 7 + n)) for n in (3, 9, 14, 5)]
+    params = [SamplingParams(temperature=t, max_tokens=24, seed=10 + i, ignore_eos=True)
+              for i, t in enumerate((1.0, 0.0, 0.7, 1.0))]  # fmt: skip
+    fields = {"max_model_len": 96, "dtype": "float32", "strategy_options": {"diffusion_gemma_max_denoising_steps": 6}}
+    with Diffulex(str(model), **fields) as single:
+        expected = [t.token_ids for t in single.generate(prompts, params, use_tqdm=False)]
+    with Diffulex(str(model), data_parallel_size=2, **fields) as llm:
+        out = llm.generate(prompts, params, use_tqdm=False)
+    assert [t.token_ids for t in out] == expected
