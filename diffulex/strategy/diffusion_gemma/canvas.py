@@ -235,15 +235,13 @@ def sample_canvases(
     goes_on: Sequence[bool],
     probs_dtype: torch.dtype,
     soft_embeddings: Callable[[torch.Tensor], torch.Tensor],
-    fused: bool | None = None,
+    fused: bool,
 ) -> list[SampledCanvas]:
     """The sampled canvases ``logits[members]`` (scaled, ``[G, C, vocab]``), member ``i`` drawing from
     ``generators[i]`` and, where ``goes_on[i]``, getting its self-conditioning input (``soft_embeddings`` of its
-    probabilities in ``probs_dtype``). ``fused`` (default: on a GPU with Triton): the canvases go through the fused
-    passes and the product `canvases_per_product` at a time; else one at a time through the PyTorch code (the
-    reference)."""
-    if fused is None:
-        fused = logits.is_cuda and triton_available()
+    probabilities in ``probs_dtype``). ``fused`` (`denoise_canvases` takes it on a GPU with Triton): the canvases go
+    through the fused passes and the product `canvases_per_product` at a time; else one at a time through the
+    PyTorch code (the reference)."""
     if not fused:
         sampled = []
         for b, generator, wanted in zip(members, generators, goes_on, strict=True):

@@ -121,11 +121,10 @@ def default_graph_buckets(device: torch.device, enforce_eager: bool) -> tuple[in
 @dataclass(frozen=True)
 class CanvasLaunch:
     """A launched step as its continuation needs it: its requests and their canvases' proposed next states (on the
-    device, in the batch's order), and whether any of those canvases is at its schedule's last step."""
+    device, in the batch's order)."""
 
     batch: list[CanvasRequest]
     states: list[CanvasState]
-    ends_a_schedule: bool
 
 
 class CanvasRunner:
@@ -276,9 +275,7 @@ class CanvasRunner:
             temperatures = [req.sampling_params.temperature for req in members]
             seeds = [self._seed(req) for req in members]
             steps.append(self._rule(logits, states[first : first + group], temperatures, seeds))
-        proposed = [state for group_steps in steps for state in group_steps.states]
-        ends = any(end for group_steps in steps for end in group_steps.last)
-        self._last = CanvasLaunch(batch, proposed, ends)
+        self._last = CanvasLaunch(batch, [state for group_steps in steps for state in group_steps.states])
         return PendingCanvases.launch(batch, steps)
 
     def _logits_group_size(self, batch: int) -> int:
@@ -298,10 +295,10 @@ class CanvasRunner:
         (`UNCONFIDENT_ENTROPY_FACTOR`) is taken not to be confident at the next; a greedy canvas (entropy 0) never is.
         The continuation then denoises the same canvases from the states the launch proposes (its requests' own
         conditions: `CanvasRequest.next_step_has_same_rows`)."""
-        last = self._last
-        if last is None or last.ends_a_schedule:
+        last, schedule = self._last, self.settings.schedule
+        # a proposed state that counts the schedule's steps all done follows its canvas's last step
+        if last is None or any(state.steps >= schedule.max_steps for state in last.states):
             return False
-        schedule = self.settings.schedule
         unconfident = UNCONFIDENT_ENTROPY_FACTOR * schedule.confidence_threshold
         return all(
             req.steady_argmaxes < schedule.stability_threshold
