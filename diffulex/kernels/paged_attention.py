@@ -33,15 +33,15 @@ Design:
   encoder) or, with ``window_from_context``, its request's context length (DiffusionGemma's decoder: a canvas
   sees the last ``window - 1`` cached positions and all of its own rows). Key tiles below every row's window are
   never read, so a sliding layer's cost stays bounded by the window however long the context.
-* a long-query class for prompts (``FULL_TILES``, `_long_query_tiles`): a launch whose longest query has
-  `_LONG_QUERY_MIN` positions or more takes 128-row query tiles in 8 warps with a deeper pipeline, as a
-  FlashAttention-2 forward does. Each row sees a prefix of key positions (its block's end, the prompt's end for
-  prompt rows under prefix-full) above its window's floor, so the key tiles between the highest floor and the
-  lowest row limit of the tile are seen whole by every row and fold without the mask; only the window's edge, the
-  diagonal band and the padded last tile are masked. The latest query tiles (the most keys) are started first:
-  unsplit, those of every head and request before any earlier one. Its keys are split like the other classes'
-  where its grid cannot fill the GPU (a short prompt tail after a long cached context). The decode-sized classes
-  compile exactly as without it.
+* a long-query class for prompts and DiffusionGemma's canvases (``FULL_TILES``, `_long_query_tiles`): a launch whose
+  longest query has `_LONG_QUERY_MIN` positions or more takes 128-row query tiles in 8 warps with a deeper pipeline, as
+  a FlashAttention-2 forward does (wider heads than 128: tiles of their own, `long_query_tiles_for`). Each row sees a
+  prefix of key positions (its block's end, the prompt's end for prompt rows under prefix-full) above its window's
+  floor, so the key tiles between the highest floor and the lowest row limit of the tile are seen whole by every row and
+  fold without the mask; only the window's edge, the diagonal band and the padded last tile are masked. The latest query
+  tiles (the most keys) are started first: unsplit, those of every head and request before any earlier one. Its keys are
+  split like the other classes' where its grid cannot fill the GPU (a short prompt tail after a long cached context).
+  The decode-sized classes compile exactly as without it.
 * key tails (``KEY_TAIL``, a launch with the metadata's device ``key_lens``): a request may attend past its rows,
   to cached keys ``[ctx + q_len, key_len)`` of its own block (Fast-dLLM v2 refining one sub-block against the
   block's kept K/V). A program's key range ``[lo, hi)`` is then folded in three loops: cached keys below ``ctx``,
@@ -723,12 +723,15 @@ _WIDE_HEAD_DIM = 512
 class LongQueryTiles:
     """The launch shape of the long-query class (a prompt's prefill): ``rows`` query rows per program (positions
     times the packed heads of one KV head), ``block_n`` keys per inner iteration, and the launch's warps and
-    software-pipeline stages (at most two with 4-byte inputs, whose K/V tiles are twice the size)."""
+    software-pipeline stages (at most two with 4-byte inputs, whose K/V tiles are twice the size). ``split_keys``:
+    whether the class also takes launches whose grid cannot fill the GPU, with their keys split (otherwise the
+    decode-sized classes take those)."""
 
     rows: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    split_keys: bool = True
 
     def __post_init__(self) -> None:
         for name in ("rows", "block_n"):
@@ -742,13 +745,24 @@ class LongQueryTiles:
 
 
 # The long-query class: a launch whose longest query has at least `_LONG_QUERY_MIN` positions (so more rows than
-# PDL chains: the class never waits on PDL) and heads of at most `_LONG_MAX_HEAD_DIM` (a 128 x 256 fp32 accumulator
-# would spill) folds larger query tiles and skips the mask on interior key tiles. Where its grid cannot fill the GPU
-# its keys are split as the other classes' are; where the grid fills it but the longest request's tiles alone do
-# not (a chunk beside many decoders, unsplit), the 64-row class (more programs for the long request) runs instead.
+# PDL chains: the class never waits on PDL) folds larger query tiles and skips the mask on interior key tiles. Where
+# its grid cannot fill the GPU its keys are split as the other classes' are; where the grid fills it but the longest
+# request's tiles alone do not (a chunk beside many decoders, unsplit), the 64-row class (more programs for the long
+# request) runs instead. Heads of at most 128 take `_LONG_QUERY_TILES`; wider heads (DiffusionGemma's 256 and 512:
+# a canvas of 256 rows over its context, an encoder's prompt) the tiles of `_WIDE_LONG_QUERY_TILES`, whose fp32
+# accumulator (rows x head_dim) must still fit the registers of its warps; heads wider than every entry never take
+# the class.
 _LONG_QUERY_MIN = 128
-_LONG_MAX_HEAD_DIM = 128
 _LONG_QUERY_TILES = LongQueryTiles()
+# Measured on an H200 (`bench/wide_head_attention_bench.py`, DiffusionGemma-26B-A4B's layers, bf16): 8 canvases of
+# 256 rows after 512 cached positions, sliding layers 0.222 -> 0.087 ms, full layers 0.674 -> 0.358; a 2,048-token
+# encoder prompt 0.185 -> 0.097 and 0.903 -> 0.418. One canvas (its grid too small: keys split) ran faster in the
+# decode-sized tiles (0.061 against 0.082, 0.086 against 0.113), so these never take split launches. 64 x 32 tiles
+# in 3 stages exceed an H200's shared memory at heads of 512.
+_WIDE_LONG_QUERY_TILES = {
+    256: LongQueryTiles(rows=128, block_n=32, num_warps=8, num_stages=3, split_keys=False),
+    512: LongQueryTiles(rows=64, block_n=32, num_warps=8, num_stages=2, split_keys=False),
+}
 # Keys one split takes at least (a multiple of every BLOCK_N). Measured at batch 1 on an H100
 # (`bench/attention_splits.py`): 64 is fastest up to 1k-token contexts, 256 by 1-2 us from 2k; decode contexts are
 # mostly short, so 64.
@@ -770,24 +784,42 @@ _PIPELINED_SPLIT_KEYS = 256
 _PREFETCH_KEYS = 128
 
 
+def long_query_tiles_for(head_dim: int, elem_size: int = 2) -> LongQueryTiles | None:
+    """The long-query class's tiles for heads of ``head_dim`` in inputs of ``elem_size`` bytes: those of the
+    narrowest entry that holds them, None where no entry does (the decode-sized classes then take every query).
+    Heads of `_WIDE_HEAD_DIM` or more in 4-byte inputs have none: their 64-row query tile alone would take 128 KB
+    of shared memory (an H200 has 227)."""
+    if head_dim <= 128:
+        return _LONG_QUERY_TILES
+    if head_dim >= _WIDE_HEAD_DIM and elem_size > 2:
+        return None
+    fitting = [width for width in _WIDE_LONG_QUERY_TILES if head_dim <= width]
+    return _WIDE_LONG_QUERY_TILES[min(fitting)] if fitting else None
+
+
 def _long_query_tiles(
     device: torch.device, max_query_len: int, group_pad: int, head_dim: int, slots: int, num_requests: int,
-    max_kv_len: int, num_splits: int | None, min_split_keys: int,
+    max_kv_len: int, num_splits: int | None, min_split_keys: int, long_requests: int = 1, elem_size: int = 2,
 ) -> LongQueryTiles | None:
-    """The long-query class's tiles if this launch takes it (a query of `_LONG_QUERY_MIN` positions or more, heads
-    of at most `_LONG_MAX_HEAD_DIM`); None: the decode-sized classes of `_tile_shapes`. A split count asked for
-    is taken as is. Otherwise the class runs where the longest request's programs alone (its query tiles times its
-    ``slots``, the head slots) fill the GPU, or where the whole grid does not and its keys are split anyway (a
-    prefix hit's tail, a prompt chunk's prefill graph: one request over a long context). It gives way where the
-    grid fills the GPU but the longest request's programs do not (a chunk beside many decoders in one launch): no
-    split then, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it folds its long context."""
-    tiles = _LONG_QUERY_TILES
-    if max_query_len < _LONG_QUERY_MIN or head_dim > _LONG_MAX_HEAD_DIM:
+    """The long-query class's tiles if this launch takes it (a query of `_LONG_QUERY_MIN` positions or more, heads that
+    `long_query_tiles_for` has tiles for); None: the decode-sized classes of `_tile_shapes`. A split count asked for is
+    taken as is. Otherwise the class runs where the programs of its ``long_requests`` long requests alone (each taken as
+    long as the longest: its query tiles times ``slots``, the head slots) fill the GPU, or where the whole grid does not
+    and its keys are split anyway (a prefix hit's tail, a prompt chunk's prefill graph: one request over a long
+    context). It gives way where the grid fills the GPU but the long requests' programs do not (a chunk beside many
+    decoders in one launch): no split then, and a chunk in fewer, larger tiles than SMs would leave SMs idle while it
+    folds its long context. Several canvases of DiffusionGemma's decoder are all long. Tiles that do not take split keys
+    (`LongQueryTiles.split_keys`) give way wherever the grid would be split or a split is asked for."""
+    tiles = long_query_tiles_for(head_dim, elem_size)
+    if max_query_len < _LONG_QUERY_MIN or tiles is None:
+        return None
+    if num_splits is not None and num_splits > 1 and not tiles.split_keys:
         return None
     if num_splits is None:
         longest = triton.cdiv(max_query_len, max(1, tiles.rows // group_pad)) * slots
         grid_splits = _auto_num_splits(device, longest * num_requests, max_kv_len, min_split_keys)
-        if _auto_num_splits(device, longest, max_kv_len, min_split_keys) > 1 and grid_splits == 1:
+        long_splits = _auto_num_splits(device, longest * max(1, long_requests), max_kv_len, min_split_keys)
+        if (long_splits > 1 and grid_splits == 1) or (grid_splits > 1 and not tiles.split_keys):
             return None
     return tiles
 
@@ -908,8 +940,9 @@ def triton_paged_attention(
     group_pad = _next_pow2(group) if grouped else 1
     max_query_len = meta.max_query_len
     head_slots = num_kv_heads if grouped else num_heads
+    long_requests = sum(n >= _LONG_QUERY_MIN for n in meta.query_lens_cpu)
     long_tiles = _long_query_tiles(q.device, max_query_len, group_pad, head_dim, head_slots, num_requests,
-                                   meta.max_kv_len, num_splits, min_split_keys)
+                                   meta.max_kv_len, num_splits, min_split_keys, long_requests, q.element_size())
     if long_tiles is not None:
         block_q, block_n = max(1, long_tiles.rows // group_pad), long_tiles.block_n
     else:
@@ -1060,7 +1093,7 @@ def _launch_every_variant(
         [first_large] + [1] * (fill - 1),
         [first_large] * max(fill, PDL_MAX_ROWS // first_large + 1),
     ]
-    if head_dim <= _LONG_MAX_HEAD_DIM:
+    if long_query_tiles_for(head_dim, k_cache.element_size()) is not None:
         cases.append([_LONG_QUERY_MIN])  # the long-query class, split or not
     for q_lens in cases:
         num_requests, rows = len(q_lens), sum(q_lens)

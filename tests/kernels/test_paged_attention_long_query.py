@@ -113,8 +113,8 @@ def test_the_long_class_gives_way_only_where_the_grid_fills_the_gpu_but_the_long
     """On a GPU the long class runs where the longest request's 128-row tiles fill the SMs, or where the whole grid
     does not and the keys are split (a prefix-cache hit's short tail on a long context: one request); it gives way
     to the 64-row class where the grid fills the GPU but the longest request's tiles do not (a 512-row chunk beside
-    many decoders: no split, and a few large tiles would fold the long context alone). A split count asked for is
-    taken as is; heads wider than 128 never take it."""
+    many decoders: no split, and a few large tiles would fold the long context alone), but not where every request
+    is long (8 canvases of 512 rows fill it together). A split count asked for is taken as is."""
     from diffulex.kernels import split_counters
 
     cuda, sms = torch.device("cuda", 0), 132
@@ -129,8 +129,49 @@ def test_the_long_class_gives_way_only_where_the_grid_fills_the_gpu_but_the_long
     assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 33, 32000, None, 64) is None  # 64 x 33 fill: no split
     assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 40, 32000, 1, 64) == tiles  # one split asked for
     assert pa._long_query_tiles(cuda, 260, 2, 128, 8, 1, 32000, 4, 64) == tiles  # four asked for
-    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 1, 4096, None, 64) is None
+    assert pa._long_query_tiles(cuda, 512, 2, 128, 8, 33, 32000, None, 64, long_requests=8) == tiles  # 64 x 8
     assert pa._long_query_tiles(cuda, LONG - 1, 2, 128, 64, 1, 4096, None, 64) is None
+
+
+def test_wide_heads_take_tiles_of_their_own_and_only_unsplit(monkeypatch):
+    """Heads of 256 and 512 (DiffusionGemma's) take the wide entries' smaller tiles, where their grid fills the GPU
+    without splitting keys (several canvases, a long encoder prompt); where it would be split (one canvas) or a
+    split is asked for, the decode-sized classes, which measured faster there; heads wider than every entry never
+    take the class."""
+    from diffulex.kernels import split_counters
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(split_counters._SM_COUNT, cuda, 132)
+    wide = pa._WIDE_LONG_QUERY_TILES
+    assert pa.long_query_tiles_for(64) is pa.long_query_tiles_for(128) is pa._LONG_QUERY_TILES
+    assert pa.long_query_tiles_for(256) is wide[256] and pa.long_query_tiles_for(512) is wide[512]
+    assert pa.long_query_tiles_for(1024) is None
+    assert pa.long_query_tiles_for(256, 4) is wide[256] and pa.long_query_tiles_for(512, 4) is None
+    assert all(not tiles.split_keys and tiles.rows * width <= 128 * 256 for width, tiles in wide.items())
+    # 26B-A4B: sliding layers 8 KV heads (group 2), full layers 2 (group 8); canvases of 256 rows after 512
+    assert pa._long_query_tiles(cuda, 256, 2, 256, 8, 8, 768, None, 64, long_requests=8) is wide[256]
+    assert pa._long_query_tiles(cuda, 256, 8, 512, 2, 8, 768, None, 64, long_requests=8) is wide[512]
+    assert pa._long_query_tiles(cuda, 256, 2, 256, 8, 1, 768, None, 64, long_requests=1) is None
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 1, 2048, None, 64) is wide[256]
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 1, 2048, 1, 64) is wide[256]
+    assert pa._long_query_tiles(cuda, 2048, 2, 256, 8, 1, 2048, 2, 64) is None
+    assert pa._long_query_tiles(cuda, 2048, 2, 1024, 8, 1, 2048, None, 64) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "window"), [(256, 4, 2, 40), (512, 4, 1, 0)])
+def test_canvases_of_wide_heads_in_long_tiles_match_reference(head_dim, num_heads, num_kv_heads, window, dtype,
+                                                              monkeypatch):  # fmt: skip
+    """DiffusionGemma's decoder launch: canvases that see their whole selves and the window's cached positions
+    before them (a canvas block, prefix-full, the window anchored at the context), folded in the wide tiles (heads
+    of 512 in float32 inputs have none: the decode-sized classes)."""
+    chosen = []
+    choose = pa._long_query_tiles
+    monkeypatch.setattr(pa, "_long_query_tiles", lambda *args: chosen.append(choose(*args)) or chosen[-1])
+    requests = [(70, LONG, 70 + LONG), (9, LONG, 9 + LONG)]
+    check_window(requests, num_heads, num_kv_heads, head_dim, window, window > 0, dtype, LONG, True, splits=1)
+    wide = head_dim < pa._WIDE_HEAD_DIM or dtype != torch.float32
+    assert chosen == [pa._WIDE_LONG_QUERY_TILES[head_dim] if wide else None]
 
 
 def test_a_split_long_query_launch_keeps_the_long_tiles_without_preloading(recorder):  # noqa: F811
@@ -180,6 +221,32 @@ def test_the_gpu_bench_script_runs_every_config_and_names_one_to_keep(tmp_path):
     checked = [r for r in report["rows"] if "max_abs_error" in r]  # every configuration on the first case
     assert len(checked) == len(report["geomean_x_floor"]) and all(r["max_abs_error"] <= 1e-4 for r in checked)
     assert report["keep"] in report["geomean_x_floor"] and f"keep: {report['keep']}" in done.stdout
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the script runs natively (docs/benchmarks.md)")
+def test_the_wide_head_bench_checks_every_config_and_keeps_one_per_head_width(tmp_path):
+    """``bench/wide_head_attention_bench.py --quick`` (tiny shapes, the interpreter): each layer kind's
+    configurations are checked against the reference on its first case and timed on every case, and the one kept
+    per head width ran them all."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "bench/wide_head_attention_bench.py", str(tmp_path), "--quick"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "wide_head_attention.json").read_text())
+    assert all(r["error"] is None for r in report["rows"]), report["rows"]
+    assert {r["head_dim"] for r in report["rows"]} == {256, 512}
+    assert {r["case"] for r in report["rows"]} == {"1 canvas(es) after 40", "2 canvas(es) after 40", "prompt of 130"}
+    checked = [r for r in report["rows"] if "max_abs_error" in r]
+    assert checked and all(r["max_abs_error"] <= 1e-4 for r in checked)
+    for head_dim, choice in report["by_head_dim"].items():
+        assert choice["keep"] in choice["geomean_x_floor"] and f"heads of {head_dim}: keep" in done.stdout
 
 
 def test_the_default_long_tiles_compile_for_hopper_without_spilling():
