@@ -174,6 +174,17 @@ def test_canvases_of_wide_heads_in_long_tiles_match_reference(head_dim, num_head
     assert chosen == [pa._WIDE_LONG_QUERY_TILES[head_dim] if wide else None]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_encoder_prompt_of_wide_heads_in_long_tiles_matches_reference(dtype, monkeypatch):
+    """DiffusionGemma's encoder launch: causal prompt rows (block 1), each seeing the window before it, one of them
+    after a cached prefix, folded in the tiles for heads of 256."""
+    chosen = []
+    choose = pa._long_query_tiles
+    monkeypatch.setattr(pa, "_long_query_tiles", lambda *args: chosen.append(choose(*args)) or chosen[-1])
+    check_window([(0, LONG + 20, 0), (50, LONG, 0)], 4, 2, 256, 60, False, dtype, 1, False, splits=1)
+    assert chosen == [pa._WIDE_LONG_QUERY_TILES[256]]
+
+
 def test_a_split_long_query_launch_keeps_the_long_tiles_without_preloading(recorder):  # noqa: F811
     """Split keys and the long class together: 128-row tiles in 8 warps, split, never chained by PDL and without
     the decode classes' preloaded first tile (8 warps of 128-row tiles have no registers to spare for it)."""
