@@ -4,15 +4,15 @@ decode-sized tiles they replace, and candidate shapes, against the flops floor.
     PYTHONPATH=. python bench/wide_head_attention_bench.py OUT_DIR [--batch-sizes 1 8] [--context 512]
         [--prompt 2048] [--quick]
 
-For DiffusionGemma-26B-A4B's two layer kinds (sliding: 16 query heads over 8 KV heads of 256, a window of 1,024;
-full: 16 over 2 KV heads of 512), bf16, pages of one canvas (256 positions, as the engine's): the decoder's launch
+For DiffusionGemma-26B-A4B's two layer kinds (sliding: 16 query heads over 8 KV heads of 256, a window of 1,024; full:
+16 over 2 KV heads of 512), bf16, pages of one canvas (256 positions, as the engine's): the decoder's launch
 (`--batch-sizes` canvases of 256 rows, each after `--context` cached positions, every row seeing the whole canvas and
-the last ``window - 1`` cached positions) and the encoder's (one causal prompt of `--prompt` positions, its K/V in
-the step's new keys), one launch of one layer, timed replayed from a CUDA graph after a warm-up launch that compiles
-the variant. Its floor is the visible (query, key) pairs' flops (``4 x heads x head_dim`` per pair) over the
-measured bf16 matmul rate. Every configuration's output is checked against the PyTorch reference
-(`diffulex.attention.torch_paged`, float32) on each layer kind's first case; one that fails it or fails to launch
-(shared memory, registers) is reported and not kept.
+the last ``window - 1`` cached positions) and the encoder's (one causal prompt of `--prompt` positions, its K/V in the
+step's new keys), one launch of one layer, timed replayed from a CUDA graph after a warm-up launch that compiles the
+variant; one canvas's launch, whose keys are split, also with fewer, longer splits. Its floor is the visible (query,
+key) pairs' flops (``4 x heads x head_dim`` per pair) over the measured bf16 matmul rate. Every configuration's output
+is checked against the PyTorch reference (`diffulex.attention.torch_paged`, float32) on each layer kind's first case;
+one that fails it or fails to launch (shared memory, registers) is reported and not kept.
 
 Writes ``OUT_DIR/wide_head_attention.json`` and prints a table and, per head width, the configuration with the
 lowest geometric mean of time over floor across its cases (`kernels.paged_attention._WIDE_LONG_QUERY_TILES` holds
@@ -62,13 +62,21 @@ SHAPES = {
 QUICK_SHAPES = {256: [(64, 64, 8, 2)], 512: [(32, 32, 8, 2)]}
 
 
-def candidates(head_dim: int, quick: bool) -> dict[str, object]:
-    """Name -> the long class's tiles for heads of ``head_dim`` (None: no long class for them, as before)."""
+# fewest keys a split takes in the decode-sized tiles' split launches (one canvas), beside the kernel's default
+SPLIT_KEYS, QUICK_SPLIT_KEYS = (128, 256), (128,)
+
+
+def candidates(head_dim: int, quick: bool) -> dict[str, tuple[object, int | None]]:
+    """Name -> (the long class's tiles for heads of ``head_dim``, None: none for them, as before; the fewest keys
+    a split takes, None: the kernel's default)."""
     from diffulex.kernels.paged_attention import LongQueryTiles
 
-    out: dict[str, object] = {BEFORE: None}
+    out: dict[str, tuple[object, int | None]] = {BEFORE: (None, None)}
+    for keys in QUICK_SPLIT_KEYS if quick else SPLIT_KEYS:
+        out[f"decode-sized tiles, splits of >= {keys} keys"] = (None, keys)
     for rows, block_n, warps, stages in (QUICK_SHAPES if quick else SHAPES)[head_dim]:
-        out[f"long {rows}x{block_n}, {warps} warps, {stages} stages"] = LongQueryTiles(rows, block_n, warps, stages)
+        tiles = LongQueryTiles(rows, block_n, warps, stages, split_keys=False)
+        out[f"long {rows}x{block_n}, {warps} warps, {stages} stages"] = (tiles, None)
     return out
 
 
@@ -158,9 +166,10 @@ def measure_case(kind: LayerKind, case: str, contexts: list[int], rows: int, can
     if check:
         expected = paged_attention(q.float(), k.float(), v.float(), cache.float(), cache.float(), meta, 1.0, **window)
     out = torch.empty_like(q)
-    launch = functools.partial(triton_paged_attention, q, k, v, cache, cache, meta, 1.0, out=out, **window)
     results: list[dict[str, object]] = []
-    for name, tiles in candidates(kind.head_dim, quick).items():
+    for name, (tiles, split_keys) in candidates(kind.head_dim, quick).items():
+        launch = functools.partial(triton_paged_attention, q, k, v, cache, cache, meta, 1.0, out=out,
+                                   min_split_keys=split_keys, **window)  # fmt: skip
         row: dict[str, object] = {"layer": kind.name, "head_dim": kind.head_dim, "case": case, "config": name,
                                   "error": None}  # fmt: skip
         try:
@@ -219,7 +228,9 @@ def choose(results: list[dict[str, object]]) -> dict[str, object]:
                 score[name] = math.exp(sum(math.log(r["x_floor"]) for r in ran) / len(ran))
         if score:
             best = min(score, key=score.__getitem__)
-            keep[str(head_dim)] = {"keep": best, "geomean_x_floor": score,
+            fastest = {case: min((r for r in mine if r["case"] == case and not r["error"]),
+                                 key=lambda r: r["ms"])["config"] for case in sorted(cases)}  # fmt: skip
+            keep[str(head_dim)] = {"keep": best, "geomean_x_floor": score, "fastest_per_case": fastest,
                                    "speedup_vs_before": score.get(BEFORE, math.nan) / score[best]}  # fmt: skip
     return {"by_head_dim": keep}
 
@@ -241,6 +252,8 @@ def main() -> int:
     for head_dim, choice in report["by_head_dim"].items():
         print(f"heads of {head_dim}: keep {choice['keep']} ({choice['speedup_vs_before']:.2f}x the decode-sized "
               f"tiles, geometric mean over the cases)")
+        for case, name in choice["fastest_per_case"].items():
+            print(f"  fastest on {case}: {name}")
     return 0
 
 
