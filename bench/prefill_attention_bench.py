@@ -130,6 +130,7 @@ def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: 
     """Every configuration on one prompt (`length` rows after `cached` positions); with `check`, each output
     against the float32 reference."""
     from diffulex.attention.torch_paged import paged_attention
+    from diffulex.bench.hardware import time_checked_config
     from diffulex.bench.roofline import block_causal_pairs
     from diffulex.kernels.paged_attention import triton_paged_attention
 
@@ -147,15 +148,9 @@ def measure_case(layout: str, heads: int, kv_heads: int, head_dim: int, cached: 
         row: dict[str, object] = {"heads": layout, "case": case, "cached": cached, "rows": length, "config": name,
                                   "error": None}  # fmt: skip
         try:
-            out.fill_(float("nan"))
             with long_class(tiles):
-                seconds = seconds_per_launch(launch, device, length)
-            if expected is not None:
-                row["max_abs_error"] = (out.float() - expected).abs().max().item()
-                if not row["max_abs_error"] <= TOLERANCE:  # NaN (a row left unwritten) fails too
-                    raise RuntimeError(f"max abs error {row['max_abs_error']:.3g} > {TOLERANCE}")
-            row |= {"ms": 1e3 * seconds, "floor_ms": 1e3 * flops / flops_per_s, "tflops": flops / seconds / 1e12,
-                    "x_floor": seconds * flops_per_s / flops}
+                row |= time_checked_config(lambda: seconds_per_launch(launch, device, length), out, expected, flops,
+                                           flops_per_s, TOLERANCE)  # fmt: skip
             log(f"  {layout:10s} {case:>16s} {name:36s} {row['ms']:9.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
                 f"{row['x_floor']:5.2f}x floor")
         except Exception as err:  # noqa: BLE001  (a config that cannot launch is reported, not kept)

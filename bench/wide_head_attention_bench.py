@@ -157,6 +157,7 @@ def measure_case(kind: LayerKind, case: str, contexts: list[int], rows: int, can
     """Every configuration of ``kind``'s head width on one launch; with ``check`` each output against the float32
     reference."""
     from diffulex.attention.torch_paged import paged_attention
+    from diffulex.bench.hardware import time_checked_config
     from diffulex.kernels.paged_attention import triton_paged_attention
 
     q, k, v, cache, meta = launch_inputs(kind, contexts, rows, canvas, dtype, device, page_size)
@@ -173,15 +174,9 @@ def measure_case(kind: LayerKind, case: str, contexts: list[int], rows: int, can
         row: dict[str, object] = {"layer": kind.name, "head_dim": kind.head_dim, "case": case, "config": name,
                                   "error": None}  # fmt: skip
         try:
-            out.fill_(float("nan"))
             with wide_tiles(kind.head_dim, tiles):
-                seconds = seconds_per_launch(launch, device)
-            if expected is not None:
-                row["max_abs_error"] = (out.float() - expected).abs().max().item()
-                if not row["max_abs_error"] <= TOLERANCE:  # NaN (a row left unwritten) fails too
-                    raise RuntimeError(f"max abs error {row['max_abs_error']:.3g} > {TOLERANCE}")
-            row |= {"ms": 1e3 * seconds, "floor_ms": 1e3 * flops / flops_per_s, "tflops": flops / seconds / 1e12,
-                    "x_floor": seconds * flops_per_s / flops}
+                timed = functools.partial(seconds_per_launch, launch, device)
+                row |= time_checked_config(timed, out, expected, flops, flops_per_s, TOLERANCE)
             log(f"  {kind.name:8s} {case:>22s} {name:34s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
                 f"{row['x_floor']:6.2f}x floor")
         except Exception as err:  # noqa: BLE001  (a config that cannot launch is reported, not kept)

@@ -190,3 +190,26 @@ def time_graph_calls(
         best = min(best, start.elapsed_time(end) * 1e3 / calls)
     del graph
     return best
+
+
+def time_checked_config(
+    timed: Callable[[], float],
+    out: torch.Tensor,
+    expected: torch.Tensor | None,
+    flops: float,
+    flops_per_s: float,
+    tolerance: float,
+) -> dict[str, float]:
+    """One kernel configuration of a candidate sweep: ``out`` filled with NaN, ``timed()`` (its seconds per launch,
+    which writes ``out``), then ``out`` against ``expected`` (None: not checked) and the time priced against the
+    flops floor. Raises RuntimeError where the output is off by more than ``tolerance`` (a NaN, a row left
+    unwritten, fails too), so that the sweep reports the configuration rather than keeping it."""
+    out.fill_(float("nan"))
+    seconds = timed()
+    row: dict[str, float] = {}
+    if expected is not None:
+        row["max_abs_error"] = (out.float() - expected).abs().max().item()
+        if not row["max_abs_error"] <= tolerance:
+            raise RuntimeError(f"max abs error {row['max_abs_error']:.3g} > {tolerance}")
+    return row | {"ms": 1e3 * seconds, "floor_ms": 1e3 * flops / flops_per_s, "tflops": flops / seconds / 1e12,
+                  "x_floor": seconds * flops_per_s / flops}  # fmt: skip
