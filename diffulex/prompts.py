@@ -143,6 +143,17 @@ def _text_only_copy(backend: Any) -> Any:
     return copy
 
 
+def _check_unicode(text: str, name: str) -> None:
+    """Text must be valid Unicode: a lone surrogate (``"\\ud800"``) is no character any tokenizer can encode (the
+    fast tokenizers raise a TypeError on it, which would escape the per-prompt rejection)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} is invalid: it is not valid Unicode text ({err.reason} at character {err.start})"
+        ) from None
+
+
 def _encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[int]:
     if parse_special_tokens:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -164,6 +175,8 @@ def _check_messages(tokenizer: Any, messages: Sequence[Message]) -> list[dict[st
             raise ValueError(f"messages[{i}].role={preview(role)} is invalid: it holds a special token of this model")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content={preview(content)} is invalid: must be a string")
+        _check_unicode(role, f"messages[{i}].role")
+        _check_unicode(content, f"messages[{i}].content")
         plain.append(dict(message))
     return plain
 
@@ -293,6 +306,7 @@ def encode_prompt_values(
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt='' is invalid: must be a non-empty string, a list of token ids or of messages")
+        _check_unicode(prompt, f"prompt {preview(prompt)}")
         if apply_chat_template and has_chat_template(tokenizer):
             ids = _encode_conversation(tokenizer, [{"role": "user", "content": prompt}], parse_special_tokens)
         else:

@@ -24,6 +24,8 @@ MEMINFO = Path("/proc/meminfo")
 # cores (a batch-1 step 8.8 ms against 9.7 ms) and loses many times that when another process holds one of them,
 # so it, and anything up to this size, runs on one thread; billion-parameter models get every usable core.
 PARAMS_PER_THREAD = 25_000_000
+# Threads an explicit count may ask for per logical CPU (`max_cpu_threads`).
+MAX_THREADS_PER_CPU = 4
 THREADS_ENV = "OMP_NUM_THREADS"
 # cgroup v1 writes "no limit" as the largest page-aligned 64-bit value; anything this large is no limit.
 _NO_MEMORY_LIMIT = 1 << 60
@@ -90,16 +92,29 @@ def default_cpu_threads(num_params: int, cores: int) -> int:
     return max(1, min(cores, math.ceil(num_params / PARAMS_PER_THREAD)))
 
 
+def max_cpu_threads(logical_cpus: int | None = None) -> int:
+    """The most threads an explicit count may ask for: `MAX_THREADS_PER_CPU` per logical CPU of the machine. A
+    count above the usable cores is kept with a warning, but thousands of OpenMP threads fail to start (libgomp
+    ends the process) or crash it."""
+    return MAX_THREADS_PER_CPU * max(1, logical_cpus if logical_cpus is not None else os.cpu_count() or 1)
+
+
 def choose_cpu_threads(
     requested: int | None, num_params: int | None, environ: dict[str, str] | None = None, root: Path = CGROUP_ROOT
 ) -> tuple[int, str]:
     """The thread count and why: the engine field ``cpu_threads`` if set, else ``OMP_NUM_THREADS`` if set, else
-    `default_cpu_threads` on the `usable_cores` (all of them for a model of unknown size, ``num_params=None``)."""
-    if requested is not None:
-        return requested, f"cpu_threads={requested}"
-    from_env = threads_from_env(environ)
-    if from_env is not None:
-        return from_env, f"{THREADS_ENV}={from_env}"
+    `default_cpu_threads` on the `usable_cores` (all of them for a model of unknown size, ``num_params=None``).
+    An explicit count above `max_cpu_threads` is refused, naming where it came from."""
+    from_env = threads_from_env(environ) if requested is None else None
+    if requested is not None or from_env is not None:
+        threads = requested if requested is not None else from_env
+        why = f"cpu_threads={threads}" if requested is not None else f"{THREADS_ENV}={threads}"
+        if threads > max_cpu_threads():
+            raise ValueError(
+                f"{why} is invalid: must be at most {max_cpu_threads()} ({MAX_THREADS_PER_CPU} per logical CPU of "
+                "this machine)"
+            )
+        return threads, why
     cores = usable_cores(root)
     if num_params is None:
         return cores, f"a model of unknown size on {cores} usable cores"

@@ -2,11 +2,13 @@
 
 `generate_offline` queues every prompt (a rejected one gets a trajectory with ``error`` set, the others run), then
 steps until each has finished, with a progress bar, and returns the trajectories in prompt order. The engine
-needs ``tokenizer``, ``mask_token_id``, ``vocab_limit``, ``add_request(ids, params)``, ``step()`` and ``num_steps``.
+needs ``tokenizer``, ``mask_token_id``, ``vocab_limit``, ``add_request(ids, params)``, ``abort_request(req_id)``,
+``step()`` and ``num_steps``. An error other than a rejected prompt (or an interrupt) aborts what the call queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -36,25 +38,25 @@ def generate_offline(
     t0 = time.perf_counter()
     results: list[Trajectory | None] = [None] * len(prompts)
     index_of: dict[int, int] = {}
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        try:
-            ids = encode_prompt(
-                engine.tokenizer, prompt, mask_token_id=engine.mask_token_id, vocab_size=engine.vocab_limit,
-                apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
-            )  # fmt: skip
-            index_of[engine.add_request(ids, sp)] = i
-        except ValueError as err:
-            logger.warning("prompt %d rejected: %s", i, err)
-            token_list = isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt)
-            ids = list(prompt) if token_list else []
-            results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
-    steps_before = engine.num_steps
     bar = None
-    if use_tqdm and index_of:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(index_of), desc="Generating", unit="req", dynamic_ncols=True)
     try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                ids = encode_prompt(
+                    engine.tokenizer, prompt, mask_token_id=engine.mask_token_id, vocab_size=engine.vocab_limit,
+                    apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+                )  # fmt: skip
+                index_of[engine.add_request(ids, sp)] = i
+            except ValueError as err:
+                logger.warning("prompt %d rejected: %s", i, err)
+                token_list = isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt)
+                ids = list(prompt) if token_list else []
+                results[i] = Trajectory(i, -1, ids, [], "", "rejected", 0, error=str(err))
+        steps_before = engine.num_steps
+        if use_tqdm and index_of:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(index_of), desc="Generating", unit="req", dynamic_ncols=True)
         while index_of and any(results[i] is None for i in index_of.values()):
             for update in engine.step():
                 if update.finished and update.req_id in index_of:
@@ -68,6 +70,14 @@ def generate_offline(
                 if done_tokens:  # no rate to show before the first request finishes
                     rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+    except BaseException:
+        # An unexpected error (or Ctrl-C) ends the call: the requests it queued must not stay in the engine, where
+        # the next call would run them unseen and drop their results.
+        for req_id, i in index_of.items():
+            if results[i] is None:
+                with contextlib.suppress(Exception):  # an engine that failed may refuse; its error is the one to see
+                    engine.abort_request(req_id)
+        raise
     finally:
         if bar is not None:
             bar.close()

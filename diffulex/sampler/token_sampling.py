@@ -67,7 +67,9 @@ def propose_greedy(
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Keep the ``top_k`` best tokens (0 = all), then the smallest set whose probability reaches ``top_p``."""
+    """Keep the ``top_k`` best tokens (0 = all), then the smallest set whose probability reaches ``top_p``. The best
+    token is always kept: a ``top_p`` below float32's smallest number rounds to 0, which every token's preceding mass
+    reaches, and would otherwise mask the whole row (no token could ever be accepted)."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -75,7 +77,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        dropped = before >= top_p
+        dropped[..., 0] = False
+        sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
 

@@ -105,3 +105,16 @@ def test_the_engine_sets_the_cpu_threads_it_chose(sdar_dir, monkeypatch):
 def test_a_thread_count_below_one_is_refused(sdar_dir):
     with pytest.raises(ValueError, match="cpu_threads=0 is invalid: must be an integer > 0"):
         Diffulex(str(sdar_dir), cpu_threads=0)
+
+
+def test_a_thread_count_the_machine_cannot_start_is_refused_before_the_build(sdar_dir, monkeypatch):
+    """A million threads (libgomp fails to start them and ends the process, or it crashes) is refused with the field,
+    the value and the bound, from the field or from ``OMP_NUM_THREADS``; the engine builds nothing."""
+    from diffulex.engine.cpu_resources import max_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with pytest.raises(ValueError, match=rf"cpu_threads=1000000 is invalid: must be at most {max_cpu_threads()} "):
+        Diffulex(str(sdar_dir), cpu_threads=1_000_000)
+    monkeypatch.setenv("OMP_NUM_THREADS", "65536")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS=65536 is invalid: must be at most"):
+        Diffulex(str(sdar_dir), max_model_len=64)

@@ -108,3 +108,15 @@ def test_available_memory_is_meminfo_capped_by_the_cgroup_limit(tmp_path):
     (v1 / "memory" / "memory.usage_in_bytes").write_text("123\n")
     assert available_memory(meminfo, v1) == 4_000_000 * 1024
     assert available_memory(tmp_path / "missing", tmp_path / "no-cgroup") is None
+
+
+def test_an_explicit_thread_count_is_bounded_by_the_machine():
+    from diffulex.engine.cpu_resources import MAX_THREADS_PER_CPU, max_cpu_threads
+
+    assert max_cpu_threads(2) == 2 * MAX_THREADS_PER_CPU and max_cpu_threads(0) == MAX_THREADS_PER_CPU
+    most = max_cpu_threads()
+    assert choose_cpu_threads(most, None, environ={}) == (most, f"cpu_threads={most}")
+    with pytest.raises(ValueError, match="cpu_threads="):
+        choose_cpu_threads(max_cpu_threads() + 1, None, environ={})
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS="):
+        choose_cpu_threads(None, None, environ={"OMP_NUM_THREADS": str(max_cpu_threads() + 1)})

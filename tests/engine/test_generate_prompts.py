@@ -90,6 +90,33 @@ def test_bad_prompts_are_refused_naming_them(llm) -> None:
     assert bad_message.completion_reason == "rejected" and "messages[0].content=None" in bad_message.error
 
 
+def test_text_that_is_not_unicode_is_rejected_alone_and_leaves_nothing_queued(llm) -> None:
+    """A lone surrogate (no tokenizer can encode it) in text or in a message rejects that prompt, named, while the
+    prompts before and after it run; the engine holds nothing afterwards."""
+    conversation = [{"role": "user", "content": "boats \udc80"}]
+    out = llm.generate(["fine", "To \ud800be", conversation, "also fine"], GREEDY, use_tqdm=False,
+                       apply_chat_template=False)  # fmt: skip
+    assert [t.completion_reason == "rejected" for t in out] == [False, True, True, False]
+    assert "not valid Unicode text (surrogates not allowed at character 3)" in out[1].error
+    assert "messages[0].content is invalid: it is not valid Unicode text" in out[2].error
+    assert len(out[0].token_ids) == len(out[3].token_ids) == 4
+    assert llm.is_finished()
+
+
+def test_an_error_while_generating_aborts_what_the_call_queued(llm, monkeypatch) -> None:
+    """An unexpected error (here from the engine's step) ends `generate`, and the requests it had queued do not
+    stay behind to run unseen in the next call."""
+    def broken_step():
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(llm, "step", broken_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate(["one", "two"], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.is_finished()
+    assert len(llm.generate("three", GREEDY, use_tqdm=False)) == 1
+
+
 def test_the_engine_and_the_shared_function_agree(llm) -> None:
     conversation = [{"role": "user", "content": "Count the boats."}]
     ids = encode_prompt(llm.tokenizer, conversation, mask_token_id=llm.mask_token_id)

@@ -107,6 +107,16 @@ def test_top_p_on_an_exact_boundary_keeps_the_tokens_that_reach_it():
     assert len(finite_ids(filter_top_k_top_p(logits, 0, 0.5)[0])) == 2
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-300, 5e-324])
+def test_a_top_p_below_float32_keeps_the_best_token_and_samples_it(top_p):
+    """A ``top_p`` that rounds to 0 in float32 (accepted: it is in (0, 1]) keeps exactly the best token, so
+    sampling is greedy instead of every token masked and the row's probabilities NaN."""
+    probs = torch.tensor([[0.3, 0.05, 0.5, 0.15], [0.1, 0.6, 0.2, 0.1]])
+    assert [finite_ids(row) for row in filter_top_k_top_p(probs.log(), 0, top_p)] == [{2}, {1}]
+    tokens, conf = sample(probs.log(), 1.0, 0, top_p, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [2, 1] and conf.tolist() == [1.0, 1.0]
+
+
 def test_top_k_is_applied_before_top_p():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     # after top-k=2 the distribution is 4/7, 3/7: top_p=0.5 keeps only the best token
