@@ -210,7 +210,7 @@ def _build_components(
         build.done(HELPER_PHASE)
     with _compile_locks(device) as launched:  # another build on this host compiling a variant: wait, then load it
         num_pages = plan_num_pages(config, runner, device, dtype, policy)
-        runner.allocate_kv_cache(num_pages)
+        _allocate_kv_cache(config, runner, num_pages)
         build.done("memory plan and KV cache")
         if _leaves_attention_to_first_launch(runner):
             logger.info("kernels: the attention variants of eager steps compile at their first launch (%s=0)",
@@ -609,6 +609,21 @@ def _checkpoint_num_params(config: Config) -> int | None:
         return sum(math.prod(header.shape) for _, header in checkpoint_tensors(config.model).values())
     except (OSError, ValueError):
         return None
+
+
+def _allocate_kv_cache(config: Config, runner: StepRunner, num_pages: int) -> None:
+    """The page pool; a ``num_pages`` the user gave that the device cannot hold is refused naming the field (the
+    planned count always fits: `plan_num_pages`)."""
+    try:
+        runner.allocate_kv_cache(num_pages)
+    except (MemoryError, torch.OutOfMemoryError) as err:
+        if config.num_pages <= 0:
+            raise
+        gib = num_pages * runner.page_bytes() / 2**30
+        raise ValueError(
+            f"num_pages={config.num_pages} is invalid: its KV cache takes {gib:.2f} GiB, more than the device can "
+            f"allocate ({type(err).__name__}); lower it, or leave num_pages at -1 to size the cache by the memory left"
+        ) from None
 
 
 def _cpu_threads(config: Config) -> tuple[int, int]:

@@ -118,3 +118,11 @@ def test_a_thread_count_the_machine_cannot_start_is_refused_before_the_build(sda
     monkeypatch.setenv("OMP_NUM_THREADS", "65536")
     with pytest.raises(ValueError, match="OMP_NUM_THREADS=65536 is invalid: must be at most"):
         Diffulex(str(sdar_dir), max_model_len=64)
+
+
+def test_a_page_count_the_host_cannot_hold_is_refused_naming_the_field(sdar_dir):
+    """An explicit ``num_pages`` of a petabyte-scale pool fails its allocation: the error names the field, the value
+    and the size, and suggests the planned default, instead of a bare MemoryError."""
+    with pytest.raises(ValueError, match=r"num_pages=1000000000000 is invalid: its KV cache takes [\d.]+ GiB, more "
+                                         r"than the device can allocate \(MemoryError\)"):  # fmt: skip
+        Diffulex(str(sdar_dir), num_pages=10**12, max_model_len=64)
