@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from diffulex.sampling_params import SamplingParams
 from diffulex.server.engine_loop import (
@@ -48,7 +50,6 @@ from diffulex.server.protocol import (
     error_body,
     escaped,
     openai_finish_reason,
-    param_of,
 )
 from diffulex.server.request_body import BodyGuard
 from diffulex.server.sse import TEXT_SLOT, EventTemplate, sse
@@ -139,6 +140,33 @@ class _Job:
         }
 
 
+class HeadAsGet:
+    """ASGI middleware: a ``HEAD`` request is answered as its ``GET`` would be, without the body.
+
+    HTTP expects every GET route to answer HEAD (load balancers health-check with it), but FastAPI routes declared
+    with ``@app.get`` answer it 405. The request goes to the app as a GET; its status and headers (Content-Length
+    included, as HTTP asks) are sent as they are and its body is dropped here, whatever the server under the app
+    does with a HEAD response's body. A route without GET answers HEAD as it answers GET (405, 404).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            elif message["type"] == "http.response.pathsend":  # a file the server would send itself
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def _generated(choice: _Choice) -> int:
     if choice.final is None or choice.final.update is None or choice.final.update.trajectory is None:
         return 0
@@ -182,6 +210,8 @@ def create_app(
     (in-flight requests get ``shutdown_grace_s`` to finish, then are aborted). A request body over
     ``max_body_bytes`` is refused (413) before it is parsed.
     """
+    if not (isinstance(shutdown_grace_s, (int, float)) and math.isfinite(shutdown_grace_s) and shutdown_grace_s >= 0):
+        raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r} is invalid: must be a finite number of seconds >= 0")
     model_name = served_model_name or Path(engine_loop.config.model).name
     metrics = engine_loop.metrics
     tokenizer = engine_loop.tokenizer
@@ -206,6 +236,7 @@ def create_app(
     app = FastAPI(title="Diffulex", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes, json_paths=GENERATION_ROUTES,
                        on_reject=metrics.observe_rejected)
+    app.add_middleware(HeadAsGet)
     app.state.engine_loop = engine_loop
     app.state.served_model_name = model_name
 
@@ -283,8 +314,8 @@ def create_app(
         except EngineUnavailableError as err:
             raise APIError(503, str(err), type="server_error", code="unavailable") from None
         except ValueError as err:
-            message = str(err)
-            raise APIError(400, message, param=param_of(message)) from None
+            message, param = fields.as_sent(str(err))
+            raise APIError(400, message, param=param) from None
         choices = [
             _Choice(len(s.prompt_token_ids), inp.params, TextStream(tokenizer, inp.params.stop))
             for s, inp in zip(subs, inputs, strict=True)
@@ -397,8 +428,6 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
         check_model(body.model)
-        if body.max_completion_tokens is not None:  # OpenAI's newer name wins
-            body.max_tokens = body.max_completion_tokens
         prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
         job = await start_job(request, [prompt], body, engine_loop.max_model_len, "chatcmpl",
                               "commits" if body.stream else "end", "messages")

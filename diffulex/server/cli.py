@@ -8,11 +8,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from typing import Any
 
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
+
+
+def port_number(text: str) -> int:
+    """``--port``: checked while the arguments are parsed, so that a port no socket can bind fails at once instead
+    of after the engine has loaded (uvicorn would raise OverflowError only when it binds)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = None
+    if port is None or not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be an integer in [0, 65535]")
+    return port
+
+
+def seconds(text: str) -> float:
+    """``--queue-timeout``, ``--shutdown-grace``: a finite number of seconds >= 0, checked while the arguments are
+    parsed (a NaN or negative wait would make every deadline meaningless, an infinite grace a shutdown that never
+    ends)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a finite number of seconds >= 0")
+    return value
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -21,17 +47,18 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    net.add_argument("--port", type=port_number, default=8000, help="port to listen on, 0-65535 (default 8000)")
     net.add_argument("--served-model-name", default=None,
                      help="model id shown by /v1/models and accepted in requests (default: the folder name)")
     net.add_argument("--max-waiting-requests", type=int, default=256,
                      help="requests that may wait beyond the engine's max_num_reqs running ones (default 256)")
     net.add_argument("--queue-policy", choices=("reject", "wait"), default="reject",
                      help="when full: answer 429 at once (reject) or wait for a slot up to --queue-timeout (wait)")
-    net.add_argument("--queue-timeout", type=float, default=30.0,
-                     help="seconds a request may wait for a slot with --queue-policy wait (default 30)")
-    net.add_argument("--shutdown-grace", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish at shutdown before they are aborted (default 30)")
+    net.add_argument("--queue-timeout", type=seconds, default=30.0,
+                     help="seconds (>= 0) a request may wait for a slot with --queue-policy wait (default 30)")
+    net.add_argument("--shutdown-grace", type=seconds, default=30.0,
+                     help="seconds (>= 0) in-flight requests get to finish at shutdown before they are aborted "
+                     "(default 30)")
     net.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="largest request body accepted; larger ones get 413 before they are parsed "
                      f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB)")

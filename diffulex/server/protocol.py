@@ -8,6 +8,7 @@ clearly instead of ignored.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +32,8 @@ MAX_CHOICES_PER_REQUEST = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 SHOWN_CHARS = 40  # how much of a client's value an error message quotes
+# Seeds are in [0, SEED_SPAN - 1] (what SamplingParams accepts); the per-choice seeds of n > 1 wrap around in it.
+SEED_SPAN = 2**63
 
 
 def openai_finish_reason(completion_reason: str | None) -> str:
@@ -113,6 +116,27 @@ class SamplingFields(_Strict):
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
+    def answer_length(self) -> tuple[str, int | None]:
+        """The field that limits the answer's length, named as the client sent it, and its value (None: unset)."""
+        return "max_tokens", self.max_tokens
+
+    def as_sent(self, message: str) -> tuple[str, str | None]:
+        """An engine error message and the field it is about, in the client's words: the engine knows the answer
+        length only as ``max_tokens``, while a chat client may have set it as ``max_completion_tokens``."""
+        param = param_of(message)
+        name = self.answer_length()[0]
+        if param == "max_tokens" and name != "max_tokens":
+            return re.sub(r"\bmax_tokens\b", name, message), name
+        return message, param
+
+    def choice_seed(self, choice: int) -> int | None:
+        """The seed of choice ``choice``: ``seed + choice``, so that the choices differ yet stay reproducible,
+        wrapped modulo 2**63 so that every valid seed works with any ``n`` (choice 0 always uses ``seed`` itself).
+        A seed outside the valid range is passed on as it is, for SamplingParams to refuse naming it."""
+        if self.seed is None or not 0 <= self.seed < SEED_SPAN:
+            return self.seed
+        return (self.seed + choice) % SEED_SPAN
+
     def reject_unsupported(self) -> None:
         """Fields accepted by OpenAI that we cannot honour: a clear 400 instead of a silently different answer."""
         checks = [
@@ -143,27 +167,28 @@ class SamplingFields(_Strict):
     def sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """Validated engine parameters for one choice; a ValueError from SamplingParams becomes a 400 naming the field.
 
-        With ``n > 1`` and a seed, choice ``i`` uses ``seed + i`` so that the choices differ yet stay reproducible.
+        With ``n > 1`` and a seed, choice ``i`` uses `choice_seed` (``seed + i`` modulo 2**63).
         """
         self.reject_unsupported()
         self._check_stop_size()
         if self.num_choices < 1:
             raise APIError(400, f"n={self.n} is invalid: must be an integer >= 1", param="n")
-        seed = None if self.seed is None else self.seed + choice
+        max_tokens = self.answer_length()[1]
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
-                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
                 max_nfe=self.max_nfe,
                 ignore_eos=bool(self.ignore_eos),
                 max_repetition_run=self.max_repetition_run,
-                seed=seed,
+                seed=self.choice_seed(choice),
                 stop=self.stop,
             )
         except ValueError as err:
-            raise APIError(400, str(err), param=param_of(str(err))) from None
+            message, param = self.as_sent(str(err))
+            raise APIError(400, message, param=param) from None
 
 
 def param_of(message: str) -> str | None:
@@ -210,6 +235,11 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    def answer_length(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().answer_length()
 
 
 class GenerateRequest(SamplingFields):

@@ -5,6 +5,10 @@ which becomes infinity), integers of thousands of digits, and ``\\ud800``-style 
 surrogates, text no encoder can write back out. `BodyGuard` reads each body once, refuses a body over the limit
 with 413 (from ``Content-Length`` alone when the client declares it), and refuses such values with a 400 that
 names the field, so that no handler, tokenizer or error message ever meets them.
+
+A JSON route also needs ``Content-Type: application/json``, as vLLM's OpenAI server does: without it the body
+would reach the route as raw bytes (``curl -d`` sends form-urlencoded), and the client would get an error about a
+Python bytes value instead of one about its header.
 """
 
 from __future__ import annotations
@@ -128,12 +132,15 @@ class BodyGuard:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        json_route = scope["path"] in self.json_paths
         try:
+            if json_route and scope["method"] == "POST":
+                _check_json_content_type(scope)
             declared = _content_length(scope)
             if declared is not None and declared > self.max_body_bytes:
                 raise self._too_large(f"{declared} bytes")
             body = await self._read(receive)
-            if body and scope["path"] in self.json_paths:
+            if body and json_route:
                 parse_json_body(body)
         except APIError as err:
             if self.on_reject is not None:
@@ -162,6 +169,25 @@ class BodyGuard:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+def _check_json_content_type(scope: Scope) -> None:
+    """A 400 unless the request says its body is JSON (``application/json``, parameters such as charset allowed)."""
+    value = _header(scope, b"content-type")
+    if value is None:
+        raise APIError(400, "the request has no Content-Type header: the body must be JSON, sent with "
+                       "Content-Type: application/json", code="unsupported_media_type")
+    text = value.decode("latin-1")
+    if text.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(400, f"Content-Type {escaped(text)!r} is not supported: the body must be JSON, sent with "
+                       "Content-Type: application/json", code="unsupported_media_type")
 
 
 def _content_length(scope: Scope) -> int | None:

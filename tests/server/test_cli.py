@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from diffulex.cli import build_parser
+from diffulex.cli import build_parser, main
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 from diffulex.testing.distributed import free_port
 
@@ -29,6 +29,39 @@ def test_a_body_limit_below_one_byte_is_refused_naming_the_flag() -> None:
     args = build_parser().parse_args(["serve", "--max-body-bytes", "0"])
     with pytest.raises(ValueError, match=r"--max-body-bytes=0 is invalid"):
         args.func(args)
+
+
+@pytest.mark.parametrize(("flag", "value", "allowed"), [
+    ("--port", "70000", "must be an integer in [0, 65535]"),
+    ("--port", "-1", "must be an integer in [0, 65535]"),
+    ("--port", "http", "must be an integer in [0, 65535]"),
+    ("--queue-timeout", "-1", "must be a finite number of seconds >= 0"),
+    ("--queue-timeout", "nan", "must be a finite number of seconds >= 0"),
+    ("--shutdown-grace", "nan", "must be a finite number of seconds >= 0"),
+    ("--shutdown-grace", "-1", "must be a finite number of seconds >= 0"),
+    ("--shutdown-grace", "inf", "must be a finite number of seconds >= 0"),
+])
+def test_a_server_flag_out_of_range_is_refused_while_parsing_before_anything_loads(
+    flag: str, value: str, allowed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import diffulex.server.engine_placement as placement
+
+    built = []
+    monkeypatch.setattr(placement, "build_served_engine", lambda *args, **kwargs: built.append(args))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", f"{flag}={value}"])
+    assert exit_.value.code == 2
+    assert f"diffulex serve: error: argument {flag}: {value!r} is invalid: {allowed}" in capsys.readouterr().err
+    assert built == []
+
+
+@pytest.mark.parametrize(("flag", "value", "parsed"), [
+    ("--port", "0", 0), ("--port", "65535", 65535), ("--queue-timeout", "0", 0.0), ("--queue-timeout", "2.5", 2.5),
+    ("--shutdown-grace", "0", 0.0),
+])
+def test_server_flags_at_the_ends_of_their_ranges_are_accepted(flag: str, value: str, parsed: float) -> None:
+    args = build_parser().parse_args(["serve", flag, value])
+    assert getattr(args, flag[2:].replace("-", "_")) == parsed
 
 
 def test_module_entry_point_serves_and_exits_cleanly_on_sigterm(sdar_dir: Path) -> None:

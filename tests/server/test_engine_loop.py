@@ -306,3 +306,13 @@ def test_an_unknown_interest_is_refused_naming_it() -> None:
             await loop.shutdown(1.0)
 
     run(scenario())
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_waits_and_graces_that_are_not_a_finite_number_of_seconds_are_refused_naming_them(seconds: float) -> None:
+    from diffulex.server.app import create_app
+
+    with pytest.raises(ValueError, match=r"queue_timeout=.* is invalid: must be a finite number of seconds >= 0"):
+        EngineLoop(FakeEngine(), queue_timeout=seconds)
+    with pytest.raises(ValueError, match=r"shutdown_grace_s=.* is invalid: must be a finite number of seconds >= 0"):
+        create_app(EngineLoop(FakeEngine()), shutdown_grace_s=seconds)

@@ -112,3 +112,31 @@ def test_a_body_under_the_limit_is_replayed_whole_to_the_route(server: RunningSe
     with server.client() as http:
         response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
+                                          "multipart/form-data"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_a_json_body_without_a_json_content_type_is_refused_saying_what_to_send(
+    server: RunningServer, route: str, content_type: str | None
+) -> None:
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    if route == "/generate":
+        del body["messages"]
+    headers = {} if content_type is None else {"content-type": content_type}
+    with server.client() as http:  # like `curl -d '{...}'`: a JSON text sent as a form
+        response = http.post(route, content=json.dumps(body).encode(), headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type" and error["param"] is None
+    assert "Content-Type: application/json" in error["message"]
+    assert "b'" not in error["message"]
+    if content_type is not None:
+        assert content_type in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+def test_a_json_content_type_with_parameters_or_any_case_is_accepted(server: RunningServer, content_type: str) -> None:
+    with server.client() as http:
+        response = http.post("/v1/completions", content=json.dumps(GOOD), headers={"content-type": content_type})
+    assert response.status_code == 200, response.text

@@ -90,6 +90,50 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server: RunningServer
         assert good.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_max_completion_tokens_out_of_range_is_refused_naming_max_completion_tokens(server: RunningServer) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}
+    with server.client() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_completion_tokens"
+    assert error["message"].startswith("max_completion_tokens=-3 is invalid")
+    assert "max_tokens" not in error["message"].replace("max_completion_tokens", "")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_any_valid_seed_works_with_any_n_the_choice_seeds_wrapping_modulo_2_63(server: RunningServer, route) -> None:
+    """Choice i samples with (seed + i) mod 2**63: the last valid seed's second choice is seed 0's first."""
+    if route == "/v1/completions":
+        base = {"model": MODEL_NAME, "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0}
+    else:
+        base = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Once upon"}], "max_tokens": 6,
+                "temperature": 1.0}
+
+    def texts(seed: int, n: int) -> list[str]:
+        with server.client() as http:
+            response = http.post(route, json={**base, "seed": seed, "n": n})
+        assert response.status_code == 200, response.text
+        return [c.get("text", c.get("message", {}).get("content")) for c in response.json()["choices"]]
+
+    assert len(texts(2**63 - 2, 3)) == 3
+    assert texts(2**63 - 1, 2)[1] == texts(0, 1)[0]
+
+
+def test_head_answers_like_get_without_a_body(server: RunningServer) -> None:
+    """Load balancers health-check with HEAD: every GET route answers it with the GET's status and headers."""
+    with server.client() as http:
+        for path in ("/health", "/metrics", "/", "/v1/models", "/page-config"):
+            got, head = http.get(path), http.head(path)
+            assert head.status_code == got.status_code == 200, path
+            assert head.content == b"", path
+            assert head.headers["content-type"] == got.headers["content-type"], path
+        for path in ("/", "/v1/models", "/page-config"):  # the same body every time: the same length
+            assert http.head(path).headers["content-length"] == http.get(path).headers["content-length"], path
+        assert http.head("/v1/completions").status_code == 405  # as its GET
+        assert http.head("/v2/nothing").status_code == 404
+
+
 def test_unknown_route_and_method(server: RunningServer) -> None:
     with server.client() as http:
         assert http.get("/v2/nothing").status_code == 404
