@@ -9,10 +9,12 @@ For DiffusionGemma-26B-A4B's two layer kinds (sliding: 16 query heads over 8 KV 
 (`--batch-sizes` canvases of 256 rows, each after `--context` cached positions, every row seeing the whole canvas and
 the last ``window - 1`` cached positions) and the encoder's (one causal prompt of `--prompt` positions, its K/V in the
 step's new keys), one launch of one layer, timed replayed from a CUDA graph after a warm-up launch that compiles the
-variant; one canvas's launch, whose keys are split, also with fewer, longer splits. Its floor is the visible (query,
-key) pairs' flops (``4 x heads x head_dim`` per pair) over the measured bf16 matmul rate. Every configuration's output
-is checked against the PyTorch reference (`diffulex.attention.torch_paged`, float32) on each layer kind's first case;
-one that fails it or fails to launch (shared memory, registers) is reported and not kept.
+variant. Launches are split as the engine makes them (a canvas's keys unsplit, `DECODER_SPLITS` of
+`diffulex.strategy.diffusion_gemma.runner`; a prompt's as the kernel chooses), and the decode-sized tiles also with
+2-4 forced splits. Its floor is the visible (query, key) pairs' flops (``4 x heads x head_dim`` per pair) over the
+measured bf16 matmul rate. Every configuration's output is checked against the PyTorch reference
+(`diffulex.attention.torch_paged`, float32) on each layer kind's first case; one that fails it or fails to launch
+(shared memory, registers) is reported and not kept.
 
 Writes ``OUT_DIR/wide_head_attention.json`` and prints a table and, per head width, the configuration with the
 lowest geometric mean of time over floor across its cases (`kernels.paged_attention._WIDE_LONG_QUERY_TILES` holds
@@ -62,39 +64,42 @@ SHAPES = {
 QUICK_SHAPES = {256: [(64, 64, 8, 2)], 512: [(32, 32, 8, 2)]}
 
 
-# fewest keys a split takes in the decode-sized tiles' split launches (one canvas), beside the kernel's default
-SPLIT_KEYS, QUICK_SPLIT_KEYS = (128, 256), (128,)
+# split counts forced on the decode-sized tiles, against the engine's unsplit canvases
+SPLITS, QUICK_SPLITS = (2, 3, 4), (2,)
 
 
-def candidates(head_dim: int, quick: bool) -> dict[str, tuple[object, int | None]]:
-    """Name -> (the long class's tiles for heads of ``head_dim``, None: none for them, as before; the fewest keys
-    a split takes, None: the kernel's default)."""
+@dataclass(frozen=True)
+class Config:
+    tiles: object | None  # the long class's tiles for the head width; None: none (the decode-sized classes)
+    num_splits: int | None  # None: the launch's as the engine makes it (canvases unsplit, prompts the kernel's)
+
+
+def candidates(head_dim: int, quick: bool) -> dict[str, Config]:
+    """Name -> configuration: the decode-sized tiles as before, with forced split counts, and candidate long
+    tiles for heads of ``head_dim``."""
     from diffulex.kernels.paged_attention import LongQueryTiles
 
-    out: dict[str, tuple[object, int | None]] = {BEFORE: (None, None)}
-    for keys in QUICK_SPLIT_KEYS if quick else SPLIT_KEYS:
-        out[f"decode-sized tiles, splits of >= {keys} keys"] = (None, keys)
+    out = {BEFORE: Config(None, None)}
+    for splits in QUICK_SPLITS if quick else SPLITS:
+        out[f"decode-sized tiles, {splits} splits"] = Config(None, splits)
     for rows, block_n, warps, stages in (QUICK_SHAPES if quick else SHAPES)[head_dim]:
         tiles = LongQueryTiles(rows, block_n, warps, stages, split_keys=False)
-        out[f"long {rows}x{block_n}, {warps} warps, {stages} stages"] = (tiles, None)
+        out[f"long {rows}x{block_n}, {warps} warps, {stages} stages"] = Config(tiles, None)
     return out
 
 
 @contextlib.contextmanager
 def wide_tiles(head_dim: int, tiles) -> Iterator[None]:
-    """Launches inside take `tiles` as the long-query class of heads of ``head_dim`` (None: none for them)."""
+    """Launches inside take `tiles` as the long-query class of heads of ``head_dim`` (None: none for them), in any
+    dtype (the quick run's float32 included, which the rule keeps out of the wide tiles)."""
     from diffulex.kernels import paged_attention as pa
 
-    saved = dict(pa._WIDE_LONG_QUERY_TILES)
-    if tiles is None:
-        pa._WIDE_LONG_QUERY_TILES.pop(head_dim, None)
-    else:
-        pa._WIDE_LONG_QUERY_TILES[head_dim] = tiles
+    rule = pa.long_query_tiles_for
+    pa.long_query_tiles_for = lambda width, elem_size=2: tiles if width == head_dim else rule(width, elem_size)
     try:
         yield
     finally:
-        pa._WIDE_LONG_QUERY_TILES.clear()
-        pa._WIDE_LONG_QUERY_TILES.update(saved)
+        pa.long_query_tiles_for = rule
 
 
 def launch_inputs(kind: LayerKind, contexts: list[int], rows: int, canvas: bool, dtype: torch.dtype,
@@ -159,6 +164,7 @@ def measure_case(kind: LayerKind, case: str, contexts: list[int], rows: int, can
     from diffulex.attention.torch_paged import paged_attention
     from diffulex.bench.hardware import time_checked_config
     from diffulex.kernels.paged_attention import triton_paged_attention
+    from diffulex.strategy.diffusion_gemma.runner import DECODER_SPLITS
 
     q, k, v, cache, meta = launch_inputs(kind, contexts, rows, canvas, dtype, device, page_size)
     window = {"window": kind.window, "window_from_context": canvas and kind.window > 0}
@@ -168,13 +174,14 @@ def measure_case(kind: LayerKind, case: str, contexts: list[int], rows: int, can
         expected = paged_attention(q.float(), k.float(), v.float(), cache.float(), cache.float(), meta, 1.0, **window)
     out = torch.empty_like(q)
     results: list[dict[str, object]] = []
-    for name, (tiles, split_keys) in candidates(kind.head_dim, quick).items():
+    for name, config in candidates(kind.head_dim, quick).items():
+        splits = config.num_splits or (DECODER_SPLITS if canvas else None)
         launch = functools.partial(triton_paged_attention, q, k, v, cache, cache, meta, 1.0, out=out,
-                                   min_split_keys=split_keys, **window)  # fmt: skip
+                                   num_splits=splits, **window)  # fmt: skip
         row: dict[str, object] = {"layer": kind.name, "head_dim": kind.head_dim, "case": case, "config": name,
                                   "error": None}  # fmt: skip
         try:
-            with wide_tiles(kind.head_dim, tiles):
+            with wide_tiles(kind.head_dim, config.tiles):
                 timed = functools.partial(seconds_per_launch, launch, device)
                 row |= time_checked_config(timed, out, expected, flops, flops_per_s, TOLERANCE)
             log(f"  {kind.name:8s} {case:>22s} {name:34s} {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s  "

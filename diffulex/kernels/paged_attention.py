@@ -787,11 +787,12 @@ _PREFETCH_KEYS = 128
 def long_query_tiles_for(head_dim: int, elem_size: int = 2) -> LongQueryTiles | None:
     """The long-query class's tiles for heads of ``head_dim`` in inputs of ``elem_size`` bytes: those of the
     narrowest entry that holds them, None where no entry does (the decode-sized classes then take every query).
-    Heads of `_WIDE_HEAD_DIM` or more in 4-byte inputs have none: their 64-row query tile alone would take 128 KB
-    of shared memory (an H200 has 227)."""
+    Wide heads in 4-byte inputs have none: heads of `_WIDE_HEAD_DIM` would need 128 KB of shared memory for
+    their 64-row query tile alone (an H200 has 227), and heads of 256 compile for minutes (150 s for one variant
+    on an H200's host, where bf16 takes seconds); float32 is the GPU's reference dtype, not its fast path."""
     if head_dim <= 128:
         return _LONG_QUERY_TILES
-    if head_dim >= _WIDE_HEAD_DIM and elem_size > 2:
+    if elem_size > 2:
         return None
     fitting = [width for width in _WIDE_LONG_QUERY_TILES if head_dim <= width]
     return _WIDE_LONG_QUERY_TILES[min(fitting)] if fitting else None

@@ -137,7 +137,8 @@ def test_wide_heads_take_tiles_of_their_own_and_only_unsplit(monkeypatch):
     """Heads of 256 and 512 (DiffusionGemma's) take the wide entries' smaller tiles, where their grid fills the GPU
     without splitting keys (several canvases, a long encoder prompt); where it would be split (one canvas) or a
     split is asked for, the decode-sized classes, which measured faster there; heads wider than every entry never
-    take the class."""
+    take the class, and neither do wide heads in 4-byte inputs (on a GPU their long tiles overflow shared memory or
+    compile for minutes)."""
     from diffulex.kernels import split_counters
 
     cuda = torch.device("cuda", 0)
@@ -146,7 +147,8 @@ def test_wide_heads_take_tiles_of_their_own_and_only_unsplit(monkeypatch):
     assert pa.long_query_tiles_for(64) is pa.long_query_tiles_for(128) is pa._LONG_QUERY_TILES
     assert pa.long_query_tiles_for(256) is wide[256] and pa.long_query_tiles_for(512) is wide[512]
     assert pa.long_query_tiles_for(1024) is None
-    assert pa.long_query_tiles_for(256, 4) is wide[256] and pa.long_query_tiles_for(512, 4) is None
+    assert pa.long_query_tiles_for(128, 4) is pa._LONG_QUERY_TILES
+    assert pa.long_query_tiles_for(256, 4) is pa.long_query_tiles_for(512, 4) is None
     assert all(not tiles.split_keys and tiles.rows * width <= 128 * 256 for width, tiles in wide.items())
     # 26B-A4B: sliding layers 8 KV heads (group 2), full layers 2 (group 8); canvases of 256 rows after 512
     assert pa._long_query_tiles(cuda, 256, 2, 256, 8, 8, 768, None, 64, long_requests=8) is wide[256]
@@ -158,31 +160,43 @@ def test_wide_heads_take_tiles_of_their_own_and_only_unsplit(monkeypatch):
     assert pa._long_query_tiles(cuda, 2048, 2, 1024, 8, 1, 2048, None, 64) is None
 
 
+def wide_tiles_forced(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the wide heads' long tiles are forced on this launch: the interpreter runs float32 only, where the
+    rule keeps wide heads in the decode-sized classes, so there they are forced to check their folding; a GPU checks
+    them in bf16, and float32 under the rule."""
+    if DEVICE == "cuda" or dtype != torch.float32:
+        return False
+    choose = pa.long_query_tiles_for
+    monkeypatch.setattr(pa, "long_query_tiles_for", lambda head_dim, elem_size=2: choose(head_dim))
+    return True
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "window"), [(256, 4, 2, 40), (512, 4, 1, 0)])
 def test_canvases_of_wide_heads_in_long_tiles_match_reference(head_dim, num_heads, num_kv_heads, window, dtype,
                                                               monkeypatch):  # fmt: skip
     """DiffusionGemma's decoder launch: canvases that see their whole selves and the window's cached positions
-    before them (a canvas block, prefix-full, the window anchored at the context), folded in the wide tiles (heads
-    of 512 in float32 inputs have none: the decode-sized classes)."""
+    before them (a canvas block, prefix-full, the window anchored at the context), folded in the wide tiles (float32
+    on a GPU: the decode-sized classes)."""
+    wide = wide_tiles_forced(dtype, monkeypatch) or dtype != torch.float32
     chosen = []
     choose = pa._long_query_tiles
     monkeypatch.setattr(pa, "_long_query_tiles", lambda *args: chosen.append(choose(*args)) or chosen[-1])
     requests = [(70, LONG, 70 + LONG), (9, LONG, 9 + LONG)]
     check_window(requests, num_heads, num_kv_heads, head_dim, window, window > 0, dtype, LONG, True, splits=1)
-    wide = head_dim < pa._WIDE_HEAD_DIM or dtype != torch.float32
     assert chosen == [pa._WIDE_LONG_QUERY_TILES[head_dim] if wide else None]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_encoder_prompt_of_wide_heads_in_long_tiles_matches_reference(dtype, monkeypatch):
     """DiffusionGemma's encoder launch: causal prompt rows (block 1), each seeing the window before it, one of them
-    after a cached prefix, folded in the tiles for heads of 256."""
+    after a cached prefix, folded in the tiles for heads of 256 (float32 on a GPU: the decode-sized classes)."""
+    wide = wide_tiles_forced(dtype, monkeypatch) or dtype != torch.float32
     chosen = []
     choose = pa._long_query_tiles
     monkeypatch.setattr(pa, "_long_query_tiles", lambda *args: chosen.append(choose(*args)) or chosen[-1])
     check_window([(0, LONG + 20, 0), (50, LONG, 0)], 4, 2, 256, 60, False, dtype, 1, False, splits=1)
-    assert chosen == [pa._WIDE_LONG_QUERY_TILES[256]]
+    assert chosen == [pa._WIDE_LONG_QUERY_TILES[256] if wide else None]
 
 
 def test_a_split_long_query_launch_keeps_the_long_tiles_without_preloading(recorder):  # noqa: F811
