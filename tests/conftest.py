@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,26 @@ class _TestTracker:
         from diffulex.kernels.compile_log import TEST_ENV
 
         os.environ[TEST_ENV] = item.nodeid  # read by this process's log and inherited by the helpers it starts
+
+
+@pytest.fixture(autouse=True)
+def split_counters_left_zeroed() -> Iterator[None]:
+    """Every test leaves the split kernels' arrival counters zeroed (`diffulex.kernels.split_counters`): a launch
+    that left one non-zero would make a later launch of the process combine its partials too early, a wrong result
+    in some other test. Checked after each test that used them, and zeroed again, so that only the test that left
+    them dirty reports it."""
+    yield
+    import sys
+
+    module = sys.modules.get("diffulex.kernels.split_counters")
+    if module is None:
+        return
+    for device, counters in list(module._COUNTERS.items()):
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        dirty = counters.nonzero().flatten()
+        if dirty.numel():
+            counters.zero_()
+            raise AssertionError(f"split counters left non-zero on {device} at {dirty[:8].tolist()}")
