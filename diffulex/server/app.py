@@ -11,7 +11,6 @@ import asyncio
 import gc
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,7 +35,7 @@ from diffulex.server.engine_loop import (
     RequestTooLargeError,
     Submitted,
 )
-from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES, SECONDS_RULE, is_seconds
 from diffulex.server.prompts import PromptEncoder
 from diffulex.server.protocol import (
     MAX_CHOICES_PER_REQUEST,
@@ -210,8 +209,8 @@ def create_app(
     (in-flight requests get ``shutdown_grace_s`` to finish, then are aborted). A request body over
     ``max_body_bytes`` is refused (413) before it is parsed.
     """
-    if not (isinstance(shutdown_grace_s, (int, float)) and math.isfinite(shutdown_grace_s) and shutdown_grace_s >= 0):
-        raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r} is invalid: must be a finite number of seconds >= 0")
+    if not is_seconds(shutdown_grace_s):
+        raise ValueError(f"shutdown_grace_s={shutdown_grace_s!r} is invalid: {SECONDS_RULE}")
     model_name = served_model_name or Path(engine_loop.config.model).name
     metrics = engine_loop.metrics
     tokenizer = engine_loop.tokenizer

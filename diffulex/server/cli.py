@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
+from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES, SECONDS_RULE, is_seconds
 
 
 def port_number(text: str) -> int:
@@ -29,15 +29,13 @@ def port_number(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """``--queue-timeout``, ``--shutdown-grace``: a finite number of seconds >= 0, checked while the arguments are
-    parsed (a NaN or negative wait would make every deadline meaningless, an infinite grace a shutdown that never
-    ends)."""
+    """``--queue-timeout``, ``--shutdown-grace``: checked while the arguments are parsed (`limits.is_seconds`)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a finite number of seconds >= 0")
+    if not is_seconds(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: {SECONDS_RULE}")
     return value
 
 

@@ -24,7 +24,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -37,6 +36,7 @@ from diffulex.engine.data_parallel import DataParallelEngine
 from diffulex.engine.request_update import INTERESTS, Interest, RequestUpdate
 from diffulex.errors import EngineDeadError
 from diffulex.sampling_params import SamplingParams
+from diffulex.server.limits import SECONDS_RULE, is_seconds
 from diffulex.server.metrics import ServerMetrics
 
 logger = logging.getLogger("diffulex.server")
@@ -139,8 +139,8 @@ class EngineLoop:
             raise ValueError(f"max_waiting={max_waiting} is invalid: must be >= 0")
         if queue_policy not in ("reject", "wait"):
             raise ValueError(f"queue_policy={queue_policy!r} is invalid: must be 'reject' or 'wait'")
-        if not (isinstance(queue_timeout, (int, float)) and math.isfinite(queue_timeout) and queue_timeout >= 0):
-            raise ValueError(f"queue_timeout={queue_timeout!r} is invalid: must be a finite number of seconds >= 0")
+        if not is_seconds(queue_timeout):
+            raise ValueError(f"queue_timeout={queue_timeout!r} is invalid: {SECONDS_RULE}")
         self.engine = engine
         # Replicas send a request's update only when what its handler reads changed (`DataParallelEngine.add_request`)
         # and each step's totals apart; an engine on this thread returns every update, totals summed from them.
