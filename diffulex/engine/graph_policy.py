@@ -11,7 +11,7 @@ import torch
 
 from diffulex.attention.layer import TRITON_IMPLS, triton_supports_head_dim
 from diffulex.config import Config
-from diffulex.engine.cuda_graph import graph_requests, request_buckets
+from diffulex.engine.cuda_graph import MAX_GRAPH_REQUESTS, graph_requests, request_buckets
 from diffulex.engine.model_runner import ModelRunner
 from diffulex.engine.prefill_graphs import CHUNK_BESIDE_DECODERS_ROWS, CHUNK_GRAPH_ROWS, contexts_may_straggle
 from diffulex.strategy.strategy import StepRunner
@@ -67,7 +67,7 @@ class GraphPolicy:
         max_rows_per_request = config.buffer_size * config.block_size + int(logits_shift)
         prefill_graph_rows = _prefill_graph_rows(config)
         short_rows = config.strategy.short_step_rows(config, logits_shift)
-        short_buckets = tuple(config.strategy.short_step_buckets(request_buckets(graph_requests(config.max_num_reqs))))
+        short_buckets = _short_buckets(config, short_rows, max_rows_per_request)
         if short_rows is None or short_rows >= max_rows_per_request or not short_buckets:
             short_rows, short_buckets = None, ()  # no narrower set is built: neither counted nor captured
         return cls(
@@ -141,6 +141,25 @@ class GraphPolicy:
             straggler_graphs=self.straggler_graphs,
             warm_up_only=warm_up_only,
         )
+
+
+def _short_buckets(config: Config, short_rows: int | None, full_rows_per_request: int) -> tuple[int, ...]:
+    """The request buckets of the short steps' graphs (`Strategy.short_step_buckets`). For a strategy whose short
+    buckets go past the engine's request count (`Strategy.short_buckets_past_max_requests`) the candidates reach
+    the buckets that hold fewer rows than the full graphs' largest: a step of ``r`` requests whose rows exceed ``r``
+    short requests' then replays a short bucket of more requests, padded with empty ones, rather than the full
+    graphs' bucket of ``r``, which pads every request to the widest."""
+    requests = graph_requests(config.max_num_reqs)
+    if not short_rows:
+        return ()
+    reach = requests
+    if config.strategy.short_buckets_past_max_requests:
+        full_rows = requests * full_rows_per_request
+        reach = max(requests, min(MAX_GRAPH_REQUESTS, full_rows // short_rows))
+        buckets = [b for b in request_buckets(reach) if b <= requests or b * short_rows < full_rows]
+    else:
+        buckets = request_buckets(reach)
+    return tuple(config.strategy.short_step_buckets(buckets))
 
 
 def _prefill_graph_rows(config: Config) -> int:

@@ -165,6 +165,11 @@ class Strategy:
     # Its own runner (`make_runner`) repeats rank 0's steps on tensor- and expert-parallel workers (`StepRunner`'s
     # ``follow_step``); the engine's runner always does.
     runner_follows_ranks: ClassVar[bool] = False
+    # The short graphs' buckets may hold more requests than run at once (`short_step_buckets` is then offered
+    # buckets up to those whose short rows equal the full graphs' largest bucket's): for a strategy whose steps'
+    # rows vary widely between requests, so that a batch's step often exceeds its requests' short rows but not by
+    # the full graphs' padding. It costs captures at the engine's start and a graph pool as large as the full one.
+    short_buckets_past_max_requests: ClassVar[bool] = False
 
     # ----- configuration -----------------------------------------------------------------------------------
 

@@ -98,7 +98,9 @@ def test_a_step_takes_the_graphs_whose_bucket_computes_fewer_rows(fdv2_dir: Path
     """Of the full graphs (33 rows per request) and the short ones (16 per request on average, each request up to
     33), a step replays the bucket that computes fewer rows: a lone whole block (32 rows) the short graphs' second
     bucket, three requests of 33 rows the short graphs' bucket of 8 (128 rows, against the full bucket of 4: 132),
-    five whole blocks and three refinements (184 rows, more than the short graphs' 8 x 16) the full bucket of 8."""
+    five whole blocks and three refinements (184 rows, more than the short graphs' 8 x 16) their bucket of 16
+    requests, more than the engine runs (256 rows against the full bucket of 8: 264); eight whole blocks (264
+    rows, more than any short bucket below the full graphs' rows) the full bucket of 8."""
     from diffulex.engine.step_inputs import StepInputs
 
     with make_engine(fdv2_dir, 8, 4, max_num_reqs=8) as llm:
@@ -117,8 +119,32 @@ def test_a_step_takes_the_graphs_whose_bucket_computes_fewer_rows(fdv2_dir: Path
         assert chosen([32]) == ("short", 32)
         assert chosen([33]) == ("full", 33)
         assert chosen([33, 33, 33]) == ("short", 128)
-        assert chosen([32] * 5 + [8] * 3) == ("full", 264)
+        assert runner.short_graphs.buckets == [1, 2, 4, 8, 16] and runner.graphs.buckets == [1, 2, 4, 8]
+        assert chosen([32] * 5 + [8] * 3) == ("short", 256)
+        assert chosen([33] * 8) == ("full", 264)
         assert chosen([8] * 7 + [32]) == ("short", 128)
+
+
+def test_a_batch_wider_than_its_short_rows_replays_a_short_bucket_of_more_requests(fdv2_dir: Path) -> None:
+    """Two requests whose step exceeds two short requests' rows (a whole block beside a refinement: 41 rows against
+    32) replay the short bucket of 4 requests, past the engine's 2 (64 rows, against the full bucket's 66), padded
+    with empty requests; the tokens are the oracle's."""
+    short: list[tuple[set[ForwardKind], int]] = []
+    with make_engine(fdv2_dir, 8, 4, accept_threshold=0.9, max_num_reqs=2) as llm:
+        llm.enable_static_decode(capture=False)
+        assert llm.runner.short_graphs.buckets == [1, 2, 4] and llm.runner.graphs.buckets == [1, 2]
+        replayed: list[int] = []
+        original = llm.runner.short_graphs.run
+
+        def run(step, bucket, buffer=0, sampled=None):
+            replayed.append(bucket)
+            return original(step, bucket, buffer, sampled)
+
+        llm.runner.short_graphs.run = run
+        record_static_steps(llm, short)
+        assert_matches_reference(llm, random_prompts(llm, [7, 12], seed=35))
+    assert any(rows > 32 for _, rows in short), "a step wider than two short requests took the short graphs"
+    assert 4 in replayed
 
 
 def test_a_step_mixing_commit_whole_block_and_refinement_forwards_replays_one_bucket(fdv2_dir: Path) -> None:

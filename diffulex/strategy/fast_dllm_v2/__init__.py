@@ -43,6 +43,7 @@ class FastDllmV2(Strategy):
     request_class = FastDllmV2Request
     requires_prefix_caching = True
     attends_past_rows = True  # a refinement's rows read the rest of their block from the kept K/V
+    short_buckets_past_max_requests = True  # `short_step_buckets`
 
     def attention_block_size(self, config: Config) -> int:
         return config.block_size * config.buffer_size
@@ -86,7 +87,10 @@ class FastDllmV2(Strategy):
     def short_step_buckets(self, buckets: list[int]) -> list[int]:
         """Every bucket: a lone request's refinement computes one sub-block of the four a whole-block forward
         computes (the 7B geometry at batch 1 on an H100: 1.25x its floor with them), and a batch's rows vary with how
-        many of its requests compute a whole block, which the finer buckets past 32 requests follow."""
+        many of its requests compute a whole block, which the finer buckets past 32 requests follow; and those past
+        the engine's request count (`short_buckets_past_max_requests`): a batch whose requests half refine and half
+        compute a whole block (about 21 rows a request) fits a short bucket of more requests in about two thirds of
+        the rows the full graphs pad it to."""
         return buckets
 
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
