@@ -90,7 +90,7 @@ class FastDllmV2(Strategy):
         many of its requests compute a whole block, which the finer buckets past 32 requests follow; and those past
         the engine's request count (`short_buckets_past_max_requests`): a batch whose requests half refine and half
         compute a whole block (about 21 rows a request) fits a short bucket of more requests in about two thirds of
-        the rows the full graphs pad it to."""
+        the rows the full graphs pad it to (the 7B geometry at batch 32 on an H200: 23.2 -> 20.2 ms a step)."""
         return buckets
 
     def make_sampler(self, context: SamplerContext) -> FastDllmV2Sampler:
