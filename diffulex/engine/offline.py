@@ -34,6 +34,9 @@ def generate_offline(
     """A chat model (its tokenizer has a chat template) is asked the way it was trained: a text prompt becomes the
     user message of its chat template; ``apply_chat_template=False`` sends text as it is. Special-token text inside
     text and messages (``<|im_end|>``) is plain text unless ``parse_special_tokens``: see `diffulex.prompts`."""
+    for name, value in (("apply_chat_template", apply_chat_template), ("parse_special_tokens", parse_special_tokens)):
+        if not isinstance(value, bool):  # "false" would mean True: special-token text would act as tokens
+            raise ValueError(f"{name}={value!r} is invalid: must be True or False")
     prompts, params = generation_inputs(prompts, sampling_params)
     t0 = time.perf_counter()
     results: list[Trajectory | None] = [None] * len(prompts)

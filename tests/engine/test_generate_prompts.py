@@ -90,6 +90,16 @@ def test_bad_prompts_are_refused_naming_them(llm) -> None:
     assert bad_message.completion_reason == "rejected" and "messages[0].content=None" in bad_message.error
 
 
+def test_the_prompt_switches_take_only_booleans(llm) -> None:
+    """``parse_special_tokens="false"`` would be truthy, letting special-token text act as tokens: the switches are
+    refused unless True or False, before anything is queued."""
+    for name in ("parse_special_tokens", "apply_chat_template"):
+        for bad in ("false", 0, None):
+            with pytest.raises(ValueError, match=rf"{name}={bad!r} is invalid: must be True or False"):
+                llm.generate(["hi"], GREEDY, use_tqdm=False, **{name: bad})
+    assert llm.is_finished()
+
+
 def test_text_that_is_not_unicode_is_rejected_alone_and_leaves_nothing_queued(llm) -> None:
     """A lone surrogate (no tokenizer can encode it) in text or in a message rejects that prompt, named, while the
     prompts before and after it run; the engine holds nothing afterwards."""
