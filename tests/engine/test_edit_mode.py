@@ -51,6 +51,19 @@ def test_edits_rewrite_decoded_tokens_and_every_block_still_commits(llada2):
     assert rewritten > 0
 
 
+def test_a_request_max_nfe_caps_its_edit_forwards(llada2):
+    """The automatic bound grows by every block's post-edit steps; a request's own ``max_nfe`` is a cap as asked,
+    however many post-edit steps the engine allows."""
+    from diffulex import SamplingParams
+
+    fields = {"block_size": 4, "buffer_size": 1, "max_model_len": 256, "sampling_mode": "edit",
+              "max_post_edit_steps": 1000}  # fmt: skip
+    with Diffulex(str(llada2), **fields) as llm:
+        (t,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, max_nfe=3), use_tqdm=False,
+                            apply_chat_template=False)  # fmt: skip
+    assert t.completion_reason == "max_nfe_reached" and t.nfe == 3
+
+
 def _block_tokens(record):
     """(block index, its 4 tokens after the step) for each block of a step's running set."""
     tokens = record.running_token_ids

@@ -51,7 +51,10 @@ class EditRequest(Request):
     next_soft: dict[int, SoftInput] | None = field(init=False, default=None)
 
     def _max_nfe(self) -> int:
-        """The naive bound plus every block's post-edit steps."""
+        """The request's own ``max_nfe`` where it set one (a cap the user asked for); otherwise the naive bound plus
+        every block's post-edit steps."""
+        if self.sampling_params.max_nfe is not None:
+            return self.sampling_params.max_nfe
         blocks = math.ceil(self.sampling_params.max_tokens / self.settings.block_size)
         return super()._max_nfe() + blocks * (self.settings.options.max_post_edit_steps + 1)
 
