@@ -152,13 +152,11 @@ def _short_buckets(config: Config, short_rows: int | None, full_rows_per_request
     requests = graph_requests(config.max_num_reqs)
     if not short_rows:
         return ()
-    reach = requests
+    buckets = request_buckets(requests)
     if config.strategy.short_buckets_past_max_requests:
         full_rows = requests * full_rows_per_request
         reach = max(requests, min(MAX_GRAPH_REQUESTS, full_rows // short_rows))
         buckets = [b for b in request_buckets(reach) if b <= requests or b * short_rows < full_rows]
-    else:
-        buckets = request_buckets(reach)
     return tuple(config.strategy.short_step_buckets(buckets))
 
 

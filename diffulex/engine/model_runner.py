@@ -261,7 +261,7 @@ class ModelRunner:
         )
         self.short_graphs = None
         if short_rows_per_request is not None:  # the policy passes it only where the set is narrower and has buckets
-            # its buckets may hold more requests than the full graphs' (`GraphPolicy.short_buckets`)
+            # its buckets may hold more requests than the full graphs' (`graph_policy._short_buckets`)
             short_shape = dataclasses.replace(shape, row_capacity=short_rows_per_request,
                                               max_requests=max(shape.max_requests, max(short_buckets)))  # fmt: skip
             self.short_graphs = DecodeGraphs(
