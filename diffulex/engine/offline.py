@@ -18,6 +18,7 @@ from diffulex.engine.generation_inputs import generation_inputs
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampling_params import SamplingParams
+from diffulex.validation import check_bool
 
 logger = logging.getLogger("diffulex")
 
@@ -34,9 +35,8 @@ def generate_offline(
     """A chat model (its tokenizer has a chat template) is asked the way it was trained: a text prompt becomes the
     user message of its chat template; ``apply_chat_template=False`` sends text as it is. Special-token text inside
     text and messages (``<|im_end|>``) is plain text unless ``parse_special_tokens``: see `diffulex.prompts`."""
-    for name, value in (("apply_chat_template", apply_chat_template), ("parse_special_tokens", parse_special_tokens)):
-        if not isinstance(value, bool):  # "false" would mean True: special-token text would act as tokens
-            raise ValueError(f"{name}={value!r} is invalid: must be True or False")
+    check_bool("apply_chat_template", apply_chat_template)
+    check_bool("parse_special_tokens", parse_special_tokens)  # "false" would let special-token text act as tokens
     prompts, params = generation_inputs(prompts, sampling_params)
     t0 = time.perf_counter()
     results: list[Trajectory | None] = [None] * len(prompts)
