@@ -347,7 +347,7 @@ class Config:
 
     # Token merge (DMax)
     token_merge_mode: str = _field("dmax_topk", "How token-merge candidates are built.", TOKEN_MERGE_MODES)
-    token_merge_top_k: int = _field(1, "Candidate tokens kept per position for token merge (> 0).")
+    token_merge_top_k: int = _field(1, "Candidate tokens kept per position for token merge (1..1024, <= vocabulary).")
     token_merge_renormalize: bool = _field(True, "Renormalize candidate probabilities after filtering.")
     token_merge_weight: float = _field(1.0, "Interpolation weight of token merge (>= 0).")
 
@@ -358,7 +358,7 @@ class Config:
     deepep_num_max_dispatch_tokens_per_rank: int = _field(256, "Tokens per rank in DeepEP dispatch (> 0).")
 
     # DMax / edit sampling
-    max_post_edit_steps: int = _field(16, "Edit steps allowed per block after it is filled (>= 0).")
+    max_post_edit_steps: int = _field(16, "Edit steps allowed per block after it is filled (0..1024).")
     penalty_lambda: float = _field(0.0, "Edit sampling: lowers the logit of the previous position's token (>= 0).")
     dmax_sampler_fast_path: bool = _field(True, "Fast argmax path for DMax confidences.")
     dmax_force_prefill_active: bool = _field(False, "Keep DMax active blocks on the prefill path.")
@@ -371,11 +371,11 @@ class Config:
     )
 
     # DiffusionGemma
-    diffusion_gemma_max_denoising_steps: int = _field(48, "Denoising steps per canvas at most (> 0).")
+    diffusion_gemma_max_denoising_steps: int = _field(48, "Denoising steps per canvas at most (1..1024).")
     diffusion_gemma_stability_threshold: int = _field(2, "Equal argmaxes in a row that mean converged (> 0).")
     diffusion_gemma_confidence_threshold: float = _field(0.1, "Mean-entropy bound for convergence (>= 0).")
-    diffusion_gemma_t_min: float = _field(0.0, "Lowest temperature of the denoising schedule.")
-    diffusion_gemma_t_max: float = _field(1.0, "Highest (first) temperature of the denoising schedule.")
+    diffusion_gemma_t_min: float = _field(0.0, "Lowest temperature of the denoising schedule (0..100).")
+    diffusion_gemma_t_max: float = _field(1.0, "Highest (first) temperature of the denoising schedule (0..100).")
     diffusion_gemma_entropy_bound: float = _field(1.0, "Entropy bound for stochastic re-masking (>= 0).")
 
     # Distributed
@@ -698,16 +698,30 @@ class Config:
                 other.options(self)
 
     def _clamp_lengths(self) -> None:
-        """Never plan for more positions than the checkpoint was trained with."""
+        """Never plan for more positions than the checkpoint was trained with. A request's last block is computed
+        whole (its positions past max_model_len are dropped after), so the block that holds the last position must
+        end within the checkpoint's limit too: a limit that is not a whole number of blocks is rounded down."""
         for key in ("max_position_embeddings", "max_sequence_length"):
             limit = self._checkpoint_value(key)
             if is_int(limit) and limit > 0:
-                if self.max_model_len > limit:
-                    warn(
-                        f"max_model_len={self.max_model_len} exceeds the checkpoint's {key}={limit}; "
-                        f"using {limit}"
+                whole_blocks = limit - limit % self.block_size
+                last_block_end = -(-self.max_model_len // self.block_size) * self.block_size
+                if last_block_end > limit:
+                    if whole_blocks == 0:
+                        raise invalid_value(
+                            "block_size", self.block_size, f"must be <= the checkpoint's {key}={limit}"
+                        )
+                    reach = (
+                        "exceeds"
+                        if self.max_model_len > limit
+                        else f"ends in a block of block_size={self.block_size} that reaches past"
                     )
-                    self.max_model_len = limit
+                    whole = "" if whole_blocks == limit else f" (whole blocks of block_size={self.block_size})"
+                    warn(
+                        f"max_model_len={self.max_model_len} {reach} the checkpoint's {key}={limit}; "
+                        f"using {whole_blocks}{whole}"
+                    )
+                    self.max_model_len = whole_blocks
                 break
         if self.enable_chunked_prefill:
             self._check_chunked_prefill()

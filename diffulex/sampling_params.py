@@ -18,6 +18,7 @@ from diffulex.validation import check_bool, check_int, check_number, invalid_val
 # invite overflow and are refused.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
+MIN_REPETITION_RUN = 2
 
 
 def _check_temperature(value: Any) -> float:
@@ -54,7 +55,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_tokens": lambda v: check_int("max_tokens", v, low=1),
     "max_nfe": _optional(lambda v: check_int("max_nfe", v, low=1)),
     "ignore_eos": lambda v: check_bool("ignore_eos", v),
-    "max_repetition_run": _optional(lambda v: check_int("max_repetition_run", v, low=1)),
+    # a run of one token is any answer's first token: 1 would end every request there
+    "max_repetition_run": _optional(lambda v: check_int("max_repetition_run", v, low=MIN_REPETITION_RUN)),
     "seed": _optional(lambda v: check_int("seed", v, low=0, high=2**63 - 1)),
     "stop": _normalize_stop,
 }

@@ -16,9 +16,22 @@ from typing import Any
 logger = logging.getLogger("diffulex.config")
 
 
+# A rejected value longer than this is shown by its start and its length: an error that echoes a megabyte of
+# input buries its own message (and floods a log with whatever a client sent).
+SHOWN_VALUE_CHARS = 200
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)``, cut to `SHOWN_VALUE_CHARS` with the full length named."""
+    text = repr(value)
+    if len(text) <= SHOWN_VALUE_CHARS:
+        return text
+    return f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} characters)"
+
+
 def invalid_value(name: str, value: Any, requirement: str) -> ValueError:
     """The one error format for a rejected setting, e.g. ``block_size=12 is invalid: must be one of 4, 8``."""
-    return ValueError(f"{name}={value!r} is invalid: {requirement}")
+    return ValueError(f"{name}={shown_value(value)} is invalid: {requirement}")
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
@@ -101,7 +114,7 @@ def check_dir(name: str, value: Any) -> str:
     except TypeError:
         raise invalid_value(name, value, "must be a path to a directory") from None
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"{name}={path!r} is not an existing directory")
+        raise ValueError(f"{name}={shown_value(path)} is not an existing directory")
     return path
 
 
@@ -122,6 +135,5 @@ def reject_unknown_keys(name: str, values: Mapping[str, Any], allowed: Sequence[
     """A misspelled key in a YAML/HTTP dict is an error, not a silently ignored setting."""
     unknown = sorted(set(values) - set(allowed))
     if unknown:
-        raise ValueError(
-            f"{name} has unknown keys {', '.join(map(repr, unknown))}; allowed keys: {', '.join(allowed)}"
-        )
+        accepted = f"allowed keys: {', '.join(allowed)}" if allowed else "it takes no keys"
+        raise ValueError(f"{name} has unknown keys {', '.join(map(repr, unknown))}; {accepted}")

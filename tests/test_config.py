@@ -463,6 +463,24 @@ def test_max_model_len_limit_falls_back_to_max_sequence_length_and_text_config(t
         assert make(tmp_path, config_json).max_model_len == 1024
 
 
+def test_a_checkpoint_limit_that_is_not_whole_blocks_is_rounded_down_to_whole_blocks(tmp_path):
+    # a request's last block is computed whole: positions 2044..2047 at a limit of 2046 would index past it
+    with pytest.warns(UserWarning, match=r"max_position_embeddings=2046; using 2044 \(whole blocks of block_size=4\)"):
+        cfg = make(tmp_path, {"model_type": "x", "max_position_embeddings": 2046}, block_size=4)
+    assert cfg.max_model_len == 2044
+
+
+def test_a_max_model_len_within_the_limit_whose_last_block_ends_past_it_is_rounded_down(tmp_path):
+    with pytest.warns(UserWarning, match="max_model_len=2045 ends in a block of block_size=4 that reaches past"):
+        cfg = make(tmp_path, {"model_type": "x", "max_position_embeddings": 2046}, block_size=4, max_model_len=2045)
+    assert cfg.max_model_len == 2044
+
+
+def test_a_max_model_len_off_the_block_grid_within_the_limit_is_kept(tmp_path):
+    cfg = make_quiet(tmp_path, {"model_type": "x", "max_position_embeddings": 2048}, block_size=4, max_model_len=2045)
+    assert cfg.max_model_len == 2045
+
+
 def test_max_model_len_is_kept_when_the_checkpoint_gives_no_limit(tmp_path):
     cfg = make_quiet(tmp_path, {"model_type": "x"}, max_model_len=100_000, max_num_batched_tokens=100_000)
     assert cfg.max_model_len == 100_000
@@ -579,13 +597,18 @@ def test_k_cache_hdim_split_factor_must_be_a_power_of_two(tmp_path, value):
         ("prefill_cudagraph_max_len", -1, "must be an integer >= 0"),
         ("auto_max_nfe_warmup_steps", 0, "must be an integer > 0"),
         ("auto_max_nfe_tpf_floor", 0, "must be a number > 0"),
-        ("token_merge_top_k", 0, "must be an integer > 0"),
+        ("token_merge_top_k", 0, "must be an integer in [1, 1024]"),
+        ("token_merge_top_k", 10**9, "must be an integer in [1, 1024]"),
         ("token_merge_weight", -1, "must be a number >= 0"),
-        ("max_post_edit_steps", -1, "must be an integer >= 0"),
-        ("max_post_edit_steps", 1.5, "must be an integer >= 0"),
+        ("max_post_edit_steps", -1, "must be an integer in [0, 1024]"),
+        ("max_post_edit_steps", 1.5, "must be an integer in [0, 1024]"),
+        ("max_post_edit_steps", 10**18, "must be an integer in [0, 1024]"),
         ("penalty_lambda", -0.5, "must be a number >= 0"),
         ("deepep_num_max_dispatch_tokens_per_rank", 0, "must be an integer > 0"),
-        ("diffusion_gemma_max_denoising_steps", 0, "must be an integer > 0"),
+        ("diffusion_gemma_max_denoising_steps", 0, "must be an integer in [1, 1024]"),
+        ("diffusion_gemma_max_denoising_steps", 10**18, "must be an integer in [1, 1024]"),
+        ("diffusion_gemma_t_max", float("inf"), "must be a number in [0, 100]"),
+        ("diffusion_gemma_t_min", -0.5, "must be a number in [0, 100]"),
         ("diffusion_gemma_stability_threshold", 0, "must be an integer > 0"),
         ("diffusion_gemma_confidence_threshold", -0.1, "must be a number >= 0"),
         ("diffusion_gemma_entropy_bound", -1, "must be a number >= 0"),
@@ -858,3 +881,15 @@ def test_every_inert_field_is_listed_in_the_configuration_docs():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     section = docs.split("## Fields this version accepts but does not act on")[1].split("\n## ")[0]
     assert all(f"| `{name}` |" in section for name in INERT_FIELDS)
+
+
+def test_a_huge_rejected_value_is_shown_by_its_start_and_length(tmp_path):
+    with pytest.raises(ValueError) as e:
+        Config("x" * 100_000)
+    message = str(e.value)
+    assert len(message) < 400 and "(100002 characters)" in message and message.endswith("is not an existing directory")
+
+
+def test_options_given_to_a_strategy_without_options_say_it_takes_none(tmp_path):
+    with pytest.raises(ValueError, match=r"has unknown keys 'depth'; it takes no keys$"):
+        make(tmp_path, decoding_strategy="multi_bd", strategy_options={"depth": 2})

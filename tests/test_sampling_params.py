@@ -106,11 +106,17 @@ def test_string_max_tokens_is_rejected_with_the_value_quoted():
     assert str(e.value) == "max_tokens='10' is invalid: must be an integer > 0"
 
 
-@pytest.mark.parametrize("name", ["max_nfe", "max_repetition_run"])
 @pytest.mark.parametrize("value", [0, -3, 2.0, False])
-def test_optional_caps_must_be_positive_integers_when_set(name, value):
-    with pytest.raises(ValueError, match=f"^{name}=.* is invalid: must be an integer > 0$"):
-        SamplingParams(**{name: value})
+def test_max_nfe_must_be_a_positive_integer_when_set(value):
+    with pytest.raises(ValueError, match="^max_nfe=.* is invalid: must be an integer > 0$"):
+        SamplingParams(max_nfe=value)
+
+
+@pytest.mark.parametrize("value", [1, 0, -3, 2.0, False])
+def test_a_repetition_run_is_at_least_two_tokens(value):
+    # a run of one token is every answer's first token: 1 would end each request there
+    with pytest.raises(ValueError, match="^max_repetition_run=.* is invalid: must be an integer >= 2$"):
+        SamplingParams(max_repetition_run=value)
 
 
 def test_optional_caps_are_kept_when_valid():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from diffulex.config import Config, engine_fields
+from diffulex.sampling_params import MIN_REPETITION_RUN
 from diffulex.strategy.strategy import STRATEGIES
 from diffulex.validation import check_bool, check_int, check_number, invalid_value
 
@@ -100,10 +101,10 @@ class EvalConfig:
             if value is not None:
                 _check_str(f"eval.{name}", value)
         self.temperature = check_number("eval.temperature", self.temperature, low=0.0)
-        for name in ("max_tokens", "max_nfe", "max_repetition_run"):
+        for name, low in (("max_tokens", 1), ("max_nfe", 1), ("max_repetition_run", MIN_REPETITION_RUN)):
             value = getattr(self, name)
             if value is not None:
-                check_int(f"eval.{name}", value, low=1)
+                check_int(f"eval.{name}", value, low=low)
         _check_str("eval.output_dir", self.output_dir)
         for f in dataclasses.fields(self):
             if f.type == "bool":

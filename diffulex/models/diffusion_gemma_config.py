@@ -14,11 +14,12 @@ with an error naming the field, the value and what is allowed, instead of being 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffulex.models.hf_config import read_config_dict
+from diffulex.models.hf_config import MAX_NORM_EPS, check_torch_dtype, read_config_dict
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -143,7 +144,7 @@ class DiffusionGemmaConfig:
             layers=layers,
             sliding_window=_int(text, "sliding_window", t, default=512),
             rope=_rope(text, layer_types),
-            rms_norm_eps=_positive_float(text, "rms_norm_eps", t, 1e-6),
+            rms_norm_eps=_norm_eps(text, t),
             final_logit_softcapping=softcap,
             num_experts=num_experts,
             top_k_experts=top_k,
@@ -179,10 +180,17 @@ def _int(d: dict[str, Any], key: str, prefix: str, default: int | None = None, r
     return value
 
 
+def _norm_eps(text: dict[str, Any], prefix: str) -> float:
+    value = _positive_float(text, "rms_norm_eps", prefix, 1e-6)
+    if value > MAX_NORM_EPS:
+        raise ValueError(f"config field '{prefix}rms_norm_eps' must be at most {MAX_NORM_EPS:g}, got {value!r}")
+    return value
+
+
 def _positive_float(d: dict[str, Any], key: str, prefix: str, default: float) -> float:
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"config field '{prefix}{key}' must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"config field '{prefix}{key}' must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -222,8 +230,8 @@ def _eos_ids(d: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
 def _dtype_name(d: dict[str, Any], text: dict[str, Any]) -> str | None:
     for section in (d, text):
         value = section.get("torch_dtype", section.get("dtype"))
-        if isinstance(value, str):
-            return value
+        if value is not None:
+            return check_torch_dtype(value)
     return None
 
 

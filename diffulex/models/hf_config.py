@@ -32,6 +32,14 @@ MAX_LAYERS = 1024
 MAX_EXPERTS = 4096
 MAX_WIDTH = 1 << 20  # hidden, intermediate and head sizes, head counts, vocabulary
 MAX_POSITIONS = 1 << 24  # the rotary table holds this many positions
+# A norm's epsilon guards a division by a variance: published models use 1e-6 to 1e-5, and from about 1 on it
+# outweighs the variance of typical hidden states, so every layer's output shrinks towards zero.
+MAX_NORM_EPS = 1.0
+# The weight dtypes a checkpoint may declare (``torch_dtype``, with or without ``torch.``): the float ones. An
+# integer or 8-bit float dtype means a quantized checkpoint, whose weights need scales this loader does not read.
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "bf16", "fp16", "fp32")
+# Token ids of the file that must name a row of the vocabulary (the mask token is checked by the engine).
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # The upper bound of each size field (by its JSON name, in every family); other integer fields get MAX_WIDTH.
 SIZE_LIMITS = {
@@ -103,6 +111,14 @@ def _token_ids(d: dict[str, Any], key: str) -> int | list[int] | None:
     return _token_id(d, key)
 
 
+def norm_eps(d: dict[str, Any], key: str, default: float) -> float:
+    """A norm epsilon: positive, finite and at most `MAX_NORM_EPS`."""
+    value = _float(d, key, default)
+    if value > MAX_NORM_EPS:
+        raise ValueError(f"config field {key!r} must be at most {MAX_NORM_EPS:g}, got {value!r}")
+    return value
+
+
 def _float(d: dict[str, Any], key: str, default: float) -> float:
     value = d.get(key, default)
     if value is None:
@@ -123,9 +139,18 @@ def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
 
 def _torch_dtype(d: dict[str, Any]) -> str | None:
     """``torch_dtype``, also under its transformers-5 name ``dtype``."""
-    value = d.get("torch_dtype", d.get("dtype"))
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"config field 'torch_dtype' must be a string, got {value!r}")
+    return check_torch_dtype(d.get("torch_dtype", d.get("dtype")))
+
+
+def check_torch_dtype(value: Any) -> str | None:
+    """A checkpoint's declared weight dtype: None or one of `CHECKPOINT_DTYPES`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.removeprefix("torch.") not in CHECKPOINT_DTYPES:
+        raise ValueError(
+            f"config field 'torch_dtype' must be a float dtype ({', '.join(CHECKPOINT_DTYPES[:4])}); quantized "
+            f"checkpoints are not supported, got {value!r}"
+        )
     return value
 
 
@@ -232,6 +257,7 @@ class HFConfig:
         """Read ``<model_dir>/config.json``; errors name the file."""
         try:
             config = cls.from_dict(read_config_dict(model_dir))
+            _check_token_ids(config)
         except ValueError as e:
             raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
         if getattr(config, "mask_token_id", None) is None and cls.mask_token is not None:
@@ -240,6 +266,20 @@ class HFConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+def _check_token_ids(config: HFConfig) -> None:
+    """An id past the vocabulary is never generated (an end token that can never end an answer) and cannot be
+    embedded (a begin or pad token)."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        return
+    for name in TOKEN_ID_FIELDS:
+        value = getattr(config, name, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(i is not None and i >= vocab for i in ids):
+            key = config.json_name(name)
+            raise ValueError(f"config field {key!r} must be below vocab_size={vocab}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,7 +346,7 @@ class DenseDecoderConfig(HFConfig):
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            rms_norm_eps=norm_eps(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(d, "max_position_embeddings", required=False, default=32768),  # type: ignore[arg-type]
@@ -641,7 +681,7 @@ class LLaDAConfig(HFConfig):
             embedding_size=embedding_size,
             weight_tying=_bool(d, "weight_tying", False),
             include_qkv_bias=_bool({"include_qkv_bias": include_qkv_bias}, "include_qkv_bias", False),
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-5),
+            rms_norm_eps=norm_eps(d, "rms_norm_eps", 1e-5),
             rope_theta=_float(d, "rope_theta", 10_000.0),
             max_sequence_length=_int(d, "max_sequence_length", required=False, default=4096),  # type: ignore[arg-type]
             scale_logits=_bool(d, "scale_logits", False),

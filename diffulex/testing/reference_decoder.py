@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from diffulex.attention import DenseAttentionMetadata, visibility_mask
+from diffulex.sampling_params import MIN_REPETITION_RUN
 
 ACTIVE = "ACTIVE"
 TO_CACHE = "TO_CACHE"
@@ -318,8 +319,8 @@ def reference_generate(
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     if prompt_len >= max_model_len:
         raise ValueError(f"the prompt ({prompt_len} tokens) leaves no room in max_model_len={max_model_len}")
-    if max_repetition_run is not None and max_repetition_run < 1:
-        raise ValueError(f"max_repetition_run={max_repetition_run} must be >= 1 or None")
+    if max_repetition_run is not None and max_repetition_run < MIN_REPETITION_RUN:
+        raise ValueError(f"max_repetition_run={max_repetition_run} must be >= {MIN_REPETITION_RUN} or None")
     if max_nfe is None:
         max_nfe = derived_max_nfe(max_tokens, block_size, auto_max_nfe_warmup_steps, auto_max_nfe_tpf_floor)
     if max_nfe < 1:

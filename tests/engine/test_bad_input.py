@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.testing.checkpoints import write_tiny_checkpoint
 
 
 def engine(model_dir: Path, **fields):
@@ -180,3 +181,13 @@ def test_sampling_params_of_the_wrong_type_are_named(sdar_dir: Path, params) -> 
     with engine(sdar_dir) as llm:
         with pytest.raises(ValueError, match="sampling_params=.* is invalid: must be a SamplingParams, or a list"):
             llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+def test_a_checkpoint_limit_off_the_block_grid_lets_requests_run_to_the_end(tmp_path: Path) -> None:
+    model = write_tiny_checkpoint(tmp_path / "m", "sdar", max_position_embeddings=46)
+    with pytest.warns(UserWarning, match="using 44"):
+        llm = engine(model, max_model_len=2048)
+    out = llm.generate(["hello there"], SamplingParams(max_tokens=100, temperature=0.0))
+    trajectory = out.trajectories[0]
+    assert (trajectory.completion_reason, trajectory.error) == ("max_model_len_reached", None)
+    assert len(trajectory.prompt_token_ids) + len(trajectory.token_ids) == 44

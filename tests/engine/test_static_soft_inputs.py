@@ -7,6 +7,7 @@ captured graphs and compares them with the eager engine.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,9 @@ def test_captured_graphs_with_token_merge_give_the_eager_tokens_on_the_gpu(llada
         got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert [t.token_ids for t in got] == [t.token_ids for t in expected]
     assert used and any(soft_counts)
+
+
+def test_more_merge_candidates_than_the_vocabulary_holds_are_refused_at_build(llada2: Path) -> None:
+    vocab = json.loads((llada2 / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ValueError, match=rf"^token_merge_top_k={vocab + 1} is invalid: must be <= the model's voc"):
+        make_engine(llada2, **dmax_fields("iter_smooth_topk", token_merge_top_k=vocab + 1))

@@ -216,6 +216,30 @@ def test_an_invalid_config_json_is_named(tmp_path):
     assert f"{ckpt / 'config.json'} is not valid JSON" in refusal(ckpt)
 
 
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"eos_token_id": 10**9}, "'eos_token_id' must be below vocab_size=384, got 1000000000"),
+        ({"eos_token_id": [5, 10**9]}, "'eos_token_id' must be below vocab_size=384, got [5, 1000000000]"),
+        ({"bos_token_id": 384}, "'bos_token_id' must be below vocab_size=384, got 384"),
+        ({"pad_token_id": 10**9}, "'pad_token_id' must be below vocab_size=384"),
+        ({"torch_dtype": "int8"}, "'torch_dtype' must be a float dtype (float32, float16, bfloat16, float64); quant"),
+        ({"rms_norm_eps": 1e308}, "'rms_norm_eps' must be at most 1, got 1e+308"),
+    ],
+)
+def test_config_values_no_model_can_run_with_are_refused_naming_the_field(tmp_path, changes, problem):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    edit_config(ckpt, **changes)
+    assert problem in refusal(ckpt)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.float16", "float32"])
+def test_float_checkpoint_dtypes_are_read(tmp_path, dtype):
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    edit_config(ckpt, torch_dtype=dtype)
+    assert load_hf_config(ckpt, "sdar").torch_dtype == dtype
+
+
 def test_a_tokenizer_json_that_is_not_json_is_named_as_such(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
     (ckpt / "tokenizer.json").write_text('{"version": "1.0", "model": ')

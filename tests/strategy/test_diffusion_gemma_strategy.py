@@ -274,6 +274,17 @@ def test_sampled_canvases_follow_the_request_seed(folder: Path) -> None:
     assert first[0].token_ids != first[1].token_ids
 
 
+def test_a_greedy_answer_without_a_seed_depends_on_its_prompt_alone(folder: Path) -> None:
+    """A greedy canvas still starts from noise; without a seed of its own every greedy request takes the engine's
+    seed, so the same prompt gets the same answer in another call and at another place in a batch."""
+    prompt, other = prompts(2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with engine(folder) as llm:
+        first = llm.generate([other, prompt], greedy, use_tqdm=False).trajectories[1]
+        again = llm.generate([prompt], greedy, use_tqdm=False).trajectories[0]
+    assert again.token_ids == first.token_ids
+
+
 def test_abort_and_a_bad_request_leave_the_others_untouched(folder: Path, model, tmp_path: Path) -> None:
     """A request aborted mid-canvas is gone at once; one whose prompt holds the image placeholder (text only is
     supported) fails alone, with a message that says so; the third still answers as the reference does."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffulex.checkpoint_folder import checkpoint_path
+from diffulex.sampling_params import MAX_TEMPERATURE
 from diffulex.strategy.diffusion_gemma.canvas import CanvasSchedule
 from diffulex.strategy.diffusion_gemma.request import CanvasRequest
 from diffulex.strategy.diffusion_gemma.runner import CanvasRunner, CanvasRunnerSettings, default_graph_buckets
@@ -36,6 +37,10 @@ GENERATION_CONFIG_KEYS = {
 }
 
 
+# Denoising steps of one canvas at most (the checkpoint's own is 48): a canvas that never converges ends only here.
+MAX_DENOISING_STEPS = 1024
+
+
 @dataclass(frozen=True)
 class DiffusionGemmaOptions:
     diffusion_gemma_max_denoising_steps: int = 48  # denoising steps per canvas at most
@@ -46,15 +51,16 @@ class DiffusionGemmaOptions:
     diffusion_gemma_entropy_bound: float = 1.0  # entropy bound of stochastic re-noising
 
     def __post_init__(self) -> None:
-        check_int("diffusion_gemma_max_denoising_steps", self.diffusion_gemma_max_denoising_steps, low=1)
+        steps = self.diffusion_gemma_max_denoising_steps
+        check_int("diffusion_gemma_max_denoising_steps", steps, low=1, high=MAX_DENOISING_STEPS)
         check_int("diffusion_gemma_stability_threshold", self.diffusion_gemma_stability_threshold, low=1)
-        for name, low in (
-            ("diffusion_gemma_confidence_threshold", 0.0),
-            ("diffusion_gemma_t_min", 0.0),
-            ("diffusion_gemma_t_max", 0.0),
-            ("diffusion_gemma_entropy_bound", 0.0),
+        for name, high in (
+            ("diffusion_gemma_confidence_threshold", None),
+            ("diffusion_gemma_t_min", MAX_TEMPERATURE),
+            ("diffusion_gemma_t_max", MAX_TEMPERATURE),
+            ("diffusion_gemma_entropy_bound", None),
         ):
-            object.__setattr__(self, name, check_number(name, getattr(self, name), low=low))
+            object.__setattr__(self, name, check_number(name, getattr(self, name), low=0.0, high=high))
         if self.diffusion_gemma_t_min > self.diffusion_gemma_t_max:
             raise invalid_value(
                 "diffusion_gemma_t_min",

@@ -86,7 +86,7 @@ class CanvasRunnerSettings:
     kv_dtype: torch.dtype
     page_size: int
     vocab_limit: int  # ids at or above this are never drawn
-    base_seed: int  # the seed of requests that bring none (``base_seed + req_id``)
+    base_seed: int  # the seed of requests that bring none (``base_seed + req_id``; greedy ones: ``base_seed``)
     schedule: CanvasSchedule
     # batch sizes whose decoder step runs from static buffers (a CUDA graph where one can be captured); empty:
     # every step eager
@@ -413,8 +413,13 @@ class CanvasRunner:
         return self._decode(canvas_ids, soft, work.contexts, work.tables)
 
     def _seed(self, req: CanvasRequest) -> int:
-        seed = req.sampling_params.seed
-        return seed if seed is not None else self.settings.base_seed + req.req_id
+        """A greedy request without a seed draws only its canvases' starting noise: all of them take the same
+        seed, so that its answer depends on its prompt alone (not on its call or its place in a batch), as a
+        greedy answer does with the other strategies."""
+        params = req.sampling_params
+        if params.seed is not None:
+            return params.seed
+        return self.settings.base_seed if params.greedy else self.settings.base_seed + req.req_id
 
     def _rule(
         self, logits: torch.Tensor, states: list[CanvasState], temperatures: list[float], seeds: list[int]

@@ -17,13 +17,18 @@ from diffulex.layers.token_merge import TokenMergeSettings
 from diffulex.strategy.dmax.sampler import DMaxSampler
 from diffulex.strategy.edit import EditDecoding, EditOptions
 from diffulex.strategy.strategy import SamplerContext, register_strategy
-from diffulex.validation import check_bool, check_choice, check_int, check_number
+from diffulex.validation import check_bool, check_choice, check_int, check_number, invalid_value
 
 if TYPE_CHECKING:
     from diffulex.config import Config
 
 # How the candidates of a soft input are built: the decoded token at its confidence, or the top-k of the position.
 TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
+
+
+# Candidates per position at most: every row of a step keeps this many ids and probabilities (the soft inputs'
+# static buffers are [rows, k]), and the candidates past the first few carry almost no probability.
+MAX_TOKEN_MERGE_TOP_K = 1024
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class DMaxOptions(EditOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("token_merge_mode", self.token_merge_mode, TOKEN_MERGE_MODES)
-        check_int("token_merge_top_k", self.token_merge_top_k, low=1)
+        check_int("token_merge_top_k", self.token_merge_top_k, low=1, high=MAX_TOKEN_MERGE_TOP_K)
         check_bool("token_merge_renormalize", self.token_merge_renormalize)
         weight = check_number("token_merge_weight", self.token_merge_weight, low=0.0)
         object.__setattr__(self, "token_merge_weight", weight)
@@ -57,6 +62,12 @@ class DMax(EditDecoding):
 
     def make_sampler(self, context: SamplerContext) -> DMaxSampler:
         options = context.options
+        if options.token_merge_top_k > context.vocab_limit:  # known once the model is: checked before any request
+            raise invalid_value(
+                "token_merge_top_k",
+                options.token_merge_top_k,
+                f"must be <= the model's vocabulary size {context.vocab_limit}",
+            )
         settings = dataclasses.replace(
             self.edit_settings(context),
             dmax_fast_path=options.dmax_sampler_fast_path,

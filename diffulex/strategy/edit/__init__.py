@@ -23,13 +23,18 @@ if TYPE_CHECKING:
     from diffulex.config import Config
 
 
+# Post-edit steps a block may take at most: LLaDA2.1 uses 16. A block that keeps changing ends only at its timeout
+# (block size + this), so an unbounded value would let one request run forever.
+MAX_POST_EDIT_STEPS = 1024
+
+
 @dataclass(frozen=True)
 class EditOptions:
     max_post_edit_steps: int = 16  # steps a block may keep editing once it holds no mask
     penalty_lambda: float = 0.0  # lowers the logit of the token at the position before (repetition)
 
     def __post_init__(self) -> None:
-        check_int("max_post_edit_steps", self.max_post_edit_steps, low=0)
+        check_int("max_post_edit_steps", self.max_post_edit_steps, low=0, high=MAX_POST_EDIT_STEPS)
         object.__setattr__(self, "penalty_lambda", check_number("penalty_lambda", self.penalty_lambda, low=0.0))
 
 
