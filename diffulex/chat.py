@@ -49,7 +49,7 @@ class ChatSession:
         messages = [*self.history, {"role": "user", "content": text}]
         ids = encode_prompt(
             engine.tokenizer, messages, mask_token_id=engine.mask_token_id, vocab_size=engine.vocab_limit,
-            parse_special_tokens=self.parse_special_tokens,
+            parse_special_tokens=self.parse_special_tokens, max_model_len=engine.config.max_model_len,
         )
         req_id = engine.add_request(ids, self.sampling_params)
         view = TerminalDenoiseView(

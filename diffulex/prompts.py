@@ -15,6 +15,13 @@ the placeholder rendering says exactly which characters are template markup and 
 special tokens are the only ones encoded. The tokenizer splits text at special tokens before anything else, so the
 pieces between them are encoded exactly as a whole-string encoding would encode them.
 
+Given ``max_model_len``, a text is measured before it is tokenized (a prompt, and a conversation once rendered: a
+checkpoint's chat template may write far more than the messages hold): no token covers more characters than the
+longest vocabulary entry, so a text longer than ``max_model_len`` such entries cannot fit whatever it holds, and
+refusing it costs nothing where tokenizing it would cost about a second per megabyte. The bound is loosened by
+`NORMALIZATION_SLACK` because a tokenizer's normalizer may shorten text before splitting it (NFC composes up to
+three code points into one).
+
 `encode_prompt` may be called from any thread: nothing here changes the tokenizer it is given (the text-only
 encoder is a separate copy of the tokenizer's backend, built once per tokenizer).
 """
@@ -38,6 +45,8 @@ Prompt = str | Sequence[int] | Sequence[Message]
 
 # How much of a prompt an error message quotes.
 PREVIEW_CHARS = 60
+# Characters a tokenizer's normalizer may fold into one before splitting (see the module docstring).
+NORMALIZATION_SLACK = 4
 # The conversation format for tokenizers without a chat template (what the server has always used).
 PLAIN_TURN = "{role}: {content}\n"
 PLAIN_GENERATION_PROMPT = "assistant:"
@@ -74,6 +83,7 @@ class _SpecialTokens:
     pattern: re.Pattern[str] | None  # one named group per special token (``s<i>``), longest first
     ids: tuple[int, ...]  # the id of group ``s<i>``
     text_backend: Any  # a `tokenizers.Tokenizer` that never parses special tokens, or None (slow tokenizer)
+    longest_token: int  # characters of the longest vocabulary entry (`max_prompt_chars`)
 
     def find(self, text: str) -> list[tuple[int, int, int]]:
         """``(start, end, id)`` of every special token in ``text``, left to right."""
@@ -116,7 +126,26 @@ def _build_special_tokens(tokenizer: Any) -> _SpecialTokens:
     pattern = re.compile("|".join(f"(?P<s{i}>{a[1]})" for i, a in enumerate(alternatives))) if alternatives else None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text_backend = _text_only_copy(backend) if backend is not None else None
-    return _SpecialTokens(pattern, tuple(a[2] for a in alternatives), text_backend)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    longest_token = max((len(token) for token in vocab), default=1)
+    return _SpecialTokens(pattern, tuple(a[2] for a in alternatives), text_backend, longest_token)
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a text that encodes to fewer than ``max_model_len`` tokens can have."""
+    return NORMALIZATION_SLACK * _special_tokens(tokenizer).longest_token * max_model_len
+
+
+def check_prompt_chars(tokenizer: Any, num_chars: int, max_model_len: int | None, name: str = "prompt") -> None:
+    """Refuse a text too long for any prompt of fewer than ``max_model_len`` tokens, before tokenizing it."""
+    if max_model_len is None:
+        return
+    limit = max_prompt_chars(tokenizer, max_model_len)
+    if num_chars > limit:
+        raise ValueError(
+            f"{name} of {num_chars} characters is too long: max_model_len={max_model_len} tokens cannot hold more "
+            f"than {limit} characters"
+        )
 
 
 def _text_only_copy(backend: Any) -> Any:
@@ -188,11 +217,15 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
         raise ValueError(f"messages are invalid: the chat template rejected them: {err}") from None
 
 
-def _encode_conversation(tokenizer: Any, messages: list[dict[str, Any]], parse_special_tokens: bool) -> list[int]:
+def _encode_conversation(
+    tokenizer: Any, messages: list[dict[str, Any]], parse_special_tokens: bool, max_model_len: int | None = None
+) -> list[int]:
     if not has_chat_template(tokenizer):
         text = "".join(PLAIN_TURN.format(role=m["role"], content=m["content"]) for m in messages)
+        check_prompt_chars(tokenizer, len(text), max_model_len, "the conversation")
         return _encode_text(tokenizer, text + PLAIN_GENERATION_PROMPT, parse_special_tokens)
     rendered = _render(tokenizer, messages)
+    check_prompt_chars(tokenizer, len(rendered), max_model_len, "the conversation rendered by the chat template")
     if parse_special_tokens:
         return _encode_text(tokenizer, rendered, True)
     specials = _special_tokens(tokenizer)
@@ -271,11 +304,13 @@ def encode_prompt(
     vocab_size: int | None = None,
     apply_chat_template: bool = False,
     parse_special_tokens: bool = False,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """The token ids of one prompt: `encode_prompt_values` without the int64 values."""
     return encode_prompt_values(
         tokenizer, prompt, mask_token_id=mask_token_id, vocab_size=vocab_size,
         apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+        max_model_len=max_model_len,
     )[0]  # fmt: skip
 
 
@@ -287,6 +322,7 @@ def encode_prompt_values(
     vocab_size: int | None = None,
     apply_chat_template: bool = False,
     parse_special_tokens: bool = False,
+    max_model_len: int | None = None,
 ) -> tuple[list[int], np.ndarray | None]:
     """The token ids of one prompt, and for a token-id prompt the int64 array its check converted them to (None
     otherwise): the engine keeps it as the request's prompt array instead of converting a long prompt again.
@@ -300,20 +336,26 @@ def encode_prompt_values(
     * token ids: checked (integers, within ``vocab_size`` when given) and taken as they are.
 
     ``parse_special_tokens`` lets special-token text inside text and messages act as special tokens. Whatever the
-    prompt, the result must not hold ``mask_token_id``. Raises ValueError naming the prompt for anything else.
+    prompt, the result must not hold ``mask_token_id``. With ``max_model_len``, a text too long for that many tokens
+    is refused before it is tokenized (`check_prompt_chars`); the caller still checks the token count. Raises
+    ValueError naming the prompt for anything else.
     """
     values = None  # a token-id prompt's int64 values (`_check_token_ids`)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt='' is invalid: must be a non-empty string, a list of token ids or of messages")
+        check_prompt_chars(tokenizer, len(prompt), max_model_len)
         _check_unicode(prompt, f"prompt {preview(prompt)}")
         if apply_chat_template and has_chat_template(tokenizer):
-            ids = _encode_conversation(tokenizer, [{"role": "user", "content": prompt}], parse_special_tokens)
+            user_turn = [{"role": "user", "content": prompt}]
+            ids = _encode_conversation(tokenizer, user_turn, parse_special_tokens, max_model_len)
         else:
             ids = _encode_text(tokenizer, prompt, parse_special_tokens)
     elif is_conversation(prompt):
         messages = _check_messages(tokenizer, prompt)  # type: ignore[arg-type]
-        ids = _encode_conversation(tokenizer, messages, parse_special_tokens)
+        chars = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        check_prompt_chars(tokenizer, chars, max_model_len, "messages")
+        ids = _encode_conversation(tokenizer, messages, parse_special_tokens, max_model_len)
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         ids, values = _check_token_ids(prompt, vocab_size)
     else:

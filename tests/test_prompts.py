@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffulex.prompts import encode_prompt, encode_prompt_values, has_chat_template
+from diffulex.prompts import (
+    NORMALIZATION_SLACK,
+    encode_prompt,
+    encode_prompt_values,
+    has_chat_template,
+    max_prompt_chars,
+)
 from diffulex.testing import tiny_special_token_ids, write_qwen_tokenizer, write_tiny_checkpoint
 from diffulex.testing.checkpoints import sdar_reference_dir
 from diffulex.tokenizer import load_tokenizer
@@ -214,6 +220,40 @@ def test_a_chat_template_that_raises_is_a_value_error(tok, tmp_path) -> None:
     strict.chat_template = "{{ raise_exception('only user messages') if messages[0].role != 'user' }}"
     with pytest.raises(ValueError, match="the chat template rejected them: only user messages"):
         encode_prompt(strict, [{"role": "system", "content": "x"}], mask_token_id=MASK)
+
+
+class CountingTokenizer:
+    """A stand-in that counts the characters it is asked to encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.encoded_chars = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        self.encoded_chars += len(text)
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_a_text_too_long_for_max_model_len_is_refused_before_it_is_tokenized(tok) -> None:
+    counting = CountingTokenizer(tok)
+    limit = max_prompt_chars(tok, 64)
+    assert limit == NORMALIZATION_SLACK * max(map(len, tok.get_vocab())) * 64
+    with pytest.raises(ValueError, match=rf"^prompt of {limit + 1} characters is too long: max_model_len=64 tokens"):
+        encode_prompt(counting, "a" * (limit + 1), mask_token_id=MASK, parse_special_tokens=True, max_model_len=64)
+    assert counting.encoded_chars == 0
+    assert encode_prompt(counting, "a b", mask_token_id=MASK, parse_special_tokens=True, max_model_len=64)
+
+
+def test_a_chat_template_that_writes_far_more_than_the_messages_is_refused_before_tokenizing(tok, tmp_path) -> None:
+    shutil.copytree(tok.name_or_path, tmp_path, dirs_exist_ok=True)
+    padding = load_tokenizer(tmp_path)
+    padding.chat_template = "{{ 'x' * 1000000 }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    counting = CountingTokenizer(padding)
+    with pytest.raises(ValueError, match="^the conversation rendered by the chat template of 1000002 characters"):
+        encode_prompt(counting, [{"role": "user", "content": "hi"}], mask_token_id=MASK, max_model_len=64)
+    assert counting.encoded_chars == 0
 
 
 # ----- safe to call from any thread ---------------------------------------------------------------------------

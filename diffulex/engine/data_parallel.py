@@ -204,8 +204,10 @@ class DataParallelEngine:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params={sp!r} is invalid: must be a SamplingParams")
-        ids = encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit)
         max_len = self.config.max_model_len
+        ids = encode_prompt(
+            self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit, max_model_len=max_len
+        )
         if len(ids) >= max_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len={max_len} so that at "

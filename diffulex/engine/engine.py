@@ -123,8 +123,9 @@ class DiffulexEngine:
     def _encode(self, prompt: Prompt) -> tuple[list[int], np.ndarray | None]:
         """The prompt's ids and, for token ids, their int64 values (`encode_prompt_values`)."""
         ids, values = encode_prompt_values(
-            self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit
-        )
+            self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
+            max_model_len=self.config.max_model_len,
+        )  # fmt: skip
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is invalid: must be shorter than max_model_len="

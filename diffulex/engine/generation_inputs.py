@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from diffulex.prompts import Prompt, all_plain_ints, is_conversation, preview
 from diffulex.sampling_params import SamplingParams
@@ -63,7 +63,11 @@ def check_prompt_type(prompt: object, name: str = "prompt") -> None:
                 f"{name} is invalid: token ids must all be integers, got {preview(bad)} ({type(bad).__name__})"
             )
         return
-    hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
+    hint = ""
+    if isinstance(prompt, (bytes, bytearray)):
+        hint = " (decode bytes to str first)"
+    elif isinstance(prompt, Mapping):  # a message among prompts: a conversation with a string in it, or unwrapped
+        hint = " (a conversation is one prompt holding only messages; a batch of conversations is a list of them)"
     raise ValueError(
         f"{name}={preview(prompt)} is invalid: must be a string or a list of token ids, not "
         f"{type(prompt).__name__}{hint}"

@@ -48,6 +48,7 @@ def generate_offline(
                 ids = encode_prompt(
                     engine.tokenizer, prompt, mask_token_id=engine.mask_token_id, vocab_size=engine.vocab_limit,
                     apply_chat_template=apply_chat_template, parse_special_tokens=parse_special_tokens,
+                    max_model_len=engine.config.max_model_len,
                 )  # fmt: skip
                 index_of[engine.add_request(ids, sp)] = i
             except ValueError as err:

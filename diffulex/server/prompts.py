@@ -2,10 +2,8 @@
 
 The engine thread is shared by every request, so nothing that grows with one client's input may run there: chat
 rendering and tokenization run on a small worker pool, and the engine receives token ids. Before a text is
-tokenized at all it is measured against the longest prompt the model accepts: no token covers more than the
-longest vocabulary entry, so a text longer than ``max_model_len`` such entries cannot fit, whatever it holds.
-The bound is loosened by `NORMALIZATION_SLACK` because a tokenizer's normalizer may shorten text before splitting
-it (NFC composes up to three code points into one).
+tokenized at all it is measured against the longest prompt the model accepts (`diffulex.prompts.max_prompt_chars`),
+here before it is even handed to the pool, and a conversation again once the chat template has rendered it.
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from diffulex.prompts import encode_prompt
+from diffulex.prompts import encode_prompt, max_prompt_chars
 from diffulex.server.protocol import APIError, ChatMessage
 
-NORMALIZATION_SLACK = 4
 TOKENIZER_WORKERS = 2
 
 
@@ -30,9 +27,7 @@ class PromptEncoder:
         self.mask_token_id = mask_token_id
         self.max_model_len = max_model_len
         self.vocab_limit = vocab_limit
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        longest_token = max((len(token) for token in vocab), default=1)
-        self.max_prompt_chars = NORMALIZATION_SLACK * longest_token * max_model_len
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
         self._workers = concurrent.futures.ThreadPoolExecutor(TOKENIZER_WORKERS, thread_name_prefix="diffulex-tokenize")
 
     def close(self) -> None:
@@ -60,8 +55,10 @@ class PromptEncoder:
 
     def _encode(self, prompt: Any, param: str, parse_special_tokens: bool = False) -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
-                                 parse_special_tokens=parse_special_tokens)  # fmt: skip
+            return encode_prompt(
+                self.tokenizer, prompt, mask_token_id=self.mask_token_id, vocab_size=self.vocab_limit,
+                parse_special_tokens=parse_special_tokens, max_model_len=self.max_model_len,
+            )  # fmt: skip
         except ValueError as err:
             raise APIError(400, str(err), param=param) from None
 

@@ -151,6 +151,7 @@ def test_settings_left_at_their_defaults_raise_no_such_warning(sdar_dir: Path) -
         (["ok", None], r"prompts\[1\]=None is invalid"),
         ([[1, 2, "3"]], r"prompts\[0\] is invalid: token ids must all be integers, got '3' \(str\)"),
         ([[1, True]], r"prompts\[0\] is invalid: token ids must all be integers, got True \(bool\)"),
+        ([{"role": "user", "content": "hi"}, "and"], r"prompts\[0\]=.* not dict \(a conversation is one prompt hold"),
     ],
 )
 def test_malformed_generate_calls_name_the_prompt_before_anything_runs(sdar_dir: Path, prompts, pattern) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from diffulex.server.prompts import NORMALIZATION_SLACK, PromptEncoder
+from diffulex.prompts import NORMALIZATION_SLACK
+from diffulex.server.prompts import PromptEncoder
 from diffulex.server.protocol import APIError, ChatMessage
 
 from .conftest import MODEL_NAME, RunningServer
