@@ -70,6 +70,8 @@ DEEPEP_MODES = ("normal", "low_latency", "auto")
 DISTRIBUTED_BACKENDS = ("nccl", "gloo")
 EXECUTOR_BACKENDS = ("mp", "ray")
 PROFILERS = (None, "torch")
+# "<run_id>.json" must fit the 255 bytes most file systems allow a file name.
+PROFILER_RUN_ID_BYTES = 250
 
 
 
@@ -166,12 +168,14 @@ class ProfilerConfig:
     use_cuda: bool = _field(True, "Profile CUDA activity as well as CPU activity.")
     delay_iterations: int = _field(0, "Engine steps to skip before the profiler starts.")
     max_iterations: int = _field(0, "Profiled steps before stopping automatically; 0 = until stopped.")
-    run_id: str | None = _field(None, "Prefix of the exported files; None = a timestamp.")
+    run_id: str | None = _field(
+        None, "Name of the exported files (a plain file name); None = a timestamp and the process id."
+    )
 
     def __post_init__(self) -> None:
         check_choice("profiler_config.profiler", self.profiler, PROFILERS)
         if self.torch_profiler_dir is not None:
-            self.torch_profiler_dir = os.path.abspath(os.fspath(self.torch_profiler_dir))
+            self.torch_profiler_dir = self._check_dir(self.torch_profiler_dir)
         if self.profiler == "torch" and not self.torch_profiler_dir:
             raise ValueError("profiler_config.profiler='torch' requires profiler_config.torch_profiler_dir")
         for name in ("record_shapes", "profile_memory", "with_stack", "with_modules", "use_cuda"):
@@ -179,7 +183,36 @@ class ProfilerConfig:
         check_int("profiler_config.delay_iterations", self.delay_iterations, low=0)
         check_int("profiler_config.max_iterations", self.max_iterations, low=0)
         if self.run_id is not None:
-            check_nonempty_str("profiler_config.run_id", self.run_id)
+            self._check_run_id(self.run_id)
+
+    @staticmethod
+    def _check_dir(value: Any) -> str:
+        """The directory as an absolute path: a non-empty str or os.PathLike without NUL that is not an existing
+        file. The engine creates it when it is built (`diffulex.engine.step_profiler`)."""
+        name = "profiler_config.torch_profiler_dir"
+        path = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if not isinstance(path, str):
+            raise invalid_value(name, value, "must be a path to a directory (a str or os.PathLike of str)")
+        if not path:
+            raise invalid_value(name, value, "must be a non-empty path to a directory")
+        if "\0" in path:
+            raise invalid_value(name, path, "must not contain a NUL character")
+        path = os.path.abspath(path)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise invalid_value(name, path, "is an existing file, not a directory")
+        return path
+
+    @staticmethod
+    def _check_run_id(value: Any) -> None:
+        """A plain file name: the trace is ``torch_profiler_dir/<run_id>.json``, never a path outside it."""
+        name = "profiler_config.run_id"
+        check_nonempty_str(name, value)
+        if "\0" in value:
+            raise invalid_value(name, value, "must not contain a NUL character")
+        if "/" in value or "\\" in value or value in (".", ".."):
+            raise invalid_value(name, value, "must be a plain file name: no '/' or '\\', not '.' or '..'")
+        if len(value.encode("utf-8", "surrogatepass")) > PROFILER_RUN_ID_BYTES:
+            raise invalid_value(name, value, f"must be at most {PROFILER_RUN_ID_BYTES} bytes (a file name's limit)")
 
     @property
     def enabled(self) -> bool:

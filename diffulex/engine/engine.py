@@ -80,6 +80,10 @@ class DiffulexEngine:
         phases cover the whole call); a new one when the engine is built from a config directly."""
         self.config = config
         build = BuildPhases() if build is None else build
+        # first, so that a profiler directory that cannot be created fails the build before the model loads
+        self._profiler = StepProfiler(config.profiler_config) if config.profiler_config.enabled else None
+        if self._profiler is not None:  # an engine never exited still writes its trace (at collection or exit)
+            weakref.finalize(self, self._profiler.close)
         parts = assemble(config, build)
         self.device, self.dtype, self.tokenizer, self.model = parts.device, parts.dtype, parts.tokenizer, parts.model
         self.mask_token_id, self.vocab_limit, self.settings = parts.mask_token_id, parts.vocab_limit, parts.settings
@@ -93,7 +97,6 @@ class DiffulexEngine:
         self._num_launches = 0
         self._in_flight: deque[_InFlightStep] = deque()
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
-        self._profiler = StepProfiler(config.profiler_config) if config.profiler_config.enabled else None
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
         self._closed = False
