@@ -152,10 +152,21 @@ class DataParallelEngine:
         atexit.unregister(gc.unfreeze)  # once per process, however many engines
         atexit.register(gc.unfreeze)  # let interpreter shutdown free them
 
+    def _own_kwargs(self, kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
+        """Replica ``rank``'s engine fields: the shared ones, with a profiler ``run_id`` of its own (the replicas
+        would otherwise write their traces over each other's)."""
+        own = dict(kwargs)
+        profiler = self.config.profiler_config
+        if profiler.enabled and profiler.run_id is not None:
+            own["profiler_config"] = dataclasses.replace(profiler, run_id=f"{profiler.run_id}-replica{rank}")
+        return own
+
     def _start_local(self, model: str, kwargs: dict[str, Any]) -> None:
         context = mp.get_context("spawn")
         for rank, device in enumerate(replica_devices(self.config)):
-            replica = dict(kwargs) if device is None else {**kwargs, "device_ids": [device]}
+            replica = self._own_kwargs(kwargs, rank)
+            if device is not None:
+                replica["device_ids"] = [device]
             parent, child = context.Pipe()
             process = context.Process(target=serve_replica, args=(model, replica, child, self._build_engine),
                                       daemon=True)
@@ -169,7 +180,9 @@ class DataParallelEngine:
         self._placement = placement = RayPlacement(self.config)
         for rank, bundle in enumerate(placement.bundles):
             # Ray makes the bundle's GPUs this actor's only visible devices, numbered from 0.
-            replica = {**kwargs, "device_ids": list(range(int(bundle["GPU"])))} if "GPU" in bundle else dict(kwargs)
+            replica = self._own_kwargs(kwargs, rank)
+            if "GPU" in bundle:
+                replica["device_ids"] = list(range(int(bundle["GPU"])))
             # a replica of several ranks: they meet on its host, maybe beside another replica's
             if max(self.config.tensor_parallel_size, self.config.expert_parallel_size) > 1:
                 replica["master_port"] = replica_master_port(self.config, rank)

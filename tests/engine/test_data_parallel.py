@@ -140,3 +140,10 @@ def test_two_replicas_serve_diffusion_gemma_canvases_as_one_engine(tmp_path):
     with Diffulex(str(model), data_parallel_size=2, **fields) as llm:
         out = llm.generate(prompts, params, use_tqdm=False)
     assert [t.token_ids for t in out] == expected
+
+
+def test_each_replica_writes_its_profiler_trace_under_a_run_id_of_its_own(ckpt, tmp_path):
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "run_id": "serve", "use_cuda": False}
+    with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, profiler_config=profiler) as llm:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["serve-replica0.json", "serve-replica1.json"]
