@@ -37,8 +37,8 @@ def checkpoint_path(folder: str | Path, name: str) -> Path:
     `folder` (see `allowed_roots`). The path is returned as named (not resolved), so messages show the user's names.
 
     Raises ``ValueError`` naming the file and why: an absolute path, a path that climbs out with ``..``, or a
-    symbolic link (of the file or of a folder on its way) to a place outside. Whether the file exists is left to
-    the caller.
+    symbolic link (of the file or of a folder on its way) to a place outside, or links that loop. Whether the file
+    exists is left to the caller.
     """
     folder = Path(folder)
     if not isinstance(name, str) or not name:
@@ -50,7 +50,10 @@ def checkpoint_path(folder: str | Path, name: str) -> Path:
     lexical = Path(os.path.normpath(roots[0] / name))
     if not lexical.is_relative_to(roots[0]):
         raise ValueError(f"{path}: the name {name!r} leads outside the checkpoint folder {folder}")
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (RuntimeError, OSError) as err:  # a loop of links: RuntimeError up to Python 3.12, OSError after
+        raise ValueError(f"{path}: its symbolic links cannot be followed ({err}); a link must lead to a file") from None
     if not any(target.is_relative_to(root) for root in roots):
         raise ValueError(
             f"{path}: is a symbolic link (or lies under one) to {target}, outside the checkpoint folder {folder}; "

@@ -20,6 +20,9 @@ from dataclasses import MISSING, Field
 from pathlib import Path
 from typing import Any
 
+from diffulex.validation import invalid_value, reject_unknown_keys, shown_value
+from diffulex.yaml_file import read_yaml_file
+
 # Modules that contribute subcommands: each has ``add_parser(subparsers)`` that registers its own and sets ``func``.
 _SUBCOMMAND_MODULES = (("diffulex.server.cli", "serve", "serve"), ("diffulex.bench.cli", "bench", "bench"))
 
@@ -50,19 +53,42 @@ class CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self._parsing_intermixed = False
+        self._after_separator: list[str] | None = None  # the strings after ``--``, while they wait to be parsed
 
     def add_subparsers(self, **kwargs: Any) -> argparse._SubParsersAction:
         kwargs.setdefault("parser_class", CommandParser)
         return super().add_subparsers(**kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
-        if self._subparsers is not None or self._parsing_intermixed:
+        if self._subparsers is not None:
             return super().parse_known_args(args, namespace)
+        if self._parsing_intermixed:
+            if self._after_separator is not None and not self._positionals_switched_off():
+                # argparse's second intermixed pass, which reads the positionals: the strings after ``--`` join
+                # them here, behind a ``--`` of their own, so that none is taken for an option.
+                args, self._after_separator = [*args, "--", *self._after_separator], None
+            return super().parse_known_args(args, namespace)
+        args = list(sys.argv[1:] if args is None else args)
+        # ``--`` ends the options: what follows is positional even if it starts with "-" (``generate -- --hi``).
+        # argparse's intermixed parsing would drop the ``--`` in its first pass (the options) and then read
+        # "--hi" as an unknown option, so the strings after it are kept out of that pass.
+        if "--" in args:
+            cut = args.index("--")
+            args, self._after_separator = args[:cut], args[cut + 1 :]
         self._parsing_intermixed = True
         try:
-            return self.parse_known_intermixed_args(args, namespace)
+            parsed = self.parse_known_intermixed_args(args, namespace)
+            tail, self._after_separator = self._after_separator, None
+            if tail is not None:  # an argparse whose intermixed parsing did not come back here for the positionals
+                parsed = self.parse_known_intermixed_args([*args, "--", *tail], namespace)
+            return parsed
         finally:
             self._parsing_intermixed = False
+            self._after_separator = None
+
+    def _positionals_switched_off(self) -> bool:
+        """In argparse's first intermixed pass (the options), the positionals have ``nargs=SUPPRESS``."""
+        return any(action.nargs == argparse.SUPPRESS for action in self._get_positional_actions())
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
@@ -101,24 +127,51 @@ def field_default(f: Field) -> Any:
 
 
 def _base_type(annotation: Any) -> Any:
-    """``int | None`` -> int; ``list[int]`` -> list; other annotations unchanged."""
+    """``int | None`` -> int; ``list[int]`` -> list; a union that takes a dict (``DecodingThresholds | dict | None``)
+    -> dict, one that takes a list -> list; other annotations unchanged."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _base_type(args[0]) if len(args) == 1 else str
+        bases = [_base_type(a) for a in typing.get_args(annotation) if a is not type(None)]
+        if len(bases) == 1:
+            return bases[0]
+        return next((kind for kind in (dict, list) if kind in bases), str)
     return origin or annotation
 
 
-def _parse_value(kind: Any, text: str) -> Any:
-    if text.lower() in ("none", "null"):
-        return None
-    if kind is int:
-        return int(text)
-    if kind is float:
-        return float(text)
-    if kind in (dict, list):
-        return json.loads(text)
-    return text
+# What a flag's value must look like, by the field's type (argparse shows it after the flag's name).
+_EXPECTED = {
+    int: "an integer",
+    float: "a number",
+    dict: 'a JSON object, e.g. \'{"key": 1}\'',
+    list: "a JSON list, e.g. '[0, 1]'",
+}
+
+
+class FieldValue:
+    """The ``type`` of an engine field's flag: the text as the field's type (``none``/``null`` = unset; JSON for a
+    dict or list field). A value that is not one is refused while the arguments are parsed, with a message that
+    says what the flag takes: ``argument --max-model-len: expected an integer, got 'abc'``."""
+
+    def __init__(self, kind: Any) -> None:
+        self.kind = kind
+        self.__name__ = getattr(kind, "__name__", "value")  # what argparse names in any message of its own
+
+    def __call__(self, text: str) -> Any:
+        if text.strip().lower() in ("none", "null"):
+            return None
+        kind = self.kind
+        if kind not in _EXPECTED:
+            return text
+        detail = ""
+        try:
+            value = json.loads(text) if kind in (dict, list) else kind(text)
+        except RecursionError:
+            value, detail = None, " (nested too deeply)"
+        except ValueError as err:  # json.JSONDecodeError is one
+            value, detail = None, f" ({err})" if kind in (dict, list) else ""
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"expected {_EXPECTED[kind]}, got {shown_value(text)}{detail}")
+        return value
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -135,10 +188,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices = field_choices(f)
         if choices:
             help_text += f" (one of: {', '.join(map(str, choices))})"
+        kind = _base_type(hints.get(f.name, str))
+        if kind in (dict, list) and f.name != "plugins":
+            help_text += f" On the command line: {_EXPECTED[kind]}."
         default = field_default(f)
         if default is not None and "default" not in help_text.lower():
             help_text += f" (default: {default})".replace("%", "%%")
-        kind = _base_type(hints.get(f.name, str))
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.name == "plugins":  # one module per flag, as many flags as modules
@@ -150,9 +205,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag,
                 dest=f.name,
-                type=lambda s, k=kind: _parse_value(k, s),
+                type=FieldValue(kind),
                 default=None,
-                metavar=f.name.upper(),
+                metavar="JSON" if kind in (dict, list) else f.name.upper(),
                 help=help_text,
             )
 
@@ -164,30 +219,67 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
-def load_yaml_engine_fields(path: str) -> dict[str, Any]:
-    """Engine fields from a YAML file: either an ``engine:`` section (benchmark layout) or a flat mapping."""
-    import yaml
+# Old names a YAML file may give a field by (as the Python API and the benchmark files accept them). A file that
+# gives both names must give them one value, as ``Config.from_kwargs`` requires of keyword arguments.
+YAML_FIELD_ALIASES = {"model_path": "model", "num_kvcache_blocks": "num_pages"}
 
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"config={path!r} could not be read: {err}") from None
+
+def load_yaml_engine_fields(path: str) -> dict[str, Any]:
+    """Engine fields from a YAML file: either an ``engine:`` section (benchmark layout) or a flat mapping.
+
+    ``model_path`` is read as ``model`` and ``num_kvcache_blocks`` as ``num_pages`` (`YAML_FIELD_ALIASES`); a file
+    that gives both names of one field different values, a key twice or a key that is no engine field is refused.
+    """
+    from diffulex.config import engine_fields
+
+    data = read_yaml_file(path)
+    if data is None:  # an empty file
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"config={path!r} is invalid: must be a mapping of engine fields")
     fields = data.get("engine", data)
     if not isinstance(fields, dict):
         raise ValueError(f"config={path!r}: 'engine' must be a mapping of engine fields")
+    not_names = [key for key in fields if not isinstance(key, str)]
+    if not_names:
+        raise ValueError(
+            f"config={path!r}: the key {shown_value(not_names[0])} is invalid: engine keys are field names (strings)"
+        )
     fields = dict(fields)
-    if "model_path" in fields:
-        fields["model"] = fields.pop("model_path")
-    if "num_kvcache_blocks" in fields:
-        fields["num_pages"] = fields.pop("num_kvcache_blocks")
-    from diffulex.config import engine_fields
-    from diffulex.validation import reject_unknown_keys
-
+    for old, new in YAML_FIELD_ALIASES.items():
+        if old not in fields:
+            continue
+        value = fields.pop(old)
+        if new in fields and fields[new] != value:
+            raise ValueError(
+                f"config={path!r}: {old}={shown_value(value)} conflicts with {new}={shown_value(fields[new])}: "
+                f"{old} is another name of {new}, give only one"
+            )
+        fields[new] = value
+    model = fields.get("model")
+    if "model" in fields and (not isinstance(model, str) or not model):
+        raise invalid_value(f"config={path!r}: model", model, "must be the path of a checkpoint folder")
     # A misspelled key in a file is an error, not a setting silently ignored.
     reject_unknown_keys(f"config {path!r} engine", fields, sorted(f.name for f in engine_fields()))
     return fields
+
+
+def model_and_fields(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint folder and the engine fields a command line gives: ``--config`` (the YAML's fields), then the
+    engine flags over them; ``--model`` over the YAML's ``model``. The folder is None when neither names one (the
+    caller then takes the built-in model). An empty ``--model`` or ``--config`` (an unset shell variable) is refused,
+    not read as "none given"."""
+    config = getattr(args, "config", None)
+    fields: dict[str, Any] = load_yaml_engine_fields(config) if config is not None else {}
+    fields.update(engine_overrides(args))
+    from_file = fields.pop("model", None)
+    if args.model is None:
+        return from_file, fields
+    if not args.model:
+        raise invalid_value(
+            "--model", args.model, "must be the path of a checkpoint folder (leave the flag out for the built-in model)"
+        )
+    return args.model, fields
 
 
 def default_model_dir() -> Path:
@@ -205,10 +297,7 @@ def _build_engine(args: argparse.Namespace) -> Any:
     """The engine the command line describes: ``--model`` (else the YAML's, else the built-in model) and fields."""
     from diffulex import Diffulex
 
-    fields: dict[str, Any] = load_yaml_engine_fields(args.config) if args.config else {}
-    fields.update(engine_overrides(args))
-    model = args.model or fields.pop("model", None)
-    fields.pop("model", None)
+    model, fields = model_and_fields(args)
     if model is None:
         model = str(default_model_dir())
         print(f"no --model given: using the built-in model at {model}", file=sys.stderr)
@@ -350,15 +439,26 @@ def report_warnings_once() -> None:
     warnings.filterwarnings("ignore", module="diffulex")
 
 
+# What a command reports as one line, ``error: ...``, with exit code 2: a rejected setting or input (ValueError), a
+# feature a checkpoint asks for that is not implemented (NotImplementedError), a file that cannot be used (OSError).
+# Anything else is a bug, and its traceback is what helps.
+USER_ERRORS = (ValueError, NotImplementedError, OSError)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; its `USER_ERRORS` become one ``error: ...`` line and exit code 2."""
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     report_warnings_once()
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,9 @@ class EngineDeadError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine was shut down with `exit()`."""
+
+
+class UnsupportedError(ValueError, NotImplementedError):
+    """The input asks for something this version does not implement (a checkpoint's scaled RoPE, ...). It is a
+    ``ValueError`` like every rejected setting, so that the front ends report it in one line naming the field, and a
+    ``NotImplementedError`` for callers that catch that."""

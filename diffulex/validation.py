@@ -133,7 +133,7 @@ def force_setting(config: Any, name: str, value: Any, reason: str) -> None:
 
 def reject_unknown_keys(name: str, values: Mapping[str, Any], allowed: Sequence[str]) -> None:
     """A misspelled key in a YAML/HTTP dict is an error, not a silently ignored setting."""
-    unknown = sorted(set(values) - set(allowed))
+    unknown = sorted(set(values) - set(allowed), key=repr)  # keys of any type: a YAML mapping may mix them
     if unknown:
         accepted = f"allowed keys: {', '.join(allowed)}" if allowed else "it takes no keys"
         raise ValueError(f"{name} has unknown keys {', '.join(map(repr, unknown))}; {accepted}")

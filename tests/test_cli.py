@@ -216,3 +216,230 @@ def test_generate_asks_a_chat_model_through_its_template_unless_raw(sdar_dir, ca
     assert main(["generate", "--model", str(sdar_dir), *BASE, *flags, "hello"]) == 0
     im_start = 377  # the tiny SDAR tokenizer's <|im_start|>
     assert (seen[0][0] == im_start) is templated
+
+
+# --- dict and list engine fields take JSON on the command line, as in Python, YAML and HTTP ----------------------
+
+
+def _json_fields() -> list[tuple[str, str, object]]:
+    """(flag, JSON text, value) for every engine field whose type is a dict or a list (plugins has --plugin)."""
+    import typing
+
+    from diffulex.cli import _base_type
+    from diffulex.config import Config, engine_fields
+
+    hints = typing.get_type_hints(Config)
+    samples = {dict: ('{"a": 1}', {"a": 1}), list: ("[0, 1]", [0, 1])}
+    return [
+        ("--" + f.name.replace("_", "-"), *samples[_base_type(hints[f.name])])
+        for f in engine_fields()
+        if _base_type(hints[f.name]) in samples and f.name != "plugins"
+    ]
+
+
+def test_every_dict_and_list_engine_field_is_read_from_json_on_the_command_line():
+    from diffulex.cli import build_parser, engine_overrides
+
+    cases = _json_fields()
+    flags = [flag for flag, _, _ in cases]
+    assert {"--decoding-thresholds", "--profiler-config", "--strategy-options", "--device-ids"} <= set(flags)
+    args = build_parser().parse_args(["generate", *[x for flag, text, _ in cases for x in (flag, text)]])
+    overrides = engine_overrides(args)
+    assert {flag: overrides[flag[2:].replace("-", "_")] for flag in flags} == {f: v for f, _, v in cases}
+
+
+def test_decoding_thresholds_and_profiler_config_flags_configure_the_engine(sdar_dir, capsys, seen_configs):
+    argv = ["generate", "--model", str(sdar_dir), *BASE, "--decoding-thresholds", '{"accept_threshold": 0.5}',
+            "--profiler-config", '{"record_shapes": true}', "hello"]
+    assert main(argv) == 0
+    assert seen_configs[0].decoding_thresholds.accept_threshold == 0.5
+    assert seen_configs[0].profiler_config.record_shapes is True
+
+
+@pytest.mark.parametrize("text", ["{accept_threshold: 0.5}", "[0.5]", "0.5"])
+def test_a_dict_flag_given_anything_but_a_json_object_is_refused_naming_the_flag(text, capsys):
+    assert run_cli(["generate", "--decoding-thresholds", text, "hello"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[1].startswith(
+        "diffulex generate: error: argument --decoding-thresholds: expected a JSON object, e.g. '{\"key\": 1}', "
+        f"got {text!r}"
+    )
+
+
+def test_a_list_flag_given_a_json_object_is_refused_saying_a_list_is_expected(capsys):
+    assert run_cli(["generate", "--device-ids", '{"a": 1}', "hello"]) == 2
+    assert "argument --device-ids: expected a JSON list, e.g. '[0, 1]', got '{\"a\": 1}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("--max-model-len", "an integer"), ("--gpu-memory-utilization",
+                                                                                     "a number")])
+def test_a_number_flag_given_text_says_what_it_expects(flag, expected, capsys):
+    assert run_cli(["generate", flag, "abc", "hello"]) == 2
+    assert capsys.readouterr().err.splitlines()[1] == (
+        f"diffulex generate: error: argument {flag}: expected {expected}, got 'abc'"
+    )
+
+
+# --- a bad file or checkpoint is one line naming it, never a traceback ---------------------------------------
+
+
+def last_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_yaml_nested_too_deeply_is_an_error_naming_the_file(sdar_dir, tmp_path, capsys):
+    config = write_yaml(tmp_path, "[" * 100_000)
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r} could not be read: its lists or mappings are nested too deeply for the YAML parser"
+    )
+
+
+def test_a_yaml_that_is_not_utf8_is_an_error_naming_the_file(sdar_dir, tmp_path, capsys):
+    config = tmp_path / "latin1.yml"
+    config.write_bytes(b"block_size: 4\n# caf\xe9\n")
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", str(config), "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={str(config)!r} could not be read: it is not UTF-8 text (byte 0xe9 at offset 19)"
+    )
+
+
+def copy_checkpoint(sdar_dir, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(sdar_dir, tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_with_scaled_rope_is_a_one_line_unsupported_error_naming_the_field(sdar_dir, tmp_path, capsys):
+    ckpt = copy_checkpoint(sdar_dir, tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert run_cli(["generate", "--model", str(ckpt), *BASE, "hello"]) == 2
+    line = last_error_line(capsys)
+    assert line.startswith("error: config field rope_scaling={'type': 'yarn', 'factor': 4.0} is unsupported: ")
+    assert "rope type 'yarn' is not implemented" in line and "'default'" in line
+
+
+def test_a_config_json_that_links_to_itself_is_a_one_line_error_naming_it(sdar_dir, tmp_path, capsys):
+    ckpt = copy_checkpoint(sdar_dir, tmp_path)
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").symlink_to("config.json")
+    assert run_cli(["generate", "--model", str(ckpt), *BASE, "hello"]) == 2
+    line = last_error_line(capsys)
+    assert line.startswith(f"error: {ckpt / 'config.json'}: its symbolic links cannot be followed")
+
+
+# --- YAML: two names of one field, or one key twice, are refused --------------------------------------------
+
+
+def test_yaml_with_num_kvcache_blocks_and_a_different_num_pages_is_refused(sdar_dir, tmp_path, capsys, seen_configs):
+    config = write_yaml(tmp_path, "num_pages: 64\nnum_kvcache_blocks: 32\n")
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r}: num_kvcache_blocks=32 conflicts with num_pages=64: num_kvcache_blocks is "
+        "another name of num_pages, give only one"
+    )
+    assert seen_configs == []
+
+
+def test_yaml_with_model_and_a_different_model_path_is_refused(sdar_dir, tmp_path, capsys, seen_configs):
+    config = write_yaml(tmp_path, f"model: {sdar_dir}\nmodel_path: {tmp_path}\n")
+    assert run_cli(["generate", "--config", config, *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r}: model_path={str(tmp_path)!r} conflicts with model={str(sdar_dir)!r}: "
+        "model_path is another name of model, give only one"
+    )
+    assert seen_configs == []
+
+
+def test_yaml_giving_both_names_of_a_field_one_value_is_accepted_as_in_python(tmp_path):
+    from diffulex.cli import load_yaml_engine_fields
+
+    config = write_yaml(tmp_path, "model: /ckpt\nmodel_path: /ckpt\nnum_pages: 64\nnum_kvcache_blocks: 64\n")
+    assert load_yaml_engine_fields(config) == {"model": "/ckpt", "num_pages": 64}
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [("block_size: 4\nbuffer_size: 2\nblock_size: 8\n", "'block_size'", "1 and 3"),
+     ("engine:\n  buffer_size: 2\n  buffer_size: 2\n", "'buffer_size'", "2 and 3"),
+     ("decoding_thresholds: {accept_threshold: 0.5, accept_threshold: 0.7}\n", "'accept_threshold'", "1 and 1")],
+)
+def test_yaml_giving_a_key_twice_is_refused_naming_the_key_and_the_file(sdar_dir, tmp_path, capsys, text, key, lines):
+    config = write_yaml(tmp_path, text)
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r} is invalid: the key {key} is given twice (lines {lines}); give each key once"
+    )
+
+
+def test_yaml_merge_keys_may_be_overridden_by_the_mapping_that_merges_them(tmp_path):
+    from diffulex.cli import load_yaml_engine_fields
+
+    text = "base: &base {block_size: 4, buffer_size: 3}\nengine:\n  <<: *base\n  block_size: 8\n"
+    config = write_yaml(tmp_path, text)
+    assert load_yaml_engine_fields(config) == {"block_size": 8, "buffer_size": 3}
+
+
+def test_a_yaml_key_that_is_not_a_field_name_string_is_refused_naming_it(sdar_dir, tmp_path, capsys):
+    config = write_yaml(tmp_path, "engine:\n  1: 2\n  buffer_size: 2\n")
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r}: the key 1 is invalid: engine keys are field names (strings)"
+    )
+
+
+# --- an empty --model is refused; prompts after -- may start with a dash ---------------------------------------
+
+
+def test_an_empty_model_flag_is_refused_instead_of_running_the_built_in_model(capsys, seen_configs):
+    assert run_cli(["generate", "--model", "", *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        "error: --model='' is invalid: must be the path of a checkpoint folder (leave the flag out for the built-in "
+        "model)"
+    )
+    assert seen_configs == []
+
+
+def test_an_empty_model_in_the_yaml_is_refused(tmp_path, capsys, seen_configs):
+    config = write_yaml(tmp_path, "model: ''\n")
+    assert run_cli(["generate", "--config", config, *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r}: model='' is invalid: must be the path of a checkpoint folder"
+    )
+    assert seen_configs == []
+
+
+def test_an_empty_config_flag_is_refused_instead_of_ignored(sdar_dir, capsys, seen_configs):
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", "", *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == "error: config='' is invalid: must be the path of a YAML file"
+    assert seen_configs == []
+
+
+def test_serve_refuses_an_empty_model_flag_before_loading_anything(capsys, seen_configs):
+    pytest.importorskip("uvicorn")
+    assert run_cli(["serve", "--model", ""]) == 2
+    assert last_error_line(capsys).startswith("error: --model='' is invalid: must be the path of a checkpoint folder")
+    assert seen_configs == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "prompts"),
+    [(["--", "--hi"], ["--hi"]),
+     (["a", "--json", "--", "-b", "--quiet"], ["a", "-b", "--quiet"]),
+     (["--", "a", "--", "--b"], ["a", "--", "--b"])],  # only the first -- separates
+)
+def test_everything_after_double_dash_is_a_prompt(argv, prompts):
+    from diffulex.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "m", *argv])
+    assert args.prompts == prompts and args.model == "m"
+
+
+def test_generate_takes_a_prompt_that_starts_with_dashes_after_double_dash(sdar_dir, capsys):
+    assert main(["generate", "--model", str(sdar_dir), *BASE, "--", "--hi"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert row["prompt"] == "--hi" and row["error"] is None

@@ -893,3 +893,8 @@ def test_a_huge_rejected_value_is_shown_by_its_start_and_length(tmp_path):
 def test_options_given_to_a_strategy_without_options_say_it_takes_none(tmp_path):
     with pytest.raises(ValueError, match=r"has unknown keys 'depth'; it takes no keys$"):
         make(tmp_path, decoding_strategy="multi_bd", strategy_options={"depth": 2})
+
+
+def test_unknown_keys_of_mixed_types_are_named_not_a_type_error(tmp_path):
+    with pytest.raises(ValueError, match=r"has unknown keys 'foo', 1"):
+        make(tmp_path, decoding_thresholds={1: 0.5, "foo": 1})

@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "diffulex.plugins": 0,
     "diffulex.checkpoint_folder": 0,
     "diffulex.sampling_params": 0,
+    "diffulex.yaml_file": 0,
     "diffulex.kernels": 1,
     "diffulex.attention.metadata": 1,  # the step layout the kernels read: a data description, no attention code
     "diffulex.layers": 2,

@@ -401,18 +401,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m diffulex.bench.cli ...`` (the same as ``diffulex bench ...``)."""
-    from diffulex.cli import CommandParser, report_warnings_once
+    from diffulex.cli import CommandParser, report_warnings_once, run_command
 
     report_warnings_once()
     parser = CommandParser(prog="diffulex")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return args.func(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from diffulex.config import Config, engine_fields
 from diffulex.sampling_params import MIN_REPETITION_RUN
 from diffulex.strategy.strategy import STRATEGIES
 from diffulex.validation import check_bool, check_int, check_number, invalid_value
+from diffulex.yaml_file import read_yaml_file
 
 logger = logging.getLogger(__name__)
 
@@ -342,15 +343,6 @@ def build_config(
     return cfg
 
 
-def read_yaml(path: str | Path) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"config={str(path)!r} could not be read: {err}") from None
-
-
 def merge_overrides(
     sections: Mapping[str, Mapping[str, Any]],
     engine: Mapping[str, Any] | None = None,
@@ -382,7 +374,7 @@ def load_bench_config(
 ) -> BenchConfig:
     """Read a YAML file (or start empty), apply overrides, validate."""
     source = str(path) if path is not None else None
-    data = read_yaml(path) if path is not None else {}
+    data = read_yaml_file(str(path)) if path is not None else {}
     try:
         sections = merge_overrides(parse_sections(data), engine_overrides, eval_overrides)
         return build_config(sections, source=source, check_model=check_model)

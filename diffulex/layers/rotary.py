@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffulex.errors import UnsupportedError
 from diffulex.layers.dispatch import use_fused_kernels
 from diffulex.layers.norm import RMSNorm
+from diffulex.validation import shown_value
 
 # What `RotaryEmbedding` hands every layer: ``(cos, sin)``, each ``[T, rotary_dim / 2]`` (``rotary_dim`` is
 # ``head_dim`` but for partial rotary).
@@ -22,15 +24,18 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
-    """Only plain RoPE is implemented; refuse scaled variants loudly rather than produce wrong positions."""
+    """Only plain RoPE is implemented; refuse scaled variants loudly (`UnsupportedError`, naming the config field,
+    its value and what is allowed) rather than produce wrong positions."""
     if rope_scaling is None:
         return
+    allowed = "allowed: null, or a rope_type (or type) of 'default' (plain RoPE, the only one implemented)"
     if not isinstance(rope_scaling, dict):
-        raise NotImplementedError(f"rope_scaling={rope_scaling!r} is not supported (only the default rope)")
+        raise UnsupportedError(f"config field rope_scaling={shown_value(rope_scaling)} is unsupported; {allowed}")
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type != "default":
-        raise NotImplementedError(
-            f"rope_scaling type {rope_type!r} is not supported; only the default rope is implemented"
+        raise UnsupportedError(
+            f"config field rope_scaling={shown_value(rope_scaling)} is unsupported: rope type "
+            f"{shown_value(rope_type)} is not implemented; {allowed}"
         )
 
 

@@ -8,15 +8,10 @@ from diffulex.server.cli import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffulex.cli import report_warnings_once
+    from diffulex.cli import report_warnings_once, run_command
 
     report_warnings_once()
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

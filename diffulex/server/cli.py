@@ -98,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"diffulex serve needs the serving extras ({err.name} is missing): "
                          "pip install 'diffulex[serve]'") from None
 
-    from diffulex.cli import default_model_dir, engine_overrides, load_yaml_engine_fields
+    from diffulex.cli import default_model_dir, model_and_fields
     from diffulex.server.app import create_app
     from diffulex.server.engine_loop import EngineLoop
     from diffulex.server.engine_placement import build_served_engine
@@ -109,10 +109,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("diffulex").setLevel(level)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    fields: dict[str, Any] = load_yaml_engine_fields(args.config) if args.config else {}
-    fields.update(engine_overrides(args))
-    model = args.model or fields.pop("model", None)
-    fields.pop("model", None)
+    model, fields = model_and_fields(args)
     if model is None:
         model = str(default_model_dir())
         print(f"no --model given: serving the built-in model at {model} (the model the project "
