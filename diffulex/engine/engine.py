@@ -407,7 +407,7 @@ class DiffulexEngine:
             if req.is_finished:
                 continue
             filled = self.scheduler.finish_step(req, writes[req.req_id])
-            if not req.is_finished and req.sampling_params.stop:
+            if req.sampling_params.stop:
                 self._check_stop_strings(req)
             applied.requests.append((req, view, filled))
         self._num_steps += 1
@@ -432,9 +432,22 @@ class DiffulexEngine:
         return updates
 
     def _check_stop_strings(self, req: Request) -> None:
-        """Finish a request whose decoded answer contains one of its stop strings."""
-        text = self.tokenizer.decode(req.answer_token_ids(), skip_special_tokens=True)
-        if any(stop in text for stop in req.sampling_params.stop):
+        """Finish a running request whose settled answer (`Request.settled_answer_end`: in edit mode a decoded
+        token may still be rewritten) contains one of its stop strings. A request this step finished otherwise (its
+        end token, its length) is checked too, its whole answer final now: the tokens of its last step may hold a
+        stop string, which then is its reason, and its answer is cut there (`_answer`)."""
+        if req.is_finished:
+            if req.completion_reason in (CompletionReason.ABORTED, CompletionReason.ERROR):
+                return
+            ids = req.answer_token_ids()
+        else:
+            ids = req.token_ids[req.prompt_len : req.settled_answer_end]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not any(stop in text for stop in req.sampling_params.stop):
+            return
+        if req.is_finished:
+            req.completion_reason = CompletionReason.STOP_STRING
+        else:
             self.scheduler.finish(req, CompletionReason.STOP_STRING)
 
     def _answer(self, req: Request) -> tuple[list[int], str]:

@@ -244,6 +244,12 @@ class Request:
         return self.token_ids[self.prompt_len : self.answer_end]
 
     @property
+    def settled_answer_end(self) -> int:
+        """End of the answer's tokens that no later step can change: what a stop string may be matched in while the
+        request runs. Here every decoded token is final; a strategy whose steps rewrite decoded tokens says less."""
+        return self.answer_end
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

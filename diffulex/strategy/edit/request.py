@@ -50,6 +50,11 @@ class EditRequest(Request):
     soft: dict[int, SoftInput] = field(init=False, default_factory=dict)
     next_soft: dict[int, SoftInput] | None = field(init=False, default=None)
 
+    @property
+    def settled_answer_end(self) -> int:
+        """Only committed blocks are final: an active block's decoded tokens may still be edited."""
+        return min(self.answer_end, max(self.prompt_len, self.committed_len))
+
     def _max_nfe(self) -> int:
         """The request's own ``max_nfe`` where it set one (a cap the user asked for); otherwise the naive bound plus
         every block's post-edit steps."""
