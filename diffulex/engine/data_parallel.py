@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import itertools
 import multiprocessing as mp
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class DataParallelEngine:
         self._step_totals: deque[StepTotals] = deque(maxlen=MAX_KEPT_STEP_TOTALS)
         self._num_steps = 0
         self._closed = False
+        self._generate_lock = threading.Lock()
         # What this process holds by now (torch, the tokenizer, ...) lives as long as the replicas: out of the
         # collector's reach, as `DiffulexEngine` puts its build, or every full collection rescans it. In the HTTP
         # server's process those were pauses of up to 180 ms at 128 streams (about 1 ms per engine step), during
@@ -378,10 +380,11 @@ class DataParallelEngine:
         """`DiffulexEngine.generate` over the replicas: each prompt runs on the replica with the fewest requests
         when it is queued; the trajectories come back in prompt order."""
         self._check_open()
-        return generate_offline(
-            self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
-            parse_special_tokens=parse_special_tokens,
-        )  # fmt: skip
+        with self._generate_lock:  # one call at a time: each steps the engine for its own prompts
+            return generate_offline(
+                self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
+                parse_special_tokens=parse_special_tokens,
+            )  # fmt: skip
 
     # ----- lifetime --------------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -100,6 +101,7 @@ class DiffulexEngine:
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
         self._closed = False
+        self._generate_lock = threading.Lock()
         self._dead: str | None = None  # why the device stopped working, once it has
         self._launching: list[Request] = []  # the batch whose launch is under way (for a failure inside it)
         self._applying: _InFlightStep | None = None  # the step whose result is being applied (likewise)
@@ -495,10 +497,11 @@ class DiffulexEngine:
         template is applied to text unless ``apply_chat_template=False``; special-token text is plain text unless
         ``parse_special_tokens`` (`diffulex.prompts`)."""
         self._check_open()
-        return generate_offline(
-            self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
-            parse_special_tokens=parse_special_tokens,
-        )  # fmt: skip
+        with self._generate_lock:  # one call at a time: each steps the engine for its own prompts
+            return generate_offline(
+                self, prompts, sampling_params, use_tqdm, apply_chat_template=apply_chat_template,
+                parse_special_tokens=parse_special_tokens,
+            )  # fmt: skip
 
     @property
     def num_steps(self) -> int:

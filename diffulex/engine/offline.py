@@ -3,7 +3,12 @@
 `generate_offline` queues every prompt (a rejected one gets a trajectory with ``error`` set, the others run), then
 steps until each has finished, with a progress bar, and returns the trajectories in prompt order. The engine
 needs ``tokenizer``, ``mask_token_id``, ``vocab_limit``, ``add_request(ids, params)``, ``abort_request(req_id)``,
-``step()`` and ``num_steps``. An error other than a rejected prompt (or an interrupt) aborts what the call queued.
+``step()``, ``is_finished()`` and ``num_steps``. An error other than a rejected prompt (or an interrupt) aborts what
+the call queued.
+
+A call steps the engine until its own prompts finish and keeps only their updates, so it needs the engine to itself:
+it refuses to start while requests queued through ``add_request`` are unfinished (their results would be consumed
+and lost), and the engines let one call run at a time (a second thread's call waits for the first).
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ def generate_offline(
     check_bool("apply_chat_template", apply_chat_template)
     check_bool("parse_special_tokens", parse_special_tokens)  # "false" would let special-token text act as tokens
     prompts, params = generation_inputs(prompts, sampling_params)
+    if not engine.is_finished():
+        raise RuntimeError(
+            "generate() steps the engine until its own prompts finish and would consume the results of the requests "
+            "already queued with add_request(): step() them to completion or abort_request() them first"
+        )
     t0 = time.perf_counter()
     results: list[Trajectory | None] = [None] * len(prompts)
     index_of: dict[int, int] = {}
