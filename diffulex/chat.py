@@ -3,7 +3,8 @@
 The whole conversation is the prompt of every turn (rendered with the model's chat template, see
 `diffulex.prompts`), so the model sees what was said before. One line of input is one user message; ``/exit``,
 ``/quit`` or end of input (Ctrl-D) ends the session, ``/reset`` forgets the conversation, Ctrl-C stops the answer
-being written. On a terminal the blocks being refined are drawn live (`diffulex.terminal_view`); otherwise each
+being written. A turn the conversation has outgrown (``max_model_len``) is refused and not kept, with a hint to
+``/reset``. On a terminal the blocks being refined are drawn live (`diffulex.terminal_view`); otherwise each
 answer is written as plain text on its own line, so the session can be driven through a pipe.
 """
 
@@ -41,6 +42,23 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reset_would_help(self, text: str) -> bool:
+        """Whether ``text`` would fit as the first turn (after the system message) though the conversation has
+        turns: then a turn refused as too long is the conversation's length, and ``/reset`` lets it through."""
+        fresh = [{"role": "system", "content": self.system}] if self.system else []
+        if len(self.history) <= len(fresh):
+            return False
+        engine = self.engine
+        try:
+            ids = encode_prompt(
+                engine.tokenizer, [*fresh, {"role": "user", "content": text}], mask_token_id=engine.mask_token_id,
+                vocab_size=engine.vocab_limit, parse_special_tokens=self.parse_special_tokens,
+                max_model_len=engine.config.max_model_len,
+            )
+        except ValueError:
+            return False
+        return len(ids) < engine.config.max_model_len
 
     def ask(self, text: str, out: TextIO, live: bool) -> Trajectory:
         """One turn: the answer to ``text`` given the history, written to ``out`` as it is denoised. The turn is
@@ -116,7 +134,11 @@ def run_chat(session: ChatSession, inp: TextIO, out: TextIO, err: TextIO) -> int
         except ValueError as error:  # a refused prompt (too long for the model, say): the session goes on
             if terminal:
                 out.write("\n")
-            err.write(f"error: {error}\n")
+            message = str(error)
+            if "max_model_len" in message and session.reset_would_help(text):
+                message += (f"; the conversation so far no longer fits: type {RESET_COMMAND} to start over "
+                            "(this message was not added to it)")
+            err.write(f"error: {message}\n")
             continue
         if terminal:
             err.write(f"{DIM}[{trajectory.num_generated_tokens} tokens, {trajectory.nfe} forwards, "

@@ -25,3 +25,8 @@ class UnsupportedError(ValueError, NotImplementedError):
     """The input asks for something this version does not implement (a checkpoint's scaled RoPE, ...). It is a
     ``ValueError`` like every rejected setting, so that the front ends report it in one line naming the field, and a
     ``NotImplementedError`` for callers that catch that."""
+
+
+class RegistrationError(ValueError):
+    """A registration refused by a name table (`diffulex.registry.Registry`): a name or alias already taken, or
+    not a name at all. Raised while a plugin is loaded, it is reported with the plugin's module."""

@@ -20,6 +20,8 @@ import logging
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 
+from diffulex.errors import RegistrationError
+
 logger = logging.getLogger("diffulex")
 
 ENTRY_POINT_GROUP = "diffulex.plugins"
@@ -28,10 +30,15 @@ _installed_loaded = False  # entry points are loaded once per process
 
 
 def import_plugins(modules: Iterable[str]) -> None:
-    """Import each named module (its registrations run on import); a module that fails names itself."""
+    """Import each named module (its registrations run on import); a module that fails names itself.
+
+    The package's own strategies and families are registered before a plugin's, so a plugin that takes one of
+    their names or aliases is refused here, naming it, and the tables keep the package's entries."""
     for name in modules:
         try:
             importlib.import_module(name)
+        except RegistrationError as err:
+            raise ValueError(f"plugins: {name!r} could not register: {err}") from err
         except Exception as err:  # any failure of a user's module is reported as that plugin's
             raise ValueError(f"plugins: {name!r} could not be imported: {type(err).__name__}: {err}") from err
 
@@ -47,6 +54,11 @@ def load_installed_plugins() -> None:
             loaded = point.load()
             if callable(loaded):
                 loaded()
+        except RegistrationError as err:
+            raise ValueError(
+                f"the installed plugin {point.name!r} ({point.value}) of entry-point group {ENTRY_POINT_GROUP!r} "
+                f"could not register: {err}"
+            ) from err
         except Exception as err:  # a broken installed plugin must say which one it is
             raise ValueError(
                 f"the installed plugin {point.name!r} ({point.value}) of entry-point group {ENTRY_POINT_GROUP!r} "

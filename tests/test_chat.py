@@ -79,7 +79,21 @@ def test_a_refused_turn_is_reported_and_the_session_goes_on(llm) -> None:
     session, rc, out, err, _ = chat(llm, "word " * 200 + "\nCount the boats.\n")
     assert rc == 0
     assert "error: prompt of" in err and "max_model_len=96" in err
+    assert "/reset" not in err  # the message alone is too long: starting over would not help
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Count the boats."]
+    assert llm.is_finished()
+
+
+def test_a_conversation_that_outgrows_max_model_len_is_told_to_reset(llm) -> None:
+    turn = "count the boats"  # about 20 tokens a turn, and 6 of answer: a few turns fill max_model_len=96
+    session, rc, _, err, _ = chat(llm, f"{turn}\n" * 8 + f"/reset\n{turn}\n")
+    assert rc == 0
+    refused = [line for line in err.splitlines() if line.startswith("error:")]
+    assert 1 <= len(refused) <= 6  # every turn after the conversation outgrew the model
+    for line in refused:
+        assert "max_model_len=96" in line and "type /reset to start over" in line
+    # the refused turn is not kept; after /reset the same message is answered
+    assert [m["content"] for m in session.history if m["role"] == "user"] == [turn]
     assert llm.is_finished()
 
 

@@ -202,3 +202,72 @@ def test_an_installed_entry_point_registers_without_being_named(peaky_sdar_dir: 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["fixed_k", "[]"]
+
+
+TAKERS = {
+    # a strategy under a built-in's name, from a module that imports no built-in strategy
+    "takes_d2f": "from diffulex.strategy.strategy import Strategy, register_strategy\n"
+    "class Mine(Strategy):\n    name = 'd2f'\nregister_strategy(Mine())\n",
+    # a new name with a built-in's old spelling as its alias
+    "takes_fast_dllm": "from diffulex.strategy.strategy import Strategy, register_strategy\n"
+    "class Mine(Strategy):\n    name = 'mine'\n    aliases = ('fast_dllm',)\nregister_strategy(Mine())\n",
+    # a new family with a built-in family's alias among its names
+    "takes_diffucoder": "import dataclasses\nfrom diffulex.models.family import FAMILIES, register_family\n"
+    "register_family(dataclasses.replace(FAMILIES.get('sdar').renamed('my_sdar'), aliases=('diffucoder',)))\n",
+}
+
+
+def test_a_plugin_that_takes_a_built_in_name_or_alias_is_refused_by_name_and_changes_nothing(tmp_path: Path):
+    """In a fresh process (nothing read yet): the plugin is named, and the tables keep every built-in entry."""
+    for module, source in TAKERS.items():
+        (tmp_path / f"{module}.py").write_text(source)
+    script = (
+        "import sys\n"
+        "from diffulex.plugins import import_plugins\n"
+        "try:\n    import_plugins([sys.argv[1]])\nexcept ValueError as err:\n    print(err)\n"
+        "from diffulex.strategy.strategy import STRATEGIES\nfrom diffulex.models.family import FAMILIES\n"
+        "print(STRATEGIES.names(), type(STRATEGIES.get('d2f')).__module__, STRATEGIES.canonical('fast_dllm'),\n"
+        "      'mine' in STRATEGIES, FAMILIES.get('diffucoder').name, 'my_sdar' in FAMILIES)\n"
+    )
+    expected = {
+        "takes_d2f": "plugins: 'takes_d2f' could not register: decoding_strategy 'd2f' is already registered "
+        "(the decoding strategy 'd2f'); choose another name",
+        "takes_fast_dllm": "plugins: 'takes_fast_dllm' could not register: decoding_strategy alias 'fast_dllm' "
+        "(of 'mine') is already registered (an alias of 'multi_bd'); choose another name",
+        "takes_diffucoder": "plugins: 'takes_diffucoder' could not register: model_name 'diffucoder' is already "
+        "registered (another name of the model family 'dream'); choose another name",
+    }
+    intact = (
+        "['d2f', 'diffusion_gemma', 'dmax', 'fast_dllm_v2', 'multi_bd'] diffulex.strategy.d2f multi_bd False "
+        "dream False"
+    )
+    for module, error in expected.items():
+        result = subprocess.run(
+            [sys.executable, "-c", script, module], env=plugin_env(tmp_path), capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [error, intact]
+
+
+def test_a_registration_is_all_or_nothing():
+    from diffulex.errors import RegistrationError
+    from diffulex.registry import Registry
+
+    table: Registry[object] = Registry("thing", kind="thing")
+    a, b = object(), object()
+    table.add("a", a, aliases=("old_a",))
+    table.add("a", a, aliases=("old_a",))  # the same registration again changes nothing
+    for name, kwargs, message in [
+        ("b", {"aliases": ("old_b", "old_a")},
+         r"^thing alias 'old_a' \(of 'b'\) is already registered \(an alias of 'a'\)"),
+        ("b", {"names": ("b2", "a")}, r"^thing 'a' is already registered \(the thing 'a'\)"),
+        ("old_a", {}, r"^thing 'old_a' is already registered \(an alias of 'a'\)"),
+        ("b", {"aliases": ("a",)}, r"^thing alias 'a' \(of 'b'\) is already registered \(the thing 'a'\)"),
+        ("b", {"aliases": ("b",)}, r"^thing alias 'b' \(of 'b'\) is given twice"),
+        ("", {}, r"^thing must be a non-empty string, got ''"),
+        ("b", {"aliases": "old_b"}, r"^the aliases of thing 'b' must be a tuple of names, got 'old_b'"),
+    ]:  # fmt: skip
+        with pytest.raises(RegistrationError, match=message):
+            table.add(name, b, **kwargs)
+    assert table.names() == ["a"] and table.canonical("old_a") == "a" and "old_b" not in table and "b2" not in table

@@ -237,11 +237,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from diffulex.bench.config import load_bench_config
 
     set_engine, set_eval = parse_set(args.set)
-    engine = {**set_engine, **_engine_flag_overrides(args)}
-    eval_ = {**set_eval, **eval_overrides(args)}
+    flag_engine, flag_eval = _engine_flag_overrides(args), eval_overrides(args)
+    engine = {**set_engine, **flag_engine}
+    eval_ = {**set_eval, **flag_eval}
     if args.config is None and "model_path" not in engine:
         raise ValueError("diffulex bench needs --config FILE.yml (or at least --model-path); see docs/benchmarks.md")
-    cfg = load_bench_config(args.config, engine, eval_)
+    cfg = load_bench_config(args.config, engine, eval_, origins=_override_origins(args.set, flag_engine, flag_eval))
     from diffulex.bench.runner import load_tasks, require_lm_eval, run_benchmark, task_manager
 
     require_lm_eval()
@@ -261,6 +262,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     print(f"results: {result.run_dir}")
     return 0
+
+
+def _override_origins(
+    set_items: list[str] | None, flag_engine: dict[str, Any], flag_eval: dict[str, Any]
+) -> dict[str, str]:
+    """``"section.key"`` -> how the command line gave it (``--set ...`` or the flag; a flag wins over ``--set``),
+    so an error in such a value blames the command line, not the config file."""
+    origins = {}
+    for item in set_items or []:
+        origins[item.partition("=")[0].strip()] = f"--set {item}"
+    for key in flag_engine:
+        origins[f"engine.{key}"] = "--model-path" if key == "model_path" else "--" + key.replace("_", "-")
+    for key in flag_eval:
+        origins[f"eval.{key}"] = "--" + key.replace("_", "-")
+    return origins
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -306,6 +322,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     )
     default_sizes = ["fdv2-7b"] if strategy == "fast_dllm_v2" else ["1.7b", "4b", "8b"]
     sizes = opts.get("models", [] if model_dir else default_sizes)
+    if "models" not in opts and sizes:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"diffulex bench throughput measures --models {' '.join(sizes)} unless --model DIR is given; these "
+                "random-weight geometries need a CUDA device and none is available: run on a GPU machine, or "
+                "measure a small checkpoint on this CPU with --model DIR"
+            )
     report = run(settings, sizes, model_dir, load_format, opts.get("data_dir"), opts.get("out"), opts.get("plot"),
                  bool(opts.get("append")), log=lambda line: print(line, flush=True))
     return 1 if report["results"] and all(r["error"] for r in report["results"]) else 0

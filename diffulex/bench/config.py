@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -145,6 +147,51 @@ def _check_task_names(value: Any) -> str:
     if not names:
         raise invalid_value("eval.dataset_name", value, "must name at least one task")
     return ",".join(names)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest ancestor that does."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def _check_creatable_under(name: str, value: str, path: Path) -> None:
+    """The folder ``path`` (which need not exist) can be made: its nearest existing ancestor is a writable folder."""
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise invalid_value(name, value, f"cannot be created: {str(base)!r} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise invalid_value(name, value, f"cannot be created: the directory {str(base)!r} is not writable")
+
+
+def check_output_dir(name: str, value: str) -> Path:
+    """A directory results will be written into: an existing (writable) directory or one that can be created.
+    Checked before any work, so a run never ends on a bad path."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise invalid_value(name, value, "is an existing file: must be a directory (or a path to create one)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise invalid_value(name, value, "is a directory that is not writable")
+        return path
+    _check_creatable_under(name, value, path)
+    return path
+
+
+def check_output_file(name: str, value: str) -> Path:
+    """A file a result will be written to: not a directory, writable if it exists, else its folder can be made.
+    Checked before any work, so results are never lost to a bad path at the end."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise invalid_value(name, value, "is a directory: must be a file path")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise invalid_value(name, value, "is a file that is not writable")
+        return path
+    _check_creatable_under(name, value, path.parent)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,7 +368,9 @@ def build_config(
     source: str | None = None,
     check_model: bool = True,
 ) -> BenchConfig:
-    """Validate the sections. ``check_model=False`` checks names and types only (no checkpoint needed)."""
+    """Validate the sections. ``check_model=False`` checks names and types only (no checkpoint needed, nothing
+    on disk looked at); otherwise the checkpoint and the engine fields are checked too, and ``eval.output_dir``
+    must be a directory (or a path one can be created at)."""
     model, engine = normalize_engine_fields(sections.get("engine", {}))
     eval_values = dict(sections.get("eval", {}))
     unknown = sorted(set(eval_values) - set(EvalConfig.names()))
@@ -334,6 +383,7 @@ def build_config(
         raise ValueError("engine.model_path is required: the checkpoint directory to benchmark")
     cfg = BenchConfig(model=str(model), engine=engine, eval=eval_cfg, source=source)
     if check_model:
+        check_output_dir("eval.output_dir", cfg.eval.output_dir)
         if not Path(cfg.model).is_dir():
             raise ValueError(f"engine.model_path={cfg.model!r} is not an existing directory")
         try:
@@ -371,12 +421,44 @@ def load_bench_config(
     engine_overrides: Mapping[str, Any] | None = None,
     eval_overrides: Mapping[str, Any] | None = None,
     check_model: bool = True,
+    origins: Mapping[str, str] | None = None,
 ) -> BenchConfig:
-    """Read a YAML file (or start empty), apply overrides, validate."""
+    """Read a YAML file (or start empty), apply overrides, validate.
+
+    An error is prefixed with where the value came from: the file, or, when it names a key an override set, that
+    override (``origins`` maps ``"section.key"`` to how it was given, e.g. ``"--set eval.dataset_limit=abc"``;
+    without an entry: "the command line")."""
     source = str(path) if path is not None else None
     data = read_yaml_file(str(path)) if path is not None else {}
     try:
-        sections = merge_overrides(parse_sections(data), engine_overrides, eval_overrides)
-        return build_config(sections, source=source, check_model=check_model)
+        sections = parse_sections(data)
     except ValueError as err:
         raise ValueError(f"{source}: {err}" if source else str(err)) from None
+    try:
+        return build_config(
+            merge_overrides(sections, engine_overrides, eval_overrides), source=source, check_model=check_model
+        )
+    except ValueError as err:
+        origin = _override_named_by(str(err), engine_overrides or {}, eval_overrides or {}, origins or {})
+        prefix = origin or source
+        raise ValueError(f"{prefix}: {err}" if prefix else str(err)) from None
+
+
+def _override_named_by(
+    message: str, engine: Mapping[str, Any], eval: Mapping[str, Any], origins: Mapping[str, str]  # noqa: A002
+) -> str | None:
+    """How the override an error message names was given (None: it names none; the value came from the file)."""
+    candidates: list[tuple[str, list[str]]] = []
+    for key in eval:
+        candidates.append((f"eval.{key}", [f"eval.{key}"]))
+    for key in engine:
+        if key in MODEL_KEYS:
+            candidates.append((f"engine.{key}", ["engine.model_path", f"engine.{key}"]))
+            continue
+        name = ENGINE_KEY_ALIASES.get(key, key)
+        candidates.append((f"engine.{key}", [f"engine.{key}", f"engine.{name}", key, name]))
+    for origin_key, spellings in candidates:
+        for spelling in dict.fromkeys(spellings):
+            if re.search(rf"(?<![\w.]){re.escape(spelling)}(?![\w])", message):
+                return origins.get(origin_key, "the command line")
+    return None

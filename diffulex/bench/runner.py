@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from diffulex.bench import TASKS_DIR
 from diffulex.bench.config import BenchConfig
 from diffulex.bench.metrics import compute_metrics, request_timing, step_clock
@@ -118,8 +120,18 @@ def load_tasks(cfg: BenchConfig, manager: Any) -> dict[str, Any]:
             f"eval.dataset_name: unknown task {', '.join(map(repr, unknown))}; available: "
             f"{', '.join(manager.all_tasks)}"
         )
+    for name in names:
+        check_task_data(cfg, name, _task_yaml(manager, name))
     with offline_environment(cfg.eval.allow_code_execution):
-        tasks = manager.load(names)["tasks"]
+        try:
+            tasks = manager.load(names)["tasks"]
+        except Exception as err:  # a template over a key the data lacks (data the check above could not read)
+            if type(err).__name__ != "UndefinedError":
+                raise
+            raise ValueError(
+                f"eval.dataset_name={cfg.eval.dataset_name!r}: a task's prompt template uses a key its data rows "
+                f"lack: {err}"
+            ) from None
     unsafe = sorted(name for name, task in tasks.items() if getattr(task.config, "unsafe_code", False))
     if unsafe and not cfg.eval.allow_code_execution:
         raise ValueError(
@@ -127,6 +139,86 @@ def load_tasks(cfg: BenchConfig, manager: Any) -> dict[str, Any]:
             "(or pass --allow-code-execution) to run them; the code runs in a subprocess with a timeout"
         )
     return tasks
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """A task YAML read for its plain keys: a tagged value (``!function ...``) is kept as its text."""
+
+
+def _tag_as_text(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
+    return loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else None
+
+
+_TaskYamlLoader.add_multi_constructor("!", _tag_as_text)
+
+
+def _read_task_yaml(path: Path, depth: int = 0) -> dict[str, Any]:
+    """A task YAML's keys, over those of the file it ``include``s; {} where it cannot be read (lm-eval reports)."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    include = data.pop("include", None)
+    if isinstance(include, str) and depth < 8:
+        data = {**_read_task_yaml(path.parent / include, depth + 1), **data}
+    return data
+
+
+def _task_yaml(manager: Any, name: str) -> dict[str, Any]:
+    entry = manager.task_index.get(name)
+    path = entry.get("yaml_path") if isinstance(entry, dict) else getattr(entry, "yaml_path", None)
+    return _read_task_yaml(Path(path)) if path else {}
+
+
+def template_keys(task_config: dict[str, Any]) -> list[str]:
+    """The row keys a task's prompt and target templates (``doc_to_text``, ``doc_to_target``, ``doc_to_choice``)
+    read, in order of first use; a template that is a function is not looked into."""
+    import jinja2
+    import jinja2.meta
+
+    env = jinja2.Environment()
+    keys: dict[str, None] = {}
+    for name in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        template = task_config.get(name)
+        if not isinstance(template, str) or ("{{" not in template and "{%" not in template):
+            continue
+        try:
+            found = jinja2.meta.find_undeclared_variables(env.parse(template))
+        except jinja2.TemplateSyntaxError:
+            continue  # lm-eval reports it
+        keys.update(dict.fromkeys(sorted(found, key=template.find)))
+    return list(keys)
+
+
+def check_task_data(cfg: BenchConfig, task: str, task_config: dict[str, Any]) -> None:
+    """Every row the run evaluates (the first ``eval.dataset_limit``, else all) has each key the task's templates
+    read; an error names the data file, the row and the key. Only tasks reading a local JSON file
+    (`diffulex.bench.scoring.load_local_dataset`) are checked: their rows are read here, before any weight."""
+    from diffulex.bench.scoring import read_split, resolve_data_file
+
+    if not str(task_config.get("custom_dataset") or "").endswith("load_local_dataset"):
+        return
+    keys = template_keys(task_config)
+    kwargs = task_config.get("dataset_kwargs")
+    own = kwargs.get("data_file") if isinstance(kwargs, dict) else None
+    path = cfg.eval.data_file or own
+    if not keys or not isinstance(path, str):
+        return
+    rows = read_split(path, cfg.eval.dataset_split)
+    where = (
+        f"eval.data_file={cfg.eval.data_file!r}" if cfg.eval.data_file
+        else f"the data file {str(resolve_data_file(path))!r} of task {task!r}"
+    )
+    for index, row in enumerate(rows[: cfg.eval.dataset_limit]):
+        missing = [key for key in keys if key not in row]
+        if missing:
+            raise ValueError(
+                f"{where}: row {index} (counting from 0) has no key {missing[0]!r}; task {task!r} reads "
+                f"{', '.join(map(repr, keys))} from every row, and this row has "
+                f"{', '.join(map(repr, row)) or 'no keys'}"
+            )
 
 
 def make_run_dir(cfg: BenchConfig, now: _dt.datetime | None = None) -> Path:

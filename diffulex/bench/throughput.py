@@ -981,6 +981,29 @@ def _key(section: str, row: Mapping[str, Any]) -> tuple[Any, ...]:
     return row["model"], row.get("strategy", "multi_bd"), row.get("variant", ""), row["buffer_size"], row["batch"]
 
 
+def read_report(path: str | Path, device_name: str) -> dict[str, Any]:
+    """The report ``--append`` adds to: a JSON report of this tool measured on ``device_name`` (read before
+    anything is measured, so a file that cannot take the rows is refused first)."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(
+            f"--append --out {str(path)!r}: the existing file is not a readable JSON report: {err}"
+        ) from None
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+        raise ValueError(
+            f"--append --out {str(path)!r}: the existing file is not a report of 'diffulex bench throughput' (a "
+            "JSON object with 'results'); write to another --out"
+        )
+    measured_on = (report.get("device") or {}).get("name") if isinstance(report.get("device"), dict) else None
+    if measured_on != device_name:
+        raise ValueError(
+            f"--append --out {str(path)!r}: the existing report was measured on {measured_on!r}, this run is on "
+            f"{device_name!r}; write to another --out"
+        )
+    return report
+
+
 def merge_reports(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """`new` over `old`: rows of the same (model, strategy, variant, buffer, batch) are replaced, others kept. Both
     must come from the same device, since floors and speeds of different machines do not belong in one table."""
@@ -1068,12 +1091,35 @@ def run(
     append: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Write the checkpoint folders, run the sweep, print the table, write the JSON and the plot."""
+    """Write the checkpoint folders, run the sweep, print the table, write the JSON and the plot.
+
+    Everything that can be refused is checked before anything is measured: the output paths (``--out``,
+    ``--plot``), the report ``--append`` adds to (JSON of this tool, from this device), and that the generated
+    geometries (``--models``) have a CUDA device to run on."""
+    from diffulex.bench.config import check_output_file
+
+    if model_dir is None and not sizes:
+        raise ValueError("nothing to measure: give --models and/or --model DIR")
     if append and not out:
         raise ValueError("--append needs --out (the report to add to)")
+    if out:
+        check_output_file("--out", out)
+    if plot_path:
+        check_output_file("--plot", plot_path)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'diffulex[bench]' (or matplotlib)") from None
+    device = _device(settings.engine_overrides)
+    if sizes and device.type != "cuda":
+        raise ValueError(
+            f"--models {' '.join(sizes)}: these random-weight geometries (1.7 to 30 billion parameters) need a CUDA "
+            "device and none is available: run on a GPU machine, or measure a small checkpoint on this CPU with "
+            "--model DIR"
+        )
     old = None
     if append and Path(out).is_file():
-        old = json.loads(Path(out).read_text(encoding="utf-8"))
+        old = read_report(out, _device_info(device)["name"])
     with tempfile.TemporaryDirectory(prefix="diffulex-throughput-") as tmp:
         models: list[ModelEntry] = []
         if model_dir is not None:
@@ -1089,8 +1135,6 @@ def run(
                 continue
             path = write_sdar_checkpoint(Path(tmp) / f"sdar-{size}", size, data_dir)
             models.append(ModelEntry(f"sdar-{size}", str(path), load_format or "dummy", size))
-        if not models:
-            raise ValueError("nothing to measure: give --models and/or --model DIR")
         report = {
             "tool": "diffulex bench throughput",
             "date": time.strftime("%Y-%m-%d %H:%M"),

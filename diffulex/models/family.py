@@ -56,14 +56,13 @@ class Family:
 
 
 # Reading the table imports the package's families (importing `diffulex.models` registers every one of them).
-FAMILIES: Registry[Family] = Registry("model_name", builtins="diffulex.models")
+FAMILIES: Registry[Family] = Registry("model_name", builtins="diffulex.models", kind="model family")
 
 
 def register_family(family: Family) -> Family:
-    """Make ``family`` known under its name and its aliases."""
-    for name in (family.name, *family.aliases):
-        FAMILIES.add(name, family)
-    return family
+    """Make ``family`` known under its name and its aliases. The package's families are registered first; a name
+    one of them (or any earlier registration) holds is refused, and nothing is registered."""
+    return FAMILIES.add(family.name, family, names=family.aliases)
 
 
 def model_type_to_model_name(model_type: str | None, architectures: list[str] | None) -> str | None:

@@ -281,12 +281,12 @@ class Strategy:
 
 
 # Reading the table imports the package's strategies (`diffulex.strategy.builtin`).
-STRATEGIES: Registry[Strategy] = Registry("decoding_strategy", builtins="diffulex.strategy.builtin")
+STRATEGIES: Registry[Strategy] = Registry(
+    "decoding_strategy", builtins="diffulex.strategy.builtin", kind="decoding strategy"
+)
 
 
 def register_strategy(strategy: Strategy) -> Strategy:
-    """Make ``strategy`` known under its name (and its old spellings)."""
-    STRATEGIES.add(strategy.name, strategy)
-    for alias in strategy.aliases:
-        STRATEGIES.add_alias(alias, strategy.name)
-    return strategy
+    """Make ``strategy`` known under its name (and its old spellings). The package's strategies are registered
+    first; a name or alias one of them (or any earlier registration) holds is refused, and nothing is registered."""
+    return STRATEGIES.add(strategy.name, strategy, aliases=strategy.aliases)

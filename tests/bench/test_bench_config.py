@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -90,6 +91,40 @@ def test_missing_model_directory_and_engine_validation(tmp_path, sdar_dir):
     # Range errors come from the engine's own validation, still naming the field.
     with pytest.raises(ValueError, match=r"engine: block_size=12 is invalid"):
         load_bench_config(write(tmp_path, {"engine": {"model_path": str(sdar_dir), "block_size": 12}}))
+
+
+def test_an_output_dir_that_cannot_be_a_directory_is_refused_with_the_config(tmp_path, sdar_dir):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for output_dir, needle in [
+        (a_file, f"eval.output_dir='{a_file}' is invalid: is an existing file: must be a directory"),
+        (a_file / "runs", f"eval.output_dir='{a_file / 'runs'}' is invalid: cannot be created: '{a_file}' is a file"),
+    ]:
+        path = write(tmp_path, {"engine": {"model_path": str(sdar_dir)}, "eval": {"output_dir": str(output_dir)}})
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {needle}")):
+            load_bench_config(path)
+        load_bench_config(path, check_model=False)  # names and types only: nothing on disk is looked at
+    fine = write(tmp_path, {"engine": {"model_path": str(sdar_dir)}, "eval": {"output_dir": str(tmp_path / "a/b")}})
+    assert load_bench_config(fine).eval.output_dir == str(tmp_path / "a/b")
+
+
+def test_a_bad_value_from_the_command_line_is_blamed_on_the_command_line(tmp_path, sdar_dir, capsys):
+    from diffulex.cli import main
+
+    path = write(tmp_path, {"engine": {"model_path": str(sdar_dir)}, "eval": {"dataset_limit": 2}})
+    assert main(["bench", "--config", str(path), "--set", "eval.dataset_limit=abc", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --set eval.dataset_limit=abc: eval.dataset_limit='abc' is invalid: must be an integer > 0\n"
+    assert main(["bench", "--config", str(path), "--block-size", "12", "--check"]) == 2
+    assert capsys.readouterr().err.startswith("error: --block-size: engine: block_size=12 is invalid")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["bench", "--config", str(path), "--output-dir", str(a_file), "--check"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --output-dir: eval.output_dir='{a_file}' is invalid")
+    # a value of the file is still the file's
+    bad = write(tmp_path, {"engine": {"model_path": str(sdar_dir)}, "eval": {"dataset_limit": "abc"}}, "bad.yml")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: eval.dataset_limit='abc'"):
+        load_bench_config(bad, None, {"max_tokens": 8}, origins={"eval.max_tokens": "--max-tokens"})
 
 
 def test_unreadable_yaml(tmp_path):

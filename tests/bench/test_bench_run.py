@@ -216,3 +216,21 @@ def test_data_file_and_split_override_the_task_data(sdar_dir, tmp_path):
     docs = list(task.test_docs())
     assert [d["question"] for d in docs] == [r["question"] for r in rows]
     assert task.doc_to_text(docs[0]) == "Question: What is 0 + 1?\nAnswer:"
+
+
+def test_data_rows_without_the_tasks_keys_are_named_before_the_model_loads(sdar_dir, tmp_path, capsys):
+    """The first row (lm-eval's own check would end in a jinja2 traceback) and a later one (it would render None)."""
+    base = ["bench", "--model-path", str(sdar_dir), "--dataset-name", "arithmetic_diffulex", "--check"]
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps([{"q": "What is 1 + 1?", "answer": "#### 2"}]))
+    assert main([*base, "--data-file", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: eval.data_file='{first}': row 0 (counting from 0) has no key 'question'")
+    assert "reads 'question', 'answer'" in err and "this row has 'q', 'answer'" in err
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"test": [{"question": "What is 1 + 1?", "answer": "#### 2"},
+                                          {"question": "What is 2 + 2?"}]}))  # fmt: skip
+    assert main([*base, "--data-file", str(later)]) == 2
+    assert f"eval.data_file='{later}': row 1 (counting from 0) has no key 'answer'" in capsys.readouterr().err
+    # only the rows the run evaluates are read
+    assert main([*base, "--data-file", str(later), "--dataset-limit", "1"]) == 0

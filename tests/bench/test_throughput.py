@@ -548,3 +548,37 @@ def test_an_sdar_folder_without_its_config_and_tokenizer_names_the_flag_to_pass(
         throughput.write_sdar_checkpoint(tmp_path / "out", "1.7b", data_dir=tmp_path / "empty")
     checkout = Path(throughput.__file__).resolve().parents[2]
     assert sdar_reference_dir().is_relative_to(checkout)
+
+
+def test_bad_output_paths_and_reports_are_refused_before_anything_is_measured(sdar_dir, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not json\n")
+    cases = [
+        (["--out", str(tmp_path)], f"--out='{tmp_path}' is invalid: is a directory: must be a file path"),
+        (["--out", str(a_file / "t.json")], f"cannot be created: '{a_file}' is a file, not a directory"),
+        (["--out", str(tmp_path / "t.json"), "--plot", str(a_file / "t.png")],
+         f"--plot='{a_file / 't.png'}' is invalid: cannot be created: '{a_file}' is a file"),
+        (["--out", str(a_file), "--append"],
+         f"--append --out '{a_file}': the existing file is not a readable JSON report: Expecting value"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        assert main(["bench", "throughput", "--model", str(sdar_dir), "--batch-sizes", "1", "--buffer-sizes", "1",
+                     "--quick", *extra]) == 2  # fmt: skip
+        captured = capsys.readouterr()
+        assert message in captured.err and "measuring" not in captured.out, (extra, captured.err)
+    other_device = tmp_path / "other.json"
+    other_device.write_text(json.dumps({"device": {"name": "a GPU of elsewhere"}, "results": []}))
+    assert main(["bench", "throughput", "--model", str(sdar_dir), "--out", str(other_device), "--append"]) == 2
+    captured = capsys.readouterr()
+    assert "measured on 'a GPU of elsewhere'" in captured.err and "measuring" not in captured.out
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
+def test_the_gpu_geometries_are_refused_without_cuda_as_the_sweep_refuses_them(capsys):
+    assert main(["bench", "throughput", "--models", "1.7b", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "--models 1.7b: these random-weight geometries" in err and "need a CUDA device" in err
+    assert "--model DIR" in err
+    assert main(["bench", "throughput", "--batch-sizes", "1"]) == 2  # the default geometries, no --model
+    assert "measures --models 1.7b 4b 8b unless --model DIR is given" in capsys.readouterr().err
