@@ -100,7 +100,8 @@ INERT_FIELDS: dict[str, str] = {
 
 
 def inert_settings(config: Config) -> list[str]:
-    """One line per field of `INERT_FIELDS` that ``config`` sets to something other than its default."""
+    """One line per field of `INERT_FIELDS` that ``config`` sets to something other than its default, and per LoRA
+    field set without ``use_lora`` (the original's YAML files may carry a ``lora_path`` with ``use_lora: false``)."""
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     defaults.update({f.name: f.default for f in dataclasses.fields(DecodingThresholds)})
     lines = []
@@ -108,6 +109,10 @@ def inert_settings(config: Config) -> list[str]:
         value, default = getattr(config, name), defaults.get(name, dataclasses.MISSING)
         if default is not dataclasses.MISSING and value != default:
             lines.append(f"{name}={value!r} has no effect in this version of Diffulex: {why}")
+    for name in ("lora_path", "pre_merge_lora"):
+        if not config.use_lora and getattr(config, name) != defaults[name]:
+            lines.append(f"{name}={getattr(config, name)!r} has no effect: use_lora=False loads no adapter; "
+                         "use_lora=True applies it")  # fmt: skip
     return lines
 
 

@@ -19,7 +19,10 @@ layer's ``weight_loader`` takes of its weight, so a fused matrix's parts and rep
 Loading is strict, like the checkpoint loader: every problem (adapter tensors naming no layer of the model,
 layers outside ``target_modules``, targets that match no layer, targeted layers without tensors, shapes that do
 not fit) is collected and reported in one ``ValueError``, because an adapter that silently applies to part of a
-model (or to none of it) produces plausible but wrong text.
+model (or to none of it) produces plausible but wrong text. Before that, every field of ``adapter_config.json`` is
+checked where it is read (`LoRAConfig.from_dict`: type and range, each error naming the file and the field), the
+tensors must be finite floats of one adapter (the file and the tensor named), and each layer's scale and delta
+must fit the dtypes they are applied in (`_scale_problem`): a NaN or Inf there would make every logit NaN.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
 from diffulex.layers import LMHead
 from diffulex.layers.linear import RowParallelLinear
 from diffulex.layers.moe import held_elsewhere, mixture_layers
+from diffulex.validation import is_int, is_number, shown_value
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,6 +50,78 @@ PEFT_PREFIX = "base_model.model."
 # Names PEFT uses for the numbered layer list when matching ``layers_to_transform``.
 _DEFAULT_LAYER_PATTERNS = ("layers", "h", "blocks", "layer", "block")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.(?P<adapter>[A-Za-z0-9_]+))?\.weight$")
+# The scale is a Python float multiplied into float32 (merging) or the weight's dtype (per forward), where the
+# computation runs in float32: outside float32's normal range it turns into Inf or a (near) zero, so that the model
+# decodes nothing or silently runs without the adapter.
+_FLOAT32 = torch.finfo(torch.float32)
+# Tensors named in one error at most; the count of the others follows.
+_LISTED = 10
+
+
+def _invalid(where: str, name: str, value: Any, requirement: str) -> ValueError:
+    """The project's ``name=value is invalid: requirement``, prefixed by the file."""
+    return ValueError(f"{where}: {name}={shown_value(value)} is invalid: {requirement}")
+
+
+def _flag(d: dict[str, Any], name: str, where: str) -> bool:
+    value = d.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _invalid(where, name, value, "must be true or false")
+    return value
+
+
+def _positive_int(where: str, name: str, value: Any) -> int:
+    if not is_int(value) or value <= 0:
+        raise _invalid(where, name, value, "must be an integer > 0")
+    return value
+
+
+def _positive_finite(where: str, name: str, value: Any) -> float:
+    try:
+        number = float(value) if is_number(value) else math.nan
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise _invalid(where, name, value, "must be a finite number > 0")
+    return number
+
+
+def _regex_problem(pattern: str) -> str | None:
+    """Why `pattern` is not a regular expression Python compiles, or None."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return e.msg
+    except (RecursionError, OverflowError):
+        return "nested or repeated too deeply"
+    return None
+
+
+def _pattern_regex(key: str) -> str:
+    """PEFT's match of a ``rank_pattern``/``alpha_pattern`` key (``get_pattern_key``): the key as a regex, matching
+    the whole name or a dotted suffix of it, alternatives included."""
+    return rf"(?:.*\.)?(?:{key})"
+
+
+def _patterns(d: dict[str, Any], name: str, where: str, check: Any, kind: str) -> dict[str, Any]:
+    """``rank_pattern``/``alpha_pattern``: a mapping of module-name regexes to values that `check` validates."""
+    value = d.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _invalid(where, name, value, f"must be a mapping of module-name patterns to {kind}")
+    out = {}
+    for key, item in value.items():
+        problem = "it is empty" if key == "" else _regex_problem(_pattern_regex(key))
+        if problem is not None:
+            raise ValueError(
+                f"{where}: {name} has the key {shown_value(key)}, which is not a valid regular expression "
+                f"({problem}); PEFT matches each key to a module name's dotted suffix as a regex"
+            )
+        out[key] = check(where, f"{name}[{shown_value(key)}]", item)
+    return out
 
 
 @dataclass
@@ -64,47 +141,79 @@ class LoRAConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> LoRAConfig:
+        """Read and check every field this engine acts on; a bad value is a ``ValueError`` naming `where` (the
+        file), the field, the value and what is allowed."""
         peft_type = d.get("peft_type", "LORA")
         if peft_type != "LORA":
-            raise ValueError(f"{where}: peft_type={peft_type!r}; only LoRA adapters are supported")
+            raise ValueError(f"{where}: peft_type={shown_value(peft_type)}; only LoRA adapters are supported")
+        bias = d.get("bias", "none")
+        if bias is not None and bias not in ("none", "all", "lora_only"):
+            raise _invalid(where, "bias", bias, "must be 'none' (PEFT's 'all' and 'lora_only' are not supported)")
         unsupported = []
-        if d.get("use_dora"):
+        if _flag(d, "use_dora", where):
             unsupported.append("use_dora=true (DoRA)")
-        if d.get("bias", "none") not in ("none", None):
-            unsupported.append(f"bias={d.get('bias')!r} (trained biases)")
-        if d.get("fan_in_fan_out"):
+        if bias not in ("none", None):
+            unsupported.append(f"bias={bias!r} (trained biases)")
+        if _flag(d, "lora_bias", where):
+            unsupported.append("lora_bias=true (trained biases)")
+        if _flag(d, "fan_in_fan_out", where):
             unsupported.append("fan_in_fan_out=true (Conv1D layers)")
         if d.get("layer_replication"):
             unsupported.append("layer_replication")
         if unsupported:
             raise ValueError(f"{where}: not supported: {', '.join(unsupported)}")
-        r, alpha = d.get("r", 8), d.get("lora_alpha", 8)
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-            raise ValueError(f"{where}: 'r' must be a positive integer, got {r!r}")
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
-            raise ValueError(f"{where}: 'lora_alpha' must be a positive number, got {alpha!r}")
+        # PEFT's defaults where a field is absent: r=8, lora_alpha=8
+        r = _positive_int(where, "r", d.get("r", 8))
+        alpha = _positive_finite(where, "lora_alpha", d.get("lora_alpha", 8))
+
         targets = d.get("target_modules")
-        if targets is not None and not isinstance(targets, str):
-            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-                raise ValueError(f"{where}: 'target_modules' must be a string or a list of strings, got {targets!r}")
+        if isinstance(targets, str):
+            problem = None if targets == "all-linear" else _regex_problem(targets)
+            if problem is not None:
+                raise _invalid(where, "target_modules", targets, f"not a valid regular expression ({problem}); "
+                               "a string is matched to whole module names as a regex")  # fmt: skip
+        elif targets is not None and (
+            not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise _invalid(where, "target_modules", targets,
+                           "must be a regular expression, 'all-linear' or a list of module names (non-empty "
+                           "strings)")  # fmt: skip
+
         layers = d.get("layers_to_transform")
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = [layers]
+        if layers is not None:
+            as_list = [layers] if is_int(layers) else layers
+            if not isinstance(as_list, list) or not as_list or not all(is_int(i) and i >= 0 for i in as_list):
+                raise _invalid(where, "layers_to_transform", layers,
+                               "must be a layer index (an integer >= 0) or a non-empty list of them (an empty list "
+                               "selects no layer)")  # fmt: skip
+            layers = as_list
         pattern = d.get("layers_pattern")
-        if isinstance(pattern, str):
-            pattern = [pattern]
+        if pattern is not None:
+            as_list = [pattern] if isinstance(pattern, str) else pattern
+            if not isinstance(as_list, list) or not all(isinstance(p, str) and p for p in as_list):
+                raise _invalid(where, "layers_pattern", pattern,
+                               "must be the name of the numbered layer list (e.g. 'layers') or a list of such "
+                               "names")  # fmt: skip
+            pattern = as_list
         to_save = d.get("modules_to_save")
+        if to_save is not None and (
+            not isinstance(to_save, list) or not all(isinstance(m, str) and m for m in to_save)
+        ):
+            raise _invalid(where, "modules_to_save", to_save, "must be a list of module names, e.g. ['lm_head']")
+        base_model = d.get("base_model_name_or_path")
+        if base_model is not None and not isinstance(base_model, str):
+            raise _invalid(where, "base_model_name_or_path", base_model, "must be a string")
         return cls(
             r=r,
-            lora_alpha=float(alpha),
+            lora_alpha=alpha,
             target_modules=targets,
-            use_rslora=bool(d.get("use_rslora", False)),
-            rank_pattern=dict(d.get("rank_pattern") or {}),
-            alpha_pattern=dict(d.get("alpha_pattern") or {}),
-            layers_to_transform=list(layers) if layers else None,
-            layers_pattern=list(pattern) if pattern else None,
-            modules_to_save=list(to_save) if to_save else None,
-            base_model_name_or_path=d.get("base_model_name_or_path"),
+            use_rslora=_flag(d, "use_rslora", where),
+            rank_pattern=_patterns(d, "rank_pattern", where, _positive_int, "ranks (integers > 0)"),
+            alpha_pattern=_patterns(d, "alpha_pattern", where, _positive_finite, "alphas (finite numbers > 0)"),
+            layers_to_transform=layers,
+            layers_pattern=pattern or None,
+            modules_to_save=to_save or None,
+            base_model_name_or_path=base_model,
         )
 
     # --- PEFT's name matching -----------------------------------------------------------------------------
@@ -142,21 +251,33 @@ class LoRAConfig:
             hit = any(self.target_matches(target, name) for target in t)
         return hit and self._layer_allowed(name)
 
-    def _pattern_value(self, patterns: dict[str, Any], name: str) -> Any:
-        for key, value in patterns.items():
-            if name == key or re.fullmatch(rf"(?:.*\.)?{key}", name):
-                return value
+    def _pattern_key(self, patterns: dict[str, Any], name: str) -> str | None:
+        """The first key of `patterns` that selects `name`, as PEFT's ``get_pattern_key`` picks it."""
+        for key in patterns:
+            if re.fullmatch(_pattern_regex(key), name):
+                return key
         return None
 
     def rank(self, name: str) -> int:
-        value = self._pattern_value(self.rank_pattern, name)
-        return int(value) if value is not None else self.r
+        key = self._pattern_key(self.rank_pattern, name)
+        return int(self.rank_pattern[key]) if key is not None else self.r
 
     def scaling(self, name: str) -> float:
         rank = self.rank(name)
-        alpha = self._pattern_value(self.alpha_pattern, name)
-        alpha = float(alpha) if alpha is not None else self.lora_alpha
+        key = self._pattern_key(self.alpha_pattern, name)
+        alpha = float(self.alpha_pattern[key]) if key is not None else self.lora_alpha
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def describe_scaling(self, name: str) -> str:
+        """``lora_alpha / r = 16 / 8 = 2``, naming where each term comes from (a pattern's key where one applies)."""
+        alpha_key, rank_key = self._pattern_key(self.alpha_pattern, name), self._pattern_key(self.rank_pattern, name)
+        alpha_name = "lora_alpha" if alpha_key is None else f"alpha_pattern[{shown_value(alpha_key)}]"
+        rank_name = "r" if rank_key is None else f"rank_pattern[{shown_value(rank_key)}]"
+        rank = self.rank(name)
+        alpha = self.lora_alpha if alpha_key is None else float(self.alpha_pattern[alpha_key])
+        if self.use_rslora:
+            return f"{alpha_name} / sqrt({rank_name}) = {alpha:g} / sqrt({rank}) = {self.scaling(name):.4g}"
+        return f"{alpha_name} / {rank_name} = {alpha:g} / {rank} = {self.scaling(name):.4g}"
 
 
 @dataclass
@@ -178,12 +299,7 @@ def read_adapter(lora_path: str | Path) -> tuple[LoRAConfig, dict[str, torch.Ten
     if not config_path.is_file():
         present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
         raise ValueError(f"{folder} is not a PEFT LoRA adapter: it has no {ADAPTER_CONFIG} (it holds: {present})")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_path} does not hold a JSON object")
+    raw = _read_json(config_path)
     config = LoRAConfig.from_dict(raw, str(config_path))
     weights_path = folder / ADAPTER_WEIGHTS
     if not weights_path.is_file():
@@ -195,7 +311,71 @@ def read_adapter(lora_path: str | Path) -> tuple[LoRAConfig, dict[str, torch.Ten
             else ""
         )
         raise ValueError(f"{folder} has no {ADAPTER_WEIGHTS}{hint}")
-    return config, load_file(str(weights_path), device="cpu")
+    try:
+        tensors = load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_path} cannot be read as safetensors: {e}") from None
+    _check_adapter_names(tensors, weights_path)
+    _check_values(tensors, weights_path)
+    return config, tensors
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; anything else (unreadable, not UTF-8, not JSON, nested past the parser's
+    recursion limit, not an object) is a ``ValueError`` naming the file."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} could not be read: it is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path} could not be read: its lists or objects are nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _listed(items: list[str]) -> str:
+    more = f"; and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return "; ".join(items[:_LISTED]) + more
+
+
+def _check_adapter_names(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One adapter per file: PEFT saves an adapter's keys without its name (``lora_A.weight``); a model's raw
+    ``state_dict`` names it (``lora_A.default.weight``). Keys of two names (or named and unnamed) are two adapters
+    meant for the same layers, and taking either one silently would serve a model nobody asked for."""
+    names = {m.group("adapter") for m in map(_LORA_KEY.match, tensors) if m is not None}
+    if len(names) > 1:
+        shown = ", ".join(repr(n) if n is not None else "unnamed (lora_A.weight)" for n in
+                          sorted(names, key=lambda n: (n is not None, n or "")))  # fmt: skip
+        raise ValueError(
+            f"{path} holds the tensors of {len(names)} adapters ({shown}); one adapter is applied at a time: save "
+            "each to its own folder (PEFT: save_pretrained(..., selected_adapters=[name]))"
+        )
+
+
+def _check_values(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Every tensor must hold finite floating-point values: NaN or Inf in ``A`` or ``B`` makes every logit NaN
+    (the engine would decode nothing), and integer or complex values are no trained adapter."""
+    not_float = [f"{key} ({t.dtype})" for key, t in tensors.items() if not t.is_floating_point()]
+    if not_float:
+        raise ValueError(f"{path} has tensors that are not floating point: {_listed(not_float)}")
+    non_finite = []
+    for key, tensor in tensors.items():
+        if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            non_finite.append(f"{key} ({bad} of {tensor.numel()} values)")
+    if non_finite:
+        raise ValueError(
+            f"{path} has non-finite values (NaN or Inf), which make the adapted model's output meaningless: "
+            f"{_listed(non_finite)}"
+        )
 
 
 def _adaptable(model: nn.Module) -> dict[str, nn.Module]:
@@ -235,7 +415,8 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
         problems.append(f"adapter tensors for layers the model does not have: {', '.join(no_module)}")
     untargeted = sorted(n for n in found if n in adaptable and not config.targets(n, linear_names))
     if untargeted:
-        problems.append(f"adapter tensors for layers outside target_modules={config.target_modules!r}: "
+        layers = "" if config.layers_to_transform is None else f" / layers_to_transform={config.layers_to_transform}"
+        problems.append(f"adapter tensors for layers outside target_modules={config.target_modules!r}{layers}: "
                         f"{', '.join(untargeted)}")
     if isinstance(config.target_modules, list):
         unmatched = [t for t in config.target_modules if not any(config.target_matches(t, n) for n in adaptable)]
@@ -270,6 +451,10 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
                 f"B [{out_features}, {rank}])"
             )
             continue
+        scale_problem = _scale_problem(name, config, a, b, module.weight.dtype)
+        if scale_problem:
+            problems.append(scale_problem)
+            continue
         if isinstance(module, LMHead) and any(
             p is module.weight and n != f"{name}.weight" for n, p in model.named_parameters(remove_duplicate=False)
         ):
@@ -290,6 +475,31 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
         for name, tensor in saved_modules:
             params[name].copy_(tensor)
     return modules
+
+
+def _scale_problem(name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why the layer's delta ``s · B @ A`` cannot be applied, or "".
+
+    The scale must lie in float32's normal range, where it is applied (beyond it, it is Inf: every logit NaN; below
+    it, a (near) zero: the adapter silently vanishes). The delta's entries must fit the layer's dtype: merged,
+    a larger one is an Inf weight; per forward, an Inf activation. Cauchy-Schwarz bounds each entry by
+    ``s · max row norm of B · max column norm of A``, which costs a pass over A and B; only where that bound exceeds
+    the dtype's range is the delta computed, to decide exactly."""
+    scale = config.scaling(name)
+    if not _FLOAT32.tiny <= scale <= _FLOAT32.max:
+        return (f"{name}: the scale {config.describe_scaling(name)} is outside float32's range "
+                f"[{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}], in which it is applied")  # fmt: skip
+    limit = torch.finfo(dtype).max if dtype.is_floating_point else _FLOAT32.max
+    a64, b64 = a.double(), b.double()
+    bound = scale * b64.norm(dim=1).max().item() * a64.norm(dim=0).max().item()
+    if bound <= limit:
+        return ""
+    peak = scale * max((rows @ a64).abs().max().item() for rows in b64.split(4096))  # a bounded temporary
+    if peak <= limit:
+        return ""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"{name}: s·B@A reaches {peak:.3g}, beyond the largest {dtype_name} value {limit:.3g} "
+            f"(s = {config.describe_scaling(name)})")  # fmt: skip
 
 
 def _whole_shape(module: nn.Module) -> tuple[int, int]:

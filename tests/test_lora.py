@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -258,3 +259,183 @@ def test_the_engine_decodes_like_the_reference_with_either_lora_path(folders):
                 )  # fmt: skip
                 assert tokens == ref.token_ids
     assert outputs[True] == outputs[False]
+
+
+# ----- adapter_config.json values and adapter tensors ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"lora_alpha": float("inf")}, r"lora_alpha=inf is invalid: must be a finite number > 0"),
+        ({"lora_alpha": float("nan")}, r"lora_alpha=nan is invalid: must be a finite number > 0"),
+        ({"lora_alpha": 0}, r"lora_alpha=0 is invalid: must be a finite number > 0"),
+        ({"alpha_pattern": {"q_proj": 0}}, r"alpha_pattern\['q_proj'\]=0 is invalid: must be a finite number > 0"),
+        ({"alpha_pattern": {"q_proj": float("inf")}}, r"alpha_pattern\['q_proj'\]=inf is invalid"),
+        ({"alpha_pattern": {"q_proj": -2}}, r"alpha_pattern\['q_proj'\]=-2 is invalid"),
+        # finite, but lora_alpha / r = 2.5e307 is far beyond float32, the precision the scale is applied in
+        ({"lora_alpha": 1e308}, r"model\.layers\.0\.\S+: the scale lora_alpha / r = 1e\+308 / 4 = 2\.5e\+307 is "
+                                r"outside float32's range"),
+        # positive, but a scale below float32's normal range would silently drop the adapter
+        ({"lora_alpha": 1e-40}, r"the scale lora_alpha / r = 1e-40 / 4 = 2\.5e-41 is outside float32's range"),
+    ],
+)
+def test_non_finite_or_non_positive_scales_are_refused(dream, changes, message):
+    """Before: Infinity/NaN/1e308 loaded and every request decoded nothing (NaN logits); alpha_pattern 0 loaded."""
+    base, adapter = dream
+    edit_config(adapter, **changes)
+    for merge in (False, True):
+        with pytest.raises(ValueError, match=message):
+            load(base, adapter, merge)
+
+
+def test_a_delta_beyond_the_layer_dtype_is_refused(dream):
+    """Every adapter value is finite, but s·B@A overflows float16: merged it would be Inf weights, per forward Inf
+    activations."""
+    base, adapter = dream
+
+    def grow(tensors):
+        key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+        tensors[key] = tensors[key] * 1e5
+
+    edit_tensors(adapter, grow)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: s·B@A reaches [0-9.e+]+, beyond the "
+                                         r"largest float16 value 6\.55e\+04"):
+        build_model("dream", base, torch.float16, "cpu", lora_path=adapter)
+    load(base, adapter)  # float32 holds it
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_adapter_tensors_are_named_with_their_file(dream, bad):
+    base, adapter = dream
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+    def poison(tensors):
+        tensors[key][0, :3] = bad
+
+    edit_tensors(adapter, poison)
+    with pytest.raises(ValueError, match=rf"adapter_model\.safetensors has non-finite values \(NaN or Inf\).*"
+                                         rf"{key.replace('.', '[.]')} \(3 of 256 values\)"):
+        load(base, adapter)
+
+
+def test_an_unreadable_safetensors_file_is_a_value_error_naming_it(dream):
+    base, adapter = dream
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors cannot be read as safetensors"):
+        load(base, adapter)
+
+
+BAD_CONFIG_VALUES = [
+    ({"target_modules": "q_proj["}, r"target_modules='q_proj\[' is invalid: not a valid regular expression"),
+    ({"target_modules": ["q_proj", 3]}, r"target_modules=\['q_proj', 3\] is invalid"),
+    ({"target_modules": ["q_proj", ""]}, r"target_modules=\['q_proj', ''\] is invalid"),
+    ({"alpha_pattern": {"q_proj[": 2}}, r"alpha_pattern has the key 'q_proj\[', which is not a valid regular"),
+    ({"rank_pattern": {"(q_proj": 4}}, r"rank_pattern has the key '\(q_proj', which is not a valid regular"),
+    ({"modules_to_save": 3}, r"modules_to_save=3 is invalid: must be a list of module names"),
+    ({"modules_to_save": "lm_head"}, r"modules_to_save='lm_head' is invalid: must be a list of module names"),
+    ({"layers_pattern": 5}, r"layers_pattern=5 is invalid"),
+    ({"layers_pattern": ["layers", ""]}, r"layers_pattern=\['layers', ''\] is invalid"),
+    ({"rank_pattern": [1, 2]}, r"rank_pattern=\[1, 2\] is invalid: must be a mapping"),
+    ({"alpha_pattern": "q_proj"}, r"alpha_pattern='q_proj' is invalid: must be a mapping"),
+    ({"rank_pattern": {"q_proj": "abc"}}, r"rank_pattern\['q_proj'\]='abc' is invalid: must be an integer > 0"),
+    ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\]=0 is invalid: must be an integer > 0"),
+    ({"rank_pattern": {"q_proj": -4}}, r"rank_pattern\['q_proj'\]=-4 is invalid: must be an integer > 0"),
+    ({"rank_pattern": {"q_proj": 4.0}}, r"rank_pattern\['q_proj'\]=4\.0 is invalid: must be an integer > 0"),
+    ({"alpha_pattern": {"q_proj": "x"}}, r"alpha_pattern\['q_proj'\]='x' is invalid: must be a finite number > 0"),
+    ({"layers_to_transform": "0"}, r"layers_to_transform='0' is invalid: must be a layer index"),
+    ({"layers_to_transform": [0, -1]}, r"layers_to_transform=\[0, -1\] is invalid: must be a layer index"),
+    ({"layers_to_transform": []}, r"layers_to_transform=\[\] is invalid: .*an empty list selects no layer"),
+    ({"r": "4"}, r"r='4' is invalid: must be an integer > 0"),
+    ({"r": 0}, r"r=0 is invalid: must be an integer > 0"),
+    ({"lora_alpha": "8"}, r"lora_alpha='8' is invalid: must be a finite number > 0"),
+    ({"lora_alpha": 10**400}, r"lora_alpha=1000\d+\.\.\. \(401 characters\) is invalid: must be a finite number"),
+    ({"use_rslora": "false"}, r"use_rslora='false' is invalid: must be true or false"),
+    ({"use_dora": "no"}, r"use_dora='no' is invalid: must be true or false"),
+    ({"bias": 3}, r"bias=3 is invalid: must be 'none'"),
+    ({"base_model_name_or_path": 7}, r"base_model_name_or_path=7 is invalid: must be a string"),
+]
+
+
+@pytest.mark.parametrize(("changes", "message"), BAD_CONFIG_VALUES)
+def test_bad_config_values_are_value_errors_naming_the_file_and_field(dream, changes, message):
+    """Before: re.error, TypeError, int()/float() messages without the field, or a silently wrong reading."""
+    base, adapter = dream
+    edit_config(adapter, **changes)
+    with pytest.raises(ValueError) as e:
+        load(base, adapter)
+    assert type(e.value) is ValueError
+    assert re.search(rf"{re.escape(str(adapter / 'adapter_config.json'))}: {message}", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("[" * 100_000 + "]" * 100_000, "nested too deeply", id="deep"),
+        pytest.param(b'{"r": 4, "lora_alpha": "\xff"}', r"not UTF-8 text \(byte 0xff at offset 24\)", id="utf8"),
+        pytest.param("[4, 8]", "does not hold a JSON object", id="list"),
+        pytest.param('{"r": 4,', "is not valid JSON", id="truncated"),
+    ],
+)
+def test_an_unreadable_config_file_is_a_value_error_naming_it(dream, text, message):
+    base, adapter = dream
+    path = adapter / "adapter_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as e:
+        load(base, adapter)
+    assert type(e.value) is ValueError
+    assert str(path) in str(e.value) and re.search(message, str(e.value)), str(e.value)
+
+
+def test_pattern_keys_are_matched_as_peft_does(dream):
+    """PEFT matches a rank/alpha pattern key as ``(.*\\.)?(key)$``: an alternation applies to the whole suffix."""
+    base, adapter = dream
+    plain = logits_of(load(base, adapter))
+    edit_config(adapter, r=8, lora_alpha=16, rank_pattern={"q_proj|k_proj|v_proj|o_proj|down_proj": 4},
+                alpha_pattern={"q_proj|k_proj|v_proj|o_proj|down_proj": 8})  # fmt: skip
+    torch.testing.assert_close(logits_of(load(base, adapter)), plain)
+
+
+def test_a_file_holding_two_adapters_is_refused_naming_them(dream):
+    """Before: both names' tensors went to the same layer and whichever came last was used."""
+    base, adapter = dream
+
+    def two_names(tensors):
+        for key in list(tensors):
+            value = tensors.pop(key)
+            for name in ("default", "other"):
+                tensors[key.replace(".weight", f".{name}.weight")] = value.clone()
+
+    edit_tensors(adapter, two_names)
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors holds the tensors of 2 adapters "
+                                         r"\('default', 'other'\)"):
+        load(base, adapter)
+
+
+def test_one_named_adapter_loads_like_the_unnamed_one(dream):
+    base, adapter = dream
+    plain = logits_of(load(base, adapter))
+    edit_tensors(adapter, lambda t: t.update({k.replace(".weight", ".default.weight"): t.pop(k) for k in list(t)}))
+    torch.testing.assert_close(logits_of(load(base, adapter)), plain)
+
+
+def test_lora_settings_without_use_lora_warn_that_they_have_no_effect(folders):
+    """The original's YAML files may carry a lora_path with use_lora false: say it is not applied, and how it is."""
+    base, adapter = folders["dream"]
+    with pytest.warns(UserWarning) as record:
+        llm = Diffulex(str(base), lora_path=str(adapter), pre_merge_lora=True, decoding_strategy="d2f", block_size=4,
+                       page_size=8, buffer_size=2, max_model_len=64, max_num_batched_tokens=256)  # fmt: skip
+    with llm:
+        assert not getattr(llm.model, "lora_modules", None)
+    messages = [str(w.message) for w in record]
+    assert any(m.startswith(f"lora_path={str(adapter)!r} has no effect") and "use_lora=True" in m for m in messages)
+    assert any(m.startswith("pre_merge_lora=True has no effect") and "use_lora=True" in m for m in messages)
+
+
+def test_integer_adapter_tensors_are_refused(dream):
+    base, adapter = dream
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    edit_tensors(adapter, lambda t: t.update({key: t[key].to(torch.int32)}))
+    with pytest.raises(ValueError, match=rf"adapter_model\.safetensors has tensors that are not floating point: "
+                                         rf"{key.replace('.', '[.]')} \(torch\.int32\)"):
+        load(base, adapter)
