@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffulex.models.hf_config import MAX_NORM_EPS, check_torch_dtype, read_config_dict
+from diffulex.models.hf_config import check_norm_eps, check_torch_dtype, read_config_dict
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -144,7 +144,7 @@ class DiffusionGemmaConfig:
             layers=layers,
             sliding_window=_int(text, "sliding_window", t, default=512),
             rope=_rope(text, layer_types),
-            rms_norm_eps=_norm_eps(text, t),
+            rms_norm_eps=check_norm_eps(f"{t}rms_norm_eps", _positive_float(text, "rms_norm_eps", t, 1e-6)),
             final_logit_softcapping=softcap,
             num_experts=num_experts,
             top_k_experts=top_k,
@@ -177,13 +177,6 @@ def _int(d: dict[str, Any], key: str, prefix: str, default: int | None = None, r
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"config field '{prefix}{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _norm_eps(text: dict[str, Any], prefix: str) -> float:
-    value = _positive_float(text, "rms_norm_eps", prefix, 1e-6)
-    if value > MAX_NORM_EPS:
-        raise ValueError(f"config field '{prefix}rms_norm_eps' must be at most {MAX_NORM_EPS:g}, got {value!r}")
     return value
 
 

@@ -113,7 +113,11 @@ def _token_ids(d: dict[str, Any], key: str) -> int | list[int] | None:
 
 def norm_eps(d: dict[str, Any], key: str, default: float) -> float:
     """A norm epsilon: positive, finite and at most `MAX_NORM_EPS`."""
-    value = _float(d, key, default)
+    return check_norm_eps(key, _float(d, key, default))
+
+
+def check_norm_eps(key: str, value: float) -> float:
+    """``value`` of config field ``key`` if it is at most `MAX_NORM_EPS` (its reader checked it positive)."""
     if value > MAX_NORM_EPS:
         raise ValueError(f"config field {key!r} must be at most {MAX_NORM_EPS:g}, got {value!r}")
     return value

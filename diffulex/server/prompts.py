@@ -13,7 +13,7 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from diffulex.prompts import encode_prompt, max_prompt_chars
+from diffulex.prompts import check_prompt_chars, encode_prompt, max_prompt_chars
 from diffulex.server.protocol import APIError, ChatMessage
 
 TOKENIZER_WORKERS = 2
@@ -37,12 +37,10 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
-        if num_chars > self.max_prompt_chars:
-            raise APIError(
-                400, f"{param} of {num_chars} characters is too long: this server's max_model_len={self.max_model_len} "
-                f"tokens cannot hold more than {self.max_prompt_chars} characters", param=param,
-                code="prompt_too_long",
-            )
+        try:
+            check_prompt_chars(self.tokenizer, num_chars, self.max_model_len, param)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param, code="prompt_too_long") from None
 
     async def render_chat(self, messages: list[ChatMessage], parse_special_tokens: bool = False) -> list[int]:
         """The conversation's token ids (`encode_prompt`: only the chat template's markup is special tokens, unless
