@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+PORT_SEARCH_ATTEMPTS = 64
+
 
 def free_port() -> int:
     """A TCP port of the loopback interface that nothing listens on now: each group of ranks its own, since a
@@ -15,6 +17,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports: data-parallel replicas of tensor-parallel ranks meet at
+    ``master_port + replica``, so every port of the run must be free, not only the first (Ray and the other
+    replicas open ports of their own)."""
+    for _ in range(PORT_SEARCH_ATTEMPTS):
+        first = free_port()
+        if first + count - 1 <= 65535 and all(_is_free(first + offset) for offset in range(1, count)):
+            return first
+    raise RuntimeError(f"found no {count} consecutive free ports in {PORT_SEARCH_ATTEMPTS} attempts")
 
 
 def run_checks(rank: int, out_dir: str, checks: Mapping[str, Callable[[], None]]) -> None:

@@ -20,7 +20,7 @@ from diffulex.engine.ray_placement import RayPlacement, import_ray, replica_bund
 from diffulex.engine.ray_workers import RayWorkerProcess
 from diffulex.errors import EngineDeadError
 from diffulex.testing import write_tiny_checkpoint
-from diffulex.testing.distributed import free_port
+from diffulex.testing.distributed import free_ports
 
 # On a machine with CUDA each replica's bundle takes a GPU; a single-GPU machine cannot place two.
 pytestmark = pytest.mark.skipif(
@@ -88,9 +88,10 @@ def tp_ckpt(tmp_path_factory: pytest.TempPathFactory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ray-tp"), seed=1, init_std=1.0, num_key_value_heads=2)
 
 
-def tensor_parallel_fields(backend: str) -> dict:
+def tensor_parallel_fields(backend: str, replicas: int = 1) -> dict:
+    """Replica r's ranks meet at ``master_port + r``: a free run of one port per replica."""
     return {**FIELDS, "tensor_parallel_size": 2, "distributed_executor_backend": backend, "dtype": "float32",
-            "master_addr": "127.0.0.1", "master_port": free_port(), "distributed_timeout_seconds": 120}
+            "master_addr": "127.0.0.1", "master_port": free_ports(replicas), "distributed_timeout_seconds": 120}
 
 
 def test_tensor_parallel_ranks_as_ray_actors_give_the_tokens_of_local_workers(tp_ckpt, local_ray):
@@ -116,7 +117,7 @@ def test_two_ray_replicas_each_split_over_two_ranks_give_the_tokens_of_one_split
     """Each replica actor runs its tensor-parallel group on its host, at a port of its own."""
     with Diffulex(str(tp_ckpt), **tensor_parallel_fields("mp")) as one:
         expected = [t.token_ids for t in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    with Diffulex(str(tp_ckpt), data_parallel_size=2, **tensor_parallel_fields("ray")) as llm:
+    with Diffulex(str(tp_ckpt), data_parallel_size=2, **tensor_parallel_fields("ray", replicas=2)) as llm:
         assert isinstance(llm, DataParallelEngine)
         assert [t.token_ids for t in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
