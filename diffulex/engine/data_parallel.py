@@ -53,7 +53,7 @@ from diffulex.prompts import Prompt, encode_prompt
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.request import CompletionReason
 from diffulex.tokenizer import load_tokenizer
-from diffulex.validation import invalid_value
+from diffulex.validation import check_int, invalid_value
 
 
 def replica_master_port(config: Config, rank: int) -> int:
@@ -253,6 +253,7 @@ class DataParallelEngine:
 
     def abort_request(self, req_id: int) -> bool:
         """Stop a request now; False if it is unknown or finished."""
+        check_int("req_id", req_id)
         replica = self._owner.pop(req_id, None)
         if replica is None:
             return False

@@ -38,6 +38,7 @@ from diffulex.sampler.rows import PendingWrites
 from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.block import BlockStatus
 from diffulex.strategy.request import CompletionReason, Request, RequestStatus, StepRecord
+from diffulex.validation import check_int
 
 logger = logging.getLogger("diffulex")
 
@@ -162,7 +163,9 @@ class DiffulexEngine:
         return req.req_id
 
     def abort_request(self, req_id: int) -> bool:
-        """Stop a waiting or running request now and free its pages; False if it is unknown or finished."""
+        """Stop a waiting or running request now and free its pages; False if it is unknown or finished. The
+        caller asked for the end, so `step` reports nothing more for it."""
+        check_int("req_id", req_id)
         return self.scheduler.abort(req_id) is not None
 
     def is_finished(self) -> bool:
@@ -513,7 +516,8 @@ class DiffulexEngine:
         scheduler = self.scheduler
         kv = scheduler.kv_cache
         running = sum(1 for r in scheduler.running if r.status is RequestStatus.RUNNING)
-        return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages)
+        serving = self._dead is None and not self._closed
+        return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages, alive=serving)
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ class EngineLoad:
     waiting: int  # requests queued, not running yet
     kv_pages_used: int
     kv_pages_total: int
-    alive: bool = True  # False for a data-parallel replica whose process has died
+    alive: bool = True  # False once the engine stopped serving (exit, a dead device, a dead replica process)
     # one entry per data-parallel replica, in rank order (empty for a single engine)
     replicas: tuple[EngineLoad, ...] = ()
 

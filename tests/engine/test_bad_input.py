@@ -108,6 +108,23 @@ def test_aborting_a_running_request_frees_its_pages_and_others_continue(sdar_dir
         assert llm.scheduler.kv_cache.num_used_pages == 0
 
 
+@pytest.mark.parametrize("req_id", ["0", 1.0, True, None])
+def test_aborting_by_something_other_than_a_request_id_names_the_argument(sdar_dir: Path, req_id) -> None:
+    with engine(sdar_dir) as llm:
+        llm.add_request([3] * 5, SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="req_id=.*must be an integer"):
+            llm.abort_request(req_id)
+        assert llm.abort_request(10**6) is False  # a well-formed id nobody holds: nothing to stop
+        assert not llm.is_finished()
+
+
+def test_an_engine_after_exit_reports_that_it_no_longer_serves(sdar_dir: Path) -> None:
+    llm = engine(sdar_dir)
+    assert llm.load().alive
+    llm.exit()
+    assert not llm.load().alive
+
+
 def test_unknown_constructor_keywords_are_ignored_with_one_warning(sdar_dir: Path) -> None:
     with pytest.warns(UserWarning, match="not_a_field"):
         llm = engine(sdar_dir, not_a_field=3)
