@@ -124,6 +124,21 @@ def _patterns(d: dict[str, Any], name: str, where: str, check: Any, kind: str) -
     return out
 
 
+def _module_selection(d: dict[str, Any], name: str, where: str, keywords: str = "") -> list[str] | str | None:
+    """A PEFT module selection (``target_modules``, ``exclude_modules``): a regular expression over whole module
+    names, a list of module names (each matching a name or its dotted suffix), or one of ``keywords``."""
+    value = d.get(name)
+    if isinstance(value, str):
+        problem = None if value == "all-linear" and keywords else _regex_problem(value)
+        if problem is not None:
+            raise _invalid(where, name, value, f"not a valid regular expression ({problem}); a string is matched "
+                           "to whole module names as a regex")  # fmt: skip
+    elif value is not None and (not isinstance(value, list) or not all(isinstance(t, str) and t for t in value)):
+        raise _invalid(where, name, value,
+                       f"must be a regular expression, {keywords}or a list of module names (non-empty strings)")
+    return value
+
+
 @dataclass
 class LoRAConfig:
     """The fields of ``adapter_config.json`` that decide what the adapter computes."""
@@ -131,6 +146,7 @@ class LoRAConfig:
     r: int
     lora_alpha: float
     target_modules: list[str] | str | None
+    exclude_modules: list[str] | str | None = None
     use_rslora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -160,24 +176,21 @@ class LoRAConfig:
             unsupported.append("fan_in_fan_out=true (Conv1D layers)")
         if d.get("layer_replication"):
             unsupported.append("layer_replication")
+        # adapters of raw parameters (MoE experts' stacked weights), trained embedding rows, and activated LoRA
+        # (the adapter switched on after invocation tokens) each compute something the merged layers do not
+        for name, what in (("target_parameters", "adapted parameters"),
+                           ("trainable_token_indices", "trained token embeddings"),
+                           ("alora_invocation_tokens", "activated LoRA")):  # fmt: skip
+            if d.get(name):
+                unsupported.append(f"{name} ({what})")
         if unsupported:
             raise ValueError(f"{where}: not supported: {', '.join(unsupported)}")
         # PEFT's defaults where a field is absent: r=8, lora_alpha=8
         r = _positive_int(where, "r", d.get("r", 8))
         alpha = _positive_finite(where, "lora_alpha", d.get("lora_alpha", 8))
 
-        targets = d.get("target_modules")
-        if isinstance(targets, str):
-            problem = None if targets == "all-linear" else _regex_problem(targets)
-            if problem is not None:
-                raise _invalid(where, "target_modules", targets, f"not a valid regular expression ({problem}); "
-                               "a string is matched to whole module names as a regex")  # fmt: skip
-        elif targets is not None and (
-            not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets)
-        ):
-            raise _invalid(where, "target_modules", targets,
-                           "must be a regular expression, 'all-linear' or a list of module names (non-empty "
-                           "strings)")  # fmt: skip
+        targets = _module_selection(d, "target_modules", where, "'all-linear', ")
+        excluded = _module_selection(d, "exclude_modules", where)
 
         layers = d.get("layers_to_transform")
         if layers is not None:
@@ -207,6 +220,7 @@ class LoRAConfig:
             r=r,
             lora_alpha=alpha,
             target_modules=targets,
+            exclude_modules=excluded or None,
             use_rslora=_flag(d, "use_rslora", where),
             rank_pattern=_patterns(d, "rank_pattern", where, _positive_int, "ranks (integers > 0)"),
             alpha_pattern=_patterns(d, "alpha_pattern", where, _positive_finite, "alphas (finite numbers > 0)"),
@@ -245,11 +259,16 @@ class LoRAConfig:
             return False
         if t == "all-linear":
             hit = name in linear_names
-        elif isinstance(t, str):
-            hit = re.fullmatch(t, name) is not None
         else:
-            hit = any(self.target_matches(target, name) for target in t)
-        return hit and self._layer_allowed(name)
+            hit = self._selects(t, name)
+        excluded = self.exclude_modules is not None and self._selects(self.exclude_modules, name)
+        return hit and not excluded and self._layer_allowed(name)
+
+    def _selects(self, selection: list[str] | str, name: str) -> bool:
+        """PEFT's module selection: a string is a regex over the whole name, a list's entries name or suffix it."""
+        if isinstance(selection, str):
+            return re.fullmatch(selection, name) is not None
+        return any(self.target_matches(entry, name) for entry in selection)
 
     def _pattern_key(self, patterns: dict[str, Any], name: str) -> str | None:
         """The first key of `patterns` that selects `name`, as PEFT's ``get_pattern_key`` picks it."""
@@ -416,6 +435,8 @@ def resolve_adapter(model: nn.Module, config: LoRAConfig, tensors: dict[str, tor
     untargeted = sorted(n for n in found if n in adaptable and not config.targets(n, linear_names))
     if untargeted:
         layers = "" if config.layers_to_transform is None else f" / layers_to_transform={config.layers_to_transform}"
+        if config.exclude_modules is not None:
+            layers += f" / exclude_modules={config.exclude_modules!r}"
         problems.append(f"adapter tensors for layers outside target_modules={config.target_modules!r}{layers}: "
                         f"{', '.join(untargeted)}")
     if isinstance(config.target_modules, list):

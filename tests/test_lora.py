@@ -214,6 +214,36 @@ def test_unsupported_adapter_kinds_are_refused(dream):
         load(base, adapter)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("target_parameters", ["mlp.experts.gate_up_proj"], "adapted parameters"),
+     ("trainable_token_indices", [3, 4], "trained token embeddings"),
+     ("alora_invocation_tokens", [7, 8], "activated LoRA")],
+)  # fmt: skip
+def test_peft_features_this_engine_does_not_compute_are_refused_by_name(dream, field, value, message):
+    base, adapter = dream
+    edit_config(adapter, **{field: value})
+    with pytest.raises(ValueError, match=rf"not supported: {field} \({message}\)"):
+        load(base, adapter)
+
+
+def test_excluded_modules_are_not_targeted(dream):
+    base, adapter = dream
+    expected = logits_of(load(base, adapter))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "gate_proj"]
+    edit_config(adapter, target_modules=targets, exclude_modules=["gate_proj"])  # the file has no gate_proj tensors
+    assert torch.equal(logits_of(load(base, adapter)), expected)
+    edit_config(adapter, exclude_modules=r".*layers\.0\.mlp\.gate_proj")  # a regex excludes layer 0's only
+    with pytest.raises(ValueError, match=r"without adapter tensors: model\.layers\.1\.mlp\.gate_proj$"):
+        load(base, adapter)
+    edit_config(adapter, target_modules=targets[:-1], exclude_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"outside target_modules=.*exclude_modules=\['q_proj'\]: .*q_proj"):
+        load(base, adapter)
+    edit_config(adapter, exclude_modules="(")
+    with pytest.raises(ValueError, match="exclude_modules.*not a valid regular expression"):
+        load(base, adapter)
+
+
 def test_applying_twice_is_an_error(folders):
     base, adapter = folders["dream"]
     model = load(base, adapter)
