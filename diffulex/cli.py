@@ -152,13 +152,16 @@ class FieldValue:
     dict or list field). A value that is not one is refused while the arguments are parsed, with a message that
     says what the flag takes: ``argument --max-model-len: expected an integer, got 'abc'``."""
 
-    def __init__(self, kind: Any) -> None:
+    def __init__(self, kind: Any, *, nullable: bool = True) -> None:
         self.kind = kind
+        self.nullable = nullable  # ``none``/``null`` means unset (a flag whose value may not be unset says so)
         self.__name__ = getattr(kind, "__name__", "value")  # what argparse names in any message of its own
 
     def __call__(self, text: str) -> Any:
         if text.strip().lower() in ("none", "null"):
-            return None
+            if self.nullable:
+                return None
+            raise argparse.ArgumentTypeError(f"expected {_EXPECTED[self.kind]}, got {shown_value(text)}")
         kind = self.kind
         if kind not in _EXPECTED:
             return text
@@ -357,16 +360,19 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    # The values are read as the engine flags' are (`FieldValue`): the same message for a value of the wrong kind,
+    # and ``none`` for the limits whose default is none, as their help says.
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0,
+    number, integer = FieldValue(float, nullable=False), FieldValue(int, nullable=False)
+    sampling.add_argument("--temperature", type=number, default=0.0,
                           help="0 is greedy: each position takes its most likely token (default: %(default)s here; "
                                "the Python API and the server default to 1.0)")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    sampling.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default: %(default)s)")
-    sampling.add_argument("--max-tokens", type=int, default=64, help="answer length limit (default: %(default)s)")
-    sampling.add_argument("--max-nfe", type=int, default=None,
+    sampling.add_argument("--top-p", type=number, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    sampling.add_argument("--top-k", type=integer, default=0, help="0 keeps every token (default: %(default)s)")
+    sampling.add_argument("--max-tokens", type=integer, default=64, help="answer length limit (default: %(default)s)")
+    sampling.add_argument("--max-nfe", type=FieldValue(int), default=None,
                           help="limit on model forwards per request (default: none)")
-    sampling.add_argument("--max-repetition-run", type=int, default=None,
+    sampling.add_argument("--max-repetition-run", type=FieldValue(int), default=None,
                           help="stop after this many repeats of one token (default: none)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
 
@@ -402,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         "chat", help="talk with a model; each answer is shown while it is denoised",
         description="An interactive conversation: one line is one message, the conversation so far is the context of "
                     "every answer. /exit or Ctrl-D leaves, /reset starts over, Ctrl-C stops an answer. On a terminal "
-                    "the blocks being denoised are drawn live; through a pipe each answer is one plain-text line.",
+                    "the blocks being denoised are drawn live; through a pipe each answer is written as plain text.",
     )
     _add_model_flags(chat)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")

@@ -568,7 +568,9 @@ class Config:
                 raise ValueError(
                     f"model_name could not be inferred from model_type={model_type!r} "
                     f"(architectures={architectures!r}); "
-                    f"pass model_name, one of {format_choices(FAMILIES.names())}"
+                    f"pass model_name, one of {format_choices(FAMILIES.names())}, or load a plugin that "
+                    "registers a family for this model_type (plugins=[MODULE], --plugin MODULE; docs/architecture.md, "
+                    "\"Add a model family\")"
                 )
             self.model_name = name
         self.family = FAMILIES.get(self.model_name)

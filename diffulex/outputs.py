@@ -85,7 +85,9 @@ class GenerationOutputs:
         return self.num_generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     def summary(self) -> str:
+        """One line for people (the command line prints it after the answers): counts, speed, TPF, mean NFE."""
+        n = len(self.trajectories)
         return (
-            f"{len(self.trajectories)} requests, {self.num_generated_tokens} tokens in {self.wall_time:.2f} s "
+            f"{n} request{'' if n == 1 else 's'}, {self.num_generated_tokens} tokens in {self.wall_time:.2f} s "
             f"({self.tps:.1f} tok/s), TPF {self.tpf:.2f}, mean NFE {self.nfe:.1f}"
         )

@@ -39,6 +39,15 @@ def import_plugins(modules: Iterable[str]) -> None:
             importlib.import_module(name)
         except RegistrationError as err:
             raise ValueError(f"plugins: {name!r} could not register: {err}") from err
+        except ModuleNotFoundError as err:
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise ValueError(f"plugins: {name!r} could not be imported: {type(err).__name__}: {err}") from err
+            # The plugin itself is not on the path: the usual first stumble, since the `diffulex` command (a
+            # console script) does not put the current folder on sys.path as `python script.py` puts the script's.
+            raise ValueError(
+                f"plugins: {name!r} could not be imported: no module named {err.name!r} on sys.path; put the folder "
+                f"that holds it on PYTHONPATH (e.g. PYTHONPATH=. diffulex ... --plugin {name}) or install it"
+            ) from err
         except Exception as err:  # any failure of a user's module is reported as that plugin's
             raise ValueError(f"plugins: {name!r} could not be imported: {type(err).__name__}: {err}") from err
 

@@ -151,7 +151,7 @@ def test_an_argument_error_is_a_short_usage_line_the_error_and_where_to_look(cap
     assert run_cli(["generate", "--max-tokens", "many", "hello"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "usage: diffulex generate [options] [prompts ...]",
-        "diffulex generate: error: argument --max-tokens: invalid int value: 'many'",
+        "diffulex generate: error: argument --max-tokens: expected an integer, got 'many'",
         "see 'diffulex generate --help'",
     ]
 
@@ -278,6 +278,27 @@ def test_a_number_flag_given_text_says_what_it_expects(flag, expected, capsys):
     assert capsys.readouterr().err.splitlines()[1] == (
         f"diffulex generate: error: argument {flag}: expected {expected}, got 'abc'"
     )
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("--max-tokens", "an integer"), ("--top-k", "an integer"),
+                                                ("--max-nfe", "an integer"), ("--temperature", "a number"),
+                                                ("--top-p", "a number")])
+def test_a_sampling_flag_given_text_says_what_it_expects_like_an_engine_flag(flag, expected, capsys):
+    assert run_cli(["generate", flag, "abc", "hello"]) == 2
+    assert capsys.readouterr().err.splitlines()[1] == (
+        f"diffulex generate: error: argument {flag}: expected {expected}, got 'abc'"
+    )
+
+
+def test_the_sampling_limits_whose_default_is_none_take_none_the_others_refuse_it(capsys):
+    """`--max-nfe` and `--max-repetition-run` say "(default: none)" in --help; `none` gives them that default, as
+    it unsets an engine flag. `--max-tokens none` has no meaning and is refused at parse time."""
+    from diffulex.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--max-nfe", "none", "--max-repetition-run", "null", "hi"])
+    assert args.max_nfe is None and args.max_repetition_run is None
+    assert run_cli(["generate", "--max-tokens", "none", "hello"]) == 2
+    assert "argument --max-tokens: expected an integer, got 'none'" in capsys.readouterr().err
 
 
 # --- a bad file or checkpoint is one line naming it, never a traceback ---------------------------------------

@@ -98,6 +98,9 @@ def test_uninferable_model_name_is_rejected_listing_known_names(tmp_path):
     model = write_model(tmp_path / "m", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="model_name could not be inferred from model_type='gpt2'.*'sdar'"):
         Config(model)
+    # a checkpoint of a kind no family claims is what a family plugin is for: the message says so
+    with pytest.raises(ValueError, match=r"or load a plugin that registers a family for this model_type"):
+        Config(model)
 
 
 def test_unknown_model_name_is_rejected_listing_known_names(tmp_path):

@@ -88,3 +88,9 @@ def test_summary_reports_the_metrics():
     out = GenerationOutputs([traj(10, "eos_token_generated", 4), traj(3, "max_new_tokens_reached", 1)], 2.0, 5)
     text = out.summary()
     assert "2 requests" in text and "14 tokens" in text and "TPF 2.80" in text and "mean NFE 2.5" in text
+
+
+def test_summary_of_one_request_says_request():
+    """The command line prints the summary after every demo, which most often has one prompt."""
+    text = GenerationOutputs([traj(3, "eos_token_generated", 2)], 1.0, 2).summary()
+    assert text.startswith("1 request, 4 tokens in ")

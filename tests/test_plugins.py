@@ -125,6 +125,56 @@ def test_a_plugin_that_fails_to_import_names_itself(sdar_dir: Path):
         Diffulex(str(sdar_dir), plugins=["no_such_plugin_module"])
 
 
+def test_a_plugin_not_on_the_path_is_told_how_to_get_there(sdar_dir: Path, tmp_path: Path):
+    """`diffulex` is a console script: the folder it runs in is not on sys.path, so a plugin module sitting there is
+    not found. The message says so and how to fix it; a missing import inside the plugin is reported as it is."""
+    with pytest.raises(ValueError, match=r"no module named 'no_such_plugin_module' on sys.path; put the folder that "
+                                         r"holds it on PYTHONPATH \(e\.g\. PYTHONPATH=\. diffulex"):
+        Diffulex(str(sdar_dir), plugins=["no_such_plugin_module"])
+    (tmp_path / "needs_missing.py").write_text("import no_such_dependency_module\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"'needs_missing' could not be imported: ModuleNotFoundError: No module "
+                                             r"named 'no_such_dependency_module'$"):
+            Diffulex(str(sdar_dir), plugins=["needs_missing"])
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_strategy_subclass_under_its_own_name_does_not_inherit_aliases():
+    """multi_bd's aliases are its old names; a plugin's ``class X(MultiBD)`` would be refused for claiming them."""
+    from diffulex.strategy.multi_bd import MultiBD
+
+    class OwnName(MultiBD):
+        name = "own_name"
+
+    class OwnAliases(MultiBD):
+        name = "own_aliases"
+        aliases = ("own_old_name",)
+
+    assert OwnName.aliases == () and OwnAliases.aliases == ("own_old_name",)
+    assert "multi_block_diffusion" in MultiBD.aliases
+
+
+def test_a_host_rule_that_claims_in_graph_sampling_is_refused_on_every_device():
+    """A strategy inherits ``samples_in_graph = True``; a host-only sampler cannot honour it on a GPU's decode
+    graphs, so the build refuses it at once, on the CPU too, naming the attribute to set."""
+    from diffulex.engine.assembly import check_sampler_fits_strategy
+    from diffulex.strategy.multi_bd import MultiBD
+
+    class HostOnly(MultiBD):
+        name = "host_only"
+
+    class HostSampler:
+        pass
+
+    with pytest.raises(ValueError, match=r"decoding_strategy='host_only' is invalid: samples_in_graph is True but "
+                                         r"its sampler HostSampler has no greedy_result.*samples_in_graph = False"):
+        check_sampler_fits_strategy(HostOnly(), HostSampler())
+    HostOnly.samples_in_graph = False
+    check_sampler_fits_strategy(HostOnly(), HostSampler())
+
+
 def test_the_cli_loads_plugins_named_by_flag(peaky_sdar_dir: Path, python_answer):
     result = run_cli(
         ["generate", "--model", str(peaky_sdar_dir), "--plugin", "fixed_k", "--decoding-strategy", "fixed_k",

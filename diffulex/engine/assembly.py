@@ -39,7 +39,7 @@ from diffulex.engine.tensor_parallel import (
 )
 from diffulex.layers.parallel_state import engine_ranks
 from diffulex.strategy.request import DecodeSettings, Request, decoded_for_progress
-from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner
+from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner, Strategy
 from diffulex.validation import invalid_value, warn
 
 if TYPE_CHECKING:
@@ -267,6 +267,20 @@ def _prefill_cost_model(config: Config, model: torch.nn.Module) -> PrefillCostMo
         raise invalid_value("max_prefill_chunk_cost", config.max_prefill_chunk_cost, str(err)) from None
 
 
+def check_sampler_fits_strategy(strategy: Strategy, sampler: object) -> None:
+    """A strategy that says its greedy steps sample inside the decode graph (`Strategy.samples_in_graph`, inherited
+    as True) needs a sampler with the device rule those graphs capture (``greedy_result``). Checked at every build,
+    on the CPU too, so that a plugin whose rule runs only on the host fails where it is written, naming the
+    attribute, not at its first CUDA-graph capture on a GPU."""
+    if strategy.samples_in_graph and not callable(getattr(sampler, "greedy_result", None)):
+        raise ValueError(
+            f"decoding_strategy={strategy.name!r} is invalid: samples_in_graph is True but its sampler "
+            f"{type(sampler).__name__} has no greedy_result (the rule a decode graph captures); set "
+            "samples_in_graph = False on the strategy for a rule that runs on the host (docs/architecture.md, "
+            "\"Add a decoding strategy\")"
+        )
+
+
 def _model_runner(
     config: Config,
     device: torch.device,
@@ -285,6 +299,7 @@ def _model_runner(
             config.seed, config.strategy_options,
         )
     )  # fmt: skip
+    check_sampler_fits_strategy(strategy, sampler)
     block_size = strategy.attention_block_size(config)
     runner_settings = RunnerSettings(
         block_size=block_size,

@@ -171,6 +171,14 @@ class Strategy:
     # the full graphs' padding. It costs captures at the engine's start and a graph pool as large as the full one.
     short_buckets_past_max_requests: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Aliases are other spellings of one name, so a subclass registered under a name of its own does not take
+        its parent's: a plugin's ``class MyRule(MultiBD)`` would otherwise claim multi_bd's old names and be refused
+        for aliases it never chose."""
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ and "aliases" not in cls.__dict__:
+            cls.aliases = ()
+
     # ----- configuration -----------------------------------------------------------------------------------
 
     def for_sampling_mode(self, mode: str) -> Strategy:
