@@ -20,7 +20,7 @@ from dataclasses import MISSING, Field
 from pathlib import Path
 from typing import Any
 
-from diffulex.validation import invalid_value, reject_unknown_keys, shown_value
+from diffulex.validation import invalid_value, reject_unknown_keys, shown_value, warn
 from diffulex.yaml_file import read_yaml_file
 
 # Modules that contribute subcommands: each has ``add_parser(subparsers)`` that registers its own and sets ``func``.
@@ -222,18 +222,17 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
-# Old names a YAML file may give a field by (as the Python API and the benchmark files accept them). A file that
-# gives both names must give them one value, as ``Config.from_kwargs`` requires of keyword arguments.
-YAML_FIELD_ALIASES = {"model_path": "model", "num_kvcache_blocks": "num_pages"}
+# A file names the checkpoint folder ``model_path`` (the benchmark files' key) or ``model``.
+YAML_MODEL_KEYS = ("model_path", "model")
 
 
 def load_yaml_engine_fields(path: str) -> dict[str, Any]:
     """Engine fields from a YAML file: either an ``engine:`` section (benchmark layout) or a flat mapping.
 
-    ``model_path`` is read as ``model`` and ``num_kvcache_blocks`` as ``num_pages`` (`YAML_FIELD_ALIASES`); a file
+    ``model_path`` is read as ``model`` and the old names of `diffulex.config.FIELD_ALIASES` as their fields; a file
     that gives both names of one field different values, a key twice or a key that is no engine field is refused.
     """
-    from diffulex.config import engine_fields
+    from diffulex.config import FIELD_ALIASES, engine_fields, resolve_field_aliases
 
     data = read_yaml_file(path)
     if data is None:  # an empty file
@@ -243,15 +242,26 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
     fields = data.get("engine", data)
     if not isinstance(fields, dict):
         raise ValueError(f"config={path!r}: 'engine' must be a mapping of engine fields")
+    if "engine" in data:  # the benchmark layout; other top-level keys may hold YAML anchors, but not fields
+        field_names = {f.name for f in engine_fields()} | set(FIELD_ALIASES) | set(YAML_MODEL_KEYS)
+        stray = sorted(key for key in data if key in field_names)
+        if stray:
+            raise ValueError(
+                f"config={path!r}: {', '.join(stray)} beside the engine section would have no effect; give engine "
+                "fields inside it"
+            )
+        if data.get("eval"):
+            warn(f"config={path!r}: the eval section ({', '.join(map(str, data['eval']))}) is read by `diffulex "
+                 "bench`; this command takes only the engine section, so give sampling settings as flags "
+                 "(--temperature, --max-tokens, ...)")
     not_names = [key for key in fields if not isinstance(key, str)]
     if not_names:
         raise ValueError(
             f"config={path!r}: the key {shown_value(not_names[0])} is invalid: engine keys are field names (strings)"
         )
-    fields = dict(fields)
-    for old, new in YAML_FIELD_ALIASES.items():
-        if old not in fields:
-            continue
+    fields = resolve_field_aliases(fields, where=f"config={path!r}: ")
+    old, new = YAML_MODEL_KEYS
+    if old in fields:
         value = fields.pop(old)
         if new in fields and fields[new] != value:
             raise ValueError(

@@ -49,6 +49,7 @@ from diffulex.validation import (
     invalid_value,
     is_int,
     reject_unknown_keys,
+    shown_value,
     warn,
 )
 
@@ -72,7 +73,6 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 PROFILERS = (None, "torch")
 # "<run_id>.json" must fit the 255 bytes most file systems allow a file name.
 PROFILER_RUN_ID_BYTES = 250
-
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,6 +125,33 @@ def _field(default: Any, help: str, choices: Sequence[Any] | Callable[[], Sequen
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+# Old names of engine fields (the original Diffulex's and its benchmark files'), accepted wherever fields are given:
+# keyword arguments, YAML files (`diffulex.cli`, `diffulex.bench.config`) and lm-eval's model_args.
+FIELD_ALIASES = {
+    "diffusion_block_size": "block_size",
+    "max_num_seqs": "max_num_reqs",
+    "num_kvcache_blocks": "num_pages",
+}
+
+
+def resolve_field_aliases(fields: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """``fields`` with each old name of `FIELD_ALIASES` replaced by its field; both names with different values are
+    refused (which one was meant is unknowable), both with one value accepted. ``where`` prefixes the message (a
+    file's name)."""
+    out = dict(fields)
+    for old, new in FIELD_ALIASES.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise ValueError(
+                f"{where}{old}={shown_value(value)} conflicts with {new}={shown_value(out[new])}: {old} is the old "
+                f"name of {new}, give only one"
+            )
+        out[new] = value
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -489,16 +516,9 @@ class Config:
         """Build from a loose kwargs dict (Python API, YAML, lm-eval model_args).
 
         Unknown keys are dropped, but never silently: one warning names all of them, so a typo such as
-        ``acept_threshold`` is visible. ``num_kvcache_blocks`` is accepted as the old name of ``num_pages``.
+        ``acept_threshold`` is visible. The old names of `FIELD_ALIASES` are read as their fields.
         """
-        if "num_kvcache_blocks" in kwargs:
-            alias = kwargs.pop("num_kvcache_blocks")
-            if "num_pages" in kwargs and kwargs["num_pages"] != alias:
-                raise ValueError(
-                    f"num_kvcache_blocks={alias!r} conflicts with num_pages={kwargs['num_pages']!r}: "
-                    "num_kvcache_blocks is the old name of num_pages, pass only one"
-                )
-            kwargs["num_pages"] = alias
+        kwargs = resolve_field_aliases(kwargs)
         known = {f.name for f in engine_fields()} - {"model"}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -361,7 +361,7 @@ def test_yaml_with_num_kvcache_blocks_and_a_different_num_pages_is_refused(sdar_
     assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"]) == 2
     assert last_error_line(capsys) == (
         f"error: config={config!r}: num_kvcache_blocks=32 conflicts with num_pages=64: num_kvcache_blocks is "
-        "another name of num_pages, give only one"
+        "the old name of num_pages, give only one"
     )
     assert seen_configs == []
 
@@ -373,6 +373,30 @@ def test_yaml_with_model_and_a_different_model_path_is_refused(sdar_dir, tmp_pat
         f"error: config={config!r}: model_path={str(tmp_path)!r} conflicts with model={str(sdar_dir)!r}: "
         "model_path is another name of model, give only one"
     )
+    assert seen_configs == []
+
+
+def test_yaml_reads_the_old_field_names_the_benchmark_files_and_python_read(sdar_dir, tmp_path, capsys, seen_configs):
+    config = write_yaml(tmp_path, "engine:\n  diffusion_block_size: 4\n  max_num_seqs: 3\n  buffer_size: 1\n")
+    assert main(["generate", "--model", str(sdar_dir), "--config", config, "--max-tokens", "4", "--quiet", "hi"]) == 0
+    assert (seen_configs[0].block_size, seen_configs[0].max_num_reqs) == (4, 3)
+
+
+def test_a_benchmark_files_eval_section_is_named_as_having_no_effect_on_generate(sdar_dir, tmp_path, caplog,
+                                                                                   seen_configs):
+    config = write_yaml(tmp_path, "engine:\n  block_size: 4\neval:\n  max_tokens: 1024\n  temperature: 0.0\n")
+    assert main(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"]) == 0
+    assert "the eval section (max_tokens, temperature) is read by `diffulex bench`" in caplog.text
+
+
+def test_an_engine_field_beside_the_engine_section_is_refused(sdar_dir, tmp_path, capsys, seen_configs):
+    config = write_yaml(tmp_path, "engine:\n  block_size: 4\nbuffer_size: 2\n")
+    assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"]) == 2
+    assert last_error_line(capsys) == (
+        f"error: config={config!r}: buffer_size beside the engine section would have no effect; give engine fields "
+        "inside it"
+    )
+    assert seen_configs == []
     assert seen_configs == []
 
 

@@ -794,11 +794,14 @@ def test_known_kwargs_produce_no_warning(tmp_path):
         Config.from_kwargs(model, model_name="sdar", max_num_reqs=3)
 
 
-def test_num_kvcache_blocks_is_an_alias_of_num_pages(tmp_path):
+def test_the_original_field_names_are_read_as_their_fields(tmp_path):
+    """The original's names, as its benchmark files and lm-eval model_args give them: the same in Python as in YAML."""
     model = write_model(tmp_path / "m")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert Config.from_kwargs(model, model_name="sdar", num_kvcache_blocks=64).num_pages == 64
+        cfg = Config.from_kwargs(model, model_name="sdar", num_kvcache_blocks=64, diffusion_block_size=8,
+                                 max_num_seqs=3)  # fmt: skip
+    assert (cfg.num_pages, cfg.block_size, cfg.max_num_reqs) == (64, 8, 3)
 
 
 def test_conflicting_num_kvcache_blocks_and_num_pages_are_rejected(tmp_path):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffulex.config import Config, engine_fields
+from diffulex.config import FIELD_ALIASES, Config, engine_fields
 from diffulex.sampling_params import MIN_REPETITION_RUN
 from diffulex.strategy.strategy import STRATEGIES
 from diffulex.validation import check_bool, check_int, check_number, invalid_value
@@ -39,12 +39,8 @@ from diffulex.yaml_file import read_yaml_file
 
 logger = logging.getLogger(__name__)
 
-# Old engine key -> current field.
-ENGINE_KEY_ALIASES = {
-    "diffusion_block_size": "block_size",
-    "max_num_seqs": "max_num_reqs",
-    "num_kvcache_blocks": "num_pages",
-}
+# Old engine key -> current field (the engine's own table: every front end reads the same old names).
+ENGINE_KEY_ALIASES = FIELD_ALIASES
 MODEL_KEYS = ("model_path", "model")
 SECTIONS = ("engine", "eval")
 
