@@ -337,7 +337,8 @@ class DataParallelEngine:
         if not replica.alive:
             return
         replica.alive = False
-        replica.load = dataclasses.replace(replica.load, alive=False)
+        # its last report would stay on /health and /metrics for good: a dead replica runs and holds nothing
+        replica.load = dataclasses.replace(replica.load, running=0, waiting=0, kv_pages_used=0, alive=False)
         message = f"data-parallel replica {replica.rank} died ({why})"
         self._early.extend(self._failed(req_id, message) for req_id in sorted(replica.held))
         replica.held.clear()

@@ -256,13 +256,7 @@ def create_app(
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return error_response(APIError(400, message, code="invalid_json"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        # Union members show up as extra path parts ("prompt.str"); the field name is what the client sent.
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid value')}"
-        if "input" in first and first.get("type") != "missing":
-            message += f" (got {json.dumps(first['input'], default=str)[:100]})"
+        message, param = validation_message(errors)
         return error_response(APIError(400, message, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -481,7 +475,8 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "exactly one of prompt or messages must be given", param="prompt")
         if body.num_choices != 1:
-            raise APIError(400, f"n={body.n} is not supported on /generate (use /v1/completions)", param="n")
+            raise APIError(400, f"n={body.n} is invalid on /generate: it answers one completion, so n must be 1 or "
+                           "null (several choices: /v1/completions or /v1/chat/completions)", param="n")
         if body.messages is not None:
             prompt = await encoder.render_chat(body.messages, bool(body.parse_special_tokens))
         else:
@@ -573,6 +568,41 @@ def create_app(
         return {"model": model_name, "block_size": engine_loop.block_size, "max_model_len": engine_loop.max_model_len}
 
     return app
+
+
+def _is_type_tag(part: str) -> bool:
+    """Whether a location part names a member of a union (``str``, ``list[int]``, a model) rather than a field."""
+    return part in ("str", "int", "float", "bool", "dict", "list") or "[" in part or part[:1].isupper()
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A request-validation failure as ``(message, param)``: the field the client sent, its value, what is allowed.
+
+    A field whose type is a union (``stop``: a string or a list of strings) fails once per member, each error
+    under a location naming the member (``stop.str``, ``stop.list[str].1``); reporting only the first would tell
+    a client who sent ``["a", 1]`` that ``stop`` must be a string. Such a field's message lists every member.
+    """
+    first = errors[0] if errors else {}
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    loc = locs[0] if locs else []
+    param = loc[0] if loc else None
+    for depth, part in enumerate(loc):
+        if not _is_type_tag(part):
+            continue
+        members = list(dict.fromkeys(other[depth] for other in locs if len(other) > depth and
+                                     other[:depth] == loc[:depth]))  # fmt: skip
+        if len(members) > 1 and all(_is_type_tag(m) for m in members):
+            where = ".".join(loc[:depth]) or "body"
+            # the value as sent: the input of a member that refused it whole (not one of its items)
+            sent = next((e.get("input") for e, other in zip(errors, locs, strict=True)
+                         if len(other) == depth + 1 and other[:depth] == loc[:depth]), first.get("input"))
+            shown = json.dumps(sent, default=str)[:100]
+            return f"{where}: must be {' or '.join(members)} (got {shown})", param
+    where = ".".join(loc) or "body"
+    message = f"{where}: {first.get('msg', 'invalid value')}"
+    if "input" in first and first.get("type") != "missing":
+        message += f" (got {json.dumps(first['input'], default=str)[:100]})"
+    return message, param
 
 
 def _completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -28,6 +29,54 @@ def port_number(text: str) -> int:
     return port
 
 
+def host_address(text: str) -> str:
+    """``--host``: an empty host would make uvicorn listen on every interface, IPv4 and IPv6, as only ``0.0.0.0``
+    (or ``::``) should ask for (there is no authentication); an empty ``--host "$HOST"`` must not do that."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be an address or a host name (0.0.0.0 listens "
+                                         "on every interface)")
+    return text
+
+
+def model_name(text: str) -> str:
+    """``--served-model-name``: an empty name would be replaced by the folder's without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a non-empty model id")
+    return text
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, bound before the engine loads, as uvicorn (asyncio's ``create_server``) would bind
+    them: one per address ``host`` resolves to, IPv6 ones IPv6-only. A host that does not resolve, a port in use
+    or one this user may not bind then fails at once, naming the flags, instead of after the model has loaded (a
+    log line from uvicorn minutes later); and the address printed is the one bound, even for ``--port 0``."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"--host={host!r} is invalid: it does not resolve to an address ({err})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # every address on the one port the system chose
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+    except OSError as err:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(f"cannot listen on --host={host} --port={port}: {err.strerror or err}") from None
+    return sockets
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/" if sock.family == socket.AF_INET6 else f"http://{host}:{port}/"
+
+
 def seconds(text: str) -> float:
     """``--queue-timeout``, ``--shutdown-grace``: checked while the arguments are parsed (`limits.is_seconds`)."""
     try:
@@ -44,9 +93,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
     parser.add_argument("--config", default=None, help="YAML file with engine fields (flat or under 'engine:')")
     net = parser.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    net.add_argument("--host", type=host_address, default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     net.add_argument("--port", type=port_number, default=8000, help="port to listen on, 0-65535 (default 8000)")
-    net.add_argument("--served-model-name", default=None,
+    net.add_argument("--served-model-name", type=model_name, default=None,
                      help="model id shown by /v1/models and accepted in requests (default: the folder name)")
     net.add_argument("--max-waiting-requests", type=int, default=256,
                      help="requests that may wait beyond the engine's max_num_reqs running ones (default 256)")
@@ -118,7 +168,13 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes={args.max_body_bytes} is invalid: must be an integer >= 1")
-    engine = build_served_engine(str(model), fields, args.engine_placement)
+    sockets = listening_sockets(args.host, args.port)
+    try:
+        engine = build_served_engine(str(model), fields, args.engine_placement)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     name = args.served_model_name
     loop = EngineLoop(
         engine,
@@ -128,7 +184,8 @@ def serve(args: argparse.Namespace) -> int:
         metrics=ServerMetrics(name or ""),
     )
     app = create_app(loop, name, shutdown_grace_s=args.shutdown_grace, max_body_bytes=args.max_body_bytes)
-    print(f"serving {app.state.served_model_name} on http://{args.host}:{args.port}/", file=sys.stderr)
+    print(f"serving {app.state.served_model_name} on {' and '.join(url_of(sock) for sock in sockets)}",
+          file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     server = GracefulServer(config, loop, args.shutdown_grace)
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it found
@@ -136,7 +193,7 @@ def serve(args: argparse.Namespace) -> int:
     stop_signals = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

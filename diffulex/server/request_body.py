@@ -140,7 +140,12 @@ class BodyGuard:
             if declared is not None and declared > self.max_body_bytes:
                 raise self._too_large(f"{declared} bytes")
             body = await self._read(receive)
-            if body and json_route:
+            if body is None:  # the client left before its body ended: nothing to serve, no one to answer
+                return
+            if json_route and scope["method"] == "POST":
+                if not body:
+                    raise APIError(400, "the request body is empty: it must be a JSON object",
+                                   code="invalid_json")
                 parse_json_body(body)
         except APIError as err:
             if self.on_reject is not None:
@@ -154,13 +159,15 @@ class BodyGuard:
         return APIError(413, f"the request body ({size}) is over this server's limit of {self.max_body_bytes} bytes "
                         "(--max-body-bytes)", code="body_too_large")
 
-    async def _read(self, receive: Receive) -> bytes:
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client disconnected before sending all of it: a body cut short (its
+        ``Content-Length`` not reached, its chunks not ended) may still parse, and must not be served as if whole."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                break
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:

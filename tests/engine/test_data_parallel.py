@@ -121,6 +121,8 @@ def test_a_replica_that_dies_fails_only_its_requests_and_the_others_keep_serving
                 assert traj.error is None and traj.token_ids == expected[i]
         load = llm.load()
         assert [r.alive for r in load.replicas] == [False, True] and load.alive
+        dead = load.replicas[0]  # holds nothing: not the figures of its last report, when it ran two requests
+        assert (dead.running, dead.waiting, dead.kv_pages_used) == (0, 0, 0)
         # new requests go to the replica left, with the answers of a single engine
         assert [t.token_ids for t in llm.generate(PROMPTS[:2], long, use_tqdm=False)] == templated
 

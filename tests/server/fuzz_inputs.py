@@ -33,8 +33,16 @@ WRONG_TYPES: dict[str, tuple[str, ...]] = {
 }
 UNICODE_JUNK = ("\ud800", "a\udfffb", "\ud83d", "\x00\x01\x1f", "\u202eRTL\u202c", "e\u0301\u0301\u0301",
                 "\U0001f600" * 50, "\u2028\u2029", "\ufeff\ufffe", "<|im_end|>", "\\u0000", "\U0010ffff")
-MALFORMED = ("{", "{\"prompt\": }", "{'prompt': 'x'}", "[1, 2", "\"abc", "{\"a\": 1,}", "nul", "{}}", ",",
+MALFORMED = ("", " ", "{", "{\"prompt\": }", "{'prompt': 'x'}", "[1, 2", "\"abc", "{\"a\": 1,}", "nul", "{}}", ",",
              "{\"prompt\": \"x\" \"max_tokens\": 4}", "\x00", "{\"prompt\": \"\\x\"}")
+# Stop values: text the stream must hold back or cut on, and values of the wrong shape or size (at most 16
+# strings of at most 256 characters).
+STOP_VALUES: tuple[Any, ...] = (
+    "s", ["s", "\t"], "\x00", " ", "\ufffd", "<|im_end|>", "\U0001f600", "e\u0301", ["a"] * 16, ["a"] * 17,
+    "x" * 256, "x" * 257, [""], "", [], ["ok", ""], [["a"]], ["a", 1], [None], {"a": "b"}, 7, True,
+    ["\u202e", "\u2028"], ["a" * 256] * 16,
+)
+N_VALUES = (0, -1, 1, 2, 3, 8, 16, 17, 2**31, 2**63 - 1)
 NOT_OBJECTS = ("[]", "42", "\"prompt\"", "null", "true", "[{\"prompt\": \"x\"}]")
 
 
@@ -109,6 +117,27 @@ def unicode_case(rng: random.Random, route: str) -> Case:
     return Case("POST", route, _with_field(route, field, raw), "maybe", field, "unicode junk")
 
 
+def stop_case(rng: random.Random, route: str) -> Case:
+    """A stop value (streamed or not): served, or refused naming ``stop``."""
+    body = {**BASES[route], "stop": rng.choice(STOP_VALUES), "stream": rng.random() < 0.5}
+    return Case("POST", route, json.dumps(body).encode(), "maybe", "stop", "stop value")
+
+
+def choices_case(rng: random.Random, route: str) -> Case:
+    """Several choices (``n``, and lists of prompts on /v1/completions): at most 16 completions per request, and
+    /generate answers one; a refusal names ``n``, or ``prompt`` when only the prompts are too many."""
+    n = rng.choice(N_VALUES)
+    body = {**BASES[route], "n": n, "stream": rng.random() < 0.5}
+    prompts = 1
+    if route == "/v1/completions" and rng.random() < 0.5:
+        prompts = rng.choice([1, 2, 5, 16, 17])
+        body["prompt"] = [f"The baker {k}" for k in range(prompts)]
+    if (route == "/generate" and n != 1) or n < 1 or prompts * n > 16:
+        param = "n" if n != 1 else "prompt"
+        return Case("POST", route, json.dumps(body).encode(), "bad", param, "too many or too few choices")
+    return Case("POST", route, json.dumps(body).encode(), "maybe", "n", "several choices")
+
+
 def malformed_case(rng: random.Random, route: str) -> Case:
     choice = rng.random()
     if choice < 0.4:
@@ -143,7 +172,7 @@ def other_route_case(rng: random.Random) -> Case:
 def random_cases(seed: int, count: int, body_limit: int) -> list[Case]:
     """``count`` hostile requests over every route, the same ones for the same seed."""
     rng = random.Random(seed)
-    makers = [wrong_type_case, extreme_number_case, unicode_case, malformed_case]
+    makers = [wrong_type_case, extreme_number_case, unicode_case, malformed_case, stop_case, choices_case]
     cases = []
     for _ in range(count):
         roll = rng.random()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from diffulex.cli import build_parser, main
+from diffulex.server.cli import listening_sockets, url_of
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 from diffulex.testing.distributed import free_port
 
@@ -40,6 +42,10 @@ def test_a_body_limit_below_one_byte_is_refused_naming_the_flag() -> None:
     ("--shutdown-grace", "nan", "must be a finite number of seconds >= 0"),
     ("--shutdown-grace", "-1", "must be a finite number of seconds >= 0"),
     ("--shutdown-grace", "inf", "must be a finite number of seconds >= 0"),
+    # an empty host (`--host "$HOST"` with HOST unset) would listen on every interface
+    ("--host", "", "must be an address or a host name (0.0.0.0 listens on every interface)"),
+    ("--host", " ", "must be an address or a host name (0.0.0.0 listens on every interface)"),
+    ("--served-model-name", "", "must be a non-empty model id"),
 ])
 def test_a_server_flag_out_of_range_is_refused_while_parsing_before_anything_loads(
     flag: str, value: str, allowed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -62,6 +68,32 @@ def test_a_server_flag_out_of_range_is_refused_while_parsing_before_anything_loa
 def test_server_flags_at_the_ends_of_their_ranges_are_accepted(flag: str, value: str, parsed: float) -> None:
     args = build_parser().parse_args(["serve", flag, value])
     assert getattr(args, flag[2:].replace("-", "_")) == parsed
+
+
+def test_a_port_in_use_is_refused_naming_the_flags_before_the_engine_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffulex.server.engine_placement as placement
+
+    built = []
+    monkeypatch.setattr(placement, "build_served_engine", lambda *args, **kwargs: built.append(args))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--port", str(port)])
+        with pytest.raises(ValueError, match=rf"^cannot listen on --host=127.0.0.1 --port={port}: "):
+            args.func(args)
+    assert built == []
+
+
+def test_port_zero_is_reported_as_the_port_the_system_chose() -> None:
+    sockets = listening_sockets("127.0.0.1", 0)
+    try:
+        assert len(sockets) == 1
+        port = sockets[0].getsockname()[1]
+        assert port != 0 and url_of(sockets[0]) == f"http://127.0.0.1:{port}/"
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_module_entry_point_serves_and_exits_cleanly_on_sigterm(sdar_dir: Path) -> None:

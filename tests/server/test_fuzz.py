@@ -31,6 +31,11 @@ VALID: list[tuple[str, dict[str, Any]]] = [
     ("/generate", {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": ["A lighthouse", "The sea"], "max_tokens": 6,
                          "temperature": 0, "stream": True}),
+    # several seeded choices streamed with stop strings: one choice ends on a stop string, the other at its length
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "Once upon", "max_tokens": 12, "temperature": 0.9, "seed": 3,
+                         "n": 2, "stop": ["s", "\t"], "stream": True}),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell a story"}],
+                              "max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2, "stop": "a", "stream": True}),
 ]
 
 
@@ -45,7 +50,8 @@ def answer_of(http: httpx.Client, route: str, body: dict[str, Any]) -> Any:
                     event = json.loads(line[6:])
                     assert "error" not in event, event
                     for choice in event["choices"]:
-                        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+                        text = choice["text"] if "text" in choice else choice["delta"].get("content", "")
+                        texts[choice["index"]] = texts.get(choice["index"], "") + text
         return [texts[k] for k in sorted(texts)]
     response = http.post(route, json=body)
     assert response.status_code == 200, response.text

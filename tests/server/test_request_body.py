@@ -3,6 +3,7 @@ that name the field and never echo unencodable text."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES
 from diffulex.server.protocol import APIError, escaped
-from diffulex.server.request_body import INT64_MAX, check_values, parse_json_body
+from diffulex.server.request_body import INT64_MAX, BodyGuard, check_values, parse_json_body
 
 from .conftest import MODEL_NAME, RunningServer
 
@@ -140,3 +141,44 @@ def test_a_json_content_type_with_parameters_or_any_case_is_accepted(server: Run
     with server.client() as http:
         response = http.post("/v1/completions", content=json.dumps(GOOD), headers={"content-type": content_type})
     assert response.status_code == 200, response.text
+
+
+def _guarded(messages: list[dict]) -> tuple[list[bytes], list[dict]]:
+    """Runs one ``POST /v1/completions`` whose client sends ``messages`` through `BodyGuard`: the bodies the route
+    was handed, and what was sent back."""
+    handed: list[bytes] = []
+    sent: list[dict] = []
+
+    async def route(scope, receive, send) -> None:
+        handed.append((await receive())["body"])
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+    asyncio.run(BodyGuard(route, max_body_bytes=1024, json_paths=["/v1/completions"])(scope, receive, send))
+    return handed, sent
+
+
+def test_a_body_cut_short_by_a_disconnect_is_never_served_even_when_the_part_sent_parses() -> None:
+    # Content-Length says 100 bytes; the client sends a complete-looking JSON object of 15, then leaves.
+    handed, sent = _guarded([{"type": "http.request", "body": b'{"prompt": "a"}', "more_body": True},
+                             {"type": "http.disconnect"}])
+    assert handed == [] and sent == []
+    # the same bytes as the whole body reach the route
+    handed, sent = _guarded([{"type": "http.request", "body": b'{"prompt": "a"}', "more_body": False}])
+    assert handed == [b'{"prompt": "a"}'] and sent == []
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_an_empty_body_is_refused_saying_it_is_empty(server: RunningServer, route: str) -> None:
+    with server.client() as http:
+        response = http.post(route, content=b"", headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_json", None)
+    assert error["message"] == "the request body is empty: it must be a JSON object"

@@ -90,6 +90,40 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server: RunningServer
         assert good.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+# A field of several types (a union) refused: the message names every type the field takes and the value sent.
+WRONG_TYPES_OF_UNION_FIELDS = [
+    ("/v1/completions", {**GOOD, "stop": ["a", 1]}, "stop", 'stop: must be str or list[str] (got ["a", 1])'),
+    ("/v1/completions", {**GOOD, "stop": 5}, "stop", "stop: must be str or list[str] (got 5)"),
+    ("/v1/completions", {**GOOD, "prompt": [True]}, "prompt",
+     "prompt: must be str or list[int] or list[str] or list[list[int]] (got [true])"),
+    ("/v1/completions", {**GOOD, "logprobs": "yes"}, "logprobs", 'logprobs: must be bool or int (got "yes")'),
+    ("/generate", {"prompt": {"text": "hi"}}, "prompt", 'prompt: must be str or list[int] (got {"text": "hi"})'),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     "messages.0.content: must be str or list[dict[str,any]] (got 5)"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param", "message"), WRONG_TYPES_OF_UNION_FIELDS)
+def test_a_wrong_type_for_a_field_of_several_types_names_them_all(
+    server: RunningServer, route: str, body: dict, param: str, message: str
+) -> None:
+    with server.client() as http:
+        response = http.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["message"]) == (param, message)
+
+
+@pytest.mark.parametrize("n", [0, -1, 2])
+def test_generate_refuses_any_n_but_one_saying_what_is_allowed(server: RunningServer, n: int) -> None:
+    with server.client() as http:
+        response = http.post("/generate", json={"prompt": "hi", "max_tokens": 2, "n": n})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n"
+    assert error["message"].startswith(f"n={n} is invalid on /generate: it answers one completion, so n must be 1")
+
+
 def test_max_completion_tokens_out_of_range_is_refused_naming_max_completion_tokens(server: RunningServer) -> None:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}
     with server.client() as http:
