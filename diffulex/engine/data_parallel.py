@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import itertools
 import multiprocessing as mp
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,12 @@ from diffulex.sampling_params import SamplingParams
 from diffulex.strategy.request import CompletionReason
 from diffulex.tokenizer import load_tokenizer
 from diffulex.validation import check_int, invalid_value
+
+
+def _exit_if_alive(engine: weakref.ref[DataParallelEngine]) -> None:
+    alive = engine()
+    if alive is not None:
+        alive.exit()
 
 
 def replica_master_port(config: Config, rank: int) -> int:
@@ -115,6 +123,10 @@ class DataParallelEngine:
         self._build_engine = build_engine  # what each local replica process runs (`serve_replica`)
         self._replicas: list[_Replica] = []
         self._placement = None
+        # The interpreter's own exit terminates daemonic children and then waits for them; a replica ignores SIGTERM
+        # (`diffulex.engine.stop_signals`), so a script that never called `exit()` is closed here first.
+        self._exit_at_interpreter_exit = functools.partial(_exit_if_alive, weakref.ref(self))
+        atexit.register(self._exit_at_interpreter_exit)
         # A replica is one engine with its own devices; it runs its tensor-parallel ranks (if any) on its host.
         replica_kwargs = {**kwargs, "data_parallel_size": 1, "distributed_executor_backend": "mp"}
         try:
@@ -412,6 +424,7 @@ class DataParallelEngine:
             self._placement = None
         self._replicas, self._owner, self._prompts = [], {}, {}
         self._closed = True
+        atexit.unregister(self._exit_at_interpreter_exit)
 
     def __enter__(self) -> DataParallelEngine:
         return self

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 from diffulex.config import Config
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.request_update import Interest, RequestUpdate
+from diffulex.engine.stop_signals import leave_stop_signals_to_the_parent
 from diffulex.strategy.request import DecodeSettings, StepRecord
 
 
@@ -217,10 +217,8 @@ def serve_replica(
     `StepTotals`) after every step (and after commands taken while idle, totals None), ``("rejected", id,
     message)``, ``("dead", traceback)`` when the engine breaks, ``("closed", None)``.
 """
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when this process ends (its
-    # "close", or the end of the pipe), so that a server draining at its first SIGINT still has its engine.
-    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run this on another thread)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent decides when this process ends (its "close", or the end of the pipe): `stop_signals`
+    leave_stop_signals_to_the_parent()
     try:
         engine = build_engine(model, kwargs)
     except Exception:  # noqa: BLE001  (reported to the parent, which raises it)

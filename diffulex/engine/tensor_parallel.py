@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from diffulex.engine.step_broadcast import MessageKind, StepChannel, StepMessage
+from diffulex.engine.stop_signals import leave_stop_signals_to_the_parent
 from diffulex.layers.parallel_state import (
     engine_ranks,
     init_expert_parallel,
@@ -167,6 +168,8 @@ def run_worker(
     then repeat rank 0's steps until the stop message. ``owns_process``: the worker is its process's whole life
     (the ``mp`` placement), so on NCCL it may end the process itself (below); a Ray actor's process is Ray's, and its
     `run` returns instead."""
+    if owns_process:  # rank 0's process decides when this one ends (its stop message): `stop_signals`
+        leave_stop_signals_to_the_parent()
     reports.send(("joining", None))
     try:
         channel = join_group(config, rank, init_method)

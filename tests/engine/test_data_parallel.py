@@ -149,3 +149,23 @@ def test_each_replica_writes_its_profiler_trace_under_a_run_id_of_its_own(ckpt, 
     with Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, profiler_config=profiler) as llm:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["serve-replica0.json", "serve-replica1.json"]
+
+
+# A script that uses replicas and ends without `exit()`: its replicas ignore SIGTERM (`diffulex.engine.stop_signals`),
+# which the interpreter's own exit sends daemonic children before waiting for them.
+SCRIPT_WITHOUT_EXIT = """
+import sys
+from diffulex import Diffulex, SamplingParams
+llm = Diffulex(sys.argv[1], data_parallel_size=2, block_size=4, max_model_len=128)
+print(llm.generate("one", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].token_ids)
+"""
+
+
+def test_a_script_that_never_calls_exit_still_ends_with_its_replicas(ckpt):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SCRIPT_WITHOUT_EXIT, str(ckpt)], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("[")

@@ -34,13 +34,15 @@ LONG = {"model": "runner-test", "prompt": "The baker", "max_tokens": 1500, "igno
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, grace_s: float) -> None:
+    def __init__(self, model_dir: Path, grace_s: float, session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "diffulex.server", "--model", str(model_dir), "--port", str(self.port),
                "--served-model-name", "runner-test", "--block-size", "4", "--page-size", "8", "--buffer-size", "2",
                "--max-model-len", "2048", "--shutdown-grace", str(grace_s), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+        # ``session``: a process group of its own, as a service manager or a shell's job gives the server
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ},
+                                     start_new_session=session)  # fmt: skip
         deadline = time.monotonic() + 90
         while True:
             assert self.proc.poll() is None, self.proc.stdout.read().decode()
@@ -133,6 +135,24 @@ def test_a_second_signal_exits_at_once(server_process: ServerProcess) -> None:
     assert time.monotonic() - started < 5
     assert code == 128 + signal.SIGINT
     client.join(30)
+
+
+def test_sigterm_to_the_whole_process_group_still_drains_the_requests_in_flight(sdar_dir: Path) -> None:
+    """systemd's default stop, ``timeout``, ``kill -TERM -PGID``: the engine's process (the server's replica) gets
+    the signal too, and must leave the ending to the server, which finishes what it holds first."""
+    server = ServerProcess(sdar_dir, grace_s=60.0, session=True)
+    try:
+        request = {**LONG, "max_tokens": 96}
+        client, out = _in_background(lambda: httpx.post(server.url + "/v1/completions", json=request, timeout=90))
+        server.wait_in_flight(1)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        client.join(90)
+        assert server.proc.wait(timeout=60) == 0, server.proc.stdout.read().decode()
+        response = out["value"]
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.kill()
 
 
 def test_an_engine_that_fails_as_a_whole_stops_the_server_with_exit_code_1() -> None:
