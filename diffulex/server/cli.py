@@ -12,6 +12,7 @@ import math
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from diffulex.server.limits import DEFAULT_MAX_BODY_BYTES, SECONDS_RULE, is_seconds
@@ -27,6 +28,23 @@ def port_number(text: str) -> int:
     if port is None or not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be an integer in [0, 65535]")
     return port
+
+
+def count_from(low: int) -> Callable[[str], int]:
+    """An integer flag of at least ``low`` (``--max-waiting-requests`` >= 0, ``--max-body-bytes`` >= 1), checked
+    while the arguments are parsed, before anything loads."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be an integer >= {low}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse names in a message of its own
+    return parse
 
 
 def host_address(text: str) -> str:
@@ -98,7 +116,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=port_number, default=8000, help="port to listen on, 0-65535 (default 8000)")
     net.add_argument("--served-model-name", type=model_name, default=None,
                      help="model id shown by /v1/models and accepted in requests (default: the folder name)")
-    net.add_argument("--max-waiting-requests", type=int, default=256,
+    net.add_argument("--max-waiting-requests", type=count_from(0), default=256,
                      help="requests that may wait beyond the engine's max_num_reqs running ones (default 256)")
     net.add_argument("--queue-policy", choices=("reject", "wait"), default="reject",
                      help="when full: answer 429 at once (reject) or wait for a slot up to --queue-timeout (wait)")
@@ -107,13 +125,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-grace", type=seconds, default=30.0,
                      help="seconds (>= 0) in-flight requests get to finish at shutdown before they are aborted "
                      "(default 30)")
-    net.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    net.add_argument("--max-body-bytes", type=count_from(1), default=DEFAULT_MAX_BODY_BYTES,
                      help="largest request body accepted; larger ones get 413 before they are parsed "
                      f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB)")
     net.add_argument("--engine-placement", choices=("auto", "process", "thread"), default="auto",
                      help="where the engine steps: a process of its own (its host work never waits for the server's "
                      "GIL) or a thread of the server process; auto: the process unless the engine has several "
-                     "tensor- or expert-parallel ranks (default auto; docs/serving.md)")
+                     "tensor- or expert-parallel ranks or a backend other than mp (default auto; docs/serving.md)")
     net.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="log level of the server and uvicorn (default info)")
 
@@ -164,10 +182,6 @@ def serve(args: argparse.Namespace) -> int:
         model = str(default_model_dir())
         print(f"no --model given: serving the built-in model at {model} (the model the project "
               "trained, docs/training.md)", file=sys.stderr)
-    if args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} is invalid: must be >= 0")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes={args.max_body_bytes} is invalid: must be an integer >= 1")
     sockets = listening_sockets(args.host, args.port)
     try:
         engine = build_served_engine(str(model), fields, args.engine_placement)
