@@ -154,6 +154,10 @@ class SamplingFields(_Strict):
         for name, bad in checks:
             if bad:
                 raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        # the OpenAI routes' stream_options shape a stream; on an answer sent whole they would be ignored, as OpenAI
+        # and vLLM refuse them
+        if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", None):
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
     def _check_stop_size(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
