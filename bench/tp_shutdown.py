@@ -4,7 +4,7 @@
 
 Builds ``--engines`` TP=2 engines one after the other (float32, a small random SDAR checkpoint, CUDA graphs), each
 generating a few tokens, then times its ``exit()`` and reads its worker's exit code, and whether the engine logged
-"did not stop; terminating it" (rank 0 giving up on a worker, `TensorParallelWorkers.shutdown`). A clean shutdown:
+"did not stop; killing it" (rank 0 giving up on a worker, `TensorParallelWorkers.shutdown`). A clean shutdown:
 exit code 0, no such warning, and ``exit()`` well under `SHUTDOWN_WAIT_S`. With Ray installed (``import ray``) the
 same runs once more with ``distributed_executor_backend="ray"`` (the workers as Ray actors on a local instance).
 

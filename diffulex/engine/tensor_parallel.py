@@ -340,11 +340,8 @@ class TensorParallelWorkers:
             leave_group()
         for worker in self.workers:
             worker.process.join(SHUTDOWN_WAIT_S if stopped else 0)
-            if worker.process.is_alive():
-                logger.warning("tensor-parallel worker rank %d did not stop; terminating it", worker.rank)
-                worker.process.terminate()
-                worker.process.join(KILL_WAIT_S)
-            if worker.process.is_alive():
+            if worker.process.is_alive():  # (a worker ignores SIGTERM: `stop_signals`)
+                logger.warning("tensor-parallel worker rank %d did not stop; killing it", worker.rank)
                 worker.process.kill()
                 worker.process.join(KILL_WAIT_S)
             worker.reports.close()

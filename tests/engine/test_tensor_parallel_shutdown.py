@@ -1,5 +1,5 @@
 """How rank 0 ends its tensor-parallel workers: the stop message, then the group left by every rank at once, then
-each worker's own exit (none terminated)."""
+each worker's own exit (none killed)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class CollectiveTeardownWorker:
         self.teardown = teardown
         self.pid = 4242
         self.exitcode: int | None = None
-        self.terminated = False
+        self.killed = False
 
     def join(self, timeout: float | None = None) -> None:
         if self.teardown.rank0_left and self.exitcode is None:
@@ -38,11 +38,9 @@ class CollectiveTeardownWorker:
     def is_alive(self) -> bool:
         return self.exitcode is None
 
-    def terminate(self) -> None:
-        self.terminated = True
-        self.exitcode = -15
-
-    kill = terminate
+    def kill(self) -> None:
+        self.killed = True
+        self.exitcode = -9
 
 
 class Reports:
@@ -74,11 +72,11 @@ def test_rank_0_leaves_the_group_before_waiting_so_a_collective_teardown_lets_th
     with caplog.at_level(logging.WARNING, logger="diffulex"):
         workers.shutdown()
     assert channel.sent == [MessageKind.STOP]
-    assert process.exitcode == 0 and not process.terminated
+    assert process.exitcode == 0 and not process.killed
     assert "did not stop" not in caplog.text
 
 
-def test_a_worker_that_does_not_exit_after_the_stop_is_still_terminated(monkeypatch, caplog):
+def test_a_worker_that_does_not_exit_after_the_stop_is_still_killed(monkeypatch, caplog):
     """Leaving first does not give up the guard: a worker stuck elsewhere is ended after the wait."""
     teardown = GroupTeardown()
     monkeypatch.setattr(tensor_parallel, "leave_group", lambda: None)  # its teardown never completes
@@ -89,7 +87,7 @@ def test_a_worker_that_does_not_exit_after_the_stop_is_still_terminated(monkeypa
     workers = TensorParallelWorkers([WorkerProcess(1, process, Reports())], RecordingChannel())
     with caplog.at_level(logging.WARNING, logger="diffulex"):
         workers.shutdown()
-    assert process.terminated
+    assert process.killed
     assert "tensor-parallel worker rank 1 did not stop" in caplog.text
 
 
