@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("diffulex")
 
-# How long `TensorParallelWorkers.shutdown` waits for a worker to leave after the stop message, then after SIGTERM.
+# How long `TensorParallelWorkers.shutdown` waits for a worker to leave after the stop message, then after SIGKILL.
 SHUTDOWN_WAIT_S = 30.0
 KILL_WAIT_S = 5.0
 # After a step failed: how long to wait for a worker that dropped out of a collective to be reaped, so that its
