@@ -280,7 +280,7 @@ def _override_origins(
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from diffulex.bench.throughput import ThroughputSettings, run
+    from diffulex.bench.throughput import ThroughputSettings, default_geometries, run
 
     if args.runs or args.config or args.set or args.check or args.json:
         raise ValueError("diffulex bench throughput takes no run directories, --config, --set, --check or --json")
@@ -320,8 +320,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         quick=quick,
         engine_overrides=engine,
     )
-    default_sizes = ["fdv2-7b"] if strategy == "fast_dllm_v2" else ["1.7b", "4b", "8b"]
-    sizes = opts.get("models", [] if model_dir else default_sizes)
+    sizes = opts.get("models", [] if model_dir else default_geometries(strategy))
     if "models" not in opts and sizes:
         import torch
 

@@ -1077,6 +1077,35 @@ def write_llada2_checkpoint(path: str | Path, size: str) -> Path:
     return path
 
 
+# The geometries measured when none is named, by the family the written checkpoints load as: the dense SDAR sizes,
+# else those of the first family the strategy runs.
+DEFAULT_GEOMETRIES: dict[str, list[str]] = {
+    "sdar": ["1.7b", "4b", "8b"],
+    "fast_dllm_v2": list(FDV2_SIZES),
+    "llada2": list(LLADA2_SIZES),
+}
+
+
+def default_geometries(strategy: str) -> list[str]:
+    """The geometries `diffulex bench throughput` measures for ``strategy`` when given neither ``--models`` nor
+    ``--model``: asked of the strategy (`Strategy.check_family`), so that a plugin's strategy gets the geometries of
+    a family it runs, and one that runs none of them an error saying so."""
+    from diffulex.models.family import FAMILIES
+    from diffulex.strategy.strategy import STRATEGIES
+
+    rule = STRATEGIES.get(strategy)
+    for family, sizes in DEFAULT_GEOMETRIES.items():
+        try:
+            rule.check_family(FAMILIES.get(family))
+        except ValueError:
+            continue
+        return sizes
+    raise ValueError(
+        f"--strategy {strategy} runs none of the families of the built-in geometries ({', '.join(DEFAULT_GEOMETRIES)}):"
+        " measure a checkpoint of a family it runs with --model DIR"
+    )
+
+
 # ----- entry point -------------------------------------------------------------------------------------------
 
 

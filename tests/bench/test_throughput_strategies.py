@@ -115,3 +115,16 @@ def test_strategy_settings_are_checked():
     assert (fdv2.block_size, fdv2.buffer_sizes) == (8, [4])
     assert fdv2.strategy_variants == [{"fdv2_use_block_cache": True}, {"fdv2_use_block_cache": False}]
     assert throughput.ThroughputSettings().strategy_variants == [{}]
+
+
+@pytest.mark.parametrize(("strategy", "geometries"), [
+    ("multi_bd", ["1.7b", "4b", "8b"]), ("d2f", ["1.7b", "4b", "8b"]), ("fast_dllm_v2", ["fdv2-7b"]),
+    ("dmax", ["llada2-mini"]),
+])  # fmt: skip
+def test_the_default_geometries_are_of_a_family_the_strategy_runs(strategy, geometries):
+    assert throughput.default_geometries(strategy) == geometries
+
+
+def test_a_strategy_that_runs_no_built_in_geometry_is_told_to_name_a_checkpoint():
+    with pytest.raises(ValueError, match="--strategy diffusion_gemma runs none of the families.*--model DIR"):
+        throughput.default_geometries("diffusion_gemma")
