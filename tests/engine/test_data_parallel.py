@@ -127,6 +127,23 @@ def test_a_replica_that_dies_fails_only_its_requests_and_the_others_keep_serving
         assert [t.token_ids for t in llm.generate(PROMPTS[:2], long, use_tqdm=False)] == templated
 
 
+def test_a_request_added_after_a_replica_died_unnoticed_goes_to_a_living_one(ckpt):
+    """The death is not yet read from its pipe (no step since): the add finds its end of the pipe closed and goes
+    to the replica left."""
+    fields = {"block_size": 4, "max_model_len": 128}
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with Diffulex(str(ckpt), **fields) as single:
+        expected = single.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+    with Diffulex(str(ckpt), data_parallel_size=2, **fields) as llm:
+        os.kill(llm.replica_pids[0], signal.SIGKILL)
+        llm._replicas[0].process.join(30)  # dead, and nothing read from its pipe
+        req_id = llm.add_request([5, 6, 7], params)  # replica 0 would be the least loaded
+        finished = {}
+        while not llm.is_finished():
+            finished.update((u.req_id, u.trajectory) for u in llm.step() if u.finished)
+        assert finished[req_id].error is None and finished[req_id].token_ids == expected
+
+
 def test_two_replicas_serve_diffusion_gemma_canvases_as_one_engine(tmp_path):
     """A strategy with its own runner (DiffusionGemma's canvases, sampled and greedy, each request's draws from its
     own seed) behind two replicas: each prompt gets the answer one engine gives it."""
