@@ -194,3 +194,49 @@ def test_the_server_flags_table_of_serving_md_lists_every_flag_with_its_default(
             continue
         shown = f"{default:g}" if isinstance(default, float) else str(default)
         assert documented is not None and documented.group(1) == shown, f"{flag}: documented {rows[flag]}, is {shown}"
+
+
+# ----- docs/architecture.md against the package's modules -------------------------------------------------------
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+PYTHON_FILES = sorted(p.relative_to(REPO).as_posix() for folder in ("diffulex", "tests", "examples", "tools", "bench")
+                      for p in (REPO / folder).rglob("*.py"))
+
+
+def architecture_modules_section() -> str:
+    return ARCHITECTURE.read_text(encoding="utf-8").split("\n## Modules\n")[1].split("\n## ")[0]
+
+
+def test_every_python_file_architecture_md_cites_exists():
+    """A cited ``*.py`` path names a file of the repository: in full (``tests/test_plugins.py``), relative to the
+    package (``engine/scheduler.py``) or to a folder of it (``edit/acceptance.py``), or, without a folder, by a
+    file name the package holds (``sse.py`` in the server's row)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    cited = set(re.findall(r"`([\w./-]+\.py)`", text))
+    cited |= set(re.findall(r"(?<![\w./-])((?:diffulex|tests|examples|tools|bench)/[\w./-]+\.py)", text))
+    names = {Path(p).name for p in PYTHON_FILES if p.startswith("diffulex/")}
+    missing = sorted(
+        c for c in cited
+        if not (any(p == c or p.endswith("/" + c) for p in PYTHON_FILES) if "/" in c else c in names)
+    )
+    assert missing == [], f"docs/architecture.md cites files that do not exist: {', '.join(missing)}"
+
+
+def test_every_module_of_the_package_is_in_the_modules_table_of_architecture_md():
+    """Each module (package ``__init__``s aside) is named in the "Modules" section: by its path in the package, or
+    by its file name or its name in backticks in a row whose first cell is its folder or a file of that folder."""
+    section = architecture_modules_section()
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    unmentioned = []
+    for path in sorted((REPO / "diffulex").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(REPO / "diffulex").as_posix()
+        folder = path.parent.relative_to(REPO / "diffulex").as_posix()
+        if f"`{rel}`" in section or f"`diffulex/{rel}`" in section:
+            continue
+        folder_rows = [row for row in rows if folder != "." and f"`{folder}/" in row.split("|")[1]]
+        if any(re.search(rf"(?<!\w){re.escape(path.name)}\b", row) or f"`{path.stem}`" in row for row in folder_rows):
+            continue
+        unmentioned.append(rel)
+    assert unmentioned == [], "docs/architecture.md, Modules: no row names " + ", ".join(unmentioned)
