@@ -222,8 +222,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
-# A file names the checkpoint folder ``model_path`` (the benchmark files' key) or ``model``.
-YAML_MODEL_KEYS = ("model_path", "model")
+# A file may name the checkpoint folder ``model_path`` (the benchmark files' key) as well as ``model``.
+YAML_ALIASES = {"model_path": "model"}
 
 
 def load_yaml_engine_fields(path: str) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
     if not isinstance(fields, dict):
         raise ValueError(f"config={path!r}: 'engine' must be a mapping of engine fields")
     if "engine" in data:  # the benchmark layout; other top-level keys may hold YAML anchors, but not fields
-        field_names = {f.name for f in engine_fields()} | set(FIELD_ALIASES) | set(YAML_MODEL_KEYS)
+        field_names = {f.name for f in engine_fields()} | set(FIELD_ALIASES) | set(YAML_ALIASES)
         stray = sorted(key for key in data if key in field_names)
         if stray:
             raise ValueError(
@@ -259,16 +259,7 @@ def load_yaml_engine_fields(path: str) -> dict[str, Any]:
         raise ValueError(
             f"config={path!r}: the key {shown_value(not_names[0])} is invalid: engine keys are field names (strings)"
         )
-    fields = resolve_field_aliases(fields, where=f"config={path!r}: ")
-    old, new = YAML_MODEL_KEYS
-    if old in fields:
-        value = fields.pop(old)
-        if new in fields and fields[new] != value:
-            raise ValueError(
-                f"config={path!r}: {old}={shown_value(value)} conflicts with {new}={shown_value(fields[new])}: "
-                f"{old} is another name of {new}, give only one"
-            )
-        fields[new] = value
+    fields = resolve_field_aliases(fields, f"config={path!r}: ", {**FIELD_ALIASES, **YAML_ALIASES})
     model = fields.get("model")
     if "model" in fields and (not isinstance(model, str) or not model):
         raise invalid_value(f"config={path!r}: model", model, "must be the path of a checkpoint folder")

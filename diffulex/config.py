@@ -136,18 +136,20 @@ FIELD_ALIASES = {
 }
 
 
-def resolve_field_aliases(fields: Mapping[str, Any], where: str = "") -> dict[str, Any]:
-    """``fields`` with each old name of `FIELD_ALIASES` replaced by its field; both names with different values are
-    refused (which one was meant is unknowable), both with one value accepted. ``where`` prefixes the message (a
-    file's name)."""
+def resolve_field_aliases(
+    fields: Mapping[str, Any], where: str = "", aliases: Mapping[str, str] = FIELD_ALIASES
+) -> dict[str, Any]:
+    """``fields`` with each other name of ``aliases`` (`FIELD_ALIASES`) replaced by its field; both names with
+    different values are refused (which one was meant is unknowable), both with one value accepted. ``where``
+    prefixes the message (a file's name)."""
     out = dict(fields)
-    for old, new in FIELD_ALIASES.items():
+    for old, new in aliases.items():
         if old not in out:
             continue
         value = out.pop(old)
         if new in out and out[new] != value:
             raise ValueError(
-                f"{where}{old}={shown_value(value)} conflicts with {new}={shown_value(out[new])}: {old} is the old "
+                f"{where}{old}={shown_value(value)} conflicts with {new}={shown_value(out[new])}: {old} is another "
                 f"name of {new}, give only one"
             )
         out[new] = value

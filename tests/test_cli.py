@@ -361,7 +361,7 @@ def test_yaml_with_num_kvcache_blocks_and_a_different_num_pages_is_refused(sdar_
     assert run_cli(["generate", "--model", str(sdar_dir), "--config", config, *BASE, "hello"]) == 2
     assert last_error_line(capsys) == (
         f"error: config={config!r}: num_kvcache_blocks=32 conflicts with num_pages=64: num_kvcache_blocks is "
-        "the old name of num_pages, give only one"
+        "another name of num_pages, give only one"
     )
     assert seen_configs == []
 
