@@ -37,6 +37,7 @@ from diffulex.engine.tensor_parallel import (
     rank_device,
     start_tensor_parallel,
 )
+from diffulex.engine.tensor_parallel_check import parallel_fields
 from diffulex.layers.parallel_state import engine_ranks
 from diffulex.strategy.request import DecodeSettings, Request, decoded_for_progress
 from diffulex.strategy.strategy import RunnerContext, SamplerContext, StepRunner, Strategy
@@ -90,7 +91,14 @@ def assemble(config: Config, build: BuildPhases | None = None) -> EngineParts:
     owned = build is None
     build = BuildPhases() if build is None else build
     _reject_unsupported(config)
-    if engine_ranks().rank == 0:  # said once, by the engine's process
+    ranks = engine_ranks()
+    if ranks.size > 1 and ranks.rank == 0:  # only a worker builds inside its group: this is rank 0 of an open engine
+        raise ValueError(
+            f"{parallel_fields(config)} is invalid here: this process is rank 0 of an open engine of {ranks.size} "
+            "ranks, whose groups every layer built here would join (its workers are not in this build); exit() that "
+            "engine first"
+        )
+    if ranks.rank == 0:  # said once, by the engine's process
         for line in inert_settings(config):
             warn(line)
     workers = None

@@ -210,6 +210,9 @@ class DiffulexEngine:
             updates = self._report(applied)
         except Exception as err:  # noqa: BLE001  (any failure of a step is contained, see the docstring)
             return self._recover(err, applied)
+        except BaseException as err:  # an interrupt (Ctrl-C) ends the call: see `_interrupted`
+            self._interrupted(err)
+            raise
         if self._profiler is not None:
             self._profiler.after_step()
         return updates
@@ -267,6 +270,21 @@ class DiffulexEngine:
         except Exception:  # noqa: BLE001  (a report that failed once fails again: its requests are failed)
             logger.exception("reporting the applied step failed")
             return []
+
+    def _interrupted(self, err: BaseException) -> None:
+        """An interrupt inside a step (Ctrl-C, `SystemExit`) ends the call; the engine serves on, unless it came
+        after the step's inputs went to the tensor-parallel workers and before rank 0 joined the step's collectives:
+        the workers then wait in a collective rank 0 never joins, and its next step's collectives would pair with
+        theirs (a hang until ``distributed_timeout_seconds``, or another step's data). Then the workers are ended and
+        the engine is dead: every later call raises `EngineDeadError` at once."""
+        if self.workers is None or not getattr(self.runner, "out_of_step", False):
+            return
+        self._dead = (
+            f"a step was interrupted on rank 0 ({type(err).__name__}) after its inputs went to the tensor-parallel "
+            "workers; the ranks are out of step"
+        )
+        logger.error("the engine stops serving: %s", self._dead)
+        self.workers.kill()
 
     def _dead_worker(self, err: Exception) -> str | None:
         """Why the tensor-parallel ranks cannot go on, if they cannot: a worker died (a failure that is not the

@@ -431,6 +431,9 @@ class ModelRunner:
             hidden = self._eager_forward(step)
         if step.sample_rows:
             logits = self._sample_logits(hidden, step.sample_rows)
+            # the LM head's gather was the step's last collective: a request's own failure in the sampler (a draw
+            # from non-finite logits, `RequestFailure`) fails that request alone, the ranks still in step
+            self.out_of_step = False
             pending = self.sampler.launch(logits, step.work, layout)
         else:
             # Nothing to sample (the step only stores finished blocks): a replayed step's result still waits for
@@ -558,8 +561,8 @@ class ModelRunner:
         """On rank 0 of a tensor-parallel group, broadcast the step about to run to the workers (the message is
         built only then: a single-rank step makes none)."""
         if self.workers is not None:
-            self.workers.send(message())
-            self.out_of_step = True  # until the launch has queued its collectives (`launch`)
+            self.out_of_step = True  # until the launch has queued its collectives (`launch`); set before the send,
+            self.workers.send(message())  # which an interrupt may leave half done (a long message: two broadcasts)
 
     @torch.inference_mode()
     def follow_step(self, message: StepMessage) -> torch.Tensor:

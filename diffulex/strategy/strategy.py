@@ -102,7 +102,8 @@ class StepRunner(Protocol):
     # Over several ranks (`Strategy.runner_follows_ranks`): the engine sets ``workers`` on rank 0's runner, which
     # tells them each step's device work; each worker's runner repeats it in ``follow_step`` (its collectives meet
     # rank 0's) and returns the hidden states it queued, or None. ``out_of_step`` is True while a launch that
-    # already told the workers has not queued its collectives yet (a failure then leaves them waiting).
+    # tells the workers (from just before its message) has not queued its collectives yet (a failure or an interrupt
+    # then leaves them waiting).
     workers: TensorParallelWorkers | None
     out_of_step: bool
 

@@ -424,6 +424,22 @@ def test_exit_ends_the_worker_and_a_second_engine_can_split_again(dense_dir: Pat
         assert again.generate([[5, 6, 7]], GREEDY, use_tqdm=False).trajectories[0].token_ids
 
 
+def test_an_engine_beside_an_open_split_one_is_refused_at_once_and_the_open_one_serves_on(dense_dir: Path) -> None:
+    """The engine's process is rank 0 of its group, which every layer built in that process would join: a second
+    engine there (split or not) is refused naming the field, instead of running a worker's build inside the open
+    engine's group (a collective its worker never joins: a hang until the timeout, and the open engine killed)."""
+    timeout = 20
+    with make_engine(dense_dir, "sdar", 2, distributed_timeout_seconds=timeout) as llm:
+        prompts = random_prompts(llm, [5, 3], seed=4)
+        before = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
+        started = time.monotonic()
+        for size in (2, 1):
+            with pytest.raises(ValueError, match=f"tensor_parallel_size={size} is invalid here: .*exit\\(\\) that"):
+                make_engine(dense_dir, "sdar", size, distributed_timeout_seconds=timeout)
+        assert time.monotonic() - started < timeout / 2, "refused at once, not after the collective timeout"
+        assert [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories] == before
+
+
 def test_a_worker_that_dies_fails_the_engine_with_an_error_naming_it(dense_dir: Path) -> None:
     llm = make_engine(dense_dir, "sdar", 2)
     (pid,) = llm.workers.pids
@@ -484,6 +500,64 @@ def test_a_step_failing_on_rank_0_after_the_broadcast_fails_the_engine_and_ends_
     setattr(llm.runner, broken_part, broken)
     with pytest.raises(EngineDeadError, match="injected failure.*out of step"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert not pid_alive(pid)
+    llm.exit()
+
+
+def test_a_sampling_failure_on_rank_0_fails_only_its_request_and_the_ranks_serve_on(dense_dir: Path, monkeypatch):
+    """Rank 0 samples after the step's last collective (the LM head's gather): a request that cannot be drawn from
+    fails alone, as at one rank, and the worker is kept: the next call gets the tokens of an untouched engine."""
+    import diffulex.sampler.rows as rows
+
+    real_sample = rows.sample
+
+    def failing(logits, temperature, *args):
+        if temperature > 0:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real_sample(logits, temperature, *args)
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    with make_engine(dense_dir, "sdar", 2) as llm:
+        (pid,) = llm.workers.pids
+        before = [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories]
+        monkeypatch.setattr(rows, "sample", failing)
+        params = [GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=24)]
+        greedy, sampled = llm.generate(prompts, params, use_tqdm=False).trajectories
+        monkeypatch.setattr(rows, "sample", real_sample)
+        assert (sampled.completion_reason, greedy.error) == ("error", None)
+        assert "sampling failed for request" in sampled.error
+        assert describe(greedy) == before[0]
+        assert pid_alive(pid)
+        assert [describe(t) for t in llm.generate(prompts, GREEDY, use_tqdm=False).trajectories] == before
+
+
+def test_an_interrupt_inside_a_step_fails_the_engine_at_once_instead_of_hanging_the_next_step(dense_dir: Path) -> None:
+    """Ctrl-C while rank 0 runs a step the worker already received: the worker waits in a collective rank 0 never
+    joins, so the next step's collectives would pair with it (a hang until the timeout). The interrupt reaches the
+    caller; the worker is ended and every later call raises EngineDeadError at once."""
+    from diffulex.layers.linear import RowParallelLinear
+
+    timeout = 30
+    llm = make_engine(dense_dir, "sdar", 2, distributed_timeout_seconds=timeout)
+    (pid,) = llm.workers.pids
+    real, calls = RowParallelLinear.forward, []
+
+    def interrupted(self, *args, **kwargs):  # rank 0's second all-reduced projection: the worker joined the first
+        calls.append(None)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    RowParallelLinear.forward = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    finally:
+        RowParallelLinear.forward = real
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="interrupted.*out of step"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < timeout / 2, "refused at once, not after the collective timeout"
     assert not pid_alive(pid)
     llm.exit()
 

@@ -384,8 +384,8 @@ class CanvasRunner:
 
     def _announce(self, payload: EncodeRound | DecoderPass) -> None:
         """Tell the workers the pass about to run."""
-        self.workers.send_runner_pass(payload)
-        self.out_of_step = True  # until the launch has queued its collectives (`launch`)
+        self.out_of_step = True  # until the launch has queued its collectives (`launch`); before the send, which
+        self.workers.send_runner_pass(payload)  # an interrupt may leave half done
 
     @staticmethod
     def _share(canvas_ids: torch.Tensor, soft: torch.Tensor | None) -> None:
