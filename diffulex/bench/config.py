@@ -39,8 +39,6 @@ from diffulex.yaml_file import read_yaml_file
 
 logger = logging.getLogger(__name__)
 
-# Old engine key -> current field (the engine's own table: every front end reads the same old names).
-ENGINE_KEY_ALIASES = FIELD_ALIASES
 MODEL_KEYS = ("model_path", "model")
 SECTIONS = ("engine", "eval")
 
@@ -268,7 +266,7 @@ def normalize_engine_fields(fields: Mapping[str, Any], where: str = "engine") ->
                 raise ValueError(f"{where}.{key} conflicts with {where}.{model_key}: give the model path once")
             model, model_key = value, key
             continue
-        name = ENGINE_KEY_ALIASES.get(key, key)
+        name = FIELD_ALIASES.get(key, key)
         if name not in known:
             unknown.append(key)
             continue
@@ -316,7 +314,7 @@ class BenchConfig:
 
 def split_flat(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """A flat mapping -> sections: engine field names (and model_path) to engine, eval names to eval."""
-    engine_names = set(engine_field_names()) | set(ENGINE_KEY_ALIASES) | set(MODEL_KEYS)
+    engine_names = set(engine_field_names()) | set(FIELD_ALIASES) | set(MODEL_KEYS)
     eval_names = set(EvalConfig.names())
     sections: dict[str, dict[str, Any]] = {"engine": {}, "eval": {}}
     unknown = []
@@ -398,8 +396,8 @@ def merge_overrides(
     merged = {name: dict(sections.get(name, {})) for name in SECTIONS}
     if engine:
         for key, value in engine.items():
-            name = ENGINE_KEY_ALIASES.get(key, key)
-            for old, new in ENGINE_KEY_ALIASES.items():
+            name = FIELD_ALIASES.get(key, key)
+            for old, new in FIELD_ALIASES.items():
                 if new == name:
                     merged["engine"].pop(old, None)
             if name in MODEL_KEYS:
@@ -451,7 +449,7 @@ def _override_named_by(
         if key in MODEL_KEYS:
             candidates.append((f"engine.{key}", ["engine.model_path", f"engine.{key}"]))
             continue
-        name = ENGINE_KEY_ALIASES.get(key, key)
+        name = FIELD_ALIASES.get(key, key)
         candidates.append((f"engine.{key}", [f"engine.{key}", f"engine.{name}", key, name]))
     for origin_key, spellings in candidates:
         for spelling in dict.fromkeys(spellings):
