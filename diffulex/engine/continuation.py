@@ -22,7 +22,10 @@ And once a step has stored a request's leading block, the next one decodes its r
 on (`BlockOpening`): the same rows, each block's taking the next one's, the last ones the block that joins, all
 masks and sampled, attending to one block more of cached keys, in pages the host lent in advance (`diffulex.
 engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at large batches some request is
-always at its storing step, and no step could be continued for anyone.
+always at its storing step, and no step could be continued for anyone. An answer's last block may end before the
+block does (its prompt length and ``max_tokens`` put the end anywhere): its rows past the request's answer end are
+inputs only (masks, as the host's own step has them), never sampled; with requests arriving at their own times,
+some request is always at that block too.
 
 `advance_inputs` makes exactly these changes to a replayed graph's device buffers at the end of its sampling
 graph, so replaying the same graphs again *is* the next step. Rows decoded this step stay in the layout as rows
@@ -42,6 +45,9 @@ import torch
 
 from diffulex.layers.dispatch import triton_available
 
+# The answer end of a request that has none (a hand-built step, a padded request): every position may be sampled.
+NO_ANSWER_END = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class BlockOpening:
@@ -49,7 +55,9 @@ class BlockOpening:
     step's device views (``positions [T]`` int64; ``cu_seqlens_q [R + 1]``, ``context_lens [R]`` and
     ``page_tables [R, P]`` int32) and the geometry; with several running blocks, the decoded positions of its
     newest block from which the next one joins the running set (``add_block_threshold`` as a count, as
-    `diffulex.strategy.request.decoded_for_progress` counts it; a lone block's successor always joins)."""
+    `diffulex.strategy.request.decoded_for_progress` counts it; a lone block's successor always joins); and each
+    request's answer end (``answer_ends [R]`` int32, `diffulex.strategy.request.Request.generation_end`; None: no
+    end): a block that starts at or past it is not opened, and its positions at or past it are not sampled."""
 
     positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -59,6 +67,7 @@ class BlockOpening:
     block_size: int
     mask_token_id: int
     decoded_to_join: int = 0
+    answer_ends: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,8 @@ def move_window_reference(
 ) -> bool:
     """Move ``request``'s running blocks on by one block, once this step stored the leading one: each block's
     rows take the block after it (its tokens, its sampled rows, its force flag, its slots), the last rows become
-    the next block (masks at positions one block further on, all sampled), its first slot looked up in the page
+    the next block (masks at positions one block further on, sampled up to the request's answer end), its first
+    slot looked up in the page
     table; one block more of the request's context is cached; a block that is decoded after blocks that are is
     stored by the next step. A shifted family's row before the blocks (the position the first is predicted from)
     moves on to the stored block's last token.
@@ -157,7 +167,7 @@ def move_window_reference(
     accepted one this step. False, and nothing changed, unless the request's rows are its blocks, whole
     (``block_size`` input and sampled rows each, plus the row before them if shifted), the leading one decoded
     before this step (so stored by it), the next block joins (a lone block's always does; else the newest's
-    decoded positions reach ``decoded_to_join``) and its page is there."""
+    decoded positions reach ``decoded_to_join``), it starts before the answer end and its page is there."""
     size = opening.block_size
     lo, hi = int(opening.cu_seqlens_q[request]), int(opening.cu_seqlens_q[request + 1])
     first_row = lo + shift
@@ -177,6 +187,9 @@ def move_window_reference(
     if count > 1 and size - left[newest] < opening.decoded_to_join:
         return False
     start = int(opening.positions[hi - 1]) + 1
+    end = int(opening.answer_ends[request]) if opening.answer_ends is not None else NO_ANSWER_END
+    if start >= end:
+        return False
     page_index = start // opening.page_size
     if page_index >= opening.page_tables.shape[1]:  # past the longest context the step's tables hold
         return False
@@ -194,9 +207,9 @@ def move_window_reference(
         gates.force[s] = gates.force[t]
         blocks[2, s] = blocks[2, t]
     input_ids[hi - size : hi] = opening.mask_token_id
-    source_rows[int(starts[newest]) : int(starts[newest + 1])] = torch.arange(
-        hi - size - shift, hi - shift, dtype=source_rows.dtype
-    )
+    opened_rows = torch.arange(hi - size - shift, hi - shift, dtype=source_rows.dtype)
+    past_end = torch.arange(start, start + size) >= end  # inputs only: masks never sampled
+    source_rows[int(starts[newest]) : int(starts[newest + 1])] = opened_rows.masked_fill(past_end, -1)
     gates.force[newest] = int(size - left[newest] >= gates.decoded_to_force)
     blocks[2, newest] = page * opening.page_size + start % opening.page_size
     opening.positions[lo:hi] += size

@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from diffulex.attention import PagedAttentionMetadata
-from diffulex.engine.continuation import BlockOpening
+from diffulex.engine.continuation import NO_ANSWER_END, BlockOpening
 from diffulex.engine.static_soft_inputs import StaticSoftInputs
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.layers.dispatch import triton_available
@@ -243,9 +243,9 @@ class DecodeGraphs:
         #                 then [starts | force | block first rows | block end rows | block slots | block gates]
         #                 (each S + 1 long: one more segment, for padded rows);
         # layout (int32): [cu_seqlens_q (R + 1) | context_lens (R) | prefix_lens (R) | key_lens (R) |
-        #                 page_tables (R * P)].
+        #                 answer_ends (R) | page_tables (R * P)].
         # Int64 sections start at even offsets: 16-byte aligned, as the kernels' compiled variants assume.
-        self._head_len = 4 * R + 1
+        self._head_len = 5 * R + 1
         self._row_stride = T + T % 2
         self._segment_stride = S + 1 + (S + 1) % 2
         token_bytes = (5 * self._row_stride + 6 * self._segment_stride) * 8
@@ -398,6 +398,9 @@ class DecodeGraphs:
         if s.key_tails:  # a request without a key end (none past its rows) and a padded one: 0, i.e. none
             lay[3 * R + 1 : 3 * R + 1 + len(step.key_lens)] = step.key_lens
             lay[3 * R + 1 + len(step.key_lens) : 3 * R + 1 + bucket] = 0
+        if self.opens_blocks_with is not None:  # what an opening may sample; a hand-built step's requests: no end
+            lay[4 * R + 1 : 4 * R + 1 + len(step.answer_ends)] = step.answer_ends
+            lay[4 * R + 1 + len(step.answer_ends) : 4 * R + 1 + bucket] = NO_ANSWER_END
         tables = lay[self._head_len : self._head_len + bucket * s.max_pages].reshape(bucket, s.max_pages)
         tables.fill(-1)
         for i, table in enumerate(step.page_tables):
@@ -532,8 +535,10 @@ class DecodeGraphs:
                 self.advance(ids, rows, slots, result, starts, blocks, segment, force)
             else:
                 meta, s = self._metas[bucket], self.shape
+                R = s.max_requests
+                ends = self._layout[4 * R + 1 : 4 * R + 1 + meta.context_lens.shape[0]]
                 opening = BlockOpening(positions, meta.cu_seqlens_q, meta.context_lens, meta.page_tables, s.page_size,
-                                       s.block_size, self.opens_blocks_with)  # fmt: skip
+                                       s.block_size, self.opens_blocks_with, answer_ends=ends)  # fmt: skip
                 self.advance(ids, rows, slots, result, starts, blocks, segment, force, opening=opening)
         return result
 

@@ -793,6 +793,7 @@ class ModelRunner:
         step.prefix_lens.append(req.prompt_len)
         step.page_tables.append(req.page_table)
         step.key_lens.append(max(end, req.keys_end() or end))
+        step.answer_ends.append(req.generation_end)
         step.cu_seqlens_q.append(rows.num_rows)
 
     def _eager_forward(self, step: StepInputs) -> torch.Tensor:

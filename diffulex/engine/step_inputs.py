@@ -31,6 +31,9 @@ class StepInputs:
     page_tables: list[list[int]] = field(default_factory=list)
     # [R] end of the keys each request attends to (`Request.keys_end`); empty: every one ends with its rows
     key_lens: list[int] = field(default_factory=list)
+    # [R] one past the last position each request may generate (`Request.generation_end`): a block that a
+    # continuation opens on the device samples only the positions before it (an answer's last block may end early)
+    answer_ends: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits the sampler needs, in work order
     # per sampled block, in work order: its first input row, one past its last, the cache slot of its first row
     # (-1 while it has no page); what a continuation step stores once the block is decoded; and its gate, the

@@ -112,6 +112,7 @@ def _move_window_kernel(
     cu_seqlens_ptr,  # [R + 1] int32
     context_lens_ptr,  # [R] int32
     tables_ptr,  # [R, P] int32
+    ends_ptr,  # [R] int32 each request's answer end (HAS_ENDS only): no position at or past it is sampled
     tables_stride,
     tables_width,
     shift,
@@ -123,6 +124,7 @@ def _move_window_kernel(
     BLOCK: tl.constexpr,  # a power of two >= BLOCK_SIZE
     ROWS: tl.constexpr,  # a power of two >= a request's rows
     SCANNED: tl.constexpr,  # blocks looked at at once (`_BLOCKS_SCANNED`)
+    HAS_ENDS: tl.constexpr,
 ):
     request = tl.program_id(0)
     lo = tl.load(cu_seqlens_ptr + request).to(tl.int64)
@@ -163,6 +165,11 @@ def _move_window_kernel(
     newest_left = tl.sum((newest_source >= 0).to(tl.int32), axis=0)
     movable = movable & ((count == 1) | (BLOCK_SIZE - newest_left >= decoded_to_join))
     start = tl.load(positions_ptr + hi - 1, mask=movable, other=0) + 1
+    if HAS_ENDS:
+        end = tl.load(ends_ptr + request).to(tl.int64)
+    else:
+        end = tl.full((), 2147483647, tl.int64)
+    movable = movable & (start < end)  # an opened block has a position to sample
     page_index = start // page_size
     movable = movable & (page_index < tables_width)  # past the longest context the step's tables hold
     page = tl.load(tables_ptr + request * tables_stride + page_index, mask=movable, other=-1).to(tl.int64)
@@ -196,7 +203,9 @@ def _move_window_kernel(
             tl.debug_barrier()
         newest_row = first_row + (count - 1) * BLOCK_SIZE
         tl.store(ids_ptr + newest_row + offs, tl.full((BLOCK,), mask_token_id, tl.int64), mask=in_block)
-        tl.store(source_ptr + newest_first + offs, newest_row - shift + offs, mask=in_block)
+        # an answer's last block may end early: its rows past the end are inputs only
+        sampled_rows = tl.where(start + offs < end, newest_row - shift + offs, -1)
+        tl.store(source_ptr + newest_first + offs, sampled_rows, mask=in_block)
         forces = BLOCK_SIZE - newest_left >= decoded_to_force
         tl.store(force_ptr + newest, forces.to(tl.int64))
         tl.store(blocks_ptr + 2 * blocks_stride + newest, page * page_size + start % page_size)
@@ -235,8 +244,10 @@ def triton_advance_inputs(
         raise ValueError("a continuation that opens blocks moves their force flags on too: pass gates")
     _move_window_kernel[(o.cu_seqlens_q.shape[0] - 1,)](
         input_ids, source_rows, slot_mapping, result, starts, blocks, blocks.stride(0), num_blocks, gates.force,
-        o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables, o.page_tables.stride(0), o.page_tables.shape[1],
+        o.positions, o.cu_seqlens_q, o.context_lens, o.page_tables,
+        o.answer_ends if o.answer_ends is not None else o.context_lens, o.page_tables.stride(0), o.page_tables.shape[1],
         shift, o.page_size, o.mask_token_id, gates.decoded_to_force, o.decoded_to_join,
         BLOCK_SIZE=o.block_size, BLOCK=max(16, triton.next_power_of_2(o.block_size)),
-        ROWS=max(16, triton.next_power_of_2(max_rows)), SCANNED=_BLOCKS_SCANNED, num_warps=1,
+        ROWS=max(16, triton.next_power_of_2(max_rows)), SCANNED=_BLOCKS_SCANNED, HAS_ENDS=o.answer_ends is not None,
+        num_warps=1,
     )

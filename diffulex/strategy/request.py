@@ -399,9 +399,10 @@ class Request:
         """What a continuation of this request's last step computes for it (`diffulex.engine.continuation`), now
         that the host has applied that step: of ``positions`` (those it sampled) the ones it samples, the masks
         left, and how many running blocks it stores: from the first on, each that it sampled, with none left, where
-        its next forward would store it (a block's K/V are stored once the blocks before it are)."""
-        mask = self.settings.mask_token_id
-        rows = [p for p in positions if self.token_ids[p] == mask]
+        its next forward would store it (a block's K/V are stored once the blocks before it are). A block the device
+        opened is sampled up to `generation_end` (`diffulex.engine.continuation.BlockOpening`), not past it."""
+        mask, end = self.settings.mask_token_id, self.generation_end
+        rows = [p for p in positions if p < end and self.token_ids[p] == mask]
         stored = 0
         for block in self.running:
             sampled = any(block.start <= p < block.end for p in positions)
@@ -448,11 +449,12 @@ class Request:
         """Whether the step after the one about to run computes this request's running blocks one block further on,
         which a continuation can do itself (`diffulex.engine.continuation.BlockOpening`): the step about to run
         stores the leading block (decoded) and no other, every running block holds generated positions, the block
-        after them is whole within the decoding limit, and it joins the running set: a lone block's successor
+        after them starts before the decoding limit (an answer's last block may end before the block does: the
+        device samples it up to `generation_end`), and it joins the running set: a lone block's successor
         always does, else as `_next_block_joins` judges (the guess `next_step_has_same_rows` makes). The host opens
         that block when it next looks at the request (`maybe_activate_block`)."""
-        s, running = self.settings, self.running
-        if not running or running[-1].end + s.block_size > self.decode_limit:
+        running = self.running
+        if not running or running[-1].end >= self.decode_limit:
             return False
         lead = running[0]
         if lead.status is not BlockStatus.TO_CACHE or lead.start != self.num_cached_tokens:

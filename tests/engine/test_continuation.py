@@ -186,6 +186,27 @@ def test_requests_out_of_step_are_continued_across_their_blocks(peaky_sdar_dir: 
     assert run.continued > run.steps // 2 and run.dropped == 0
 
 
+@pytest.mark.parametrize("max_tokens", [17, 18, 19])
+def test_an_answer_ending_inside_its_last_block_is_continued_into_that_block(peaky_sdar_dir: Path,
+                                                                            max_tokens: int) -> None:
+    """A prompt of 8 (two blocks of 4) and 17-19 answer tokens: the answer's last block (24-27) ends at 25-27, and
+    the device opens it like the blocks before it (sampling it up to the answer's end), so every step after the
+    prefill is continued, as at 16 tokens, and the request decodes exactly as with one step in flight. (With
+    requests arriving at their own times some request is always at its last block: a step that could not be
+    continued for it was a step continued for nobody.)"""
+    fields = dict(accept_threshold=0.8, page_size=32)  # one page: the opening never waits for a page
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [8], seed=21)
+    expected, synchronous = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    assert len(expected[0][0]) == max_tokens
+    answer_blocks = -(-(8 + max_tokens) // 4) - 2
+    assert run.opened == answer_blocks - 1, "every answer block after the first was opened on the device"
+    assert run.continued == run.steps - 1 and run.dropped == 0
+
+
 @pytest.mark.parametrize("buffer_size", [1, 2])
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path, buffer_size: int) -> None:
     """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's blocks

@@ -97,16 +97,17 @@ def test_a_refinement_lands_its_tokens_one_row_later_and_stores_nothing(advance)
     assert slots.tolist() == [-1] * 7
 
 
-def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int = 8):
+def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int = 8, answer_ends: bool = False):
     """A step of several requests, one block each (at varied positions, sometimes after a row of their own, which a
     shifted family's block is always after and samples from): some blocks decode, some were stored by this step
-    (their slots set, nothing sampled), some next blocks have no page. Returns the advance's tensors and the
-    `BlockOpening` of the step's layout."""
-    from diffulex.engine.continuation import BlockOpening
+    (their slots set, nothing sampled), some next blocks have no page; with ``answer_ends`` some answers end at,
+    inside or at the end of the next block. Returns the advance's tensors and the `BlockOpening` of the step's
+    layout."""
+    from diffulex.engine.continuation import NO_ANSWER_END, BlockOpening
 
     rng = random.Random(seed)
     ids, slots, source, positions, starts, blocks, result = [], [], [], [], [0], [[], [], [], []], [[], []]
-    cu, context, tables = [0], [], []
+    cu, context, tables, ends = [0], [], [], []
     for _ in range(rng.randint(1, 6)):
         extra = 1 if shift else rng.choice([0, 0, 1])  # a row before the block
         start = block_size * rng.randint(2, 13)
@@ -136,14 +137,23 @@ def opening_step(seed: int, shift: int = 0, block_size: int = 4, page_size: int 
         cu.append(len(ids))
         context.append(start - extra)
         tables.append(table)
+        next_start = start + block_size
+        ends.append(rng.choice([NO_ANSWER_END, next_start + rng.randint(0, block_size)]) if answer_ends else 0)
 
     def t(values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=DEVICE)
 
     step = [t(ids), t(source), t(slots), t(result), t(starts), t(blocks)]
     layout = [t(positions), t(cu, torch.int32), t(context, torch.int32), t(tables, torch.int32)]
-    return step, layout, lambda views: BlockOpening(*views, page_size=page_size, block_size=block_size,
-                                                     mask_token_id=MASK)  # fmt: skip
+    if answer_ends:
+        layout.append(t(ends, torch.int32))
+
+    def opening(views):
+        ends = views[4] if answer_ends else None
+        return BlockOpening(*views[:4], page_size=page_size, block_size=block_size, mask_token_id=MASK,
+                            answer_ends=ends)  # fmt: skip
+
+    return step, layout, opening
 
 
 def all_forcing(starts: torch.Tensor, block_size: int) -> BlockGates:
@@ -151,14 +161,16 @@ def all_forcing(starts: torch.Tensor, block_size: int) -> BlockGates:
     return BlockGates(torch.ones(starts.shape[0], dtype=torch.int64, device=starts.device), block_size, block_size)
 
 
+@pytest.mark.parametrize("answer_ends", [False, True], ids=["no-ends", "answer-ends"])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int, shift: int) -> None:
-    step, layout, opening = opening_step(seed, shift)
+def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int, shift: int, answer_ends: bool) -> None:
+    step, layout, opening = opening_step(seed, shift, answer_ends=answer_ends)
     expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout]
     advance_inputs_reference(*expected[0], shift, opening(expected[1]), all_forcing(expected[0][4], 4))
     triton_advance_inputs(*step, shift, 4 + shift, opening(layout), all_forcing(step[4], 4))
-    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
+    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables",
+             "answer ends")[: len(step) + len(layout)]
     for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
         assert g.cpu().tolist() == e.tolist(), name
 
@@ -188,6 +200,34 @@ def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there(
     assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
     assert context.tolist() == [12, 4]
     assert blocks[2].tolist() == [2 * 8 + 4, 44]
+
+
+def test_an_answer_ending_inside_the_next_block_has_only_its_positions_before_the_end_sampled() -> None:
+    """The requests of `test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there`, request 1's
+    next block given a page: request 0's answer ends at 14, inside its next block (12-15), which opens as masks at
+    12-15 of which only 12 and 13 are sampled (14 and 15 are inputs, as the host's own step has them); request 1's
+    answer ends at 8, where its next block would start: nothing of it is left to decode, so it is not opened."""
+    from diffulex.engine.continuation import BlockOpening
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
+    source = torch.full((8,), -1, dtype=torch.int64)
+    slots = torch.tensor([16, 17, 18, 19, 44, 45, 46, 47], dtype=torch.int64)
+    result = torch.zeros((2, 8), dtype=torch.int64)
+    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [16, 44], [-1, -1]], dtype=torch.int64)
+    positions = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7], dtype=torch.int64)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    context = torch.tensor([8, 4], dtype=torch.int32)
+    tables = torch.tensor([[0, 2, 9], [5, 6, -1]], dtype=torch.int32)
+    ends = torch.tensor([14, 8], dtype=torch.int32)
+    opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK,
+                           answer_ends=ends)  # fmt: skip
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, all_forcing(starts, 4))
+    assert ids.tolist() == [MASK] * 4 + [5, 6, 7, 8]
+    assert positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert source.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+    assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
+    assert context.tolist() == [12, 4]
 
 
 def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_last_token() -> None:
