@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffulex.config import FIELD_ALIASES, Config, engine_fields
+from diffulex.config import FIELD_ALIASES, Config, engine_fields, resolve_field_aliases
 from diffulex.sampling_params import MIN_REPETITION_RUN
 from diffulex.strategy.strategy import STRATEGIES
 from diffulex.validation import check_bool, check_int, check_number, invalid_value
@@ -253,26 +253,16 @@ def normalize_engine_fields(fields: Mapping[str, Any], where: str = "engine") ->
 
     Returns ``(model_path or None, engine fields)``; the fields are ready for ``Diffulex(model, **fields)``.
     """
-    known = set(engine_field_names())
-    out: dict[str, Any] = {}
-    model: Any = None
-    model_key = None
-    unknown = []
-    for key, value in fields.items():
+    for key in fields:
         if not isinstance(key, str):
             raise ValueError(f"{where} has a non-string key {key!r}")
-        if key in MODEL_KEYS:
-            if model_key is not None and value != model:
-                raise ValueError(f"{where}.{key} conflicts with {where}.{model_key}: give the model path once")
-            model, model_key = value, key
-            continue
-        name = FIELD_ALIASES.get(key, key)
-        if name not in known:
-            unknown.append(key)
-            continue
-        if name in out and out[name] != value:
-            raise ValueError(f"{where}.{key} conflicts with {where}.{name}: {key} is the old name of {name}")
-        out[name] = value
+    # the engine's other names of its fields (`config.FIELD_ALIASES`), and ``model`` for the model path
+    model_key, *model_aliases = MODEL_KEYS
+    aliases = {**FIELD_ALIASES, **dict.fromkeys(model_aliases, model_key)}
+    out = resolve_field_aliases(fields, f"{where}.", aliases)
+    model = out.pop(model_key, None)
+    known = set(engine_field_names())
+    unknown = [key for key in out if key not in known]
     if unknown:
         raise ValueError(
             f"{where} has unknown keys {', '.join(map(repr, sorted(unknown)))}; engine keys are model_path and "

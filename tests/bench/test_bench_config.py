@@ -43,6 +43,23 @@ def test_old_engine_key_names_and_flat_layout(tmp_path, sdar_dir):
     assert cfg.eval.task_names == ["gsm8k_diffulex", "math500_diffulex"]
 
 
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"model_path": "A", "model": "B"}, "engine.model='B' conflicts with model_path='A'"),
+        ({"max_num_seqs": 3, "max_num_reqs": 4},
+         "engine.max_num_seqs=3 conflicts with max_num_reqs=4: max_num_seqs is another name of max_num_reqs"),
+    ],
+    ids=["model-path-twice", "old-and-new-name"],
+)
+def test_a_field_given_under_two_names_with_two_values_is_refused_as_the_engine_refuses_it(tmp_path, engine,
+                                                                                            message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_bench_config(write(tmp_path, {"engine": {"model_path": "M", **engine}}), check_model=False)
+    same = dict.fromkeys(engine, next(iter(engine.values())))  # one value under both names is fine
+    load_bench_config(write(tmp_path, {"engine": {"model_path": "M", **same}}), check_model=False)
+
+
 def test_overrides_win_over_the_file(tmp_path, sdar_dir):
     path = write(tmp_path, {"engine": {"model_path": "/nowhere", "diffusion_block_size": 8},
                             "eval": {"dataset_limit": 10, "max_tokens": 64}})
