@@ -656,8 +656,9 @@ class ModelRunner:
         self, step: StepInputs, layout: RowLayout
     ) -> tuple[RowLayout, list[int], list[tuple[int, int, int, int]]]:
         """The step's sampled rows with each request's running blocks whole, for graphs whose continuations open
-        next blocks (`diffulex.engine.continuation.BlockOpening`): each running block of generated positions gets a
-        row for every position, its decoded ones no candidates (logits row -1, as a continuation retires them),
+        next blocks (`diffulex.engine.continuation.BlockOpening`): each running block within the answer's end gets a
+        row for every position, its decoded ones and the prompt's (an answer's first block may hold the prompt's
+        last positions) no candidates (logits row -1, as a continuation retires them),
         also a block with none left (stored by this step, or decoded after a block that is not); each gated by the
         block before it. So the continuation after the step that stores the leading block has whole blocks of rows
         to move on by one. Returns the layout, the logits rows and the blocks' rows, slots and gates; the step's own
@@ -684,7 +685,7 @@ class ModelRunner:
             offset, start = step.cu_seqlens_q[index], step.context_lens[index]
             limit = req.decode_limit
             whole = bool(req.running) and all(
-                block.start >= req.prompt_len and block.end <= limit and req.stores_when_decoded(block)
+                block.end <= limit and req.stores_when_decoded(block)
                 for block in req.running
             )
             if whole:

@@ -448,18 +448,19 @@ class Request:
     def next_step_opens_block(self) -> bool:
         """Whether the step after the one about to run computes this request's running blocks one block further on,
         which a continuation can do itself (`diffulex.engine.continuation.BlockOpening`): the step about to run
-        stores the leading block (decoded) and no other, every running block holds generated positions, the block
-        after them starts before the decoding limit (an answer's last block may end before the block does: the
-        device samples it up to `generation_end`), and it joins the running set: a lone block's successor
-        always does, else as `_next_block_joins` judges (the guess `next_step_has_same_rows` makes). The host opens
-        that block when it next looks at the request (`maybe_activate_block`)."""
+        stores the leading block (decoded; an answer's first block may hold the prompt's last positions, which
+        count as decoded, as `progress` counts them) and no other, the block after them starts before the decoding
+        limit (an answer's last block may end before the block does: the device samples it up to
+        `generation_end`), and it joins the running set: a lone block's successor always does, else as
+        `_next_block_joins` judges (the guess `next_step_has_same_rows` makes). The host opens that block when it
+        next looks at the request (`maybe_activate_block`)."""
         running = self.running
         if not running or running[-1].end >= self.decode_limit:
             return False
         lead = running[0]
         if lead.status is not BlockStatus.TO_CACHE or lead.start != self.num_cached_tokens:
             return False
-        if lead.start < self.prompt_len or any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
+        if any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
             return False
         return len(running) == 1 or self._next_block_joins(self.sample_targets())
 

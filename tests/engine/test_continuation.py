@@ -207,6 +207,26 @@ def test_an_answer_ending_inside_its_last_block_is_continued_into_that_block(pea
     assert run.continued == run.steps - 1 and run.dropped == 0
 
 
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(5, 19), (6, 18)])
+def test_an_answer_whose_first_block_holds_prompt_positions_is_continued_out_of_it(peaky_sdar_dir: Path,
+                                                                                  prompt_len: int,
+                                                                                  max_tokens: int) -> None:
+    """A prompt that ends inside a block (5 or 6 of positions 4-7): the answer's first block holds the prompt's
+    last positions, which are no candidates, and once it is stored the device opens the block after it like any
+    other, so every answer block after the first is opened on the device, every step after the prefill is
+    continued, and the request decodes exactly as with one step in flight."""
+    fields = dict(accept_threshold=0.8, page_size=32)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [prompt_len], seed=21)
+    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
+    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
+    assert got == expected
+    answer_blocks = (prompt_len + max_tokens) // 4 - prompt_len // 4
+    assert run.opened == answer_blocks - 1, "every answer block after the first was opened on the device"
+    assert run.continued == run.steps - 1 and run.dropped == 0
+
+
 @pytest.mark.parametrize("buffer_size", [1, 2])
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path, buffer_size: int) -> None:
     """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's blocks
