@@ -684,8 +684,11 @@ class ModelRunner:
         for index, (req, targets) in enumerate(step.work):
             offset, start = step.cu_seqlens_q[index], step.context_lens[index]
             limit = req.decode_limit
+            # every running block's rows in this step: not so for a prompt's chunk that ends before its answer's
+            # first block, or a split step's rows after a store-only prefix that ends inside that block
+            rows_end = start + step.cu_seqlens_q[index + 1] - offset
             whole = bool(req.running) and all(
-                block.end <= limit and req.stores_when_decoded(block)
+                start <= block.start and block.end <= min(limit, rows_end) and req.stores_when_decoded(block)
                 for block in req.running
             )
             if whole:
