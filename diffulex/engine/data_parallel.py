@@ -108,6 +108,21 @@ class _Replica:
     held: set[int] = field(default_factory=set)  # ids of the requests it runs
 
 
+def _check_replicas_can_start(config: Config) -> None:
+    """Refuse, before any process starts, replicas of several ranks on the ``mp`` backend: a local replica is a
+    daemonic process, which may not start the worker processes of its tensor- or expert-parallel ranks."""
+    if config.distributed_executor_backend != "mp" or max(config.tensor_parallel_size,
+                                                           config.expert_parallel_size) == 1:
+        return
+    from diffulex.engine.tensor_parallel_check import parallel_fields
+
+    raise ValueError(
+        f"{parallel_fields(config)} is invalid with data_parallel_size={config.data_parallel_size} and "
+        "distributed_executor_backend='mp': a local data-parallel replica may not start the workers of its ranks; "
+        "use distributed_executor_backend='ray', whose replicas start their tensor-parallel workers"
+    )
+
+
 class DataParallelEngine:
     """``data_parallel_size`` replicas behind the engine's step interface and one ``generate``."""
 
@@ -118,6 +133,7 @@ class DataParallelEngine:
         """``trajectory_steps=False``: finished trajectories come back without their step records
         (`Trajectory.steps` empty), for a caller that reads none of them, such as the HTTP server; see
         `UpdateEncoder.add` for what they cost."""
+        _check_replicas_can_start(config)
         self.config = config
         self.trajectory_steps = trajectory_steps
         self._build_engine = build_engine  # what each local replica process runs (`serve_replica`)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 
@@ -44,12 +45,16 @@ def test_a_replica_that_cannot_start_is_reported_with_its_error(ckpt):
         Diffulex(str(ckpt), data_parallel_size=2, block_size=4, max_model_len=128, kv_cache_layout="distinct")
 
 
-def test_local_replicas_split_over_ranks_are_refused_pointing_at_the_ray_backend(tmp_path):
-    """A local replica is a daemonic process, which may not start the workers of its tensor-parallel group."""
+@pytest.mark.parametrize("ranks", [{"tensor_parallel_size": 2}, {"expert_parallel_size": 2}], ids=["tp", "ep"])
+def test_local_replicas_split_over_ranks_are_refused_before_any_starts_pointing_at_the_ray_backend(tmp_path, ranks):
+    """A local replica is a daemonic process, which may not start the workers of its ranks: refused at once, by
+    the fields' names, before a replica process is spawned."""
     model = write_tiny_checkpoint(tmp_path / "tp", seed=1, num_key_value_heads=2)
-    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 is invalid in a data-parallel replica.*"
-                                           "use distributed_executor_backend='ray'"):
-        Diffulex(str(model), data_parallel_size=2, tensor_parallel_size=2, block_size=4, max_model_len=128)
+    (field, size), = ranks.items()
+    with pytest.raises(ValueError, match=f"{field}={size} is invalid with data_parallel_size=2 and "
+                                         "distributed_executor_backend='mp'.*use distributed_executor_backend='ray'"):
+        Diffulex(str(model), data_parallel_size=2, block_size=4, max_model_len=128, **ranks)
+    assert not multiprocessing.active_children()
 
 
 def test_a_bad_request_is_answered_without_harming_the_replicas(ckpt):
