@@ -185,6 +185,10 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+# The charset values of a JSON Content-Type that say what JSON is anyway (RFC 8259: UTF-8).
+JSON_CHARSETS = ("utf-8", "utf8")
+
+
 def _check_json_content_type(scope: Scope) -> None:
     """A 400 unless the request says its body is JSON (``application/json``, parameters such as charset allowed)."""
     value = _header(scope, b"content-type")
@@ -192,9 +196,18 @@ def _check_json_content_type(scope: Scope) -> None:
         raise APIError(400, "the request has no Content-Type header: the body must be JSON, sent with "
                        "Content-Type: application/json", code="unsupported_media_type")
     text = value.decode("latin-1")
-    if text.split(";", 1)[0].strip().lower() != "application/json":
+    media_type, *parameters = text.split(";")
+    if media_type.strip().lower() != "application/json":
         raise APIError(400, f"Content-Type {escaped(text)!r} is not supported: the body must be JSON, sent with "
                        "Content-Type: application/json", code="unsupported_media_type")
+    for parameter in parameters:
+        name, _, charset = parameter.partition("=")
+        charset = charset.strip().strip('"')
+        if name.strip().lower() == "charset" and charset.lower() not in JSON_CHARSETS:
+            # RFC 8259: JSON exchanged between systems is UTF-8; a body in another encoding would be read wrongly
+            raise APIError(400, f"Content-Type {escaped(text)!r} is not supported: a JSON body is UTF-8 (charset="
+                           f"{escaped(charset)!r} given); send it as UTF-8, with Content-Type: application/json",
+                           code="unsupported_media_type")
 
 
 def _content_length(scope: Scope) -> int | None:

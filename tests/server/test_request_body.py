@@ -143,6 +143,21 @@ def test_a_json_content_type_with_parameters_or_any_case_is_accepted(server: Run
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("charset", ["latin-1", "ISO-8859-1", '"utf-16"'])
+def test_a_json_body_declared_in_another_charset_than_utf8_is_refused_naming_it(server: RunningServer,
+                                                                                 charset: str) -> None:
+    """JSON between systems is UTF-8 (RFC 8259): a body declared latin-1 would be read as UTF-8 and its accented
+    letters changed or refused as bytes; the declaration itself is refused, naming the charset."""
+    body = json.dumps({**GOOD, "prompt": "café"}, ensure_ascii=False).encode("latin-1")
+    with server.client() as http:
+        response = http.post("/v1/completions", content=body,
+                             headers={"content-type": f"application/json; charset={charset}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type"
+    assert charset.strip('"') in error["message"] and "UTF-8" in error["message"]
+
+
 def _guarded(messages: list[dict]) -> tuple[list[bytes], list[dict]]:
     """Runs one ``POST /v1/completions`` whose client sends ``messages`` through `BodyGuard`: the bodies the route
     was handed, and what was sent back."""
