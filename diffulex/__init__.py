@@ -6,17 +6,13 @@
     print(out.trajectories[0].text)
 """
 
-from __future__ import annotations
-
-from typing import Any
-
 from diffulex.outputs import GenerationOutputs, Trajectory
 from diffulex.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 
-def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor reads like a class)
+def Diffulex(model: str, **kwargs: object):  # noqa: N802  (the public constructor reads like a class)
     """Build an engine for the checkpoint folder ``model``.
 
     Keywords that are engine fields configure it (validated and normalized by `diffulex.config.Config`); other
@@ -37,7 +33,6 @@ def Diffulex(model: str, **kwargs: Any):  # noqa: N802  (the public constructor 
 
         return DataParallelEngine(model, kwargs, config)
     return DiffulexEngine(config, build)
-
 
 
 # The folder of the built-in model (a trained SDAR checkpoint shipped in the package; docs/training.md).
