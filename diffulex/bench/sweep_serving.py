@@ -8,7 +8,9 @@ serve` does): streaming completions sent at Poisson arrival times, at `ARRIVAL_R
 request rate, so the server runs as full as the offline batch did and the excess waits in its queue; the clients
 run in a process of their own, as real clients would.
 Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
-first token and the time between streamed chunks, p50 and p99. Both runs follow an untimed warm-up.
+first token and the time between streamed chunks, p50 and p99, and the share of the engine's steps continued on the
+device (`diffulex.engine.continuation`; requests that arrive at their own times leave fewer steps a continuation
+suits all of them than a batch that starts together). Both runs follow an untimed warm-up.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def request_mix(shape: ServingShape, count: int, seed: int) -> list[Any]:
                         ignore_eos=True) for i in range(count)]
 
 
+def continued_share(before: Any, after: Any) -> float | None:
+    """The share of the steps between two `EngineLoad` readings that the engine continued on the device."""
+    steps = after.steps - before.steps
+    return (after.continued_steps - before.continued_steps) / steps if steps > 0 else None
+
+
 def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
     """The engine's tokens/s and requests/s generating `specs` as one offline batch."""
     from diffulex.sampling_params import SamplingParams
@@ -85,9 +93,10 @@ def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, spec
     engine = Diffulex(path, **fields)
     try:
         offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
-        paths = step_paths(engine)
+        paths, load = step_paths(engine), engine.load()
         out = offline_rate(engine, specs)
         out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
+        out["offline_continued_share"] = continued_share(load, engine.load())
         return out
     finally:
         engine.exit()
@@ -115,8 +124,10 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
             open_loop_in_process(server.url, "completions", request_mix(shape, concurrency, seed=1), 100 * rate, 1,
                                  REQUEST_TIMEOUT_S)  # warm-up of the HTTP path and of the engine at this batch
             paths = step_paths(engine) if row["engine_placement"] == "thread" else None
+            load = engine.load()
             samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
                                                     REQUEST_TIMEOUT_S)
+            row["online_continued_share"] = continued_share(load, engine.load())
             # an engine process's step paths stay in that process
             row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
@@ -152,18 +163,21 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
 
 def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     header = ["model", "concurrent", "requests (errors)", "online tok/s", "offline tok/s", "online / offline",
-              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "steps graphed online / offline"]
+              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "steps graphed online / offline",
+              "steps continued online / offline"]
     body = []
     for r in rows:
         if r.get("error") or r.get("skipped"):
-            body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 7])
+            body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 8])
             continue
         body.append([r["model"], r["concurrency"], f"{r['requests']} ({r['errors']})",
                      fmt(r["online_tokens_per_s"], ",.0f"), fmt(r["offline_tokens_per_s"], ",.0f"),
                      fmt(r["online_vs_offline"]), "yes" if r["met"] else "no",
                      f"{fmt(r['ttft_p50_ms'], '.1f')} / {fmt(r['ttft_p99_ms'], '.1f')}",
                      f"{fmt(r['chunk_gap_p50_ms'], '.1f')} / {fmt(r['chunk_gap_p99_ms'], '.1f')}",
-                     f"{fmt(r.get('online_graphed_share'), '.0%')} / {fmt(r.get('offline_graphed_share'), '.0%')}"])
+                     f"{fmt(r.get('online_graphed_share'), '.0%')} / {fmt(r.get('offline_graphed_share'), '.0%')}",
+                     f"{fmt(r.get('online_continued_share'), '.0%')} / "
+                     f"{fmt(r.get('offline_continued_share'), '.0%')}"])
     return markdown(header, body)
 
 

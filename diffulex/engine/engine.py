@@ -530,12 +530,14 @@ class DiffulexEngine:
         return self._num_steps
 
     def load(self) -> EngineLoad:
-        """Requests running and waiting, KV pages in use (what the server reports)."""
+        """Requests running and waiting, KV pages in use, steps run and continued (what the server reports)."""
         scheduler = self.scheduler
         kv = scheduler.kv_cache
         running = sum(1 for r in scheduler.running if r.status is RequestStatus.RUNNING)
         serving = self._dead is None and not self._closed
-        return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages, alive=serving)
+        return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages, alive=serving,
+                          steps=self._num_steps,
+                          continued_steps=self.num_continuations - self.num_dropped_continuations)
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

@@ -14,6 +14,9 @@ class EngineLoad:
     alive: bool = True  # False once the engine stopped serving (exit, a dead device, a dead replica process)
     # one entry per data-parallel replica, in rank order (empty for a single engine)
     replicas: tuple[EngineLoad, ...] = ()
+    steps: int = 0  # steps applied since the engine was built
+    # of those, continued on the device (`diffulex.engine.continuation`): their host work overlapped the GPU's
+    continued_steps: int = 0
 
     @classmethod
     def total(cls, replicas: list[EngineLoad]) -> EngineLoad:
@@ -22,4 +25,5 @@ class EngineLoad:
         return cls(
             sum(r.running for r in alive), sum(r.waiting for r in alive), sum(r.kv_pages_used for r in alive),
             sum(r.kv_pages_total for r in alive), bool(alive), tuple(replicas),
+            sum(r.steps for r in replicas), sum(r.continued_steps for r in replicas),
         )  # fmt: skip

@@ -58,6 +58,7 @@ class ServerMetrics:
         self.kv_pages_total = 0
         self.replicas: tuple[EngineLoad, ...] = ()  # data-parallel replicas, in rank order
         self.engine_steps = 0
+        self.continued_steps = 0  # of the engine's steps, continued on the device (as the engine counts them)
         self.decoded_tokens = 0  # mask positions filled, summed over steps
         self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
         self.prompt_tokens = 0
@@ -88,6 +89,7 @@ class ServerMetrics:
             self.running, self.waiting = load.running, load.waiting
             self.kv_pages_used, self.kv_pages_total = load.kv_pages_used, load.kv_pages_total
             self.replicas = load.replicas
+            self.continued_steps = load.continued_steps
 
     def observe_admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -159,6 +161,8 @@ class ServerMetrics:
                    f"Tokens decoded per second over the last {RATE_WINDOW_S:g} s.", tps)
             scalar("diffulex_tpf", "gauge", "Tokens decoded per request forward since start (TPF).", tpf)
             scalar("diffulex_engine_steps_total", "counter", "Engine steps (forwards) run.", self.engine_steps)
+            scalar("diffulex_continued_steps_total", "counter", "Engine steps continued on the device: queued "
+                   "before the step before them was read, their host work overlapping the GPU's.", self.continued_steps)
             scalar("diffulex_decoded_tokens_total", "counter", "Mask positions filled by the engine.",
                    self.decoded_tokens)
             scalar("diffulex_request_forwards_total", "counter", "Forwards taken by requests (NFE, summed).",

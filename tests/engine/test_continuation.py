@@ -227,6 +227,20 @@ def test_an_answer_whose_first_block_holds_prompt_positions_is_continued_out_of_
     assert run.continued == run.steps - 1 and run.dropped == 0
 
 
+def test_the_engines_load_reports_its_steps_and_those_continued_on_the_device(peaky_sdar_dir: Path) -> None:
+    """What the server exports (`diffulex_continued_steps_total`) and the serving sweep reads: steps applied, and of
+    them the continued ones (launched continuations less dropped ones)."""
+    with make_engine(peaky_sdar_dir, accept_threshold=0.8) as llm:
+        with_static_decode(llm)
+        prompts = random_prompts(llm, [3, 6, 9], seed=5)
+        before = llm.load()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        after = llm.load()
+        assert after.steps - before.steps == llm.num_steps > 0
+        continued = llm.num_continuations - llm.num_dropped_continuations
+        assert after.continued_steps - before.continued_steps == continued > 0
+
+
 @pytest.mark.parametrize("buffer_size", [1, 2])
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path, buffer_size: int) -> None:
     """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's blocks

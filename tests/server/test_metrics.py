@@ -1,0 +1,25 @@
+"""The server's /metrics text: what it exports of the engine's load."""
+
+from __future__ import annotations
+
+from diffulex.engine.engine_load import EngineLoad
+from diffulex.server.metrics import ServerMetrics
+
+
+def _value(text: str, name: str) -> float:
+    return next(float(line.split()[1]) for line in text.splitlines() if line.split()[0] == name)
+
+
+def test_the_steps_continued_on_the_device_are_exported_from_the_engines_load() -> None:
+    metrics = ServerMetrics("m")
+    metrics.set_state(EngineLoad(3, 0, 5, 10, steps=40, continued_steps=31))
+    text = metrics.render()
+    assert "# TYPE diffulex_continued_steps_total counter" in text
+    assert _value(text, "diffulex_continued_steps_total") == 31
+
+
+def test_replicas_steps_and_continued_steps_add_up() -> None:
+    total = EngineLoad.total([EngineLoad(1, 0, 2, 8, steps=10, continued_steps=4),
+                              EngineLoad(2, 1, 3, 8, steps=20, continued_steps=15)])
+    assert (total.steps, total.continued_steps) == (30, 19)
+    assert (total.running, total.kv_pages_total) == (3, 16)
