@@ -175,11 +175,10 @@ def test_the_kernel_opens_next_blocks_as_the_reference_does(seed: int, shift: in
         assert g.cpu().tolist() == e.tolist(), name
 
 
-def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there() -> None:
-    """Two requests of one block each (block 4, page 8), both stored by this step (rows 0-3 at positions 8-11 in
-    page 2, rows 4-7 at 4-7 in page 5): request 0's next block (12-15, page 2 too) becomes masks at 12-15, sampled,
-    not stored, with one block more of context and the new block's first slot 2 * 8 + 4; request 1's next block
-    (8-11) has no page, so its block is only stored again."""
+def two_stored_blocks(request_1_page: int, answer_ends: list[int] | None = None):
+    """Two requests of one block each (block 4, page 8), both stored by this step: rows 0-3 at positions 8-11 in
+    page 2 (request 0's positions 8-15: page 2), rows 4-7 at 4-7 in page 5, request 1's positions 8-15 in page
+    ``request_1_page`` (-1: none). Returns the advance's tensors and the step's `BlockOpening`."""
     from diffulex.engine.continuation import BlockOpening
 
     ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
@@ -191,43 +190,39 @@ def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there(
     positions = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7], dtype=torch.int64)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     context = torch.tensor([8, 4], dtype=torch.int32)
-    tables = torch.tensor([[0, 2, 9], [5, -1, -1]], dtype=torch.int32)  # request 0's positions 8-15: page 2
-    opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK)
+    tables = torch.tensor([[0, 2, 9], [5, request_1_page, -1]], dtype=torch.int32)
+    ends = torch.tensor(answer_ends, dtype=torch.int32) if answer_ends is not None else None
+    opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK,
+                           answer_ends=ends)  # fmt: skip
+    return (ids, source, slots, result, starts, blocks), opening
+
+
+def test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there() -> None:
+    """`two_stored_blocks`, request 1's next block without a page: request 0's next block (12-15, page 2 too)
+    becomes masks at 12-15, sampled, not stored, with one block more of context and the new block's first slot
+    2 * 8 + 4; request 1's next block (8-11) has no page, so its block is only stored again."""
+    (ids, source, slots, result, starts, blocks), opening = two_stored_blocks(request_1_page=-1)
     advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, all_forcing(starts, 4))
     assert ids.tolist() == [MASK] * 4 + [5, 6, 7, 8]
-    assert positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert opening.positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
     assert source.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
     assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
-    assert context.tolist() == [12, 4]
+    assert opening.context_lens.tolist() == [12, 4]
     assert blocks[2].tolist() == [2 * 8 + 4, 44]
 
 
 def test_an_answer_ending_inside_the_next_block_has_only_its_positions_before_the_end_sampled() -> None:
-    """The requests of `test_a_stored_block_becomes_its_requests_next_block_where_its_page_is_there`, request 1's
-    next block given a page: request 0's answer ends at 14, inside its next block (12-15), which opens as masks at
-    12-15 of which only 12 and 13 are sampled (14 and 15 are inputs, as the host's own step has them); request 1's
-    answer ends at 8, where its next block would start: nothing of it is left to decode, so it is not opened."""
-    from diffulex.engine.continuation import BlockOpening
-
-    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int64)
-    source = torch.full((8,), -1, dtype=torch.int64)
-    slots = torch.tensor([16, 17, 18, 19, 44, 45, 46, 47], dtype=torch.int64)
-    result = torch.zeros((2, 8), dtype=torch.int64)
-    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
-    blocks = torch.tensor([[0, 4], [4, 8], [16, 44], [-1, -1]], dtype=torch.int64)
-    positions = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7], dtype=torch.int64)
-    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    context = torch.tensor([8, 4], dtype=torch.int32)
-    tables = torch.tensor([[0, 2, 9], [5, 6, -1]], dtype=torch.int32)
-    ends = torch.tensor([14, 8], dtype=torch.int32)
-    opening = BlockOpening(positions, cu, context, tables, page_size=8, block_size=4, mask_token_id=MASK,
-                           answer_ends=ends)  # fmt: skip
+    """`two_stored_blocks`, request 1's next block given a page: request 0's answer ends at 14, inside its next
+    block (12-15), which opens as masks at 12-15 of which only 12 and 13 are sampled (14 and 15 are inputs, as the
+    host's own step has them); request 1's answer ends at 8, where its next block would start: nothing of it is
+    left to decode, so it is not opened."""
+    (ids, source, slots, result, starts, blocks), opening = two_stored_blocks(request_1_page=6, answer_ends=[14, 8])
     advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, all_forcing(starts, 4))
     assert ids.tolist() == [MASK] * 4 + [5, 6, 7, 8]
-    assert positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert opening.positions.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
     assert source.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
     assert slots.tolist() == [-1, -1, -1, -1, 44, 45, 46, 47]
-    assert context.tolist() == [12, 4]
+    assert opening.context_lens.tolist() == [12, 4]
 
 
 def test_a_shifted_familys_row_before_the_block_moves_on_to_the_stored_blocks_last_token() -> None:
