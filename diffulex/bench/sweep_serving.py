@@ -151,8 +151,9 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
             ctx.log(f"  {concurrency} concurrent: online {row['online_tokens_per_s']:.0f} tok/s vs offline "
                     f"{row['offline_tokens_per_s']:.0f} ({row['online_vs_offline']:.2f}x), TTFT p50/p99 "
                     f"{fmt(row['ttft_p50_ms'], '.1f')}/{fmt(row['ttft_p99_ms'], '.1f')} ms, chunk gap p50/p99 "
-                    f"{fmt(row['chunk_gap_p50_ms'], '.1f')}/{fmt(row['chunk_gap_p99_ms'], '.1f')} ms, "
-                    f"{row['errors']} errors")
+                    f"{fmt(row['chunk_gap_p50_ms'], '.1f')}/{fmt(row['chunk_gap_p99_ms'], '.1f')} ms, steps "
+                    f"continued {fmt(row.get('online_continued_share'), '.0%')}/"
+                    f"{fmt(row.get('offline_continued_share'), '.0%')}, {row['errors']} errors")
         except Exception as err:
             row = {"model": shape.model, "concurrency": concurrency, "error": error_text(err)}
             ctx.log(f"  {concurrency} concurrent failed: {row['error']}")
