@@ -111,10 +111,11 @@ class _Replica:
 def _check_replicas_can_start(config: Config) -> None:
     """Refuse, before any process starts, replicas of several ranks on the ``mp`` backend: a local replica is a
     daemonic process, which may not start the worker processes of its tensor- or expert-parallel ranks."""
-    if config.distributed_executor_backend != "mp" or max(config.tensor_parallel_size,
-                                                           config.expert_parallel_size) == 1:
-        return
+    from diffulex.engine.tensor_parallel import engine_world_size
     from diffulex.engine.tensor_parallel_check import parallel_fields
+
+    if config.distributed_executor_backend != "mp" or engine_world_size(config) == 1:
+        return
 
     raise ValueError(
         f"{parallel_fields(config)} is invalid with data_parallel_size={config.data_parallel_size} and "

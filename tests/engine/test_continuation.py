@@ -186,6 +186,23 @@ def test_requests_out_of_step_are_continued_across_their_blocks(peaky_sdar_dir: 
     assert run.continued > run.steps // 2 and run.dropped == 0
 
 
+def _continued_block_by_block(model: Path, prompt_len: int, max_tokens: int) -> list[tuple]:
+    """One request of ``prompt_len`` prompt tokens and ``max_tokens`` answer tokens (blocks of 4, one page, so that
+    no opening waits for a page), decoded with and without continuations: the same answer, every answer block after
+    the first opened on the device, every step after the prefill continued. Returns the answers."""
+    fields = dict(accept_threshold=0.8, page_size=32)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with make_engine(model, **fields) as llm:
+        prompts = random_prompts(llm, [prompt_len], seed=21)
+    expected, _ = _generate(model, prompts, params, False, **fields)
+    got, run = _generate(model, prompts, params, True, **fields)
+    assert got == expected
+    answer_blocks = -(-(prompt_len + max_tokens) // 4) - prompt_len // 4
+    assert run.opened == answer_blocks - 1, "every answer block after the first was opened on the device"
+    assert run.continued == run.steps - 1 and run.dropped == 0
+    return expected
+
+
 @pytest.mark.parametrize("max_tokens", [17, 18, 19])
 def test_an_answer_ending_inside_its_last_block_is_continued_into_that_block(peaky_sdar_dir: Path,
                                                                             max_tokens: int) -> None:
@@ -194,17 +211,8 @@ def test_an_answer_ending_inside_its_last_block_is_continued_into_that_block(pea
     prefill is continued, as at 16 tokens, and the request decodes exactly as with one step in flight. (With
     requests arriving at their own times some request is always at its last block: a step that could not be
     continued for it was a step continued for nobody.)"""
-    fields = dict(accept_threshold=0.8, page_size=32)  # one page: the opening never waits for a page
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with make_engine(peaky_sdar_dir, **fields) as llm:
-        prompts = random_prompts(llm, [8], seed=21)
-    expected, synchronous = _generate(peaky_sdar_dir, prompts, params, False, **fields)
-    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
-    assert got == expected
+    expected = _continued_block_by_block(peaky_sdar_dir, 8, max_tokens)
     assert len(expected[0][0]) == max_tokens
-    answer_blocks = -(-(8 + max_tokens) // 4) - 2
-    assert run.opened == answer_blocks - 1, "every answer block after the first was opened on the device"
-    assert run.continued == run.steps - 1 and run.dropped == 0
 
 
 @pytest.mark.parametrize(("prompt_len", "max_tokens"), [(5, 19), (6, 18)])
@@ -215,16 +223,7 @@ def test_an_answer_whose_first_block_holds_prompt_positions_is_continued_out_of_
     last positions, which are no candidates, and once it is stored the device opens the block after it like any
     other, so every answer block after the first is opened on the device, every step after the prefill is
     continued, and the request decodes exactly as with one step in flight."""
-    fields = dict(accept_threshold=0.8, page_size=32)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with make_engine(peaky_sdar_dir, **fields) as llm:
-        prompts = random_prompts(llm, [prompt_len], seed=21)
-    expected, _ = _generate(peaky_sdar_dir, prompts, params, False, **fields)
-    got, run = _generate(peaky_sdar_dir, prompts, params, True, **fields)
-    assert got == expected
-    answer_blocks = (prompt_len + max_tokens) // 4 - prompt_len // 4
-    assert run.opened == answer_blocks - 1, "every answer block after the first was opened on the device"
-    assert run.continued == run.steps - 1 and run.dropped == 0
+    _continued_block_by_block(peaky_sdar_dir, prompt_len, max_tokens)
 
 
 def test_the_engines_load_reports_its_steps_and_those_continued_on_the_device(peaky_sdar_dir: Path) -> None:
