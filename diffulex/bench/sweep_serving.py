@@ -69,6 +69,18 @@ def continued_share(before: Any, after: Any) -> float | None:
     return (after.continued_steps - before.continued_steps) / steps if steps > 0 else None
 
 
+def refused_continuations(before: Any, after: Any) -> dict[str, int]:
+    """The steps between two `EngineLoad` readings that the host launched itself, by why the device could not
+    continue (`diffulex.engine.continuation.ContinuationRefusal`)."""
+    counts = {reason: n - before.refused_continuations.get(reason, 0)
+              for reason, n in after.refused_continuations.items()}
+    return {reason: n for reason, n in sorted(counts.items()) if n}
+
+
+def _refusal_text(counts: Mapping[str, int] | None) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in (counts or {}).items()) or "none"
+
+
 def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
     """The engine's tokens/s and requests/s generating `specs` as one offline batch."""
     from diffulex.sampling_params import SamplingParams
@@ -96,7 +108,9 @@ def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, spec
         paths, load = step_paths(engine), engine.load()
         out = offline_rate(engine, specs)
         out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
-        out["offline_continued_share"] = continued_share(load, engine.load())
+        after = engine.load()
+        out["offline_continued_share"] = continued_share(load, after)
+        out["offline_refused_continuations"] = refused_continuations(load, after)
         return out
     finally:
         engine.exit()
@@ -127,7 +141,9 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
             load = engine.load()
             samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
                                                     REQUEST_TIMEOUT_S)
-            row["online_continued_share"] = continued_share(load, engine.load())
+            after = engine.load()
+            row["online_continued_share"] = continued_share(load, after)
+            row["online_refused_continuations"] = refused_continuations(load, after)
             # an engine process's step paths stay in that process
             row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
@@ -153,7 +169,9 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
                     f"{fmt(row['ttft_p50_ms'], '.1f')}/{fmt(row['ttft_p99_ms'], '.1f')} ms, chunk gap p50/p99 "
                     f"{fmt(row['chunk_gap_p50_ms'], '.1f')}/{fmt(row['chunk_gap_p99_ms'], '.1f')} ms, steps "
                     f"continued {fmt(row.get('online_continued_share'), '.0%')}/"
-                    f"{fmt(row.get('offline_continued_share'), '.0%')}, {row['errors']} errors")
+                    f"{fmt(row.get('offline_continued_share'), '.0%')}, {row['errors']} errors; host-launched "
+                    f"steps online: {_refusal_text(row.get('online_refused_continuations'))}, offline: "
+                    f"{_refusal_text(row.get('offline_refused_continuations'))}")
         except Exception as err:
             row = {"model": shape.model, "concurrency": concurrency, "error": error_text(err)}
             ctx.log(f"  {concurrency} concurrent failed: {row['error']}")

@@ -39,11 +39,26 @@ decoded, and such a continuation is dropped and the right step launched instead.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from diffulex.layers.dispatch import triton_available
+
+
+class ContinuationRefusal(enum.StrEnum):
+    """Why the engine launched a step itself rather than continue the one in flight on the device (counted in
+    `diffulex.engine.engine_load.EngineLoad.refused_continuations`): each is a step whose host work the GPU waits
+    for."""
+
+    NOT_GRAPHED = "not_graphed"  # the step in flight was not replayed by graphs that continue (a prefill, eager)
+    ADMISSION = "admission"  # a waiting request can be admitted: its prefill needs the host's step
+    RUNNING_SET = "running_set"  # the running set is not the step in flight's batch (admitted, preempted, finished)
+    REQUEST_CHANGED = "request_changed"  # a request of the step was finished or rescheduled since its launch
+    ROWS_CHANGE = "rows_change"  # a request's next step computes other rows (a block joins, a forward of another kind)
+    HOST_OPENS_BLOCK = "host_opens_block"  # a request's next block can be opened by the host only (pages, layout)
+
 
 # The answer end of a request that has none (a hand-built step, a padded request): every position may be sampled.
 NO_ANSWER_END = 2**31 - 1

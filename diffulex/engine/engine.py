@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ import torch
 from diffulex.config import Config
 from diffulex.engine.assembly import assemble
 from diffulex.engine.build_phases import BuildPhases
+from diffulex.engine.continuation import ContinuationRefusal
 from diffulex.engine.engine_load import EngineLoad
 from diffulex.engine.generation_inputs import check_prompt
 from diffulex.engine.offline import generate_offline
@@ -47,13 +48,16 @@ logger = logging.getLogger("diffulex")
 # took 0.4-0.6 s of the built-in model's build on a busy 2-core machine; older garbage, if any, is frozen too).
 GC_BUILD_GENERATION = 0
 
+# A request's view of a step: its query range and the indices of its running blocks.
+StepView = tuple[tuple[int, int], tuple[int, ...]]
+
 
 @dataclass
 class _InFlightStep:
     """A launched step whose result the host has not applied yet."""
 
     batch: list[Request]
-    views: list[tuple[tuple[int, int], tuple[int, ...]]]  # per request: query range, running block indices
+    views: list[StepView]  # per request
     # per request: its query range as the launch left it, which a continuation starts from: the view's, unless the
     # launch itself moved it (a strategy's own runner that encodes context before its rows: DiffusionGemma's canvas)
     launched_ranges: list[tuple[int, int]]
@@ -71,7 +75,7 @@ class _AppliedStep:
     index: int
     step_time: float  # seconds from scheduling to the applied result
     # per request: its view at launch (query range, running block indices) and how many masks it filled
-    requests: list[tuple[Request, tuple[tuple[int, int], tuple[int, ...]], int]] = field(default_factory=list)
+    requests: list[tuple[Request, StepView, int]] = field(default_factory=list)
 
 
 class DiffulexEngine:
@@ -100,7 +104,10 @@ class DiffulexEngine:
         self._in_flight: deque[_InFlightStep] = deque()
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
+        self.num_continued_steps = 0  # applied steps that were continuations (not dropped, some request left)
         self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
+        # steps the host launched itself although continuations are on, by reason (statistics)
+        self.refused_continuations: Counter[ContinuationRefusal] = Counter()
         self._closed = False
         self._generate_lock = threading.Lock()
         self._dead: str | None = None  # why the device stopped working, once it has
@@ -344,30 +351,15 @@ class DiffulexEngine:
 
     def _maybe_continue(self) -> None:
         """Queue the successor of the step in flight before reading its result, when its rows are known already
-        (`diffulex.engine.continuation`): nobody waits for admission who could be admitted (with every request slot
-        taken, a request that finishes in the step in flight frees its slot for the step after the continuation:
-        what waits is admitted one step later, and a saturated engine keeps continuing), every running request takes
-        part, and each computes the same rows next step whatever this step accepts, or its running blocks one block
-        further on where this step stores its leading block and the device can move them
-        (`Request.next_step_opens_block`)."""
-        if len(self._in_flight) != 1 or not self.policy.continues or not self.runner.can_continue:
+        (`diffulex.engine.continuation`), else count why not (`ContinuationRefusal`)."""
+        if len(self._in_flight) != 1 or not self.policy.continues:
             return
-        newest, scheduler = self._in_flight[-1], self.scheduler
-        if (scheduler.waiting and not scheduler.slots_full()) or len(newest.batch) != len(scheduler.running):
+        opened: list[int] = []
+        views = self._continued_views(opened)
+        if isinstance(views, ContinuationRefusal):
+            self.refused_continuations[views] += 1
             return
-        views, opened = [], []
-        for req, (_, blocks), launched in zip(newest.batch, newest.views, newest.launched_ranges, strict=True):
-            if req.is_finished or req.query_range() != launched:
-                return
-            start, end = launched
-            if req.next_step_has_same_rows():
-                views.append((launched, blocks))
-            elif req.next_step_opens_block() and self.runner.opens_block_on_device(req):
-                size = req.settings.block_size
-                views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
-                opened.append(req.req_id)
-            else:
-                return
+        newest = self._in_flight[-1]
         t0 = time.perf_counter()
         pending = self.runner.launch_continuation(self._num_launches % self.policy.staging_buffers, opened)
         self._num_launches += 1
@@ -375,6 +367,38 @@ class DiffulexEngine:
         self.num_opened_blocks += len(opened)
         ranges = [query for query, _ in views]
         self._in_flight.append(_InFlightStep(newest.batch, views, ranges, pending, t0, continuation=True))
+
+    def _continued_views(self, opened: list[int]) -> list[StepView] | ContinuationRefusal:
+        """Each request's view of the continuation of the step in flight (appending to ``opened`` the requests
+        whose next block the device opens), or why there is none. There is one when nobody waits for admission
+        who could be admitted (with every request slot taken, a request that finishes in the step in flight frees
+        its slot for the step after the continuation: what waits is admitted one step later, and a saturated engine
+        keeps continuing), every running request takes part, and each computes the same rows next step whatever
+        this step accepts, or its running blocks one block further on where this step stores its leading block and
+        the device can move them (`Request.next_step_opens_block`)."""
+        if not self.runner.can_continue:
+            return ContinuationRefusal.NOT_GRAPHED
+        newest, scheduler = self._in_flight[-1], self.scheduler
+        if scheduler.waiting and not scheduler.slots_full():
+            return ContinuationRefusal.ADMISSION
+        if len(newest.batch) != len(scheduler.running):
+            return ContinuationRefusal.RUNNING_SET
+        views: list[StepView] = []
+        for req, (_, blocks), launched in zip(newest.batch, newest.views, newest.launched_ranges, strict=True):
+            if req.is_finished or req.query_range() != launched:
+                return ContinuationRefusal.REQUEST_CHANGED
+            start, end = launched
+            if req.next_step_has_same_rows():
+                views.append((launched, blocks))
+            elif not req.next_step_opens_block():
+                return ContinuationRefusal.ROWS_CHANGE
+            elif not self.runner.opens_block_on_device(req):
+                return ContinuationRefusal.HOST_OPENS_BLOCK
+            else:
+                size = req.settings.block_size
+                views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
+                opened.append(req.req_id)
+        return views
 
     def _check_continuation(self) -> None:
         """Now that its predecessor's result is applied, check the continuation in flight against the step the
@@ -426,6 +450,7 @@ class DiffulexEngine:
         """
         writes = launched.pending.writes if launched.result_known else launched.pending.result()
         applied = _AppliedStep(self._num_steps, time.perf_counter() - launched.started)
+        self.num_continued_steps += launched.continuation
         for req, view in zip(launched.batch, launched.views, strict=True):
             if req.is_finished:
                 continue
@@ -537,7 +562,8 @@ class DiffulexEngine:
         serving = self._dead is None and not self._closed
         return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages, alive=serving,
                           steps=self._num_steps,
-                          continued_steps=self.num_continuations - self.num_dropped_continuations)
+                          continued_steps=self.num_continued_steps,
+                          refused_continuations={str(k): v for k, v in self.refused_continuations.items()})
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,13 +19,18 @@ class EngineLoad:
     steps: int = 0  # steps applied since the engine was built
     # of those, continued on the device (`diffulex.engine.continuation`): their host work overlapped the GPU's
     continued_steps: int = 0
+    # the steps launched by the host although continuations were on, by reason (`ContinuationRefusal` values)
+    refused_continuations: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def total(cls, replicas: list[EngineLoad]) -> EngineLoad:
         """The sum over the replicas that are alive, with every replica's own figures kept."""
         alive = [r for r in replicas if r.alive]
+        refused: Counter[str] = Counter()
+        for replica in replicas:
+            refused.update(replica.refused_continuations)
         return cls(
             sum(r.running for r in alive), sum(r.waiting for r in alive), sum(r.kv_pages_used for r in alive),
             sum(r.kv_pages_total for r in alive), bool(alive), tuple(replicas),
-            sum(r.steps for r in replicas), sum(r.continued_steps for r in replicas),
+            sum(r.steps for r in replicas), sum(r.continued_steps for r in replicas), dict(refused),
         )  # fmt: skip

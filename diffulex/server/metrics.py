@@ -59,6 +59,7 @@ class ServerMetrics:
         self.replicas: tuple[EngineLoad, ...] = ()  # data-parallel replicas, in rank order
         self.engine_steps = 0
         self.continued_steps = 0  # of the engine's steps, continued on the device (as the engine counts them)
+        self.refused_continuations: dict[str, int] = {}  # the steps the host launched itself, by reason
         self.decoded_tokens = 0  # mask positions filled, summed over steps
         self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
         self.prompt_tokens = 0
@@ -90,6 +91,7 @@ class ServerMetrics:
             self.kv_pages_used, self.kv_pages_total = load.kv_pages_used, load.kv_pages_total
             self.replicas = load.replicas
             self.continued_steps = load.continued_steps
+            self.refused_continuations = dict(load.refused_continuations)
 
     def observe_admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -163,6 +165,9 @@ class ServerMetrics:
             scalar("diffulex_engine_steps_total", "counter", "Engine steps (forwards) run.", self.engine_steps)
             scalar("diffulex_continued_steps_total", "counter", "Engine steps continued on the device: queued "
                    "before the step before them was read, their host work overlapping the GPU's.", self.continued_steps)
+            labelled("diffulex_continuation_refusals_total", "counter", "Engine steps launched by the host although "
+                     "continuations are on, by why the device could not continue the step before.", "reason",
+                     self.refused_continuations)
             scalar("diffulex_decoded_tokens_total", "counter", "Mask positions filled by the engine.",
                    self.decoded_tokens)
             scalar("diffulex_request_forwards_total", "counter", "Forwards taken by requests (NFE, summed).",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diffulex import SamplingParams
+from diffulex.engine.continuation import ContinuationRefusal
 from diffulex.strategy.multi_bd import MultiBD
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 from tests.engine.test_cuda_graph import every_bucket, with_static_decode
@@ -228,7 +229,8 @@ def test_an_answer_whose_first_block_holds_prompt_positions_is_continued_out_of_
 
 def test_the_engines_load_reports_its_steps_and_those_continued_on_the_device(peaky_sdar_dir: Path) -> None:
     """What the server exports (`diffulex_continued_steps_total`) and the serving sweep reads: steps applied, and of
-    them the continued ones (launched continuations less dropped ones)."""
+    them the continued ones (launched continuations less dropped ones, less one queued after the last request's
+    final step, which has nobody left to apply it to)."""
     with make_engine(peaky_sdar_dir, accept_threshold=0.8) as llm:
         with_static_decode(llm)
         prompts = random_prompts(llm, [3, 6, 9], seed=5)
@@ -236,8 +238,30 @@ def test_the_engines_load_reports_its_steps_and_those_continued_on_the_device(pe
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         after = llm.load()
         assert after.steps - before.steps == llm.num_steps > 0
-        continued = llm.num_continuations - llm.num_dropped_continuations
-        assert after.continued_steps - before.continued_steps == continued > 0
+        launched = llm.num_continuations - llm.num_dropped_continuations
+        assert launched - 1 <= after.continued_steps - before.continued_steps <= launched
+        assert after.continued_steps > 0
+
+
+def test_every_step_the_host_launches_itself_is_counted_with_its_reason(peaky_sdar_dir: Path) -> None:
+    """Each applied step was either queued as a continuation or launched by the host for a reason the load names
+    (`ContinuationRefusal`, `diffulex_continuation_refusals_total`): a request that arrives while another decodes,
+    with a request slot free, is an admission the host's step must make."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, accept_threshold=0.8, max_num_reqs=4) as llm:
+        with_static_decode(llm)
+        first, second = random_prompts(llm, [6, 9], seed=3)
+        llm.add_request(first, params)
+        for _ in range(3):
+            llm.step()
+        llm.add_request(second, params)
+        while not llm.is_finished():
+            llm.step()
+        load = llm.load()
+    assert load.refused_continuations["admission"] >= 1
+    assert set(load.refused_continuations) <= {str(reason) for reason in ContinuationRefusal}
+    assert load.steps == llm.num_continuations + sum(load.refused_continuations.values())
+    assert 0 < load.continued_steps <= llm.num_continuations - llm.num_dropped_continuations
 
 
 @pytest.mark.parametrize("buffer_size", [1, 2])

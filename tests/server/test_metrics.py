@@ -23,3 +23,19 @@ def test_replicas_steps_and_continued_steps_add_up() -> None:
                               EngineLoad(2, 1, 3, 8, steps=20, continued_steps=15)])
     assert (total.steps, total.continued_steps) == (30, 19)
     assert (total.running, total.kv_pages_total) == (3, 16)
+
+
+def test_the_steps_the_host_launched_itself_are_exported_by_reason() -> None:
+    metrics = ServerMetrics("m")
+    metrics.set_state(EngineLoad(3, 0, 5, 10, steps=40, continued_steps=31,
+                                 refused_continuations={"admission": 6, "rows_change": 3}))
+    text = metrics.render()
+    assert "# TYPE diffulex_continuation_refusals_total counter" in text
+    assert _value(text, 'diffulex_continuation_refusals_total{reason="admission"}') == 6
+    assert _value(text, 'diffulex_continuation_refusals_total{reason="rows_change"}') == 3
+
+
+def test_replicas_refusals_add_up_by_reason() -> None:
+    total = EngineLoad.total([EngineLoad(1, 0, 2, 8, refused_continuations={"admission": 2}),
+                              EngineLoad(2, 1, 3, 8, refused_continuations={"admission": 1, "running_set": 4})])
+    assert total.refused_continuations == {"admission": 3, "running_set": 4}
