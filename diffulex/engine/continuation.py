@@ -54,8 +54,8 @@ class ContinuationRefusal(enum.StrEnum):
 
     NOT_GRAPHED = "not_graphed"  # the step in flight was not replayed by graphs that continue (a prefill, eager)
     ADMISSION = "admission"  # a waiting request can be admitted: its prefill needs the host's step
-    RUNNING_SET = "running_set"  # the running set is not the step in flight's batch (admitted, preempted, finished)
-    REQUEST_CHANGED = "request_changed"  # a request of the step was finished or rescheduled since its launch
+    RUNNING_SET = "running_set"  # a running request is not in the step in flight (admitted, waiting for a chunk)
+    REQUEST_CHANGED = "request_changed"  # a request of the step was rescheduled since its launch
     ROWS_CHANGE = "rows_change"  # a request's next step computes other rows (a block joins, a forward of another kind)
     HOST_OPENS_BLOCK = "host_opens_block"  # a request's next block can be opened by the host only (pages, layout)
 

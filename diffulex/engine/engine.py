@@ -373,29 +373,32 @@ class DiffulexEngine:
         whose next block the device opens), or why there is none. There is one when nobody waits for admission
         who could be admitted (with every request slot taken, a request that finishes in the step in flight frees
         its slot for the step after the continuation: what waits is admitted one step later, and a saturated engine
-        keeps continuing), every running request takes part, and each computes the same rows next step whatever
-        this step accepts, or its running blocks one block further on where this step stores its leading block and
-        the device can move them (`Request.next_step_opens_block`)."""
+        keeps continuing), every running request takes part (one that finished since rides along), and each computes
+        the same rows next step whatever this step accepts (`Request.next_query_range`: an admitted prompt's prefix
+        run in a prefill graph of its own is cached by then), or its running blocks one block further on where this
+        step stores its leading block and the device can move them (`Request.next_step_opens_block`)."""
         if not self.runner.can_continue:
             return ContinuationRefusal.NOT_GRAPHED
         newest, scheduler = self._in_flight[-1], self.scheduler
         if scheduler.waiting and not scheduler.slots_full():
             return ContinuationRefusal.ADMISSION
-        if len(newest.batch) != len(scheduler.running):
+        if len(scheduler.running) != sum(not req.is_finished for req in newest.batch):
             return ContinuationRefusal.RUNNING_SET
         views: list[StepView] = []
         for req, (_, blocks), launched in zip(newest.batch, newest.views, newest.launched_ranges, strict=True):
-            if req.is_finished or req.query_range() != launched:
-                return ContinuationRefusal.REQUEST_CHANGED
-            start, end = launched
-            if req.next_step_has_same_rows():
+            if req.is_finished:  # since its launch: its rows ride along, their result is never read
                 views.append((launched, blocks))
+                continue
+            if req.query_range() != launched:
+                return ContinuationRefusal.REQUEST_CHANGED
+            if req.next_step_has_same_rows() and self.runner.continues_rows(req):
+                views.append((req.next_query_range(), blocks))
             elif not req.next_step_opens_block():
                 return ContinuationRefusal.ROWS_CHANGE
             elif not self.runner.opens_block_on_device(req):
                 return ContinuationRefusal.HOST_OPENS_BLOCK
             else:
-                size = req.settings.block_size
+                size, (start, end) = req.settings.block_size, req.next_query_range()
                 views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
                 opened.append(req.req_id)
         return views

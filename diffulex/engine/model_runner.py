@@ -110,6 +110,9 @@ class _ReplayedStep:
     storable: bool  # every block a continuation may store once it is decoded has its page
     staged_pages: dict[int, int]  # req_id -> pages of its page table staged on the device (what an opening reads)
     sampled_rows: Counter[int]  # req_id -> its rows in the layout (a whole block's can open the next one)
+    # req_id -> the first position of its rows in the replayed forward (a prompt prefix run in a prefill graph of
+    # its own before it is not among them)
+    row_starts: dict[int, int]
 
 
 class ModelRunner:
@@ -423,7 +426,8 @@ class ModelRunner:
                     opens = graphs.opens_blocks_with is not None
                     staged = {req.req_id: len(req.page_table) for req in batch} if opens else {}
                     rows_of = Counter(layout.owners) if opens else Counter()
-                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, rows_of)
+                    starts = {req.req_id: start for (req, _), start in zip(step.work, step.context_lens, strict=True)}
+                    self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, rows_of, starts)
                     return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
             self._announce(lambda: StepMessage.of_step(step, None, micro_batch, None))
@@ -497,12 +501,22 @@ class ModelRunner:
         replayed = self._replayed
         return replayed is not None and replayed.storable and replayed.graphs.advance is not None
 
+    def continues_rows(self, req: Request) -> bool:
+        """Whether a continuation of the last launch computes the rows ``req``'s next step starts from
+        (`Request.next_query_range`): its rows in the replayed forward start there. A step that computed an
+        admitted prompt's prefix in a prefill graph of its own did so; one that replayed the prefix with the block's
+        rows (a chunk graph) did not: a continuation would compute the prefix again."""
+        replayed = self._replayed
+        return replayed is not None and bool(req.running) and (
+            replayed.row_starts.get(req.req_id) == req.next_query_range()[0]
+        )
+
     def opens_block_on_device(self, req: Request) -> bool:
         """Whether a continuation of the last launch can open ``req``'s next block itself (`BlockOpening`): its graphs
         open blocks, the launch's layout holds the request's running blocks whole (`_whole_blocks`) and the page of
         the block after them was staged with the launch that began the chain (the page table the device reads)."""
         replayed = self._replayed
-        if replayed is None or replayed.graphs.opens_blocks_with is None or not req.running:
+        if replayed is None or replayed.graphs.opens_blocks_with is None or not self.continues_rows(req):
             return False
         size = self.settings.block_size
         if replayed.sampled_rows[req.req_id] != len(req.running) * size:
@@ -521,8 +535,10 @@ class ModelRunner:
             raise RuntimeError("the last launch cannot be continued on the device")
         replayed = self._replayed
         if opened:
+            size = self.settings.block_size
+            starts = {rid: start + size if rid in opened else start for rid, start in replayed.row_starts.items()}
             replayed = self._replayed = dataclasses.replace(
-                replayed, layout=replayed.layout.opened(set(opened), self.settings.block_size)
+                replayed, layout=replayed.layout.opened(set(opened), size), row_starts=starts
             )
         num_rows = len(replayed.layout.positions)
         graph_set = self._graph_set_name(replayed.graphs)

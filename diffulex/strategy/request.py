@@ -411,6 +411,27 @@ class Request:
             stored += 1
         return rows, stored
 
+    def cache_end_after_step(self) -> int:
+        """Where the request's cached positions end once the step about to run is applied: a step that computes
+        the whole uncached prefix before the running set (an admitted prompt, not a chunk of it) stores it; its
+        running blocks' rows are then computed after that prefix again, which the step's decode graph already did
+        (`diffulex.engine.prefill_graphs`: the prefix is a forward of its own before them)."""
+        if self.prefill_chunk_end is None and self.running:
+            prefix_end = self.store_only_end()
+            if prefix_end is not None and prefix_end == self.running[0].start:
+                return prefix_end
+        return self.num_cached_tokens
+
+    def next_query_range(self) -> tuple[int, int]:
+        """`query_range` of the step after the one about to run, where that one computes the same running blocks
+        (`next_step_has_same_rows`): its own, unless this step stores a prompt prefix before the running set."""
+        start = self.cache_end_after_step()
+        if start == self.num_cached_tokens:
+            return self.query_range()
+        if self.settings.logits_shift and start > 0:
+            start -= 1
+        return start, self.running[-1].end
+
     def next_step_has_same_rows(self) -> bool:
         """Whether the step after the one about to run computes the same rows, judged before this one's result.
 
@@ -425,7 +446,7 @@ class Request:
         and costs the continued forward. A continuation step (`diffulex.engine.continuation`) relies on this.
         """
         running = self.running
-        if not running or running[0].start != self.num_cached_tokens:
+        if not running or running[0].start != self.cache_end_after_step():
             return False
         if any(block.status is not BlockStatus.ACTIVE for block in running):
             return False
@@ -458,7 +479,7 @@ class Request:
         if not running or running[-1].end >= self.decode_limit:
             return False
         lead = running[0]
-        if lead.status is not BlockStatus.TO_CACHE or lead.start != self.num_cached_tokens:
+        if lead.status is not BlockStatus.TO_CACHE or lead.start != self.cache_end_after_step():
             return False
         if any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
             return False

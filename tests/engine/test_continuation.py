@@ -264,6 +264,45 @@ def test_every_step_the_host_launches_itself_is_counted_with_its_reason(peaky_sd
     assert 0 < load.continued_steps <= llm.num_continuations - llm.num_dropped_continuations
 
 
+def _staggered(model: Path, prompts, arrivals: list[int], max_tokens: list[int], async_scheduling: bool):
+    """Requests added at the given engine steps (while the others decode), run to the end: their answers and the
+    engine's load."""
+    with make_engine(model, async_scheduling=async_scheduling, accept_threshold=0.8, page_size=32) as llm:
+        with_static_decode(llm)
+        ids, step = {}, 0
+        pending = sorted(zip(arrivals, range(len(prompts)), strict=True))
+        while pending or not llm.is_finished():
+            while pending and pending[0][0] <= step:
+                _, i = pending.pop(0)
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
+                ids[llm.add_request(prompts[i], params)] = i
+            updates = llm.step() if not llm.is_finished() else []
+            step += 1
+            for update in updates:
+                if update.finished:
+                    ids[update.req_id] = (ids[update.req_id], update.trajectory.token_ids)
+        return sorted(ids.values()), llm.load()
+
+
+def test_a_prompt_admitted_beside_decoders_and_a_finished_request_leave_the_others_continuing(
+        peaky_sdar_dir: Path) -> None:
+    """A prompt of 70 tokens admitted while another request decodes: its prefix runs in a prefill graph of its own
+    before the step's decode graph, which computes its first block after the prefix, as the host's next step does,
+    so the step after the admission is continued. A request that finishes rides along in the continuations of the
+    others (nobody waits for its slot). Only the admission is the host's; every request decodes as with one step in
+    flight."""
+    with make_engine(peaky_sdar_dir) as llm:
+        prompts = random_prompts(llm, [9, 70], seed=12)
+    args = (peaky_sdar_dir, prompts, [0, 3], [12, 40])
+    expected, _ = _staggered(*args, async_scheduling=False)
+    got, load = _staggered(*args, async_scheduling=True)
+    assert got == expected
+    # the host's steps: the first prompt's, the admission's, and the one after the first prompt's step, which
+    # computed that prompt's 9 tokens with its block in one chunk graph (a continuation would compute them again)
+    assert dict(load.refused_continuations) == {"admission": 1, "rows_change": 1}
+    assert load.continued_steps == load.steps - 3
+
+
 @pytest.mark.parametrize("buffer_size", [1, 2])
 def test_a_shifted_family_continues_with_its_tokens_one_row_later(tmp_path: Path, buffer_size: int) -> None:
     """Dream reads position p from row p - 1: its continuations write tokens one row later, and a request's blocks

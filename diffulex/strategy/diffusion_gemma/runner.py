@@ -306,6 +306,11 @@ class CanvasRunner:
             for req in last.batch
         )
 
+    def continues_rows(self, req: CanvasRequest) -> bool:
+        """A continuation denoises the canvases the launch left (`can_continue`); whether a request's rows stay is
+        its own question (`CanvasRequest.next_step_has_same_rows`)."""
+        return True
+
     def opens_block_on_device(self, req: CanvasRequest) -> bool:
         return False
 
