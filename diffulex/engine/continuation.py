@@ -53,6 +53,7 @@ class ContinuationRefusal(enum.StrEnum):
     for."""
 
     NOT_GRAPHED = "not_graphed"  # the step in flight was not replayed by graphs that continue (a prefill, eager)
+    NO_PAGE = "no_page"  # a block the step in flight may store has no page: none was free to lend
     ADMISSION = "admission"  # a waiting request can be admitted: its prefill needs the host's step
     RUNNING_SET = "running_set"  # a running request is not in the step in flight (admitted, waiting for a chunk)
     REQUEST_CHANGED = "request_changed"  # a request of the step was rescheduled since its launch

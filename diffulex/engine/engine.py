@@ -378,7 +378,7 @@ class DiffulexEngine:
         run in a prefill graph of its own is cached by then), or its running blocks one block further on where this
         step stores its leading block and the device can move them (`Request.next_step_opens_block`)."""
         if not self.runner.can_continue:
-            return ContinuationRefusal.NOT_GRAPHED
+            return ContinuationRefusal.NO_PAGE if self.runner.missing_pages else ContinuationRefusal.NOT_GRAPHED
         newest, scheduler = self._in_flight[-1], self.scheduler
         if scheduler.waiting and not scheduler.slots_full():
             return ContinuationRefusal.ADMISSION

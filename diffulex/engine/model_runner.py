@@ -501,6 +501,13 @@ class ModelRunner:
         replayed = self._replayed
         return replayed is not None and replayed.storable and replayed.graphs.advance is not None
 
+    @property
+    def missing_pages(self) -> bool:
+        """Whether the last launch could be continued but for a block it may store that has no page: none could be
+        lent (`diffulex.engine.kv_cache_manager.KVCacheManager.reserve_running_pages`)."""
+        replayed = self._replayed
+        return replayed is not None and not replayed.storable and replayed.graphs.advance is not None
+
     def continues_rows(self, req: Request) -> bool:
         """Whether a continuation of the last launch computes the rows ``req``'s next step starts from
         (`Request.next_query_range`): its rows in the replayed forward start there. A step that computed an

@@ -78,6 +78,7 @@ class StepRunner(Protocol):
     number the memory plan chose; the engine's KV cache manager hands them to requests (``Request.page_table``)."""
 
     can_continue: bool
+    missing_pages: bool  # the last launch could be continued but for a block without its page
 
     def page_bytes(self) -> int: ...
 
@@ -92,6 +93,8 @@ class StepRunner(Protocol):
     def profile_run(self, num_tokens: int, max_model_len: int, num_sample_rows: int) -> None: ...
 
     def launch(self, batch: list[Request], micro_batch: int = 0) -> PendingWrites: ...
+
+    def continues_rows(self, req: Request) -> bool: ...
 
     def opens_block_on_device(self, req: Request) -> bool: ...
 

@@ -395,3 +395,15 @@ def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(peaky
     never_read = [p for p in launched if p.accepted_tokens is not None]  # `result()` clears it
     assert never_read, "some continuations only stored their block"
     assert all(not any(p.accepted_tokens[0].tolist()) for p in never_read), "and accepted nothing"
+
+
+def test_a_block_without_a_page_to_lend_is_named_as_why_the_step_was_not_continued(peaky_sdar_dir: Path) -> None:
+    """Continuations store blocks in pages lent ahead; where none is free to lend (here no loans at all) the
+    step that would store into one is the host's, and the load says why (`no_page`)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with make_engine(peaky_sdar_dir, accept_threshold=0.8, page_size=8) as llm:
+        with_static_decode(llm)
+        llm.scheduler.limits.reserve_running_pages = False
+        llm.generate(random_prompts(llm, [9, 6], seed=3), params, use_tqdm=False)
+        load = llm.load()
+    assert load.refused_continuations.get("no_page", 0) > 0

@@ -130,6 +130,8 @@ class CanvasLaunch:
 class CanvasRunner:
     """What the engine calls on a runner (`diffulex.strategy.strategy.StepRunner`), for DiffusionGemma."""
 
+    missing_pages = False  # its continuations store nothing: they need no page
+
     def __init__(self, settings: CanvasRunnerSettings, model: DiffusionGemmaForDiffusionLM) -> None:
         self.settings = settings
         self.model = model
