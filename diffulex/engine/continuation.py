@@ -183,7 +183,9 @@ def move_window_reference(
     accepted one this step. False, and nothing changed, unless the request's rows are its blocks, whole
     (``block_size`` input and sampled rows each, plus the row before them if shifted), the leading one decoded
     before this step (so stored by it), the next block joins (a lone block's always does; else the newest's
-    decoded positions reach ``decoded_to_join``), it starts before the answer end and its page is there."""
+    decoded positions reach ``decoded_to_join``), it starts before the answer end and its page is there. Past the
+    answer's end no block joins and the running set drains: the blocks still move on, the last rows a placeholder
+    block (masks never sampled nor stored, at the answer's last position, which no other row attends to)."""
     size = opening.block_size
     lo, hi = int(opening.cu_seqlens_q[request]), int(opening.cu_seqlens_q[request + 1])
     first_row = lo + shift
@@ -200,18 +202,21 @@ def move_window_reference(
     lead, newest = segments[0], segments[-1]
     if left[lead] != 0 or took[lead] or int(blocks[2, lead]) < 0:  # not stored by this step
         return False
-    if count > 1 and size - left[newest] < opening.decoded_to_join:
-        return False
     start = int(opening.positions[hi - 1]) + 1
     end = int(opening.answer_ends[request]) if opening.answer_ends is not None else NO_ANSWER_END
-    if start >= end:
+    draining = start >= end  # no block joins past the answer: the window's last block is a placeholder
+    if draining and count == 1:  # its only block was its answer's last: the request is finished
         return False
-    page_index = start // opening.page_size
-    if page_index >= opening.page_tables.shape[1]:  # past the longest context the step's tables hold
+    if count > 1 and not draining and size - left[newest] < opening.decoded_to_join:
         return False
-    page = int(opening.page_tables[request, page_index])
-    if page < 0:
-        return False
+    page = -1
+    if not draining:
+        page_index = start // opening.page_size
+        if page_index >= opening.page_tables.shape[1]:  # past the longest context the step's tables hold
+            return False
+        page = int(opening.page_tables[request, page_index])
+        if page < 0:
+            return False
     if shift:
         input_ids[lo] = input_ids[first_row + size - 1]
     for i in range(count - 1):
@@ -226,9 +231,13 @@ def move_window_reference(
     opened_rows = torch.arange(hi - size - shift, hi - shift, dtype=source_rows.dtype)
     past_end = torch.arange(start, start + size) >= end  # inputs only: masks never sampled
     source_rows[int(starts[newest]) : int(starts[newest + 1])] = opened_rows.masked_fill(past_end, -1)
-    gates.force[newest] = int(size - left[newest] >= gates.decoded_to_force)
-    blocks[2, newest] = page * opening.page_size + start % opening.page_size
+    gates.force[newest] = int(not draining and size - left[newest] >= gates.decoded_to_force)
+    blocks[2, newest] = page * opening.page_size + start % opening.page_size if not draining else -1
     opening.positions[lo:hi] += size
+    for i in range(count):  # a placeholder block (at or past the end) keeps a position the rotary table holds
+        rows = slice(first_row + i * size, first_row + (i + 1) * size)
+        if int(opening.positions[rows.start]) >= end:
+            opening.positions[rows] = end - 1
     opening.context_lens[request] += size
     slot_mapping[lo:hi] = -1
     decoded = True

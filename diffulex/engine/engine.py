@@ -399,7 +399,10 @@ class DiffulexEngine:
                 return ContinuationRefusal.HOST_OPENS_BLOCK
             else:
                 size, (start, end) = req.settings.block_size, req.next_query_range()
-                views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
+                if req.block_joins_past_running_set():
+                    views.append(((start + size, end + size), (*blocks[1:], blocks[-1] + 1)))
+                else:  # its running set drains: the device's placeholder block after it is none of the host's
+                    views.append(((start + size, end), blocks[1:]))
                 opened.append(req.req_id)
         return views
 

@@ -521,12 +521,15 @@ class ModelRunner:
     def opens_block_on_device(self, req: Request) -> bool:
         """Whether a continuation of the last launch can open ``req``'s next block itself (`BlockOpening`): its graphs
         open blocks, the launch's layout holds the request's running blocks whole (`_whole_blocks`) and the page of
-        the block after them was staged with the launch that began the chain (the page table the device reads)."""
+        the block after them was staged with the launch that began the chain (the page table the device reads). A
+        running set that drains needs no page, and its rows may end in placeholder blocks of earlier moves."""
         replayed = self._replayed
         if replayed is None or replayed.graphs.opens_blocks_with is None or not self.continues_rows(req):
             return False
-        size = self.settings.block_size
-        if replayed.sampled_rows[req.req_id] != len(req.running) * size:
+        size, rows = self.settings.block_size, replayed.sampled_rows[req.req_id]
+        if not req.block_joins_past_running_set():  # draining: no page needed; placeholder blocks may follow
+            return len(req.running) > 1 and rows % size == 0 and rows >= len(req.running) * size
+        if rows != len(req.running) * size:
             return False
         next_end = req.running[-1].end + size
         return -(-next_end // self.settings.page_size) <= replayed.staged_pages.get(req.req_id, 0)

@@ -163,23 +163,31 @@ def _move_window_kernel(
     newest_first = tl.load(starts_ptr + newest, mask=movable, other=0)
     newest_source = tl.load(source_ptr + newest_first + offs, mask=offs < tl.where(movable, BLOCK_SIZE, 0), other=-1)
     newest_left = tl.sum((newest_source >= 0).to(tl.int32), axis=0)
-    movable = movable & ((count == 1) | (BLOCK_SIZE - newest_left >= decoded_to_join))
     start = tl.load(positions_ptr + hi - 1, mask=movable, other=0) + 1
     if HAS_ENDS:
         end = tl.load(ends_ptr + request).to(tl.int64)
     else:
         end = tl.full((), 2147483647, tl.int64)
-    movable = movable & (start < end)  # an opened block has a position to sample
+    # past the answer's end no block joins: the running set drains, the window's last block a placeholder (a lone
+    # block there was the answer's last: the request is finished)
+    draining = start >= end
+    movable = movable & ~(draining & (count == 1))
+    movable = movable & ((count == 1) | draining | (BLOCK_SIZE - newest_left >= decoded_to_join))
     page_index = start // page_size
-    movable = movable & (page_index < tables_width)  # past the longest context the step's tables hold
-    page = tl.load(tables_ptr + request * tables_stride + page_index, mask=movable, other=-1).to(tl.int64)
-    if movable & (page >= 0):
+    movable = movable & (draining | (page_index < tables_width))  # past the longest context the tables hold
+    page = tl.load(tables_ptr + request * tables_stride + page_index, mask=movable & ~draining, other=-1).to(tl.int64)
+    if movable & (draining | (page >= 0)):
         rows = tl.arange(0, ROWS)
         in_request = rows < hi - lo
         # a shifted family's row before the blocks takes the stored block's last token
         last_token = tl.load(ids_ptr + first_row + BLOCK_SIZE - 1)
         tl.store(slots_ptr + lo + rows, tl.full((ROWS,), -1, tl.int64), mask=in_request)
         moved_positions = tl.load(positions_ptr + lo + rows, mask=in_request, other=0) + BLOCK_SIZE
+        # a placeholder block (its first position at or past the end) keeps a position the rotary table holds
+        in_blocks = in_request & (rows >= shift)
+        block_first = lo + shift + ((rows - shift) // BLOCK_SIZE) * BLOCK_SIZE
+        block_start = tl.load(positions_ptr + block_first, mask=in_blocks, other=0) + BLOCK_SIZE
+        moved_positions = tl.where(in_blocks & (block_start >= end), end - 1, moved_positions)
         tl.store(positions_ptr + lo + rows, moved_positions, mask=in_request)
         tl.debug_barrier()
         if shift > 0:
@@ -206,9 +214,9 @@ def _move_window_kernel(
         # an answer's last block may end early: its rows past the end are inputs only
         sampled_rows = tl.where(start + offs < end, newest_row - shift + offs, -1)
         tl.store(source_ptr + newest_first + offs, sampled_rows, mask=in_block)
-        forces = BLOCK_SIZE - newest_left >= decoded_to_force
+        forces = (BLOCK_SIZE - newest_left >= decoded_to_force) & ~draining
         tl.store(force_ptr + newest, forces.to(tl.int64))
-        tl.store(blocks_ptr + 2 * blocks_stride + newest, page * page_size + start % page_size)
+        tl.store(blocks_ptr + 2 * blocks_stride + newest, tl.where(draining, -1, page * page_size + start % page_size))
         context = tl.load(context_lens_ptr + request)
         tl.store(context_lens_ptr + request, context + BLOCK_SIZE)
 

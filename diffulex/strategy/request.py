@@ -474,16 +474,25 @@ class Request:
         limit (an answer's last block may end before the block does: the device samples it up to
         `generation_end`), and it joins the running set: a lone block's successor always does, else as
         `_next_block_joins` judges (the guess `next_step_has_same_rows` makes). The host opens that block when it
-        next looks at the request (`maybe_activate_block`)."""
+        next looks at the request (`maybe_activate_block`). A running set at the decoding limit has no block to
+        join: the step after computes the blocks after the lead alone (`block_joins_past_running_set`)."""
         running = self.running
-        if not running or running[-1].end >= self.decode_limit:
+        if not running:
             return False
         lead = running[0]
         if lead.status is not BlockStatus.TO_CACHE or lead.start != self.cache_end_after_step():
             return False
         if any(block.status is not BlockStatus.ACTIVE for block in running[1:]):
             return False
+        if not self.block_joins_past_running_set():  # the running set drains: the blocks after the lead stay
+            return len(running) > 1
         return len(running) == 1 or self._next_block_joins(self.sample_targets())
+
+    def block_joins_past_running_set(self) -> bool:
+        """Whether a block after the running set may still join it: not once the running set reaches the decoding
+        limit (its answer's end, or a stop token's), from where it drains, block by block. A continuation moves a
+        draining set on too, with a placeholder block after it (`diffulex.engine.continuation.BlockOpening`)."""
+        return bool(self.running) and self.running[-1].end < self.decode_limit
 
     def stores_when_decoded(self, block: Block) -> bool:
         """Whether the step after the one that decodes the last sampled mask of ``block`` stores its K/V over this

@@ -82,6 +82,27 @@ def test_several_running_blocks_are_continued_as_one_step_in_flight_decodes_them
     assert run.continued > 3 * run.steps // 4 and run.opened > 2 and run.dropped == 0
 
 
+@pytest.mark.parametrize("buffer_size", [2, 4])
+def test_a_running_set_that_reaches_its_answers_end_drains_on_the_device(sdar_dir: Path, buffer_size: int) -> None:
+    """Once a request's newest block is its answer's last no block joins, and each stored leading block leaves the
+    blocks after it to decode alone: the device moves the set on all the same, a placeholder block last (never
+    sampled nor stored), so the drain is continued like any other step, with the tokens of one step in flight
+    (answers ending inside a block and at its end). Only the prompts' step is followed by one of the host's: it
+    computed the short prompts with their blocks in one chunk graph."""
+    fields = dict(buffer_size=buffer_size, page_size=16)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [5, 9, 12], seed=17)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 24, 30)]
+    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        got = _answers(llm.generate(prompts, params, use_tqdm=False))
+        load, dropped = llm.load(), llm.num_dropped_continuations
+    assert got == expected
+    assert dict(load.refused_continuations) == {"rows_change": 1} and dropped == 0
+    assert load.continued_steps == load.steps - 2
+
+
 def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> None:
     """Requests whose blocks are stored at different steps (prompts of different lengths: their first blocks hold
     different numbers of positions to decode): at buffer 2 each moves its blocks on by one on the device when its

@@ -338,20 +338,22 @@ def test_a_decoded_block_waits_to_be_stored_until_the_block_before_it_is_decoded
     assert force.tolist() == [1, 0, 0]
 
 
-def window_step(seed: int, shift: int, block_size: int = 4, page_size: int = 8):
+def window_step(seed: int, shift: int, block_size: int = 4, page_size: int = 8, answer_ends: bool = False):
     """A step of several requests with one to three whole running blocks each (after a row of their own when
     shifted), gated in order: the leading block sometimes stored by this step (decoded before it, its slots set,
-    nothing sampled), the others with masks to decode, some accepted now; some next blocks without a page. Returns
+    nothing sampled), the others with masks to decode, some accepted now; some next blocks without a page; with
+    ``answer_ends``, answers ending anywhere from the first block to two blocks past the window. Returns
     the advance's tensors, the layout's views, and makers of the `BlockOpening` and the `BlockGates`."""
     from diffulex.engine.continuation import BlockOpening
 
     rng = random.Random(seed)
     ids, slots, source, positions, starts = [], [], [], [], [0]
     blocks, result, force = [[], [], [], []], [[], []], []
-    cu, context, tables = [0], [], []
+    cu, context, tables, ends = [0], [], [], []
     for _ in range(rng.randint(1, 5)):
         count = rng.randint(1, 3)
         start = block_size * rng.randint(2, 10)
+        ends.append(rng.randint(start + 1, start + (count + 2) * block_size))
         table = [rng.randint(0, 40) if rng.random() < 0.85 else -1 for _ in range(8)]
         ids.extend([rng.randint(0, 50)] * shift)
         positions.extend(range(start - shift, start + count * block_size))
@@ -389,23 +391,27 @@ def window_step(seed: int, shift: int, block_size: int = 4, page_size: int = 8):
 
     step = [t(ids), t(source), t(slots), t(result), t(starts), t(blocks)]
     layout = [t(positions), t(cu, torch.int32), t(context, torch.int32), t(tables, torch.int32)]
+    if answer_ends:
+        layout.append(t(ends, torch.int32))
     join, forcing = rng.randint(1, 3), rng.randint(1, block_size + 1)
     return (
         step, layout, t(force),
-        lambda views: BlockOpening(*views, page_size=page_size, block_size=block_size, mask_token_id=MASK,
-                                   decoded_to_join=join),
+        lambda views: BlockOpening(*views[:4], page_size=page_size, block_size=block_size, mask_token_id=MASK,
+                                   decoded_to_join=join, answer_ends=views[4] if answer_ends else None),
         lambda f: BlockGates(f, block_size, forcing),
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("answer_ends", [False, True])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("seed", range(16))
-def test_the_kernel_moves_running_blocks_on_as_the_reference_does(seed: int, shift: int) -> None:
-    step, layout, force, opening, gates = window_step(seed, shift)
+def test_the_kernel_moves_running_blocks_on_as_the_reference_does(seed: int, shift: int, answer_ends: bool) -> None:
+    step, layout, force, opening, gates = window_step(seed, shift, answer_ends=answer_ends)
     expected = [x.cpu().clone() for x in step], [x.cpu().clone() for x in layout], force.cpu().clone()
     advance_inputs_reference(*expected[0], shift, opening(expected[1]), gates(expected[2]))
     triton_advance_inputs(*step, shift, 3 * 4 + shift, opening(layout), gates(force))
-    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables")
+    names = ("ids", "source rows", "slots", "result", "starts", "blocks", "positions", "cu", "context", "tables",
+             "answer ends")[: len(step + layout)]
     for name, g, e in zip(names, step + layout, expected[0] + expected[1], strict=True):
         assert g.cpu().tolist() == e.tolist(), name
     assert force.cpu().tolist() == expected[2].tolist(), "force"
@@ -438,4 +444,34 @@ def test_a_request_whose_leading_block_was_stored_moves_its_blocks_on_by_one() -
     assert slots.tolist() == [28, 29, 30, 31, -1, -1, -1, -1]
     assert blocks[2].tolist() == [28, 48]
     assert force.tolist() == [1, 1, 0]
+    assert context.tolist() == [12]
+
+
+def test_a_running_set_past_its_answers_end_drains_with_a_placeholder_block_last() -> None:
+    """One request of two blocks of 4 (positions 8-15) whose answer ends at 14: no block joins after block 1. Block
+    0 was stored by this step; block 1 decodes its two sampled masks (12, 13). The rows still move on: block 1's
+    tokens at rows 0-3, decoded (so stored next step at its slots), then a placeholder block: masks, never sampled,
+    no slot, no force, at the answer's last position (13), which the rotary table holds; one block more of
+    context."""
+    from diffulex.engine.continuation import BlockOpening
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, MASK, MASK], dtype=torch.int64)
+    source = torch.tensor([-1, -1, -1, -1, -1, -1, 6, 7], dtype=torch.int64)
+    slots = torch.tensor([24, 25, 26, 27, -1, -1, -1, -1], dtype=torch.int64)
+    result = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 17, 18]], dtype=torch.int64)
+    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
+    blocks = torch.tensor([[0, 4], [4, 8], [24, 28], [-1, 0]], dtype=torch.int64)
+    force = torch.tensor([1, 1, 0], dtype=torch.int64)
+    positions = torch.arange(8, 16, dtype=torch.int64)
+    context = torch.tensor([8], dtype=torch.int32)
+    opening = BlockOpening(positions, torch.tensor([0, 8], dtype=torch.int32), context,
+                           torch.tensor([[0, 3]], dtype=torch.int32), page_size=8, block_size=4, mask_token_id=MASK,
+                           decoded_to_join=1, answer_ends=torch.tensor([14], dtype=torch.int32))  # fmt: skip
+    advance_inputs_reference(ids, source, slots, result, starts, blocks, 0, opening, BlockGates(force, 4, 3))
+    assert ids.tolist() == [5, 6, 17, 18] + [MASK] * 4
+    assert positions.tolist() == [12, 13, 14, 15] + [13] * 4
+    assert source.tolist() == [-1] * 8
+    assert slots.tolist() == [28, 29, 30, 31, -1, -1, -1, -1]
+    assert blocks[2].tolist() == [28, -1]
+    assert force.tolist() == [1, 0, 0]
     assert context.tolist() == [12]
