@@ -25,7 +25,10 @@ engine.kv_cache_manager.KVCacheManager.reserve_running_pages`). Without that, at
 always at its storing step, and no step could be continued for anyone. An answer's last block may end before the
 block does (its prompt length and ``max_tokens`` put the end anywhere): its rows past the request's answer end are
 inputs only (masks, as the host's own step has them), never sampled; with requests arriving at their own times,
-some request is always at that block too.
+some request is always at that block too. Past that block no block joins, and each stored leading block leaves the
+blocks after it to decode alone (the running set drains): the blocks move on all the same, the last rows a
+placeholder block, masks that are never sampled nor stored, at the answer's last position (no other row attends to
+them, and the rotary table holds it).
 
 `advance_inputs` makes exactly these changes to a replayed graph's device buffers at the end of its sampling
 graph, so replaying the same graphs again *is* the next step. Rows decoded this step stay in the layout as rows
@@ -73,7 +76,8 @@ class BlockOpening:
     newest block from which the next one joins the running set (``add_block_threshold`` as a count, as
     `diffulex.strategy.request.decoded_for_progress` counts it; a lone block's successor always joins); and each
     request's answer end (``answer_ends [R]`` int32, `diffulex.strategy.request.Request.generation_end`; None: no
-    end): a block that starts at or past it is not opened, and its positions at or past it are not sampled."""
+    end): no position at or past it is sampled, and a block that would start there is a placeholder (the running
+    set drains: its blocks move on, the last rows masks never sampled nor stored, at the answer's last position)."""
 
     positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
