@@ -320,7 +320,9 @@ def _model_runner(
         samples_in_graph=strategy.samples_in_graph,
         key_tails=strategy.attends_past_rows,
         mask_token_id=mask_token_id,
-        decoded_to_force=decoded_for_progress(block_size, thresholds.semi_complete_threshold),
+        # a sampler that forces in every block (Stable-DiffCoder's) lets a continuation's blocks force from the first
+        decoded_to_force=0 if getattr(sampler, "force_every_block", False)
+        else decoded_for_progress(block_size, thresholds.semi_complete_threshold),
         decoded_to_join=decoded_for_progress(block_size, thresholds.add_block_threshold),
     )
     return ModelRunner(runner_settings, model, sampler)

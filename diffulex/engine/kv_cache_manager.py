@@ -198,19 +198,21 @@ class KVCacheManager:
         after its last mask is decoded, and opens the next block after that, before the host has seen either, so
         their slots must exist already; the device reads the page table the chain of continuations began with, so
         the page beyond lets a request open blocks for a whole page before the chain needs the host again (without
-        it, at large batches some request always crossed into a page of its own). Only a page that holds no
-        reusable prefix is lent (the next page handed out, if unregistered): a loan must not evict the prefix
-        cache. Once the pool has cycled, every free page holds one: nothing is lent, and a step whose block would
-        need a loan is not continued (`ContinuationRefusal.NO_PAGE`)."""
+        it, at large batches some request always crossed into a page of its own). A loan is the next page handed
+        out, which may evict the oldest freed prefix as the allocation it anticipates would; taken back, it is first
+        in line and the next loans take it again, so loans evict a page or two per running request, not one per
+        step. (Lending only pages that hold no prefix stopped continuations once the pool had cycled: every free
+        page then holds one.) Where no page is free a step that would need one is not continued
+        (`ContinuationRefusal.NO_PAGE`)."""
         if not req.running:
             return
         running_end = req.running[-1].end
         next_end = min(running_end + req.settings.block_size, req.max_stored_len)
         ahead = min(self.pages_for(next_end) + 1, self.pages_for(req.max_stored_len))
         wanted = max(ahead, self.pages_for(running_end)) - len(req.page_table)
-        while wanted > 0 and self.free_pages and next(iter(self.free_pages)) not in self.hash_of_page:
-            req.page_table.append(self._take_free_page())
-            wanted -= 1
+        wanted = min(wanted, self.num_free_pages)
+        if wanted > 0:
+            req.page_table.extend(self._take_free_pages(wanted))
 
     def release_reserved_pages(self, req: Request) -> None:
         """Return the pages `reserve_running_pages` gave ``req`` that no committed block needs yet, first in line

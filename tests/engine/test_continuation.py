@@ -103,6 +103,22 @@ def test_a_running_set_that_reaches_its_answers_end_drains_on_the_device(sdar_di
     assert load.continued_steps == load.steps - 2
 
 
+def test_a_family_that_forces_in_every_block_forces_in_the_blocks_the_device_opens(tmp_path: Path) -> None:
+    """Stable-DiffCoder's sampler forces its best row in every block, whatever the block before it holds
+    (`Family.force_every_block`); a block the device opens must force too. Confident weights and two running
+    blocks, so blocks open on the device with the block before them partly decoded: the tokens, and the tokens of
+    every step, are those of one step in flight (the device's gate rule once left such a block unforced)."""
+    model = write_tiny_checkpoint(tmp_path / "stable", family="stable_diffcoder", seed=5, init_std=1.0)
+    fields = dict(buffer_size=2, page_size=8, accept_threshold=0.8)
+    with make_engine(model, **fields) as llm:
+        prompts = random_prompts(llm, [3, 6, 9, 12, 14, 5, 7, 2], seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    expected, _ = _generate(model, prompts, params, False, **fields)
+    got, run = _generate(model, prompts, params, True, **fields)
+    assert got == expected
+    assert run.opened > len(prompts) and run.dropped == 0
+
+
 def test_requests_out_of_step_move_several_running_blocks_on(sdar_dir: Path) -> None:
     """Requests whose blocks are stored at different steps (prompts of different lengths: their first blocks hold
     different numbers of positions to decode): at buffer 2 each moves its blocks on by one on the device when its

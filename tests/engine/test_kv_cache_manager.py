@@ -495,3 +495,24 @@ def test_a_loan_covers_the_running_block_the_block_after_it_and_a_page_more_and_
     kv.reserve_running_pages(req)
     assert req.page_table[2:] == lent
 
+
+
+def test_a_pool_whose_free_pages_all_hold_prefixes_still_lends_and_evicts_only_what_it_lends() -> None:
+    """Once the pool has cycled every free page holds a reusable prefix; continuations still need their loans. A
+    loan evicts the oldest freed prefix, as the allocation it anticipates would, and a loan taken back and lent
+    again is the same page: the other prefixes stay findable."""
+    kv = KVCacheManager(num_pages=6, page_size=PAGE, enable_prefix_caching=True)
+    for start in (100, 200, 300):  # three finished requests leave three prefixes of two pages each
+        kv.free(cached_request(kv, prompt_of(16, start)))
+    assert kv.num_free_pages == 6 and len(kv.page_of_key) == 6
+    hit = kv.lookup_prefix(make_request(prompt_of(17, 300))).num_tokens
+    assert hit == 16
+    req = cached_request(kv, prompt_of(12))  # evicts the oldest prefix for its own two pages
+    req.maybe_activate_block()
+    kv.reserve_running_pages(req)
+    assert len(req.page_table) == 4, "the running block's page and the one after it are lent"
+    kv.release_reserved_pages(req)
+    kv.reserve_running_pages(req)
+    kv.release_reserved_pages(req)
+    assert kv.lookup_prefix(make_request(prompt_of(17, 300))).num_tokens == hit, "the newest prefix survives"
+    assert len(kv.page_of_key) == 6 - 4 + 1  # two pages evicted by the prompt, two by the loans; its own page 0

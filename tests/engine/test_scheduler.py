@@ -283,22 +283,6 @@ def test_running_blocks_get_their_pages_while_free_pages_last():
     assert sched.kv_cache.num_free_pages == 0
 
 
-def test_a_page_holding_a_reusable_prefix_is_never_lent():
-    new = Factory()
-    sched = make_scheduler(num_pages=3, prefix_caching=True, reserve=True)
-    first = new(4, max_tokens=4)
-    sched.add(first)
-    while sched.has_unfinished():
-        forward(sched, sched.schedule())
-    cached = dict(sched.kv_cache.hash_of_page)
-    assert cached, "the finished request left registered pages"
-    late = new(4)
-    sched.add(late)
-    sched.schedule()
-    assert all(sched.kv_cache.hash_of_page.get(p) == h for p, h in cached.items() if p not in late.page_table)
-    assert not set(late.page_table[1:]) & set(cached), "a loan took a registered page"
-
-
 # ----- finishing and abort ----------------------------------------------------------------------------------
 
 
