@@ -417,6 +417,23 @@ def test_the_kernel_moves_running_blocks_on_as_the_reference_does(seed: int, shi
     assert force.cpu().tolist() == expected[2].tolist(), "force"
 
 
+def _a_stored_block_then_two_masks_decoded() -> tuple[torch.Tensor, ...]:
+    """One request of two blocks of 4 at positions 8-15, its slots in a page of 8 from 24: block 0 stored by this
+    step, block 1 accepting its last two masks (17, 18). Returns input ids, source rows, slots, the result,
+    starts, blocks, force flags, positions and the context length."""
+    return (
+        torch.tensor([1, 2, 3, 4, 5, 6, MASK, MASK], dtype=torch.int64),
+        torch.tensor([-1, -1, -1, -1, -1, -1, 6, 7], dtype=torch.int64),
+        torch.tensor([24, 25, 26, 27, -1, -1, -1, -1], dtype=torch.int64),
+        torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 17, 18]], dtype=torch.int64),
+        torch.tensor([0, 4, 8], dtype=torch.int64),
+        torch.tensor([[0, 4], [4, 8], [24, 28], [-1, 0]], dtype=torch.int64),
+        torch.tensor([1, 1, 0], dtype=torch.int64),
+        torch.arange(8, 16, dtype=torch.int64),
+        torch.tensor([8], dtype=torch.int32),
+    )
+
+
 def test_a_request_whose_leading_block_was_stored_moves_its_blocks_on_by_one() -> None:
     """One request of two blocks of 4 (positions 8-15, pages of 8: 8-15 in page 3, 16-23 in page 6), a block
     forcing once 3 positions before it are decoded, the next one joining once 1 of the newest's is. Block 0 was
@@ -425,15 +442,7 @@ def test_a_request_whose_leading_block_was_stored_moves_its_blocks_on_by_one() -
     6 * 8 + 0, forcing too (block 1 is decoded); one block more of context."""
     from diffulex.engine.continuation import BlockOpening
 
-    ids = torch.tensor([1, 2, 3, 4, 5, 6, MASK, MASK], dtype=torch.int64)
-    source = torch.tensor([-1, -1, -1, -1, -1, -1, 6, 7], dtype=torch.int64)
-    slots = torch.tensor([24, 25, 26, 27, -1, -1, -1, -1], dtype=torch.int64)
-    result = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 17, 18]], dtype=torch.int64)
-    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
-    blocks = torch.tensor([[0, 4], [4, 8], [24, 28], [-1, 0]], dtype=torch.int64)
-    force = torch.tensor([1, 1, 0], dtype=torch.int64)
-    positions = torch.arange(8, 16, dtype=torch.int64)
-    context = torch.tensor([8], dtype=torch.int32)
+    ids, source, slots, result, starts, blocks, force, positions, context = _a_stored_block_then_two_masks_decoded()
     opening = BlockOpening(positions, torch.tensor([0, 8], dtype=torch.int32), context,
                            torch.tensor([[0, 3, 6]], dtype=torch.int32), page_size=8, block_size=4,
                            mask_token_id=MASK, decoded_to_join=1)  # fmt: skip
@@ -455,15 +464,7 @@ def test_a_running_set_past_its_answers_end_drains_with_a_placeholder_block_last
     context."""
     from diffulex.engine.continuation import BlockOpening
 
-    ids = torch.tensor([1, 2, 3, 4, 5, 6, MASK, MASK], dtype=torch.int64)
-    source = torch.tensor([-1, -1, -1, -1, -1, -1, 6, 7], dtype=torch.int64)
-    slots = torch.tensor([24, 25, 26, 27, -1, -1, -1, -1], dtype=torch.int64)
-    result = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 17, 18]], dtype=torch.int64)
-    starts = torch.tensor([0, 4, 8], dtype=torch.int64)
-    blocks = torch.tensor([[0, 4], [4, 8], [24, 28], [-1, 0]], dtype=torch.int64)
-    force = torch.tensor([1, 1, 0], dtype=torch.int64)
-    positions = torch.arange(8, 16, dtype=torch.int64)
-    context = torch.tensor([8], dtype=torch.int32)
+    ids, source, slots, result, starts, blocks, force, positions, context = _a_stored_block_then_two_masks_decoded()
     opening = BlockOpening(positions, torch.tensor([0, 8], dtype=torch.int32), context,
                            torch.tensor([[0, 3]], dtype=torch.int32), page_size=8, block_size=4, mask_token_id=MASK,
                            decoded_to_join=1, answer_ends=torch.tensor([14], dtype=torch.int32))  # fmt: skip
