@@ -371,7 +371,8 @@ class DiffulexEngine:
     def _continued_views(self, opened: list[int]) -> list[StepView] | ContinuationRefusal:
         """Each request's view of the continuation of the step in flight (appending to ``opened`` the requests
         whose next block the device opens), or why there is none. There is one when nobody waits for admission
-        who could be admitted (with every request slot taken, a request that finishes in the step in flight frees
+        who could be admitted (`Scheduler.admits_waiting`: one whose pages are not free waits for the host's next
+        step anyway; with every request slot taken, a request that finishes in the step in flight frees
         its slot for the step after the continuation: what waits is admitted one step later, and a saturated engine
         keeps continuing), every running request takes part (one that finished since rides along), and each computes
         the same rows next step whatever this step accepts (`Request.next_query_range`: an admitted prompt's prefix
@@ -380,7 +381,7 @@ class DiffulexEngine:
         if not self.runner.can_continue:
             return ContinuationRefusal.NO_PAGE if self.runner.missing_pages else ContinuationRefusal.NOT_GRAPHED
         newest, scheduler = self._in_flight[-1], self.scheduler
-        if scheduler.waiting and not scheduler.slots_full():
+        if scheduler.admits_waiting():
             return ContinuationRefusal.ADMISSION
         if len(scheduler.running) != sum(not req.is_finished for req in newest.batch):
             return ContinuationRefusal.RUNNING_SET

@@ -71,6 +71,17 @@ class Scheduler:
         request, unless one of the running ones finishes first."""
         return len(self.running) >= self.limits.max_num_reqs
 
+    def admits_waiting(self) -> bool:
+        """Whether the next schedule would admit the first waiting request: a request slot is free and the pages
+        its committed prefix needs are free once the running requests have theirs (pages lent to them are taken
+        back first, pages they lack are given first). A prefix hit may need fewer pages: this errs towards not
+        admitting, and the request is admitted at the next step the host plans."""
+        if not self.waiting or self.slots_full():
+            return False
+        kv = self.kv_cache
+        spare = kv.num_free_pages + sum(len(r.page_table) - kv.pages_for(r.stored_len) for r in self.running)
+        return kv.pages_for(self.waiting[0].stored_len) <= spare
+
     # ----- forming a batch ----------------------------------------------------------------------------------
 
     def schedule(self, busy: Collection[int] = (), max_reqs: int | None = None) -> list[Request]:

@@ -434,6 +434,27 @@ def test_a_continuation_that_only_stores_is_applied_without_waiting_for_it(peaky
     assert all(not any(p.accepted_tokens[0].tolist()) for p in never_read), "and accepted nothing"
 
 
+def test_a_request_waiting_for_pages_does_not_hold_back_the_continuations_of_the_others(sdar_dir: Path) -> None:
+    """Eight request slots but pages for about two requests: the others wait while slots are free. Only a request
+    the next schedule would admit makes the host plan the step (`Scheduler.admits_waiting`), so each admission
+    (preempted requests come back too) costs at most one step that is not continued, and every request decodes
+    as with one step in flight."""
+    fields = dict(num_pages=8, page_size=8, max_num_reqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [9, 12, 7, 10], seed=3)
+    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        llm.scheduler.limits.reserve_running_pages = True  # as on a GPU
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        load = llm.load()
+    assert _answers(outputs) == expected
+    admissions = len(prompts) + sum(t.num_preemptions for t in outputs.trajectories)
+    assert load.refused_continuations.get("admission", 0) <= admissions
+    assert load.continued_steps > load.steps // 3
+
+
 def test_a_block_without_a_page_to_lend_is_named_as_why_the_step_was_not_continued(peaky_sdar_dir: Path) -> None:
     """Continuations store blocks in pages lent ahead; where none is free to lend (here no loans at all) the
     step that would store into one is the host's, and the load says why (`no_page`)."""

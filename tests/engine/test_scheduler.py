@@ -283,6 +283,23 @@ def test_running_blocks_get_their_pages_while_free_pages_last():
     assert sched.kv_cache.num_free_pages == 0
 
 
+def test_a_waiting_request_is_admitted_next_only_once_its_pages_are_free_beside_the_running_ones():
+    """`admits_waiting`, which the engine asks before it continues a step on the device: a free slot is not
+    enough, the waiting request's committed prefix must fit the pages the running requests leave (their loans
+    taken back first)."""
+    new = Factory()
+    sched = make_scheduler(num_pages=4, page_size=BLOCK, reserve=True)
+    running = new(8)  # two pages of prompt
+    sched.add(running)
+    sched.schedule()
+    assert not sched.admits_waiting(), "nobody waits"
+    waiting = new(12)  # three pages of prompt: more than the pool has left
+    sched.add(waiting)
+    assert not sched.slots_full() and not sched.admits_waiting()
+    sched.finish(running, CompletionReason.MAX_TOKENS)
+    assert sched.admits_waiting()
+
+
 # ----- finishing and abort ----------------------------------------------------------------------------------
 
 
