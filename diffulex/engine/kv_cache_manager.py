@@ -201,9 +201,8 @@ class KVCacheManager:
         it, at large batches some request always crossed into a page of its own). A loan is the next page handed
         out, which may evict the oldest freed prefix as the allocation it anticipates would; taken back, it is first
         in line and the next loans take it again, so loans evict a page or two per running request, not one per
-        step. (Lending only pages that hold no prefix stopped continuations once the pool had cycled: every free
-        page then holds one.) Where no page is free a step that would need one is not continued
-        (`ContinuationRefusal.NO_PAGE`)."""
+        step; and a pool that has cycled (every free page holding a prefix) still lends. Where no page is free a
+        step that would need one is not continued (`ContinuationRefusal.NO_PAGE`)."""
         if not req.running:
             return
         running_end = req.running[-1].end
