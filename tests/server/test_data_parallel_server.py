@@ -89,8 +89,9 @@ def test_two_replicas_answer_a_mixed_load_like_one_engine_and_survive_one_dying(
             os.kill(server.loop.engine.replica_pids[0], signal.SIGKILL)
             outcomes = [f.result() for f in futures]
             stream_outcomes = [f.result() for f in streams]
+        # which of the eight lands on the dead replica is the order they arrive in (each goes to the replica holding
+        # fewer): the completions alone may all land on one replica, the eight together land on both
         failed = [body for status, body in outcomes if status != 200]
-        assert 0 < len(failed) < len(outcomes)
         for body in failed:
             assert "data-parallel replica 0 died" in body["error"]["message"]
         stream_failures = 0
