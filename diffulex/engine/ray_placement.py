@@ -34,6 +34,7 @@ from diffulex.engine.ray_cluster import (
     release,
 )
 from diffulex.engine.replica_process import serve_replica
+from diffulex.engine.tensor_parallel import engine_world_size
 
 
 class ReplicaActor:
@@ -80,7 +81,7 @@ def replica_bundles(config: Config, cluster_gpus: float) -> list[dict[str, float
     and expert-parallel layout, `diffulex.engine.tensor_parallel.engine_world_size`)."""
     bundle: dict[str, float] = {"CPU": 1.0}
     if cluster_gpus > 0:
-        bundle["GPU"] = float(max(config.tensor_parallel_size, config.expert_parallel_size))
+        bundle["GPU"] = float(engine_world_size(config))
     return [dict(bundle) for _ in range(config.data_parallel_size)]
 
 

@@ -25,9 +25,11 @@ ENGINE_PLACEMENTS = ("auto", "process", "thread")
 
 def engine_process_allowed(config: Any) -> str | None:
     """Why the engine of ``config`` cannot run as one replica process, or None when it can."""
+    from diffulex.engine.tensor_parallel import engine_world_size  # (torch: imported once an engine is built)
+
     if config.data_parallel_size > 1:
         return "data parallelism runs its replicas as processes already"
-    if max(config.tensor_parallel_size, config.expert_parallel_size) > 1:
+    if engine_world_size(config) > 1:
         return "an engine of several ranks starts its rank workers from the server process"
     if config.distributed_executor_backend != "mp":
         return f"distributed_executor_backend={config.distributed_executor_backend!r} places its own processes"
