@@ -1,0 +1,93 @@
+"""The steps an engine launches itself instead of continuing them on the device, by reason, under the serving sweep's
+mix of prompt and answer lengths with requests arriving into freed slots (CPU; no GPU needed).
+
+    PYTHONPATH=. python bench/continuation_refusals.py [--slots 16 64] [--buffer-size 4] [--arrival-delay 1]
+        [--json FILE]
+
+Why: a continuation (`diffulex.engine.continuation`) must suit every request of the batch, and online each request
+arrives at its own time, so at many steps some request is at a point the device cannot handle; each such step is
+planned by the host after the result, its host work no longer overlapping the GPU's. This replays that on a tiny
+random SDAR checkpoint whose decode steps run the graphs' static buffers eagerly (the GPU's step path, continuations
+included, with pages lent as a GPU engine lends them): ``--slots`` request slots (``max_num_reqs``), twice as many
+requests, prompts of 40 / 80 / 160 / 320 tokens and answers of 32 / 64 / 128 / 256 (drawn, seeded; ``ignore_eos``),
+the first ``--slots`` arriving one per step, each later one ``--arrival-delay`` steps after a request finishes.
+Prints per slot count the steps applied, how many were continued, and the others by reason
+(`diffulex.engine.continuation.ContinuationRefusal`, as `/metrics` exports them). The tokens are not compared here:
+the engine's tests hold continued steps to the tokens of one step in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.testing.checkpoints import write_tiny_checkpoint
+
+PROMPT_TOKENS = (40, 80, 160, 320)
+ANSWER_TOKENS = (32, 64, 128, 256)
+
+
+def replay(model_dir: Path, slots: int, buffer_size: int, arrival_delay: int, seed: int = 0) -> dict:
+    """One run: the engine's steps, continued steps and refusals by reason."""
+    llm = Diffulex(str(model_dir), block_size=4, page_size=32, buffer_size=buffer_size, max_num_reqs=slots,
+                   max_model_len=max(PROMPT_TOKENS) + max(ANSWER_TOKENS) + 64, max_num_batched_tokens=4096,
+                   accept_threshold=0.99)  # fmt: skip
+    try:
+        llm.enable_static_decode(capture=False)
+        llm.scheduler.limits.reserve_running_pages = True  # as an engine on a GPU lends them
+        draw = random.Random(seed)
+        banned = set(llm.settings.stop_token_ids) | {llm.mask_token_id}
+        allowed = [t for t in range(llm.vocab_limit) if t not in banned]
+        requests = collections.deque(
+            ([draw.choice(allowed) for _ in range(draw.choice(PROMPT_TOKENS))],
+             SamplingParams(temperature=0.0, max_tokens=draw.choice(ANSWER_TOKENS), ignore_eos=True))
+            for _ in range(2 * slots)
+        )  # fmt: skip
+        arrivals = list(range(slots))  # the steps at which the next requests arrive
+        step = live = 0
+        while requests or live:
+            while arrivals and arrivals[0] <= step and requests:
+                arrivals.pop(0)
+                llm.add_request(*requests.popleft())
+                live += 1
+            for update in llm.step() if live else []:
+                if update.finished:
+                    live -= 1
+                    arrivals.append(step + arrival_delay)
+            step += 1
+        load = llm.load()
+    finally:
+        llm.exit()
+    return {"slots": slots, "buffer_size": buffer_size, "arrival_delay": arrival_delay, "steps": load.steps,
+            "continued_steps": load.continued_steps, "refused": dict(sorted(load.refused_continuations.items()))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--buffer-size", type=int, default=4, help="the engine field (4: the serving sweep's default)")
+    parser.add_argument("--arrival-delay", type=int, default=1, help="steps from a finish to the next arrival")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", family="sdar", seed=2)
+        rows = [replay(model_dir, n, args.buffer_size, args.arrival_delay) for n in args.slots]
+    for row in rows:
+        refused = ", ".join(f"{reason} {n}" for reason, n in row["refused"].items()) or "none"
+        print(f"{row['slots']:>4} slots: {row['continued_steps']} of {row['steps']} steps continued; the host's: "
+              f"{refused}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
