@@ -116,7 +116,6 @@ def _check_replicas_can_start(config: Config) -> None:
 
     if config.distributed_executor_backend != "mp" or engine_world_size(config) == 1:
         return
-
     raise ValueError(
         f"{parallel_fields(config)} is invalid with data_parallel_size={config.data_parallel_size} and "
         "distributed_executor_backend='mp': a local data-parallel replica may not start the workers of its ranks; "

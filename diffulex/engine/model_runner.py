@@ -426,7 +426,11 @@ class ModelRunner:
                     opens = graphs.opens_blocks_with is not None
                     staged = {req.req_id: len(req.page_table) for req in batch} if opens else {}
                     rows_of = Counter(layout.owners) if opens else Counter()
-                    starts = {req.req_id: start for (req, _), start in zip(step.work, step.context_lens, strict=True)}
+                    # where each request's rows start: what a continuation asks (`continues_rows`); none without one
+                    starts = (
+                        {req.req_id: start for (req, _), start in zip(step.work, step.context_lens, strict=True)}
+                        if graphs.advance is not None else {}
+                    )
                     self._replayed = _ReplayedStep(graphs, bucket, layout, storable, staged, rows_of, starts)
                     return self._pending(layout.pending(result, self._ready(hidden)), batch)
         else:
