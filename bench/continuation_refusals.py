@@ -9,7 +9,8 @@ arrives at its own time, so at many steps some request is at a point the device 
 planned by the host after the result, its host work no longer overlapping the GPU's. This replays that on a tiny
 random SDAR checkpoint whose decode steps run the graphs' static buffers eagerly (the GPU's step path, continuations
 included, with pages lent as a GPU engine lends them): ``--slots`` request slots (``max_num_reqs``), twice as many
-requests, prompts of 40 / 80 / 160 / 320 tokens and answers of 32 / 64 / 128 / 256 (drawn, seeded; ``ignore_eos``),
+requests, prompts of 41 / 83 / 157 / 322 tokens (the sweep's prompts are words: their blocks rarely align with the
+prompt's end, nor the answer's end with a block's) and answers of 32 / 64 / 128 / 256 (drawn, seeded; ``ignore_eos``),
 the first ``--slots`` arriving one per step, each later one ``--arrival-delay`` steps after a request finishes.
 Prints per slot count the steps applied, how many were continued, and the others by reason
 (`diffulex.engine.continuation.ContinuationRefusal`, as `/metrics` exports them). The tokens are not compared here:
@@ -30,7 +31,7 @@ import torch
 from diffulex import Diffulex, SamplingParams
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
-PROMPT_TOKENS = (40, 80, 160, 320)
+PROMPT_TOKENS = (41, 83, 157, 322)
 ANSWER_TOKENS = (32, 64, 128, 256)
 
 

@@ -409,6 +409,13 @@ class Config:
         "DiffusionGemma's denoising steps where no canvas is to end): the host's work between steps leaves the GPU's "
         "critical path. Tokens are the same either way.",
     )
+    admission_delay_steps: int = _field(
+        0,
+        "With steps continued on the GPU (async_scheduling), the most steps a request that could be admitted waits "
+        "so that the requests finishing meanwhile are admitted with it: each admission is a step the host plans "
+        "while the GPU waits, and under a steady stream of arrivals into a large batch one request finishes at "
+        "almost every step. 0 admits at the next step (>= 0).",
+    )
     auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
     auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")
 
@@ -699,6 +706,7 @@ class Config:
         check_int("prefill_cudagraph_max_len", self.prefill_cudagraph_max_len, low=0)
         check_int("max_prefill_graph_tokens", self.max_prefill_graph_tokens, low=0)
         check_int("micro_batches", self.micro_batches, low=1, high=MAX_MICRO_BATCHES)
+        check_int("admission_delay_steps", self.admission_delay_steps, low=0)
         check_int("auto_max_nfe_warmup_steps", self.auto_max_nfe_warmup_steps, low=1)
         self.auto_max_nfe_tpf_floor = check_number(
             "auto_max_nfe_tpf_floor", self.auto_max_nfe_tpf_floor, low=0.0, low_open=True

@@ -7,15 +7,25 @@ HTTP (`diffulex.bench.load`), the engine rebuilt where the server puts it (a pro
 serve` does): streaming completions sent at Poisson arrival times, at `ARRIVAL_RATE_FACTOR` times the offline
 request rate, so the server runs as full as the offline batch did and the excess waits in its queue; the clients
 run in a process of their own, as real clients would.
-Reported: online tokens/s (completion tokens over the first send to the last completion) against offline, time to
-first token and the time between streamed chunks, p50 and p99, and the share of the engine's steps continued on the
-device (`diffulex.engine.continuation`; requests that arrive at their own times leave fewer steps a continuation
-suits all of them than a batch that starts together). Both runs follow an untimed warm-up.
+Reported: tokens/s online against offline while each held the batch (`saturated_rate`: from the moment every
+request slot is taken to the last moment a request is queued; the target's figure), and over the whole run
+(completion tokens from the first send to the last completion, offline from the call to its return); time to first
+token and the time between streamed chunks, p50 and p99; the steps each run took and their mean time; and the
+share of the engine's steps continued on the device (`diffulex.engine.continuation`; requests that arrive at their
+own times leave fewer steps a continuation suits all of them than a batch that starts together). Both runs follow
+an untimed warm-up.
+
+Why the target reads the saturated window: the whole run also holds the arrivals filling the slots (an open-loop
+run starts empty; offline starts full) and the end, where the queue is empty and the batch drains to the longest
+answers admitted last, which falls differently for requests that arrived at random times. Neither is the server at
+that batch; both are reported beside it.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +44,7 @@ from diffulex.bench.sweep_common import (
 )
 
 ONLINE_VS_OFFLINE_TARGET = 0.9
+OCCUPANCY_INTERVAL_S = 0.005  # how often the online run's occupancy is read (a step takes 4-10 ms on a GPU)
 ARRIVAL_RATE_FACTOR = 2.0
 REQUEST_TIMEOUT_S = 300.0
 REQUESTS_PER_SLOT = 2  # requests sent per unit of concurrency
@@ -81,18 +92,83 @@ def _refusal_text(counts: Mapping[str, int] | None) -> str:
     return ", ".join(f"{reason} {n}" for reason, n in (counts or {}).items()) or "none"
 
 
-def offline_rate(engine: Any, specs: Sequence[Any]) -> dict[str, Any]:
-    """The engine's tokens/s and requests/s generating `specs` as one offline batch."""
+@dataclass(frozen=True)
+class Occupancy:
+    """The engine at one moment of a run: requests running and queued, and the tokens decoded and steps applied
+    since it began."""
+
+    seconds: float
+    running: int
+    waiting: int
+    tokens: int
+    steps: int
+
+
+def saturated_rate(samples: Sequence[Occupancy], concurrency: int) -> dict[str, Any]:
+    """Tokens/s while the engine held the batch: from the first sample with every request slot taken to the last
+    with a request queued (until then a freed slot has a request to take it, so a slot left empty is the engine's
+    own doing), with the window's length, its time-weighted mean of running requests, and its steps' mean time and
+    tokens. None where the run has no such window (the queue emptied before the slots filled)."""
+    start = next((i for i, s in enumerate(samples) if s.running >= concurrency), None)
+    end = max((i for i, s in enumerate(samples) if s.waiting > 0), default=None)
+    if start is None or end is None or end <= start or samples[end].seconds <= samples[start].seconds:
+        return {"tokens_per_s": None, "seconds": 0.0, "mean_running": None, "ms_per_step": None,
+                "tokens_per_step": None}
+    window = samples[start : end + 1]
+    first, last = window[0], window[-1]
+    seconds, tokens, steps = last.seconds - first.seconds, last.tokens - first.tokens, last.steps - first.steps
+    held = sum(a.running * (b.seconds - a.seconds) for a, b in itertools.pairwise(window))
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "mean_running": held / seconds,
+            "ms_per_step": 1e3 * seconds / steps if steps else None,
+            "tokens_per_step": tokens / steps if steps else None}
+
+
+class OccupancySampler:
+    """Reads a server's `diffulex.server.metrics.Metrics.occupancy` every `OCCUPANCY_INTERVAL_S` in a thread of
+    its own while the block runs; `samples` then holds what it read."""
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+        self.samples: list[Occupancy] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="occupancy-sampler")
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            self.samples.append(Occupancy(time.monotonic() - t0, *self.metrics.occupancy()))
+            self._stop.wait(OCCUPANCY_INTERVAL_S)
+
+    def __enter__(self) -> OccupancySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def offline_rate(engine: Any, specs: Sequence[Any]) -> tuple[dict[str, Any], list[Occupancy]]:
+    """The engine's tokens/s and requests/s generating `specs` as one offline batch (every request queued at
+    once, then steps until all are finished, as `generate` runs them), and its occupancy after each step."""
     from diffulex.sampling_params import SamplingParams
 
-    params = [SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
-              for s in specs]
     t0 = time.perf_counter()
-    outputs = engine.generate([s.prompt for s in specs], params, use_tqdm=False, apply_chat_template=False)
+    for spec in specs:
+        engine.add_request(spec.prompt, SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
+                                                       ignore_eos=spec.ignore_eos))
+    steps = engine.load().steps
+    samples = [Occupancy(0.0, 0, len(specs), 0, 0)]
+    decoded = tokens = 0
+    while not engine.is_finished():
+        for update in engine.step():
+            decoded += update.record.num_new_tokens if update.record is not None else 0
+            tokens += update.trajectory.num_generated_tokens if update.finished else 0
+        load = engine.load()
+        samples.append(Occupancy(time.perf_counter() - t0, load.running, load.waiting, decoded, load.steps - steps))
     elapsed = time.perf_counter() - t0
-    tokens = sum(len(t.token_ids) for t in outputs)
     return {"offline_s": elapsed, "offline_tokens": tokens, "offline_tokens_per_s": tokens / elapsed,
-            "offline_requests_per_s": len(specs) / elapsed}
+            "offline_requests_per_s": len(specs) / elapsed}, samples
 
 
 def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, specs: Sequence[Any],
@@ -106,9 +182,12 @@ def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, spec
     try:
         offline_rate(engine, request_mix(shape, concurrency, seed=10_000 + concurrency))  # warm-up
         paths, load = step_paths(engine), engine.load()
-        out = offline_rate(engine, specs)
+        out, samples = offline_rate(engine, specs)
         out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
         after = engine.load()
+        out |= {f"offline_saturated_{k}": v for k, v in saturated_rate(samples, concurrency).items()}
+        out["offline_steps"] = after.steps - load.steps
+        out["offline_dropped_continuations"] = after.dropped_continuations - load.dropped_continuations
         out["offline_continued_share"] = continued_share(load, after)
         out["offline_refused_continuations"] = refused_continuations(load, after)
         return out
@@ -139,9 +218,13 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
                                  REQUEST_TIMEOUT_S)  # warm-up of the HTTP path and of the engine at this batch
             paths = step_paths(engine) if row["engine_placement"] == "thread" else None
             load = engine.load()
-            samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
-                                                    REQUEST_TIMEOUT_S)
+            with OccupancySampler(server.loop.metrics) as sampler:
+                samples, elapsed = open_loop_in_process(server.url, "completions", specs, rate, concurrency,
+                                                        REQUEST_TIMEOUT_S)
             after = engine.load()
+            row |= {f"online_saturated_{k}": v for k, v in saturated_rate(sampler.samples, concurrency).items()}
+            row["online_steps"] = after.steps - load.steps
+            row["online_dropped_continuations"] = after.dropped_continuations - load.dropped_continuations
             row["online_continued_share"] = continued_share(load, after)
             row["online_refused_continuations"] = refused_continuations(load, after)
             # an engine process's step paths stay in that process
@@ -151,7 +234,13 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
     stats = summarize(samples, elapsed)
     row |= {f"online_{k}" if k in ("tokens_per_s", "requests_per_s", "elapsed_s") else k: v for k, v in stats.items()}
     row["online_vs_offline"] = row["online_tokens_per_s"] / row["offline_tokens_per_s"]
-    row["met"] = row["online_vs_offline"] >= ONLINE_VS_OFFLINE_TARGET and not stats["errors"]
+    online, offline = row["online_saturated_tokens_per_s"], row["offline_saturated_tokens_per_s"]
+    row["saturated_online_vs_offline"] = online / offline if online and offline else None
+    for run, seconds in (("online", row["online_elapsed_s"]), ("offline", row["offline_s"])):
+        steps = row[f"{run}_steps"]
+        row[f"{run}_ms_per_step"] = 1e3 * seconds / steps if steps else None
+    ratio = row["saturated_online_vs_offline"]
+    row["met"] = ratio is not None and ratio >= ONLINE_VS_OFFLINE_TARGET and not stats["errors"]
     return row
 
 
@@ -164,8 +253,17 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
             continue
         try:
             row = measure_concurrency(ctx, shape, concurrency)
-            ctx.log(f"  {concurrency} concurrent: online {row['online_tokens_per_s']:.0f} tok/s vs offline "
-                    f"{row['offline_tokens_per_s']:.0f} ({row['online_vs_offline']:.2f}x), TTFT p50/p99 "
+            ctx.log(f"  {concurrency} concurrent: holding the batch online "
+                    f"{fmt(row['online_saturated_tokens_per_s'], '.0f')} tok/s vs offline "
+                    f"{fmt(row['offline_saturated_tokens_per_s'], '.0f')} "
+                    f"({fmt(row['saturated_online_vs_offline'])}x), whole run {row['online_tokens_per_s']:.0f} vs "
+                    f"{row['offline_tokens_per_s']:.0f} ({row['online_vs_offline']:.2f}x), steps "
+                    f"{row['online_steps']} / {row['offline_steps']} (holding the batch: "
+                    f"{fmt(row['online_saturated_ms_per_step'], '.2f')} / "
+                    f"{fmt(row['offline_saturated_ms_per_step'], '.2f')} ms, "
+                    f"{fmt(row['online_saturated_tokens_per_step'], '.1f')} / "
+                    f"{fmt(row['offline_saturated_tokens_per_step'], '.1f')} tokens each), continuations dropped "
+                    f"{row['online_dropped_continuations']} / {row['offline_dropped_continuations']}, TTFT p50/p99 "
                     f"{fmt(row['ttft_p50_ms'], '.1f')}/{fmt(row['ttft_p99_ms'], '.1f')} ms, chunk gap p50/p99 "
                     f"{fmt(row['chunk_gap_p50_ms'], '.1f')}/{fmt(row['chunk_gap_p99_ms'], '.1f')} ms, steps "
                     f"continued {fmt(row.get('online_continued_share'), '.0%')}/"
@@ -181,8 +279,9 @@ def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
 
 
 def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    header = ["model", "concurrent", "requests (errors)", "online tok/s", "offline tok/s", "online / offline",
-              ">= 0.9?", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "steps graphed online / offline",
+    header = ["model", "concurrent", "requests (errors)", "holding the batch: online / offline tok/s (x)",
+              ">= 0.9?", "whole run: online / offline tok/s (x)", "steps online / offline (ms each)",
+              "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "steps graphed online / offline",
               "steps continued online / offline"]
     body = []
     for r in rows:
@@ -190,8 +289,13 @@ def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
             body.append([r["model"], r["concurrency"], r.get("error") or r.get("skipped"), *["-"] * 8])
             continue
         body.append([r["model"], r["concurrency"], f"{r['requests']} ({r['errors']})",
-                     fmt(r["online_tokens_per_s"], ",.0f"), fmt(r["offline_tokens_per_s"], ",.0f"),
-                     fmt(r["online_vs_offline"]), "yes" if r["met"] else "no",
+                     f"{fmt(r['online_saturated_tokens_per_s'], ',.0f')} / "
+                     f"{fmt(r['offline_saturated_tokens_per_s'], ',.0f')} ({fmt(r['saturated_online_vs_offline'])})",
+                     "yes" if r["met"] else "no",
+                     f"{fmt(r['online_tokens_per_s'], ',.0f')} / {fmt(r['offline_tokens_per_s'], ',.0f')} "
+                     f"({fmt(r['online_vs_offline'])})",
+                     f"{r['online_steps']} / {r['offline_steps']} ({fmt(r['online_ms_per_step'], '.1f')} / "
+                     f"{fmt(r['offline_ms_per_step'], '.1f')})",
                      f"{fmt(r['ttft_p50_ms'], '.1f')} / {fmt(r['ttft_p99_ms'], '.1f')}",
                      f"{fmt(r['chunk_gap_p50_ms'], '.1f')} / {fmt(r['chunk_gap_p99_ms'], '.1f')}",
                      f"{fmt(r.get('online_graphed_share'), '.0%')} / {fmt(r.get('offline_graphed_share'), '.0%')}",
@@ -204,8 +308,14 @@ def plot_serving(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> N
     plt, fig, (ax_tps, ax_lat) = plot_axes(2, title)
     done = sorted((r for r in rows if not r.get("error") and not r.get("skipped")), key=lambda r: r["concurrency"])
     x = [r["concurrency"] for r in done]
-    ax_tps.plot(x, [r["online_tokens_per_s"] for r in done], marker="o", label="online (open loop)")
-    ax_tps.plot(x, [r["offline_tokens_per_s"] for r in done], marker="s", label="offline, same batch")
+    for key, marker, style, label in [
+        ("online_saturated_tokens_per_s", "o", "-", "online, holding the batch"),
+        ("offline_saturated_tokens_per_s", "s", "-", "offline, holding the batch"),
+        ("online_tokens_per_s", "o", ":", "online, whole run"),
+        ("offline_tokens_per_s", "s", ":", "offline, whole run"),
+    ]:
+        ax_tps.plot(x, [float("nan") if r[key] is None else r[key] for r in done], marker=marker, linestyle=style,
+                    label=label)
     ax_tps.set_ylabel("tokens/s")
     for key, name in [("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
                       ("chunk_gap_p50_ms", "chunk gap p50"), ("chunk_gap_p99_ms", "chunk gap p99")]:

@@ -60,6 +60,9 @@ class ContinuationRefusal(enum.StrEnum):
     ADMISSION = "admission"  # a waiting request can be admitted: its prefill needs the host's step
     RUNNING_SET = "running_set"  # a running request is not in the step in flight (admitted, waiting for a chunk)
     REQUEST_CHANGED = "request_changed"  # a request of the step was rescheduled since its launch
+    # a request's prompt rows ran in the step in flight with its blocks (a short prompt riding whole in a chunk graph,
+    # a chunk of a long one): its next step computes other rows
+    PREFILL_IN_STEP = "prefill_in_step"
     ROWS_CHANGE = "rows_change"  # a request's next step computes other rows (a block joins, a forward of another kind)
     HOST_OPENS_BLOCK = "host_opens_block"  # a request's next block can be opened by the host only (pages, layout)
 

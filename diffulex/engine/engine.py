@@ -108,6 +108,8 @@ class DiffulexEngine:
         self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
         # steps the host launched itself although continuations are on, by reason (statistics)
         self.refused_continuations: Counter[ContinuationRefusal] = Counter()
+        # continuations launched while a request could have been admitted, since the host last scheduled
+        self._admission_deferrals = 0
         self._closed = False
         self._generate_lock = threading.Lock()
         self._dead: str | None = None  # why the device stopped working, once it has
@@ -335,6 +337,7 @@ class DiffulexEngine:
         busy = {req.req_id for step in self._in_flight for req in step.batch}
         active = len(scheduler.running) + len(scheduler.waiting)
         batch = scheduler.schedule(busy, max_reqs=-(-active // self.config.micro_batches))
+        self._admission_deferrals = 0  # what could be admitted was, by this schedule
         if not batch:
             return None
         # the forward's view of each request, for its step record: its query range and its running set (none in a
@@ -374,7 +377,8 @@ class DiffulexEngine:
         who could be admitted (`Scheduler.admits_waiting`: one whose pages are not free waits for the host's next
         step anyway; with every request slot taken, a request that finishes in the step in flight frees
         its slot for the step after the continuation: what waits is admitted one step later, and a saturated engine
-        keeps continuing), every running request takes part (one that finished since rides along), and each computes
+        keeps continuing) or it has waited fewer continuations than ``admission_delay_steps`` allows, every running
+        request takes part (one that finished since rides along), and each computes
         the same rows next step whatever this step accepts (`Request.next_query_range`: an admitted prompt's prefix
         run in a prefill graph of its own is cached by then), or its running blocks one block further on where this
         step stores its leading block and the device can move them (`Request.next_step_opens_block`)."""
@@ -382,7 +386,9 @@ class DiffulexEngine:
             return ContinuationRefusal.NO_PAGE if self.runner.missing_pages else ContinuationRefusal.NOT_GRAPHED
         newest, scheduler = self._in_flight[-1], self.scheduler
         if scheduler.admits_waiting():
-            return ContinuationRefusal.ADMISSION
+            if self._admission_deferrals >= self.config.admission_delay_steps:
+                return ContinuationRefusal.ADMISSION
+            self._admission_deferrals += 1  # counted even if the continuation is refused below: a host step resets it
         if len(scheduler.running) != sum(not req.is_finished for req in newest.batch):
             return ContinuationRefusal.RUNNING_SET
         views: list[StepView] = []
@@ -392,7 +398,9 @@ class DiffulexEngine:
                 continue
             if req.query_range() != launched:
                 return ContinuationRefusal.REQUEST_CHANGED
-            if req.next_step_has_same_rows() and self.runner.continues_rows(req):
+            if not self.runner.continues_rows(req):
+                return ContinuationRefusal.PREFILL_IN_STEP
+            if req.next_step_has_same_rows():
                 views.append((req.next_query_range(), blocks))
             elif not req.next_step_opens_block():
                 return ContinuationRefusal.ROWS_CHANGE
@@ -570,7 +578,8 @@ class DiffulexEngine:
         return EngineLoad(running, len(scheduler.waiting), kv.num_used_pages, kv.num_pages, alive=serving,
                           steps=self._num_steps,
                           continued_steps=self.num_continued_steps,
-                          refused_continuations={str(k): v for k, v in self.refused_continuations.items()})
+                          refused_continuations={str(k): v for k, v in self.refused_continuations.items()},
+                          dropped_continuations=self.num_dropped_continuations)
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

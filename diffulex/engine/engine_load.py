@@ -21,6 +21,8 @@ class EngineLoad:
     continued_steps: int = 0
     # the steps launched by the host although continuations were on, by reason (`ContinuationRefusal` values)
     refused_continuations: Mapping[str, int] = field(default_factory=dict)
+    # continuations the host found it would not have launched: computed on the device, never applied
+    dropped_continuations: int = 0
 
     @classmethod
     def total(cls, replicas: list[EngineLoad]) -> EngineLoad:
@@ -33,4 +35,5 @@ class EngineLoad:
             sum(r.running for r in alive), sum(r.waiting for r in alive), sum(r.kv_pages_used for r in alive),
             sum(r.kv_pages_total for r in alive), bool(alive), tuple(replicas),
             sum(r.steps for r in replicas), sum(r.continued_steps for r in replicas), dict(refused),
+            sum(r.dropped_continuations for r in replicas),
         )  # fmt: skip

@@ -686,9 +686,10 @@ class ModelRunner:
         self, step: StepInputs, layout: RowLayout
     ) -> tuple[RowLayout, list[int], list[tuple[int, int, int, int]]]:
         """The step's sampled rows with each request's running blocks whole, for graphs whose continuations open
-        next blocks (`diffulex.engine.continuation.BlockOpening`): each running block within the answer's end gets a
-        row for every position, its decoded ones and the prompt's (an answer's first block may hold the prompt's
-        last positions) no candidates (logits row -1, as a continuation retires them),
+        next blocks (`diffulex.engine.continuation.BlockOpening`): each running block that starts before the
+        decoding limit gets a row for every position, its decoded ones, the prompt's (an answer's first block may
+        hold the prompt's last positions) and those past the limit (an answer's last block may end before the block
+        does) no candidates (logits row -1, as a continuation retires them),
         also a block with none left (stored by this step, or decoded after a block that is not); each gated by the
         block before it. So the continuation after the step that stores the leading block has whole blocks of rows
         to move on by one. Returns the layout, the logits rows and the blocks' rows, slots and gates; the step's own
@@ -718,7 +719,7 @@ class ModelRunner:
             # first block, or a split step's rows after a store-only prefix that ends inside that block
             rows_end = start + step.cu_seqlens_q[index + 1] - offset
             whole = bool(req.running) and all(
-                start <= block.start and block.end <= min(limit, rows_end) and req.stores_when_decoded(block)
+                start <= block.start < limit and block.end <= rows_end and req.stores_when_decoded(block)
                 for block in req.running
             )
             if whole:

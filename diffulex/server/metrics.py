@@ -59,6 +59,7 @@ class ServerMetrics:
         self.replicas: tuple[EngineLoad, ...] = ()  # data-parallel replicas, in rank order
         self.engine_steps = 0
         self.continued_steps = 0  # of the engine's steps, continued on the device (as the engine counts them)
+        self.dropped_continuations = 0  # continuations computed and never applied (the host's step differed)
         self.refused_continuations: dict[str, int] = {}  # the steps the host launched itself, by reason
         self.decoded_tokens = 0  # mask positions filled, summed over steps
         self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
@@ -91,6 +92,7 @@ class ServerMetrics:
             self.kv_pages_used, self.kv_pages_total = load.kv_pages_used, load.kv_pages_total
             self.replicas = load.replicas
             self.continued_steps = load.continued_steps
+            self.dropped_continuations = load.dropped_continuations
             self.refused_continuations = dict(load.refused_continuations)
 
     def observe_admitted(self, prompt_tokens: int) -> None:
@@ -126,6 +128,12 @@ class ServerMetrics:
     def tpf(self) -> float:
         with self._lock:
             return self.decoded_tokens / self.request_forwards if self.request_forwards else 0.0
+
+    def occupancy(self) -> tuple[int, int, int, int]:
+        """Requests running and waiting after the last step, and the tokens decoded and steps run so far: what a
+        benchmark samples to find the time the engine held a full batch (`diffulex.bench.sweep_serving`)."""
+        with self._lock:
+            return self.running, self.waiting, self.decoded_tokens, self.engine_steps
 
     def render(self) -> str:
         tps = self.tokens_per_second()
@@ -165,6 +173,8 @@ class ServerMetrics:
             scalar("diffulex_engine_steps_total", "counter", "Engine steps (forwards) run.", self.engine_steps)
             scalar("diffulex_continued_steps_total", "counter", "Engine steps continued on the device: queued "
                    "before the step before them was read, their host work overlapping the GPU's.", self.continued_steps)
+            scalar("diffulex_dropped_continuations_total", "counter", "Steps continued on the device that the host "
+                   "then found it would not have launched: computed, never applied.", self.dropped_continuations)
             labelled("diffulex_continuation_refusals_total", "counter", "Engine steps launched by the host although "
                      "continuations are on, by why the device could not continue the step before.", "reason",
                      self.refused_continuations)

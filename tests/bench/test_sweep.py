@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffulex.bench import sweep, sweep_common
+from diffulex.bench import sweep, sweep_common, sweep_serving
 from diffulex.bench.sweep_decode import BASELINE, strategy_configs
 from diffulex.cli import main
 from diffulex.engine.prefill_cost import PrefillCostModel
@@ -161,6 +161,12 @@ def test_serving_streams_every_offline_token_online(quick_sweep: Path) -> None:
         # ignore_eos: the same requests give the same tokens online and offline
         assert r["completion_tokens"] == r["offline_tokens"] > 0
         assert r["online_vs_offline"] == pytest.approx(r["online_tokens_per_s"] / r["offline_tokens_per_s"])
+        # offline every slot is taken at once and half the requests wait: the batch is held for a while
+        assert r["offline_saturated_seconds"] > 0 and r["offline_saturated_tokens_per_s"] > 0
+        assert 0 < r["offline_saturated_mean_running"] <= r["concurrency"]
+        assert r["met"] == (r["saturated_online_vs_offline"] is not None
+                            and r["saturated_online_vs_offline"] >= sweep_serving.ONLINE_VS_OFFLINE_TARGET)
+        assert r["online_steps"] > 0 and r["offline_steps"] > 0
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["chunk_gap_p50_ms"] <= r["chunk_gap_p99_ms"]
         assert r["offline_graphed_share"] == 0.0, "the CPU runs every step eagerly"
         # online, the engine runs where the server puts it: a process of its own, whose step paths stay there

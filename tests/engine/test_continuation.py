@@ -99,7 +99,7 @@ def test_a_running_set_that_reaches_its_answers_end_drains_on_the_device(sdar_di
         got = _answers(llm.generate(prompts, params, use_tqdm=False))
         load, dropped = llm.load(), llm.num_dropped_continuations
     assert got == expected
-    assert dict(load.refused_continuations) == {"rows_change": 1} and dropped == 0
+    assert dict(load.refused_continuations) == {"prefill_in_step": 1} and dropped == 0
     assert load.continued_steps == load.steps - 2
 
 
@@ -301,10 +301,11 @@ def test_every_step_the_host_launches_itself_is_counted_with_its_reason(peaky_sd
     assert 0 < load.continued_steps <= llm.num_continuations - llm.num_dropped_continuations
 
 
-def _staggered(model: Path, prompts, arrivals: list[int], max_tokens: list[int], async_scheduling: bool):
+def _staggered(model: Path, prompts, arrivals: list[int], max_tokens: list[int], async_scheduling: bool,
+               **fields):
     """Requests added at the given engine steps (while the others decode), run to the end: their answers and the
     engine's load."""
-    with make_engine(model, async_scheduling=async_scheduling, accept_threshold=0.8, page_size=32) as llm:
+    with make_engine(model, async_scheduling=async_scheduling, accept_threshold=0.8, page_size=32, **fields) as llm:
         with_static_decode(llm)
         ids, step = {}, 0
         pending = sorted(zip(arrivals, range(len(prompts)), strict=True))
@@ -336,7 +337,7 @@ def test_a_prompt_admitted_beside_decoders_and_a_finished_request_leave_the_othe
     assert got == expected
     # the host's steps: the first prompt's, the admission's, and the one after the first prompt's step, which
     # computed that prompt's 9 tokens with its block in one chunk graph (a continuation would compute them again)
-    assert dict(load.refused_continuations) == {"admission": 1, "rows_change": 1}
+    assert dict(load.refused_continuations) == {"admission": 1, "prefill_in_step": 1}
     assert load.continued_steps == load.steps - 3
 
 
@@ -465,3 +466,40 @@ def test_a_block_without_a_page_to_lend_is_named_as_why_the_step_was_not_continu
         llm.generate(random_prompts(llm, [9, 6], seed=3), params, use_tqdm=False)
         load = llm.load()
     assert load.refused_continuations.get("no_page", 0) > 0
+
+
+def test_requests_that_could_be_admitted_wait_up_to_admission_delay_steps_to_be_admitted_together(
+        peaky_sdar_dir: Path) -> None:
+    """Two prompts arriving one step apart while another request decodes: admitted at the next steps, each
+    admission is a step of the host's; allowed to wait two continued steps, both are admitted in one. Every request
+    decodes as with one step in flight."""
+    with make_engine(peaky_sdar_dir) as llm:
+        prompts = random_prompts(llm, [9, 11, 7], seed=5)
+    args = (peaky_sdar_dir, prompts, [0, 3, 4], [40, 12, 12])
+    expected, _ = _staggered(*args, async_scheduling=False)
+    at_once, load_at_once = _staggered(*args, async_scheduling=True)
+    delayed, load_delayed = _staggered(*args, async_scheduling=True, admission_delay_steps=2)
+    assert at_once == delayed == expected
+    assert load_at_once.refused_continuations["admission"] == 2
+    assert load_delayed.refused_continuations["admission"] == 1
+    assert load_delayed.steps - load_delayed.continued_steps < load_at_once.steps - load_at_once.continued_steps
+
+
+def test_answers_that_neither_start_nor_end_on_a_block_boundary_are_continued_to_their_end(sdar_dir: Path) -> None:
+    """Prompts whose last positions share the answer's first block, and answers whose end falls inside their last
+    block: each running set still holds whole blocks of rows (the prompt's positions and those past the answer's end
+    no candidates), so the device moves it on through the drain to the answer's end; the tokens are those of one
+    step in flight. The one step the host launches is where the longest answer's chain of continuations reached past
+    the pages lent at its start (one page past the running set's next block)."""
+    fields = dict(buffer_size=4, page_size=16)
+    with make_engine(sdar_dir, **fields) as llm:
+        prompts = random_prompts(llm, [41, 83, 6], seed=17)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 61, 21)]
+    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
+    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+        with_static_decode(llm)
+        got = _answers(llm.generate(prompts, params, use_tqdm=False))
+        load = llm.load()
+    assert got == expected
+    assert dict(load.refused_continuations) == {"host_opens_block": 1}
+    assert load.continued_steps == load.steps - 2

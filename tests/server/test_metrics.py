@@ -39,3 +39,18 @@ def test_replicas_refusals_add_up_by_reason() -> None:
     total = EngineLoad.total([EngineLoad(1, 0, 2, 8, refused_continuations={"admission": 2}),
                               EngineLoad(2, 1, 3, 8, refused_continuations={"admission": 1, "running_set": 4})])
     assert total.refused_continuations == {"admission": 3, "running_set": 4}
+
+
+def test_occupancy_reads_the_last_steps_requests_and_the_tokens_decoded_so_far() -> None:
+    metrics = ServerMetrics("m")
+    metrics.observe_step(0.01, num_tokens=5, batch_size=4)
+    metrics.set_state(EngineLoad(4, 2, 5, 10))
+    metrics.observe_step(0.01, num_tokens=3, batch_size=4)
+    assert metrics.occupancy() == (4, 2, 8, 2)
+
+
+def test_continuations_computed_and_never_applied_are_exported() -> None:
+    metrics = ServerMetrics("m")
+    metrics.set_state(EngineLoad.total([EngineLoad(1, 0, 2, 8, dropped_continuations=2),
+                                        EngineLoad(1, 0, 2, 8, dropped_continuations=3)]))
+    assert _value(metrics.render(), "diffulex_dropped_continuations_total") == 5

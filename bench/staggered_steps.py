@@ -1,0 +1,102 @@
+"""Where an engine's steps go when its requests start at different times, against the same requests started together
+(GPU; the serving sweep's model and request mix, no server).
+
+    PYTHONPATH=. python bench/staggered_steps.py [--slots 64 128] [--model sdar-1.7b] [--json FILE]
+
+Why: the serving sweep (`diffulex.bench.sweep_serving`) finds the server's steps at a full batch slower than the
+offline engine's at the same batch and tokens per step. This separates the engine from the server: one engine per
+slot count (``max_num_reqs``) runs the sweep's requests twice, all queued at once (offline: the first batch starts
+together and finishes in waves), then staggered (the first ``slots`` requests added one per step, the rest queued
+behind them: every finish frees a slot at its own step, as under open-loop arrivals). For the steps while every
+slot is taken and a request waits, it prints the mean step time (the wall time of `step()`) and the tokens per step,
+by kind: continued on the device, or launched by the host, by reason
+(`diffulex.engine.continuation.ContinuationRefusal`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from diffulex import Diffulex, SamplingParams
+from diffulex.bench.sweep_models import write_model
+from diffulex.bench.sweep_serving import _shape, request_mix
+
+
+def run(engine, specs, slots: int, staggered: bool) -> dict:
+    """One pass over `specs`: each step's wall time, kind and tokens while the batch is held."""
+    params = [SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+              for s in specs]
+    pending = collections.deque(zip([s.prompt for s in specs], params, strict=True))
+    if not staggered:
+        while pending:
+            engine.add_request(*pending.popleft())
+    by_kind: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+    before = engine.load()
+    while pending or not engine.is_finished():
+        if pending:
+            engine.add_request(*pending.popleft())
+            if engine.load().running + engine.load().waiting >= slots:  # the rest queue behind the first batch
+                while pending:
+                    engine.add_request(*pending.popleft())
+        t0 = time.perf_counter()
+        updates = engine.step()
+        ms = 1e3 * (time.perf_counter() - t0)
+        after = engine.load()
+        tokens = sum(u.record.num_new_tokens for u in updates if u.record is not None)
+        if after.continued_steps > before.continued_steps:
+            kind = "continued"
+        else:
+            grown = [r for r, n in after.refused_continuations.items() if n > before.refused_continuations.get(r, 0)]
+            kind = grown[0] if grown else "other"
+        if after.running >= slots and after.waiting > 0:
+            by_kind[kind].append((ms, tokens))
+        before = after
+    steps = [s for rows in by_kind.values() for s in rows]
+    return {
+        "staggered": staggered, "steps_holding_the_batch": len(steps),
+        "ms_per_step": statistics.fmean(ms for ms, _ in steps) if steps else None,
+        "tokens_per_step": statistics.fmean(t for _, t in steps) if steps else None,
+        "by_kind": {kind: {"steps": len(rows), "ms_mean": statistics.fmean(ms for ms, _ in rows),
+                           "ms_p50": statistics.median(ms for ms, _ in rows)}
+                    for kind, rows in sorted(by_kind.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--model", default="sdar-1.7b")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    shape = _shape(quick=True) if args.model.startswith("tiny") else _shape(quick=False)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_model(args.model, Path(tmp) / args.model)
+        load_format = "safetensors" if any(folder.glob("*.safetensors")) else "dummy"
+        for slots in args.slots:
+            engine = Diffulex(str(folder), max_num_reqs=slots, max_model_len=shape.max_model_len,
+                              load_format=load_format, seed=0)
+            try:
+                run(engine, request_mix(shape, slots, seed=10_000 + slots), slots, staggered=False)  # warm-up
+                for staggered in (False, True):
+                    row = {"slots": slots, **run(engine, request_mix(shape, 2 * slots, seed=slots), slots, staggered)}
+                    results.append(row)
+                    kinds = ", ".join(f"{k} {v['steps']} x {v['ms_mean']:.2f} ms" for k, v in row["by_kind"].items())
+                    print(f"{slots} slots, {'staggered' if staggered else 'together'}: holding the batch "
+                          f"{row['steps_holding_the_batch']} steps, {row['ms_per_step']:.2f} ms and "
+                          f"{row['tokens_per_step']:.1f} tokens each; {kinds}", flush=True)
+            finally:
+                engine.exit()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
