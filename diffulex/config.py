@@ -410,11 +410,11 @@ class Config:
         "critical path. Tokens are the same either way.",
     )
     admission_delay_steps: int = _field(
-        0,
+        4,
         "With steps continued on the GPU (async_scheduling), the most steps a request that could be admitted waits "
         "so that the requests finishing meanwhile are admitted with it: each admission is a step the host plans "
         "while the GPU waits, and under a steady stream of arrivals into a large batch one request finishes at "
-        "almost every step. 0 admits at the next step (>= 0).",
+        "almost every step. 0 admits at the next step; an idle engine admits at once (>= 0).",
     )
     auto_max_nfe_warmup_steps: int = _field(8, "Warmup term of the automatic max_nfe cap (> 0).")
     auto_max_nfe_tpf_floor: float = _field(1.0, "Tokens-per-forward floor of the automatic max_nfe (> 0).")

@@ -477,7 +477,7 @@ def test_requests_that_could_be_admitted_wait_up_to_admission_delay_steps_to_be_
         prompts = random_prompts(llm, [9, 11, 7], seed=5)
     args = (peaky_sdar_dir, prompts, [0, 3, 4], [40, 12, 12])
     expected, _ = _staggered(*args, async_scheduling=False)
-    at_once, load_at_once = _staggered(*args, async_scheduling=True)
+    at_once, load_at_once = _staggered(*args, async_scheduling=True, admission_delay_steps=0)
     delayed, load_delayed = _staggered(*args, async_scheduling=True, admission_delay_steps=2)
     assert at_once == delayed == expected
     assert load_at_once.refused_continuations["admission"] == 2

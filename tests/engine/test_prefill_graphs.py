@@ -136,7 +136,8 @@ def test_each_prefill_bucket_also_holds_a_running_set() -> None:
 def test_requests_arriving_while_others_decode_replay_prefill_graphs_with_the_eager_tokens(
     peaky_sdar_dir: Path, shifted: bool
 ) -> None:
-    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8)
+    # each prompt admitted at the step after its arrival, beside the decoders (not grouped with later arrivals)
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, admission_delay_steps=0)
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     lengths = [9, 14, 21, 6, 17, 30, 12]
@@ -171,7 +172,8 @@ def test_prompts_arriving_beside_decoders_ride_with_them_in_one_chunk_graph_forw
 ) -> None:
     """With the chunk graphs, a step whose new prompt fits them runs whole in one forward (every weight read once),
     with the eager engine's tokens; no prefill graph is replayed for those prompts."""
-    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8)
+    # each prompt admitted at the step after its arrival, beside the decoders (not grouped with later arrivals)
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, admission_delay_steps=0)
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     lengths = [9, 14, 21, 6, 17, 30, 12]
@@ -365,7 +367,7 @@ def test_d2f_whose_prompt_rows_see_the_whole_prompt_keeps_its_prompts_eager(tmp_
     from diffulex.testing.checkpoints import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "dream", family="dream", seed=2, init_std=1.0)
-    fields = dict(decoding_strategy="d2f", buffer_size=2, accept_threshold=0.7)
+    fields = dict(decoding_strategy="d2f", buffer_size=2, accept_threshold=0.7, admission_delay_steps=0)
     with make_engine(model, **fields) as eager:
         prompts = random_prompts(eager, [4, 9, 13], seed=7)
         expected = serve_arrivals(eager, prompts, GREEDY, gap=2)
