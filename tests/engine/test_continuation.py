@@ -89,18 +89,24 @@ def test_a_running_set_that_reaches_its_answers_end_drains_on_the_device(sdar_di
     sampled nor stored), so the drain is continued like any other step, with the tokens of one step in flight
     (answers ending inside a block and at its end). Only the prompts' step is followed by one of the host's: it
     computed the short prompts with their blocks in one chunk graph."""
-    fields = dict(buffer_size=buffer_size, page_size=16)
-    with make_engine(sdar_dir, **fields) as llm:
-        prompts = random_prompts(llm, [5, 9, 12], seed=17)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 24, 30)]
-    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
-    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
+    load = _greedy_answers_continued(sdar_dir, [5, 9, 12], [21, 24, 30], buffer_size=buffer_size, page_size=16)
+    assert dict(load.refused_continuations) == {"prefill_in_step": 1} and load.dropped_continuations == 0
+    assert load.continued_steps == load.steps - 2
+
+
+def _greedy_answers_continued(model: Path, prompt_lengths: list[int], max_tokens: list[int], **fields):
+    """Greedy answers of the given lengths (``ignore_eos``) to random prompts, with continuations on graphs' static
+    buffers, checked against one step in flight; the continued engine's load."""
+    with make_engine(model, **fields) as llm:
+        prompts = random_prompts(llm, prompt_lengths, seed=17)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    expected, _ = _generate(model, prompts, params, False, **fields)
+    with make_engine(model, async_scheduling=True, **fields) as llm:
         with_static_decode(llm)
         got = _answers(llm.generate(prompts, params, use_tqdm=False))
-        load, dropped = llm.load(), llm.num_dropped_continuations
+        load = llm.load()
     assert got == expected
-    assert dict(load.refused_continuations) == {"prefill_in_step": 1} and dropped == 0
-    assert load.continued_steps == load.steps - 2
+    return load
 
 
 def test_a_family_that_forces_in_every_block_forces_in_the_blocks_the_device_opens(tmp_path: Path) -> None:
@@ -491,15 +497,6 @@ def test_answers_that_neither_start_nor_end_on_a_block_boundary_are_continued_to
     no candidates), so the device moves it on through the drain to the answer's end; the tokens are those of one
     step in flight. The one step the host launches is where the longest answer's chain of continuations reached past
     the pages lent at its start (one page past the running set's next block)."""
-    fields = dict(buffer_size=4, page_size=16)
-    with make_engine(sdar_dir, **fields) as llm:
-        prompts = random_prompts(llm, [41, 83, 6], seed=17)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 61, 21)]
-    expected, _ = _generate(sdar_dir, prompts, params, False, **fields)
-    with make_engine(sdar_dir, async_scheduling=True, **fields) as llm:
-        with_static_decode(llm)
-        got = _answers(llm.generate(prompts, params, use_tqdm=False))
-        load = llm.load()
-    assert got == expected
+    load = _greedy_answers_continued(sdar_dir, [41, 83, 6], [30, 61, 21], buffer_size=4, page_size=16)
     assert dict(load.refused_continuations) == {"host_opens_block": 1}
     assert load.continued_steps == load.steps - 2
