@@ -124,7 +124,7 @@ def saturated_rate(samples: Sequence[Occupancy], concurrency: int) -> dict[str, 
 
 
 class OccupancySampler:
-    """Reads a server's `diffulex.server.metrics.Metrics.occupancy` every `OCCUPANCY_INTERVAL_S` in a thread of
+    """Reads a server's `diffulex.server.metrics.ServerMetrics.occupancy` every `OCCUPANCY_INTERVAL_S` in a thread of
     its own while the block runs; `samples` then holds what it read."""
 
     def __init__(self, metrics: Any) -> None:
