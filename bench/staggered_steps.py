@@ -25,7 +25,7 @@ from pathlib import Path
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.bench.sweep_models import write_model
-from diffulex.bench.sweep_serving import _shape, request_mix
+from diffulex.bench.sweep_serving import request_mix, serving_shape
 
 
 def run(engine, specs, slots: int, staggered: bool) -> dict:
@@ -41,7 +41,8 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
     while pending or not engine.is_finished():
         if pending:
             engine.add_request(*pending.popleft())
-            if engine.load().running + engine.load().waiting >= slots:  # the rest queue behind the first batch
+            queued = engine.load()
+            if queued.running + queued.waiting >= slots:  # the rest queue behind the first batch
                 while pending:
                     engine.add_request(*pending.popleft())
         t0 = time.perf_counter()
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--model", default="sdar-1.7b")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    shape = _shape(quick=True) if args.model.startswith("tiny") else _shape(quick=False)
+    shape = serving_shape(quick=args.model.startswith("tiny"))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_model(args.model, Path(tmp) / args.model)

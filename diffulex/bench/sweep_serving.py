@@ -59,7 +59,8 @@ class ServingShape:
     max_model_len: int
 
 
-def _shape(quick: bool) -> ServingShape:
+def serving_shape(quick: bool) -> ServingShape:
+    """The serving target's model, concurrencies and request lengths: tiny ones on the CPU (``--quick``)."""
     if quick:
         return ServingShape("tiny-sdar", [2, 4], [4, 8], [4, 8, 16], max_model_len=256)
     return ServingShape("sdar-1.7b", [16, 64, 128], [32, 64, 128, 256], [32, 64, 128, 256], max_model_len=1024)
@@ -245,7 +246,7 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
 
 
 def run_serving(ctx: SweepContext) -> list[dict[str, Any]]:
-    shape = _shape(ctx.quick)
+    shape = serving_shape(ctx.quick)
     rows = []
     for concurrency in shape.concurrencies:
         if ctx.budget.spent:
