@@ -25,6 +25,7 @@ from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import BlockGates, BlockOpening, advance_inputs
 from diffulex.engine.cuda_graph import DecodeGraphs, GraphShape, SampledRows, graph_requests
 from diffulex.engine.prefill_graphs import (
+    MIN_DECODERS_PER_SPLIT_PROMPT,
     PrefillGraphs,
     chunk_graph_shape,
     has_straggling_context,
@@ -353,23 +354,28 @@ class ModelRunner:
         return pending
 
     def _plan(self, batch: list[Request]) -> _StepPlan:
-        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward), on
+        """How the batch runs: whole on the chunk graphs where it carries prompt rows they hold (one forward) and
+        splitting them off would not let the next step be continued (`_split_lets_successor_continue`), on
         the straggler graphs where one context stands out (`has_straggling_context`: their attention splits it);
         else its prefill replays (`collect_split`), then its step on the decode graphs, or (without prefills and a
         bucket) through the eager forward."""
         chunk, straggler = self.chunk_graphs, self.straggler_graphs
         ranges = [req.query_range() for req in batch] if chunk is not None or straggler is not None else []
         whole = None  # the batch collected as one step, once a plan needs it
-        if chunk is not None and _carries_prompt(batch, ranges) and all(
-            end - start <= chunk.shape.max_query_len for start, end in ranges
+        if (
+            chunk is not None
+            and _carries_prompt(batch, ranges)
+            and not self._split_lets_successor_continue(batch)
+            and all(end - start <= chunk.shape.max_query_len for start, end in ranges)
         ):
             whole = self.collect(batch)
             bucket = chunk.bucket_for(whole)
             if bucket is not None:  # the prompt's rows ride with the decoders': every weight read once
                 return _StepPlan([], whole, chunk, bucket)
-        if straggler is not None and has_straggling_context([end for _, end in ranges]):
+        straggles = straggler is not None and has_straggling_context([end for _, end in ranges])
+        if straggles:
             whole = whole if whole is not None else self.collect(batch)
-            bucket = None if whole.has_cached_tail and not straggler.shape.key_tails else straggler.bucket_for(whole)
+            bucket = self._straggler_bucket(whole)
             if bucket is not None:
                 return _StepPlan([], whole, straggler, bucket)
         split = self.collect_split(batch) if self.graphs is not None else None
@@ -381,11 +387,37 @@ class ModelRunner:
                     return lone
             if split.prefills and not split.rest.num_requests:
                 return _StepPlan(split.prefills, split.rest, None, None)
-            graphs, bucket = self._graphs_for(split.rest)
+            # the rest of a step whose prompts split off: the decoders' step, on the straggler graphs where theirs is
+            bucket = self._straggler_bucket(split.rest) if straggles and split.prefills else None
+            graphs, bucket = (straggler, bucket) if bucket is not None else self._graphs_for(split.rest)
             if bucket is not None or not split.prefills:  # without prefills the rest is the whole step
                 return _StepPlan(split.prefills, split.rest, graphs, bucket)
         step = whole if whole is not None else self.collect(batch)
         return _StepPlan([], step, *self._graphs_for(step))
+
+    def _straggler_bucket(self, step: StepInputs) -> int | None:
+        """The straggler graphs' bucket for ``step``, or None (it does not fit; keys past its rows where they stage no
+        key ends)."""
+        straggler = self.straggler_graphs
+        return None if step.has_cached_tail and not straggler.shape.key_tails else straggler.bucket_for(step)
+
+    def _split_lets_successor_continue(self, batch: list[Request]) -> bool:
+        """Whether the step after this one could be continued on the device if this one's prompt rows ran in prefill
+        graphs of their own, which the chunk graphs would take whole: each prompt ends in this step (no chunk of a
+        longer one follows) and every request samples greedily on graphs that continue. Ridden whole in a chunk graph,
+        a prompt's rows are in the layout the device would replay, so its successor computes other rows and is the
+        host's step (`diffulex.engine.continuation.ContinuationRefusal.PREFILL_IN_STEP`); split, each prompt reads
+        the weights once more (about 0.8 ms at SDAR-1.7B on an H200) and the decode graph's successor is continued,
+        where a step the host launches costs 1-10 ms of GPU idle at 16-128 requests (docs/benchmarks.md, "Online
+        serving while the batch is held"): where the decoding requests number `MIN_DECODERS_PER_SPLIT_PROMPT` per
+        prompt or more."""
+        graphs = self.graphs
+        if graphs is None or graphs.advance is None or self.prefill_graphs is None:
+            return False
+        if not all(req.prefill_chunk_end is None and req.sampling_params.greedy for req in batch):
+            return False
+        prompts = sum(_has_prompt_prefix(req, req.query_range()[0]) for req in batch)
+        return len(batch) - prompts >= MIN_DECODERS_PER_SPLIT_PROMPT * prompts
 
     def _lone_prompt_plan(self, whole: StepInputs) -> _StepPlan | None:
         """A request alone (``whole``: its step unsplit), its store-only prompt rows and the rows it samples from in

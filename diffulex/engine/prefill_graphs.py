@@ -26,9 +26,12 @@ for the whole step eagerly).
 A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_prefill_chunk_cost`) would make its
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
 buckets whose requests may each have up to `CHUNK_GRAPH_ROWS` rows, and whose attention splits every long context
-(the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU. The straggler graphs
-(`straggler_graph_shape`) split long contexts the same way in the decode graphs' shape, for decode steps among
-which one context stands out.
+(the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU. Not a prompt that ends
+in its step when the step after it could be continued on the device (`ModelRunner._split_lets_successor_continue`):
+ridden whole, the prompt's rows would be in the layout a continuation replays, so the host would launch that step
+itself, and at 64-128 decoders such a step costs the GPU far more idle time than the prompt's extra weight read.
+The straggler graphs (`straggler_graph_shape`) split long contexts the same way in the decode graphs' shape, for
+decode steps among which one context stands out.
 
 A prefix longer than the largest bucket runs eagerly with the rest of its step: at that size the forward is
 bound by its matmuls, not by the launches a graph saves, and a lone long prompt keeps the larger matmuls of one
@@ -72,6 +75,12 @@ CHUNK_MIN_SPLIT_KEYS = 1024
 # contexts fill the grid evenly and stay on the decode graphs.
 CHUNK_CONTEXT_MIN_KEYS = 2 * CHUNK_MIN_SPLIT_KEYS
 CHUNK_CONTEXT_IMBALANCE = 4
+# A step whose prompts end in it and fit the chunk graphs splits them off into prefill graphs instead, so that the
+# step after it is continued on the device (`ModelRunner._split_lets_successor_continue`), where its decoding requests
+# number at least this many per prompt: each prompt split off reads every weight once more (about 0.8 ms at SDAR-1.7B
+# on an H200), and a step the host launches leaves the GPU idle for about 0.08 ms per request there (5 ms at 64
+# requests, 10 at 128: docs/benchmarks.md, "Online serving while the batch is held").
+MIN_DECODERS_PER_SPLIT_PROMPT = 10
 # The most prompt rows a step computes beside decoding requests, whatever the largest prefill bucket: each such step
 # makes the decoders wait for the chunk's forward (512, the largest bucket before lone prompts took larger ones; a
 # cost budget, `max_prefill_chunk_cost`, bounds the wait more tightly).

@@ -16,6 +16,7 @@ import torch
 
 from diffulex import SamplingParams
 from diffulex.engine.continuation import ContinuationRefusal
+from diffulex.engine.prefill_graphs import MIN_DECODERS_PER_SPLIT_PROMPT
 from diffulex.strategy.multi_bd import MultiBD
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 from tests.engine.test_cuda_graph import every_bucket, with_static_decode
@@ -500,3 +501,22 @@ def test_answers_that_neither_start_nor_end_on_a_block_boundary_are_continued_to
     load = _greedy_answers_continued(sdar_dir, [41, 83, 6], [30, 61, 21], buffer_size=4, page_size=16)
     assert dict(load.refused_continuations) == {"host_opens_block": 1}
     assert load.continued_steps == load.steps - 2
+
+
+@pytest.mark.parametrize("decoders", [2, MIN_DECODERS_PER_SPLIT_PROMPT])
+def test_a_short_prompt_beside_many_decoders_runs_apart_so_the_step_after_its_admission_is_continued(
+        peaky_sdar_dir: Path, decoders: int) -> None:
+    """A 9-token prompt and its first block fit a chunk graph beside the decoders, one forward for the step; but then
+    the prompt's rows are in the layout a continuation would replay, and the step after the admission is the host's
+    (`prefill_in_step`). Beside `MIN_DECODERS_PER_SPLIT_PROMPT` decoders or more, whose idle GPU during a host's step
+    costs more than the prompt's own forward, the prompt replays a prefill graph of its own and that step is
+    continued. The tokens are those of one step in flight either way. (The decoders' own prompts, in the first step,
+    have no decoder beside them: they ride whole, and the step after them is the host's.)"""
+    with make_engine(peaky_sdar_dir) as llm:
+        prompts = random_prompts(llm, [6] * decoders + [9], seed=31)
+    args = (peaky_sdar_dir, prompts, [0] * decoders + [4], [40] * decoders + [12])
+    expected, _ = _staggered(*args, async_scheduling=False, max_num_reqs=16)
+    got, load = _staggered(*args, async_scheduling=True, max_num_reqs=16)
+    assert got == expected and load.dropped_continuations == 0
+    split = decoders >= MIN_DECODERS_PER_SPLIT_PROMPT
+    assert load.refused_continuations[ContinuationRefusal.PREFILL_IN_STEP] == (1 if split else 2)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diffulex import SamplingParams
-from diffulex.engine.prefill_graphs import prefill_buckets
+from diffulex.engine.prefill_graphs import MIN_DECODERS_PER_SPLIT_PROMPT, prefill_buckets
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.testing.arrivals import serve_arrivals
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts, shifted_sdar_family
@@ -170,10 +170,10 @@ def test_a_long_prompt_chunked_beside_eight_decoders_stays_on_the_graph_path(pea
 def test_prompts_arriving_beside_decoders_ride_with_them_in_one_chunk_graph_forward(
     peaky_sdar_dir: Path, shifted: bool
 ) -> None:
-    """With the chunk graphs, a step whose new prompt fits them runs whole in one forward (every weight read once),
-    with the eager engine's tokens; no prefill graph is replayed for those prompts."""
+    """With the chunk graphs and no continued steps, a step whose new prompt fits them runs whole in one forward
+    (every weight read once), with the eager engine's tokens; no prefill graph is replayed for those prompts."""
     # each prompt admitted at the step after its arrival, beside the decoders (not grouped with later arrivals)
-    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, admission_delay_steps=0)
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, admission_delay_steps=0, async_scheduling=False)
     if shifted:
         fields["model_name"] = shifted_sdar_family().name
     lengths = [9, 14, 21, 6, 17, 30, 12]
@@ -232,6 +232,29 @@ def test_decoders_beside_a_long_context_ride_in_the_straggler_graphs_with_the_ea
     decodes = run.replays.straggler_steps
     assert len(decodes) >= 3, "decode steps with the long context among the decoders, in the straggler graphs"
     assert all(step.num_tokens <= decode_rows * step.num_requests for step in decodes), "decode steps only"
+
+
+def test_a_prompt_split_off_beside_a_long_context_leaves_the_decoders_step_on_the_straggler_graphs(
+    peaky_sdar_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prompt arriving beside enough decoders to run apart (`MIN_DECODERS_PER_SPLIT_PROMPT`) replays a
+    prefill graph of its own; the rest of its step, the decoders among which one context stands out, replays the
+    straggler graphs, as their decode steps do, with the eager engine's tokens."""
+    import diffulex.engine.prefill_graphs as prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "CHUNK_CONTEXT_MIN_KEYS", 64)
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=16, max_model_len=320)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    lengths = [200, 6, 3, 9, 5, 7, 2, 10, 4, 6, 8, 5, 7]
+    run = eager_then_graphed(peaky_sdar_dir, fields, lambda llm: random_prompts(llm, lengths, seed=43), params, 1,
+                             chunk_graphs=True)  # fmt: skip
+    assert run.got == run.expected
+    assert run.eager_steps == 0
+    assert len(lengths) > MIN_DECODERS_PER_SPLIT_PROMPT + 1, "the last prompts arrive beside enough decoders"
+    events = run.replays.events
+    kinds_after_a_prompt = [after for (kind, _, _), (after, _, _) in zip(events, events[1:], strict=False)
+                            if kind == "prefill"]  # fmt: skip
+    assert "straggler" in kinds_after_a_prompt, "a split step's rest on the straggler graphs"
 
 
 def test_decode_steps_on_the_straggler_graphs_are_continued_on_them_with_the_eager_tokens(
