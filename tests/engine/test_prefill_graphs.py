@@ -404,7 +404,9 @@ def test_d2f_whose_prompt_rows_see_the_whole_prompt_keeps_its_prompts_eager(tmp_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
 def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Path) -> None:
-    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, dtype="float32", device_start=0)
+    # each prompt admitted at the step after its arrival (not grouped with later arrivals): one replay per prompt
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, dtype="float32", device_start=0,
+                  admission_delay_steps=0)  # fmt: skip
     lengths = [9, 14, 21, 6, 17, 30, 12, 90]  # the longest is wider than the chunk graphs
     with make_engine(peaky_sdar_dir, enforce_eager=True, **fields) as eager:
         prompts = random_prompts(eager, lengths, seed=41)
