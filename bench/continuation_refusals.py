@@ -2,16 +2,17 @@
 mix of prompt and answer lengths with requests arriving into freed slots (CPU; no GPU needed).
 
     PYTHONPATH=. python bench/continuation_refusals.py [--slots 16 64] [--buffer-size 4] [--arrival-delay 1]
-        [--json FILE]
+        [--requests-per-slot 2] [--json FILE]
 
 Why: a continuation (`diffulex.engine.continuation`) must suit every request of the batch, and online each request
 arrives at its own time, so at many steps some request is at a point the device cannot handle; each such step is
 planned by the host after the result, its host work no longer overlapping the GPU's. This replays that on a tiny
-random SDAR checkpoint whose decode steps run the graphs' static buffers eagerly (the GPU's step path, continuations
-included, with pages lent as a GPU engine lends them): ``--slots`` request slots (``max_num_reqs``), twice as many
-requests, prompts of 41 / 83 / 157 / 322 tokens (the sweep's prompts are words: their blocks rarely align with the
-prompt's end, nor the answer's end with a block's) and answers of 32 / 64 / 128 / 256 (drawn, seeded; ``ignore_eos``),
-the first ``--slots`` arriving one per step, each later one ``--arrival-delay`` steps after a request finishes.
+random SDAR checkpoint with the real Qwen tokenizer, whose decode steps run the graphs' static buffers eagerly (the
+GPU's step path, continuations included, with pages lent as a GPU engine lends them): ``--slots`` request slots
+(``max_num_reqs``) and the serving sweep's own requests for that many streams (`diffulex.bench.sweep_serving.
+request_mix`: prompts of 32 to 256 words, whose token counts end anywhere in a block, some on its boundary, and
+shared prefixes the prefix cache finds; answers of 32 to 256 tokens, ``ignore_eos``), ``--requests-per-slot`` of
+them, the first ``--slots`` arriving one per step, each later one ``--arrival-delay`` steps after a request finishes.
 Prints per slot count the steps applied, how many were continued, and the others by reason
 (`diffulex.engine.continuation.ContinuationRefusal`, as `/metrics` exports them). The tokens are not compared here:
 the engine's tests hold continued steps to the tokens of one step in flight.
@@ -22,35 +23,29 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import random
 import tempfile
 from pathlib import Path
 
 import torch
 
 from diffulex import Diffulex, SamplingParams
+from diffulex.bench.sweep_serving import request_mix, serving_shape
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
-PROMPT_TOKENS = (41, 83, 157, 322)
-ANSWER_TOKENS = (32, 64, 128, 256)
 
-
-def replay(model_dir: Path, slots: int, buffer_size: int, arrival_delay: int, seed: int = 0) -> dict:
+def replay(model_dir: Path, slots: int, buffer_size: int, arrival_delay: int, requests_per_slot: int) -> dict:
     """One run: the engine's steps, continued steps and refusals by reason."""
+    shape = serving_shape(quick=False)
     llm = Diffulex(str(model_dir), block_size=4, page_size=32, buffer_size=buffer_size, max_num_reqs=slots,
-                   max_model_len=max(PROMPT_TOKENS) + max(ANSWER_TOKENS) + 64, max_num_batched_tokens=4096,
+                   max_model_len=shape.max_model_len, max_num_batched_tokens=4096,
                    accept_threshold=0.99)  # fmt: skip
     try:
         llm.enable_static_decode(capture=False)
         llm.scheduler.limits.reserve_running_pages = True  # as an engine on a GPU lends them
-        draw = random.Random(seed)
-        banned = set(llm.settings.stop_token_ids) | {llm.mask_token_id}
-        allowed = [t for t in range(llm.vocab_limit) if t not in banned]
         requests = collections.deque(
-            ([draw.choice(allowed) for _ in range(draw.choice(PROMPT_TOKENS))],
-             SamplingParams(temperature=0.0, max_tokens=draw.choice(ANSWER_TOKENS), ignore_eos=True))
-            for _ in range(2 * slots)
-        )  # fmt: skip
+            (spec.prompt, SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True))
+            for spec in request_mix(shape, requests_per_slot * slots, seed=slots)
+        )
         arrivals = list(range(slots))  # the steps at which the next requests arrive
         step = live = 0
         while requests or live:
@@ -66,7 +61,8 @@ def replay(model_dir: Path, slots: int, buffer_size: int, arrival_delay: int, se
         load = llm.load()
     finally:
         llm.exit()
-    return {"slots": slots, "buffer_size": buffer_size, "arrival_delay": arrival_delay, "steps": load.steps,
+    return {"slots": slots, "buffer_size": buffer_size, "arrival_delay": arrival_delay,
+            "requests": requests_per_slot * slots, "steps": load.steps,
             "continued_steps": load.continued_steps, "refused": dict(sorted(load.refused_continuations.items()))}
 
 
@@ -75,12 +71,13 @@ def main() -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--buffer-size", type=int, default=4, help="the engine field (4: the serving sweep's default)")
     parser.add_argument("--arrival-delay", type=int, default=1, help="steps from a finish to the next arrival")
+    parser.add_argument("--requests-per-slot", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", family="sdar", seed=2)
-        rows = [replay(model_dir, n, args.buffer_size, args.arrival_delay) for n in args.slots]
+        model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", family="sdar", seed=2, real_tokenizer=True)
+        rows = [replay(model_dir, n, args.buffer_size, args.arrival_delay, args.requests_per_slot) for n in args.slots]
     for row in rows:
         refused = ", ".join(f"{reason} {n}" for reason, n in row["refused"].items()) or "none"
         print(f"{row['slots']:>4} slots: {row['continued_steps']} of {row['steps']} steps continued; the host's: "
