@@ -365,7 +365,7 @@ class ModelRunner:
         if (
             chunk is not None
             and _carries_prompt(batch, ranges)
-            and not self._split_lets_successor_continue(batch)
+            and not self._split_lets_successor_continue(batch, ranges)
             and all(end - start <= chunk.shape.max_query_len for start, end in ranges)
         ):
             whole = self.collect(batch)
@@ -401,22 +401,22 @@ class ModelRunner:
         straggler = self.straggler_graphs
         return None if step.has_cached_tail and not straggler.shape.key_tails else straggler.bucket_for(step)
 
-    def _split_lets_successor_continue(self, batch: list[Request]) -> bool:
+    def _split_lets_successor_continue(self, batch: list[Request], ranges: list[tuple[int, int]]) -> bool:
         """Whether the step after this one could be continued on the device if this one's prompt rows ran in prefill
         graphs of their own, which the chunk graphs would take whole: each prompt ends in this step (no chunk of a
         longer one follows) and every request samples greedily on graphs that continue. Ridden whole in a chunk graph,
         a prompt's rows are in the layout the device would replay, so its successor computes other rows and is the
         host's step (`diffulex.engine.continuation.ContinuationRefusal.PREFILL_IN_STEP`); split, each prompt reads
         the weights once more (about 0.8 ms at SDAR-1.7B on an H200) and the decode graph's successor is continued,
-        where a step the host launches costs 1-10 ms of GPU idle at 16-128 requests (docs/benchmarks.md, "Online
-        serving while the batch is held"): where the decoding requests number `MIN_DECODERS_PER_SPLIT_PROMPT` per
-        prompt or more."""
+        where a step the host launches costs 1-10 ms of GPU idle at 16-128 requests: where the decoding requests
+        number `MIN_DECODERS_PER_SPLIT_PROMPT` per prompt or more (docs/benchmarks.md, "Online serving with prompts
+        apart from the decoders")."""
         graphs = self.graphs
         if graphs is None or graphs.advance is None or self.prefill_graphs is None:
             return False
         if not all(req.prefill_chunk_end is None and req.sampling_params.greedy for req in batch):
             return False
-        prompts = sum(_has_prompt_prefix(req, req.query_range()[0]) for req in batch)
+        prompts = sum(_has_prompt_prefix(req, start) for req, (start, _) in zip(batch, ranges, strict=True))
         return len(batch) - prompts >= MIN_DECODERS_PER_SPLIT_PROMPT * prompts
 
     def _lone_prompt_plan(self, whole: StepInputs) -> _StepPlan | None:
