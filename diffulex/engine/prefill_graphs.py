@@ -27,9 +27,10 @@ A short prefix beside decoders (a chunk of a long prompt sized by cost, `max_pre
 step two forwards, each reading every weight. The chunk graphs (`chunk_graph_shape`) take such a step whole: decode
 buckets whose requests may each have up to `CHUNK_GRAPH_ROWS` rows, and whose attention splits every long context
 (the chunk's) while the decoders' short ones stay whole, although their grid fills the GPU. Not a prompt that ends
-in its step when the step after it could be continued on the device (`ModelRunner._split_lets_successor_continue`):
-ridden whole, the prompt's rows would be in the layout a continuation replays, so the host would launch that step
-itself, and at 64-128 decoders such a step costs the GPU far more idle time than the prompt's extra weight read.
+in its step beside `MIN_DECODERS_PER_SPLIT_PROMPT` decoders or more when the step after it could be continued on the
+device (`ModelRunner._split_lets_successor_continue`): ridden whole, the prompt's rows would be in the layout a
+continuation replays, so the host would launch that step itself, and at 64-128 decoders such a step costs the GPU
+far more idle time than the prompt's extra weight read.
 The straggler graphs (`straggler_graph_shape`) split long contexts the same way in the decode graphs' shape, for
 decode steps among which one context stands out.
 
