@@ -5,12 +5,16 @@
 
 Why: the serving sweep (`diffulex.bench.sweep_serving`) finds the server's steps at a full batch slower than the
 offline engine's at the same batch and tokens per step. This separates the engine from the server: one engine per
-slot count (``max_num_reqs``) runs the sweep's requests twice, all queued at once (offline: the first batch starts
+slot count (``max_num_reqs``) runs the sweep's requests (as many a slot as the sweep sends,
+`diffulex.bench.sweep_serving.REQUESTS_PER_SLOT`) twice, all queued at once (offline: the first batch starts
 together and finishes in waves), then staggered (the first ``slots`` requests added one per step, the rest queued
 behind them: every finish frees a slot at its own step, as under open-loop arrivals). For the steps while every
 slot is taken and a request waits, it prints the mean step time (the wall time of `step()`) and the tokens per step,
-by kind: continued on the device, or launched by the host, by reason
-(`diffulex.engine.continuation.ContinuationRefusal`).
+by the kind of the step each call applied: continued on the device, or launched by the host, by reason
+(`diffulex.engine.continuation.ContinuationRefusal`, counted by the call before, which launched it). A call's wall
+time is the wait for the step it applies and the host's work after it, which includes planning the next step where
+the host launches that one: a continued step followed by a step of the host's is dearer than one followed by
+another continuation.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 from diffulex import Diffulex, SamplingParams
 from diffulex.bench.sweep_models import write_model
-from diffulex.bench.sweep_serving import request_mix, serving_shape
+from diffulex.bench.sweep_serving import REQUESTS_PER_SLOT, request_mix, serving_shape
 
 
 def run(engine, specs, slots: int, staggered: bool) -> dict:
@@ -38,6 +42,7 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
             engine.add_request(*pending.popleft())
     by_kind: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
     before = engine.load()
+    launched_as = "other"  # why the step the next call applies was launched by the host (counted by this call)
     while pending or not engine.is_finished():
         if pending:
             engine.add_request(*pending.popleft())
@@ -50,11 +55,11 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
         ms = 1e3 * (time.perf_counter() - t0)
         after = engine.load()
         tokens = sum(u.record.num_new_tokens for u in updates if u.record is not None)
-        if after.continued_steps > before.continued_steps:
-            kind = "continued"
-        else:
-            grown = [r for r, n in after.refused_continuations.items() if n > before.refused_continuations.get(r, 0)]
-            kind = grown[0] if grown else "other"
+        # the step this call applied: a continuation, or one the host launched in the call before, for the reason
+        # counted there (a call refuses to continue the step in flight, applies it, then launches the next itself)
+        kind = "continued" if after.continued_steps > before.continued_steps else launched_as
+        grown = [r for r, n in after.refused_continuations.items() if n > before.refused_continuations.get(r, 0)]
+        launched_as = grown[0] if grown else "other"
         if after.running >= slots and after.waiting > 0:
             by_kind[kind].append((ms, tokens))
         before = after
@@ -86,7 +91,8 @@ def main() -> None:
             try:
                 run(engine, request_mix(shape, slots, seed=10_000 + slots), slots, staggered=False)  # warm-up
                 for staggered in (False, True):
-                    row = {"slots": slots, **run(engine, request_mix(shape, 2 * slots, seed=slots), slots, staggered)}
+                    specs = request_mix(shape, REQUESTS_PER_SLOT * slots, seed=slots)
+                    row = {"slots": slots, **run(engine, specs, slots, staggered)}
                     results.append(row)
                     kinds = ", ".join(f"{k} {v['steps']} x {v['ms_mean']:.2f} ms" for k, v in row["by_kind"].items())
                     print(f"{slots} slots, {'staggered' if staggered else 'together'}: holding the batch "
