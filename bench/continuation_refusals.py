@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from diffulex import Diffulex, SamplingParams
+from diffulex import Diffulex
 from diffulex.bench.sweep_serving import request_mix, serving_shape
 from diffulex.testing.checkpoints import write_tiny_checkpoint
 
@@ -43,8 +43,7 @@ def replay(model_dir: Path, slots: int, buffer_size: int, arrival_delay: int, re
         llm.enable_static_decode(capture=False)
         llm.scheduler.limits.reserve_running_pages = True  # as an engine on a GPU lends them
         requests = collections.deque(
-            (spec.prompt, SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True))
-            for spec in request_mix(shape, requests_per_slot * slots, seed=slots)
+            (spec.prompt, spec.sampling_params()) for spec in request_mix(shape, requests_per_slot * slots, seed=slots)
         )
         arrivals = list(range(slots))  # the steps at which the next requests arrive
         step = live = 0

@@ -27,16 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from diffulex import Diffulex, SamplingParams
+from diffulex import Diffulex
 from diffulex.bench.sweep_models import write_model
-from diffulex.bench.sweep_serving import REQUESTS_PER_SLOT, request_mix, serving_shape
+from diffulex.bench.sweep_serving import REQUESTS_PER_SLOT, refused_continuations, request_mix, serving_shape
 
 
 def run(engine, specs, slots: int, staggered: bool) -> dict:
     """One pass over `specs`: each step's wall time, kind and tokens while the batch is held."""
-    params = [SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
-              for s in specs]
-    pending = collections.deque(zip([s.prompt for s in specs], params, strict=True))
+    pending = collections.deque((spec.prompt, spec.sampling_params()) for spec in specs)
     if not staggered:
         while pending:
             engine.add_request(*pending.popleft())
@@ -58,8 +56,7 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
         # the step this call applied: a continuation, or one the host launched in the call before, for the reason
         # counted there (a call refuses to continue the step in flight, applies it, then launches the next itself)
         kind = "continued" if after.continued_steps > before.continued_steps else launched_as
-        grown = [r for r, n in after.refused_continuations.items() if n > before.refused_continuations.get(r, 0)]
-        launched_as = grown[0] if grown else "other"
+        launched_as = next(iter(refused_continuations(before, after)), "other")
         if after.running >= slots and after.waiting > 0:
             by_kind[kind].append((ms, tokens))
         before = after

@@ -52,6 +52,12 @@ class RequestSpec:
     temperature: float = 0.0
     ignore_eos: bool = False
 
+    def sampling_params(self) -> Any:
+        """The same request for an engine in this process (`diffulex.SamplingParams`)."""
+        from diffulex.sampling_params import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None without data."""

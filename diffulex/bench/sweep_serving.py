@@ -92,6 +92,15 @@ def refused_continuations(before: Any, after: Any) -> dict[str, int]:
     return {reason: n for reason, n in sorted(counts.items()) if n}
 
 
+def continuation_counts(run: str, before: Any, after: Any) -> dict[str, Any]:
+    """What the engine's steps between two `EngineLoad` readings were, under ``run``'s keys: how many, how many
+    continuations it dropped, the share it continued and the others by reason."""
+    return {f"{run}_steps": after.steps - before.steps,
+            f"{run}_dropped_continuations": after.dropped_continuations - before.dropped_continuations,
+            f"{run}_continued_share": continued_share(before, after),
+            f"{run}_refused_continuations": refused_continuations(before, after)}
+
+
 def _refusal_text(counts: Mapping[str, int] | None) -> str:
     return ", ".join(f"{reason} {n}" for reason, n in (counts or {}).items()) or "none"
 
@@ -155,12 +164,9 @@ class OccupancySampler:
 def offline_rate(engine: Any, specs: Sequence[Any]) -> tuple[dict[str, Any], list[Occupancy]]:
     """The engine's tokens/s and requests/s generating `specs` as one offline batch (every request queued at
     once, then steps until all are finished, as `generate` runs them), and its occupancy after each step."""
-    from diffulex.sampling_params import SamplingParams
-
     t0 = time.perf_counter()
     for spec in specs:
-        engine.add_request(spec.prompt, SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
-                                                       ignore_eos=spec.ignore_eos))
+        engine.add_request(spec.prompt, spec.sampling_params())
     steps = engine.load().steps
     samples = [Occupancy(0.0, 0, len(specs), 0, 0)]
     decoded = tokens = 0
@@ -190,10 +196,7 @@ def measure_offline(path: str, fields: dict[str, Any], shape: ServingShape, spec
         out["offline_graphed_share"] = graphed_share(paths, step_paths(engine))
         after = engine.load()
         out |= {f"offline_saturated_{k}": v for k, v in saturated_rate(samples, concurrency).items()}
-        out["offline_steps"] = after.steps - load.steps
-        out["offline_dropped_continuations"] = after.dropped_continuations - load.dropped_continuations
-        out["offline_continued_share"] = continued_share(load, after)
-        out["offline_refused_continuations"] = refused_continuations(load, after)
+        out |= continuation_counts("offline", load, after)
         return out
     finally:
         engine.exit()
@@ -227,10 +230,7 @@ def measure_concurrency(ctx: SweepContext, shape: ServingShape, concurrency: int
                                                         REQUEST_TIMEOUT_S)
             after = engine.load()
             row |= {f"online_saturated_{k}": v for k, v in saturated_rate(sampler.samples, concurrency).items()}
-            row["online_steps"] = after.steps - load.steps
-            row["online_dropped_continuations"] = after.dropped_continuations - load.dropped_continuations
-            row["online_continued_share"] = continued_share(load, after)
-            row["online_refused_continuations"] = refused_continuations(load, after)
+            row |= continuation_counts("online", load, after)
             # an engine process's step paths stay in that process
             row["online_graphed_share"] = graphed_share(paths, step_paths(engine)) if paths is not None else None
     finally:
