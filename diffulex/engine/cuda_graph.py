@@ -20,8 +20,8 @@ strategy whose requests mostly compute fewer rows than the widest one (`Strategy
 
 A step that carries a prompt (a new request's uncached prefix, a prefill chunk, a rebuild after preemption) does
 not fit as a whole: its store-only prompt rows replay the prefill graphs first (`diffulex.engine.prefill_graphs`,
-one-request sets of this class), and the rest of the step, reading that prefix from the cache, replays here.
-Anything larger runs eagerly.
+sets of this class for one request or a group of prompts), and the rest of the step, reading that prefix from the
+cache, replays here. Anything larger runs eagerly.
 
 DMax's soft inputs (token merge) are static inputs too (`diffulex.engine.static_soft_inputs`): a fixed-size record
 per row, staged and copied with the rest of the step's inputs, which the captured forward merges itself; a
@@ -63,6 +63,7 @@ staging buffers (the copy in is not part of the graph, and each step's result go
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,6 +168,9 @@ class GraphShape:
     # chunk graphs, whose one long request's context is split although the grid fills the GPU. None: the kernel's
     num_splits: int | None = None
     min_split_keys: int | None = None
+    # rows every bucket holds whatever its request count (0: its requests times `rows_per_request`): the prefill
+    # graphs' groups of prompts, one bucket each, whose rows the prompts share however long each is
+    total_rows: int = 0
 
     @property
     def rows_per_request(self) -> int:
@@ -174,15 +178,17 @@ class GraphShape:
 
     def bucket_rows(self, bucket: int) -> int:
         """Rows a bucket's buffers hold (its forward computes them all)."""
-        return bucket * self.rows_per_request
+        return self.total_rows or bucket * self.rows_per_request
 
     @property
     def max_tokens(self) -> int:
         return self.bucket_rows(self.max_requests)
 
     def max_segments(self, requests: int) -> int:
-        """Blocks that many requests may sample: each request's running set (at most its rows over a block)."""
-        return requests * -(-self.max_query_len // self.block_size)
+        """Blocks that many requests may sample: each request's running set (at most its rows over a block), and no
+        more blocks than the bucket has rows."""
+        blocks = requests * -(-self.max_query_len // self.block_size)
+        return min(blocks, self.total_rows) if self.total_rows else blocks
 
 
 @dataclass(frozen=True)
@@ -545,16 +551,16 @@ class DecodeGraphs:
     # ----- capture -------------------------------------------------------------------------------------------
 
     def _fill_capture_batch(self, bucket: int) -> None:
-        """A valid placeholder batch: every request has the bucket's rows per request, no cache, stores nothing,
+        """A valid placeholder batch: the bucket's rows shared evenly by its requests, no cache, stores nothing,
         samples every row (into blocks that are all empty)."""
-        s = self.shape
-        q = s.rows_per_request
+        total = self.shape.bucket_rows(bucket)
+        lens = [total // bucket + (i < total % bucket) for i in range(bucket)]
         step = StepInputs(
-            input_ids=[0] * (bucket * q),
-            positions=[i % q for i in range(bucket * q)],
-            slot_mapping=[-1] * (bucket * q),
-            cu_seqlens_q=[i * q for i in range(bucket + 1)],
-            query_lens=[q] * bucket,
+            input_ids=[0] * total,
+            positions=[position for n in lens for position in range(n)],
+            slot_mapping=[-1] * total,
+            cu_seqlens_q=[0, *itertools.accumulate(lens)],
+            query_lens=lens,
             context_lens=[0] * bucket,
             prefix_lens=[0] * bucket,
             page_tables=[[] for _ in range(bucket)],
@@ -562,7 +568,7 @@ class DecodeGraphs:
         sampled = None
         if self.samples:
             blocks = self.shape.max_segments(bucket)
-            rows = list(range(bucket * q))
+            rows = list(range(total))
             no_rows = [(0, 0, -1, -1)] * blocks
             sampled = SampledRows(rows, [blocks] * len(rows), [0] * blocks, [0] * (blocks + 1), no_rows)
         self._fill(step, bucket, sampled=sampled)

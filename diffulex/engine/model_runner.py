@@ -25,9 +25,11 @@ from diffulex.attention.layer import triton_supports_head_dim
 from diffulex.engine.continuation import BlockGates, BlockOpening, advance_inputs
 from diffulex.engine.cuda_graph import DecodeGraphs, GraphShape, SampledRows, graph_requests
 from diffulex.engine.prefill_graphs import (
+    GROUP_MAX_CONTEXT_KEYS,
     MIN_DECODERS_PER_SPLIT_PROMPT,
     PrefillGraphs,
     chunk_graph_shape,
+    group_prompts,
     has_straggling_context,
     straggler_graph_shape,
 )
@@ -67,8 +69,9 @@ class RunnerSettings:
 
 @dataclass
 class SplitStep:
-    """A step as the graphs run it: each request's store-only prefix with its prefill bucket's rows, replayed in
-    this order, then the rest of the batch (possibly no request) for the decode graphs (`ModelRunner.collect_split`)."""
+    """A step as the graphs run it: the store-only prefixes of its requests, alone or in groups, each part with its
+    prefill bucket's rows, replayed in this order, then the rest of the batch (possibly no request) for the decode
+    graphs (`ModelRunner.collect_split`)."""
 
     prefills: list[tuple[StepInputs, int]] = field(default_factory=list)
     rest: StepInputs = field(default_factory=StepInputs)
@@ -134,7 +137,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_logits_shift = 0  # 1 where the graphs' sampled rows predict the position after them
         self.short_graphs: DecodeGraphs | None = None  # narrower graphs for a strategy's short steps
-        self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, one request a replay
+        self.prefill_graphs: PrefillGraphs | None = None  # a step's store-only prompt rows, by request or group
         self.chunk_graphs: DecodeGraphs | None = None  # a short prompt chunk and the decoders in one forward
         self.straggler_graphs: DecodeGraphs | None = None  # decode steps among which one context stands out
         self._replayed: _ReplayedStep | None = None
@@ -790,32 +793,55 @@ class ModelRunner:
         return _with_rows(step, rows)
 
     def collect_split(self, batch: list[Request]) -> SplitStep | None:
-        """The batch as prefill graphs and decode graphs run it (`diffulex.engine.prefill_graphs`): each request's
-        store-only prefix as a step of its own, then the rest of every request as one step, where a request's rows
-        start at the end of its prefix (a shifted family recomputes the row before, storing it again nowhere), the
-        prefix then read from the cache. Without such prefixes the rest is `collect`'s step. None when a prefix
-        does not fit a prefill bucket, or the runner has no prefill graphs: the step runs unsplit."""
-        if self.prefill_graphs is None or self.settings.prefix_full:  # prompt rows that see the whole prompt
+        """The batch as prefill graphs and decode graphs run it (`diffulex.engine.prefill_graphs`): the requests'
+        store-only prefixes as steps of their own, one request's or a group's (`_prompt_groups`), then the rest of
+        every request as one step, where a request's rows start at the end of its prefix (a shifted family
+        recomputes the row before, storing it again nowhere), the prefix then read from the cache. Without such
+        prefixes the rest is `collect`'s step. None when a prefix does not fit a prefill bucket, or the runner has no
+        prefill graphs: the step runs unsplit."""
+        prefill = self.prefill_graphs
+        if prefill is None or self.settings.prefix_full:  # prompt rows that see the whole prompt
             return None
         split, page_size = SplitStep(), self.settings.page_size
         rest_rows = StepRows(page_size)
+        prefixes: list[tuple[Request, int, int]] = []  # (request, first row, end of its store-only prefix)
         for req in batch:
             start, end = req.query_range()
             prefix_end = req.store_only_end()
             if prefix_end is None or prefix_end <= start:
                 self._add_rows(split.rest, rest_rows, req, start, end, start, req.sample_targets())
                 continue
-            part, part_rows = StepInputs(), StepRows(page_size)
-            self._add_rows(part, part_rows, req, start, prefix_end, start, [])
-            rows = self.prefill_graphs.bucket_for(_with_rows(part, part_rows))
-            if rows is None:
+            if prefix_end - start > prefill.buckets[-1]:
                 return None
-            split.prefills.append((part, rows))
+            prefixes.append((req, start, prefix_end))
             if end > prefix_end:
                 rest_start = prefix_end - int(req.settings.logits_shift)
                 self._add_rows(split.rest, rest_rows, req, rest_start, end, prefix_end, req.sample_targets())
         _with_rows(split.rest, rest_rows)
+        for group in self._prompt_groups(prefixes):
+            part, part_rows = StepInputs(), StepRows(page_size)
+            for req, start, prefix_end in group:
+                self._add_rows(part, part_rows, req, start, prefix_end, start, [])
+            _with_rows(part, part_rows)
+            rows = prefill.bucket_for(part) if len(group) == 1 else prefill.group_bucket_for(part)
+            if rows is None:
+                return None
+            split.prefills.append((part, rows))
         return split
+
+    def _prompt_groups(self, prefixes: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
+        """The store-only prefixes of a step (request, first row, end) in the groups their prefill replays take
+        (`diffulex.engine.prefill_graphs.group_prompts`): a prefix after `GROUP_MAX_CONTEXT_KEYS` cached keys or
+        more replays alone, and so does one wider than the largest group bucket, in batch order after the groups."""
+        widest = self.prefill_graphs.group_buckets[-1]
+        fits = [start < GROUP_MAX_CONTEXT_KEYS and end - start <= widest for _, start, end in prefixes]
+        groupable = [prefix for prefix, ok in zip(prefixes, fits, strict=True) if ok]
+        alone = [[prefix] for prefix, ok in zip(prefixes, fits, strict=True) if not ok]
+        if len(groupable) < 2:
+            return [[prefix] for prefix in groupable] + alone
+        rows = [end - start for _, start, end in groupable]
+        groups = group_prompts(rows, self.prefill_graphs.group_buckets)
+        return [[groupable[i] for i in group] for group in groups] + alone
 
     def _add_rows(
         self,

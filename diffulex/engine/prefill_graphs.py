@@ -1,4 +1,4 @@
-"""CUDA graphs for a step's store-only prompt rows: one request per replay, buckets by row count.
+"""CUDA graphs for a step's store-only prompt rows: one request, or a group of prompts, per replay; buckets by rows.
 
 A step that carries a prompt (a new request's uncached prefix, a chunk of a long prompt, the committed blocks a
 preempted request rebuilds) has rows no decode graph can hold: a decode bucket bounds each request's rows by its
@@ -15,6 +15,13 @@ would read; a lone request's replay (below) reads the rows it samples from. Seve
 after another on the same stream, each staged from its own snapshot of the host buffer (`DecodeGraphs`
 ``snapshot_uploads``), before the step's decode graph; the graphs share the decode graphs' memory pool, since one
 stream runs them in turn.
+
+Several prompts in one step (the arrivals an admission step takes in, the first step of a batch) would each replay
+a bucket of their own, each reading every weight, and each padded to a power of two: the group graphs hold up to
+`MAX_PROMPTS_PER_GROUP` requests in a bucket of as many rows as a one-request bucket's prompt rows, shared however
+long each prompt is (`GraphShape.total_rows`), and `group_prompts` puts prompts together where the group's replay
+costs no more rows than theirs apart (measured on an H200 at SDAR-1.7B, the serving sweep's mix: a step admitting
+prompts beside 128 decoders 20.7 -> 17.1 ms; docs/benchmarks.md, "Prompts admitted together in one replay").
 
 A request alone needs no second forward for the few rows it samples from: the smallest bucket that holds its whole
 step replays over it and those rows are read from it (`ModelRunner._lone_prompt_plan`); a second forward would read
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -82,6 +90,19 @@ CHUNK_CONTEXT_IMBALANCE = 4
 # on an H200), and a step the host launches leaves the GPU idle for about 0.08 ms per request there (5 ms at 64
 # requests, 10 at 128: docs/benchmarks.md, "Online serving while the batch is held").
 MIN_DECODERS_PER_SPLIT_PROMPT = 10
+# Several prompts' store-only rows in one step replay a group bucket together (`group_prompts`), each group reading
+# every weight once: at most this many prompts a group (each a request slot of the group graphs' buffers; a slot
+# without rows costs a group's attention only programs that return at once).
+MAX_PROMPTS_PER_GROUP = 16
+# A prompt whose rows follow a cached context of this many keys or more replays alone: its attention fills the GPU
+# only with its keys split (the split settles on a graph's shape, and a group's grid, every prompt's query tiles,
+# counts as full), so in a group its keys would be folded by one program per query tile.
+GROUP_MAX_CONTEXT_KEYS = CHUNK_MIN_SPLIT_KEYS
+# What a replay of fewer rows costs as if it had this many: below it a forward's matmuls take less time than reading
+# its weights (a bf16 weight's two bytes serve two flops a row: the matmul rate over the copy rate, about 184 rows on
+# an H200 at its peaks; a 2,048-row prefill replay at SDAR-1.7B took 7.1 us a row on an H100, against 0.8-1.1 ms to
+# read its weights), so two short prompts cost one replay together and two alone.
+MIN_REPLAY_COST_ROWS = 128
 # The most prompt rows a step computes beside decoding requests, whatever the largest prefill bucket: each such step
 # makes the decoders wait for the chunk's forward (512, the largest bucket before lone prompts took larger ones; a
 # cost budget, `max_prefill_chunk_cost`, bounds the wait more tightly).
@@ -142,9 +163,45 @@ def prefill_buckets(max_rows: int, running_rows: int = 0) -> list[int]:
     return [rows + running_rows for rows in [*prompt_rows, max_rows]]
 
 
+def replay_cost(rows: int, buckets: Sequence[int]) -> int:
+    """The rows a prefill replay of ``rows`` rows computes (its bucket's, the smallest of ``buckets`` that holds
+    them), counted as `MIN_REPLAY_COST_ROWS` at least: what `group_prompts` weighs."""
+    bucket = next(b for b in buckets if b >= rows)
+    return max(bucket, MIN_REPLAY_COST_ROWS)
+
+
+def group_prompts(rows: Sequence[int], buckets: Sequence[int], max_prompts: int = MAX_PROMPTS_PER_GROUP) -> list[
+    list[int]
+]:
+    """The prompts of a step, by their store-only rows ``rows`` (each at most the largest of ``buckets``), in
+    groups that each replay one prefill graph (their indices, in order): the longest first, each prompt joins the
+    first group whose replay it makes no more costly than a replay of its own would be (`replay_cost`: a larger
+    bucket for the group, or none, against its own bucket and weight read), else starts a group."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for index in sorted(range(len(rows)), key=lambda i: -rows[i]):
+        own = replay_cost(rows[index], buckets)
+        for g, total in enumerate(totals):
+            joined = total + rows[index]
+            if (
+                len(groups[g]) < max_prompts
+                and joined <= buckets[-1]
+                and replay_cost(joined, buckets) <= replay_cost(total, buckets) + own
+            ):
+                groups[g].append(index)
+                totals[g] = joined
+                break
+        else:
+            groups.append([index])
+            totals.append(rows[index])
+    return [sorted(group) for group in groups]
+
+
 class PrefillGraphs:
     """One single-request graph set per row bucket, for the store-only prefix of one request at a time, or a lone
-    request's whole step (`prefill_buckets`: ``max_rows`` prompt rows and ``running_rows`` more at most).
+    request's whole step (`prefill_buckets`: ``max_rows`` prompt rows and ``running_rows`` more at most); and one
+    group graph set per row bucket (``max_rows`` at most, no running set), whose replay stores the store-only
+    prefixes of up to `MAX_PROMPTS_PER_GROUP` prompts at once (`group_prompts`).
 
     With ``capture=False`` (no CUDA) the padded buffers run through the eager forward, as `DecodeGraphs` does.
     """
@@ -183,6 +240,27 @@ class PrefillGraphs:
             )
             for rows in self.buckets
         }
+        self.group_buckets = prefill_buckets(max_rows)
+        self.group_graphs = {
+            rows: DecodeGraphs(
+                GraphShape(
+                    max_requests=MAX_PROMPTS_PER_GROUP,
+                    max_query_len=rows,
+                    max_pages=max_pages,
+                    max_kv_len=max_kv_len,
+                    block_size=block_size,
+                    page_size=page_size,
+                    prefix_full=False,
+                    total_rows=rows,
+                ),
+                forward,
+                device,
+                capture,
+                snapshot_uploads=True,
+                buckets=[MAX_PROMPTS_PER_GROUP],
+            )
+            for rows in self.group_buckets
+        }
 
     def bucket_for(self, part: StepInputs) -> int | None:
         """The rows of the smallest bucket that holds one request's store-only rows, or None (the step is eager)."""
@@ -190,28 +268,45 @@ class PrefillGraphs:
             return None
         return next((rows for rows in self.buckets if rows >= part.num_tokens), None)
 
+    def group_bucket_for(self, part: StepInputs) -> int | None:
+        """The rows of the smallest group bucket that holds several requests' store-only rows, or None."""
+        if not 1 < part.num_requests <= MAX_PROMPTS_PER_GROUP or part.max_pages > self.max_pages or part.soft_rows:
+            return None
+        return next((rows for rows in self.group_buckets if rows >= part.num_tokens), None)
+
     def run(self, part: StepInputs, rows: int) -> torch.Tensor:
-        """Queue the bucket's forward over ``part`` (its K/V stored into the cache); returns its padded hidden
-        states, which nothing reads but an event may follow."""
-        hidden, _ = self.graphs[rows].run(part, 1)
+        """Queue the bucket's forward over ``part`` (its K/V stored into the cache; a group bucket's where it holds
+        several requests); returns its padded hidden states, which nothing reads but an event may follow."""
+        if part.num_requests == 1:
+            hidden, _ = self.graphs[rows].run(part, 1)
+        else:
+            hidden, _ = self.group_graphs[rows].run(part, MAX_PROMPTS_PER_GROUP)
         return hidden
+
+    def _all(self) -> list[DecodeGraphs]:
+        """Every graph set, the one of the most rows first (the order of capture: a later one reuses the memory the
+        larger ones' captures freed)."""
+        every = [*self.graphs.values(), *self.group_graphs.values()]
+        return sorted(every, key=lambda graphs: -graphs.shape.max_tokens)
 
     @property
     def num_replays(self) -> int:
         """Replays of captured graphs so far (`ModelRunner.graph_replays`)."""
-        return sum(graphs.num_replays for graphs in self.graphs.values())
+        return sum(graphs.num_replays for graphs in self._all())
 
     def warm_up(self) -> None:
         """Run every bucket's forward once on its placeholder batch, as `capture` does first (a build's dry pass runs
         this alone: `diffulex.kernels.parallel_compile`)."""
-        for rows in reversed(self.buckets):
-            self.graphs[rows].warm_up()
+        for graphs in self._all():
+            graphs.warm_up()
 
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into ``pool`` (the decode graphs', where there are some)."""
-        for rows in reversed(self.buckets):
-            graphs = self.graphs[rows]
+        for graphs in self._all():
             graphs.capture(pool=pool, log=False)
             pool = graphs.pool if graphs.pool is not None else pool
-        if any(graphs.pool is not None for graphs in self.graphs.values()):
-            logger.info("captured %d prefill CUDA graphs (rows %s, one request each)", len(self.buckets), self.buckets)
+        if any(graphs.pool is not None for graphs in self._all()):
+            logger.info(
+                "captured %d prefill CUDA graphs (rows %s, one request each; rows %s, up to %d prompts each)",
+                len(self.buckets) + len(self.group_buckets), self.buckets, self.group_buckets, MAX_PROMPTS_PER_GROUP,
+            )

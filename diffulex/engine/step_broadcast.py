@@ -46,8 +46,8 @@ class StepMessage:
     # GRAPH, CONTINUATION: which of the runner's decode-shaped graph sets the step replays
     # (`diffulex.engine.model_runner.GRAPH_SETS`: the decode graphs, the short, chunk or straggler graphs)
     graph_set: str = "decode"
-    # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each a one-request
-    # step and its bucket's rows, in order; with ``bucket`` None they are the whole step
+    # GRAPH: the prefill graph replays before the decode graph's (`diffulex.engine.prefill_graphs`), each the step of
+    # one request or a group of prompts and its bucket's rows, in order; with ``bucket`` None they are the whole step
     prefills: tuple[tuple[StepInputs, int], ...] = ()
     # RUNNER: what the strategy's runner tells its workers (its own message type, which its `follow_step` reads)
     payload: object = None

@@ -103,7 +103,7 @@ def test_the_graph_rehearsal_records_every_bucket_forward_and_keeps_no_graph(pea
                 runner.straggler_graphs) == kept  # fmt: skip
         rows = policy.max_rows_per_request
         decode = [bucket * rows for bucket in reversed(request_buckets(config.max_num_reqs))]
-        prefill = list(reversed(prefill_buckets(40, rows)))
+        prefill = sorted(prefill_buckets(40, rows) + prefill_buckets(40), reverse=True)  # one-request and group sets
         chunk_rows = rows + CHUNK_EXTRA_ROWS_PER_REQUEST
         chunk = [bucket * chunk_rows for bucket in reversed(request_buckets(config.max_num_reqs))]
         expected = list(dict.fromkeys(decode + prefill + chunk))  # a row count two sets run is one variant

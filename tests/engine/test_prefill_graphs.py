@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from diffulex import SamplingParams
-from diffulex.engine.prefill_graphs import MIN_DECODERS_PER_SPLIT_PROMPT, prefill_buckets
+from diffulex.engine.prefill_graphs import (
+    GROUP_MAX_CONTEXT_KEYS,
+    MAX_PROMPTS_PER_GROUP,
+    MIN_DECODERS_PER_SPLIT_PROMPT,
+    MIN_REPLAY_COST_ROWS,
+    group_prompts,
+    prefill_buckets,
+)
 from diffulex.engine.step_inputs import StepInputs
 from diffulex.testing.arrivals import serve_arrivals
 from tests.engine.test_engine_matches_reference import make_engine, random_prompts, shifted_sdar_family
@@ -130,6 +137,73 @@ def test_each_prefill_bucket_also_holds_a_running_set() -> None:
     assert prefill_buckets(2048, 4) == [20, 36, 68, 132, 260, 516, 1028, 2052]
     assert prefill_buckets(100, 9) == [25, 41, 73, 109]
 
+
+BUCKETS = prefill_buckets(2048)
+
+
+def test_prompts_join_a_group_where_its_replay_costs_no_more_than_their_own() -> None:
+    """Longest first: 200 beside 350 would take the group from 512 rows to 1,024 (more than its own 256), so it
+    starts a group; the other 200 joins it (512 rows, no more than 256 + 256); 100 and 40 fit the first group's
+    512 rows."""
+    groups = group_prompts([40, 350, 200, 200, 100], BUCKETS)
+    assert sorted(groups) == [[0, 1, 4], [2, 3]]
+
+
+def test_short_prompts_share_a_replay_that_costs_what_one_weight_read_does() -> None:
+    assert MIN_REPLAY_COST_ROWS >= 64
+    assert group_prompts([20, 30, 40], BUCKETS) == [[0, 1, 2]], "one bucket of 128 rows for three short prompts"
+
+
+def test_a_group_holds_at_most_the_largest_bucket_and_the_most_prompts_a_group_graph_holds() -> None:
+    assert sorted(group_prompts([1500, 1000], BUCKETS)) == [[0], [1]], "2,500 rows fit no bucket"
+    many = group_prompts([4] * (MAX_PROMPTS_PER_GROUP + 1), BUCKETS)
+    assert sorted(len(group) for group in many) == [1, MAX_PROMPTS_PER_GROUP]
+
+
+def test_prompts_admitted_together_store_their_prefixes_in_one_group_replay_with_the_eager_tokens(
+    peaky_sdar_dir: Path,
+) -> None:
+    """Five prompts at once: their store-only rows (whole blocks of each) replay one group graph, every weight
+    read once, and the tokens are the eager engine's."""
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    lengths = [9, 14, 21, 26, 17]
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        prompts = random_prompts(eager, lengths, seed=46)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.runner.eager_steps == 0
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
+    first = replays.prefills[0]
+    assert first.num_requests == len(lengths), "every prompt's prefix in the step's one prefill replay"
+    assert len(replays.prefills) == 1, "no other prefill replay"
+
+
+def test_a_prompt_after_a_long_cached_context_replays_alone_beside_a_group(peaky_sdar_dir: Path) -> None:
+    """A prefix-cache hit of `GROUP_MAX_CONTEXT_KEYS` cached keys or more keeps a prefill replay of its own (its
+    attention's keys split there), while the short prompts admitted with it share one."""
+    fields = dict(buffer_size=1, accept_threshold=0.7, max_num_reqs=8, max_model_len=GROUP_MAX_CONTEXT_KEYS + 96,
+                  max_num_batched_tokens=2 * GROUP_MAX_CONTEXT_KEYS, enable_prefix_caching=True)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def serve(llm) -> list[list[int]]:
+        long, short_a, short_b, tail = random_prompts(llm, [GROUP_MAX_CONTEXT_KEYS + 8, 10, 13, 9], seed=47)
+        first = llm.generate([long], params, use_tqdm=False).trajectories[0].token_ids
+        later = [long + tail, short_a, short_b]
+        return [first] + [t.token_ids for t in llm.generate(later, params, use_tqdm=False).trajectories]
+
+    with make_engine(peaky_sdar_dir, **fields) as eager:
+        expected = serve(eager)
+    with static_engine(peaky_sdar_dir, **fields) as llm:
+        replays = record_replays(llm)
+        got = serve(llm)
+    assert got == expected
+    hit = [part for part in replays.prefills if part.context_lens[0] >= GROUP_MAX_CONTEXT_KEYS]
+    assert len(hit) == 1 and hit[0].num_requests == 1, "the tail after the long cached context alone"
+    grouped = [part for part in replays.prefills if part.num_requests == 2]
+    assert len(grouped) == 1 and grouped[0].context_lens == [0, 0], "the two short prompts together"
 
 
 @pytest.mark.parametrize("shifted", [False, True], ids=["sdar", "shifted"])
@@ -364,9 +438,13 @@ def test_a_prefix_cache_hit_replays_its_uncached_tail_in_a_prefill_graph(peaky_s
         follow_up = run.prompts[2]
         assert run.got == run.expected, model_name
         assert run.eager_steps == 0, model_name
-        tails = [part for part in run.replays.prefills if part.prefix_lens == [len(follow_up)]]
-        assert len(tails) == 1 and tails[0].context_lens[0] > 0, f"{model_name}: the tail read the cached prefix"
-        assert tails[0].positions[0] == tails[0].context_lens[0] >= 16 - int(model_name == family.name)
+        tails = [(part, i) for part in run.replays.prefills for i, n in enumerate(part.prefix_lens)
+                 if n == len(follow_up)]  # fmt: skip
+        assert len(tails) == 1, f"{model_name}: the tail replayed once"
+        part, i = tails[0]
+        assert part.context_lens[i] > 0, f"{model_name}: the tail read the cached prefix"
+        first_row = part.positions[part.cu_seqlens_q[i]]
+        assert first_row == part.context_lens[i] >= 16 - int(model_name == family.name)
 
 
 def test_a_preempted_request_rebuilds_its_committed_blocks_in_a_prefill_graph(peaky_sdar_dir: Path) -> None:
@@ -419,6 +497,24 @@ def test_captured_prefill_graphs_replay_with_the_eager_tokens(peaky_sdar_dir: Pa
         assert prompt_replays >= len(lengths), "every prompt's rows replayed a captured prefill or chunk graph"
         assert runner.prefill_replays >= 1, "the prompt wider than the chunk graphs replayed a prefill graph"
     assert got == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs need a GPU")
+def test_captured_group_graphs_store_prompts_admitted_together_with_the_eager_tokens(peaky_sdar_dir: Path) -> None:
+    fields = dict(buffer_size=2, accept_threshold=0.7, max_num_reqs=8, max_model_len=320, dtype="float32",
+                  device_start=0)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    lengths = [9, 14, 21, 26, 17, 90]  # the longest is wider than the chunk graphs: the step splits
+    with make_engine(peaky_sdar_dir, enforce_eager=True, **fields) as eager:
+        prompts = random_prompts(eager, lengths, seed=48)
+        expected = eager.generate(prompts, params, use_tqdm=False)
+    with make_engine(peaky_sdar_dir, **fields) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.runner
+        assert runner.eager_steps == 0
+        group_replays = sum(graphs.num_replays for graphs in runner.prefill_graphs.group_graphs.values())
+        assert group_replays == 1, "the six prompts' prefixes in one captured group replay"
+    assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in expected.trajectories]
 
 
 def test_a_prompt_longer_than_the_largest_prefill_graph_runs_its_step_eagerly(peaky_sdar_dir: Path) -> None:
