@@ -13,8 +13,9 @@ slot is taken and a request waits, it prints the mean step time (the wall time o
 by the kind of the step each call applied: continued on the device, or launched by the host, by reason
 (`diffulex.engine.continuation.ContinuationRefusal`, counted by the call before, which launched it). A call's wall
 time is the wait for the step it applies and the host's work after it, which includes planning the next step where
-the host launches that one: a continued step followed by a step of the host's is dearer than one followed by
-another continuation.
+the host launches that one, so a call that does is counted apart (``..., then the host's``); ``host`` is the call's
+time less its wait for the device's result (`EngineLoad.device_wait_s`): the host's work, overlapping the device's
+step where one is in flight, else leaving the device idle (planning a step of its own after the result).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
     if not staggered:
         while pending:
             engine.add_request(*pending.popleft())
-    by_kind: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+    by_kind: dict[str, list[tuple[float, int, float]]] = collections.defaultdict(list)  # (ms, tokens, host ms)
     before = engine.load()
     launched_as = "other"  # why the step the next call applies was launched by the host (counted by this call)
     while pending or not engine.is_finished():
@@ -56,17 +57,21 @@ def run(engine, specs, slots: int, staggered: bool) -> dict:
         # the step this call applied: a continuation, or one the host launched in the call before, for the reason
         # counted there (a call refuses to continue the step in flight, applies it, then launches the next itself)
         kind = "continued" if after.continued_steps > before.continued_steps else launched_as
-        launched_as = next(iter(refused_continuations(before, after)), "other")
+        refused = next(iter(refused_continuations(before, after)), None)
+        launched_as = refused or "other"
+        host_ms = ms - 1e3 * (after.device_wait_s - before.device_wait_s)  # the call's time not waiting for results
         if after.running >= slots and after.waiting > 0:
-            by_kind[kind].append((ms, tokens))
+            by_kind[kind if refused is None else f"{kind}, then the host's"].append((ms, tokens, host_ms))
         before = after
     steps = [s for rows in by_kind.values() for s in rows]
     return {
         "staggered": staggered, "steps_holding_the_batch": len(steps),
-        "ms_per_step": statistics.fmean(ms for ms, _ in steps) if steps else None,
-        "tokens_per_step": statistics.fmean(t for _, t in steps) if steps else None,
-        "by_kind": {kind: {"steps": len(rows), "ms_mean": statistics.fmean(ms for ms, _ in rows),
-                           "ms_p50": statistics.median(ms for ms, _ in rows)}
+        "ms_per_step": statistics.fmean(ms for ms, _, _ in steps) if steps else None,
+        "tokens_per_step": statistics.fmean(t for _, t, _ in steps) if steps else None,
+        "host_ms_per_step": statistics.fmean(h for _, _, h in steps) if steps else None,
+        "by_kind": {kind: {"steps": len(rows), "ms_mean": statistics.fmean(ms for ms, _, _ in rows),
+                           "ms_p50": statistics.median(ms for ms, _, _ in rows),
+                           "host_ms_mean": statistics.fmean(h for _, _, h in rows)}
                     for kind, rows in sorted(by_kind.items())},
     }
 
@@ -91,10 +96,12 @@ def main() -> None:
                     specs = request_mix(shape, REQUESTS_PER_SLOT * slots, seed=slots)
                     row = {"slots": slots, **run(engine, specs, slots, staggered)}
                     results.append(row)
-                    kinds = ", ".join(f"{k} {v['steps']} x {v['ms_mean']:.2f} ms" for k, v in row["by_kind"].items())
+                    kinds = ", ".join(f"{k} {v['steps']} x {v['ms_mean']:.2f} ms (host {v['host_ms_mean']:.2f})"
+                                      for k, v in row["by_kind"].items())
                     print(f"{slots} slots, {'staggered' if staggered else 'together'}: holding the batch "
-                          f"{row['steps_holding_the_batch']} steps, {row['ms_per_step']:.2f} ms and "
-                          f"{row['tokens_per_step']:.1f} tokens each; {kinds}", flush=True)
+                          f"{row['steps_holding_the_batch']} steps, {row['ms_per_step']:.2f} ms (host "
+                          f"{row['host_ms_per_step']:.2f}) and {row['tokens_per_step']:.1f} tokens each; {kinds}",
+                          flush=True)
             finally:
                 engine.exit()
     if args.json:

@@ -94,8 +94,10 @@ def refused_continuations(before: Any, after: Any) -> dict[str, int]:
 
 def continuation_counts(run: str, before: Any, after: Any) -> dict[str, Any]:
     """What the engine's steps between two `EngineLoad` readings were, under ``run``'s keys: how many, how many
-    continuations it dropped, the share it continued and the others by reason."""
+    continuations it dropped, the share it continued and the others by reason, and the seconds it waited for the
+    device's results (the rest of the span its host worked)."""
     return {f"{run}_steps": after.steps - before.steps,
+            f"{run}_device_wait_s": after.device_wait_s - before.device_wait_s,
             f"{run}_dropped_continuations": after.dropped_continuations - before.dropped_continuations,
             f"{run}_continued_share": continued_share(before, after),
             f"{run}_refused_continuations": refused_continuations(before, after)}

@@ -105,6 +105,7 @@ class DiffulexEngine:
         self.num_continuations = 0  # steps launched before their predecessor's result (statistics)
         self.num_dropped_continuations = 0  # of those, steps the host found it would not have launched
         self.num_continued_steps = 0  # applied steps that were continuations (not dropped, some request left)
+        self.device_wait_s = 0.0  # seconds `_apply` waited for the device's results (`EngineLoad.device_wait_s`)
         self.num_opened_blocks = 0  # blocks a continuation opened on the device (statistics)
         # steps the host launched itself although continuations are on, by reason (statistics)
         self.refused_continuations: Counter[ContinuationRefusal] = Counter()
@@ -463,7 +464,9 @@ class DiffulexEngine:
 
         A request aborted while its step was in flight is skipped: nothing of that step is applied to it.
         """
+        waited_from = time.perf_counter()
         writes = launched.pending.writes if launched.result_known else launched.pending.result()
+        self.device_wait_s += time.perf_counter() - waited_from
         applied = _AppliedStep(self._num_steps, time.perf_counter() - launched.started)
         self.num_continued_steps += launched.continuation
         for req, view in zip(launched.batch, launched.views, strict=True):
@@ -579,7 +582,8 @@ class DiffulexEngine:
                           steps=self._num_steps,
                           continued_steps=self.num_continued_steps,
                           refused_continuations={str(k): v for k, v in self.refused_continuations.items()},
-                          dropped_continuations=self.num_dropped_continuations)
+                          dropped_continuations=self.num_dropped_continuations,
+                          device_wait_s=self.device_wait_s)
 
     # ----- lifetime ------------------------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ class EngineLoad:
     refused_continuations: Mapping[str, int] = field(default_factory=dict)
     # continuations the host found it would not have launched: computed on the device, never applied
     dropped_continuations: int = 0
+    # seconds the host waited for the device's step results; the rest of its time it worked (scheduling, collecting a
+    # step's inputs, applying results) while the device ran or idled: against the wall time, how device-bound it is
+    device_wait_s: float = 0.0
 
     @classmethod
     def total(cls, replicas: list[EngineLoad]) -> EngineLoad:
@@ -35,5 +38,5 @@ class EngineLoad:
             sum(r.running for r in alive), sum(r.waiting for r in alive), sum(r.kv_pages_used for r in alive),
             sum(r.kv_pages_total for r in alive), bool(alive), tuple(replicas),
             sum(r.steps for r in replicas), sum(r.continued_steps for r in replicas), dict(refused),
-            sum(r.dropped_continuations for r in replicas),
+            sum(r.dropped_continuations for r in replicas), sum(r.device_wait_s for r in replicas),
         )  # fmt: skip

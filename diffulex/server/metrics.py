@@ -60,6 +60,7 @@ class ServerMetrics:
         self.engine_steps = 0
         self.continued_steps = 0  # of the engine's steps, continued on the device (as the engine counts them)
         self.dropped_continuations = 0  # continuations computed and never applied (the host's step differed)
+        self.device_wait_s = 0.0  # seconds the engine waited for the device's step results
         self.refused_continuations: dict[str, int] = {}  # the steps the host launched itself, by reason
         self.decoded_tokens = 0  # mask positions filled, summed over steps
         self.request_forwards = 0  # sum over steps of the batch size: one forward per scheduled request
@@ -93,6 +94,7 @@ class ServerMetrics:
             self.replicas = load.replicas
             self.continued_steps = load.continued_steps
             self.dropped_continuations = load.dropped_continuations
+            self.device_wait_s = load.device_wait_s
             self.refused_continuations = dict(load.refused_continuations)
 
     def observe_admitted(self, prompt_tokens: int) -> None:
@@ -175,6 +177,9 @@ class ServerMetrics:
                    "before the step before them was read, their host work overlapping the GPU's.", self.continued_steps)
             scalar("diffulex_dropped_continuations_total", "counter", "Steps continued on the device that the host "
                    "then found it would not have launched: computed, never applied.", self.dropped_continuations)
+            scalar("diffulex_device_wait_seconds_total", "counter", "Seconds the engine waited for the device's step "
+                   "results; against the wall time, how much of it the device bounds (the rest is host work).",
+                   self.device_wait_s)
             labelled("diffulex_continuation_refusals_total", "counter", "Engine steps launched by the host although "
                      "continuations are on, by why the device could not continue the step before.", "reason",
                      self.refused_continuations)

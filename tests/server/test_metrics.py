@@ -54,3 +54,12 @@ def test_continuations_computed_and_never_applied_are_exported() -> None:
     metrics.set_state(EngineLoad.total([EngineLoad(1, 0, 2, 8, dropped_continuations=2),
                                         EngineLoad(1, 0, 2, 8, dropped_continuations=3)]))
     assert _value(metrics.render(), "diffulex_dropped_continuations_total") == 5
+
+
+def test_the_seconds_the_replicas_waited_for_their_devices_add_up_and_are_exported() -> None:
+    metrics = ServerMetrics("m")
+    metrics.set_state(EngineLoad.total([EngineLoad(1, 0, 2, 8, device_wait_s=1.25),
+                                        EngineLoad(1, 0, 2, 8, device_wait_s=0.5)]))
+    text = metrics.render()
+    assert "# TYPE diffulex_device_wait_seconds_total counter" in text
+    assert _value(text, "diffulex_device_wait_seconds_total") == 1.75
