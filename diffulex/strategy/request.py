@@ -374,20 +374,32 @@ class Request:
         return runs
 
     def sample_targets(self) -> list[SampleTarget]:
+        """The running blocks' masked positions to sample, block by block, each block forcing its best row where the
+        block before it is decoded far enough (``semi_complete_threshold``, its `progress`). The masks of a running
+        block are counted once here, for its own positions and as the `remaining` of the block after it: the engine
+        asks this of every request several times a step."""
         if self.prefill_chunk_end is not None:
             return []
         targets = []
-        lo_gen, limit, mask = self.prompt_len, self.decode_limit, self.settings.mask_token_id
+        lo_gen, limit, mask, token_ids = self.prompt_len, self.decode_limit, self.settings.mask_token_id, self.token_ids
+        threshold = self.settings.semi_complete_threshold
+        counted: Block | None = None  # the last running block whose masks were counted, and their number
+        counted_masks = 0
         for block in self.running:
             if block.status is not BlockStatus.ACTIVE:
                 continue
             lo, hi = max(block.start, lo_gen), min(block.end, limit)
-            positions = [p for p in range(lo, hi) if self.token_ids[p] == mask]
-            if not positions:
-                continue
-            prev = self.blocks[block.index - 1] if block.index > 0 else None
-            force = prev is None or self.progress(prev) >= self.settings.semi_complete_threshold
-            targets.append(SampleTarget(block, positions, force))
+            positions = [p for p in range(lo, hi) if token_ids[p] == mask]
+            index = block.index
+            if positions:
+                if index == 0:
+                    force = True
+                elif counted is not None and counted.index == index - 1:
+                    force = (counted.size - counted_masks) / counted.size >= threshold
+                else:
+                    force = self.progress(self.blocks[index - 1]) >= threshold
+                targets.append(SampleTarget(block, positions, force))
+            counted, counted_masks = block, len(positions)
         return targets
 
     def soft_inputs(self) -> dict[int, SoftInput]:
