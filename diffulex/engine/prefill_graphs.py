@@ -170,9 +170,9 @@ def replay_cost(rows: int, buckets: Sequence[int]) -> int:
     return max(bucket, MIN_REPLAY_COST_ROWS)
 
 
-def group_prompts(rows: Sequence[int], buckets: Sequence[int], max_prompts: int = MAX_PROMPTS_PER_GROUP) -> list[
-    list[int]
-]:
+def group_prompts(
+    rows: Sequence[int], buckets: Sequence[int], max_prompts: int = MAX_PROMPTS_PER_GROUP
+) -> list[list[int]]:
     """The prompts of a step, by their store-only rows ``rows`` (each at most the largest of ``buckets``), in
     groups that each replay one prefill graph (their indices, in order): the longest first, each prompt joins the
     first group whose replay it makes no more costly than a replay of its own would be (`replay_cost`: a larger
