@@ -811,8 +811,6 @@ class ModelRunner:
             if prefix_end is None or prefix_end <= start:
                 self._add_rows(split.rest, rest_rows, req, start, end, start, req.sample_targets())
                 continue
-            if prefix_end - start > prefill.buckets[-1]:
-                return None
             prefixes.append((req, start, prefix_end))
             if end > prefix_end:
                 rest_start = prefix_end - int(req.settings.logits_shift)
@@ -823,7 +821,7 @@ class ModelRunner:
             for req, start, prefix_end in group:
                 self._add_rows(part, part_rows, req, start, prefix_end, start, [])
             _with_rows(part, part_rows)
-            rows = prefill.bucket_for(part) if len(group) == 1 else prefill.group_bucket_for(part)
+            rows = prefill.bucket_for(part)
             if rows is None:
                 return None
             split.prefills.append((part, rows))
@@ -837,8 +835,6 @@ class ModelRunner:
         fits = [start < GROUP_MAX_CONTEXT_KEYS and end - start <= widest for _, start, end in prefixes]
         groupable = [prefix for prefix, ok in zip(prefixes, fits, strict=True) if ok]
         alone = [[prefix] for prefix, ok in zip(prefixes, fits, strict=True) if not ok]
-        if len(groupable) < 2:
-            return [[prefix] for prefix in groupable] + alone
         rows = [end - start for _, start, end in groupable]
         groups = group_prompts(rows, self.prefill_graphs.group_buckets)
         return [[groupable[i] for i in group] for group in groups] + alone

@@ -221,66 +221,46 @@ class PrefillGraphs:
         if max_rows < 1:
             raise ValueError(f"prefill graphs need at least one row, got max_rows={max_rows}")
         self.max_pages = max_pages
+
+        def graphs_of(rows: int, requests: int) -> DecodeGraphs:
+            """One bucket of ``rows`` rows that ``requests`` requests or fewer share however long each is."""
+            shape = GraphShape(
+                max_requests=requests,
+                max_query_len=rows,
+                max_pages=max_pages,
+                max_kv_len=max_kv_len,
+                block_size=block_size,
+                page_size=page_size,
+                prefix_full=False,  # only block-causal rows are split off (`Request.store_only_end`)
+                total_rows=rows,
+            )
+            return DecodeGraphs(shape, forward, device, capture, snapshot_uploads=True, buckets=[requests])
+
         self.buckets = prefill_buckets(max_rows, running_rows)
-        self.graphs = {
-            rows: DecodeGraphs(
-                GraphShape(
-                    max_requests=1,
-                    max_query_len=rows,
-                    max_pages=max_pages,
-                    max_kv_len=max_kv_len,
-                    block_size=block_size,
-                    page_size=page_size,
-                    prefix_full=False,  # only block-causal rows are split off (`Request.store_only_end`)
-                ),
-                forward,
-                device,
-                capture,
-                snapshot_uploads=True,
-            )
-            for rows in self.buckets
-        }
+        self.graphs = {rows: graphs_of(rows, 1) for rows in self.buckets}
         self.group_buckets = prefill_buckets(max_rows)
-        self.group_graphs = {
-            rows: DecodeGraphs(
-                GraphShape(
-                    max_requests=MAX_PROMPTS_PER_GROUP,
-                    max_query_len=rows,
-                    max_pages=max_pages,
-                    max_kv_len=max_kv_len,
-                    block_size=block_size,
-                    page_size=page_size,
-                    prefix_full=False,
-                    total_rows=rows,
-                ),
-                forward,
-                device,
-                capture,
-                snapshot_uploads=True,
-                buckets=[MAX_PROMPTS_PER_GROUP],
-            )
-            for rows in self.group_buckets
-        }
+        self.group_graphs = {rows: graphs_of(rows, MAX_PROMPTS_PER_GROUP) for rows in self.group_buckets}
+
+    def _set_for(self, part: StepInputs) -> tuple[list[int], dict[int, DecodeGraphs], int]:
+        """The buckets, graphs and request count of the set that runs ``part``: the one-request graphs for one
+        request, the group graphs for several."""
+        if part.num_requests == 1:
+            return self.buckets, self.graphs, 1
+        return self.group_buckets, self.group_graphs, MAX_PROMPTS_PER_GROUP
 
     def bucket_for(self, part: StepInputs) -> int | None:
-        """The rows of the smallest bucket that holds one request's store-only rows, or None (the step is eager)."""
-        if part.num_requests != 1 or part.max_pages > self.max_pages or part.soft_rows:
+        """The rows of the smallest bucket that holds the store-only rows of ``part``'s request, or of its group of
+        requests, or None (the step is eager)."""
+        if not 0 < part.num_requests <= MAX_PROMPTS_PER_GROUP or part.max_pages > self.max_pages or part.soft_rows:
             return None
-        return next((rows for rows in self.buckets if rows >= part.num_tokens), None)
-
-    def group_bucket_for(self, part: StepInputs) -> int | None:
-        """The rows of the smallest group bucket that holds several requests' store-only rows, or None."""
-        if not 1 < part.num_requests <= MAX_PROMPTS_PER_GROUP or part.max_pages > self.max_pages or part.soft_rows:
-            return None
-        return next((rows for rows in self.group_buckets if rows >= part.num_tokens), None)
+        buckets, _, _ = self._set_for(part)
+        return next((rows for rows in buckets if rows >= part.num_tokens), None)
 
     def run(self, part: StepInputs, rows: int) -> torch.Tensor:
-        """Queue the bucket's forward over ``part`` (its K/V stored into the cache; a group bucket's where it holds
-        several requests); returns its padded hidden states, which nothing reads but an event may follow."""
-        if part.num_requests == 1:
-            hidden, _ = self.graphs[rows].run(part, 1)
-        else:
-            hidden, _ = self.group_graphs[rows].run(part, MAX_PROMPTS_PER_GROUP)
+        """Queue the bucket's forward over ``part`` (its K/V stored into the cache); returns its padded hidden
+        states, which nothing reads but an event may follow."""
+        _, graphs, requests = self._set_for(part)
+        hidden, _ = graphs[rows].run(part, requests)
         return hidden
 
     def _all(self) -> list[DecodeGraphs]:
